@@ -1,0 +1,72 @@
+"""safetensors files written atomically: a reader sees the old file or the new one, never half."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as _serialize
+
+from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+
+
+def save_tensors(
+    path: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write `tensors` (+ string metadata) to `path`; returns the file size in bytes.
+
+    Temp file in the same directory, fsync, os.replace, then fsync of the directory, so a
+    crash leaves either the previous file or the complete new one and no temp file behind
+    on success. Tensors sharing storage (tied weights) are copied, as safetensors requires.
+    """
+    metadata = dict(metadata or {})
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise EngineUserError(
+                f"checkpoint metadata {k!r}: keys and values must be str, got {type(v).__name__}"
+            )
+    seen: set[int] = set()
+    plain: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel() > 0:
+            t = t.clone()
+        seen.add(ptr)
+        plain[name] = t
+    blob = _serialize(plain, metadata=metadata)
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return len(blob)
+
+
+def load_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file → (tensors, metadata). Missing file → EngineNotFoundError."""
+    p = Path(path)
+    if not p.is_file():
+        raise EngineNotFoundError(f"checkpoint file not found: {p}")
+    with safe_open(str(p), framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    return load_file(str(p)), metadata

@@ -1,0 +1,500 @@
+"""Decoder-only transformer of the Llama / Qwen3 family, in one file.
+
+RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention through
+`F.scaled_dot_product_attention`, SwiGLU feed-forward, optional tied embeddings and optional
+per-head q/k RMSNorm (Qwen3). Submodules carry Hugging Face names, so a real checkpoint's
+state dict loads by name (`load_pretrained`).
+
+Two call shapes:
+- training / scoring: `model(tokens[B, T], attn_mask=valid[B, T])` on a right-padded batch;
+- generation: `model(tokens, start_pos=p, cache=kv)` with a `KVCache` allocated once per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # Qwen3 sets the head width independently of dim / n_heads; None means dim // n_heads.
+    explicit_head_dim: int | None = None
+    attention_bias: bool = False
+    # Llama 3.x "llama3" RoPE scaling as sorted (key, value) pairs; None = plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads != 0:
+            raise EngineUserError(
+                f"model config {self.name!r}: n_heads={self.n_heads} must be a multiple of "
+                f"n_kv_heads={self.n_kv_heads}"
+            )
+        if self.explicit_head_dim is None and self.dim % self.n_heads != 0:
+            raise EngineUserError(
+                f"model config {self.name!r}: dim={self.dim} must be divisible by "
+                f"n_heads={self.n_heads} (or set explicit_head_dim)"
+            )
+
+
+# Both built-ins use the byte tokenizer (tinker_sr.engine.tokenizer.ByteTokenizer):
+# 256 byte ids + <|bos|>=256, <|eos|>=257, <|pad|>=258.
+_BYTE_SPECIALS = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    # ~140k parameters: a whole RL step is milliseconds on a CPU.
+    "tinker-sr/tiny": ModelConfig(
+        name="tinker-sr/tiny",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=256,
+        max_seq_len=512,
+        tie_embeddings=True,
+        **_BYTE_SPECIALS,
+    ),
+    # ~24M parameters, Qwen3-shaped (q/k norm, GQA, tied embeddings).
+    "tinker-sr/small": ModelConfig(
+        name="tinker-sr/small",
+        dim=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=1408,
+        max_seq_len=1024,
+        rope_theta=1_000_000.0,
+        tie_embeddings=True,
+        qk_norm=True,
+        **_BYTE_SPECIALS,
+    ),
+}
+
+
+class KVCache:
+    """Keys and values for every layer, allocated once for `batch_size` rows × `max_len` positions."""
+
+    def __init__(
+        self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype
+    ) -> None:
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [b, H, T, D] at start_pos (b may be 1: broadcast to every row, which is how
+        one prefill feeds many samples) and return the cache filled so far."""
+        end = start_pos + k.shape[2]
+        self.k[layer][:, :, start_pos:end] = k
+        self.v[layer][:, :, start_pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 and cast back before the gain, as HF Llama/Qwen3 do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = dict(config.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise EngineUserError(
+            f"model config {config.name!r}: rope_scaling type {kind!r} is not supported "
+            "(supported: default, llama3)"
+        )
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hd, bias = config.head_dim, config.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
+        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        start_pos: int,
+        cache: KVCache | None,
+        layer: int,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        if cache is None or start_pos == 0:
+            # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
+            # cache rows; attention runs once, on the unbroadcast keys).
+            if cache is not None:
+                cache.update(layer, start_pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = cache.update(layer, start_pos, k, v)
+            mask = None
+            if T > 1:  # chunk after a prefix: query i sits at absolute position start_pos + i
+                q_pos = torch.arange(start_pos, start_pos + T)[:, None]
+                mask = torch.arange(start_pos + T)[None, :] <= q_pos
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+
+
+class Backbone(nn.Module):
+    """Holds the HF `model.*` submodules; the loop over layers lives in Transformer.forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # A plain attribute, not a buffer: RoPE frequencies stay float32 under model.to(bf16).
+        self.inv_freq = rope_inv_freq(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache(self.config, batch_size, max_len, self.dtype)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """tokens [B, T] → float32 logits [B, T, V].
+
+        attn_mask [B, T] (bool or 0/1) marks real tokens of a right-padded batch. Under causal
+        attention a real token never attends to a later position, so right padding cannot leak
+        into real positions and the fast `is_causal` kernel stays exact; the mask only makes pad
+        ids harmless (they may be any value, e.g. -1) and is checked to really be right padding.
+        Logits at pad positions are meaningless.
+        """
+        if attn_mask is not None:
+            if cache is not None:
+                raise ValueError(
+                    "attn_mask is for full-sequence (training) forwards, not cached decode"
+                )
+            valid = attn_mask.to(torch.bool)
+            if valid.shape != tokens.shape:
+                raise ValueError(
+                    f"attn_mask shape {tuple(valid.shape)} != tokens {tuple(tokens.shape)}"
+                )
+            lengths = valid.sum(1, keepdim=True)
+            if not torch.equal(valid, torch.arange(tokens.shape[1]) < lengths):
+                raise ValueError(
+                    "attn_mask must be right padding: each row all True, then all False"
+                )
+            tokens = tokens.masked_fill(~valid, 0)
+        T = tokens.shape[1]
+        if start_pos + T > self.config.max_seq_len:
+            raise EngineUserError(
+                f"sequence of {start_pos + T} tokens exceeds the model's max_seq_len "
+                f"{self.config.max_seq_len}; shorten it by {start_pos + T - self.config.max_seq_len}"
+            )
+
+        x = self.model.embed_tokens(tokens)
+        freqs = torch.outer(
+            torch.arange(start_pos, start_pos + T, dtype=torch.float32), self.inv_freq
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, cos, sin, start_pos, cache, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Unique parameters (a tied embedding counts once)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad or not trainable_only}
+    return sum(p.numel() for p in params.values())
+
+
+def _stable_seed(*parts: object) -> int:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
+    """Allocate without running nn.Linear's default init (slow, and it would consume the
+    global torch RNG as a side effect)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cpu")
+    if config.tie_embeddings:  # to_empty allocates each module's parameters separately
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)
+    return model.to(dtype)
+
+
+def build_model(
+    name_or_config: str | ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """A randomly initialised model; same (name, seed) ⇒ bit-identical weights in any process.
+
+    Linear and embedding weights ~ N(0, 0.02²), drawn in float32 from a generator seeded by a
+    hash of (name, seed) in `named_parameters` order, then cast to `dtype`; norm gains are 1.
+    """
+    if isinstance(name_or_config, str):
+        if name_or_config not in BUILTIN_CONFIGS:
+            raise EngineNotFoundError(
+                f"unknown base model {name_or_config!r}; built-in models are "
+                f"{sorted(BUILTIN_CONFIGS)} (or load a local Hugging Face directory with "
+                "load_pretrained)"
+            )
+        config = BUILTIN_CONFIGS[name_or_config]
+    else:
+        config = name_or_config
+    model = _empty_model(config, torch.float32)
+    gen = torch.Generator().manual_seed(_stable_seed("tinker_sr.build_model", config.name, seed))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.to(dtype)
+
+
+# --- Hugging Face directories -------------------------------------------------------------
+
+_ARCHS = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}  # → qk_norm
+
+
+def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
+    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in _ARCHS:
+        raise EngineUserError(
+            f"{name}: config.json architecture {arch!r} is not supported; "
+            f"supported: {sorted(_ARCHS)}"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+
+    def first(x: Any) -> int | None:
+        return x[0] if isinstance(x, list) else x
+
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    return ModelConfig(
+        name=name,
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=_ARCHS[arch],
+        bos_token_id=first(hf.get("bos_token_id")),
+        eos_token_id=first(hf.get("eos_token_id")),
+        pad_token_id=first(hf.get("pad_token_id")),
+        explicit_head_dim=head_dim
+        if head_dim and head_dim != hf["hidden_size"] // n_heads
+        else None,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        rope_scaling=None if kind == "default" else tuple(sorted(scaling.items())),
+    )
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    hf: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"],
+        "model_type": "qwen3" if config.qk_norm else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": config.attention_bias,
+        "hidden_act": "silu",
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "torch_dtype": "float32",
+    }
+    if config.rope_scaling:
+        hf["rope_scaling"] = dict(config.rope_scaling)
+    return hf
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
+    """Write config.json + model.safetensors in the Hugging Face layout."""
+    from tinker_sr.engine.checkpoints import save_tensors
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_tensors(out / "model.safetensors", sd, {"format": "pt"})
+    hf = config_to_hf(model.config)
+    hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def load_pretrained(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Load a local HF directory (config.json + *.safetensors, LlamaForCausalLM or
+    Qwen3ForCausalLM) into a Transformer in `dtype`."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise EngineNotFoundError(
+            f"{root}: no config.json; expected a Hugging Face model directory "
+            "(config.json + *.safetensors)"
+        )
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise EngineNotFoundError(f"{root}: no *.safetensors weight files found")
+    config = config_from_hf(json.loads((root / "config.json").read_text()), name=str(root))
+    model = _empty_model(config, dtype)
+    own = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for f in files:
+            for key, tensor in load_file(f).items():
+                if key not in own:
+                    continue  # e.g. rotary inv_freq buffers of older exports
+                if own[key].shape != tensor.shape:
+                    raise EngineUserError(
+                        f"{f}: tensor {key} has shape {tuple(tensor.shape)}, config.json implies "
+                        f"{tuple(own[key].shape)}"
+                    )
+                own[key].copy_(tensor)
+                loaded.add(key)
+    missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_embeddings else set())
+    if missing:
+        raise EngineUserError(
+            f"{root}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
+    return model
+
+
+def describe(config: ModelConfig) -> dict[str, Any]:
+    """Plain-dict view of a config (for get_info-style responses)."""
+    d = asdict(config)
+    d["head_dim"] = config.head_dim
+    return d

@@ -1,0 +1,160 @@
+"""Byte-level tokenizer of the built-in models, and an equivalent Hugging Face tokenizer dir.
+
+Ids 0..255 are the raw UTF-8 bytes; 256 = <|bos|>, 257 = <|eos|>, 258 = <|pad|>.
+`write_hf_tokenizer_dir` writes files that `transformers.AutoTokenizer.from_pretrained`
+loads offline and that encode text to the same ids (so the official SDK's
+`get_tokenizer()` works against a built-in model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tinker_sr.engine.errors import EngineUserError
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD)
+
+
+class ByteTokenizer:
+    name_or_path = "tinker-sr/byte"
+    vocab_size = 259
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    bos_token, eos_token, pad_token = BOS, EOS, PAD
+    all_special_ids = [256, 257, 258]
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes of `text`; add_special_tokens prepends <|bos|> (as the HF twin does)."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = False) -> str:
+        """Bytes → text with errors="replace"; special ids print as their names unless skipped."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if not 256 <= i < self.vocab_size:
+                raise EngineUserError(
+                    f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})"
+                )
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf.clear()
+            if not skip_special_tokens:
+                out.append(SPECIAL_TOKENS[i - 256])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [SPECIAL_TOKENS[i - 256] if i >= 256 else bytes([i]).decode("latin-1") for i in ids]
+
+    def __call__(
+        self, text: str | list[str], add_special_tokens: bool = True, **_: Any
+    ) -> dict[str, Any]:
+        """Minimal HF-like call: {"input_ids": ..., "attention_mask": ...} (lists, no tensors)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        rows = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
+        return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable-character map used by the ByteLevel pre-tokenizer."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: int = 1024) -> Path:
+    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json for ByteTokenizer.
+
+    tokenizer.json is a byte-level BPE with no merges whose vocabulary maps byte b to id b,
+    plus the three special tokens at 256..258 and a post-processor that prepends <|bos|> when
+    special tokens are requested. Built with the `tokenizers` library when installed, else
+    written as the equivalent JSON by hand.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    specials = [
+        {"id": 256 + i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    ]  # fmt: skip
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(SPECIAL_TOKENS))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
+        )
+        tok.save(str(out / "tokenizer.json"))
+    except ImportError:
+        spec = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": specials,
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                              "use_regex": False},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": BOS, "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": BOS, "type_id": 0}},
+                         {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {BOS: {"id": BOS, "ids": [256], "tokens": [BOS]}},
+            },
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                        "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": []},
+        }  # fmt: skip
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {
+            str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in specials
+        },
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    smap = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2))
+    return out
