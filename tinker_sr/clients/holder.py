@@ -1,0 +1,228 @@
+"""Machinery shared by the clients: the SDK event-loop thread, backend choice, the session.
+
+Every backend coroutine runs on one process-wide background event loop (like the official
+SDK's). Public methods hand back futures over it, so the same client works from plain
+scripts (``.result()``), from async code (``await``), and across threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tinker_sr.backend.base import Backend
+from tinker_sr.errors import TinkerError
+
+T = TypeVar("T")
+log = logging.getLogger("tinker_sr")
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+
+
+def sdk_loop() -> asyncio.AbstractEventLoop:
+    """The background event loop all clients of this process share (started on first use)."""
+    global _loop, _loop_thread
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            t = threading.Thread(target=run, name="tinker-sr-sdk-loop", daemon=True)
+            t.start()
+            ready.wait()
+            _loop, _loop_thread = loop, t
+        return _loop
+
+
+def on_sdk_loop_thread() -> bool:
+    return _loop_thread is not None and threading.current_thread() is _loop_thread
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    return asyncio.run_coroutine_threadsafe(coro, sdk_loop())
+
+
+def blocking_result(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """``fut.result()`` with the official SDK's guard against deadlocking the SDK loop."""
+    if not fut.done():
+        if on_sdk_loop_thread():
+            raise RuntimeError(
+                "Blocking on a tinker_sr future from the SDK's own event-loop thread would "
+                "deadlock; await it instead (e.g. inside a done-callback, use the callback's "
+                "argument)."
+            )
+        try:
+            asyncio.get_running_loop()
+            log.warning(
+                "Blocking call to .result() while an asyncio event loop is running in this "
+                "thread; use `await` instead to keep the loop responsive."
+            )
+        except RuntimeError:
+            pass
+    return fut.result(timeout)
+
+
+# ---- backend choice -------------------------------------------------------------------------
+
+_local_backends: dict[tuple[Any, ...], Backend] = {}
+_local_lock = threading.Lock()
+
+
+def resolve_base_url(base_url: str | None) -> str | None:
+    """``base_url`` argument → ``$TINKER_BASE_URL``; empty counts as unset; trailing / stripped."""
+    url = base_url or os.environ.get("TINKER_BASE_URL") or None
+    return url.rstrip("/") if url else None
+
+
+def local_backend(store_dir: str | Path | None = None, **options: Any) -> Backend:
+    """The process-wide embedded backend for ``store_dir`` (created on first use), so every
+    client of the process sees the same models, samplers and recorded sequences."""
+    from tinker_sr.backend.local import LocalBackend, default_store_dir
+
+    path = Path(store_dir) if store_dir is not None else default_store_dir()
+    key = (str(path.resolve()), tuple(sorted(options.items())))
+    with _local_lock:
+        backend = _local_backends.get(key)
+        if backend is None:
+            backend = LocalBackend(path, **options)
+            _local_backends[key] = backend
+        return backend
+
+
+def make_backend(
+    *,
+    backend: Backend | str | None,
+    base_url: str | None,
+    api_key: str | None,
+    default_headers: Mapping[str, str] | None = None,
+    project_id: str | None = None,
+) -> tuple[Backend, str | None]:
+    """Pick the backend: an explicit one, else remote when a base URL is known, else local.
+
+    ``$TINKER_SR_BACKEND=local`` forces the embedded engine even when ``$TINKER_BASE_URL`` is
+    set (handy in CI).
+    """
+    if backend is not None and not isinstance(backend, str):
+        return backend, None
+    choice = backend or os.environ.get("TINKER_SR_BACKEND") or None
+    url = resolve_base_url(base_url)
+    if choice not in (None, "local", "remote"):
+        raise ValueError(f"backend must be 'local', 'remote' or a Backend instance, got {choice!r}")
+    if choice == "local" or (choice is None and url is None):
+        return local_backend(), None
+    if url is None:
+        raise TinkerError(
+            "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
+        )
+    from tinker_sr.backend.remote import RemoteBackend
+
+    return (
+        RemoteBackend(
+            base_url=url,
+            api_key=api_key,
+            default_headers=dict(default_headers or {}),
+            project_id=project_id,
+        ),
+        url,
+    )
+
+
+class ClientHolder:
+    """A session on a backend, created lazily; shared by all clients of one ServiceClient."""
+
+    _registry: weakref.WeakValueDictionary[int, ClientHolder] = weakref.WeakValueDictionary()
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+        project_id: str | None = None,
+        display_name: str | None = None,
+        owns_backend: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.base_url = base_url
+        self.api_key = api_key
+        self.user_metadata = dict(user_metadata or {})
+        self.project_id = project_id
+        self.display_name = display_name
+        self._owns_backend = owns_backend
+        self._session_id: str | None = None
+        self._session_future: concurrent.futures.Future[str] | None = None
+        self._lock = threading.Lock()
+        self._model_seq = itertools.count(0)
+        self._sampling_seq = itertools.count(0)
+        self.closed = False
+        self.key = next(self._ids)
+        ClientHolder._registry[self.key] = self
+
+    @classmethod
+    def lookup(cls, key: int) -> ClientHolder | None:
+        return cls._registry.get(key)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("ServiceClient is closed")
+
+    def next_model_seq_id(self) -> int:
+        return next(self._model_seq)
+
+    def next_sampling_session_seq_id(self) -> int:
+        return next(self._sampling_seq)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return submit(coro)
+
+    async def session_id(self) -> str:
+        """Create the session on first need (one creation even under concurrent callers)."""
+        if self._session_id is not None:
+            return self._session_id
+        with self._lock:
+            if self._session_future is None:
+                tags = [t for t in (os.environ.get("TINKER_TAGS") or "").split(",") if t]
+                self._session_future = submit(
+                    self.backend.create_session(
+                        user_metadata=self.user_metadata,
+                        project_id=self.project_id or os.environ.get("TINKER_PROJECT_ID") or None,
+                        display_name=self.display_name,
+                        tags=sorted(set(tags)),
+                    )
+                )
+            fut = self._session_future
+        self._session_id = await asyncio.wrap_future(fut)
+        return self._session_id
+
+    @property
+    def has_session(self) -> bool:
+        return self._session_future is not None
+
+    async def close(self, status: str, detail: str | None) -> None:
+        if self._session_future is not None:
+            sid = await asyncio.wrap_future(self._session_future)
+            await self.backend.close_session(sid, status, detail)  # type: ignore[arg-type]
+        if self._owns_backend:
+            await self.backend.aclose()
+
+
+def warn_deprecated(msg: str, *, stacklevel: int = 3) -> None:
+    warnings.warn(msg, FutureWarning, stacklevel=stacklevel)

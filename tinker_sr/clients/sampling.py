@@ -1,0 +1,196 @@
+"""`SamplingClient`: sample completions and score prompts on one sampler."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import random
+import threading
+from typing import TYPE_CHECKING, Any
+
+from tinker_sr import types
+from tinker_sr.clients.holder import ClientHolder, make_backend, warn_deprecated
+from tinker_sr.futures import BackcompatConcurrentFuture
+
+if TYPE_CHECKING:
+    from tinker_sr.lib.retry_handler import RetryConfig
+
+
+class SamplingClient:
+    """Samples from a fixed set of weights. Belongs to the session of the client that made it,
+    so its ``sequence_id``s are usable for provenance by that session's training clients.
+
+    With ``record_stability_info=True`` every sample is recorded for StableReinforce: the
+    prompt, the sampled tokens, their logprobs and K=8 draws per sampled position.
+    """
+
+    def __init__(
+        self,
+        holder: ClientHolder,
+        sampler_id: str,
+        *,
+        base_model: str,
+        record_stability_info: bool = False,
+        retry_config: RetryConfig | None = None,
+        seq_base: int = 0,
+    ) -> None:
+        self.holder = holder
+        self.sampler_id = sampler_id
+        self._base_model = base_model
+        self.record_stability_info = bool(record_stability_info)
+        self.retry_config = retry_config
+        self._seq = itertools.count(seq_base)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"SamplingClient(sampler_id={self.sampler_id!r}, base_model={self._base_model!r}, "
+            f"record_stability_info={self.record_stability_info})"
+        )
+
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> BackcompatConcurrentFuture[types.SampleResponse]:
+        """``num_samples`` independent completions of ``prompt``; every sequence carries its
+        ``sequence_id``, tokens and sampled-token logprobs."""
+        self.holder.check_open()
+        if target_prompt_logprobs is not None:
+            if target_prompt_logprobs.dtype != "int64":
+                raise ValueError("target_prompt_logprobs must have dtype int64")
+            shape = target_prompt_logprobs.shape
+            if shape is None or len(shape) != 2:
+                raise ValueError("target_prompt_logprobs must be 2-D: [len(prompt) - 1, K]")
+        if prompt_alt_tokens_k < 0:
+            raise ValueError(f"prompt_alt_tokens_k must be >= 0, got {prompt_alt_tokens_k}")
+        if prompt_logprobs_last_n is not None:
+            if prompt_logprobs_last_n < 1:
+                raise ValueError(f"prompt_logprobs_last_n must be >= 1, got {prompt_logprobs_last_n}")
+            if not include_prompt_logprobs:
+                raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
+        with self._lock:
+            seq_id = next(self._seq)
+        backend = self.holder.backend
+        fut = self.holder.run(
+            backend.sample(
+                self.sampler_id,
+                seq_id,
+                prompt=prompt,
+                num_samples=num_samples,
+                sampling_params=sampling_params,
+                include_prompt_logprobs=include_prompt_logprobs,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs,
+                target_prompt_logprobs=target_prompt_logprobs,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
+                prompt_logprobs_last_n=prompt_logprobs_last_n,
+                record_stability_info=self.record_stability_info,
+            )
+        )
+        return BackcompatConcurrentFuture(fut)
+
+    def compute_logprobs(
+        self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
+    ) -> BackcompatConcurrentFuture[list[float | None]]:
+        """Log-probability of each prompt token given the ones before it (entry 0 is None)."""
+        inner = self.sample(
+            prompt,
+            1,
+            types.SamplingParams(max_tokens=1),
+            include_prompt_logprobs=True,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
+
+        async def run() -> list[float | None]:
+            r = await inner
+            assert r.prompt_logprobs is not None
+            return list(r.prompt_logprobs)
+
+        return BackcompatConcurrentFuture(self.holder.run(run()))
+
+    def get_base_model(self) -> str:
+        return self._base_model
+
+    def get_tokenizer(self) -> Any:
+        from tinker_sr.clients.tokenizers import load_tokenizer
+
+        return load_tokenizer(self._base_model, None)
+
+    # ---- deprecated coroutine twins ---------------------------------------------------------
+    async def sample_async(self, *a: Any, **k: Any) -> types.SampleResponse:
+        warn_deprecated("sample_async is deprecated; await sample() instead")
+        return await self.sample(*a, **k)
+
+    async def compute_logprobs_async(self, *a: Any, **k: Any) -> list[float | None]:
+        warn_deprecated("compute_logprobs_async is deprecated; await compute_logprobs() instead")
+        return await self.compute_logprobs(*a, **k)
+
+    async def get_base_model_async(self) -> str:
+        warn_deprecated("get_base_model_async is deprecated; use get_base_model()")
+        return self._base_model
+
+    # ---- handles and pickling ----------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "sampler_id": self.sampler_id,
+            "base_model": self._base_model,
+            "record_stability_info": self.record_stability_info,
+            "base_url": self.holder.base_url,
+            "holder_key": self.holder.key,
+            "session_id": self.holder._session_id,
+        }
+
+    def get_sampler_handle(self) -> str:
+        """A URL-safe string (no credentials) that `from_sampler_handle` turns back into a
+        client for the same sampler, in the same session."""
+        return base64.urlsafe_b64encode(json.dumps(self._state()).encode()).decode()
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> SamplingClient:
+        try:
+            state = json.loads(base64.urlsafe_b64decode(handle))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"not a sampler handle: {e}") from e
+        return _rebuild(state, api_key)
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        return (_unpickle, (self._state(),))
+
+
+def _unpickle(state: dict[str, Any]) -> SamplingClient:
+    return _rebuild(state, None)
+
+
+def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
+    # A clone numbers its requests in its own range so they never collide with the original's.
+    seq_base = random.randint(1, 10**9) * 1_000_000_000
+    base_url = state.get("base_url")
+    if base_url:
+        backend, url = make_backend(backend="remote", base_url=base_url, api_key=api_key)
+        holder = ClientHolder(backend, base_url=url, api_key=api_key, owns_backend=True)
+        holder._session_id = state.get("session_id")
+    else:
+        found = ClientHolder.lookup(int(state["holder_key"]))
+        if found is None:
+            raise RuntimeError(
+                "This SamplingClient runs on the embedded engine of the process that created it "
+                "and cannot be rebuilt elsewhere. For multi-process sampling run a server "
+                "(`tinker-sr serve`) and create clients with base_url=..."
+            )
+        holder = found
+    return SamplingClient(
+        holder,
+        state["sampler_id"],
+        base_model=state["base_model"],
+        record_stability_info=state["record_stability_info"],
+        seq_base=seq_base,
+    )

@@ -1,0 +1,308 @@
+"""`ServiceClient`: the entry point. Picks the backend and owns the session."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from tinker_sr import types
+from tinker_sr.backend.base import Backend
+from tinker_sr.clients.creation import BackcompatSamplingClientFuture, BackcompatTrainingClientFuture
+from tinker_sr.clients.holder import ClientHolder, blocking_result, make_backend, warn_deprecated
+from tinker_sr.clients.sampling import SamplingClient
+from tinker_sr.clients.training import TrainingClient
+from tinker_sr.errors import TinkerError
+from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
+
+if TYPE_CHECKING:
+    from tinker_sr.clients.rest import RestClient
+    from tinker_sr.lib.retry_handler import RetryConfig
+
+
+def _check_api_key(api_key: str | None, remote: bool) -> str | None:
+    """The official key rules apply to remote services; the embedded engine needs no key."""
+    key = api_key or os.environ.get("TINKER_API_KEY") or None
+    if not remote:
+        return key
+    if key is None:
+        raise TinkerError(
+            "No API key: pass api_key=... or set TINKER_API_KEY (a tinker_sr server accepts any "
+            "key starting with 'tml-' unless it was started with --api-key)"
+        )
+    if not (key.startswith("tml-") or key.startswith("eyJ")):
+        raise TinkerError("The API key must start with 'tml-'")
+    return key
+
+
+class ServiceClient:
+    """Creates training, sampling and REST clients that share one session.
+
+    The backend is the embedded engine unless a base URL is given (``base_url=`` or
+    ``$TINKER_BASE_URL``), in which case every call goes over the Tinker wire protocol to
+    that server. ``backend=`` takes ``"local"``, ``"remote"`` or a `Backend` instance.
+    Construction makes no request; the session starts on first use.
+    """
+
+    def __init__(
+        self,
+        user_metadata: dict[str, str] | None = None,
+        project_id: str | None = None,
+        *,
+        display_name: str | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        default_headers_overrides: Mapping[str, str] | None = None,
+        backend: Backend | Literal["local", "remote"] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            warn_deprecated(
+                f"ServiceClient ignores unknown arguments: {sorted(kwargs)}", stacklevel=2
+            )
+        be, url = make_backend(
+            backend=backend,
+            base_url=base_url,
+            api_key=None,
+            default_headers=default_headers_overrides,
+            project_id=project_id,
+        )
+        key = _check_api_key(api_key, remote=url is not None)
+        if url is not None:
+            be = make_backend(
+                backend="remote",
+                base_url=url,
+                api_key=key,
+                default_headers=default_headers_overrides,
+                project_id=project_id,
+            )[0]
+        self.holder = ClientHolder(
+            be,
+            base_url=url,
+            api_key=key,
+            user_metadata=user_metadata,
+            project_id=project_id,
+            display_name=display_name,
+            owns_backend=url is not None,
+        )
+        self._close_future: APIFuture[None] | None = None
+
+    def __repr__(self) -> str:
+        where = self.holder.base_url or "embedded engine"
+        return f"ServiceClient({where})"
+
+    # ---- context manager ----------------------------------------------------------------
+    def __enter__(self) -> ServiceClient:
+        if self.holder.closed:
+            raise RuntimeError("ServiceClient is closed")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            status: Literal["success", "errored", "interrupted"] = "success"
+        elif isinstance(exc, Exception):
+            status = "errored"
+        else:
+            status = "interrupted"
+        self.close(status).result()
+
+    def close(
+        self,
+        status: Literal["success", "errored", "interrupted"] = "success",
+        detail: str | None = None,
+    ) -> APIFuture[None]:
+        """Finish the session (first reason wins). Idempotent."""
+        if self._close_future is not None:
+            return self._close_future
+        self.holder.closed = True
+        if not self.holder.has_session and not self.holder._owns_backend:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            done.set_result(None)
+            self._close_future = AwaitableConcurrentFuture(done)
+        else:
+            self._close_future = AwaitableConcurrentFuture(
+                self.holder.run(self.holder.close(status, detail))
+            )
+        return self._close_future
+
+    # ---- training clients -------------------------------------------------------------------
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        optimizer: types.OptimizerConfig | None = None,
+    ) -> BackcompatTrainingClientFuture:
+        """A new LoRA on ``base_model``. ``seed`` makes the adapter init reproducible."""
+        assert train_mlp or train_attn or train_unembed, (
+            "At least one of train_mlp, train_attn, or train_unembed must be True"
+        )
+        self.holder.check_open()
+        lora = types.LoraConfig(
+            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
+            train_unembed=train_unembed,
+        )
+        optimizer = optimizer if optimizer is not None else types.AdamOptimizerConfig()
+        holder = self.holder
+        model_seq_id = holder.next_model_seq_id()
+
+        async def create() -> TrainingClient:
+            sid = await holder.session_id()
+            model_id = await holder.backend.create_model(
+                sid, model_seq_id, base_model=base_model, lora_config=lora,
+                optimizer_config=optimizer, user_metadata=user_metadata,
+            )
+            info = await holder.backend.get_info(model_id)
+            return TrainingClient(holder, model_id, info)
+
+        return BackcompatTrainingClientFuture(holder.run(create()))
+
+    def _from_state(
+        self,
+        path: str,
+        *,
+        with_optimizer: bool,
+        base_model: str | None,
+        user_metadata: dict[str, str] | None,
+        optimizer: types.OptimizerConfig | None,
+    ) -> BackcompatTrainingClientFuture:
+        self.holder.check_open()
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        if parsed.checkpoint_type != "training":
+            raise ValueError(
+                f"{path} is a {parsed.checkpoint_type} checkpoint; training clients load from "
+                "tinker://<run>/weights/<name> (written by save_state)"
+            )
+        holder = self.holder
+        model_seq_id = holder.next_model_seq_id()
+
+        async def create() -> TrainingClient:
+            sid = await holder.session_id()
+            model_id = await holder.backend.create_model_from_state(
+                sid, model_seq_id, path=path, with_optimizer=with_optimizer,
+                base_model=base_model, optimizer_config=optimizer, user_metadata=user_metadata,
+            )
+            info = await holder.backend.get_info(model_id)
+            return TrainingClient(holder, model_id, info)
+
+        return BackcompatTrainingClientFuture(holder.run(create()))
+
+    def create_training_client_from_state(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: types.OptimizerConfig | None = None,
+    ) -> BackcompatTrainingClientFuture:
+        """A training client with the weights of a ``save_state`` checkpoint (fresh optimizer)."""
+        return self._from_state(
+            path, with_optimizer=False, base_model=base_model, user_metadata=user_metadata,
+            optimizer=optimizer,
+        )
+
+    def create_training_client_from_state_with_optimizer(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+    ) -> BackcompatTrainingClientFuture:
+        """A training client with the weights *and* Adam state of a ``save_state`` checkpoint."""
+        return self._from_state(
+            path, with_optimizer=True, base_model=base_model, user_metadata=user_metadata,
+            optimizer=None,
+        )
+
+    # ---- sampling clients -------------------------------------------------------------------
+    def create_sampling_client(
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+    ) -> BackcompatSamplingClientFuture:
+        """A sampler on saved sampler weights (``model_path``) or on a base model."""
+        if model_path is None and base_model is None:
+            raise ValueError("Either model_path or base_model must be provided")
+        self.holder.check_open()
+        return create_sampling_client_future(
+            self.holder, model_path=model_path, base_model=base_model,
+            retry_config=retry_config, record_stability_info=record_stability_info,
+        )
+
+    # ---- misc -------------------------------------------------------------------------------
+    def create_rest_client(self) -> RestClient:
+        from tinker_sr.clients.rest import RestClient
+
+        warn_deprecated("create_rest_client() is deprecated; construct RestClient() directly")
+        return RestClient(self.holder)
+
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        warn_deprecated("get_server_capabilities() is deprecated; use RestClient")
+        return blocking_result(self.holder.run(self.holder.backend.get_server_capabilities()))
+
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        warn_deprecated("get_server_capabilities_async() is deprecated; use RestClient")
+        return await asyncio.wrap_future(self.holder.run(self.holder.backend.get_server_capabilities()))
+
+    def get_console_url(self) -> str:
+        sid = self.holder._session_id
+        return f"tinker-sr://sessions/{sid}" if sid else "tinker-sr://sessions"
+
+    # ---- deprecated coroutine twins (one await, resolve to the client) -----------------------
+    async def create_lora_training_client_async(self, *a: Any, **k: Any) -> TrainingClient:
+        warn_deprecated("create_lora_training_client_async is deprecated; await create_lora_training_client()")
+        return await self.create_lora_training_client(*a, **k)
+
+    async def create_training_client_from_state_async(self, *a: Any, **k: Any) -> TrainingClient:
+        warn_deprecated("create_training_client_from_state_async is deprecated")
+        return await self.create_training_client_from_state(*a, **k)
+
+    async def create_training_client_from_state_with_optimizer_async(
+        self, *a: Any, **k: Any
+    ) -> TrainingClient:
+        warn_deprecated("create_training_client_from_state_with_optimizer_async is deprecated")
+        return await self.create_training_client_from_state_with_optimizer(*a, **k)
+
+    async def create_sampling_client_async(self, *a: Any, **k: Any) -> SamplingClient:
+        warn_deprecated("create_sampling_client_async is deprecated; await create_sampling_client()")
+        return await self.create_sampling_client(*a, **k)
+
+
+def create_sampling_client_future(
+    holder: ClientHolder,
+    *,
+    model_path: str | None,
+    base_model: str | None,
+    retry_config: RetryConfig | None,
+    record_stability_info: bool,
+) -> BackcompatSamplingClientFuture:
+    if model_path is not None and not model_path.startswith("tinker://"):
+        raise ValueError(f"model_path must start with 'tinker://', got {model_path!r}")
+    seq = holder.next_sampling_session_seq_id()
+
+    async def create() -> SamplingClient:
+        sid = await holder.session_id()
+        sampler_id = await holder.backend.create_sampling_session(
+            sid, seq, base_model=base_model, model_path=model_path
+        )
+        name = base_model or await holder.backend.get_sampler_base_model(sampler_id)
+        return SamplingClient(
+            holder, sampler_id, base_model=name, record_stability_info=record_stability_info,
+            retry_config=retry_config,
+        )
+
+    return BackcompatSamplingClientFuture(holder.run(create()))

@@ -1,0 +1,422 @@
+"""`TrainingClient`: forward/backward, optimizer steps, checkpoints, samplers of one model."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import warnings
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from tinker_sr import types
+from tinker_sr.clients.holder import ClientHolder, log, warn_deprecated
+from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
+
+if TYPE_CHECKING:
+    import torch
+
+    from tinker_sr.clients.creation import BackcompatSamplingClientFuture
+    from tinker_sr.clients.sampling import SamplingClient
+    from tinker_sr.lib.retry_handler import RetryConfig
+
+T = TypeVar("T")
+CustomLossFnV1 = Callable[
+    [list[types.Datum], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]
+]
+
+_POISONED = (
+    "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."
+)
+
+
+class TrainingClient:
+    """Trains one LoRA model. Every call returns at once with a future; calls execute in the
+    order they were made (each reserves a sequence number synchronously), so
+    ``fb = tc.forward_backward(...); op = tc.optim_step(...)`` then awaiting both is the
+    recommended pipelining pattern."""
+
+    def __init__(self, holder: ClientHolder, model_id: str, info: types.GetInfoResponse) -> None:
+        self.holder = holder
+        self.model_id = model_id
+        self._info = info
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        # Future of the previous call's submission: calls are issued to the backend in order.
+        self._prev_issued: concurrent.futures.Future[None] | None = None
+        self._poisoned = False
+
+    def __repr__(self) -> str:
+        return f"TrainingClient(model_id={self.model_id!r})"
+
+    # ---- ordered submission --------------------------------------------------------------
+    def _submit(
+        self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]
+    ) -> concurrent.futures.Future[T]:
+        """Reserve ``n_seq`` sequence numbers now and run ``body`` after earlier calls issued."""
+        self.holder.check_open()
+        if self._poisoned:
+            raise RuntimeError(_POISONED)
+        with self._lock:
+            seq_ids = [next(self._seq) for _ in range(n_seq)]
+            prev = self._prev_issued
+            issued: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._prev_issued = issued
+
+        async def run() -> T:
+            try:
+                if prev is not None:
+                    await asyncio.wrap_future(prev)
+                if self._poisoned:
+                    raise RuntimeError(_POISONED)
+                task = asyncio.ensure_future(body(seq_ids))
+                # Let the body issue its request before the next call may issue its own.
+                await asyncio.sleep(0)
+            finally:
+                if not issued.done():
+                    issued.set_result(None)
+            return await task
+
+        return self.holder.run(run())
+
+    def _api(self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]) -> APIFuture[T]:
+        return AwaitableConcurrentFuture(self._submit(n_seq, body))
+
+    # ---- training ---------------------------------------------------------------------
+    def forward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Loss and per-datum outputs without gradients."""
+        return self._fb(data, loss_fn, loss_fn_config, forward_only=True)
+
+    def forward_backward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Loss, outputs, and gradients accumulated for the next `optim_step`."""
+        return self._fb(data, loss_fn, loss_fn_config, forward_only=False)
+
+    def _fb(
+        self,
+        data: list[types.Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float | str] | None,
+        *,
+        forward_only: bool,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        if not data:
+            raise ValueError("No data provided")
+        data = list(data)
+        config = dict(loss_fn_config) if loss_fn_config is not None else None
+        backend = self.holder.backend
+        return self._api(
+            1,
+            lambda s: backend.forward_backward(
+                self.model_id, s[0], data, loss_fn, config, forward_only=forward_only
+            ),
+        )
+
+    def forward_backward_custom(
+        self,
+        data: list[types.Datum],
+        loss_fn: CustomLossFnV1,
+        *,
+        loss_type_input: Literal["logprobs"] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """A loss computed here in torch from the model's logprobs (spec/api.md §9.9): a
+        forward pass, your loss and its gradient w.r.t. the logprobs, then a cross-entropy
+        backward pass weighted by minus that gradient. Costs about 1.5 forward_backwards."""
+        if loss_type_input is not None:
+            warnings.warn(
+                "loss_type_input is deprecated; logprobs are the only input type",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if loss_type_input != "logprobs":
+                raise ValueError(f"loss_type_input must be 'logprobs', got {loss_type_input!r}")
+        try:
+            import torch
+        except ImportError as e:  # pragma: no cover - torch is a dependency here
+            raise ImportError("forward_backward_custom requires torch") from e
+        if not data:
+            raise ValueError("No data provided")
+        for i, d in enumerate(data):
+            if "target_tokens" not in d.loss_fn_inputs:
+                raise ValueError(f"datum {i}: forward_backward_custom needs target_tokens")
+        data = list(data)
+        backend = self.holder.backend
+
+        def ce_copy(d: types.Datum, weights: Any) -> types.Datum:
+            return types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": weights},
+                model_input_spans=d.model_input_spans,
+                loss_fn_input_spans=d.loss_fn_input_spans,
+            )
+
+        async def body(s: list[int]) -> types.ForwardBackwardOutput:
+            try:
+                fwd_data = []
+                for d in data:
+                    w = d.loss_fn_inputs.get("weights")
+                    if w is None:
+                        shape = d.loss_fn_inputs["target_tokens"].to_numpy().shape
+                        w = types.TensorData.from_torch(torch.zeros(shape, dtype=torch.float32))
+                    fwd_data.append(ce_copy(d, w))
+                fwd = await backend.forward_backward(
+                    self.model_id, s[0], fwd_data, "cross_entropy", None, forward_only=True
+                )
+                logprobs = [
+                    out["logprobs"].to_torch().float().clone().requires_grad_(True)
+                    for out in fwd.loss_fn_outputs
+                ]
+                loss, user_metrics = loss_fn(data, logprobs)
+                loss.backward()
+                grads = []
+                for lp in logprobs:
+                    if lp.grad is None:
+                        raise ValueError("No gradient computed for logprob tensor")
+                    grads.append(-lp.grad)
+                bwd_data = [
+                    ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
+                ]
+            except BaseException:
+                self._poisoned = True
+                raise
+            out = await backend.forward_backward(
+                self.model_id, s[1], bwd_data, "cross_entropy", None, forward_only=False
+            )
+            metrics = dict(out.metrics)
+            metrics["surrogate_loss:sum"] = metrics.get("loss:sum", 0.0)
+            metrics.update({k: float(v) for k, v in user_metrics.items()})
+            metrics["loss:sum"] = float(loss.detach())
+            return types.ForwardBackwardOutput(
+                loss_fn_output_type=out.loss_fn_output_type,
+                loss_fn_outputs=out.loss_fn_outputs,
+                metrics=metrics,
+            )
+
+        return self._api(2, body)
+
+    def optim_step(
+        self,
+        optim_params: types.OptimParams | None = None,
+        *,
+        adam_params: types.AdamParams | None = None,
+    ) -> APIFuture[types.OptimStepResponse]:
+        """Apply the accumulated gradients (and clear them)."""
+        if optim_params is not None and adam_params is not None:
+            raise ValueError("Pass either optim_params or adam_params, not both")
+        params = optim_params if optim_params is not None else adam_params
+        if not isinstance(params, (types.AdamParams, types.OptimParamsBase)):
+            raise TypeError(
+                f"optim_step needs AdamParams (or another OptimParams), got {type(params).__name__}"
+            )
+        backend = self.holder.backend
+        return self._api(1, lambda s: backend.optim_step(self.model_id, s[0], params))  # type: ignore[arg-type]
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def save_state(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[types.SaveWeightsResponse]:
+        """Weights and optimizer state → ``tinker://<run>/weights/<name>``."""
+        backend = self.holder.backend
+        return self._api(
+            1,
+            lambda s: backend.save_state(
+                self.model_id, s[0], name, ttl_seconds=ttl_seconds, overwrite=overwrite,
+                user_metadata=user_metadata,
+            ),
+        )
+
+    def save_weights_for_sampler(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        """Weights only → ``tinker://<run>/sampler_weights/<name>``."""
+        backend = self.holder.backend
+
+        async def body(s: list[int]) -> types.SaveWeightsForSamplerResponse:
+            r = await backend.save_weights_for_sampler(
+                self.model_id, s[0], name=name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
+            )
+            assert r.path is not None
+            return types.SaveWeightsForSamplerResponse(path=r.path, type="save_weights_for_sampler")
+
+        return self._api(1, body)
+
+    def save_weights_external(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: list[str] | None = None,
+    ) -> APIFuture[types.SaveWeightsExternalResponse]:
+        raise NotImplementedError(
+            "save_weights_external (Hugging Face export) is not supported by tinker_sr yet; "
+            "use save_state or save_weights_for_sampler"
+        )
+
+    def save_weights_and_get_sampling_client(
+        self,
+        name: str | None = None,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+        kind: types.SamplingClientKind = "snapshot",
+    ) -> BackcompatSamplingClientFuture:
+        """Snapshot the current weights into a new sampler (no persistent path)."""
+        from tinker_sr.clients.creation import BackcompatSamplingClientFuture
+        from tinker_sr.clients.sampling import SamplingClient
+
+        if name is not None:
+            warnings.warn(
+                "save_weights_and_get_sampling_client(name=...) is ignored: the snapshot is "
+                "ephemeral; use save_weights_for_sampler(name) for a persistent path",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
+        backend = self.holder.backend
+        sampling_seq = self.holder.next_sampling_session_seq_id()
+
+        async def body(s: list[int]) -> SamplingClient:
+            r = await backend.save_weights_for_sampler(
+                self.model_id, s[0], sampling_session_seq_id=sampling_seq
+            )
+            assert r.sampling_session_id is not None
+            return SamplingClient(
+                self.holder,
+                r.sampling_session_id,
+                base_model=self._info.model_data.model_name or "",
+                record_stability_info=record_stability_info,
+                retry_config=retry_config,
+            )
+
+        return BackcompatSamplingClientFuture(self._submit(1, body))
+
+    def create_sampling_client(
+        self,
+        model_path: str,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+    ) -> BackcompatSamplingClientFuture:
+        """A sampler on saved sampler weights, in this client's session."""
+        from tinker_sr.clients.service import create_sampling_client_future
+
+        return create_sampling_client_future(
+            self.holder,
+            model_path=model_path,
+            base_model=None,
+            retry_config=retry_config,
+            record_stability_info=record_stability_info,
+        )
+
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+        log.error(
+            "TrainingClient.load_state is deprecated; use "
+            "ServiceClient.create_training_client_from_state instead"
+        )
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        log.error(
+            "TrainingClient.load_state_with_optimizer is deprecated; use "
+            "ServiceClient.create_training_client_from_state_with_optimizer instead"
+        )
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, *, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        backend = self.holder.backend
+        return self._api(
+            1, lambda s: backend.load_state(self.model_id, s[0], path, with_optimizer=with_optimizer)
+        )
+
+    # ---- info -------------------------------------------------------------------------
+    def get_info(self) -> types.GetInfoResponse:
+        """Model info, cached when the client was created (no request)."""
+        return self._info
+
+    async def get_info_async(self) -> types.GetInfoResponse:
+        return self._info
+
+    def get_tokenizer(self) -> Any:
+        from tinker_sr.clients.tokenizers import load_tokenizer
+
+        name = self._info.model_data.model_name
+        assert name is not None, "get_info() did not report model_data.model_name"
+        return load_tokenizer(name, self._info.model_data.tokenizer_id)
+
+    def get_console_url(self) -> str:
+        return f"tinker-sr://training_runs/{self.model_id}"
+
+    # ---- deprecated coroutine twins (await twice: they resolve to a future) ------------
+    async def forward_async(self, *a: Any, **k: Any) -> APIFuture[types.ForwardBackwardOutput]:
+        warn_deprecated("forward_async is deprecated; use forward() and await the future")
+        return self.forward(*a, **k)
+
+    async def forward_backward_async(
+        self, *a: Any, **k: Any
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        warn_deprecated(
+            "forward_backward_async is deprecated; use forward_backward() and await the future"
+        )
+        return self.forward_backward(*a, **k)
+
+    async def forward_backward_custom_async(
+        self, *a: Any, **k: Any
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        warn_deprecated("forward_backward_custom_async is deprecated; use forward_backward_custom()")
+        return self.forward_backward_custom(*a, **k)
+
+    async def optim_step_async(self, *a: Any, **k: Any) -> APIFuture[types.OptimStepResponse]:
+        warn_deprecated("optim_step_async is deprecated; use optim_step() and await the future")
+        return self.optim_step(*a, **k)
+
+    async def save_state_async(self, *a: Any, **k: Any) -> APIFuture[types.SaveWeightsResponse]:
+        warn_deprecated("save_state_async is deprecated; use save_state()")
+        return self.save_state(*a, **k)
+
+    async def save_weights_for_sampler_async(
+        self, *a: Any, **k: Any
+    ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        warn_deprecated("save_weights_for_sampler_async is deprecated; use save_weights_for_sampler()")
+        return self.save_weights_for_sampler(*a, **k)
+
+    async def load_state_async(self, *a: Any, **k: Any) -> APIFuture[types.LoadWeightsResponse]:
+        warn_deprecated("load_state_async is deprecated")
+        return self.load_state(*a, **k)
+
+    async def load_state_with_optimizer_async(
+        self, *a: Any, **k: Any
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        warn_deprecated("load_state_with_optimizer_async is deprecated")
+        return self.load_state_with_optimizer(*a, **k)
+
+    async def create_sampling_client_async(self, *a: Any, **k: Any) -> SamplingClient:
+        warn_deprecated("create_sampling_client_async is deprecated; await create_sampling_client()")
+        return await self.create_sampling_client(*a, **k)
+
+    async def save_weights_and_get_sampling_client_async(
+        self, *a: Any, **k: Any
+    ) -> SamplingClient:
+        warn_deprecated(
+            "save_weights_and_get_sampling_client_async is deprecated; await "
+            "save_weights_and_get_sampling_client()"
+        )
+        return await self.save_weights_and_get_sampling_client(*a, **k)
+

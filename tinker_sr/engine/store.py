@@ -1,0 +1,391 @@
+"""Durable state of the engine: sessions, training runs, checkpoints, recorded sequences.
+
+One SQLite file (WAL) under the store directory. The embedded backend and the server share
+this code, so a server restart finds every acknowledged checkpoint and recorded sequence.
+Recorded sequences are stored compactly: int32 token ids and draws, float32 logprobs, as
+raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tinker_sr.provenance.validate import SequenceRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    user_metadata TEXT,
+    project_id TEXT,
+    display_name TEXT,
+    status TEXT,
+    closed_at REAL
+);
+CREATE TABLE IF NOT EXISTS training_runs (
+    run_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    lora_rank INTEGER,
+    lora_config TEXT NOT NULL,
+    user_metadata TEXT,
+    created_at REAL NOT NULL,
+    last_request_time REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,
+    checkpoint_type TEXT NOT NULL,
+    tinker_path TEXT NOT NULL UNIQUE,
+    file_path TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    size_bytes INTEGER,
+    user_metadata TEXT,
+    expires_at REAL,
+    PRIMARY KEY (run_id, checkpoint_id)
+);
+CREATE TABLE IF NOT EXISTS sequences (
+    sequence_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    prompt_tokens BLOB NOT NULL,
+    sampled_tokens BLOB NOT NULL,
+    sampler_logprobs BLOB NOT NULL,
+    draws BLOB,
+    draws_k INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    last_used_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
+"""
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    session_id: str
+    base_model: str
+    lora_rank: int | None
+    lora_config: dict[str, Any]
+    user_metadata: dict[str, str] | None
+    created_at: float
+    last_request_time: float
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    run_id: str
+    checkpoint_id: str  # "<segment>/<name>", e.g. "weights/step-3"
+    checkpoint_type: str  # "training" | "sampler" | "external"
+    tinker_path: str
+    file_path: str
+    created_at: float
+    size_bytes: int | None
+    user_metadata: dict[str, str] | None
+    expires_at: float | None
+
+
+def _json(v: Any) -> str | None:
+    return None if v is None else json.dumps(v, sort_keys=True)
+
+
+def _unjson(s: str | None) -> Any:
+    return None if s is None else json.loads(s)
+
+
+class Store:
+    """Thread-safe SQLite store. ``path=None`` keeps everything in memory."""
+
+    def __init__(self, path: str | Path | None, *, cache_size: int = 4096) -> None:
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            ":memory:" if self.path is None else str(self.path),
+            check_same_thread=False,
+            isolation_level=None,  # autocommit; explicit transactions where needed
+        )
+        if self.path is not None:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        # Training requests look sequences up on the hot path; keep recent ones decoded.
+        self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
+        self._cache_size = cache_size
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---- sessions ---------------------------------------------------------------------
+    def add_session(
+        self,
+        session_id: str,
+        *,
+        user_metadata: dict[str, str] | None,
+        project_id: str | None,
+        display_name: str | None,
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sessions(session_id, created_at, user_metadata, project_id,"
+                " display_name) VALUES (?,?,?,?,?)",
+                (session_id, time.time(), _json(user_metadata), project_id, display_name),
+            )
+
+    def session_exists(self, session_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
+            ).fetchone()
+        return row is not None
+
+    def close_session(self, session_id: str, status: str) -> None:
+        with self._lock:
+            # First reason wins (spec/api.md §4.2).
+            self._db.execute(
+                "UPDATE sessions SET status=?, closed_at=? WHERE session_id=? AND status IS NULL",
+                (status, time.time(), session_id),
+            )
+
+    # ---- training runs ----------------------------------------------------------------
+    def add_run(
+        self,
+        run_id: str,
+        session_id: str,
+        base_model: str,
+        lora_config: dict[str, Any],
+        user_metadata: dict[str, str] | None,
+    ) -> None:
+        now = time.time()
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO training_runs VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    run_id,
+                    session_id,
+                    base_model,
+                    lora_config.get("rank"),
+                    _json(lora_config),
+                    _json(user_metadata),
+                    now,
+                    now,
+                ),
+            )
+
+    def touch_run(self, run_id: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE training_runs SET last_request_time=? WHERE run_id=?", (time.time(), run_id)
+            )
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM training_runs WHERE run_id=?", (run_id,)
+            ).fetchone()
+        return None if row is None else self._run_row(row)
+
+    def list_runs(self, *, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM training_runs ORDER BY created_at, run_id LIMIT ? OFFSET ?",
+                (limit, offset),
+            ).fetchall()
+            (total,) = self._db.execute("SELECT COUNT(*) FROM training_runs").fetchone()
+        return [self._run_row(r) for r in rows], int(total)
+
+    @staticmethod
+    def _run_row(r: tuple[Any, ...]) -> RunRow:
+        return RunRow(r[0], r[1], r[2], r[3], _unjson(r[4]), _unjson(r[5]), r[6], r[7])
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def put_checkpoint(self, row: CheckpointRow) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    row.run_id,
+                    row.checkpoint_id,
+                    row.checkpoint_type,
+                    row.tinker_path,
+                    row.file_path,
+                    row.created_at,
+                    row.size_bytes,
+                    _json(row.user_metadata),
+                    row.expires_at,
+                ),
+            )
+
+    def get_checkpoint(self, tinker_path: str, *, now: float | None = None) -> CheckpointRow | None:
+        """The live checkpoint at ``tinker_path``; expired ones count as missing."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM checkpoints WHERE tinker_path=?", (tinker_path,)
+            ).fetchone()
+        if row is None:
+            return None
+        ck = self._ck_row(row)
+        if ck.expires_at is not None and ck.expires_at <= (now or time.time()):
+            return None
+        return ck
+
+    def list_checkpoints(
+        self, run_id: str | None = None, *, limit: int = 1000, offset: int = 0
+    ) -> tuple[list[CheckpointRow], int]:
+        now = time.time()
+        live = "(expires_at IS NULL OR expires_at > ?)"
+        with self._lock:
+            if run_id is None:
+                rows = self._db.execute(
+                    f"SELECT * FROM checkpoints WHERE {live}"
+                    " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
+                    (now, limit, offset),
+                ).fetchall()
+                (total,) = self._db.execute(
+                    f"SELECT COUNT(*) FROM checkpoints WHERE {live}", (now,)
+                ).fetchone()
+            else:
+                rows = self._db.execute(
+                    f"SELECT * FROM checkpoints WHERE run_id=? AND {live}"
+                    " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
+                    (run_id, now, limit, offset),
+                ).fetchall()
+                (total,) = self._db.execute(
+                    f"SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND {live}", (run_id, now)
+                ).fetchone()
+        return [self._ck_row(r) for r in rows], int(total)
+
+    def delete_checkpoint(self, tinker_path: str) -> CheckpointRow | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM checkpoints WHERE tinker_path=?", (tinker_path,)
+            ).fetchone()
+            if row is None:
+                return None
+            self._db.execute("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
+        return self._ck_row(row)
+
+    def set_checkpoint_expiry(self, tinker_path: str, expires_at: float | None) -> bool:
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE checkpoints SET expires_at=? WHERE tinker_path=?", (expires_at, tinker_path)
+            )
+        return cur.rowcount > 0
+
+    @staticmethod
+    def _ck_row(r: tuple[Any, ...]) -> CheckpointRow:
+        return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _unjson(r[7]), r[8])
+
+    # ---- recorded sequences -----------------------------------------------------------
+    def put_sequences(self, records: list[SequenceRecord]) -> None:
+        rows = []
+        for rec in records:
+            draws = rec.draws
+            rows.append(
+                (
+                    rec.sequence_id,
+                    rec.session_id,
+                    np.ascontiguousarray(rec.prompt_tokens, dtype="<i4").tobytes(),
+                    np.ascontiguousarray(rec.sampled_tokens, dtype="<i4").tobytes(),
+                    np.ascontiguousarray(rec.sampler_logprobs, dtype="<f4").tobytes(),
+                    None if draws is None else np.ascontiguousarray(draws, dtype="<i4").tobytes(),
+                    0 if draws is None else int(draws.shape[1]),
+                    rec.created_at,
+                    rec.last_used_at,
+                )
+            )
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?)", rows
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            for rec in records:
+                self._cache_put(rec)
+
+    def get(self, sequence_id: str) -> SequenceRecord | None:
+        """`SequenceLookup` for the provenance validator (ownership is checked there)."""
+        with self._lock:
+            rec = self._seq_cache.get(sequence_id)
+            if rec is not None:
+                self._seq_cache.move_to_end(sequence_id)
+                return rec
+            row = self._db.execute(
+                "SELECT * FROM sequences WHERE sequence_id=?", (sequence_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            (sid, sess, prompt, sampled, lps, draws, k, created, last_used) = row
+            s = np.frombuffer(sampled, dtype="<i4").astype(np.int32)
+            rec = SequenceRecord(
+                sequence_id=sid,
+                session_id=sess,
+                prompt_tokens=np.frombuffer(prompt, dtype="<i4").astype(np.int32),
+                sampled_tokens=s,
+                sampler_logprobs=np.frombuffer(lps, dtype="<f4").astype(np.float32),
+                draws=None
+                if draws is None
+                else np.frombuffer(draws, dtype="<i4").astype(np.int32).reshape(len(s), k),
+                created_at=created,
+                last_used_at=last_used,
+            )
+            self._cache_put(rec)
+            return rec
+
+    def touch_sequences(self, sequence_ids: set[str] | frozenset[str], now: float) -> None:
+        """Restart the 24 h expiry window of sequences used by a successful training request."""
+        if not sequence_ids:
+            return
+        ids = sorted(sequence_ids)
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "UPDATE sequences SET last_used_at=? WHERE sequence_id=?", [(now, i) for i in ids]
+            )
+            self._db.execute("COMMIT")
+            for i in ids:
+                rec = self._seq_cache.get(i)
+                if rec is not None:
+                    self._seq_cache[i] = _replace_last_used(rec, now)
+
+    def purge_expired_sequences(self, older_than: float) -> int:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,))
+            for k in [k for k, r in self._seq_cache.items() if r.last_used_at < older_than]:
+                del self._seq_cache[k]
+        return cur.rowcount
+
+    def sequence_storage_bytes(self) -> int:
+        """Bytes of token/logprob/draw payload held for recorded sequences."""
+        with self._lock:
+            (n,) = self._db.execute(
+                "SELECT COALESCE(SUM(LENGTH(prompt_tokens) + LENGTH(sampled_tokens)"
+                " + LENGTH(sampler_logprobs) + COALESCE(LENGTH(draws), 0)), 0) FROM sequences"
+            ).fetchone()
+        return int(n)
+
+    def _cache_put(self, rec: SequenceRecord) -> None:
+        self._seq_cache[rec.sequence_id] = rec
+        self._seq_cache.move_to_end(rec.sequence_id)
+        while len(self._seq_cache) > self._cache_size:
+            self._seq_cache.popitem(last=False)
+
+
+def _replace_last_used(rec: SequenceRecord, now: float) -> SequenceRecord:
+    from dataclasses import replace
+
+    return replace(rec, last_used_at=now)
