@@ -6,7 +6,7 @@ import base64
 from collections.abc import Sequence
 from typing import Annotated, Literal, TypeAlias
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import Discriminator, Tag, field_serializer, field_validator
 
 from ._base import StrictBase
 
@@ -145,9 +145,20 @@ class DmelChunk(StrictBase):
         return shape[0]
 
 
+def _chunk_tag(value: object) -> str | None:
+    # The official SDK's union is not strictly discriminated: a chunk dict without "type"
+    # validates as text. Keep that leniency, dispatch on "type" otherwise.
+    if isinstance(value, dict):
+        return value.get("type", "encoded_text")
+    return getattr(value, "type", None)
+
+
 ModelInputChunk: TypeAlias = Annotated[
-    EncodedTextChunk | ImageAssetPointerChunk | ImageChunk | DmelChunk,
-    Field(discriminator="type"),
+    Annotated[EncodedTextChunk, Tag("encoded_text")]
+    | Annotated[ImageAssetPointerChunk, Tag("image_asset_pointer")]
+    | Annotated[ImageChunk, Tag("image")]
+    | Annotated[DmelChunk, Tag("dmel")],
+    Discriminator(_chunk_tag),
 ]
 
 
