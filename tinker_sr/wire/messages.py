@@ -1,0 +1,377 @@
+"""JSON half of the wire codec: request bodies, plain responses, futures, errors.
+
+Each endpoint's request body is a pydantic model here. The server parses with `parse`
+(strict types, unknown keys rejected, so no option is ever silently ignored) and
+`RemoteBackend` builds the same models and sends ``to_json(model)`` (``exclude_none``, as
+the official SDK does: ``None`` fields are omitted, non-``None`` defaults are sent).
+Future results and error payloads (spec/wire.md §6) have small helpers at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import pydantic
+from pydantic import ConfigDict, Field
+
+from tinker_sr.types import (
+    AdamOptimizerConfig,
+    AdamParams,
+    LoraConfig,
+    ModelInput,
+    OptimizerConfig,
+    RequestErrorCategory,
+    SamplingParams,
+    TensorData,
+)
+
+from .errors import WireError
+
+__all__ = [
+    "SDK_VERSION",
+    "SERVER_CLIENT_CONFIG",
+    "SERVER_DYNAMIC_CONFIG",
+    "ClientConfigRequest",
+    "CreateSessionRequest",
+    "SessionHeartbeatRequest",
+    "SessionFinishRequest",
+    "CreateModelRequest",
+    "GetInfoRequest",
+    "OptimStepRequest",
+    "SaveWeightsRequest",
+    "SaveWeightsForSamplerRequest",
+    "LoadWeightsRequest",
+    "CreateSamplingSessionRequest",
+    "SampleRequest",
+    "WireSamplingParams",
+    "WireTensorData",
+    "FutureRetrieveRequest",
+    "WeightsInfoRequest",
+    "CheckpointTtlRequest",
+    "parse_json",
+    "parse",
+    "to_json",
+    "dumps",
+    "future_failure",
+    "try_again",
+    "is_try_again",
+    "category_of",
+]
+
+SDK_VERSION = "0.38.0"
+
+SERVER_CLIENT_CONFIG: dict[str, Any] = {
+    # Flags of spec/wire.md §3.1 that this server chooses (the rest keep SDK defaults).
+    "pjwt_auth_enabled": False,  # plain API keys, no /auth/token
+    "use_pyqwest_transport": False,  # plain httpx on the client: no native transport needed
+    # Bodies are sent uncompressed; the server nevertheless accepts Content-Encoding: zstd.
+    "proto_compress_fwdbwd": False,
+    # Chunks of one call arrive one by one in seq_id order (the engine runs one at a time).
+    "parallel_fwdbwd_chunks": False,
+    "sample_use_retrieve_futures": False,  # no /retrieve_futures session poller
+    "custom_loss_server_side": False,  # forward_backward_custom runs its loss client-side
+    "sample_join_sampling_session": False,  # no /join_sampling_session
+}
+
+SERVER_DYNAMIC_CONFIG: dict[str, Any] = {"refresh_interval_sec": 300}
+
+
+class _Wire(pydantic.BaseModel):
+    """A request body: unknown keys are an error, so no option is silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+# ---- bootstrap / sessions ----------------------------------------------------------------
+
+
+class ClientConfigRequest(_Wire):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(_Wire):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+    type: Literal["create_session"] = "create_session"
+
+
+class SessionHeartbeatRequest(_Wire):
+    session_id: str
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class FinishReason(_Wire):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class SessionFinishRequest(_Wire):
+    reason: FinishReason
+    detail: str | None = None
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+class CreateModelRequest(_Wire):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = AdamOptimizerConfig()
+    type: Literal["create_model"] = "create_model"
+
+
+class GetInfoRequest(_Wire):
+    model_id: str
+    type: Literal["get_info"] = "get_info"
+
+
+class OptimStepRequest(_Wire):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParams | None = None
+    optimizer_params: dict[str, Any] | None = None
+    """Non-Adam step parameters (e.g. Dimuon); this server refuses them explicitly."""
+    type: Literal["optim_step"] = "optim_step"
+
+
+class SaveWeightsRequest(_Wire):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsForSamplerRequest(_Wire):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class LoadWeightsRequest(_Wire):
+    # Mode 1 (load into an existing model): model_id + seq_id.
+    model_id: str | None = None
+    seq_id: int | None = None
+    # Mode 2 (create a model from a checkpoint): session_id + model_seq_id.
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+# ---- sampling -----------------------------------------------------------------------------
+
+
+class CreateSamplingSessionRequest(_Wire):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class WireSamplingParams(_Wire):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1
+    top_k: int = -1
+    top_p: float = 1
+
+    def to_public(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump(exclude_unset=True))
+
+    @classmethod
+    def from_public(cls, params: SamplingParams) -> WireSamplingParams:
+        stop = params.stop
+        if stop is not None and not isinstance(stop, str):
+            stop = list(stop)
+        return cls(
+            max_tokens=params.max_tokens,
+            seed=params.seed,
+            stop=stop,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+        )
+
+
+class WireTensorData(_Wire):
+    """``TensorData`` as JSON (the sample request's ``target_prompt_logprobs``)."""
+
+    data: list[int] | list[float]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+    def to_public(self, where: str) -> TensorData:
+        if self.shape is not None and any(d < 0 for d in self.shape):
+            raise WireError(f"{where}.shape {self.shape} has a negative dimension")
+        if self.sparse_crow_indices is None:
+            if self.shape is not None and math.prod(self.shape) != len(self.data):
+                raise WireError(
+                    f"{where}: shape {self.shape} needs {math.prod(self.shape)} values, "
+                    f"data has {len(self.data)}"
+                )
+        elif self.sparse_col_indices is None or self.shape is None or len(self.shape) != 2:
+            raise WireError(f"{where}: a sparse tensor needs sparse_col_indices and a 2-D shape")
+        td = TensorData(
+            data=self.data,
+            dtype=self.dtype,
+            shape=self.shape,
+            sparse_crow_indices=self.sparse_crow_indices,
+            sparse_col_indices=self.sparse_col_indices,
+        )
+        if td.sparse_crow_indices is not None:
+            try:
+                td.to_numpy()  # validates the CSR structure
+            except ValueError as e:
+                raise WireError(f"{where}: {e}") from None
+        return td
+
+    @classmethod
+    def from_public(cls, td: TensorData) -> WireTensorData:
+        values = np.asarray(td._numpy).ravel().tolist()
+        return cls(
+            data=values,
+            dtype=td.dtype,
+            shape=td.shape if td.shape is not None else [len(values)],
+            sparse_crow_indices=td.sparse_crow_indices,
+            sparse_col_indices=td.sparse_col_indices,
+        )
+
+
+class SampleRequest(_Wire):
+    num_samples: int = 1
+    prompt: ModelInput
+    sampling_params: WireSamplingParams
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: WireTensorData | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+    type: Literal["sample"] = "sample"
+
+
+# ---- futures / REST -----------------------------------------------------------------------
+
+
+class FutureRetrieveRequest(_Wire):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class WeightsInfoRequest(_Wire):
+    tinker_path: str
+
+
+class CheckpointTtlRequest(_Wire):
+    ttl_seconds: int | None = None
+
+
+# ---- parsing / serialising ----------------------------------------------------------------
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def parse_json(body: bytes, what: str) -> Any:
+    """Decode a JSON body; an empty body counts as ``{}``."""
+    if not body.strip():
+        return {}
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"{what}: request body is not valid JSON ({e})") from None
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def format_validation_error(what: str, err: pydantic.ValidationError) -> str:
+    problems = []
+    for e in err.errors()[:5]:
+        loc = _format_loc(tuple(e.get("loc", ())))
+        if e.get("type") == "extra_forbidden":
+            problems.append(f"unknown field '{loc}' (this server does not support it)")
+        elif e.get("type") == "missing":
+            problems.append(f"missing required field '{loc}'")
+        else:
+            problems.append(f"field '{loc}': {e.get('msg')} (got {e.get('input')!r:.80})")
+    more = f" (+{err.error_count() - 5} more)" if err.error_count() > 5 else ""
+    return f"{what}: " + "; ".join(problems) + more
+
+
+def parse(model: type[M], obj: Any, what: str) -> M:
+    """Validate a decoded JSON body strictly (no str->int coercion, no unknown keys)."""
+    if not isinstance(obj, dict):
+        raise WireError(f"{what}: request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj, strict=True)
+    except pydantic.ValidationError as e:
+        raise WireError(format_validation_error(what, e)) from None
+    except ValueError as e:  # a validator of a nested public type
+        raise WireError(f"{what}: {e}") from None
+
+
+def to_json(model: pydantic.BaseModel) -> dict[str, Any]:
+    """The JSON object the official SDK would send for ``model`` (``None`` fields omitted)."""
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+# ---- futures ------------------------------------------------------------------------------
+
+
+def future_failure(message: str, category: RequestErrorCategory | str) -> dict[str, str]:
+    """A failed future's payload (spec/wire.md §6.2): never carries anything else."""
+    return {"error": message, "category": str(category)}
+
+
+def try_again(request_id: str) -> dict[str, str]:
+    return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+
+
+def is_try_again(obj: Any) -> bool:
+    return isinstance(obj, dict) and obj.get("type") == "try_again"
+
+
+def category_of(value: Any) -> RequestErrorCategory:
+    """``"user"``/``"server"``/``"unknown"``; anything else (or missing) is Unknown."""
+    try:
+        return RequestErrorCategory(value)
+    except ValueError:
+        return RequestErrorCategory.Unknown
