@@ -21,6 +21,8 @@ __all__ = [
     "SaveWeightsResponse",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsExternalResponse",
+    "SaveWeightsExternalResponseInternal",
+    "SaveWeightsForSamplerResponseInternal",
     "LoadWeightsResponse",
     "ExternalWeightsUrlsResponse",
 ]
@@ -128,6 +130,20 @@ class SaveWeightsForSamplerResponse(BaseModel):
         return (
             f"{_CONSOLE_BASE_URL}/playground?mode=checkpoint&checkpoint={quote(self.path, safe='')}"
         )
+
+
+class SaveWeightsForSamplerResponseInternal(BaseModel):
+    """What the server returns; ``path`` is ``None`` for ephemeral sampler snapshots."""
+
+    path: str | None = None
+    sampling_session_id: str | None = None
+    type: Literal["save_weights_for_sampler"] | None = None
+
+
+class SaveWeightsExternalResponseInternal(BaseModel):
+    path: str | None = None
+    size_bytes: int | None = None
+    type: Literal["save_weights_external"] | None = None
 
 
 class SaveWeightsExternalResponse(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, TypeAlias
 
-from pydantic import Field, SerializeAsAny
+from pydantic import ConfigDict, Field, SerializeAsAny
 
 from ._base import StrictBase
 
@@ -20,17 +20,23 @@ __all__ = [
 ]
 
 
-class OptimizerConfigBase(StrictBase, frozen=True, extra="allow"):
+class OptimizerConfigBase(StrictBase):
     """Open base so a server can name optimizers this client does not know yet."""
+
+    model_config = ConfigDict(extra="allow")
 
     type: str
 
 
-class AdamOptimizerConfig(OptimizerConfigBase, frozen=True, extra="forbid"):
+class AdamOptimizerConfig(OptimizerConfigBase):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["adamw"] = "adamw"
 
 
-class DimuonOptimizerConfig(OptimizerConfigBase, frozen=True, extra="forbid"):
+class DimuonOptimizerConfig(OptimizerConfigBase):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["dimuon"] = "dimuon"
     version: Literal[1] = 1
 
@@ -50,13 +56,17 @@ class AdamParams(StrictBase):
     """Global gradient-norm clip; 0 disables clipping."""
 
 
-class OptimParamsBase(StrictBase, frozen=True, extra="allow"):
+class OptimParamsBase(StrictBase):
     """Open base for non-Adam step parameters, tagged by ``type``."""
+
+    model_config = ConfigDict(extra="allow")
 
     type: str
 
 
-class DimuonParams(OptimParamsBase, frozen=True, extra="forbid", allow_inf_nan=False):
+class DimuonParams(OptimParamsBase):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     type: Literal["dimuon"] = "dimuon"
     learning_rate: float = Field(ge=0)
     grad_clip_norm: float = 0.0

@@ -45,7 +45,8 @@ class TensorData:
     sparse_col_indices: list[int] | None = None
     """CSR column index of every listed value (``nnz`` entries)."""
 
-    _numpy: np.ndarray = field(repr=False)
+    # No default, as in the SDK; __init__ is custom so the ordering rule does not apply.
+    _numpy: np.ndarray = field(repr=False)  # type: ignore[misc]
 
     def __init__(
         self,
