@@ -1,0 +1,344 @@
+"""Sampling: one prefill, then all samples of a request decode as one batch over a KV cache.
+
+The sampling distribution at each step is
+
+    q = softmax(filter(logits / temperature))
+
+where `filter` keeps the top_k largest logits (top_k = -1: all), then the smallest set of the
+most likely remaining tokens whose renormalised mass reaches top_p, and sets the rest to -inf.
+Every output of `generate` refers to this one q:
+
+- the token is drawn from q by inverse CDF with a uniform from the row's "token" stream;
+- `logprobs[t]` = log q(token), i.e. the log-probability under the distribution the token was
+  actually drawn from (post temperature and filters), not under the raw model. This is what an
+  importance ratio or StableReinforce's KL term needs: the sampler's own density;
+- the K stability draws are i.i.d. from the same q, with replacement, by inverse CDF on
+  uniforms from the row's independent "draws" stream (never the token's uniform).
+
+temperature == 0 is greedy: q is a point mass on the argmax, logprobs are 0.0 and every
+draw equals the chosen token.
+
+Randomness is counter-based: row i of a request with seed s uses generators seeded from
+hash(s, i, "token") and hash(s, i, "draws"), so the same seed gives bit-identical tokens,
+logprobs and draws, rows differ from each other, and a row's uniforms do not depend on how
+many samples were requested. All uniforms are drawn once, before decoding starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.model import Transformer, _stable_seed
+
+TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float]  # log q(token) under the sampling distribution q (module docstring)
+    stop_reason: str  # "length" | "stop"
+    draws: np.ndarray | None = None  # int32 [len(tokens), K] stability draws from q
+    topk_token_ids: np.ndarray | None = None  # int32 [len(tokens), k] top of q, best first
+    topk_logprobs: np.ndarray | None = None  # float32 [len(tokens), k]; sentinel past q's support
+
+
+def _row_generator(seed: int, row: int, stream: str) -> torch.Generator:
+    return torch.Generator().manual_seed(_stable_seed("tinker_sr.sampler", seed, row, stream))
+
+
+def sampling_logprobs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """[n, V] raw logits → [n, V] log q (float32; -inf outside the kept set). temperature > 0."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    V = z.shape[-1]
+    if 0 < top_k < V:
+        vals, idx = z.topk(top_k, dim=-1)  # sorted, descending
+    elif top_p < 1.0:
+        vals, idx = z.sort(dim=-1, descending=True, stable=True)
+    else:
+        return z.log_softmax(-1)
+    if top_p < 1.0:
+        p = vals.softmax(-1)
+        before = p.cumsum(-1) - p  # mass strictly ahead of each token; the first one is kept
+        vals = vals.masked_fill(before >= top_p, -math.inf)
+    kept = torch.full_like(z, -math.inf).scatter_(-1, idx, vals)
+    return kept.log_softmax(-1)
+
+
+def _inverse_cdf(cdf: Tensor, last: Tensor, u: Tensor) -> Tensor:
+    """Token ids for uniforms u [n, m] from an unnormalised float64 CDF [n, V]."""
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    # u * total can round up to total; `last` is the last token with q > 0.
+    return torch.minimum(ids, last[:, None])
+
+
+def _check_tokens(tokens: Sequence[int], vocab_size: int, field: str) -> None:
+    if len(tokens) == 0:
+        raise EngineUserError(
+            f"{field}: expected at least one token, got none; add a token (e.g. BOS)"
+        )
+    t = torch.as_tensor(list(tokens))
+    bad = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(bad):
+        i = int(bad[0, 0])
+        raise EngineUserError(
+            f"{field}: token id {int(t[i])} at position {i} is outside the model vocabulary "
+            f"[0, {vocab_size}); use ids from this model's tokenizer"
+        )
+
+
+def _validate(
+    model: Transformer,
+    prompt: Sequence[int],
+    num_samples: int,
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    stop_token_ids: Sequence[int],
+    stop_strings: Sequence[str],
+    decode: object,
+    stability_k: int,
+    top_k_logprobs: int,
+) -> None:
+    cfg = model.config
+    _check_tokens(prompt, cfg.vocab_size, "prompt")
+    if num_samples < 1:
+        raise EngineUserError(f"num_samples: expected >= 1, got {num_samples}")
+    if max_tokens < 1:
+        raise EngineUserError(f"max_tokens: expected >= 1, got {max_tokens}")
+    total = len(prompt) + max_tokens
+    if total > cfg.max_seq_len:
+        raise EngineUserError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+            f"model's context length {cfg.max_seq_len}; cut the prompt or max_tokens by "
+            f"{total - cfg.max_seq_len}"
+        )
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
+    if not (0.0 < top_p <= 1.0):
+        raise EngineUserError(f"top_p: expected a value in (0, 1], got {top_p}; use 1 for no limit")
+    if top_k == 0 or top_k < -1:
+        raise EngineUserError(f"top_k: expected -1 (no limit) or >= 1, got {top_k}")
+    for i in stop_token_ids:
+        if not 0 <= int(i) < cfg.vocab_size:
+            raise EngineUserError(
+                f"stop: token id {i} is outside the model vocabulary [0, {cfg.vocab_size})"
+            )
+    if any(not s for s in stop_strings):
+        raise EngineUserError("stop: stop strings must be non-empty")
+    if stop_strings and decode is None:
+        raise EngineUserError("stop: stop strings need a decode function (the model's tokenizer)")
+    if stability_k < 0:
+        raise EngineUserError(f"stability_k: expected >= 0, got {stability_k}")
+    if top_k_logprobs < 0:
+        raise EngineUserError(f"topk_sample_logprobs: expected >= 0, got {top_k_logprobs}")
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    *,
+    num_samples: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
+    seed: int,
+    stability_k: int = 0,
+    top_k_logprobs: int = 0,
+) -> list[SampleOutput]:
+    """Sample `num_samples` continuations of `prompt` (see the module docstring for q).
+
+    Stops a row when it produces a stop token id (kept in `tokens`, stop_reason "stop"), or
+    when the decoded text of its sampled tokens contains a stop string (tokens end with the
+    token that completed it, "stop"); otherwise it runs to max_tokens ("length").
+    `stability_k` > 0 adds `draws` [T, K]; `top_k_logprobs` > 0 adds the top entries of log q.
+    """
+    _validate(
+        model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
+        stop_token_ids, stop_strings, decode, stability_k, top_k_logprobs,
+    )  # fmt: skip
+    n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
+    greedy = temperature == 0
+    u_tok = torch.stack(
+        [torch.rand(max_tokens, dtype=torch.float64, generator=_row_generator(seed, i, "token"))
+         for i in range(n)]
+    )  # fmt: skip
+    u_draw = None
+    if K and not greedy:
+        u_draw = torch.stack(
+            [torch.rand(max_tokens, K, dtype=torch.float64, generator=_row_generator(seed, i, "draws"))
+             for i in range(n)]
+        )  # fmt: skip
+
+    out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
+    out_lp = torch.zeros(n, max_tokens, dtype=torch.float32)
+    out_draws = torch.zeros(n, max_tokens, K, dtype=torch.int32)
+    kk = min(top_k_logprobs, V)
+    out_topk_ids = torch.zeros(n, max_tokens, kk, dtype=torch.int32)
+    out_topk_lp = torch.zeros(n, max_tokens, kk, dtype=torch.float32)
+    lengths = torch.full((n,), max_tokens, dtype=torch.long)
+    done = torch.zeros(n, dtype=torch.bool)
+    stop_ids = torch.tensor(sorted({int(i) for i in stop_token_ids}), dtype=torch.long)
+    # A stop string completed by the newest token lies within the last few tokens (>= 1 byte
+    # each, <= 4 bytes per character); the slack absorbs decoders that strip a leading space.
+    window = 4 * max((len(s) for s in stop_strings), default=0) + 8
+
+    model.eval()
+    cache = model.new_cache(n, P + max_tokens)
+    logits = model(torch.tensor([prompt]), cache=cache)[:, -1].expand(n, V)
+    arange_v = torch.arange(V)
+    for t in range(max_tokens):
+        if greedy:
+            tok = logits.argmax(-1)
+            logq = torch.where(arange_v == tok[:, None], 0.0, -math.inf)
+        else:
+            logq = sampling_logprobs(logits, temperature, top_k, top_p)
+            cdf = logq.exp().double().cumsum_(-1)
+            last = cdf.argmax(-1)  # first index reaching the total = last token with q > 0
+            tok = _inverse_cdf(cdf, last, u_tok[:, t : t + 1]).squeeze(1)
+            if u_draw is not None:
+                out_draws[:, t] = _inverse_cdf(cdf, last, u_draw[:, t]).to(torch.int32)
+        if K and greedy:
+            out_draws[:, t] = tok[:, None].to(torch.int32)
+        out_tok[:, t] = tok
+        out_lp[:, t] = logq.gather(-1, tok[:, None]).squeeze(1)
+        if kk:
+            top_lp, top_ids = logq.topk(kk, dim=-1)
+            out_topk_ids[:, t] = top_ids.to(torch.int32)
+            out_topk_lp[:, t] = top_lp
+
+        hit = ~done & torch.isin(tok, stop_ids) if len(stop_ids) else torch.zeros_like(done)
+        if stop_strings:
+            for i in (~done & ~hit).nonzero().flatten().tolist():
+                text = decode(out_tok[i, max(0, t + 1 - window) : t + 1].tolist())  # type: ignore[misc]
+                if any(s in text for s in stop_strings):
+                    hit[i] = True
+        lengths[hit] = t + 1
+        done |= hit
+        if t + 1 == max_tokens or bool(done.all()):
+            break
+        logits = model(tok[:, None], start_pos=P + t, cache=cache)[:, -1]
+
+    outputs = []
+    for i in range(n):
+        L = int(lengths[i])
+        topk_ids = topk_lp = None
+        if kk:
+            topk_ids = out_topk_ids[i, :L].numpy().copy()
+            topk_lp = out_topk_lp[i, :L].numpy().copy()
+            empty = np.isneginf(topk_lp)
+            topk_ids[empty], topk_lp[empty] = TOPK_SENTINEL
+        outputs.append(
+            SampleOutput(
+                tokens=out_tok[i, :L].tolist(),
+                logprobs=out_lp[i, :L].tolist(),
+                stop_reason="stop" if bool(done[i]) else "length",
+                draws=out_draws[i, :L].numpy().copy() if K else None,
+                topk_token_ids=topk_ids,
+                topk_logprobs=topk_lp,
+            )
+        )
+    return outputs
+
+
+# --- scoring a given sequence ----------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _next_token_logprobs(model: Transformer, tokens: Sequence[int]) -> Tensor:
+    """[len(tokens) - 1, V] log p(· | tokens[:t+1]) under the raw model (temperature 1)."""
+    _check_tokens(tokens, model.config.vocab_size, "prompt")
+    model.eval()
+    logits = model(torch.tensor([list(tokens)]))[0, :-1]
+    return logits.log_softmax(-1)
+
+
+def score_tokens(model: Transformer, tokens: Sequence[int]) -> np.ndarray:
+    """float32 [len(tokens) - 1]: entry t = log p(tokens[t+1] | tokens[:t+1]) under the raw model."""
+    logp = _next_token_logprobs(model, tokens)
+    targets = torch.tensor(list(tokens[1:]))[:, None]
+    return logp.gather(-1, targets).squeeze(1).numpy().copy()
+
+
+def prompt_logprobs(model: Transformer, tokens: Sequence[int]) -> list[float | None]:
+    """One entry per token; entry 0 is None (no context), entry t = log p(tokens[t] | tokens[:t])."""
+    return [None, *score_tokens(model, tokens).tolist()]
+
+
+def prompt_top_k_logprobs(
+    model: Transformer, tokens: Sequence[int], k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 ids, float32 logprobs), each [len(tokens), k], best first, raw model.
+    Row 0 (no context) holds the sentinel (0, -99999.0) in every cell."""
+    if k < 1:
+        raise EngineUserError(f"topk_prompt_logprobs: expected >= 1, got {k}")
+    logp = _next_token_logprobs(model, tokens)
+    k = min(k, logp.shape[-1])
+    lp, ids = logp.topk(k, dim=-1)
+    head_ids = np.full((1, k), TOPK_SENTINEL[0], dtype=np.int32)
+    head_lp = np.full((1, k), TOPK_SENTINEL[1], dtype=np.float32)
+    return (
+        np.concatenate([head_ids, ids.numpy().astype(np.int32)]),
+        np.concatenate([head_lp, lp.numpy()]),
+    )
+
+
+def target_logprobs(model: Transformer, tokens: Sequence[int], targets: np.ndarray) -> np.ndarray:
+    """float32 [len(tokens) - 1, K]: cell (i, j) = log p(targets[i, j] | tokens[:i+1]) under the
+    raw model; cells holding -1 request nothing and return 0.0."""
+    targets = np.asarray(targets)
+    if targets.ndim != 2 or targets.shape[0] != len(tokens) - 1:
+        raise EngineUserError(
+            f"target_prompt_logprobs: expected shape [{len(tokens) - 1}, K] (one row per prompt "
+            f"position after the first), got {list(targets.shape)}"
+        )
+    V = model.config.vocab_size
+    if ((targets < -1) | (targets >= V)).any():
+        raise EngineUserError(
+            f"target_prompt_logprobs: ids must be -1 (none) or in [0, {V}); got "
+            f"{int(targets[(targets < -1) | (targets >= V)][0])}"
+        )
+    logp = _next_token_logprobs(model, tokens)
+    t = torch.as_tensor(targets, dtype=torch.long)
+    out = logp.gather(-1, t.clamp_min(0)).masked_fill(t < 0, 0.0)
+    return out.numpy().copy()
+
+
+@torch.inference_mode()
+def prompt_alt_tokens(
+    model: Transformer, tokens: Sequence[int], k: int, *, temperature: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """k tokens per prompt position 1.. drawn i.i.d. with replacement from
+    softmax(logits / temperature) (greedy at 0) → (int64 ids, float32 log q), each [P - 1, k]."""
+    if k < 1:
+        raise EngineUserError(f"prompt_alt_tokens_k: expected >= 1, got {k}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
+    _check_tokens(tokens, model.config.vocab_size, "prompt")
+    model.eval()
+    logits = model(torch.tensor([list(tokens)]))[0, :-1]
+    if temperature == 0:
+        ids = logits.argmax(-1, keepdim=True).expand(-1, k)
+        return ids.numpy().astype(np.int64), np.zeros(ids.shape, dtype=np.float32)
+    logq = sampling_logprobs(logits, temperature, -1, 1.0)
+    cdf = logq.exp().double().cumsum_(-1)
+    u = torch.rand(
+        logits.shape[0], k, dtype=torch.float64, generator=_row_generator(seed, 0, "alt")
+    )
+    ids = _inverse_cdf(cdf, cdf.argmax(-1), u)
+    return ids.numpy().astype(np.int64), logq.gather(-1, ids).numpy().copy()
