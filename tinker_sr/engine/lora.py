@@ -1,0 +1,176 @@
+"""LoRA adapters: y = W x + (alpha / rank) · B A x, with W frozen, A random, B zero at init.
+
+A wrapped layer keeps its base parameters under the original names (`...q_proj.weight`), so
+base checkpoints still load by name; the adapter adds `...q_proj.lora_A.weight` [rank, in] and
+`...q_proj.lora_B.weight` [out, rank] (PEFT's layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int | None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    alpha: float = 32.0
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear (same weight/bias Parameters as the layer it replaces) plus an adapter."""
+
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.scaling = alpha / rank
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False)
+        with torch.no_grad():
+            # PEFT's default: kaiming_uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(in), 1/sqrt(in)).
+            bound = 1.0 / math.sqrt(self.in_features)
+            a = torch.rand(rank, self.in_features, generator=generator, dtype=torch.float32)
+            self.lora_A.weight.copy_(a * (2 * bound) - bound)
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+    def merged_weight(self) -> Tensor:
+        return self.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
+    """(parent module, attribute) of every Linear the spec selects, in a fixed order."""
+    out: list[tuple[nn.Module, str]] = []
+    for layer in model.model.layers:
+        if spec.train_attn:
+            out += [(layer.self_attn, n) for n in ATTN]
+        if spec.train_mlp:
+            out += [(layer.mlp, n) for n in MLP]
+    if spec.train_unembed:
+        out.append((model, "lm_head"))
+    return out
+
+
+def apply_lora(model: Transformer, spec: LoraSpec) -> None:
+    """Freeze every base parameter and wrap the selected Linears with LoRA adapters, in place.
+
+    A is drawn from a dedicated generator seeded by spec.seed (None: from OS entropy, so not
+    reproducible), B is zero, so the wrapped model's outputs equal the base model's.
+    """
+    if not isinstance(spec.rank, int) or spec.rank < 1:
+        raise EngineUserError(f"lora rank: expected an integer >= 1, got {spec.rank!r}")
+    if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+        raise EngineUserError(
+            "lora: train_attn, train_mlp and train_unembed are all False; enable at least one"
+        )
+    if not (math.isfinite(spec.alpha) and spec.alpha > 0):
+        raise EngineUserError(f"lora alpha: expected a finite number > 0, got {spec.alpha}")
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise EngineUserError("lora: this model already has adapters")
+    gen = torch.Generator()
+    if spec.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(_stable_seed("tinker_sr.lora", spec.seed))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent, attr in _targets(model, spec):
+        base = getattr(parent, attr)
+        wrapped = LoraLinear(base, spec.rank, spec.alpha, gen)
+        setattr(parent, attr, wrapped.to(base.weight.dtype))
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters with requires_grad, in module-registration order (stable across processes)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Detached copies of the adapter tensors only, e.g.
+    `model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if _is_adapter(n)}
+
+
+def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Copy adapter values in; names and shapes must match this model's adapters exactly."""
+    own = {n: p for n, p in model.named_parameters() if _is_adapter(n)}
+    missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
+    if missing or unexpected:
+        raise EngineUserError(
+            f"LoRA weights do not match this model: {len(missing)} missing (e.g. {missing[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}); load a checkpoint saved from "
+            "a model with the same base model and LoRA config (rank, train_* flags)"
+        )
+    for n, p in own.items():
+        if tuple(sd[n].shape) != tuple(p.shape):
+            raise EngineUserError(
+                f"LoRA weight {n}: checkpoint shape {tuple(sd[n].shape)} != model shape "
+                f"{tuple(p.shape)}; the LoRA rank or base model differs"
+            )
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(sd[n])
+
+
+def clone_for_sampling(model: Transformer, *, dtype: torch.dtype = torch.float32) -> Transformer:
+    """An independent, adapter-free inference copy holding the current weights in `dtype`.
+
+    LoRA layers are merged (W + scaling · B A) into fresh tensors. Frozen base tensors are
+    shared with `model` when `dtype` matches (they never change); trainable ones are copied,
+    so later optimizer steps on `model` cannot reach the clone. A tied embedding whose
+    lm_head has an adapter is untied in the clone (the adapter only acts on the output).
+    """
+    config = model.config
+    lm_head_adapted = isinstance(model.lm_head, LoraLinear)
+    if config.tie_embeddings and lm_head_adapted:
+        config = dataclasses.replace(config, tie_embeddings=False)
+    with torch.device("meta"):  # every parameter is assigned below; nothing to allocate now
+        clone = Transformer(config)
+    clone.inv_freq = rope_inv_freq(config)
+    src: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, LoraLinear):
+                src[f"{name}.weight"] = mod.merged_weight()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if not _is_adapter(name):
+                src.setdefault(name, p if not p.requires_grad else p.detach().clone())
+        for name in [n for n, _ in clone.named_parameters()]:  # a tied lm_head is re-tied below
+            t = src[name].detach()
+            if t.dtype != dtype:
+                t = t.to(dtype)
+            # Parameter(t) aliases t's storage: frozen base weights are shared, not copied.
+            _set_param(clone, name, nn.Parameter(t, requires_grad=False))
+        if config.tie_embeddings:
+            clone.lm_head.weight = clone.model.embed_tokens.weight
+    clone.eval()
+    return clone
+
+
+def _set_param(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
+    parent, _, attr = dotted.rpartition(".")
+    setattr(root.get_submodule(parent), attr, value)
