@@ -35,9 +35,11 @@ def save_tensors(
     plain: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel() > 0:
+        storage = t.untyped_storage()
+        # safetensors refuses tensors that share memory; copy aliases and partial views.
+        if storage.data_ptr() in seen or storage.nbytes() != t.numel() * t.element_size():
             t = t.clone()
+        ptr = t.untyped_storage().data_ptr()
         seen.add(ptr)
         plain[name] = t
     blob = _serialize(plain, metadata=metadata)

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.optim import Adam, AdamHParams
+
+
+def make_params(seed: int = 0) -> list[tuple[str, nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ("a.weight", nn.Parameter(torch.randn(5, 3, generator=gen))),
+        ("b.weight", nn.Parameter(torch.randn(7, generator=gen))),
+        ("c.weight", nn.Parameter(torch.randn(2, 2, generator=gen))),
+    ]
+
+
+def set_grads(params: list[tuple[str, nn.Parameter]], step: int, skip_c: bool = False) -> None:
+    gen = torch.Generator().manual_seed(1000 + step)
+    for name, p in params:
+        g = torch.randn(p.shape, generator=gen) * (1 + step)
+        p.grad = None if (skip_c and name == "c.weight" and step % 2) else g
+
+
+# Hyperparameters change every step, as Tinker allows.
+SCHEDULE = [
+    AdamHParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12),
+    AdamHParams(learning_rate=5e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1),
+    AdamHParams(
+        learning_rate=2e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0
+    ),
+    AdamHParams(learning_rate=1e-3, beta1=0.0, beta2=0.5, eps=1e-12, grad_clip_norm=100.0),
+    AdamHParams(learning_rate=0.0),
+]
+
+
+@pytest.mark.parametrize("skip_c", [False, True])
+def test_matches_torch_adamw_with_changing_hparams(skip_c: bool) -> None:
+    ours, ref = make_params(), make_params()
+    opt = Adam(ours)
+    torch_opt = torch.optim.AdamW([p for _, p in ref])
+    for step, hp in enumerate(SCHEDULE * 2):
+        set_grads(ours, step, skip_c)
+        set_grads(ref, step, skip_c)
+        metrics = opt.step(hp)
+        ref_norm = torch.nn.utils.clip_grad_norm_(
+            [p for _, p in ref if p.grad is not None],
+            hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf"),
+        )
+        for group in torch_opt.param_groups:
+            group.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                         weight_decay=hp.weight_decay)  # fmt: skip
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert metrics["grad_norm:mean"] == pytest.approx(float(ref_norm), rel=1e-6)
+        assert metrics["learning_rate:mean"] == hp.learning_rate
+        for (_, p), (_, q) in zip(ours, ref, strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+            assert p.grad is None
+
+
+def test_state_round_trip_continues_bit_identically() -> None:
+    a_params, b_params = make_params(), make_params()
+    a = Adam(a_params)
+    for step in range(3):
+        set_grads(a_params, step, skip_c=True)
+        a.step(SCHEDULE[step])
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(a_params, b_params, strict=True):
+            q.copy_(p)
+    b = Adam(b_params)
+    b.load_state_dict(a.state_dict())
+    assert b.steps == a.steps and b.steps["c.weight"] == 2
+    for step in range(3, 6):
+        set_grads(a_params, step)
+        set_grads(b_params, step)
+        a.step(SCHEDULE[step % 5])
+        b.step(SCHEDULE[step % 5])
+    for (_, p), (_, q) in zip(a_params, b_params, strict=True):
+        assert torch.equal(p, q)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_mismatched_state_is_a_user_error() -> None:
+    opt = Adam(make_params())
+    sd = opt.state_dict()
+    with pytest.raises(EngineUserError, match="missing"):
+        opt.load_state_dict({k: v for k, v in sd.items() if not k.startswith("a.")})
+    with pytest.raises(EngineUserError, match="shape"):
+        opt.load_state_dict(sd | {"b.weight.exp_avg": torch.zeros(3)})
+
+
+def test_bad_hparams_and_nan_grads_change_nothing() -> None:
+    params = make_params()
+    opt = Adam(params)
+    before = [p.detach().clone() for _, p in params]
+    set_grads(params, 0)
+    with pytest.raises(EngineUserError, match="beta2"):
+        opt.step(AdamHParams(beta2=1.0))
+    with pytest.raises(EngineUserError, match="learning_rate"):
+        opt.step(AdamHParams(learning_rate=float("nan")))
+    params[0][1].grad[0, 0] = float("inf")
+    with pytest.raises(EngineUserError, match="not finite"):
+        opt.step(AdamHParams())
+    assert all(torch.equal(b, p) for b, (_, p) in zip(before, params, strict=True))
+    assert all(v == 0 for v in opt.steps.values())
+    assert params[1][1].grad is not None  # gradients are kept for inspection

@@ -1,0 +1,141 @@
+"""AdamW over a fixed list of named parameters, step-for-step equal to torch.optim.AdamW.
+
+Our own loop rather than torch.optim so that hyperparameters can change on every step (Tinker
+sends AdamParams with each optim_step) and the state dict is flat, named and exact: a
+restored optimizer continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from tinker_sr.engine.errors import EngineUserError
+
+
+@dataclass
+class AdamHParams:
+    """Tinker's AdamParams; defaults are Tinker's (note weight_decay 0, eps 1e-12)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # > 0: clip the global L2 norm of all gradients to this
+
+    def validate(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise EngineUserError(
+                    f"adam_params.{f.name}: expected a finite number >= 0, got {v!r}"
+                )
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise EngineUserError(
+                    f"adam_params.{name}: expected a value in [0, 1), got {getattr(self, name)}"
+                )
+
+
+class Adam:
+    """Decoupled weight decay, bias correction, optional global grad-norm clipping.
+
+    Per parameter with a gradient (as torch's single-tensor AdamW):
+        p *= 1 - lr * wd
+        m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g²
+        p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    Parameters without a gradient are skipped and their step count does not advance.
+    """
+
+    def __init__(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
+        names = [n for n, _ in params]
+        if len(set(names)) != len(names):
+            raise ValueError("Adam: parameter names must be unique")
+        self.params = list(params)
+        self.steps = {n: 0 for n in names}
+        self.exp_avg = {
+            n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params
+        }
+        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params}
+
+    def zero_grad(self) -> None:
+        for _, p in self.params:
+            p.grad = None
+
+    def grad_norm(self) -> float:
+        grads = [p.grad for _, p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        )
+
+    @torch.no_grad()
+    def step(self, hp: AdamHParams, *, zero_grad: bool = True) -> dict[str, float]:
+        """Apply one update from the accumulated gradients, then (by default) clear them.
+
+        A non-finite gradient norm raises EngineUserError before anything changes.
+        """
+        hp.validate()
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            raise EngineUserError(
+                f"optim_step: the accumulated gradient is not finite (norm {norm}); nothing was "
+                "updated. Check the loss inputs (advantages, logprobs, weights) of the last "
+                "forward_backward calls"
+            )
+        clip = 1.0
+        if hp.grad_clip_norm > 0:  # same arithmetic as torch.nn.utils.clip_grad_norm_
+            clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
+        lr, b1, b2 = hp.learning_rate, hp.beta1, hp.beta2
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            grad = p.grad if clip == 1.0 else p.grad * clip
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
+            self.steps[name] += 1
+            t = self.steps[name]
+            if hp.weight_decay != 0:
+                p.mul_(1 - lr * hp.weight_decay)
+            m.lerp_(grad, 1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            step_size = lr / (1 - b1**t)
+            denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(hp.eps)
+            p.addcdiv_(m, denom, value=-step_size)
+        if zero_grad:
+            self.zero_grad()
+        return {"grad_norm:mean": norm, "learning_rate:mean": lr}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Flat tensors: `{name}.exp_avg`, `{name}.exp_avg_sq`, `{name}.step` (int64 scalar)."""
+        out: dict[str, Tensor] = {}
+        for name, _ in self.params:
+            out[f"{name}.exp_avg"] = self.exp_avg[name].clone()
+            out[f"{name}.exp_avg_sq"] = self.exp_avg_sq[name].clone()
+            out[f"{name}.step"] = torch.tensor(self.steps[name], dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Exact restore; names and shapes must match this optimizer's parameters."""
+        want = self.state_dict()
+        missing, unexpected = sorted(want.keys() - sd.keys()), sorted(sd.keys() - want.keys())
+        if missing or unexpected:
+            raise EngineUserError(
+                f"optimizer state does not match this model: {len(missing)} missing (e.g. "
+                f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); load "
+                "state saved from a model with the same base model and LoRA config"
+            )
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(want[k].shape):
+                raise EngineUserError(
+                    f"optimizer state {k}: shape {tuple(v.shape)} != expected {tuple(want[k].shape)}"
+                )
+        for name, _ in self.params:
+            self.exp_avg[name].copy_(sd[f"{name}.exp_avg"])
+            self.exp_avg_sq[name].copy_(sd[f"{name}.exp_avg_sq"])
+            self.steps[name] = int(sd[f"{name}.step"])
