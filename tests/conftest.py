@@ -1,0 +1,60 @@
+"""Shared fixtures: every client test runs against each backend in `BACKENDS`.
+
+The remote variant starts a real `tinker-sr serve` subprocess on a free 127.0.0.1 port
+(see tests/_server.py) and points the same client code at it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Never let a developer's environment point the suite at a hosted service.
+os.environ.pop("TINKER_BASE_URL", None)
+os.environ.pop("TINKER_SR_BACKEND", None)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+BACKENDS = ["local"]
+try:  # the remote backend joins the matrix once its server fixture exists
+    from tests import _server  # noqa: F401
+
+    BACKENDS.append("remote")
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.fixture(scope="session")
+def remote_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests._server import running_server
+
+    store = tmp_path_factory.mktemp("server_store")
+    with running_server(store) as srv:
+        yield srv
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def service(backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A `tinker_sr.ServiceClient` on the embedded engine or on a real local server."""
+    import tinker_sr as tinker
+    from tinker_sr.backend.local import LocalBackend
+
+    if backend_kind == "local":
+        backend = LocalBackend(tmp_path / "store")
+        client = tinker.ServiceClient(backend=backend)
+        yield client
+        client.close().result()
+        backend.close()
+    else:
+        srv = request.getfixturevalue("remote_server")
+        client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-test")
+        yield client
+        client.close().result()

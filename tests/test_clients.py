@@ -1,0 +1,258 @@
+"""Client behaviour a Tinker user relies on, on every backend (local and remote)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+import tinker_sr as tinker
+from tinker_sr import types
+
+MODEL = "tinker-sr/tiny"
+
+
+def sft_datum(text: bytes) -> types.Datum:
+    toks = list(text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
+    )
+
+
+def params(seed: int = 0, n: int = 6) -> types.SamplingParams:
+    return types.SamplingParams(max_tokens=n, temperature=1.0, seed=seed, stop=[])
+
+
+def test_create_training_client_result_await_and_info(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=1).result()
+    assert isinstance(tc, tinker.TrainingClient)
+    session = tc.model_id.split(":train:")[0]
+    assert tc.model_id == f"{session}:train:0"
+    info = tc.get_info()
+    assert info.model_data.model_name == MODEL and info.lora_rank == 4
+
+    async def main() -> tinker.TrainingClient:
+        return await service.create_lora_training_client(MODEL, rank=4)
+
+    tc2 = asyncio.run(main())
+    assert tc2.model_id == f"{session}:train:1"
+
+
+def test_forward_backward_then_optim_step_pipelined_in_order(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    data = [sft_datum(b"hello world"), sft_datum(b"abc")]
+    first = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    futs = []
+    for _ in range(3):
+        futs.append(tc.forward_backward(data, "cross_entropy"))
+        futs.append(tc.optim_step(types.AdamParams(learning_rate=1e-2)))
+    outs = [f.result() for f in futs]
+    losses = [o.metrics["loss:sum"] for o in outs[::2]]
+    # Each forward_backward ran after the optim_step submitted before it.
+    assert losses[0] == pytest.approx(first, rel=1e-5)
+    assert losses[0] > losses[1] > losses[2]
+    fb = outs[0]
+    assert fb.loss_fn_output_type == "ArrayRecord"
+    assert [o["logprobs"].shape for o in fb.loss_fn_outputs] == [[10], [2]]
+    assert all(":" in k for k in fb.metrics)
+
+
+def test_futures_semantics(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    fut = tc.forward([sft_datum(b"hello")], "cross_entropy")
+    assert isinstance(fut, tinker.APIFuture)
+    assert isinstance(fut.future(), concurrent.futures.Future)
+    r1 = fut.result(timeout=60)
+    assert fut.result() is r1  # cached
+
+    async def main() -> None:
+        f2 = tc.forward([sft_datum(b"hello")], "cross_entropy")
+        got = await f2
+        assert got.metrics["loss:sum"] == pytest.approx(r1.metrics["loss:sum"])
+        f3 = tc.forward([sft_datum(b"hello")], "cross_entropy")
+        a, b = await asyncio.gather(f3.coroutine(), f3.result_async())
+        assert a is b
+
+    asyncio.run(main())
+
+
+def test_deprecated_async_variants_need_two_awaits(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+
+    async def main() -> float:
+        with pytest.warns(FutureWarning):
+            future = await tc.forward_backward_async([sft_datum(b"hey")], "cross_entropy")
+        return (await future.result_async()).metrics["loss:sum"]
+
+    assert asyncio.run(main()) > 0
+
+
+def test_sampling_tokens_logprobs_ids_and_determinism(service: tinker.ServiceClient) -> None:
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    prompt = types.ModelInput.from_ints(list(b"Hello"))
+    r = sc.sample(prompt, num_samples=4, sampling_params=params(seed=7)).result()
+    assert len(r.sequences) == 4
+    ids = [s.sequence_id for s in r.sequences]
+    assert len(set(ids)) == 4 and all(ids)
+    for s in r.sequences:
+        assert len(s.tokens) == 6 and s.logprobs is not None and len(s.logprobs) == 6
+        assert s.stop_reason == "length"
+    # Samples within one request differ; the same seed reproduces them bit for bit.
+    assert len({tuple(s.tokens) for s in r.sequences}) > 1
+    again = sc.sample(prompt, num_samples=4, sampling_params=params(seed=7)).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in r.sequences]
+    assert [s.logprobs for s in again.sequences] == [s.logprobs for s in r.sequences]
+    other = sc.sample(prompt, num_samples=4, sampling_params=params(seed=8)).result()
+    assert [s.tokens for s in other.sequences] != [s.tokens for s in r.sequences]
+
+
+def test_sampled_logprobs_match_compute_logprobs(service: tinker.ServiceClient) -> None:
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    prompt = list(b"The cat")
+    r = sc.sample(types.ModelInput.from_ints(prompt), 1, params(seed=3)).result()
+    seq = r.sequences[0]
+    lps = sc.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result()
+    assert lps[0] is None and len(lps) == len(prompt) + len(seq.tokens)
+    np.testing.assert_allclose(lps[len(prompt) :], seq.logprobs, atol=1e-4)
+
+
+def test_stop_strings_tokens_and_eos(service: tinker.ServiceClient) -> None:
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    prompt = types.ModelInput.from_ints(list(b"x"))
+    greedy = sc.sample(prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
+    first = greedy.sequences[0].tokens[0]
+    stopped = sc.sample(
+        prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0, stop=[first])
+    ).result()
+    assert stopped.sequences[0].tokens == [first] and stopped.sequences[0].stop_reason == "stop"
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    data = [sft_datum(b"round trip")]
+    adam = types.AdamParams(learning_rate=1e-2)
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(adam).result()
+    saved = tc.save_state("s1").result()
+    assert saved.path == f"tinker://{tc.model_id}/weights/s1"
+    sampler_path = tc.save_weights_for_sampler("w1").result().path
+    assert sampler_path == f"tinker://{tc.model_id}/sampler_weights/w1"
+    # Continue training the original for one step...
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(adam).result()
+    after = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    # ...and the same step from the restored state gives exactly the same model.
+    tc2 = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    tc2.forward_backward(data, "cross_entropy")
+    tc2.optim_step(adam).result()
+    assert tc2.forward(data, "cross_entropy").result().metrics["loss:sum"] == after
+    # Without the optimizer the first step differs (fresh Adam moments).
+    tc3 = service.create_training_client_from_state(saved.path).result()
+    tc3.forward_backward(data, "cross_entropy")
+    tc3.optim_step(adam).result()
+    assert tc3.forward(data, "cross_entropy").result().metrics["loss:sum"] != after
+    # Sampler weights load into a sampling client of the same session.
+    sc = service.create_sampling_client(model_path=sampler_path).result()
+    assert sc.get_base_model() == MODEL
+    with pytest.warns(FutureWarning):
+        rest = service.create_rest_client()
+    cks = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert {c.checkpoint_id for c in cks} == {"weights/s1", "sampler_weights/w1"}
+    run = rest.get_training_run_by_tinker_path(saved.path).result()
+    assert run.training_run_id == tc.model_id and run.base_model == MODEL
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    cks = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.checkpoint_id for c in cks] == ["weights/s1"]
+
+
+def test_same_seeds_give_identical_training(service: tinker.ServiceClient) -> None:
+    def run() -> list[float]:
+        tc = service.create_lora_training_client(MODEL, rank=4, seed=123).result()
+        data = [sft_datum(b"determinism"), sft_datum(b"bits")]
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        out = tc.forward(data, "cross_entropy").result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        s = sc.sample(types.ModelInput.from_ints(list(b"ab")), 2, params(seed=5)).result()
+        return [out.metrics["loss:sum"], *out.loss_fn_outputs[0]["logprobs"].tolist(),
+                *(t for q in s.sequences for t in q.tokens)]
+
+    assert run() == run()
+
+
+def test_datum_dataclasses_replace_and_pickled_sampling_client(service: tinker.ServiceClient) -> None:
+    d = sft_datum(b"hello")
+    d2 = dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "weights": [0.5] * 4})
+    assert d2.loss_fn_inputs["weights"].dtype == "float32"
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    clone = pickle.loads(pickle.dumps(sc))
+    r = clone.sample(types.ModelInput.from_ints([1, 2]), 1, params()).result()
+    assert r.sequences[0].sequence_id
+
+
+# ---- bad input: typed errors, nothing changed -------------------------------------------------
+
+
+def test_bad_requests_fail_with_typed_errors_and_change_nothing(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    data = [sft_datum(b"stable")]
+    before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    with pytest.raises(ValueError, match="No data provided"):
+        tc.forward_backward([], "cross_entropy")
+    bad = {
+        "mismatched lengths": types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, 1.0]},
+        ),
+        "vocabulary": types.Datum(
+            model_input=types.ModelInput.from_ints([1, 99999]),
+            loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, 1.0]},
+        ),
+    }
+    for what, datum in bad.items():
+        with pytest.raises(tinker.RequestFailedError) as ei:
+            tc.forward_backward([*data, datum], "cross_entropy").result()
+        assert ei.value.category == types.RequestErrorCategory.User, what
+        assert "datum 1" in str(ei.value), what
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn"):
+        tc.forward_backward(data, "not_a_loss").result()  # type: ignore[arg-type]
+    with pytest.raises(tinker.RequestFailedError, match="bogus.*not accepted"):
+        tc.forward_backward(data, "cross_entropy", {"bogus": 1.0}).result()
+    # A later optim_step must find no gradient from the rejected requests.
+    tc.optim_step(types.AdamParams(learning_rate=1.0)).result()
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
+
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    with pytest.raises(tinker.RequestFailedError, match="context"):
+        sc.sample(types.ModelInput.from_ints([1] * 10), 1, types.SamplingParams(max_tokens=100000)).result()
+    with pytest.raises(tinker.RequestFailedError, match="vocabulary"):
+        sc.sample(types.ModelInput.from_ints([100000]), 1, params()).result()
+
+
+def test_unknown_model_and_missing_checkpoint_are_clear(service: tinker.ServiceClient) -> None:
+    with pytest.raises(tinker.RequestFailedError, match="tinker-sr/tiny"):
+        service.create_lora_training_client("no/such-model").result()
+    with pytest.raises(ValueError, match="Invalid tinker path"):
+        service.create_training_client_from_state("tinker://bad")
+    tc = service.create_lora_training_client(MODEL, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="does not exist"):
+        service.create_training_client_from_state(f"tinker://{tc.model_id}/weights/nope").result()
+    with pytest.raises(AssertionError):
+        service.create_lora_training_client(MODEL, train_mlp=False, train_attn=False, train_unembed=False)
+    with pytest.raises(ValueError, match="Either model_path or base_model"):
+        service.create_sampling_client()
+
+
+def test_closed_service_client_refuses_work(service: tinker.ServiceClient) -> None:
+    service.create_sampling_client(base_model=MODEL).result()
+    service.close().result()
+    assert service.close().result() is None  # idempotent
+    with pytest.raises(RuntimeError, match="ServiceClient is closed"):
+        service.create_lora_training_client(MODEL)

@@ -1,0 +1,5 @@
+import sys
+
+from tinker_sr.cli import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""`tinker-sr` command line: serve, demo, models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinker_sr.server import serve
+
+    keys = [k for k in (args.api_key or []) if k] or None
+    serve(
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        api_keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from tinker_sr.engine.model import BUILTIN_CONFIGS, build_model, count_parameters
+
+    for name, cfg in sorted(BUILTIN_CONFIGS.items()):
+        n = count_parameters(build_model(name))
+        print(f"{name:20s} {n / 1e6:8.2f}M params  ctx {cfg.max_seq_len:5d}  vocab {cfg.vocab_size}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tinker_sr.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tinker-sr", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the embedded engine over the Tinker wire protocol")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--store", default=None, help="state directory (default $TINKER_SR_STORE or ~/.cache/tinker_sr)")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        help="accept only this key (repeatable; also $TINKER_SR_API_KEYS). Default: any 'tml-' key",
+    )
+    s.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=_cmd_serve)
+
+    m = sub.add_parser("models", help="list the built-in models")
+    m.set_defaults(func=_cmd_models)
+
+    try:
+        from tinker_sr.demo import add_arguments
+    except ImportError:  # pragma: no cover - demo module not installed
+        add_arguments = None
+    d = sub.add_parser("demo", help="offline RL run on the embedded default model")
+    if add_arguments is not None:
+        add_arguments(d)
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
