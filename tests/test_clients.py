@@ -256,3 +256,26 @@ def test_closed_service_client_refuses_work(service: tinker.ServiceClient) -> No
     assert service.close().result() is None  # idempotent
     with pytest.raises(RuntimeError, match="ServiceClient is closed"):
         service.create_lora_training_client(MODEL)
+
+
+def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.ServiceClient) -> None:
+    import torch
+
+    data = [sft_datum(b"custom loss"), sft_datum(b"xyz")]
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    def nll(batch: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs))
+        return loss, {"custom/n:sum": float(len(batch))}  # type: ignore[return-value]
+
+    a = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    out = a.forward_backward_custom(data, nll).result()
+    a.optim_step(adam)
+    b = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    ref = b.forward_backward(data, "cross_entropy").result()
+    b.optim_step(adam)
+    assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+    assert out.metrics["custom/n:sum"] == 2.0 and "surrogate_loss:sum" in out.metrics
+    la = a.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    lb = b.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert la == pytest.approx(lb, rel=1e-4)
