@@ -105,6 +105,14 @@ def local_backend(store_dir: str | Path | None = None, **options: Any) -> Backen
         return backend
 
 
+def wants_remote(backend: Backend | str | None, base_url: str | None) -> bool:
+    """Whether `make_backend` would pick the remote backend for these arguments."""
+    if backend is not None and not isinstance(backend, str):
+        return False
+    choice = backend or os.environ.get("TINKER_SR_BACKEND") or None
+    return choice == "remote" or (choice is None and resolve_base_url(base_url) is not None)
+
+
 def make_backend(
     *,
     backend: Backend | str | None,

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from tinker_sr import types
 from tinker_sr.backend.base import Backend
 from tinker_sr.clients.creation import BackcompatSamplingClientFuture, BackcompatTrainingClientFuture
-from tinker_sr.clients.holder import ClientHolder, blocking_result, make_backend, warn_deprecated
+from tinker_sr.clients.holder import (
+    ClientHolder,
+    blocking_result,
+    make_backend,
+    wants_remote,
+    warn_deprecated,
+)
 from tinker_sr.clients.sampling import SamplingClient
 from tinker_sr.clients.training import TrainingClient
 from tinker_sr.errors import TinkerError
@@ -63,22 +69,14 @@ class ServiceClient:
             warn_deprecated(
                 f"ServiceClient ignores unknown arguments: {sorted(kwargs)}", stacklevel=2
             )
+        key = _check_api_key(api_key, remote=wants_remote(backend, base_url))
         be, url = make_backend(
             backend=backend,
             base_url=base_url,
-            api_key=None,
+            api_key=key,
             default_headers=default_headers_overrides,
             project_id=project_id,
         )
-        key = _check_api_key(api_key, remote=url is not None)
-        if url is not None:
-            be = make_backend(
-                backend="remote",
-                base_url=url,
-                api_key=key,
-                default_headers=default_headers_overrides,
-                project_id=project_id,
-            )[0]
         self.holder = ClientHolder(
             be,
             base_url=url,
