@@ -40,3 +40,16 @@ def tinker_sr_service(tinker_sr_backend: Any) -> Iterator[Any]:
     client = ServiceClient(backend=tinker_sr_backend)
     yield client
     client.close().result()
+
+
+@pytest.fixture
+def tinker_sr_faulty_service(tinker_sr_backend: Any) -> Iterator[Any]:
+    """``(service_client, faulty_backend)``: add `tinker_sr.testing.faults.Fault`s to
+    ``faulty_backend`` to make chosen backend calls fail or stall."""
+    from tinker_sr import ServiceClient
+    from tinker_sr.testing.faults import FaultyBackend
+
+    faulty = FaultyBackend(tinker_sr_backend)
+    client = ServiceClient(backend=faulty)
+    yield client, faulty
+    client.close().result()

@@ -1,0 +1,81 @@
+"""Fault injection for tests: wrap any `Backend` and make chosen calls fail or stall.
+
+    backend = FaultyBackend(LocalBackend(tmp), [Fault("sample", times=1, error=rate_limited())])
+    client = tinker.ServiceClient(backend=backend)
+
+Faults match by backend method name and fire on the ``after``-th matching call onwards, at most
+``times`` times (``None``: forever). ``delay_s`` stalls the call first (to test timeouts).
+Everything else is delegated unchanged, so RL code under test sees real results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tinker_sr.errors import RequestFailedError
+from tinker_sr.types import RequestErrorCategory
+
+
+def request_failed(message: str = "injected failure", *, user: bool = False) -> RequestFailedError:
+    """The error a Tinker service reports for a failed request."""
+    return RequestFailedError(
+        f"Request failed: {message}",
+        request_id=f"fault-{uuid.uuid4().hex[:8]}",
+        category=RequestErrorCategory.User if user else RequestErrorCategory.Server,
+    )
+
+
+@dataclass
+class Fault:
+    method: str
+    error: BaseException | None = None
+    after: int = 0
+    times: int | None = 1
+    delay_s: float = 0.0
+    fired: int = 0
+
+
+class FaultyBackend:
+    """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
+
+    def __init__(self, inner: Any, faults: Sequence[Fault] = ()) -> None:
+        self.inner = inner
+        self.faults = list(faults)
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, fault: Fault) -> Fault:
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def _due(self, method: str) -> Fault | None:
+        with self._lock:
+            n = self.calls.get(method, 0)
+            self.calls[method] = n + 1
+            for f in self.faults:
+                if f.method == method and n >= f.after and (f.times is None or f.fired < f.times):
+                    f.fired += 1
+                    return f
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if not asyncio.iscoroutinefunction(target):
+            return target
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            fault = self._due(name)
+            if fault is not None:
+                if fault.delay_s:
+                    await asyncio.sleep(fault.delay_s)
+                if fault.error is not None:
+                    raise fault.error
+            return await target(*args, **kwargs)
+
+        return call
