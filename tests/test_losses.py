@@ -534,6 +534,16 @@ def test_cispo_clip_boundaries_bound_the_coefficient() -> None:
     assert one_position("cispo", 4.1, 1.0)[0] == pytest.approx(-4.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("loss_fn", RL_LOSSES)
+def test_extreme_sampler_logprob_at_zero_advantage_stays_finite(loss_fn) -> None:
+    datum = datum42(loss_fn)
+    datum.inputs["logprobs"] = torch.tensor([0.0, -0.9, -1.3, -200.0])
+    datum.inputs["advantages"] = torch.tensor([0.0, 0.75, 0.75, 0.0])
+    result, (g,) = run(loss_fn, [Z42], [datum])
+    assert math.isfinite(result.metrics["loss:sum"])
+    assert bool(torch.isfinite(g).all())
+
+
 def test_per_position_clip_inputs_override_config() -> None:
     datum = datum42("ppo")
     datum.inputs["clip_high_threshold"] = torch.tensor([1.2, 1.2, 1.5, 1.2])

@@ -53,7 +53,7 @@ the gradient is produced for the batch at once instead of one padded copy per da
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,58 +375,60 @@ class _GatherLogprobs(torch.autograd.Function):
         ctx: Any,
         z: torch.Tensor,
         ranges: list[tuple[int, int]],
-        rows: torch.Tensor,
         cols: torch.Tensor,
         compute_dtype: torch.dtype,
     ) -> torch.Tensor:
-        v = z.shape[1]
-        chunk = max(1, _CHUNK_ELEMENTS // max(v, 1))
-        lse = torch.empty(rows.shape[0], dtype=compute_dtype, device=z.device)
-        m = 0
-        for start, stop in ranges:
-            for a in range(start, stop, chunk):
-                b = min(a + chunk, stop)
-                lse[m + a - start : m + b - start] = torch.logsumexp(
-                    z[a:b].to(compute_dtype), dim=-1
-                )
-            m += stop - start
-        picked = z[rows[:, None], cols].to(compute_dtype)
-        ctx.save_for_backward(z, rows, cols, lse)
+        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
+        lse = torch.empty(cols.shape[0], dtype=compute_dtype, device=z.device)
+        picked = torch.empty(cols.shape, dtype=compute_dtype, device=z.device)
+        for sl, a, b in _chunks(ranges, chunk):
+            lse[sl] = torch.logsumexp(z[a:b].to(compute_dtype), dim=-1)
+            picked[sl] = z[a:b].gather(1, cols[sl])
+        ctx.save_for_backward(z, cols, lse)
         ctx.ranges = ranges
-        return picked - lse[:, None]
+        return picked.sub_(lse[:, None])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        z, rows, cols, lse = ctx.saved_tensors
+        z, cols, lse = ctx.saved_tensors
         ranges: list[tuple[int, int]] = ctx.ranges
-        v = z.shape[1]
-        chunk = max(1, _CHUNK_ELEMENTS // max(v, 1))
+        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
         grad = grad.to(lse.dtype)
-        neg_gsum = -grad.sum(dim=1, keepdim=True)
+        gsum = grad.sum(dim=1)
 
         ordered = sorted(ranges)
         disjoint = all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
         covered = sum(stop - start for start, stop in ranges)
-        full = disjoint and covered == z.shape[0]
-        # Direct writes when every row is written exactly once; otherwise accumulate.
-        gz = torch.empty_like(z) if full else torch.zeros_like(z)
-        direct = disjoint and z.dtype == lse.dtype and z.is_contiguous()
-        m = 0
-        for start, stop in ranges:
-            for a in range(start, stop, chunk):
-                b = min(a + chunk, stop)
-                sl = slice(m + a - start, m + b - start)
-                if direct:
-                    out = gz[a:b]
-                    torch.sub(z[a:b], lse[sl, None], out=out)
-                    out.exp_().mul_(neg_gsum[sl])
-                    out.scatter_add_(1, cols[sl], grad[sl])
-                else:
-                    g = torch.exp(z[a:b].to(lse.dtype) - lse[sl, None]).mul_(neg_gsum[sl])
-                    g.scatter_add_(1, cols[sl], grad[sl])
-                    gz[a:b] += g.to(z.dtype)
-            m += stop - start
-        return gz, None, None, None, None
+        # Write each row straight into the gradient when every row is written exactly once.
+        gz = torch.empty_like(z) if disjoint and covered == z.shape[0] else torch.zeros_like(z)
+        if disjoint and z.dtype == lse.dtype and z.is_contiguous():
+            # -softmax(z) * gsum as one exp: exp(z - lse + log|gsum|), then flip the rows whose
+            # gsum is positive. Rows with gsum == 0 come out exactly 0 (exp(-inf)).
+            shift = lse - torch.log(gsum.abs())
+            flip = gsum > 0
+            for sl, a, b in _chunks(ranges, chunk):
+                out = gz[a:b]
+                torch.sub(z[a:b], shift[sl, None], out=out).exp_()
+                rows = torch.nonzero(flip[sl]).squeeze(1)
+                if rows.numel():
+                    out[rows] = out[rows].neg_()
+                out.scatter_add_(1, cols[sl], grad[sl])
+        else:
+            for sl, a, b in _chunks(ranges, chunk):
+                g = torch.exp(z[a:b].to(lse.dtype) - lse[sl, None]).mul_(-gsum[sl, None])
+                g.scatter_add_(1, cols[sl], grad[sl])
+                gz[a:b] += g.to(z.dtype)
+        return gz, None, None, None
+
+
+def _chunks(ranges: list[tuple[int, int]], chunk: int) -> Iterator[tuple[slice, int, int]]:
+    """(output slice, first row, stop row) per chunk of at most ``chunk`` rows of ``ranges``."""
+    m = 0
+    for start, stop in ranges:
+        for a in range(start, stop, chunk):
+            b = min(a + chunk, stop)
+            yield slice(m + a - start, m + b - start), a, b
+        m += stop - start
 
 
 def _row_source(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -474,11 +476,10 @@ def _gather_logprobs(
     for z, members in groups.values():
         j_max = max(cols[i].shape[1] for i, _, _ in members)
         ranges = [(a, b) for _, a, b in members]
-        rows = torch.cat([torch.arange(a, b, device=z.device) for a, b in ranges])
         padded = torch.cat(
             [torch.nn.functional.pad(cols[i], (0, j_max - cols[i].shape[1])) for i, _, _ in members]
         ).to(z.device)
-        logp = _GatherLogprobs.apply(z, ranges, rows, padded, compute_dtype)
+        logp = _GatherLogprobs.apply(z, ranges, padded, compute_dtype)
         m = 0
         for i, a, b in members:
             out[i] = logp[m : m + b - a, : cols[i].shape[1]]
@@ -490,22 +491,11 @@ def _gather_logprobs(
 # Losses (flat over all positions of the request)
 
 
-@dataclass
-class _Flat:
-    """Per-position tensors of the whole request, concatenated in datum order."""
-
-    lx: torch.Tensor  # [M] learner log-prob of the target (requires grad)
-    lq: torch.Tensor  # [M]
-    adv: torch.Tensor  # [M]
-    seg: torch.Tensor  # [M] datum index
-    diag: torch.Tensor  # [M] bool, positions the diagnostics describe
-    n_datums: int
-
-
 def _clip_bounds(
     data: Sequence[LossDatum], cfg: Mapping[str, float], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lo, hi = [], []
+    lo: list[torch.Tensor] = []
+    hi: list[torch.Tensor] = []
     for d in data:
         n = d.target_tokens.shape[0]
         for key, acc in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
@@ -597,7 +587,10 @@ def compute_loss(
         else:
             diag_parts.append((d.inputs["advantages"] != 0) | (d.inputs["logprobs"] != 0))
     diag = torch.cat(diag_parts).to(device)
-    ratio = torch.exp(lx - lq)
+    # Where A = 0 a position contributes nothing; keep its ratio at 1 there so an extreme sampler
+    # log-prob cannot overflow to inf and turn the batch's gradient into NaN (inf * 0).
+    active = adv != 0
+    ratio = torch.exp(torch.where(active, lx - lq, torch.zeros_like(lx)))
     clipped: torch.Tensor | None = None
 
     if loss_fn == "importance_sampling":
@@ -625,7 +618,7 @@ def compute_loss(
         log_ratio = torch.where(mask, lx.detach() - lq, torch.zeros_like(lq))
         totals = torch.zeros(len(data), dtype=cd, device=device).index_add_(0, seg, log_ratio)
         counts = torch.zeros(len(data), dtype=cd, device=device).index_add_(0, seg, mask.to(cd))
-        s = torch.exp(totals / counts)[seg]
+        s = torch.where(active, torch.exp(totals / counts)[seg], torch.ones_like(lx))
         s_tok = s * torch.exp(lx - lx.detach())
         surrogate, clipped = _trust_region(s_tok, adv, lo.to(device), hi.to(device))
         per_tok = -surrogate
@@ -655,7 +648,7 @@ def compute_loss(
     log_r = (lx - lq).detach()
     stats = _masked_stats(-log_r, diag)
     if stats is not None:
-        r_det = ratio.detach()
+        r_det = torch.exp(log_r)
         metrics["kl_sampler_learner:mean"] = stats[0]
         metrics["kl_k3:mean"] = float((r_det - 1 - log_r)[diag].mean())
         r_mean, r_max, r_min = _masked_stats(r_det, diag) or (0.0, 0.0, 0.0)
