@@ -61,11 +61,11 @@ class LoraLinear(nn.Linear):
 def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
     """(parent module, attribute) of every Linear the spec selects, in a fixed order."""
     out: list[tuple[nn.Module, str]] = []
-    for layer in model.model.layers:
+    for i in range(model.config.n_layers):
         if spec.train_attn:
-            out += [(layer.self_attn, n) for n in ATTN]
+            out += [(model.get_submodule(f"model.layers.{i}.self_attn"), n) for n in ATTN]
         if spec.train_mlp:
-            out += [(layer.mlp, n) for n in MLP]
+            out += [(model.get_submodule(f"model.layers.{i}.mlp"), n) for n in MLP]
     if spec.train_unembed:
         out.append((model, "lm_head"))
     return out

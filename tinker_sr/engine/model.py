@@ -69,7 +69,6 @@ class ModelConfig:
 
 # Both built-ins use the byte tokenizer (tinker_sr.engine.tokenizer.ByteTokenizer):
 # 256 byte ids + <|bos|>=256, <|eos|>=257, <|pad|>=258.
-_BYTE_SPECIALS = dict(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
     # ~140k parameters: a whole RL step is milliseconds on a CPU.
@@ -82,7 +81,10 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         ffn_dim=256,
         max_seq_len=512,
         tie_embeddings=True,
-        **_BYTE_SPECIALS,
+        vocab_size=259,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
     ),
     # ~24M parameters, Qwen3-shaped (q/k norm, GQA, tied embeddings).
     "tinker-sr/small": ModelConfig(
@@ -96,7 +98,10 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=1_000_000.0,
         tie_embeddings=True,
         qk_norm=True,
-        **_BYTE_SPECIALS,
+        vocab_size=259,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
     ),
 }
 
@@ -230,6 +235,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
 
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int, cache: KVCache | None, layer: int
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class Backbone(nn.Module):
     """Holds the HF `model.*` submodules; the loop over layers lives in Transformer.forward."""
@@ -305,9 +316,7 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, start_pos, cache, i)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, start_pos, cache, i)
         return self.lm_head(self.model.norm(x)).float()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
 class SampleOutput:
     tokens: list[int]
     logprobs: list[float]  # log q(token) under the sampling distribution q (module docstring)
-    stop_reason: str  # "length" | "stop"
+    stop_reason: Literal["length", "stop"]
     draws: np.ndarray | None = None  # int32 [len(tokens), K] stability draws from q
     topk_token_ids: np.ndarray | None = None  # int32 [len(tokens), k] top of q, best first
     topk_logprobs: np.ndarray | None = None  # float32 [len(tokens), k]; sentinel past q's support
@@ -198,7 +199,6 @@ def generate(
     # each, <= 4 bytes per character); the slack absorbs decoders that strip a leading space.
     window = 4 * max((len(s) for s in stop_strings), default=0) + 8
 
-    model.eval()
     cache = model.new_cache(n, P + max_tokens)
     logits = model(torch.tensor([prompt]), cache=cache)[:, -1].expand(n, V)
     arange_v = torch.arange(V)
@@ -263,7 +263,6 @@ def generate(
 def _next_token_logprobs(model: Transformer, tokens: Sequence[int]) -> Tensor:
     """[len(tokens) - 1, V] log p(· | tokens[:t+1]) under the raw model (temperature 1)."""
     _check_tokens(tokens, model.config.vocab_size, "prompt")
-    model.eval()
     logits = model(torch.tensor([list(tokens)]))[0, :-1]
     return logits.log_softmax(-1)
 
@@ -330,7 +329,6 @@ def prompt_alt_tokens(
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
     _check_tokens(tokens, model.config.vocab_size, "prompt")
-    model.eval()
     logits = model(torch.tensor([list(tokens)]))[0, :-1]
     if temperature == 0:
         ids = logits.argmax(-1, keepdim=True).expand(-1, k)

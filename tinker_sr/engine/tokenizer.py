@@ -118,7 +118,7 @@ def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: in
         )
         tok.save(str(out / "tokenizer.json"))
     except ImportError:
-        spec = {
+        spec: dict[str, Any] = {
             "version": "1.0",
             "truncation": None,
             "padding": None,
