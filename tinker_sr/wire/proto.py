@@ -49,6 +49,7 @@ __all__ = [
     "ForwardBackwardCall",
     "encode_forward_backward_request",
     "decode_forward_backward_request",
+    "peek_forward_backward_target",
     "encode_forward_backward_output",
     "decode_forward_backward_output",
     "encode_sample_response",
@@ -367,6 +368,15 @@ def encode_forward_backward_request(
     for datum in data:
         datum_to_proto(datum, msg.data.add())
     return msg.SerializeToString()
+
+
+def peek_forward_backward_target(body: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` of a body that parses as protobuf, even if its datums are bad."""
+    try:
+        msg = pb.ForwardBackwardRequest.FromString(body)
+    except DecodeError:
+        return None
+    return (msg.model_id, msg.seq_id) if msg.model_id and msg.seq_id > 0 else None
 
 
 def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:

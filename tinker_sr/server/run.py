@@ -1,0 +1,68 @@
+"""`serve`: run the server over a `LocalBackend` with uvicorn (blocking)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
+
+__all__ = ["serve", "api_keys_from_env"]
+
+
+def api_keys_from_env() -> list[str] | None:
+    """``TINKER_SR_API_KEYS`` (comma-separated), or None when unset/empty."""
+    keys = [k.strip() for k in os.environ.get("TINKER_SR_API_KEYS", "").split(",") if k.strip()]
+    return keys or None
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    store: str | os.PathLike[str] | None = None,
+    api_keys: Sequence[str] | str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+    *,
+    long_poll_s: float = DEFAULT_LONG_POLL_S,
+) -> None:
+    """Serve a `LocalBackend` on ``host:port`` until interrupted.
+
+    ``store``: directory for sessions, checkpoints, recorded sequences and the server's
+    futures (default ``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr``). ``api_keys``: accept
+    only these keys (a list or a comma-separated string; default ``$TINKER_SR_API_KEYS``),
+    else any key starting with ``tml-``. Binds 127.0.0.1 unless told otherwise.
+    """
+    import uvicorn
+
+    from tinker_sr.backend.local import LocalBackend, default_store_dir
+
+    if isinstance(api_keys, str):
+        api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
+    keys = list(api_keys) if api_keys else api_keys_from_env()
+    store_dir = Path(store) if store is not None else default_store_dir()
+    backend = LocalBackend(store_dir=store_dir)
+    app = create_app(
+        backend,
+        api_keys=keys,
+        max_body_bytes=max_body_bytes,
+        store_dir=store_dir,
+        long_poll_s=long_poll_s,
+        close_backend=True,
+    )
+    auth = f"{len(keys)} configured API key(s)" if keys else "any API key starting with 'tml-'"
+    print(
+        f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level in ("debug", "trace"),
+        timeout_graceful_shutdown=5,
+    )

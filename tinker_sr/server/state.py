@@ -1,0 +1,300 @@
+"""The server's own bookkeeping, in SQLite (WAL) at ``<store>/server.sqlite``.
+
+What lives here is what the wire needs and the backend does not know: which API key owns
+which session, which session owns which model and sampler, every future (its promise, its
+dedupe key and, once done, its encoded result or error), and replies to non-future calls
+that must be idempotent. A completed result is committed before anyone can retrieve it, so
+an acknowledged result survives a crash; futures still pending at start-up belonged to a
+dead process and are failed with a message saying so.
+
+All calls are short and run on the event loop thread (one connection, one lock).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    finished TEXT
+);
+CREATE TABLE IF NOT EXISTS models (
+    model_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS samplers (
+    sampler_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    model_path TEXT
+);
+CREATE TABLE IF NOT EXISTS futures (
+    request_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    session_id TEXT,
+    kind TEXT NOT NULL,
+    dedupe_key TEXT UNIQUE,
+    body_hash TEXT,
+    promise TEXT NOT NULL,
+    status TEXT NOT NULL,
+    encoding TEXT,
+    result BLOB,
+    error TEXT,
+    category TEXT,
+    created_at REAL NOT NULL,
+    done_at REAL
+);
+CREATE INDEX IF NOT EXISTS futures_done ON futures(done_at);
+CREATE TABLE IF NOT EXISTS replies (
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    reply TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (owner, key)
+);
+"""
+
+PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
+
+# Completed futures stay retrievable this long (a poll may be repeated after a network
+# error); futures of finished sessions go sooner.
+RESULT_TTL_S = 24 * 3600
+FINISHED_SESSION_RESULT_TTL_S = 3600
+
+
+@dataclass(frozen=True)
+class FutureRow:
+    request_id: str
+    owner: str
+    session_id: str | None
+    kind: str
+    body_hash: str | None
+    promise: dict[str, Any]
+    status: str
+    encoding: str | None
+    result: bytes | None
+    error: str | None
+    category: str | None
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session_id: str
+    owner: str
+    finished: str | None
+
+
+class ServerState:
+    def __init__(self, path: Path | None) -> None:
+        """``path=None`` keeps everything in memory (a server without a store)."""
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(
+            str(path) if path is not None else ":memory:",
+            check_same_thread=False,
+            isolation_level=None,  # autocommit; each statement is its own transaction
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL: a commit survives a process crash (SIGKILL); only an OS crash may lose
+        # the last transactions, which is the usual WAL trade-off.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> int:
+        with self._lock:
+            return self._db.execute(sql, args).rowcount
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def fail_orphans(self) -> int:
+        """Fail futures left pending by a previous process; returns how many."""
+        n = self._exec(
+            "UPDATE futures SET status=?, error=?, category=?, done_at=? WHERE status=?",
+            (
+                FAILED,
+                "the server restarted before this request finished, so it was not executed "
+                "(or its result was lost); submit it again",
+                "server",
+                time.time(),
+                PENDING,
+            ),
+        )
+        # Let a resubmission with the same seq_id run instead of replaying the failure.
+        self._exec(
+            "UPDATE futures SET dedupe_key=NULL WHERE status=? AND category='server' "
+            "AND error LIKE 'the server restarted%'",
+            (FAILED,),
+        )
+        return n
+
+    def prune(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        with self._lock:
+            cur = self._db.execute(
+                "DELETE FROM futures WHERE status != ? AND (done_at < ? OR (done_at < ? AND "
+                "session_id IN (SELECT session_id FROM sessions WHERE finished IS NOT NULL)))",
+                (PENDING, now - RESULT_TTL_S, now - FINISHED_SESSION_RESULT_TTL_S),
+            )
+            self._db.execute("DELETE FROM replies WHERE created_at < ?", (now - RESULT_TTL_S,))
+            return cur.rowcount
+
+    # ---- sessions, models, samplers --------------------------------------------------------
+
+    def add_session(self, session_id: str, owner: str) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, NULL)",
+            (session_id, owner, now, now),
+        )
+
+    def session(self, session_id: str) -> SessionRow | None:
+        row = self._one(
+            "SELECT session_id, owner, finished FROM sessions WHERE session_id=?", (session_id,)
+        )
+        return SessionRow(*row) if row else None
+
+    def heartbeat(self, session_id: str) -> None:
+        self._exec(
+            "UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id)
+        )
+
+    def finish_session(self, session_id: str, status: str) -> bool:
+        """First finish wins; returns whether this call finished it."""
+        return bool(
+            self._exec(
+                "UPDATE sessions SET finished=? WHERE session_id=? AND finished IS NULL",
+                (status, session_id),
+            )
+        )
+
+    def add_model(self, model_id: str, session_id: str) -> None:
+        self._exec("INSERT OR REPLACE INTO models VALUES (?, ?)", (model_id, session_id))
+
+    def model_session(self, model_id: str) -> SessionRow | None:
+        row = self._one(
+            "SELECT s.session_id, s.owner, s.finished FROM models m JOIN sessions s "
+            "ON m.session_id = s.session_id WHERE m.model_id=?",
+            (model_id,),
+        )
+        return SessionRow(*row) if row else None
+
+    def model_ids_of(self, owner: str) -> set[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT m.model_id FROM models m JOIN sessions s ON m.session_id = s.session_id "
+                "WHERE s.owner=?",
+                (owner,),
+            ).fetchall()
+        return {r[0] for r in rows}
+
+    def add_sampler(self, sampler_id: str, session_id: str, model_path: str | None) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO samplers VALUES (?, ?, ?)", (sampler_id, session_id, model_path)
+        )
+
+    def sampler_model_path(self, sampler_id: str) -> str | None:
+        row = self._one("SELECT model_path FROM samplers WHERE sampler_id=?", (sampler_id,))
+        return row[0] if row else None
+
+    def sampler_session(self, sampler_id: str) -> SessionRow | None:
+        row = self._one(
+            "SELECT s.session_id, s.owner, s.finished FROM samplers x JOIN sessions s "
+            "ON x.session_id = s.session_id WHERE x.sampler_id=?",
+            (sampler_id,),
+        )
+        return SessionRow(*row) if row else None
+
+    # ---- futures ---------------------------------------------------------------------------
+
+    def find_future(self, dedupe_key: str) -> FutureRow | None:
+        return self._future_where("dedupe_key=?", dedupe_key)
+
+    def get_future(self, request_id: str) -> FutureRow | None:
+        return self._future_where("request_id=?", request_id)
+
+    def _future_where(self, clause: str, value: str) -> FutureRow | None:
+        row = self._one(
+            "SELECT request_id, owner, session_id, kind, body_hash, promise, status, encoding, "
+            f"result, error, category FROM futures WHERE {clause}",
+            (value,),
+        )
+        if row is None:
+            return None
+        return FutureRow(*row[:5], json.loads(row[5]), *row[6:])  # type: ignore[call-arg]
+
+    def add_future(
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        session_id: str | None,
+        kind: str,
+        dedupe_key: str | None,
+        body_hash: str | None,
+        promise: dict[str, Any],
+    ) -> bool:
+        """Insert a pending future; False if ``dedupe_key`` is already taken."""
+        try:
+            self._exec(
+                "INSERT INTO futures (request_id, owner, session_id, kind, dedupe_key, body_hash, "
+                "promise, status, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    request_id,
+                    owner,
+                    session_id,
+                    kind,
+                    dedupe_key,
+                    body_hash,
+                    json.dumps(promise),
+                    PENDING,
+                    time.time(),
+                ),
+            )
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def complete_future(self, request_id: str, encoding: str, result: bytes) -> None:
+        self._exec(
+            "UPDATE futures SET status=?, encoding=?, result=?, done_at=? WHERE request_id=?",
+            (COMPLETE, encoding, result, time.time(), request_id),
+        )
+
+    def fail_future(self, request_id: str, error: str, category: str) -> None:
+        self._exec(
+            "UPDATE futures SET status=?, error=?, category=?, done_at=? WHERE request_id=?",
+            (FAILED, error, category, time.time(), request_id),
+        )
+
+    # ---- idempotent replies of plain calls ----------------------------------------------------
+
+    def reply(self, owner: str, key: str) -> tuple[str, dict[str, Any]] | None:
+        row = self._one(
+            "SELECT body_hash, reply FROM replies WHERE owner=? AND key=?", (owner, key)
+        )
+        return (row[0], json.loads(row[1])) if row else None
+
+    def save_reply(self, owner: str, key: str, body_hash: str, reply: dict[str, Any]) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?, ?)",
+            (owner, key, body_hash, json.dumps(reply), time.time()),
+        )
