@@ -13,14 +13,18 @@ from tinker_sr.engine.lora import (
     lora_state_dict,
     trainable_parameters,
 )
-from tinker_sr.engine.model import Transformer, build_model
+from tinker_sr.engine.model import ModelConfig, Transformer, build_model
 from tinker_sr.engine.sampler import generate
 
 TINY = "tinker-sr/tiny"
+QWEN_TINY = ModelConfig(
+    name="test/qwen3-tiny", vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    ffn_dim=128, max_seq_len=256, qk_norm=True, tie_embeddings=False,
+)  # fmt: skip
 TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-def lora_model(spec: LoraSpec, name: str = TINY) -> Transformer:
+def lora_model(spec: LoraSpec, name: str | ModelConfig = TINY) -> Transformer:
     model = build_model(name, seed=1)
     apply_lora(model, spec)
     return model
@@ -127,8 +131,8 @@ def test_bad_specs_are_user_errors(spec: LoraSpec, match: str) -> None:
         apply_lora(build_model(TINY), spec)
 
 
-@pytest.mark.parametrize("name", [TINY, "tinker-sr/small"])
-def test_clone_for_sampling_matches_and_is_independent(name: str) -> None:
+@pytest.mark.parametrize("name", [TINY, QWEN_TINY])
+def test_clone_for_sampling_matches_and_is_independent(name: str | ModelConfig) -> None:
     model = lora_model(LoraSpec(rank=4, seed=0), name)
     randomise_b(model)
     with torch.no_grad():

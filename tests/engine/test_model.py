@@ -17,6 +17,11 @@ from tinker_sr.engine.model import (
 )
 
 TINY = "tinker-sr/tiny"
+# The small built-in's architecture (q/k norm, untied head) at tiny size, to keep tests fast.
+QWEN_TINY = ModelConfig(
+    name="test/qwen3-tiny", vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    ffn_dim=128, max_seq_len=256, rope_theta=1e6, qk_norm=True, tie_embeddings=False,
+)  # fmt: skip
 
 
 def _weights_equal(a: Transformer, b: Transformer) -> bool:
@@ -42,6 +47,11 @@ def test_builtin_sizes_and_hf_names() -> None:
     assert tiny.lm_head.weight is tiny.model.embed_tokens.weight
     small_cfg = BUILTIN_CONFIGS["tinker-sr/small"]
     assert small_cfg.qk_norm and small_cfg.vocab_size == 259 and small_cfg.head_dim == 64
+    small = build_model("tinker-sr/small")
+    assert 10_000_000 <= count_parameters(small) <= 100_000_000
+    assert "model.layers.7.self_attn.k_norm.weight" in dict(small.named_parameters())
+    with torch.no_grad():
+        assert small(torch.tensor([[256, 1, 2]])).shape == (1, 3, 259)
     names = set(dict(tiny.named_parameters()))
     for expected in [
         "model.embed_tokens.weight",
@@ -76,8 +86,8 @@ def test_bad_head_config_is_a_user_error() -> None:
                     ffn_dim=8, max_seq_len=8)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", [TINY, "tinker-sr/small"])
-def test_kv_cache_decode_matches_full_forward(name: str) -> None:
+@pytest.mark.parametrize("name", [TINY, QWEN_TINY])
+def test_kv_cache_decode_matches_full_forward(name: str | ModelConfig) -> None:
     model = build_model(name, seed=1)
     tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -139,8 +149,8 @@ def test_bfloat16_model_returns_float32_logits_close_to_float32() -> None:
     assert 0 < (bf16 - f32).abs().max() < 0.05
 
 
-@pytest.mark.parametrize("name", [TINY, "tinker-sr/small"])
-def test_hf_directory_round_trip(tmp_path, name: str) -> None:
+@pytest.mark.parametrize("name", [TINY, QWEN_TINY])
+def test_hf_directory_round_trip(tmp_path, name: str | ModelConfig) -> None:
     model = build_model(name, seed=7)
     save_pretrained(model, tmp_path)
     loaded = load_pretrained(tmp_path)
