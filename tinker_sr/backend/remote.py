@@ -153,6 +153,7 @@ class RemoteBackend:
         self._config_lock: asyncio.Lock | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
         self._closed = False
+        self._sleep = asyncio.sleep  # tests replace it to observe backoff without waiting
 
     # ---- HTTP -----------------------------------------------------------------------------
 
@@ -227,10 +228,10 @@ class RemoteBackend:
                     raise _status_error(resp)
                 delay = _retry_after(resp)
                 if delay is not None:
-                    await asyncio.sleep(delay)
+                    await self._sleep(delay)
                     attempt += 1
                     continue
-            await asyncio.sleep(_backoff(attempt))
+            await self._sleep(_backoff(attempt))
             attempt += 1
 
     async def _json(self, resp: httpx.Response) -> Any:
@@ -346,7 +347,7 @@ class RemoteBackend:
                     expect_error=frozenset(range(400, 600)),
                 )
             except (APIConnectionError, APITimeoutError):
-                await asyncio.sleep(backoff)
+                await self._sleep(backoff)
                 backoff = min(2 * backoff, 30.0)
                 continue
             status = resp.status_code
@@ -368,7 +369,7 @@ class RemoteBackend:
             if status == 408 or status >= 500:
                 continue  # still pending, or a transient server problem: re-poll at once
             if status == 429:
-                await asyncio.sleep(backoff)
+                await self._sleep(backoff)
                 backoff = min(2 * backoff, 30.0)
                 continue
             if status == 400 and bad_requests < 3:
@@ -461,9 +462,12 @@ class RemoteBackend:
         task = self._heartbeats.pop(session_id, None)
         if task is not None:
             task.cancel()
-        await self._post(
+        await self._ensure_config()
+        # Any 2xx will do (204 has no body).
+        await self._request(
+            "POST",
             f"/api/v1/sessions/{session_id}/finish",
-            {"reason": {"type": status}, "detail": detail},
+            json={"reason": {"type": status}, "detail": detail},
         )
 
     async def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:

@@ -1,0 +1,177 @@
+"""SIGKILL the server after acknowledged work; a restart on the same store keeps it usable."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._server import ServerProcess
+from tinker_sr import errors, types
+from tinker_sr.backend.remote import RemoteBackend
+from tinker_sr.wire import proto
+
+MODEL = "tinker-sr/tiny"
+PROMPT = [7, 8, 9]
+PROBE = types.Datum(
+    model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
+    loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},
+)
+
+
+def _rl_datum(seq: types.SampledSequence) -> types.Datum:
+    full = PROMPT + list(seq.tokens)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0, 0.0, *(seq.logprobs or [])],
+            "advantages": [0.0, 0.0] + [1.0] * len(seq.tokens),
+        },
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=2),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
+        ],
+    )
+
+
+async def _before_crash(url: str) -> dict[str, Any]:
+    backend = RemoteBackend(url, "tml-restart")
+    session = await backend.create_session()
+    model = await backend.create_model(
+        session, 0, base_model=MODEL, lora_config=types.LoraConfig(rank=4, seed=1)
+    )
+    await backend.forward_backward(model, 1, [PROBE], "cross_entropy")
+    await backend.optim_step(model, 2, types.AdamParams(learning_rate=0.02))
+    state = await backend.save_state(model, 3, "st")
+    probe = await backend.forward_backward(model, 4, [PROBE], "cross_entropy", forward_only=True)
+    sampler = (
+        await backend.save_weights_for_sampler(model, 5, sampling_session_seq_id=0)
+    ).sampling_session_id
+    assert sampler
+    sample = await backend.sample(
+        sampler,
+        0,
+        prompt=types.ModelInput.from_ints(PROMPT),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=4, seed=3),
+        record_stability_info=True,
+    )
+    named = await backend.save_weights_for_sampler(model, 6, name="s1")
+    await backend.aclose()
+    return {
+        "session": session,
+        "model": model,
+        "state": state.path,
+        "named": named.path,
+        "probe": probe.loss_fn_outputs[0]["logprobs"].tolist(),
+        "seq": sample.sequences[0],
+    }
+
+
+def _raw_forward(url: str, model: str, seq_id: int) -> tuple[str, bytes]:
+    """Submit a forward over raw HTTP and wait for it: (request_id, result bytes)."""
+    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+    body = proto.encode_forward_backward_request(
+        model, seq_id, [PROBE], "cross_entropy", forward_only=True
+    )
+    rid = http.post(
+        "/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
+    ).json()["request_id"]
+    while True:
+        resp = http.post("/retrieve_future", json={"request_id": rid})
+        if resp.headers["content-type"] == "application/x-protobuf":
+            return rid, resp.content
+        assert resp.json().get("type") == "try_again", resp.text
+
+
+def _retrieve_once_done(url: str, rid: str) -> httpx.Response:
+    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+    while True:
+        resp = http.post("/retrieve_future", json={"request_id": rid})
+        assert resp.status_code == 200, resp.text
+        if "json" not in resp.headers["content-type"] or resp.json().get("type") != "try_again":
+            return resp
+
+
+async def _after_restart(url: str, before: dict[str, Any]) -> None:
+    backend = RemoteBackend(url, "tml-restart")
+    session = before["session"]
+    # The training state checkpoint: a new model from it computes the same logprobs.
+    resumed = await backend.create_model_from_state(
+        session, 1, path=before["state"], with_optimizer=True
+    )
+    probe = await backend.forward_backward(resumed, 1, [PROBE], "cross_entropy", forward_only=True)
+    assert probe.loss_fn_outputs[0]["logprobs"].tolist() == before["probe"]
+    # The sequence recorded before the crash still backs provenance spans.
+    out = await backend.forward_backward(resumed, 2, [_rl_datum(before["seq"])], "stable_reinforce")
+    assert "loss:sum" in out.metrics
+    # Named sampler weights still sample.
+    sampler = await backend.create_sampling_session(session, 7, model_path=before["named"])
+    sample = await backend.sample(
+        sampler,
+        0,
+        prompt=types.ModelInput.from_ints(PROMPT),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=2),
+    )
+    assert len(sample.sequences[0].tokens) <= 2
+    listing = await backend.list_checkpoints(before["model"])
+    assert {c.checkpoint_id for c in listing.checkpoints} == {"weights/st", "sampler_weights/s1"}
+    # The crashed process's in-memory model is gone; using it fails cleanly (no hang).
+    with pytest.raises((errors.RequestFailedError, errors.NotFoundError)):
+        await backend.forward_backward(before["model"], 8, [PROBE], "cross_entropy")
+    await backend.close_session(session, "success")
+    await backend.aclose()
+
+
+def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "store")
+    srv.start()
+    try:
+        before = asyncio.run(_before_crash(srv.base_url))
+        rid, result = _raw_forward(srv.base_url, before["model"], 7)
+        # A request that may still be running when the process dies.
+        http = httpx.Client(
+            base_url=f"{srv.base_url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60
+        )
+        sampler = http.post(
+            "/create_sampling_session",
+            json={
+                "session_id": before["session"],
+                "sampling_session_seq_id": 3,
+                "model_path": before["named"],
+            },
+        ).json()["sampling_session_id"]
+        inflight = http.post(
+            "/asample",
+            json={
+                "num_samples": 4,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                "sampling_params": {"max_tokens": 400, "stop": []},
+                "sampling_session_id": sampler,
+                "seq_id": 0,
+            },
+        ).json()["request_id"]
+
+        srv.kill()
+        srv.start()
+
+        # An acknowledged result is still there, byte for byte.
+        resp = _retrieve_once_done(srv.base_url, rid)
+        assert resp.content == result
+        # The in-flight one resolved either way: its result, or a failure saying why.
+        resp = _retrieve_once_done(srv.base_url, inflight)
+        if "json" in resp.headers["content-type"]:
+            assert resp.json()["category"] == "server" and "restarted" in resp.json()["error"]
+        asyncio.run(_after_restart(srv.base_url, before))
+    finally:
+        srv.stop()
