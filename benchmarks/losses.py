@@ -1,0 +1,254 @@
+"""StableReinforce vs importance_sampling: time and memory of one forward+backward.
+
+A transformer-free setup at a real vocabulary size: logits = hidden @ W with hidden
+[B*T, D] requiring grad, split into one row view per datum (as the backend hands the loss a
+padded batch). Both losses run on the same batch in one process, in paired runs of alternating
+order; the table reports median wall and process-CPU time, the median peak growth of live heap
+memory during the step (glibc mallinfo2, sampled), and the bytes autograd saves for backward
+(saved_tensors_hooks), split into the logits themselves and any *other* tensor of tokens x vocab
+size. The time verdict is the median per-pair CPU-time ratio, which background load on a shared
+machine barely moves (wall time is printed next to it).
+
+Baseline in the same run: ``importance_sampling`` (one gathered target per position), plus the
+spec's reference sketch (a full ``log_softmax`` copy) to show what the memory criterion guards
+against. Targets: StableReinforce time <= 1.10 x importance_sampling, and no extra tokens x vocab
+tensor saved for backward.
+
+    python benchmarks/losses.py            # B=16, T=256, D=256, V=32768
+    python benchmarks/losses.py --quick    # T=64, fewer repetitions
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tinker_sr.engine.losses import LossDatum, compute_loss
+
+TIME_TARGET = 1.10
+
+
+@dataclass
+class Setup:
+    hidden: torch.Tensor  # [B*T, D], requires grad
+    weight: torch.Tensor  # [D, V]
+    data: list[LossDatum]
+    b: int
+    t: int
+
+
+def make_setup(b: int, t: int, d: int, v: int, k: int = 8, prompt: int = 64) -> Setup:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b * t, d, generator=gen).requires_grad_()
+    weight = torch.randn(d, v, generator=gen) / d**0.5
+    prompt = min(prompt, t // 2)
+    sampled = torch.arange(t) >= prompt
+    data = []
+    for _ in range(b):
+        targets = torch.randint(0, v, (t,), generator=gen)
+        draws = torch.randint(0, v, (t, k), generator=gen)
+        draws[~sampled] = -1
+        adv = torch.where(sampled, torch.randn(()), 0.0).float() * torch.ones(t)
+        lq = torch.where(sampled, -10.0 + 0.1 * torch.randn(t, generator=gen), 0.0)
+        inputs = {"logprobs": lq.float(), "advantages": adv}
+        data.append(LossDatum(targets, inputs, draws=draws, sampled_mask=sampled.clone()))
+    return Setup(hidden, weight, data, b, t)
+
+
+def reference_sketch(logits: list[torch.Tensor], data: list[LossDatum]) -> torch.Tensor:
+    """spec/losses.md §2.9 as written: materialises a full log_softmax copy."""
+    loss = torch.zeros(())
+    for z, d in zip(logits, data, strict=True):
+        logp = torch.log_softmax(z.float(), dim=-1)
+        lx = logp.gather(1, d.target_tokens[:, None]).squeeze(1)
+        ly = logp.gather(1, d.draws.clamp_min(0)).mean(1)
+        adv, lq = d.inputs["advantages"], d.inputs["logprobs"]
+        per_tok = -adv * (lx - ly) + 0.01 * (lq - lx)
+        loss = loss + torch.where(d.sampled_mask, per_tok, torch.zeros_like(per_tok)).sum()
+    return loss
+
+
+def loss_step(name: str) -> Callable[[list[torch.Tensor], list[LossDatum]], torch.Tensor]:
+    if name == "reference sketch":
+        return reference_sketch
+
+    def step(logits: list[torch.Tensor], data: list[LossDatum]) -> torch.Tensor:
+        if name == "importance_sampling":  # the IS datum: no provenance fields
+            data = [LossDatum(d.target_tokens, d.inputs) for d in data]
+        return compute_loss(name, logits, data, {}).loss
+
+    return step
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def _live_bytes_reader() -> tuple[Callable[[], int], str]:
+    """Live heap bytes from glibc's mallinfo2 (exact, unlike RSS); RSS where that is missing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+
+        def live() -> int:
+            info = libc.mallinfo2()
+            return int(info.uordblks + info.hblkhd)
+
+        return live, "malloc"
+    except (OSError, AttributeError):
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def rss() -> int:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
+
+        return rss, "RSS"
+
+
+LIVE_BYTES, LIVE_KIND = _live_bytes_reader()
+
+
+class PeakMemory:
+    """Peak growth of live memory while the block runs, sampled every ~0.5 ms."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, LIVE_BYTES())
+            time.sleep(0.0005)
+
+    def __enter__(self) -> PeakMemory:
+        self.base = self.peak = LIVE_BYTES()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, LIVE_BYTES())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def run_once(setup: Setup, name: str, measure: bool) -> tuple[float, float, int, int, int]:
+    """One forward+backward; returns (wall s, process CPU s, peak memory growth, bytes of the
+    logits saved for backward, bytes of *other* saved tensors of at least T x V elements).
+    Saved tensors count once per storage; the model's hidden states and weight are not the
+    loss's."""
+    step = loss_step(name)
+    setup.hidden.grad = None
+    own = {setup.hidden.untyped_storage().data_ptr(), setup.weight.untyped_storage().data_ptr()}
+    storages: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= setup.t * setup.weight.shape[1]:
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in own:
+                storages[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with PeakMemory() as mem:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        if measure:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                logits = setup.hidden @ setup.weight
+                views = [logits[i * setup.t : (i + 1) * setup.t] for i in range(setup.b)]
+                loss = step(views, setup.data)
+        else:
+            logits = setup.hidden @ setup.weight
+            views = [logits[i * setup.t : (i + 1) * setup.t] for i in range(setup.b)]
+            loss = step(views, setup.data)
+        logits_ptr = logits.untyped_storage().data_ptr()
+        del logits, views
+        loss.backward()
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    saved_logits = storages.pop(logits_ptr, 0)
+    return elapsed, cpu, mem.growth, saved_logits, sum(storages.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T=64 and fewer repetitions")
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args()
+    b, t, d, v = 16, (64 if args.quick else 256), 256, args.vocab
+    reps = args.reps or (4 if args.quick else 8)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    setup = make_setup(b, t, d, v)
+    names = ["importance_sampling", "stable_reinforce", "reference sketch"]
+    mib = 1 << 20
+    print(
+        f"B={b} T={t} D={d} V={v} K=8  tokens x vocab = {b * t * v * 4 / mib:.0f} MiB (fp32)  "
+        f"threads={torch.get_num_threads()}  reps={reps} (medians)"
+    )
+
+    for name in names:  # warm-up
+        run_once(setup, name, measure=False)
+    memory = {name: run_once(setup, name, measure=True) for name in names}
+    # Paired, order-alternating repetitions of the two losses under test: each pair runs under
+    # nearly the same background load, so the median of per-pair ratios is robust to drift.
+    pair = ["importance_sampling", "stable_reinforce"]
+    runs: dict[str, list[tuple[float, float, int, int, int]]] = {name: [] for name in pair}
+    for rep in range(reps):
+        for name in pair if rep % 2 == 0 else pair[::-1]:
+            runs[name].append(run_once(setup, name, measure=False))
+    runs["reference sketch"] = [memory["reference sketch"]]
+
+    def med(name: str, field: int) -> float:
+        return statistics.median(r[field] for r in runs[name])
+
+    def pair_ratio(field: int) -> float:
+        sr, base = runs["stable_reinforce"], runs["importance_sampling"]
+        return statistics.median(a[field] / b[field] for a, b in zip(sr, base, strict=True))
+
+    header = (
+        f"{'loss':<20} {'wall ms':>9} {'CPU ms':>9} {'peak mem MiB':>13} "
+        f"{'saved logits MiB':>17} {'other TxV saved MiB':>20}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        _, _, _, saved_logits, saved_other = memory[name]
+        note = "  (1 run)" if name == "reference sketch" else ""
+        print(
+            f"{name:<20} {med(name, 0) * 1e3:>9.1f} {med(name, 1) * 1e3:>9.1f} "
+            f"{med(name, 2) / mib:>13.0f} {saved_logits / mib:>17.0f} "
+            f"{saved_other / mib:>20.0f}{note}"
+        )
+
+    wall_ratio, cpu_ratio, mem_ratio = pair_ratio(0), pair_ratio(1), pair_ratio(2)
+    sr, is_ = memory["stable_reinforce"], memory["importance_sampling"]
+    saved_ratio = (sr[3] + sr[4]) / max(is_[3] + is_[4], 1)
+    print()
+    # CPU time is the verdict: wall time also measures whatever else the machine is running.
+    print(
+        f"time ratio stable_reinforce / importance_sampling (median of {reps} paired runs) = "
+        f"{cpu_ratio:.3f} CPU, {wall_ratio:.3f} wall  (target <= {TIME_TARGET:.2f}): "
+        f"{'PASS' if cpu_ratio <= TIME_TARGET else 'FAIL'}"
+    )
+    print(
+        f"saved-for-backward bytes ratio = {saved_ratio:.3f}, extra tokens x vocab tensors saved "
+        f"= {sr[4] / mib:.0f} MiB: {'PASS' if sr[4] == 0 and saved_ratio <= 1.01 else 'FAIL'}"
+    )
+    print(f"peak memory ratio = {mem_ratio:.3f} (live {LIVE_KIND} bytes; informational)")
+
+
+if __name__ == "__main__":
+    main()
