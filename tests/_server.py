@@ -31,6 +31,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -43,6 +47,7 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.store = Path(store)
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.api_keys = list(api_keys or [])
         self.max_body_bytes = max_body_bytes
@@ -56,6 +61,17 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        for _ in range(3):
+            try:
+                self._start_once()
+                return
+            except _PortTaken:
+                if self._fixed_port:
+                    raise RuntimeError(f"port {self.port} is taken:\n{self.log()}") from None
+                self.port = free_port()  # another process grabbed it between probe and bind
+        raise RuntimeError(f"could not find a free port:\n{self.log()}")
+
+    def _start_once(self) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -87,6 +103,8 @@ class ServerProcess:
         deadline = time.monotonic() + _STARTUP_LIMIT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log().lower():
+                    raise _PortTaken
                 raise RuntimeError(
                     f"server exited with {self.proc.returncode} during start-up:\n{self.log()}"
                 )

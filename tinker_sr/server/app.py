@@ -59,15 +59,6 @@ DEFAULT_LONG_POLL_S = 25.0
 SDK's read timeout for it is 45 s)."""
 
 _PROTOBUF = "application/x-protobuf"
-_TRAINING_LOSSES = (
-    "cross_entropy",
-    "importance_sampling",
-    "ppo",
-    "cispo",
-    "dro",
-    "gspo",
-    "stable_reinforce",
-)
 _MAX_SAMPLES_PER_REQUEST = 4096
 _MAX_GAP_WATCH = 1024
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
@@ -593,8 +584,7 @@ class TinkerServer:
             self._model(target[0], owner)  # unknown/foreign model: 404 before anything else
         try:
             call = proto.decode_forward_backward_request(body)
-            self._check_loss(call.loss_fn)
-        except (WireError, _HTTPError):
+        except WireError:
             if target is not None:
                 self._reject_seq(*target)
             raise
@@ -621,19 +611,6 @@ class TinkerServer:
             work=work,
             promise_extra={"model_id": call.model_id},
         )
-
-    @staticmethod
-    def _check_loss(loss_fn: str) -> None:
-        if loss_fn == "custom":
-            raise _HTTPError(
-                400,
-                "loss_fn 'custom' (server-side custom losses) is not supported; "
-                "forward_backward_custom computes the loss client-side",
-            )
-        if loss_fn not in _TRAINING_LOSSES:
-            raise _HTTPError(
-                400, f"unknown loss_fn {loss_fn!r}; supported: {', '.join(_TRAINING_LOSSES)}"
-            )
 
     def _training_seq(self, model_id: str, seq_id: int | None, what: str) -> int:
         if seq_id is None:

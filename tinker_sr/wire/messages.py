@@ -203,7 +203,7 @@ class WireSamplingParams(_Wire):
 
     @classmethod
     def from_public(cls, params: SamplingParams) -> WireSamplingParams:
-        stop = params.stop
+        stop: Any = params.stop
         if stop is not None and not isinstance(stop, str):
             stop = list(stop)
         return cls(

@@ -70,7 +70,7 @@ _F32 = np.dtype("<f4")
 _U16 = np.dtype("<u2")
 
 _DTYPE_TO_PROTO = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
-_NUMPY_OF = {"float32": _F32, "int64": _I64}
+_NUMPY_OF: dict[str, np.dtype[Any]] = {"float32": _F32, "int64": _I64}
 # proto dtype -> (numpy dtype of the bytes, public dtype after widening)
 _FROM_PROTO: dict[int, tuple[np.dtype[Any], str]] = {
     pb.DTYPE_FLOAT32: (_F32, "float32"),
