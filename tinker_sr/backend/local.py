@@ -432,7 +432,7 @@ class LocalBackend:
         )
 
         lengths = [len(a.tokens) for a in batch]
-        tokens = torch.full((len(batch), max(lengths)), cfg.pad_token_id, dtype=torch.long)
+        tokens = torch.zeros((len(batch), max(lengths)), dtype=torch.long)  # pad: masked below
         for i, a in enumerate(batch):
             tokens[i, : lengths[i]] = torch.from_numpy(a.tokens)
         with torch.set_grad_enabled(not forward_only):

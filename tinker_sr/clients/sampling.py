@@ -174,19 +174,20 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
     # A clone numbers its requests in its own range so they never collide with the original's.
     seq_base = random.randint(1, 10**9) * 1_000_000_000
     base_url = state.get("base_url")
-    if base_url:
+    found = ClientHolder.lookup(int(state["holder_key"]))
+    if found is not None and found.base_url == base_url and not found.closed:
+        holder = found  # same process: keep using the creating client's connection
+    elif base_url:
+        # Another process: talk to the same server with this process's credentials.
         backend, url = make_backend(backend="remote", base_url=base_url, api_key=api_key)
         holder = ClientHolder(backend, base_url=url, api_key=api_key, owns_backend=True)
         holder._session_id = state.get("session_id")
     else:
-        found = ClientHolder.lookup(int(state["holder_key"]))
-        if found is None:
-            raise RuntimeError(
-                "This SamplingClient runs on the embedded engine of the process that created it "
-                "and cannot be rebuilt elsewhere. For multi-process sampling run a server "
-                "(`tinker-sr serve`) and create clients with base_url=..."
-            )
-        holder = found
+        raise RuntimeError(
+            "This SamplingClient runs on the embedded engine of the process that created it "
+            "and cannot be rebuilt elsewhere. For multi-process sampling run a server "
+            "(`tinker-sr serve`) and create clients with base_url=..."
+        )
     return SamplingClient(
         holder,
         state["sampler_id"],
