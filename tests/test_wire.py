@@ -3,6 +3,7 @@ the official SDK's own converters (tinker/proto/request_conv.py and response_con
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -566,6 +567,5 @@ def test_invalid_json_and_failure_payloads() -> None:
         "category": "user",
     }
     assert msgs.category_of("weird") is types.RequestErrorCategory.Unknown
-    assert math.isnan(float("nan"))  # dumps refuses NaN rather than emitting invalid JSON
-    with pytest.raises(ValueError):
-        msgs.dumps({"x": float("nan")})
+    # A diverged run's NaN metrics still reach the client.
+    assert math.isnan(json.loads(msgs.dumps({"x": float("nan")}))["x"])

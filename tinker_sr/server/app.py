@@ -61,6 +61,7 @@ SDK's read timeout for it is 45 s)."""
 _PROTOBUF = "application/x-protobuf"
 _MAX_SAMPLES_PER_REQUEST = 4096
 _MAX_GAP_WATCH = 1024
+_PRUNE_EVERY_S = 3600.0
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
@@ -158,6 +159,15 @@ class TinkerServer:
         if orphans:
             log.warning("failed %d request(s) left pending by a previous server process", orphans)
         self.state.prune()
+        self._spawn(self._prune_periodically())
+
+    async def _prune_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(_PRUNE_EVERY_S)
+            try:
+                self.state.prune()
+            except Exception:
+                log.exception("pruning old futures failed")
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -250,8 +260,6 @@ class TinkerServer:
             return 500, _strip_prefix(e.message)
         if isinstance(e, APIStatusError):  # the backend is itself remote: pass it through
             return e.status_code, e.message
-        if isinstance(e, ValueError | TypeError):
-            return 400, str(e)
         return 500, f"internal server error: {type(e).__name__}: {e}"
 
     # ---- ownership ------------------------------------------------------------------------

@@ -89,6 +89,10 @@ class _Wire(pydantic.BaseModel):
 
 
 class ClientConfigRequest(_Wire):
+    # Lenient on purpose: it carries no options, and refusing it would make every client
+    # of a newer SDK unusable (a 4xx here aborts client construction).
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
     sdk_version: str | None = None
 
 
@@ -350,7 +354,10 @@ def to_json(model: pydantic.BaseModel) -> dict[str, Any]:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    """Compact JSON. A diverged run's metrics may be NaN/inf: they are written as the bare
+    ``NaN``/``Infinity`` tokens Python's (and the SDK's) JSON parser reads back, rather than
+    failing the request."""
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 # ---- futures ------------------------------------------------------------------------------
