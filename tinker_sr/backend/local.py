@@ -53,6 +53,7 @@ from tinker_sr.engine.store import CheckpointRow, Store
 from tinker_sr.engine.tokenizer import ByteTokenizer
 from tinker_sr.errors import RequestFailedError
 from tinker_sr.provenance.validate import (
+    RECORD_TTL_SECONDS,
     DatumSpans,
     ProvenanceView,
     SequenceRecord,
@@ -160,6 +161,7 @@ class LocalBackend:
         self._tokenizer = ByteTokenizer()
         self._lock = threading.Lock()
         self._closed = False
+        self._last_purge = 0.0
 
     # ---- plumbing ---------------------------------------------------------------------
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -295,6 +297,8 @@ class LocalBackend:
 
     # ---- training models --------------------------------------------------------------
     def _register_trainer(self, trainer: _Trainer, user_metadata: Mapping[str, str] | None) -> None:
+        if self.sampler_staleness:
+            trainer.history.append(_snapshot(trainer.model))  # the weights of step 0
         self._trainers[trainer.model_id] = trainer
         self._orders[trainer.model_id] = _Order()
         self.store.add_run(
@@ -760,6 +764,10 @@ class LocalBackend:
                 f"{sampler_id}:{seq_id}:{i}:{secrets.token_hex(4)}" for i in range(num_samples)
             ]
             now = time.time()
+            if now - self._last_purge > 3600:
+                # Records live 24 h after their last use; drop the dead ones hourly.
+                self.store.purge_expired_sequences(now - RECORD_TTL_SECONDS)
+                self._last_purge = now
             prompt_arr = np.asarray(tokens, dtype=np.int32)
             self.store.put_sequences(
                 [
