@@ -5,7 +5,8 @@ The same batch (64 sequences x 128 tokens, ``tinker-sr/tiny``, LoRA rank 8) goes
 (baseline) and with one on ``http://127.0.0.1`` (a ``python -m tinker_sr.server``
 subprocess: protobuf encode/decode, HTTP, futures in SQLite, long-polling). Both are
 measured in this run, interleaved, after warm-up; the report is the median step time of
-each and their ratio. Target: remote / local <= 1.15.
+each and their ratio (and the ratio of the fastest steps, which on a busy machine shows the
+wire's own cost best). Target: remote / local <= 1.15.
 
     python benchmarks/remote_overhead.py            # 9 measured steps each
     python benchmarks/remote_overhead.py --reps 3   # quicker
@@ -124,7 +125,10 @@ def main() -> None:
     for name, ts in times.items():
         print(f"{name:<8} {med[name]:9.4f} {min(ts):8.4f} {max(ts):8.4f}")
     verdict = "OK" if ratio <= TARGET else "ABOVE TARGET"
-    print(f"remote / local = {ratio:.3f} (target <= {TARGET}) {verdict}")
+    print(f"remote / local = {ratio:.3f} (median; target <= {TARGET}) {verdict}")
+    # On a busy machine the medians carry other processes' noise; the fastest steps show
+    # the wire's own cost.
+    print(f"remote / local = {min(times['remote']) / min(times['local']):.3f} (fastest steps)")
 
 
 if __name__ == "__main__":
