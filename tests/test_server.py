@@ -597,3 +597,47 @@ def test_futures_pending_at_a_crash_are_failed_on_restart(tmp_path: Path) -> Non
         and done.status == "complete"
         and json.loads(done.result or b"") == {"metrics": {}}
     )
+
+
+def test_another_sessions_sequence_ids_behave_as_unknown(wire: Wire, model: str) -> None:
+    save = {
+        "model_id": model,
+        "seq_id": wire.next_seq(model),
+        "sampling_session_seq_id": 20,
+        "type": "save_weights_for_sampler",
+    }
+    sampler = wire.wait(wire.ok("save_weights_for_sampler", save)).json()["sampling_session_id"]
+    req = {
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 3, "seed": 5},
+        "sampling_session_id": sampler,
+        "seq_id": 0,
+        "record_stability_info": True,
+    }
+    promise = wire.ok("asample", req)
+    wire.wait(promise)
+    theirs = promise["sample_sequence_ids"][0]
+
+    other_model = wire.model(wire.session())  # same key, different session
+    before = wire.logprobs(other_model)
+
+    def failure_for(sequence_id: str) -> str:
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={
+                "target_tokens": [2, 3, 4],
+                "logprobs": [0.0, 0.0, 0.0],
+                "advantages": [0.0, 0.0, 0.0],
+            },
+        ).with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=sequence_id, length=3)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence_id, length=3)],
+        )
+        body = wire.fb_body(other_model, [datum], loss_fn="stable_reinforce")
+        result = wire.wait(wire.ok("forward_backward", body, headers=PROTOBUF)).json()
+        assert result["category"] == "user"
+        return str(result["error"]).replace(sequence_id, "<id>")
+
+    assert failure_for(theirs) == failure_for("never-sampled-anywhere")
+    assert wire.logprobs(other_model) == before
