@@ -279,3 +279,21 @@ def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.Servic
     la = a.forward(data, "cross_entropy").result().metrics["loss:sum"]
     lb = b.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert la == pytest.approx(lb, rel=1e-4)
+
+
+def test_released_seq_ids_do_not_block_later_requests(tmp_path: object) -> None:
+    from tinker_sr.backend.local import LocalBackend
+
+    backend = LocalBackend(tmp_path)  # type: ignore[arg-type]
+
+    async def main() -> float:
+        sid = await backend.create_session()
+        mid = await backend.create_model(sid, 0, base_model=MODEL, lora_config=types.LoraConfig(rank=2))
+        later = asyncio.ensure_future(backend.forward_backward(mid, 3, [sft_datum(b"abc")], "cross_entropy"))
+        await backend.release_seq(mid, 2)
+        await backend.release_seq(mid, 1)
+        out = await asyncio.wait_for(later, 60)
+        return out.metrics["loss:sum"]
+
+    assert asyncio.run(main()) > 0
+    backend.close()

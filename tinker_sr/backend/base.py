@@ -116,6 +116,10 @@ class Backend(Protocol):
         forward_only: bool = False,
     ) -> ForwardBackwardOutput: ...
 
+    async def release_seq(self, model_id: str, seq_id: int) -> None:
+        """Give up a reserved ``seq_id`` that will never be submitted (later ones then run)."""
+        ...
+
     async def optim_step(
         self, model_id: str, seq_id: int, adam_params: AdamParams
     ) -> OptimStepResponse: ...

@@ -117,6 +117,14 @@ class _Sampler:
 class _Order:
     next_seq: int = 1
     cond: asyncio.Condition | None = None
+    # seq_ids given up by the client (a request refused before it reached us): skip them.
+    released: set[int] = field(default_factory=set)
+
+    def advance_past(self, seq_id: int) -> None:
+        self.next_seq = max(self.next_seq, seq_id + 1)
+        while self.next_seq in self.released:
+            self.released.discard(self.next_seq)
+            self.next_seq += 1
 
 
 def _user(msg: str) -> RequestFailedError:
@@ -206,8 +214,23 @@ class LocalBackend:
             return await self._run(fn)
         finally:
             async with order.cond:
-                order.next_seq = seq_id + 1
+                order.advance_past(seq_id)
                 order.cond.notify_all()
+
+    async def release_seq(self, model_id: str, seq_id: int) -> None:
+        """Give up ``seq_id`` of ``model_id`` without running anything, so later requests do
+        not wait for a request that will never arrive (e.g. one refused on the wire)."""
+        order = self._orders.get(model_id)
+        if order is None:
+            return
+        if order.cond is None:
+            order.cond = asyncio.Condition()
+        async with order.cond:
+            if seq_id == order.next_seq:
+                order.advance_past(seq_id)
+                order.cond.notify_all()
+            elif seq_id > order.next_seq:
+                order.released.add(seq_id)
 
     def _trainer(self, model_id: str) -> _Trainer:
         t = self._trainers.get(model_id)

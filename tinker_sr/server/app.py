@@ -459,16 +459,8 @@ class TinkerServer:
             self._gap_watches.discard((model_id, seq_id))
 
     async def _release_seq(self, model_id: str, seq_id: int) -> None:
-        release = getattr(self.backend, "release_seq", None)
-        if release is not None:
-            await release(model_id, seq_id)
-            return
-        # Fallback for backends without release_seq: a request every backend rejects before
-        # touching anything (no data) consumes the number in order.
-        with contextlib.suppress(Exception):
-            await self.backend.forward_backward(
-                model_id, seq_id, [], "cross_entropy", forward_only=True
-            )
+        with contextlib.suppress(Exception):  # an unknown model has nothing to release
+            await self.backend.release_seq(model_id, seq_id)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
