@@ -20,7 +20,8 @@ def script(service: tinker.ServiceClient) -> dict[str, Any]:
     tc = service.create_lora_training_client("tinker-sr/tiny", rank=4, seed=11).result()
     sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     res = sc.sample(
-        types.ModelInput.from_ints(PROMPT), 4,
+        types.ModelInput.from_ints(PROMPT),
+        4,
         types.SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=3, stop=[]),
     ).result()
     rewards = [sum(t < 128 for t in s.tokens) / 6 for s in res.sequences]
@@ -31,7 +32,9 @@ def script(service: tinker.ServiceClient) -> dict[str, Any]:
     fb_out, op_out = fb.result(), op.result()
     after = tc.forward(data, "stable_reinforce").result()
     sc2 = tc.save_weights_and_get_sampling_client().result()
-    lps = sc2.compute_logprobs(types.ModelInput.from_ints(PROMPT + res.sequences[0].tokens)).result()
+    lps = sc2.compute_logprobs(
+        types.ModelInput.from_ints(PROMPT + res.sequences[0].tokens)
+    ).result()
     return {
         "tokens": [s.tokens for s in res.sequences],
         "logprobs": [s.logprobs for s in res.sequences],

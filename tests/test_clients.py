@@ -124,7 +124,9 @@ def test_sampled_logprobs_match_compute_logprobs(service: tinker.ServiceClient) 
 def test_stop_strings_tokens_and_eos(service: tinker.ServiceClient) -> None:
     sc = service.create_sampling_client(base_model=MODEL).result()
     prompt = types.ModelInput.from_ints(list(b"x"))
-    greedy = sc.sample(prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
+    greedy = sc.sample(
+        prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+    ).result()
     first = greedy.sequences[0].tokens[0]
     stopped = sc.sample(
         prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0, stop=[first])
@@ -132,7 +134,9 @@ def test_stop_strings_tokens_and_eos(service: tinker.ServiceClient) -> None:
     assert stopped.sequences[0].tokens == [first] and stopped.sequences[0].stop_reason == "stop"
 
 
-def test_checkpoint_round_trip_restores_weights_and_optimizer(service: tinker.ServiceClient) -> None:
+def test_checkpoint_round_trip_restores_weights_and_optimizer(
+    service: tinker.ServiceClient,
+) -> None:
     tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
     data = [sft_datum(b"round trip")]
     adam = types.AdamParams(learning_rate=1e-2)
@@ -180,13 +184,18 @@ def test_same_seeds_give_identical_training(service: tinker.ServiceClient) -> No
         out = tc.forward(data, "cross_entropy").result()
         sc = tc.save_weights_and_get_sampling_client().result()
         s = sc.sample(types.ModelInput.from_ints(list(b"ab")), 2, params(seed=5)).result()
-        return [out.metrics["loss:sum"], *out.loss_fn_outputs[0]["logprobs"].tolist(),
-                *(t for q in s.sequences for t in q.tokens)]
+        return [
+            out.metrics["loss:sum"],
+            *out.loss_fn_outputs[0]["logprobs"].tolist(),
+            *(t for q in s.sequences for t in q.tokens),
+        ]
 
     assert run() == run()
 
 
-def test_datum_dataclasses_replace_and_pickled_sampling_client(service: tinker.ServiceClient) -> None:
+def test_datum_dataclasses_replace_and_pickled_sampling_client(
+    service: tinker.ServiceClient,
+) -> None:
     d = sft_datum(b"hello")
     d2 = dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "weights": [0.5] * 4})
     assert d2.loss_fn_inputs["weights"].dtype == "float32"
@@ -199,7 +208,9 @@ def test_datum_dataclasses_replace_and_pickled_sampling_client(service: tinker.S
 # ---- bad input: typed errors, nothing changed -------------------------------------------------
 
 
-def test_bad_requests_fail_with_typed_errors_and_change_nothing(service: tinker.ServiceClient) -> None:
+def test_bad_requests_fail_with_typed_errors_and_change_nothing(
+    service: tinker.ServiceClient,
+) -> None:
     tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
     data = [sft_datum(b"stable")]
     before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -231,7 +242,9 @@ def test_bad_requests_fail_with_typed_errors_and_change_nothing(service: tinker.
 
     sc = service.create_sampling_client(base_model=MODEL).result()
     with pytest.raises(tinker.RequestFailedError, match="context"):
-        sc.sample(types.ModelInput.from_ints([1] * 10), 1, types.SamplingParams(max_tokens=100000)).result()
+        sc.sample(
+            types.ModelInput.from_ints([1] * 10), 1, types.SamplingParams(max_tokens=100000)
+        ).result()
     with pytest.raises(tinker.RequestFailedError, match="vocabulary"):
         sc.sample(types.ModelInput.from_ints([100000]), 1, params()).result()
 
@@ -245,7 +258,9 @@ def test_unknown_model_and_missing_checkpoint_are_clear(service: tinker.ServiceC
     with pytest.raises(tinker.RequestFailedError, match="does not exist"):
         service.create_training_client_from_state(f"tinker://{tc.model_id}/weights/nope").result()
     with pytest.raises(AssertionError):
-        service.create_lora_training_client(MODEL, train_mlp=False, train_attn=False, train_unembed=False)
+        service.create_lora_training_client(
+            MODEL, train_mlp=False, train_attn=False, train_unembed=False
+        )
     with pytest.raises(ValueError, match="Either model_path or base_model"):
         service.create_sampling_client()
 
@@ -264,8 +279,13 @@ def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.Servic
     data = [sft_datum(b"custom loss"), sft_datum(b"xyz")]
     adam = types.AdamParams(learning_rate=1e-2)
 
-    def nll(batch: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs))
+    def nll(
+        batch: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum(
+            -(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
+            for d, lp in zip(batch, logprobs, strict=True)
+        )
         return loss, {"custom/n:sum": float(len(batch))}  # type: ignore[return-value]
 
     a = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
@@ -288,8 +308,12 @@ def test_released_seq_ids_do_not_block_later_requests(tmp_path: object) -> None:
 
     async def main() -> float:
         sid = await backend.create_session()
-        mid = await backend.create_model(sid, 0, base_model=MODEL, lora_config=types.LoraConfig(rank=2))
-        later = asyncio.ensure_future(backend.forward_backward(mid, 3, [sft_datum(b"abc")], "cross_entropy"))
+        mid = await backend.create_model(
+            sid, 0, base_model=MODEL, lora_config=types.LoraConfig(rank=2)
+        )
+        later = asyncio.ensure_future(
+            backend.forward_backward(mid, 3, [sft_datum(b"abc")], "cross_entropy")
+        )
         await backend.release_seq(mid, 2)
         await backend.release_seq(mid, 1)
         out = await asyncio.wait_for(later, 60)

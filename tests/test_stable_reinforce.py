@@ -24,7 +24,8 @@ PROMPT = list(b"Q: 2+2=")
 
 def sample(sc: tinker.SamplingClient, n: int = 2, seed: int = 0) -> list[types.SampledSequence]:
     res = sc.sample(
-        types.ModelInput.from_ints(PROMPT), n,
+        types.ModelInput.from_ints(PROMPT),
+        n,
         types.SamplingParams(max_tokens=5, seed=seed, stop=[]),
     ).result()
     return list(res.sequences)
@@ -58,13 +59,19 @@ def test_stable_reinforce_end_to_end(setup: dict[str, Any]) -> None:
     # Returned logprobs are the learner's: equal to compute_logprobs on the same tokens.
     for datum, seq, o in zip(data, seqs, out.loss_fn_outputs, strict=True):
         lps = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT + seq.tokens)).result()
-        np.testing.assert_allclose(o["logprobs"].tolist()[len(PROMPT) - 1 :], lps[len(PROMPT) :], atol=1e-4)
+        np.testing.assert_allclose(
+            o["logprobs"].tolist()[len(PROMPT) - 1 :], lps[len(PROMPT) :], atol=1e-4
+        )
         np.testing.assert_allclose(seq.logprobs, lps[len(PROMPT) :], atol=1e-4)
     # The step changed the model.
-    assert model_fingerprint(tc, data) != [v for o in out.loss_fn_outputs for v in o["logprobs"].tolist()]
+    assert model_fingerprint(tc, data) != [
+        v for o in out.loss_fn_outputs for v in o["logprobs"].tolist()
+    ]
 
 
-def test_sequences_sampled_without_the_flag_have_ids_but_no_stability_info(setup: dict[str, Any]) -> None:
+def test_sequences_sampled_without_the_flag_have_ids_but_no_stability_info(
+    setup: dict[str, Any],
+) -> None:
     tc, service = setup["tc"], setup["service"]
     plain = tc.save_weights_and_get_sampling_client().result()
     seqs = sample(plain)
@@ -100,47 +107,91 @@ def _bad_requests(setup: dict[str, Any]) -> dict[str, tuple[list[types.Datum], s
     return {
         "tiling": (
             [_with_spans(d0, [Pr(sequence_id=sid, length=P)], d0.loss_fn_input_spans)],
-            "importance_sampling", "cover .* positions but model_input has",
+            "importance_sampling",
+            "cover .* positions but model_input has",
         ),
         "unknown id": (
-            [_with_spans(d0, [Pr(sequence_id="nope", length=P), Sa(sequence_id="nope", length=S - 1)],
-                         d0.loss_fn_input_spans)],
-            "importance_sampling", "not known in this session",
+            [
+                _with_spans(
+                    d0,
+                    [Pr(sequence_id="nope", length=P), Sa(sequence_id="nope", length=S - 1)],
+                    d0.loss_fn_input_spans,
+                )
+            ],
+            "importance_sampling",
+            "not known in this session",
         ),
         "past the end": (
-            [_with_spans(d0, [Pr(sequence_id=sid, length=P - 1), Sa(sequence_id=sid, offset=2, length=S)],
-                         d0.loss_fn_input_spans)],
-            "importance_sampling", "runs past the end",
+            [
+                _with_spans(
+                    d0,
+                    [Pr(sequence_id=sid, length=P - 1), Sa(sequence_id=sid, offset=2, length=S)],
+                    d0.loss_fn_input_spans,
+                )
+            ],
+            "importance_sampling",
+            "runs past the end",
         ),
         "input tokens differ": (
-            [types.Datum(model_input=types.ModelInput.from_ints(wrong_input),
-                         loss_fn_inputs=d0.loss_fn_inputs,
-                         model_input_spans=d0.model_input_spans,
-                         loss_fn_input_spans=d0.loss_fn_input_spans)],
-            "importance_sampling", "model_input token at position 0",
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(wrong_input),
+                    loss_fn_inputs=d0.loss_fn_inputs,
+                    model_input_spans=d0.model_input_spans,
+                    loss_fn_input_spans=d0.loss_fn_input_spans,
+                )
+            ],
+            "importance_sampling",
+            "model_input token at position 0",
         ),
         "target differs": (
-            [dataclasses.replace(d0, loss_fn_inputs={**d0.loss_fn_inputs, "target_tokens": wrong_target})],
-            "importance_sampling", "recorded sampled token",
+            [
+                dataclasses.replace(
+                    d0, loss_fn_inputs={**d0.loss_fn_inputs, "target_tokens": wrong_target}
+                )
+            ],
+            "importance_sampling",
+            "recorded sampled token",
         ),
         "SR without provenance": (
             [d1, types.Datum(model_input=d0.model_input, loss_fn_inputs=d0.loss_fn_inputs)],
-            "stable_reinforce", "datum 1: .*needs provenance on every datum",
+            "stable_reinforce",
+            "datum 1: .*needs provenance on every datum",
         ),
         "SR no sampled span": (
-            [_with_spans(d0, d0.model_input_spans,
-                         [Pr(sequence_id=sid, offset=1, length=P - 1), Pr(sequence_id=sid, length=S)])],
-            "stable_reinforce", "at least one SampledProvenanceSpan",
+            [
+                _with_spans(
+                    d0,
+                    d0.model_input_spans,
+                    [Pr(sequence_id=sid, offset=1, length=P - 1), Pr(sequence_id=sid, length=S)],
+                )
+            ],
+            "stable_reinforce",
+            "at least one SampledProvenanceSpan",
         ),
         "SR partial sequence": (
-            [_with_spans(d0, d0.model_input_spans,
-                         [Pr(sequence_id=sid, offset=1, length=P - 1), Pr(sequence_id=sid, length=1),
-                          Sa(sequence_id=sid, offset=1, length=S - 1)])],
-            "stable_reinforce", "not covered",
+            [
+                _with_spans(
+                    d0,
+                    d0.model_input_spans,
+                    [
+                        Pr(sequence_id=sid, offset=1, length=P - 1),
+                        Pr(sequence_id=sid, length=1),
+                        Sa(sequence_id=sid, offset=1, length=S - 1),
+                    ],
+                )
+            ],
+            "stable_reinforce",
+            "not covered",
         ),
         "SR advantage on prompt": (
-            [dataclasses.replace(d0, loss_fn_inputs={**d0.loss_fn_inputs, "advantages": adv_on_prompt})],
-            "stable_reinforce", "on a prompt position",
+            [
+                dataclasses.replace(
+                    d0, loss_fn_inputs={**d0.loss_fn_inputs, "advantages": adv_on_prompt}
+                )
+            ],
+            "stable_reinforce",
+            "on a prompt position",
         ),
         "SR negative kl_coeff": ([d0], "stable_reinforce", "kl_coeff"),
     }
@@ -168,14 +219,16 @@ def test_provenance_pair_is_checked_client_side() -> None:
     span = [types.PromptProvenanceSpan(sequence_id="a", length=1)]
     with pytest.raises(AssertionError, match="pair"):
         types.Datum(model_input=types.ModelInput.from_ints([1]), model_input_spans=span)
-    d = types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
-                    loss_fn_inputs={"target_tokens": [2, 3]})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]}
+    )
     with pytest.raises(ValueError, match="cover"):
         d.with_provenance(model_input=span, loss_fn_inputs=span)
 
 
-def test_sequence_ids_are_scoped_to_their_session(setup: dict[str, Any], backend_kind: str,
-                                                  request: pytest.FixtureRequest, tmp_path: Any) -> None:
+def test_sequence_ids_are_scoped_to_their_session(
+    setup: dict[str, Any], backend_kind: str, request: pytest.FixtureRequest, tmp_path: Any
+) -> None:
     service = setup["service"]
     if backend_kind == "local":
         other = tinker.ServiceClient(backend=service.holder.backend)
@@ -187,7 +240,9 @@ def test_sequence_ids_are_scoped_to_their_session(setup: dict[str, Any], backend
     other.close().result()
 
 
-def test_records_expire_24h_after_last_use_and_use_refreshes(setup: dict[str, Any], backend_kind: str) -> None:
+def test_records_expire_24h_after_last_use_and_use_refreshes(
+    setup: dict[str, Any], backend_kind: str
+) -> None:
     if backend_kind != "local":
         pytest.skip("the clock of a server process cannot be moved from the test")
     tc, data, seqs = setup["tc"], setup["data"], setup["seqs"]
@@ -207,5 +262,7 @@ def test_stability_info_storage_is_compact(setup: dict[str, Any], backend_kind: 
     store = setup["service"].holder.backend.store
     rec = store.get(setup["seqs"][0].sequence_id)
     assert rec.draws is not None and rec.draws.shape == (len(rec.sampled_tokens), 8)
-    per_token = (rec.sampled_tokens.nbytes + rec.sampler_logprobs.nbytes + rec.draws.nbytes) / len(rec.sampled_tokens)
+    per_token = (rec.sampled_tokens.nbytes + rec.sampler_logprobs.nbytes + rec.draws.nbytes) / len(
+        rec.sampled_tokens
+    )
     assert per_token == 40  # 4 B token + 4 B logprob + 8 x 4 B draws (spec: ~36 B required)

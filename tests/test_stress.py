@@ -16,8 +16,10 @@ PROMPT = types.ModelInput.from_ints(list(b"stress test: abcdefgh"))
 
 def sft(tc: tinker.TrainingClient) -> None:
     toks = list(b"stress test: abcdefgh")
-    d = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                    loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
+    )
     tc.forward_backward([d], "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
 
@@ -46,7 +48,11 @@ def test_bfloat16_sampler_differs_slightly_from_the_float32_learner(tmp_path: Pa
     tc = svc.create_lora_training_client("tinker-sr/tiny", rank=4, seed=0).result()
     sft(tc)
     sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
-    seq = sc.sample(PROMPT, 1, types.SamplingParams(max_tokens=8, seed=0, stop=[])).result().sequences[0]
+    seq = (
+        sc.sample(PROMPT, 1, types.SamplingParams(max_tokens=8, seed=0, stop=[]))
+        .result()
+        .sequences[0]
+    )
     from tinker_sr.provenance import build_datum
 
     out = tc.forward([build_datum(PROMPT, seq, 0.5)], "stable_reinforce").result()

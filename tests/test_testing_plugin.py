@@ -15,7 +15,9 @@ def test_offline_service_aliases_any_model_name(tinker_sr_service: tinker.Servic
     tc = tinker_sr_service.create_lora_training_client("Qwen/Qwen3-8B", rank=4, seed=0).result()
     assert tc.get_info().model_data.model_name == "Qwen/Qwen3-8B"
     sc = tc.save_weights_and_get_sampling_client().result()
-    r = sc.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=3, seed=0)).result()
+    r = sc.sample(
+        types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=3, seed=0)
+    ).result()
     assert len(r.sequences) == 2
 
 

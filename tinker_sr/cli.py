@@ -27,7 +27,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
     for name, cfg in sorted(BUILTIN_CONFIGS.items()):
         n = count_parameters(build_model(name))
-        print(f"{name:20s} {n / 1e6:8.2f}M params  ctx {cfg.max_seq_len:5d}  vocab {cfg.vocab_size}")
+        print(
+            f"{name:20s} {n / 1e6:8.2f}M params  ctx {cfg.max_seq_len:5d}  vocab {cfg.vocab_size}"
+        )
     return 0
 
 
@@ -44,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the embedded engine over the Tinker wire protocol")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--store", default=None, help="state directory (default $TINKER_SR_STORE or ~/.cache/tinker_sr)")
+    s.add_argument(
+        "--store",
+        default=None,
+        help="state directory (default $TINKER_SR_STORE or ~/.cache/tinker_sr)",
+    )
     s.add_argument(
         "--api-key",
         action="append",
@@ -57,13 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the built-in models")
     m.set_defaults(func=_cmd_models)
 
-    try:
-        from tinker_sr.demo import add_arguments
-    except ImportError:  # pragma: no cover - demo module not installed
-        add_arguments = None
+    from tinker_sr.demo import add_arguments
+
     d = sub.add_parser("demo", help="offline RL run on the embedded default model")
-    if add_arguments is not None:
-        add_arguments(d)
+    add_arguments(d)
     d.set_defaults(func=_cmd_demo)
     return p
 

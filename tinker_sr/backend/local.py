@@ -82,9 +82,7 @@ def parse_aliases(spec: str | None) -> dict[str, str]:
         if not part:
             continue
         if "=" not in part:
-            raise ValueError(
-                f"TINKER_SR_MODEL_ALIASES entry {part!r} must look like 'name=target'"
-            )
+            raise ValueError(f"TINKER_SR_MODEL_ALIASES entry {part!r} must look like 'name=target'")
         k, v = part.split("=", 1)
         out[k.strip()] = v.strip()
     return out
@@ -129,7 +127,9 @@ class _Order:
 
 def _user(msg: str) -> RequestFailedError:
     return RequestFailedError(
-        f"Request failed: {msg}", request_id=uuid.uuid4().hex, category=types.RequestErrorCategory.User
+        f"Request failed: {msg}",
+        request_id=uuid.uuid4().hex,
+        category=types.RequestErrorCategory.User,
     )
 
 
@@ -271,7 +271,11 @@ class LocalBackend:
     def _base(self, resolved: str) -> Transformer:
         m = self._base_cache.get(resolved)
         if m is None:
-            m = build_model(resolved, seed=0) if resolved in BUILTIN_CONFIGS else load_pretrained(resolved)
+            m = (
+                build_model(resolved, seed=0)
+                if resolved in BUILTIN_CONFIGS
+                else load_pretrained(resolved)
+            )
             m.requires_grad_(False)
             m.eval()
             self._base_cache[resolved] = m
@@ -451,9 +455,7 @@ class LocalBackend:
         cfg = t.model.config
         batch = [_datum_arrays(i, d, cfg.vocab_size, cfg.max_seq_len) for i, d in enumerate(data)]
         views = self._validate_provenance(t.session_id, data, batch, loss_fn, now)
-        loss_data = [
-            _loss_datum(arr, view) for arr, view in zip(batch, views, strict=True)
-        ]
+        loss_data = [_loss_datum(arr, view) for arr, view in zip(batch, views, strict=True)]
         config = engine_losses.validate_request(
             loss_fn, loss_data, loss_fn_config, vocab_size=cfg.vocab_size
         )
@@ -604,7 +606,12 @@ class LocalBackend:
             tensors = {f"lora.{k}": v for k, v in lora_state_dict(t.model).items()}
             tensors.update({f"optim.{k}": v for k, v in t.optim.state_dict().items()})
             path = self._write_checkpoint(
-                t, "weights", name, tensors, ttl_seconds=ttl_seconds, overwrite=overwrite,
+                t,
+                "weights",
+                name,
+                tensors,
+                ttl_seconds=ttl_seconds,
+                overwrite=overwrite,
                 user_metadata=user_metadata,
             )
             return types.SaveWeightsResponse(path=path, type="save_weights")
@@ -626,8 +633,13 @@ class LocalBackend:
             if name is not None:
                 tensors = {f"lora.{k}": v for k, v in self._sampler_adapters(t).items()}
                 path = self._write_checkpoint(
-                    t, "sampler_weights", name, tensors, ttl_seconds=ttl_seconds,
-                    overwrite=False, user_metadata=user_metadata,
+                    t,
+                    "sampler_weights",
+                    name,
+                    tensors,
+                    ttl_seconds=ttl_seconds,
+                    overwrite=False,
+                    user_metadata=user_metadata,
                 )
                 return types.SaveWeightsForSamplerResponseInternal(
                     path=path, type="save_weights_for_sampler"
@@ -638,7 +650,9 @@ class LocalBackend:
                 )
             sampler_id = self._new_sampler_id(t.session_id, sampling_session_seq_id)
             model = self._sampling_copy(t.model, self._sampler_adapters(t))
-            self._samplers[sampler_id] = _Sampler(sampler_id, t.session_id, t.base_model, model, None)
+            self._samplers[sampler_id] = _Sampler(
+                sampler_id, t.session_id, t.base_model, model, None
+            )
             return types.SaveWeightsForSamplerResponseInternal(
                 sampling_session_id=sampler_id, type="save_weights_for_sampler"
             )
@@ -783,9 +797,13 @@ class LocalBackend:
                 seed=int(seed),
                 stability_k=STABILITY_K if record_stability_info else 0,
             )
-            ids = list(sequence_ids) if sequence_ids is not None else [
-                f"{sampler_id}:{seq_id}:{i}:{secrets.token_hex(4)}" for i in range(num_samples)
-            ]
+            ids = (
+                list(sequence_ids)
+                if sequence_ids is not None
+                else [
+                    f"{sampler_id}:{seq_id}:{i}:{secrets.token_hex(4)}" for i in range(num_samples)
+                ]
+            )
             now = time.time()
             if now - self._last_purge > 3600:
                 # Records live 24 h after their last use; drop the dead ones hourly.
@@ -875,7 +893,11 @@ class LocalBackend:
             raise EngineNotFoundError(f"unknown training run {run_id!r}")
         rows, _ = self.store.list_checkpoints(run_id)
         last = {
-            kind: max((r for r in rows if r.checkpoint_type == kind), key=lambda r: r.created_at, default=None)
+            kind: max(
+                (r for r in rows if r.checkpoint_type == kind),
+                key=lambda r: r.created_at,
+                default=None,
+            )
             for kind in ("training", "sampler")
         }
         return types.TrainingRun(
@@ -885,7 +907,9 @@ class LocalBackend:
             is_lora=True,
             lora_rank=run.lora_rank,
             last_request_time=_iso(run.last_request_time),
-            last_checkpoint=None if last["training"] is None else self._checkpoint_type(last["training"]),
+            last_checkpoint=None
+            if last["training"] is None
+            else self._checkpoint_type(last["training"]),
             last_sampler_checkpoint=None
             if last["sampler"] is None
             else self._checkpoint_type(last["sampler"]),
@@ -1066,8 +1090,10 @@ def _stop_conditions(
     if all(isinstance(s, str) for s in items):
         return [eos], [str(s) for s in items]
     if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
-        return [eos, *(int(s) for s in items)], []
-    raise EngineUserError("sampling_params.stop must be a string, a list of strings or a list of ints")
+        return [eos, *(int(s) for s in items if isinstance(s, int))], []
+    raise EngineUserError(
+        "sampling_params.stop must be a string, a list of strings or a list of ints"
+    )
 
 
 def _check_name(name: str) -> None:
@@ -1090,7 +1116,9 @@ def _lora_spec(cfg: types.LoraConfig) -> LoraSpec:
     if cfg.rank < 1:
         raise EngineUserError(f"lora_config.rank must be >= 1, got {cfg.rank}")
     if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
-        raise EngineUserError("lora_config: at least one of train_attn/train_mlp/train_unembed must be true")
+        raise EngineUserError(
+            "lora_config: at least one of train_attn/train_mlp/train_unembed must be true"
+        )
     return LoraSpec(
         rank=cfg.rank,
         seed=cfg.seed,
@@ -1159,7 +1187,9 @@ def _restore(
     if with_optimizer:
         optim_state = _strip(tensors, "optim.")
         if not optim_state:
-            raise EngineUserError("checkpoint has no optimizer state; load it without the optimizer")
+            raise EngineUserError(
+                "checkpoint has no optimizer state; load it without the optimizer"
+            )
         optim.load_state_dict(optim_state)
 
 
@@ -1168,8 +1198,12 @@ def _parse_dtype(d: str | torch.dtype | None) -> torch.dtype:
         return torch.float32
     if isinstance(d, torch.dtype):
         return d
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if d not in table:
         raise ValueError(f"sampler_dtype must be one of {sorted(table)}, got {d!r}")
     return table[d]
-

@@ -570,6 +570,11 @@ class RemoteBackend:
         except WireError as e:
             raise APIResponseValidationError(resp, None, str(e)) from None
 
+    async def release_seq(self, model_id: str, seq_id: int) -> None:
+        """Nothing to send: the wire has no release call. Our clients never leave a gap, and
+        the server releases numbers of requests it refused and, after a grace period, any
+        other gap."""
+
     async def optim_step(
         self, model_id: str, seq_id: int, adam_params: types.AdamParams
     ) -> types.OptimStepResponse:

@@ -140,15 +140,13 @@ def make_backend(
         )
     from tinker_sr.backend.remote import RemoteBackend
 
-    return (
-        RemoteBackend(
-            base_url=url,
-            api_key=api_key,
-            default_headers=dict(default_headers or {}),
-            project_id=project_id,
-        ),
-        url,
+    remote = RemoteBackend(
+        base_url=url,
+        api_key=api_key,
+        default_headers=dict(default_headers or {}),
+        project_id=project_id,
     )
+    return remote, url
 
 
 class ClientHolder:

@@ -25,7 +25,9 @@ class RestClient:
     ) -> None:
         if _holder is None:
             backend, url = make_backend(backend=None, base_url=base_url, api_key=api_key)
-            _holder = ClientHolder(backend, base_url=url, api_key=api_key, owns_backend=url is not None)
+            _holder = ClientHolder(
+                backend, base_url=url, api_key=api_key, owns_backend=url is not None
+            )
         self.holder = _holder
 
     def _f(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:

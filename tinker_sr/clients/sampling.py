@@ -74,7 +74,9 @@ class SamplingClient:
             raise ValueError(f"prompt_alt_tokens_k must be >= 0, got {prompt_alt_tokens_k}")
         if prompt_logprobs_last_n is not None:
             if prompt_logprobs_last_n < 1:
-                raise ValueError(f"prompt_logprobs_last_n must be >= 1, got {prompt_logprobs_last_n}")
+                raise ValueError(
+                    f"prompt_logprobs_last_n must be >= 1, got {prompt_logprobs_last_n}"
+                )
             if not include_prompt_logprobs:
                 raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
         with self._lock:

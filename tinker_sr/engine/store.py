@@ -307,9 +307,7 @@ class Store:
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                self._db.executemany(
-                    "INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?)", rows
-                )
+                self._db.executemany("INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?)", rows)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
