@@ -5,7 +5,7 @@ run on the embedded engine (CPU, no key, no server); with ``base_url=`` or
 ``$TINKER_BASE_URL`` they speak the Tinker wire protocol to that server.
 """
 
-from tinker_sr import types
+from tinker_sr import auth, types
 from tinker_sr.clients import (
     BackcompatSamplingClientFuture,
     BackcompatTrainingClientFuture,
@@ -14,6 +14,8 @@ from tinker_sr.clients import (
     ServiceClient,
     TrainingClient,
 )
+from tinker_sr.clients.admin import AdminClient
+from tinker_sr.clients.custom_loss import LossHandle, PerDatumLossFn
 from tinker_sr.errors import (
     APIConnectionError,
     APIError,
@@ -33,6 +35,7 @@ from tinker_sr.errors import (
     UnprocessableEntityError,
 )
 from tinker_sr.futures import APIFuture
+from tinker_sr.request_options import RequestOptions, Timeout
 from tinker_sr.types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -68,8 +71,9 @@ __title__ = "tinker_sr"
 __version__ = "0.1.0"
 
 
-class ExperimentalWarning(UserWarning):
-    """Emitted by alpha features."""
+class ExperimentalWarning(FutureWarning):
+    """Emitted by APIs that may change or go away in any release (a `FutureWarning`, as in
+    the SDK, so it is shown by default)."""
 
 
 __all__ = [
@@ -81,6 +85,7 @@ __all__ = [
     "APITimeoutError",
     "AdamOptimizerConfig",
     "AdamParams",
+    "AdminClient",
     "AuthenticationError",
     "BackcompatSamplingClientFuture",
     "BackcompatTrainingClientFuture",
@@ -98,6 +103,7 @@ __all__ = [
     "ForwardBackwardOutput",
     "InternalServerError",
     "LoraConfig",
+    "LossHandle",
     "ModelID",
     "ModelInput",
     "ModelInputChunk",
@@ -106,10 +112,12 @@ __all__ = [
     "OptimStepRequest",
     "OptimStepResponse",
     "ParsedCheckpointTinkerPath",
+    "PerDatumLossFn",
     "PermissionDeniedError",
     "PromptProvenanceSpan",
     "RateLimitError",
     "RequestFailedError",
+    "RequestOptions",
     "RestClient",
     "SampleRequest",
     "SampleResponse",
@@ -121,11 +129,13 @@ __all__ = [
     "StopReason",
     "TensorData",
     "TensorDtype",
+    "Timeout",
     "TinkerError",
     "TrainingClient",
     "TrainingRun",
     "UnprocessableEntityError",
     "__title__",
     "__version__",
+    "auth",
     "types",
 ]

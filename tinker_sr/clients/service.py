@@ -25,6 +25,7 @@ from tinker_sr.errors import TinkerError
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 if TYPE_CHECKING:
+    from tinker_sr.clients.custom_loss import LossHandle, PerDatumLossFn
     from tinker_sr.clients.rest import RestClient
     from tinker_sr.lib.retry_handler import RetryConfig
 
@@ -240,6 +241,53 @@ class ServiceClient:
             self.holder, model_path=model_path, base_model=base_model,
             retry_config=retry_config, record_stability_info=record_stability_info,
         )
+
+    # ---- custom losses (alpha) ------------------------------------------------------------
+    def create_custom_loss(
+        self, fn: PerDatumLossFn, input_ranks: Mapping[str, types.CustomLossInputRank]
+    ) -> APIFuture[LossHandle]:
+        """Trace ``fn`` into a `LossHandle` for ``TrainingClient.forward_backward_custom``
+        (alpha; spec/api.md §4.4).
+
+        ``fn(logprobs, *inputs)`` runs once per datum: ``logprobs`` (the datum's target
+        logprobs) then one tensor per ``loss_fn_inputs`` key it names. It returns a scalar
+        loss and a dict of scalar tensors keyed ``custom/<name>:sum`` or
+        ``custom/<name>:mean``; losses are summed over datums. ``input_ranks`` gives each
+        parameter's rank (0 scalar, 1 ``[T]``, 2 ``[T, K]``), ``logprobs`` included.
+
+        The function is traced with ``torch.fx``: only torch, math and operator calls, no
+        branching on tensor values, no ``torch.nn`` modules, no captured tensors, no
+        ``.item()``/``.numpy()``/``.tolist()``. A violation raises ``ValueError`` here,
+        before anything is sent. The handle belongs to this session (``loss_id`` is
+        ``None``: tinker_sr runs custom losses client-side); creating the same traced loss
+        twice in a session fails the future with ``ValueError``.
+
+        ```python
+        def neg_ll(logprobs, weights):
+            loss = -(logprobs * weights).sum()
+            return loss, {"custom/neg_ll:sum": loss}
+
+        handle = service_client.create_custom_loss(
+            neg_ll, input_ranks={"logprobs": 1, "weights": 1}
+        ).result()
+        training_client.forward_backward_custom(data, handle).result()
+        ```
+        """
+        import dataclasses
+
+        from tinker_sr.clients.custom_loss import register_loss, trace_loss
+
+        self.holder.check_open()
+        # Validate and trace now, so a bad loss fails at the call; bind the session later.
+        traced = trace_loss(fn, input_ranks, session_id="")
+        holder = self.holder
+
+        async def create() -> LossHandle:
+            bound = dataclasses.replace(traced, session_id=await holder.session_id())
+            register_loss(holder, bound)
+            return bound
+
+        return AwaitableConcurrentFuture(holder.run(create()))
 
     # ---- misc -------------------------------------------------------------------------------
     def create_rest_client(self) -> RestClient:

@@ -11,13 +11,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types
-from tinker_sr.clients.holder import ClientHolder, log, warn_deprecated
+from tinker_sr.clients.holder import ClientHolder, blocking_result, log, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 if TYPE_CHECKING:
     import torch
 
     from tinker_sr.clients.creation import BackcompatSamplingClientFuture
+    from tinker_sr.clients.custom_loss import LossHandle
     from tinker_sr.clients.sampling import SamplingClient
     from tinker_sr.lib.retry_handler import RetryConfig
 
@@ -125,13 +126,20 @@ class TrainingClient:
     def forward_backward_custom(
         self,
         data: list[types.Datum],
-        loss_fn: CustomLossFnV1,
+        loss_fn: CustomLossFnV1 | LossHandle,
         *,
         loss_type_input: Literal["logprobs"] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
         """A loss computed here in torch from the model's logprobs (spec/api.md §9.9): a
         forward pass, your loss and its gradient w.r.t. the logprobs, then a cross-entropy
-        backward pass weighted by minus that gradient. Costs about 1.5 forward_backwards."""
+        backward pass weighted by minus that gradient. Costs about 1.5 forward_backwards.
+
+        ``loss_fn`` is ``fn(data, logprobs_list) -> (loss, metrics)`` or a `LossHandle`
+        from ``ServiceClient.create_custom_loss`` of this client's session; a handle is
+        checked against ``data`` first (each input present, at its declared rank) and run
+        per datum, losses summed."""
+        from tinker_sr.clients.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
+
         if loss_type_input is not None:
             warnings.warn(
                 "loss_type_input is deprecated; logprobs are the only input type",
@@ -144,6 +152,28 @@ class TrainingClient:
             import torch
         except ImportError as e:  # pragma: no cover - torch is a dependency here
             raise ImportError("forward_backward_custom requires torch") from e
+        compute: CustomLossFnV1
+        if isinstance(loss_fn, LossHandle):
+            self._check_handle_session(loss_fn)
+            check_loss_inputs(loss_fn, data)
+            if loss_fn.loss_id is not None:
+                # A server-side loss: one forward_backward (the engine says it has none).
+                return self.forward_backward(data, "custom", {"loss_id": loss_fn.loss_id})
+            handle = loss_fn
+
+            def run_handle(
+                batch: list[types.Datum], logprobs: list[torch.Tensor]
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+                return run_loss_handle(handle, batch, logprobs)
+
+            compute = run_handle
+        elif callable(loss_fn):
+            compute = loss_fn
+        else:
+            raise TypeError(
+                "loss_fn must be a callable (data, logprobs_list) -> (loss, metrics) or a "
+                f"LossHandle from ServiceClient.create_custom_loss, got {type(loss_fn).__name__}"
+            )
         if not data:
             raise ValueError("No data provided")
         for i, d in enumerate(data):
@@ -155,7 +185,10 @@ class TrainingClient:
         def ce_copy(d: types.Datum, weights: Any) -> types.Datum:
             return types.Datum(
                 model_input=d.model_input,
-                loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": weights},
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": weights,
+                },
                 model_input_spans=d.model_input_spans,
                 loss_fn_input_spans=d.loss_fn_input_spans,
             )
@@ -176,7 +209,7 @@ class TrainingClient:
                     out["logprobs"].to_torch().float().clone().requires_grad_(True)
                     for out in fwd.loss_fn_outputs
                 ]
-                loss, user_metrics = loss_fn(data, logprobs)
+                loss, user_metrics = compute(data, logprobs)
                 loss.backward()
                 grads = []
                 for lp in logprobs:
@@ -184,7 +217,8 @@ class TrainingClient:
                         raise ValueError("No gradient computed for logprob tensor")
                     grads.append(-lp.grad)
                 bwd_data = [
-                    ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
+                    ce_copy(d, types.TensorData.from_torch(g))
+                    for d, g in zip(data, grads, strict=True)
                 ]
             except BaseException:
                 self._poisoned = True
@@ -203,6 +237,18 @@ class TrainingClient:
             )
 
         return self._api(2, body)
+
+    def _check_handle_session(self, handle: LossHandle) -> None:
+        """A `LossHandle` works only for clients of the session that created it."""
+        sid = self.holder._session_id
+        if sid is None:  # not reached for clients made by create_*; kept for safety
+            sid = blocking_result(self.holder.run(self.holder.session_id()))
+        if handle.session_id != sid:
+            raise ValueError(
+                f"LossHandle {handle.name!r} was created in session {handle.session_id}; it "
+                f"can only be used by clients of that session (this client is in {sid}). "
+                "Create the loss with this client's ServiceClient.create_custom_loss"
+            )
 
     def optim_step(
         self,

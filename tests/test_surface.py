@@ -1,0 +1,369 @@
+"""``import tinker_sr as tinker`` must expose the official SDK 0.38's public surface.
+
+Compares, against the installed SDK (a dev dependency):
+
+* every name in ``tinker.__all__`` (and ``tinker.lib.public_interfaces.__all__``): present
+  in tinker_sr with the same kind (module / function / dataclass / pydantic model / enum /
+  class / type alias / value);
+* every public method of the clients and `APIFuture`: present, with the same parameter
+  names, kinds and defaults (``inspect.signature``); constructors of the user-built clients;
+* the `auth` helpers, `LossHandle`'s fields, `RequestOptions`' keys, exception hierarchy.
+
+Differences are either listed below with a reason, or fail the test. Entries that no longer
+differ also fail the test, so the lists stay true.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import typing
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+import pytest
+import typing_extensions
+
+import tinker_sr
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    sdk = pytest.importorskip("tinker")
+    import tinker.lib.public_interfaces as sdk_public
+
+import tinker_sr.lib.public_interfaces as our_public
+
+# ---- deliberate differences (by design; keep the reason current) ----------------------------
+
+DELIBERATE: dict[str, str] = {
+    # The SDK exposes ``holder`` as a deprecated property over its InternalClientHolder; ours
+    # is a plain instance attribute (our ClientHolder), so ``client.holder`` still works.
+    "ServiceClient.holder": "instance attribute, not a class-level property",
+    # The other way round: the SDK's AdminClient sets ``self.holder``; ours builds it on first
+    # access, so constructing an AdminClient (whose methods all raise) opens nothing.
+    "AdminClient.holder": "lazy property, not an instance attribute",
+    # SDK internals with no tinker_sr counterpart: a factory over InternalClientHolder (we
+    # create samplers through ServiceClient/TrainingClient) and the queue-state observer
+    # callback (tinker_sr has no server-side queue that throttles sampling).
+    "SamplingClient.create": "internal factory over the SDK's InternalClientHolder",
+    "SamplingClient.on_queue_state_change": "SDK queue-state callback; no such queue here",
+    # tinker_sr addition (documented on the method): one checkpoint's metadata.
+    "RestClient.get_checkpoint_by_tinker_path": "tinker_sr extra",
+    # Admin/billing/audit endpoints: deprecated on the SDK's RestClient in favour of
+    # AdminClient; tinker_sr has no organizations or billing (AdminClient raises
+    # NotImplementedError naming the method).
+    **{
+        f"RestClient.{m}{suffix}": "admin/billing endpoint; not part of tinker_sr"
+        for m in ("get_audit_log", "get_billing_usage", "get_current_checkpoint_storage_usage")
+        for suffix in ("", "_async")
+    },
+    # Session / account endpoints our server does not offer.
+    **{
+        f"RestClient.{m}": "session/account endpoint our server does not offer"
+        for m in (
+            "get_session",
+            "get_session_async",
+            "list_sessions",
+            "list_sessions_async",
+            "assign_session_project",
+            "assign_session_project_async",
+            "export_session_trace",
+            "export_session_trace_async",
+            "search_sessions",
+            "whoami",
+            "get_sampler",
+            "get_sampler_async",
+        )
+    },
+}
+
+# Extra parameters of ours, ignored when comparing a signature.
+DELIBERATE_EXTRA_PARAMS: dict[str, set[str]] = {
+    # ``backend=`` picks the embedded engine, a remote server or a Backend instance.
+    "ServiceClient.__init__": {"backend"},
+}
+
+# ---- known gaps (NOT deliberate): in files owned by others; fix, then delete the entry ------
+
+KNOWN_GAPS: dict[str, str] = {
+    # Deprecated coroutine twins are declared ``(*a, **k)``; spell out the SDK parameters.
+    **{
+        f"ServiceClient.{m}_async": "spell out the SDK parameters instead of (*a, **k)"
+        for m in (
+            "create_lora_training_client",
+            "create_training_client_from_state",
+            "create_training_client_from_state_with_optimizer",
+            "create_sampling_client",
+        )
+    },
+    **{
+        f"TrainingClient.{m}_async": "spell out the SDK parameters instead of (*a, **k)"
+        for m in (
+            "forward",
+            "forward_backward",
+            "forward_backward_custom",
+            "optim_step",
+            "save_state",
+            "save_weights_for_sampler",
+            "load_state",
+            "load_state_with_optimizer",
+            "create_sampling_client",
+            "save_weights_and_get_sampling_client",
+        )
+    },
+    "TrainingClient.save_weights_external_async": "add the deprecated twin",
+    "SamplingClient.sample_async": "spell out the SDK parameters instead of (*a, **k)",
+    "SamplingClient.compute_logprobs_async": "spell out the SDK parameters instead of (*a, **k)",
+    # ``close(status)`` has no default in the SDK; ours defaults to "success" (a superset:
+    # every SDK call still works). Drop the default, or move this entry to DELIBERATE.
+    "ServiceClient.close": "ours defaults status='success'",
+    # Telemetry is out of scope, but the method exists; ``def get_telemetry(self) -> None``.
+    **{
+        f"{c}.get_telemetry": "add get_telemetry() returning None"
+        for c in ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
+    },
+    # Checkpoint endpoints of spec §4.2/§7.10 that the Backend protocol lacks.
+    "ServiceClient.copy_weights": "needs a backend copy_weights",
+    **{
+        f"RestClient.{m}": "checkpoint endpoint the Backend protocol lacks"
+        for m in (
+            "copy_weights",
+            "copy_weights_async",
+            "publish_checkpoint_from_tinker_path",
+            "publish_checkpoint_from_tinker_path_async",
+            "unpublish_checkpoint_from_tinker_path",
+            "unpublish_checkpoint_from_tinker_path_async",
+            "get_external_weights_urls",
+            "get_external_weights_urls_async",
+            "get_weights_info_by_tinker_path",
+        )
+    },
+    # Deprecated coroutine twins of methods RestClient already has.
+    **{
+        f"RestClient.{m}_async": "add the deprecated coroutine twin"
+        for m in (
+            "delete_checkpoint",
+            "get_training_run",
+            "list_training_runs",
+            "list_user_checkpoints",
+            "set_checkpoint_ttl_from_tinker_path",
+        )
+    },
+}
+
+CLASSES = [
+    "ServiceClient",
+    "TrainingClient",
+    "SamplingClient",
+    "RestClient",
+    "AdminClient",
+    "APIFuture",
+]
+CONSTRUCTED_BY_USERS = {"ServiceClient", "RestClient", "AdminClient"}
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def kind(obj: Any) -> str:
+    if inspect.ismodule(obj):
+        return "module"
+    if inspect.isclass(obj):
+        if typing_extensions.is_typeddict(obj):
+            return "TypedDict"
+        if issubclass(obj, BaseException):
+            return "exception"
+        if issubclass(obj, enum.Enum):
+            return "enum"
+        if issubclass(obj, pydantic.BaseModel):
+            return "pydantic model"
+        if dataclasses.is_dataclass(obj):
+            return "dataclass"
+        return "class"
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        return "function"
+    origin = typing.get_origin(obj)
+    if origin is not None:
+        return f"type alias of {getattr(origin, '__qualname__', origin)!s}"
+    return f"value of type {type(obj).__name__}"
+
+
+def public_members(cls: type) -> dict[str, Any]:
+    """Public methods and properties, inherited ones included (``object``'s excluded)."""
+    out: dict[str, Any] = {}
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if isinstance(attr, property) or callable(attr):
+            out[name] = attr
+    return out
+
+
+def param_list(
+    fn: Any, drop: frozenset[str] | set[str] = frozenset()
+) -> list[tuple[str, str, Any]]:
+    sig = inspect.signature(fn)
+    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values() if p.name not in drop]
+
+
+def signature_differences() -> Iterator[tuple[str, str]]:
+    for cname in CLASSES:
+        ours_cls, theirs_cls = getattr(tinker_sr, cname), getattr(sdk, cname)
+        ours, theirs = public_members(ours_cls), public_members(theirs_cls)
+        if cname in CONSTRUCTED_BY_USERS:
+            ours["__init__"], theirs["__init__"] = ours_cls.__init__, theirs_cls.__init__
+        for name in sorted(set(ours) | set(theirs)):
+            key = f"{cname}.{name}"
+            if name not in ours:
+                yield (
+                    key,
+                    f"missing (SDK: {name}{inspect.signature(theirs[name]) if callable(theirs[name]) else ' property'})",
+                )
+                continue
+            if name not in theirs:
+                yield key, "extra (not in the SDK)"
+                continue
+            a, b = theirs[name], ours[name]
+            if isinstance(a, property) or isinstance(b, property):
+                if isinstance(a, property) != isinstance(b, property):
+                    yield key, "property in one, method in the other"
+                continue
+            drop = DELIBERATE_EXTRA_PARAMS.get(key, set())
+            if param_list(a) != param_list(b, drop):
+                yield key, f"signature: SDK {inspect.signature(a)} vs ours {inspect.signature(b)}"
+            # Unwrap: the SDK's @deprecated wrapper hides ``async def`` on Python 3.11.
+            if inspect.iscoroutinefunction(inspect.unwrap(a)) != inspect.iscoroutinefunction(
+                inspect.unwrap(b)
+            ):
+                yield key, "async in one, sync in the other"
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def test_top_level_names_and_kinds() -> None:
+    problems = []
+    for name in sdk.__all__:
+        if not hasattr(tinker_sr, name):
+            problems.append(f"tinker_sr.{name}: missing")
+        elif name not in tinker_sr.__all__:
+            problems.append(f"tinker_sr.{name}: not in __all__")
+        elif kind(getattr(tinker_sr, name)) != kind(getattr(sdk, name)):
+            ours, theirs = kind(getattr(tinker_sr, name)), kind(getattr(sdk, name))
+            problems.append(f"tinker_sr.{name}: {ours}, SDK: {theirs}")
+    extra = sorted(set(tinker_sr.__all__) - set(sdk.__all__))
+    problems += [f"tinker_sr.{name}: extra in __all__" for name in extra]
+    assert not problems, "\n".join(problems)
+
+
+def test_public_interfaces_module() -> None:
+    problems = []
+    for name in sdk_public.__all__:
+        if not hasattr(our_public, name) or name not in our_public.__all__:
+            problems.append(f"tinker_sr.lib.public_interfaces.{name}: missing")
+        elif kind(getattr(our_public, name)) != kind(getattr(sdk_public, name)):
+            problems.append(f"tinker_sr.lib.public_interfaces.{name}: kind differs")
+    assert not problems, "\n".join(problems)
+    for name in our_public.__all__:
+        if hasattr(tinker_sr, name):
+            assert getattr(our_public, name) is getattr(tinker_sr, name), name
+
+
+def test_client_method_signatures() -> None:
+    found = dict(signature_differences())
+    allowed = DELIBERATE.keys() | KNOWN_GAPS.keys()
+    unexpected = {k: v for k, v in found.items() if k not in allowed}
+    assert not unexpected, "differences from the SDK 0.38:\n" + "\n".join(
+        f"  {k}: {v}" for k, v in sorted(unexpected.items())
+    )
+    stale = sorted(allowed - found.keys())
+    assert not stale, f"listed as differences but now match the SDK; delete them: {stale}"
+    assert not DELIBERATE.keys() & KNOWN_GAPS.keys()
+
+
+def test_auth_helpers_match() -> None:
+    assert sorted(tinker_sr.auth.__all__) == sorted(sdk.auth.__all__)
+    for name in sdk.auth.__all__:
+        assert param_list(getattr(tinker_sr.auth, name)) == param_list(getattr(sdk.auth, name))
+
+
+def test_loss_handle_and_request_options_shape() -> None:
+    def fields(cls: Any) -> list[tuple[str, Any]]:
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(tinker_sr.LossHandle) == fields(sdk.LossHandle)
+    assert tinker_sr.LossHandle.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    for prop in ("key", "input_names"):
+        assert isinstance(inspect.getattr_static(tinker_sr.LossHandle, prop), property)
+    assert typing.get_origin(tinker_sr.PerDatumLossFn) is typing.get_origin(sdk.PerDatumLossFn)
+    assert tinker_sr.Timeout is sdk.Timeout  # both are httpx.Timeout
+    assert (
+        tinker_sr.RequestOptions.__annotations__.keys() == sdk.RequestOptions.__annotations__.keys()
+    )
+    assert tinker_sr.RequestOptions.__total__ is sdk.RequestOptions.__total__ is False
+
+
+def test_exception_and_warning_hierarchy() -> None:
+    names = [n for n in sdk.__all__ if kind(getattr(sdk, n)) == "exception"]
+    for a in names:
+        for b in names:
+            theirs = issubclass(getattr(sdk, a), getattr(sdk, b))
+            assert issubclass(getattr(tinker_sr, a), getattr(tinker_sr, b)) == theirs, (a, b)
+        builtin_bases = [c for c in getattr(sdk, a).__mro__ if c.__module__ == "builtins"]
+        assert [c for c in getattr(tinker_sr, a).__mro__ if c.__module__ == "builtins"] == (
+            builtin_bases
+        ), a
+
+
+# ---- behaviour of the added names -----------------------------------------------------------
+
+
+def test_admin_client_methods_say_they_are_unsupported() -> None:
+    admin = tinker_sr.AdminClient()  # constructing it opens nothing
+    assert admin.get_telemetry() is None
+    with pytest.raises(NotImplementedError, match=r"AdminClient\.get_billing_usage\(\).*tinker_sr"):
+        admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z")
+    with pytest.raises(NotImplementedError, match=r"get_audit_log\(\).*admin, billing and audit"):
+        admin.get_audit_log()
+    with pytest.raises(NotImplementedError, match="get_current_checkpoint_storage_usage_async"):
+        import asyncio
+
+        asyncio.run(admin.get_current_checkpoint_storage_usage_async())
+    with pytest.raises(ValueError, match="either a holder or base_url"):
+        tinker_sr.AdminClient(object(), base_url="http://x")  # type: ignore[arg-type]
+
+
+def test_auth_on_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    monkeypatch.delenv("TINKER_SR_BACKEND", raising=False)
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    assert tinker_sr.auth.tinker_has_credentials() is True  # no credential needed
+    assert tinker_sr.auth.get_tinker_token() is None
+    tinker_sr.auth.raise_if_tinker_not_accessible()  # always accessible
+    monkeypatch.setenv("TINKER_API_KEY", "tml-abc")
+    assert tinker_sr.auth.get_tinker_token() == "tml-abc"
+
+
+def test_auth_against_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests._server import free_port
+
+    monkeypatch.delenv("TINKER_SR_BACKEND", raising=False)
+    monkeypatch.setenv("TINKER_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    assert tinker_sr.auth.tinker_has_credentials() is False
+    with pytest.raises(tinker_sr.TinkerError, match="API key"):
+        tinker_sr.auth.raise_if_tinker_not_accessible()
+    monkeypatch.setenv("TINKER_API_KEY", "not-a-key")
+    assert tinker_sr.auth.tinker_has_credentials() is False
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test")
+    assert tinker_sr.auth.tinker_has_credentials() is True
+    with pytest.raises(tinker_sr.APIConnectionError):  # one request, no retries
+        tinker_sr.auth.raise_if_tinker_not_accessible()
+    monkeypatch.setenv("TINKER_SR_BACKEND", "local")  # forces the embedded engine
+    tinker_sr.auth.raise_if_tinker_not_accessible()
