@@ -10,14 +10,16 @@ from collections.abc import Sequence
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.server import serve
 
-    keys = [k for k in (args.api_key or []) if k] or None
+    keys = [k for k in (args.api_key or []) if k]
+    keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
     serve(
         host=args.host,
         port=args.port,
         store=args.store,
-        api_keys=keys,
+        api_keys=keys or None,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        long_poll_s=args.long_poll_s,
     )
     return 0
 
@@ -39,11 +41,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tinker-sr", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    from tinker_sr.server.app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES
 
-    s = sub.add_parser("serve", help="serve the embedded engine over the Tinker wire protocol")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -56,8 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="accept only this key (repeatable; also $TINKER_SR_API_KEYS). Default: any 'tml-' key",
     )
-    s.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    s.add_argument("--api-keys", default=None, help="comma-separated form of --api-key")
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest accepted request body (default {DEFAULT_MAX_BODY_BYTES})",
+    )
     s.add_argument("--log-level", default="info")
+    s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tinker-sr", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the embedded engine over the Tinker wire protocol")
+    add_serve_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
     m = sub.add_parser("models", help="list the built-in models")
