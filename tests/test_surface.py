@@ -50,6 +50,9 @@ DELIBERATE: dict[str, str] = {
     # callback (tinker_sr has no server-side queue that throttles sampling).
     "SamplingClient.create": "internal factory over the SDK's InternalClientHolder",
     "SamplingClient.on_queue_state_change": "SDK queue-state callback; no such queue here",
+    # ``close(status)`` has no default in the SDK; ours defaults to "success", a superset:
+    # every SDK call still works, and ``close()`` alone finishes the session successfully.
+    "ServiceClient.close": "ours defaults status='success' (superset of the SDK's)",
     # tinker_sr addition (documented on the method): one checkpoint's metadata.
     "RestClient.get_checkpoint_by_tinker_path": "tinker_sr extra",
     # Admin/billing/audit endpoints: deprecated on the SDK's RestClient in favour of
@@ -86,72 +89,15 @@ DELIBERATE_EXTRA_PARAMS: dict[str, set[str]] = {
     "ServiceClient.__init__": {"backend"},
 }
 
-# ---- known gaps (NOT deliberate): in files owned by others; fix, then delete the entry ------
+# ---- known gaps (NOT deliberate): fix, then delete the entry ----------------------------------
 
-KNOWN_GAPS: dict[str, str] = {
-    # Deprecated coroutine twins are declared ``(*a, **k)``; spell out the SDK parameters.
-    **{
-        f"ServiceClient.{m}_async": "spell out the SDK parameters instead of (*a, **k)"
-        for m in (
-            "create_lora_training_client",
-            "create_training_client_from_state",
-            "create_training_client_from_state_with_optimizer",
-            "create_sampling_client",
-        )
-    },
-    **{
-        f"TrainingClient.{m}_async": "spell out the SDK parameters instead of (*a, **k)"
-        for m in (
-            "forward",
-            "forward_backward",
-            "forward_backward_custom",
-            "optim_step",
-            "save_state",
-            "save_weights_for_sampler",
-            "load_state",
-            "load_state_with_optimizer",
-            "create_sampling_client",
-            "save_weights_and_get_sampling_client",
-        )
-    },
-    "TrainingClient.save_weights_external_async": "add the deprecated twin",
-    "SamplingClient.sample_async": "spell out the SDK parameters instead of (*a, **k)",
-    "SamplingClient.compute_logprobs_async": "spell out the SDK parameters instead of (*a, **k)",
-    # ``close(status)`` has no default in the SDK; ours defaults to "success" (a superset:
-    # every SDK call still works). Drop the default, or move this entry to DELIBERATE.
-    "ServiceClient.close": "ours defaults status='success'",
-    # Telemetry is out of scope, but the method exists; ``def get_telemetry(self) -> None``.
-    **{
-        f"{c}.get_telemetry": "add get_telemetry() returning None"
-        for c in ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
-    },
-    # Checkpoint endpoints of spec §4.2/§7.10 that the Backend protocol lacks.
-    "ServiceClient.copy_weights": "needs a backend copy_weights",
-    **{
-        f"RestClient.{m}": "checkpoint endpoint the Backend protocol lacks"
-        for m in (
-            "copy_weights",
-            "copy_weights_async",
-            "publish_checkpoint_from_tinker_path",
-            "publish_checkpoint_from_tinker_path_async",
-            "unpublish_checkpoint_from_tinker_path",
-            "unpublish_checkpoint_from_tinker_path_async",
-            "get_external_weights_urls",
-            "get_external_weights_urls_async",
-            "get_weights_info_by_tinker_path",
-        )
-    },
-    # Deprecated coroutine twins of methods RestClient already has.
-    **{
-        f"RestClient.{m}_async": "add the deprecated coroutine twin"
-        for m in (
-            "delete_checkpoint",
-            "get_training_run",
-            "list_training_runs",
-            "list_user_checkpoints",
-            "set_checkpoint_ttl_from_tinker_path",
-        )
-    },
+KNOWN_GAPS: dict[str, str] = {}
+
+# Methods whose signature matches the SDK but which tinker_sr does not support: each raises
+# `NotImplementedError` naming the reason (checked in test_unsupported_methods_say_why).
+UNSUPPORTED_METHODS: dict[str, str] = {
+    "TrainingClient.save_weights_external": "the engine does not export Hugging Face weights",
+    "RestClient.get_external_weights_urls": "no external weights exist (see above)",
 }
 
 CLASSES = [
@@ -367,3 +313,93 @@ def test_auth_against_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
         tinker_sr.auth.raise_if_tinker_not_accessible()
     monkeypatch.setenv("TINKER_SR_BACKEND", "local")  # forces the embedded engine
     tinker_sr.auth.raise_if_tinker_not_accessible()
+
+
+def test_get_telemetry_is_none_everywhere(tmp_path: Any) -> None:
+    from tinker_sr.backend.local import LocalBackend
+
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        training = service.create_lora_training_client("tinker-sr/tiny", rank=2).result()
+        sampler = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+        for client in (service, training, sampler, tinker_sr.RestClient(service.holder)):
+            assert client.get_telemetry() is None
+    finally:
+        service.close().result()
+        backend.close()
+
+
+def test_unsupported_methods_say_why(tmp_path: Any) -> None:
+    import asyncio
+
+    from tinker_sr.backend.local import LocalBackend
+
+    assert set(UNSUPPORTED_METHODS) == {
+        "TrainingClient.save_weights_external",
+        "RestClient.get_external_weights_urls",
+    }
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        training = service.create_lora_training_client("tinker-sr/tiny", rank=2).result()
+        with pytest.raises(NotImplementedError, match="save_weights_external"):
+            training.save_weights_external("x")
+        with pytest.warns(FutureWarning), pytest.raises(NotImplementedError):
+            asyncio.run(training.save_weights_external_async("x"))
+        rest = tinker_sr.RestClient(service.holder)
+        path = f"tinker://{training.model_id}/external_weights/x"
+        with pytest.raises(NotImplementedError, match="save_weights_external is not supported"):
+            rest.get_external_weights_urls(path).result()
+        with pytest.raises(ValueError, match="only accepts external weights"):
+            rest.get_external_weights_urls(f"tinker://{training.model_id}/weights/x")
+    finally:
+        service.close().result()
+        backend.close()
+
+
+def test_service_client_needs_no_key_for_a_server_on_this_machine(
+    monkeypatch: pytest.MonkeyPatch, remote_server: Any
+) -> None:
+    from tests._server import free_port
+    from tinker_sr.clients.holder import LOCAL_API_KEY, is_loopback_url
+
+    for env in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_SR_BACKEND"):
+        monkeypatch.delenv(env, raising=False)
+    port = free_port()  # nothing listens: construction makes no request
+    for host in ("127.0.0.1", "localhost", "LOCALHOST", "[::1]", "127.0.0.2"):
+        url = f"http://{host}:{port}"
+        assert is_loopback_url(url)
+        client = tinker_sr.ServiceClient(base_url=url)
+        assert client.holder.api_key == LOCAL_API_KEY == "tml-local"
+        client.close().result()
+        rest = tinker_sr.RestClient(base_url=url)  # the same default for RestClient
+        assert rest.holder.backend._api_key == "tml-local"
+    # $TINKER_BASE_URL counts too; an explicit or configured key still wins.
+    monkeypatch.setenv("TINKER_BASE_URL", f"http://localhost:{port}")
+    assert tinker_sr.ServiceClient().holder.api_key == "tml-local"
+    assert tinker_sr.ServiceClient(api_key="tml-mine").holder.api_key == "tml-mine"
+    monkeypatch.setenv("TINKER_API_KEY", "tml-env")
+    assert tinker_sr.ServiceClient().holder.api_key == "tml-env"
+    with pytest.raises(tinker_sr.TinkerError, match="must start with 'tml-'"):
+        tinker_sr.ServiceClient(api_key="not-a-key")  # the official rule for given keys
+    monkeypatch.delenv("TINKER_API_KEY")
+    monkeypatch.delenv("TINKER_BASE_URL")
+
+    # Anywhere else the official rule holds: a key is required and must start with tml-.
+    for url in ("http://example.com", "http://10.0.0.1:8000", "http://localhost.example.com"):
+        assert not is_loopback_url(url)
+        with pytest.raises(tinker_sr.TinkerError, match="No API key"):
+            tinker_sr.ServiceClient(base_url=url)
+    with pytest.raises(tinker_sr.TinkerError, match="must start with 'tml-'"):
+        tinker_sr.ServiceClient(base_url="http://example.com", api_key="sk-123")
+    # The embedded engine never needs one.
+    assert tinker_sr.ServiceClient(backend="local").holder.api_key is None
+
+    # End to end: a real local server, no key configured anywhere.
+    service = tinker_sr.ServiceClient(base_url=remote_server.base_url)
+    try:
+        training = service.create_lora_training_client("tinker-sr/tiny", rank=2).result()
+        assert training.model_id.endswith(":train:0")
+    finally:
+        service.close().result()

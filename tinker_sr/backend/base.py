@@ -19,7 +19,9 @@ locally and over the wire:
 
 Errors: a caller mistake surfaces as ``RequestFailedError(category=User)`` from the awaited
 call (or, for plain calls like `get_info`, an `APIStatusError` subclass in the remote case);
-`TinkerError` subclasses are the only exceptions a backend raises.
+`TinkerError` subclasses are the only exceptions a backend raises, except
+`NotImplementedError` for a feature the backend does not have (`get_external_weights_urls`
+on the embedded engine).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
         Checkpoint,
         CheckpointsListResponse,
         Datum,
+        ExternalWeightsUrlsResponse,
         ForwardBackwardOutput,
         GetInfoResponse,
         GetServerCapabilitiesResponse,
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
         TensorData,
         TrainingRun,
         TrainingRunsResponse,
+        WeightsInfoResponse,
     )
 
 CloseStatus = Literal["success", "errored", "interrupted"]
@@ -207,6 +211,40 @@ class Backend(Protocol):
     async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None: ...
 
     async def get_checkpoint(self, tinker_path: str) -> Checkpoint: ...
+
+    async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        """Publish (``public=True``) or unpublish a checkpoint; shown as ``Checkpoint.public``.
+        Setting the flag it already has is a no-op."""
+        ...
+
+    async def get_weights_info(self, tinker_path: str) -> WeightsInfoResponse:
+        """Base model and LoRA configuration of a checkpoint of either kind."""
+        ...
+
+    async def copy_weights(
+        self,
+        source_path: str,
+        *,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        destination_project_id: str | None = None,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> str:
+        """Copy a checkpoint (either kind) into a new training run; returns the copy's path.
+
+        The run is ``"{session_id}:train:{model_seq_id}"`` (a slot of an existing session,
+        numbered like `create_model`), or, when neither is given, run 0 of a new, finished
+        session in project ``destination_project_id``. The copy keeps the source's kind and
+        name (``tinker://<new run>/<segment>/<name>``), loads exactly like the source, is
+        private, and expires after ``ttl_seconds`` (3600 s to 10 years; ``None`` = never; the
+        source's expiry is not inherited). The new run holds no trainable model.
+        """
+        ...
+
+    async def get_external_weights_urls(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
+        """Signed download URLs of an ``external_weights`` checkpoint."""
+        ...
 
     async def aclose(self) -> None:
         """Release resources (threads, connections)."""

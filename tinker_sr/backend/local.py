@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import secrets
+import shutil
 import threading
 import time
 import uuid
@@ -298,6 +299,17 @@ class LocalBackend:
         display_name: str | None = None,
         tags: Sequence[str] = (),
     ) -> str:
+        return self._add_session(
+            user_metadata=user_metadata, project_id=project_id, display_name=display_name
+        )
+
+    def _add_session(
+        self,
+        *,
+        user_metadata: Mapping[str, str] | None,
+        project_id: str | None,
+        display_name: str | None,
+    ) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         self.store.add_session(
             session_id,
@@ -342,7 +354,7 @@ class LocalBackend:
 
     def _new_model_id(self, session_id: str, model_seq_id: int) -> str:
         model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self._trainers:
+        if model_id in self._trainers or self.store.get_run(model_id) is not None:
             raise EngineUserError(
                 f"model_seq_id {model_seq_id} is already used in session {session_id}; "
                 "use the next integer"
@@ -539,13 +551,7 @@ class LocalBackend:
         user_metadata: Mapping[str, str] | None,
     ) -> str:
         _check_name(name)
-        expires_at = None
-        if ttl_seconds is not None:
-            if not (_TTL_MIN <= ttl_seconds <= _TTL_MAX):
-                raise EngineUserError(
-                    f"ttl_seconds must be between {_TTL_MIN} and {_TTL_MAX} (or None), got {ttl_seconds}"
-                )
-            expires_at = time.time() + ttl_seconds
+        expires_at = _expiry(ttl_seconds)
         tinker_path = f"tinker://{t.model_id}/{segment}/{name}"
         if not overwrite and self.store.get_checkpoint(tinker_path) is not None:
             raise EngineUserError(
@@ -860,7 +866,7 @@ class LocalBackend:
             time=_iso(row.created_at),
             tinker_path=row.tinker_path,
             size_bytes=row.size_bytes,
-            public=False,
+            public=row.public,
             user_metadata=row.user_metadata,
             expires_at=None if row.expires_at is None else _iso(row.expires_at),
         )
@@ -945,15 +951,10 @@ class LocalBackend:
     async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
         def work() -> None:
             _parse_path(tinker_path)
-            if ttl_seconds is not None and not (_TTL_MIN <= ttl_seconds <= _TTL_MAX):
-                raise EngineUserError(
-                    f"ttl_seconds must be between {_TTL_MIN} and {_TTL_MAX} (or None), got {ttl_seconds}"
-                )
+            expires_at = _expiry(ttl_seconds)
             if self.store.get_checkpoint(tinker_path) is None:
                 raise EngineNotFoundError(f"checkpoint {tinker_path} does not exist")
-            self.store.set_checkpoint_expiry(
-                tinker_path, None if ttl_seconds is None else time.time() + ttl_seconds
-            )
+            self.store.set_checkpoint_expiry(tinker_path, expires_at)
 
         await self._run(work)
 
@@ -972,10 +973,127 @@ class LocalBackend:
         _parse_path(tinker_path)
         row = self.store.get_checkpoint(tinker_path)
         if row is None:
-            raise EngineNotFoundError(f"checkpoint {tinker_path} does not exist")
+            raise EngineNotFoundError(
+                f"checkpoint {tinker_path} does not exist (or has expired); list checkpoints "
+                "with RestClient.list_checkpoints(run_id)"
+            )
         run = self.store.get_run(row.run_id)
-        assert run is not None
+        if run is None:
+            raise EngineNotFoundError(f"checkpoint {tinker_path} has no training run record")
         return {"base_model": run.base_model, "is_lora": True, **run.lora_config}
+
+    async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
+        def work() -> types.WeightsInfoResponse:
+            info = self.checkpoint_info(tinker_path)
+            return types.WeightsInfoResponse(
+                base_model=info["base_model"],
+                is_lora=True,
+                lora_rank=info.get("rank"),
+                train_unembed=info.get("train_unembed"),
+                train_mlp=info.get("train_mlp"),
+                train_attn=info.get("train_attn"),
+            )
+
+        return await self._run(work)
+
+    async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        def work() -> None:
+            _parse_path(tinker_path)
+            if self.store.get_checkpoint(tinker_path) is None:
+                raise EngineNotFoundError(
+                    f"checkpoint {tinker_path} does not exist (or has expired)"
+                )
+            self.store.set_checkpoint_public(tinker_path, public)
+
+        await self._run(work)
+
+    async def copy_weights(
+        self,
+        source_path: str,
+        *,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        destination_project_id: str | None = None,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> str:
+        """See `Backend.copy_weights`. The copy's file is a hard link to the source's where
+        the file system allows (no bytes duplicated; deleting either leaves the other
+        intact), else a byte copy."""
+
+        def work() -> str:
+            parsed = _parse_path(source_path)
+            if weights_access_token is not None:
+                raise EngineUserError(
+                    "weights_access_token is not supported: tinker_sr has no cross-account "
+                    "access; copy checkpoints your own key can read (omit the token)"
+                )
+            if (session_id is None) != (model_seq_id is None):
+                raise EngineUserError(
+                    "copy_weights: pass session_id and model_seq_id together (copy into that "
+                    "run slot), or neither (copy into a new session)"
+                )
+            if model_seq_id is not None and model_seq_id < 0:
+                raise EngineUserError(f"model_seq_id must be >= 0, got {model_seq_id}")
+            expires_at = _expiry(ttl_seconds)
+            row = self.store.get_checkpoint(source_path)
+            if row is None:
+                raise EngineNotFoundError(
+                    f"checkpoint {source_path} does not exist (or has expired); list "
+                    "checkpoints with RestClient.list_checkpoints(run_id)"
+                )
+            source_run = self.store.get_run(row.run_id)
+            if source_run is None:
+                raise EngineNotFoundError(f"checkpoint {source_path} has no training run record")
+            if session_id is None:
+                sid = self._add_session(
+                    user_metadata=None, project_id=destination_project_id, display_name=None
+                )
+                run_id = self._new_model_id(sid, 0)
+            else:
+                self._check_session(session_id)
+                assert model_seq_id is not None
+                sid, run_id = session_id, self._new_model_id(session_id, model_seq_id)
+            segment, name = parsed.checkpoint_id.split("/", 1)
+            target = self._ckpt_file(run_id, segment, name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+            try:
+                os.link(row.file_path, tmp)
+            except OSError:
+                shutil.copyfile(row.file_path, tmp)
+            os.replace(tmp, target)
+            new_path = f"tinker://{run_id}/{parsed.checkpoint_id}"
+            self.store.add_run(
+                run_id, sid, source_run.base_model, source_run.lora_config, user_metadata=None
+            )
+            self.store.put_checkpoint(
+                CheckpointRow(
+                    run_id=run_id,
+                    checkpoint_id=parsed.checkpoint_id,
+                    checkpoint_type=row.checkpoint_type,
+                    tinker_path=new_path,
+                    file_path=str(target),
+                    created_at=time.time(),
+                    size_bytes=row.size_bytes,
+                    user_metadata=row.user_metadata,
+                    expires_at=expires_at,
+                )
+            )
+            if session_id is None:
+                self.store.close_session(sid, "success")  # it only holds the copy
+            return new_path
+
+        return await self._run(work)
+
+    async def get_external_weights_urls(
+        self, tinker_path: str
+    ) -> types.ExternalWeightsUrlsResponse:
+        raise NotImplementedError(
+            f"get_external_weights_urls({tinker_path!r}): the tinker_sr engine produces no "
+            "external (Hugging Face) weights, because save_weights_external is not supported; "
+            "save with save_state or save_weights_for_sampler and load those paths instead"
+        )
 
     async def aclose(self) -> None:
         self.close()
@@ -1094,6 +1212,18 @@ def _stop_conditions(
     raise EngineUserError(
         "sampling_params.stop must be a string, a list of strings or a list of ints"
     )
+
+
+def _expiry(ttl_seconds: int | None) -> float | None:
+    """Expiry time for ``ttl_seconds`` (3600 s to 10 years; ``None`` = never expires)."""
+    if ttl_seconds is None:
+        return None
+    if not (_TTL_MIN <= ttl_seconds <= _TTL_MAX):
+        raise EngineUserError(
+            f"ttl_seconds must be between {_TTL_MIN} (1 hour) and {_TTL_MAX} (10 years), or "
+            f"None for no expiry; got {ttl_seconds}"
+        )
+    return time.time() + ttl_seconds
 
 
 def _check_name(name: str) -> None:

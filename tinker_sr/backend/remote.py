@@ -784,6 +784,54 @@ class RemoteBackend:
             category=types.RequestErrorCategory.User,
         )
 
+    def _checkpoint_url(self, tinker_path: str, suffix: str = "") -> str:
+        parsed = _parse_path(tinker_path)
+        return (
+            f"/api/v1/training_runs/{parsed.training_run_id}/checkpoints/"
+            f"{parsed.checkpoint_id}{suffix}"
+        )
+
+    async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        url = self._checkpoint_url(tinker_path, "/publish")
+        await self._ensure_config()
+        await self._request("POST" if public else "DELETE", url)
+
+    async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
+        resp, body = await self._post("/api/v1/weights_info", {"tinker_path": tinker_path})
+        return self._validate(types.WeightsInfoResponse, resp, body)
+
+    async def copy_weights(
+        self,
+        source_path: str,
+        *,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        destination_project_id: str | None = None,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> str:
+        req = types.CopyWeightsRequest(
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            destination_project_id=destination_project_id,
+            source_path=source_path,
+            ttl_seconds=ttl_seconds,
+        )
+        # Like the SDK: the token travels in a header, never in the (logged) body.
+        headers = (
+            {"X-Tinker-Weights-Access-Token": weights_access_token}
+            if weights_access_token is not None
+            else None
+        )
+        resp, body = await self._post("/api/v1/copy_weights", m.to_json(req), headers=headers)
+        return self._validate(types.CopyWeightsResponse, resp, body).tinker_path
+
+    async def get_external_weights_urls(
+        self, tinker_path: str
+    ) -> types.ExternalWeightsUrlsResponse:
+        resp, body = await self._get(self._checkpoint_url(tinker_path, "/external_weights_urls"))
+        return self._validate(types.ExternalWeightsUrlsResponse, resp, body)
+
     async def aclose(self) -> None:
         for task in self._heartbeats.values():
             task.cancel()

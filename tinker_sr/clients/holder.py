@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ import weakref
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from tinker_sr.backend.base import Backend
 from tinker_sr.errors import TinkerError
@@ -90,6 +92,39 @@ def resolve_base_url(base_url: str | None) -> str | None:
     return url.rstrip("/") if url else None
 
 
+LOCAL_API_KEY = "tml-local"
+"""The API key assumed for a server on this machine when none is configured."""
+
+
+def is_loopback_url(url: str | None) -> bool:
+    """Whether ``url``'s host is this machine: ``localhost`` or a loopback address
+    (``127.0.0.0/8``, ``::1``)."""
+    if not url:
+        return False
+    try:
+        host = urlsplit(url if "://" in url else f"http://{url}").hostname
+    except ValueError:
+        return False
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_api_key(api_key: str | None, base_url: str | None) -> str | None:
+    """``api_key``, else ``$TINKER_API_KEY``, else ``"tml-local"`` when ``base_url`` (already
+    resolved) points at this machine: a local tinker_sr server accepts any ``tml-`` key
+    unless it was started with ``--api-keys``. ``None`` when there is none of these."""
+    key = api_key or os.environ.get("TINKER_API_KEY") or None
+    if key is None and is_loopback_url(base_url):
+        return LOCAL_API_KEY
+    return key
+
+
 def local_backend(store_dir: str | Path | None = None, **options: Any) -> Backend:
     """The process-wide embedded backend for ``store_dir`` (created on first use), so every
     client of the process sees the same models, samplers and recorded sequences."""
@@ -124,7 +159,7 @@ def make_backend(
     """Pick the backend: an explicit one, else remote when a base URL is known, else local.
 
     ``$TINKER_SR_BACKEND=local`` forces the embedded engine even when ``$TINKER_BASE_URL`` is
-    set (handy in CI).
+    set (handy in CI). A server on this machine needs no configured key (`default_api_key`).
     """
     if backend is not None and not isinstance(backend, str):
         return backend, None
@@ -142,7 +177,7 @@ def make_backend(
 
     remote = RemoteBackend(
         base_url=url,
-        api_key=api_key,
+        api_key=default_api_key(api_key, url),
         default_headers=dict(default_headers or {}),
         project_id=project_id,
     )

@@ -1,7 +1,8 @@
-"""`RestClient`: look up training runs and checkpoints; needs no session."""
+"""`RestClient`: look up, copy and manage training runs and checkpoints; needs no session."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -14,7 +15,8 @@ AccessScope = Literal["owned", "accessible"]
 
 
 class RestClient:
-    """Every method returns an `APIFuture`."""
+    """Every method returns an `APIFuture` (await it, or call ``.result()``); the deprecated
+    ``*_async`` twins are coroutines resolving to the value."""
 
     def __init__(
         self,
@@ -37,6 +39,11 @@ class RestClient:
     def _b(self) -> Any:
         return self.holder.backend
 
+    def get_telemetry(self) -> None:
+        """Always ``None``: tinker_sr collects and sends no telemetry (out of scope)."""
+        return None
+
+    # ---- server, runs ------------------------------------------------------------------------
     def get_server_capabilities(self) -> APIFuture[types.GetServerCapabilitiesResponse]:
         return self._f(self._b.get_server_capabilities())
 
@@ -60,6 +67,7 @@ class RestClient:
     ) -> APIFuture[types.TrainingRunsResponse]:
         return self._f(self._b.list_training_runs(limit=limit, offset=offset))
 
+    # ---- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
         return self._f(self._b.list_checkpoints(training_run_id))
 
@@ -67,6 +75,14 @@ class RestClient:
         self, limit: int = 100, offset: int = 0
     ) -> APIFuture[types.CheckpointsListResponse]:
         return self._f(self._b.list_user_checkpoints(limit=limit, offset=offset))
+
+    def get_weights_info_by_tinker_path(
+        self, tinker_path: str
+    ) -> APIFuture[types.WeightsInfoResponse]:
+        """Base model and LoRA configuration (rank, trained layers) of a checkpoint of either
+        kind: what is needed to load it."""
+        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return self._f(self._b.get_weights_info(tinker_path))
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
         return self._f(self._b.delete_checkpoint(training_run_id, checkpoint_id))
@@ -78,8 +94,74 @@ class RestClient:
     def set_checkpoint_ttl_from_tinker_path(
         self, tinker_path: str, ttl_seconds: int | None
     ) -> APIFuture[None]:
+        """Expire the checkpoint ``ttl_seconds`` from now (3600 to 10 years), or never
+        (``None``)."""
         types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
         return self._f(self._b.set_checkpoint_ttl(tinker_path, ttl_seconds))
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Mark one of your checkpoints public (``Checkpoint.public`` becomes ``True``). On a
+        server, other API keys may then load, sample from, copy and inspect it (not list,
+        delete or change it). Publishing a public checkpoint is a no-op (the hosted service
+        answers 409 instead)."""
+        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return self._f(self._b.set_checkpoint_public(tinker_path, True))
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Make a published checkpoint private again (a no-op if it is private)."""
+        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return self._f(self._b.set_checkpoint_public(tinker_path, False))
+
+    def copy_weights(
+        self,
+        path: str,
+        destination_project_id: str | None = None,
+        *,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> APIFuture[str]:
+        """Copy a checkpoint of either kind; the future resolves to the copy's tinker path.
+
+        The copy goes into run 0 of a new session of project ``destination_project_id``
+        (default ``$TINKER_PROJECT_ID``; unlike the official SDK, neither is required, since
+        tinker_sr has no project permissions), owned by this API key:
+        ``tinker://<new session>:train:0/<segment>/<name>``. It keeps the source's kind and
+        name, loads exactly like it, is private, and survives deleting the source; the new
+        run cannot be trained on. ``ttl_seconds``: 3600 (1 hour) to 10 years, or ``None``
+        for no expiry (the source's expiry is not inherited). ``weights_access_token`` is
+        not supported (the call fails). To copy into your own session, use
+        ``ServiceClient.copy_weights``.
+        """
+        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        if destination_project_id is None:
+            destination_project_id = os.environ.get("TINKER_PROJECT_ID") or None
+        return self._f(
+            self._b.copy_weights(
+                path,
+                destination_project_id=destination_project_id,
+                ttl_seconds=ttl_seconds,
+                weights_access_token=weights_access_token,
+            )
+        )
+
+    def get_external_weights_urls(
+        self, tinker_path: str
+    ) -> APIFuture[types.ExternalWeightsUrlsResponse]:
+        """Signed download URLs of an ``external_weights`` checkpoint.
+
+        Not supported by tinker_sr: its engine produces no external weights
+        (``TrainingClient.save_weights_external`` is unsupported), so on the embedded engine
+        and on a tinker_sr server the future fails (`NotImplementedError` here, a 400
+        ``BadRequestError`` from a server). A path that is not ``external_weights`` raises
+        `ValueError` at once, as in the official SDK.
+        """
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        if parsed.checkpoint_type != "external":
+            raise ValueError(
+                "get_external_weights_urls only accepts external weights checkpoints "
+                f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}"
+            )
+        return self._f(self._b.get_external_weights_urls(tinker_path))
 
     def get_checkpoint_by_tinker_path(self, tinker_path: str) -> APIFuture[types.Checkpoint]:
         """(tinker_sr addition) One checkpoint's metadata."""
@@ -87,9 +169,11 @@ class RestClient:
         return self._f(self._b.get_checkpoint(tinker_path))
 
     # ---- deprecated coroutine twins ----------------------------------------------------------
-    async def list_checkpoints_async(self, training_run_id: str) -> types.CheckpointsListResponse:
-        warn_deprecated("list_checkpoints_async is deprecated; await list_checkpoints()")
-        return await self.list_checkpoints(training_run_id)
+    async def get_training_run_async(
+        self, training_run_id: str, access_scope: AccessScope = "owned"
+    ) -> types.TrainingRun:
+        warn_deprecated("get_training_run_async is deprecated; await get_training_run()")
+        return await self.get_training_run(training_run_id, access_scope)
 
     async def get_training_run_by_tinker_path_async(
         self, tinker_path: str, access_scope: AccessScope = "owned"
@@ -97,6 +181,68 @@ class RestClient:
         warn_deprecated("get_training_run_by_tinker_path_async is deprecated")
         return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
 
+    async def list_training_runs_async(
+        self,
+        limit: int = 20,
+        offset: int = 0,
+        access_scope: AccessScope = "owned",
+        project_id: str | None = None,
+    ) -> types.TrainingRunsResponse:
+        warn_deprecated("list_training_runs_async is deprecated; await list_training_runs()")
+        return await self.list_training_runs(limit, offset, access_scope, project_id)
+
+    async def list_checkpoints_async(self, training_run_id: str) -> types.CheckpointsListResponse:
+        warn_deprecated("list_checkpoints_async is deprecated; await list_checkpoints()")
+        return await self.list_checkpoints(training_run_id)
+
+    async def list_user_checkpoints_async(
+        self, limit: int = 100, offset: int = 0
+    ) -> types.CheckpointsListResponse:
+        warn_deprecated("list_user_checkpoints_async is deprecated; await list_user_checkpoints()")
+        return await self.list_user_checkpoints(limit, offset)
+
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        warn_deprecated("delete_checkpoint_async is deprecated; await delete_checkpoint()")
+        await self.delete_checkpoint(training_run_id, checkpoint_id)
+
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
         warn_deprecated("delete_checkpoint_from_tinker_path_async is deprecated")
         await self.delete_checkpoint_from_tinker_path(tinker_path)
+
+    async def set_checkpoint_ttl_from_tinker_path_async(
+        self, tinker_path: str, ttl_seconds: int | None
+    ) -> None:
+        warn_deprecated("set_checkpoint_ttl_from_tinker_path_async is deprecated")
+        await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
+
+    async def publish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        warn_deprecated("publish_checkpoint_from_tinker_path_async is deprecated")
+        await self.publish_checkpoint_from_tinker_path(tinker_path)
+
+    async def unpublish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        warn_deprecated("unpublish_checkpoint_from_tinker_path_async is deprecated")
+        await self.unpublish_checkpoint_from_tinker_path(tinker_path)
+
+    async def copy_weights_async(
+        self,
+        path: str,
+        destination_project_id: str | None = None,
+        *,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> str:
+        warn_deprecated("copy_weights_async is deprecated; await copy_weights()")
+        return await self.copy_weights(
+            path,
+            destination_project_id,
+            ttl_seconds=ttl_seconds,
+            weights_access_token=weights_access_token,
+        )
+
+    async def get_external_weights_urls_async(
+        self, tinker_path: str
+    ) -> types.ExternalWeightsUrlsResponse:
+        warn_deprecated(
+            "get_external_weights_urls_async is deprecated; await get_external_weights_urls()"
+        )
+        return await self.get_external_weights_urls(tinker_path)

@@ -127,14 +127,43 @@ class SamplingClient:
 
         return load_tokenizer(self._base_model, None)
 
-    # ---- deprecated coroutine twins ---------------------------------------------------------
-    async def sample_async(self, *a: Any, **k: Any) -> types.SampleResponse:
-        warn_deprecated("sample_async is deprecated; await sample() instead")
-        return await self.sample(*a, **k)
+    def get_telemetry(self) -> None:
+        """Always ``None``: tinker_sr collects and sends no telemetry (out of scope)."""
+        return None
 
-    async def compute_logprobs_async(self, *a: Any, **k: Any) -> list[float | None]:
+    # ---- deprecated coroutine twins ---------------------------------------------------------
+    async def sample_async(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> types.SampleResponse:
+        """Deprecated: ``await sample(...)``."""
+        warn_deprecated("sample_async is deprecated; await sample() instead")
+        return await self.sample(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
+
+    async def compute_logprobs_async(
+        self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
+    ) -> list[float | None]:
+        """Deprecated: ``await compute_logprobs(...)``."""
         warn_deprecated("compute_logprobs_async is deprecated; await compute_logprobs() instead")
-        return await self.compute_logprobs(*a, **k)
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n=prompt_logprobs_last_n)
 
     async def get_base_model_async(self) -> str:
         warn_deprecated("get_base_model_async is deprecated; use get_base_model()")

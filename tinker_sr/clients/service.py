@@ -11,11 +11,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tinker_sr import types
 from tinker_sr.backend.base import Backend
-from tinker_sr.clients.creation import BackcompatSamplingClientFuture, BackcompatTrainingClientFuture
+from tinker_sr.clients.creation import (
+    BackcompatSamplingClientFuture,
+    BackcompatTrainingClientFuture,
+)
 from tinker_sr.clients.holder import (
     ClientHolder,
     blocking_result,
+    default_api_key,
     make_backend,
+    resolve_base_url,
     wants_remote,
     warn_deprecated,
 )
@@ -38,7 +43,7 @@ def _check_api_key(api_key: str | None, remote: bool) -> str | None:
     if key is None:
         raise TinkerError(
             "No API key: pass api_key=... or set TINKER_API_KEY (a tinker_sr server accepts any "
-            "key starting with 'tml-' unless it was started with --api-key)"
+            "key starting with 'tml-' unless it was started with --api-key/--api-keys)"
         )
     if not (key.startswith("tml-") or key.startswith("eyJ")):
         raise TinkerError("The API key must start with 'tml-'")
@@ -52,6 +57,12 @@ class ServiceClient:
     ``$TINKER_BASE_URL``), in which case every call goes over the Tinker wire protocol to
     that server. ``backend=`` takes ``"local"``, ``"remote"`` or a `Backend` instance.
     Construction makes no request; the session starts on first use.
+
+    API key: ``api_key=``, else ``$TINKER_API_KEY``; it must start with ``tml-``. A server
+    on this machine (host ``localhost``, ``127.0.0.1`` or ``::1``) needs none: the key then
+    defaults to ``"tml-local"``, which a tinker_sr server accepts unless it was started
+    with ``--api-keys``. Unlike the official SDK, ``close()``'s ``status`` defaults to
+    ``"success"``.
     """
 
     def __init__(
@@ -70,7 +81,10 @@ class ServiceClient:
             warn_deprecated(
                 f"ServiceClient ignores unknown arguments: {sorted(kwargs)}", stacklevel=2
             )
-        key = _check_api_key(api_key, remote=wants_remote(backend, base_url))
+        remote = wants_remote(backend, base_url)
+        if remote:
+            api_key = default_api_key(api_key, resolve_base_url(base_url))
+        key = _check_api_key(api_key, remote=remote)
         be, url = make_backend(
             backend=backend,
             base_url=base_url,
@@ -118,7 +132,10 @@ class ServiceClient:
         status: Literal["success", "errored", "interrupted"] = "success",
         detail: str | None = None,
     ) -> APIFuture[None]:
-        """Finish the session (first reason wins). Idempotent."""
+        """Finish the session (first reason wins). Idempotent.
+
+        ``status`` defaults to ``"success"`` (the official SDK requires it; every SDK call
+        works the same here)."""
         if self._close_future is not None:
             return self._close_future
         self.holder.closed = True
@@ -150,7 +167,10 @@ class ServiceClient:
         )
         self.holder.check_open()
         lora = types.LoraConfig(
-            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
             train_unembed=train_unembed,
         )
         optimizer = optimizer if optimizer is not None else types.AdamOptimizerConfig()
@@ -160,8 +180,12 @@ class ServiceClient:
         async def create() -> TrainingClient:
             sid = await holder.session_id()
             model_id = await holder.backend.create_model(
-                sid, model_seq_id, base_model=base_model, lora_config=lora,
-                optimizer_config=optimizer, user_metadata=user_metadata,
+                sid,
+                model_seq_id,
+                base_model=base_model,
+                lora_config=lora,
+                optimizer_config=optimizer,
+                user_metadata=user_metadata,
             )
             info = await holder.backend.get_info(model_id)
             return TrainingClient(holder, model_id, info)
@@ -190,8 +214,13 @@ class ServiceClient:
         async def create() -> TrainingClient:
             sid = await holder.session_id()
             model_id = await holder.backend.create_model_from_state(
-                sid, model_seq_id, path=path, with_optimizer=with_optimizer,
-                base_model=base_model, optimizer_config=optimizer, user_metadata=user_metadata,
+                sid,
+                model_seq_id,
+                path=path,
+                with_optimizer=with_optimizer,
+                base_model=base_model,
+                optimizer_config=optimizer,
+                user_metadata=user_metadata,
             )
             info = await holder.backend.get_info(model_id)
             return TrainingClient(holder, model_id, info)
@@ -208,7 +237,10 @@ class ServiceClient:
     ) -> BackcompatTrainingClientFuture:
         """A training client with the weights of a ``save_state`` checkpoint (fresh optimizer)."""
         return self._from_state(
-            path, with_optimizer=False, base_model=base_model, user_metadata=user_metadata,
+            path,
+            with_optimizer=False,
+            base_model=base_model,
+            user_metadata=user_metadata,
             optimizer=optimizer,
         )
 
@@ -221,7 +253,10 @@ class ServiceClient:
     ) -> BackcompatTrainingClientFuture:
         """A training client with the weights *and* Adam state of a ``save_state`` checkpoint."""
         return self._from_state(
-            path, with_optimizer=True, base_model=base_model, user_metadata=user_metadata,
+            path,
+            with_optimizer=True,
+            base_model=base_model,
+            user_metadata=user_metadata,
             optimizer=None,
         )
 
@@ -238,8 +273,11 @@ class ServiceClient:
             raise ValueError("Either model_path or base_model must be provided")
         self.holder.check_open()
         return create_sampling_client_future(
-            self.holder, model_path=model_path, base_model=base_model,
-            retry_config=retry_config, record_stability_info=record_stability_info,
+            self.holder,
+            model_path=model_path,
+            base_model=base_model,
+            retry_config=retry_config,
+            record_stability_info=record_stability_info,
         )
 
     # ---- custom losses (alpha) ------------------------------------------------------------
@@ -289,7 +327,57 @@ class ServiceClient:
 
         return AwaitableConcurrentFuture(holder.run(create()))
 
+    # ---- checkpoints ------------------------------------------------------------------------
+    def copy_weights(
+        self,
+        path: str,
+        *,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> APIFuture[str]:
+        """Copy a checkpoint of either kind into a new training run of this client's session;
+        the future resolves to the copy's tinker path.
+
+        The copy is ``tinker://<session_id>:train:<n>/<segment>/<name>``: the same kind and
+        name as ``path``, in training-run slot ``n`` of this session (numbered like the
+        training clients it creates). It loads exactly like the source (a ``weights`` copy
+        with `create_training_client_from_state`, either kind with
+        `create_sampling_client`), is private, and survives deleting the source. The new
+        run holds no trainable model. ``ttl_seconds``: 3600 (1 hour) to 10 years, or
+        ``None`` for no expiry; the source's expiry is not inherited.
+
+        Differences from the official SDK, which copies into a new session of this client's
+        project: the copy lands in this session, so no project id is needed; and
+        ``weights_access_token`` is not supported (the call fails): copy your own
+        checkpoints, or published ones on a server.
+
+        ```python
+        archived = service_client.copy_weights("tinker://run-id/weights/step-400").result()
+        training_client = service_client.create_training_client_from_state(archived).result()
+        ```
+        """
+        self.holder.check_open()
+        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        holder = self.holder
+        model_seq_id = holder.next_model_seq_id()
+
+        async def copy() -> str:
+            sid = await holder.session_id()
+            return await holder.backend.copy_weights(
+                path,
+                session_id=sid,
+                model_seq_id=model_seq_id,
+                ttl_seconds=ttl_seconds,
+                weights_access_token=weights_access_token,
+            )
+
+        return AwaitableConcurrentFuture(holder.run(copy()))
+
     # ---- misc -------------------------------------------------------------------------------
+    def get_telemetry(self) -> None:
+        """Always ``None``: tinker_sr collects and sends no telemetry (out of scope)."""
+        return None
+
     def create_rest_client(self) -> RestClient:
         from tinker_sr.clients.rest import RestClient
 
@@ -302,30 +390,98 @@ class ServiceClient:
 
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         warn_deprecated("get_server_capabilities_async() is deprecated; use RestClient")
-        return await asyncio.wrap_future(self.holder.run(self.holder.backend.get_server_capabilities()))
+        return await asyncio.wrap_future(
+            self.holder.run(self.holder.backend.get_server_capabilities())
+        )
 
     def get_console_url(self) -> str:
         sid = self.holder._session_id
         return f"tinker-sr://sessions/{sid}" if sid else "tinker-sr://sessions"
 
     # ---- deprecated coroutine twins (one await, resolve to the client) -----------------------
-    async def create_lora_training_client_async(self, *a: Any, **k: Any) -> TrainingClient:
-        warn_deprecated("create_lora_training_client_async is deprecated; await create_lora_training_client()")
-        return await self.create_lora_training_client(*a, **k)
+    async def create_lora_training_client_async(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        optimizer: types.OptimizerConfig | None = None,
+    ) -> TrainingClient:
+        """Deprecated: ``await create_lora_training_client(...)``."""
+        warn_deprecated(
+            "create_lora_training_client_async is deprecated; await create_lora_training_client()"
+        )
+        return await self.create_lora_training_client(
+            base_model,
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+            user_metadata=user_metadata,
+            optimizer=optimizer,
+        )
 
-    async def create_training_client_from_state_async(self, *a: Any, **k: Any) -> TrainingClient:
-        warn_deprecated("create_training_client_from_state_async is deprecated")
-        return await self.create_training_client_from_state(*a, **k)
+    async def create_training_client_from_state_async(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: types.OptimizerConfig | None = None,
+    ) -> TrainingClient:
+        """Deprecated: ``await create_training_client_from_state(...)``."""
+        warn_deprecated(
+            "create_training_client_from_state_async is deprecated; await "
+            "create_training_client_from_state()"
+        )
+        return await self.create_training_client_from_state(
+            path,
+            base_model=base_model,
+            user_metadata=user_metadata,
+            weights_access_token=weights_access_token,
+            optimizer=optimizer,
+        )
 
     async def create_training_client_from_state_with_optimizer_async(
-        self, *a: Any, **k: Any
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
     ) -> TrainingClient:
-        warn_deprecated("create_training_client_from_state_with_optimizer_async is deprecated")
-        return await self.create_training_client_from_state_with_optimizer(*a, **k)
+        """Deprecated: ``await create_training_client_from_state_with_optimizer(...)``."""
+        warn_deprecated(
+            "create_training_client_from_state_with_optimizer_async is deprecated; await "
+            "create_training_client_from_state_with_optimizer()"
+        )
+        return await self.create_training_client_from_state_with_optimizer(
+            path,
+            base_model=base_model,
+            user_metadata=user_metadata,
+            weights_access_token=weights_access_token,
+        )
 
-    async def create_sampling_client_async(self, *a: Any, **k: Any) -> SamplingClient:
-        warn_deprecated("create_sampling_client_async is deprecated; await create_sampling_client()")
-        return await self.create_sampling_client(*a, **k)
+    async def create_sampling_client_async(
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+    ) -> SamplingClient:
+        """Deprecated: ``await create_sampling_client(...)``."""
+        warn_deprecated(
+            "create_sampling_client_async is deprecated; await create_sampling_client()"
+        )
+        return await self.create_sampling_client(
+            model_path=model_path,
+            base_model=base_model,
+            retry_config=retry_config,
+            record_stability_info=record_stability_info,
+        )
 
 
 def create_sampling_client_future(
@@ -347,7 +503,10 @@ def create_sampling_client_future(
         )
         name = base_model or await holder.backend.get_sampler_base_model(sampler_id)
         return SamplingClient(
-            holder, sampler_id, base_model=name, record_stability_info=record_stability_info,
+            holder,
+            sampler_id,
+            base_model=name,
+            record_stability_info=record_stability_info,
             retry_config=retry_config,
         )
 

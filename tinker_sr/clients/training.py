@@ -280,7 +280,11 @@ class TrainingClient:
         return self._api(
             1,
             lambda s: backend.save_state(
-                self.model_id, s[0], name, ttl_seconds=ttl_seconds, overwrite=overwrite,
+                self.model_id,
+                s[0],
+                name,
+                ttl_seconds=ttl_seconds,
+                overwrite=overwrite,
                 user_metadata=user_metadata,
             ),
         )
@@ -369,7 +373,9 @@ class TrainingClient:
             record_stability_info=record_stability_info,
         )
 
-    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[types.LoadWeightsResponse]:
         log.error(
             "TrainingClient.load_state is deprecated; use "
             "ServiceClient.create_training_client_from_state instead"
@@ -389,7 +395,8 @@ class TrainingClient:
         types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         backend = self.holder.backend
         return self._api(
-            1, lambda s: backend.load_state(self.model_id, s[0], path, with_optimizer=with_optimizer)
+            1,
+            lambda s: backend.load_state(self.model_id, s[0], path, with_optimizer=with_optimizer),
         )
 
     # ---- info -------------------------------------------------------------------------
@@ -410,59 +417,139 @@ class TrainingClient:
     def get_console_url(self) -> str:
         return f"tinker-sr://training_runs/{self.model_id}"
 
+    def get_telemetry(self) -> None:
+        """Always ``None``: tinker_sr collects and sends no telemetry (out of scope)."""
+        return None
+
     # ---- deprecated coroutine twins (await twice: they resolve to a future) ------------
-    async def forward_async(self, *a: Any, **k: Any) -> APIFuture[types.ForwardBackwardOutput]:
+    async def forward_async(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Deprecated: use `forward` and await its future."""
         warn_deprecated("forward_async is deprecated; use forward() and await the future")
-        return self.forward(*a, **k)
+        return self.forward(data, loss_fn, loss_fn_config)
 
     async def forward_backward_async(
-        self, *a: Any, **k: Any
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float | str] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Deprecated: use `forward_backward` and await its future."""
         warn_deprecated(
             "forward_backward_async is deprecated; use forward_backward() and await the future"
         )
-        return self.forward_backward(*a, **k)
+        return self.forward_backward(data, loss_fn, loss_fn_config)
 
     async def forward_backward_custom_async(
-        self, *a: Any, **k: Any
+        self,
+        data: list[types.Datum],
+        loss_fn: CustomLossFnV1 | LossHandle,
+        *,
+        loss_type_input: Literal["logprobs"] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
-        warn_deprecated("forward_backward_custom_async is deprecated; use forward_backward_custom()")
-        return self.forward_backward_custom(*a, **k)
+        """Deprecated: use `forward_backward_custom` and await its future."""
+        warn_deprecated(
+            "forward_backward_custom_async is deprecated; use forward_backward_custom()"
+        )
+        return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
-    async def optim_step_async(self, *a: Any, **k: Any) -> APIFuture[types.OptimStepResponse]:
+    async def optim_step_async(
+        self,
+        optim_params: types.OptimParams | None = None,
+        *,
+        adam_params: types.AdamParams | None = None,
+    ) -> APIFuture[types.OptimStepResponse]:
+        """Deprecated: use `optim_step` and await its future."""
         warn_deprecated("optim_step_async is deprecated; use optim_step() and await the future")
-        return self.optim_step(*a, **k)
+        return self.optim_step(optim_params, adam_params=adam_params)
 
-    async def save_state_async(self, *a: Any, **k: Any) -> APIFuture[types.SaveWeightsResponse]:
+    async def save_state_async(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[types.SaveWeightsResponse]:
+        """Deprecated: use `save_state` and await its future."""
         warn_deprecated("save_state_async is deprecated; use save_state()")
-        return self.save_state(*a, **k)
+        return self.save_state(
+            name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata
+        )
 
     async def save_weights_for_sampler_async(
-        self, *a: Any, **k: Any
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
-        warn_deprecated("save_weights_for_sampler_async is deprecated; use save_weights_for_sampler()")
-        return self.save_weights_for_sampler(*a, **k)
+        """Deprecated: use `save_weights_for_sampler` and await its future."""
+        warn_deprecated(
+            "save_weights_for_sampler_async is deprecated; use save_weights_for_sampler()"
+        )
+        return self.save_weights_for_sampler(
+            name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
+        )
 
-    async def load_state_async(self, *a: Any, **k: Any) -> APIFuture[types.LoadWeightsResponse]:
+    async def save_weights_external_async(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: list[str] | None = None,
+    ) -> APIFuture[types.SaveWeightsExternalResponse]:
+        """Deprecated: use `save_weights_external` (not supported by tinker_sr: raises
+        `NotImplementedError`)."""
+        warn_deprecated("save_weights_external_async is deprecated; use save_weights_external()")
+        return self.save_weights_external(
+            name, ttl_seconds=ttl_seconds, age_encryption_recipients=age_encryption_recipients
+        )
+
+    async def load_state_async(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        """Deprecated: use ``ServiceClient.create_training_client_from_state``."""
         warn_deprecated("load_state_async is deprecated")
-        return self.load_state(*a, **k)
+        return self.load_state(path, weights_access_token=weights_access_token)
 
     async def load_state_with_optimizer_async(
-        self, *a: Any, **k: Any
+        self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
+        """Deprecated: use ``ServiceClient.create_training_client_from_state_with_optimizer``."""
         warn_deprecated("load_state_with_optimizer_async is deprecated")
-        return self.load_state_with_optimizer(*a, **k)
+        return self.load_state_with_optimizer(path, weights_access_token=weights_access_token)
 
-    async def create_sampling_client_async(self, *a: Any, **k: Any) -> SamplingClient:
-        warn_deprecated("create_sampling_client_async is deprecated; await create_sampling_client()")
-        return await self.create_sampling_client(*a, **k)
+    async def create_sampling_client_async(
+        self,
+        model_path: str,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+    ) -> SamplingClient:
+        """Deprecated: ``await create_sampling_client(...)``."""
+        warn_deprecated(
+            "create_sampling_client_async is deprecated; await create_sampling_client()"
+        )
+        return await self.create_sampling_client(
+            model_path, retry_config=retry_config, record_stability_info=record_stability_info
+        )
 
     async def save_weights_and_get_sampling_client_async(
-        self, *a: Any, **k: Any
+        self,
+        name: str | None = None,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+        kind: types.SamplingClientKind = "snapshot",
     ) -> SamplingClient:
+        """Deprecated: ``await save_weights_and_get_sampling_client(...)``."""
         warn_deprecated(
             "save_weights_and_get_sampling_client_async is deprecated; await "
             "save_weights_and_get_sampling_client()"
         )
-        return await self.save_weights_and_get_sampling_client(*a, **k)
-
+        return await self.save_weights_and_get_sampling_client(
+            name,
+            retry_config=retry_config,
+            record_stability_info=record_stability_info,
+            kind=kind,
+        )

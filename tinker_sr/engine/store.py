@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     size_bytes INTEGER,
     user_metadata TEXT,
     expires_at REAL,
+    public INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, checkpoint_id)
 );
 CREATE TABLE IF NOT EXISTS sequences (
@@ -66,6 +67,17 @@ CREATE TABLE IF NOT EXISTS sequences (
 );
 CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
 """
+
+# Columns added after the first release: (table, column, definition). Stores created before
+# a column existed get it through ``ALTER TABLE ... ADD COLUMN`` when they are opened.
+_ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
+)
+
+_CK_COLUMNS = (
+    "run_id, checkpoint_id, checkpoint_type, tinker_path, file_path, created_at, size_bytes,"
+    " user_metadata, expires_at, public"
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,7 @@ class CheckpointRow:
     size_bytes: int | None
     user_metadata: dict[str, str] | None
     expires_at: float | None
+    public: bool = False
 
 
 def _json(v: Any) -> str | None:
@@ -118,6 +131,7 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._add_missing_columns()
         # Training requests look sequences up on the hot path; keep recent ones decoded.
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
@@ -125,6 +139,19 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a store written by an older version up to the current schema."""
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column in present:
+                continue
+            try:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            except sqlite3.OperationalError as e:
+                # Another process opening the same store may have added it just now.
+                if "duplicate column" not in str(e).lower():
+                    raise
 
     # ---- sessions ---------------------------------------------------------------------
     def add_session(
@@ -212,7 +239,7 @@ class Store:
     def put_checkpoint(self, row: CheckpointRow) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO checkpoints ({_CK_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.run_id,
                     row.checkpoint_id,
@@ -223,6 +250,7 @@ class Store:
                     row.size_bytes,
                     _json(row.user_metadata),
                     row.expires_at,
+                    int(row.public),
                 ),
             )
 
@@ -230,7 +258,7 @@ class Store:
         """The live checkpoint at ``tinker_path``; expired ones count as missing."""
         with self._lock:
             row = self._db.execute(
-                "SELECT * FROM checkpoints WHERE tinker_path=?", (tinker_path,)
+                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE tinker_path=?", (tinker_path,)
             ).fetchone()
         if row is None:
             return None
@@ -247,7 +275,7 @@ class Store:
         with self._lock:
             if run_id is None:
                 rows = self._db.execute(
-                    f"SELECT * FROM checkpoints WHERE {live}"
+                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {live}"
                     " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
                     (now, limit, offset),
                 ).fetchall()
@@ -256,7 +284,7 @@ class Store:
                 ).fetchone()
             else:
                 rows = self._db.execute(
-                    f"SELECT * FROM checkpoints WHERE run_id=? AND {live}"
+                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE run_id=? AND {live}"
                     " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
                     (run_id, now, limit, offset),
                 ).fetchall()
@@ -268,7 +296,7 @@ class Store:
     def delete_checkpoint(self, tinker_path: str) -> CheckpointRow | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT * FROM checkpoints WHERE tinker_path=?", (tinker_path,)
+                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE tinker_path=?", (tinker_path,)
             ).fetchone()
             if row is None:
                 return None
@@ -282,9 +310,19 @@ class Store:
             )
         return cur.rowcount > 0
 
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> bool:
+        """Mark a checkpoint public or private; returns whether it exists."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE checkpoints SET public=? WHERE tinker_path=?", (int(public), tinker_path)
+            )
+        return cur.rowcount > 0
+
     @staticmethod
     def _ck_row(r: tuple[Any, ...]) -> CheckpointRow:
-        return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _unjson(r[7]), r[8])
+        return CheckpointRow(
+            r[0], r[1], r[2], r[3], r[4], r[5], r[6], _unjson(r[7]), r[8], bool(r[9])
+        )
 
     # ---- recorded sequences -----------------------------------------------------------
     def put_sequences(self, records: list[SequenceRecord]) -> None:

@@ -8,7 +8,9 @@ forward/backward and sample results). Futures and id bookkeeping live in `Server
 
 Isolation: a session belongs to the API key that created it (a hash of the key is stored),
 and models and samplers belong to sessions. A request naming anything its key does not own
-gets the same 404 as a request naming something that does not exist.
+gets the same 404 as a request naming something that does not exist. One exception: a
+checkpoint its owner published may be read by every key (loaded, sampled, copied, its
+weights info fetched); listing, deleting and changing it stay the owner's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tinker_sr.backend.base import Backend
 from tinker_sr.engine.errors import EngineNotFoundError
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import (
+    CopyWeightsRequest,
     GetInfoResponse,
     ModelData,
     ParsedCheckpointTinkerPath,
@@ -62,6 +65,7 @@ _PROTOBUF = "application/x-protobuf"
 _MAX_SAMPLES_PER_REQUEST = 4096
 _MAX_GAP_WATCH = 1024
 _PRUNE_EVERY_S = 3600.0
+_TTL_MIN_S, _TTL_MAX_S = 3600, 10 * 365 * 24 * 3600
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
@@ -76,7 +80,6 @@ _UNSUPPORTED = {
     "create_custom_loss": "server-side custom losses are disabled (custom_loss_server_side: "
     "false); forward_backward_custom runs the loss client-side",
     "save_weights_external": "external weights are not supported",
-    "copy_weights": "copying weights between runs is not supported",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
     "sessions": "session listing and search are not supported",
@@ -260,6 +263,9 @@ class TinkerServer:
             return 500, _strip_prefix(e.message)
         if isinstance(e, APIStatusError):  # the backend is itself remote: pass it through
             return e.status_code, e.message
+        if isinstance(e, NotImplementedError):
+            # 400, not 501: the SDK retries every 5xx for minutes before giving up.
+            return 400, f"not supported by this server: {e}"
         return 500, f"internal server error: {type(e).__name__}: {e}"
 
     # ---- ownership ------------------------------------------------------------------------
@@ -308,6 +314,24 @@ class TinkerServer:
         if row is None or row.owner != owner:
             raise _HTTPError(404, f"checkpoint {path} does not exist")
         return parsed
+
+    async def _readable_checkpoint(
+        self, path: str, owner: str, *, field: str = "path"
+    ) -> ParsedCheckpointTinkerPath:
+        """A checkpoint this key may read: one of its own, or one its owner published.
+        Anything else gets the same 404 as a checkpoint that does not exist."""
+        try:
+            return self._checkpoint_path(path, owner, field=field)
+        except _HTTPError as e:
+            if e.status != 404:
+                raise
+            try:
+                public = (await self.backend.get_checkpoint(path)).public
+            except Exception:
+                public = False
+            if not public:
+                raise
+            return ParsedCheckpointTinkerPath.from_tinker_path(path)
 
     def _sampler(self, sampler_id: str, owner: str) -> SessionRow:
         row = self.state.sampler_session(sampler_id)
@@ -772,7 +796,7 @@ class TinkerServer:
             self._release_if_known(raw, owner)
             raise
         if req.session_id is not None or req.model_seq_id is not None:
-            return self._create_from_state(req, owner, body)
+            return await self._create_from_state(req, owner, body)
         if req.model_id is None:
             raise _HTTPError(
                 400,
@@ -784,7 +808,7 @@ class TinkerServer:
         try:
             if req.weights_access_token is not None:
                 raise _HTTPError(400, "load_weights: weights_access_token is not supported")
-            self._checkpoint_path(req.path, owner)
+            await self._readable_checkpoint(req.path, owner)
         except _HTTPError:
             self._reject_seq(req.model_id, seq_id)
             raise
@@ -809,7 +833,9 @@ class TinkerServer:
             promise_extra={"model_id": model_id},
         )
 
-    def _create_from_state(self, req: m.LoadWeightsRequest, owner: str, body: bytes) -> Response:
+    async def _create_from_state(
+        self, req: m.LoadWeightsRequest, owner: str, body: bytes
+    ) -> Response:
         if req.session_id is None or req.model_seq_id is None:
             raise _HTTPError(
                 400,
@@ -825,7 +851,7 @@ class TinkerServer:
         if req.weights_access_token is not None:
             raise _HTTPError(400, "load_weights: weights_access_token is not supported")
         self._session(req.session_id, owner)
-        self._checkpoint_path(req.path, owner)
+        await self._readable_checkpoint(req.path, owner)
         session_id, model_seq_id = req.session_id, req.model_seq_id
 
         async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
@@ -861,7 +887,7 @@ class TinkerServer:
         if req.model_path is None and req.base_model is None:
             raise _HTTPError(400, "create_sampling_session: send model_path or base_model")
         if req.model_path is not None:
-            self._checkpoint_path(req.model_path, owner, field="model_path")
+            await self._readable_checkpoint(req.model_path, owner, field="model_path")
         key = f"sampling_session|{req.session_id}|{req.sampling_session_seq_id}"
         earlier = self.state.reply(owner, key)
         if earlier is not None:
@@ -1066,13 +1092,83 @@ class TinkerServer:
 
     async def weights_info(self, request: Request, owner: str) -> Response:
         req, _ = await self._parse(request, m.WeightsInfoRequest, "weights_info")
-        parsed = self._checkpoint_path(req.tinker_path, owner, field="tinker_path")
-        await self.backend.get_checkpoint(req.tinker_path)  # 404 if it does not exist
-        run = await self.backend.get_training_run(parsed.training_run_id)
-        out: dict[str, Any] = {"base_model": run.base_model, "is_lora": run.is_lora}
-        if run.lora_rank is not None:
-            out["lora_rank"] = run.lora_rank
+        await self._readable_checkpoint(req.tinker_path, owner, field="tinker_path")
+        info = await self.backend.get_weights_info(req.tinker_path)
+        # optimizer_config is left out: checkpoints do not record it (the SDK defaults it).
+        out = info.model_dump(mode="json", exclude_none=True, exclude={"optimizer_config"})
         return _json(out)
+
+    async def copy_weights(self, request: Request, owner: str) -> Response:
+        req, body = await self._parse(request, CopyWeightsRequest, "copy_weights")
+        if req.weights_access_token is not None or request.headers.get(
+            "x-tinker-weights-access-token"
+        ):
+            raise _HTTPError(
+                400,
+                "copy_weights: weights_access_token is not supported by this server; another "
+                "key's checkpoint can be copied once its owner publishes it",
+            )
+        if (req.session_id is None) != (req.model_seq_id is None):
+            raise _HTTPError(
+                400,
+                "copy_weights: send session_id and model_seq_id together (copy into that "
+                "training-run slot), or destination_project_id alone (copy into a new session)",
+            )
+        if req.session_id is not None and req.destination_project_id is not None:
+            raise _HTTPError(
+                400,
+                "copy_weights: send session_id + model_seq_id or destination_project_id, not both",
+            )
+        if req.model_seq_id is not None and req.model_seq_id < 0:
+            raise _HTTPError(
+                400, f"copy_weights: model_seq_id must be >= 0, got {req.model_seq_id}"
+            )
+        ttl = req.ttl_seconds
+        if ttl is not None and not (_TTL_MIN_S <= ttl <= _TTL_MAX_S):
+            raise _HTTPError(
+                400,
+                f"copy_weights: ttl_seconds must be between {_TTL_MIN_S} (1 hour) and "
+                f"{_TTL_MAX_S} (10 years), or null for no expiry; got {ttl}",
+            )
+        source = await self._readable_checkpoint(req.source_path, owner, field="source_path")
+        if source.checkpoint_type == "external":
+            raise _HTTPError(
+                400, "copy_weights: external_weights checkpoints are not supported by this server"
+            )
+        await self.backend.get_checkpoint(req.source_path)  # 404 before anything is created
+        idem = request.headers.get("x-idempotency-key")
+        if idem:
+            earlier = self.state.reply(owner, f"copy_weights|{idem}")
+            if earlier is not None and earlier[0] == _body_hash(body):
+                return _json(earlier[1])
+        if req.session_id is not None:
+            assert req.model_seq_id is not None
+            self._session(req.session_id, owner)
+            path = await self.backend.copy_weights(
+                req.source_path,
+                session_id=req.session_id,
+                model_seq_id=req.model_seq_id,
+                ttl_seconds=ttl,
+            )
+            session_id = req.session_id
+        else:
+            # A session of its own, finished at once: it only holds the copy.
+            session_id = await self.backend.create_session(project_id=req.destination_project_id)
+            self.state.add_session(session_id, owner)
+            try:
+                path = await self.backend.copy_weights(
+                    req.source_path, session_id=session_id, model_seq_id=0, ttl_seconds=ttl
+                )
+            finally:
+                if self.state.finish_session(session_id, "success"):
+                    await self.backend.close_session(session_id, "success")
+        self.state.add_model(
+            ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id, session_id
+        )
+        reply = {"tinker_path": path}
+        if idem:
+            self.state.save_reply(owner, f"copy_weights|{idem}", _body_hash(body), reply)
+        return _json(reply)
 
     def _checkpoint_route(self, request: Request, owner: str) -> tuple[str, str]:
         run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
@@ -1095,7 +1191,26 @@ class TinkerServer:
         return Response(status_code=204)
 
     async def publish(self, request: Request, owner: str) -> Response:
-        raise _HTTPError(400, "publishing checkpoints is not supported by this server")
+        """POST publishes, DELETE unpublishes. Setting the flag a checkpoint already has
+        succeeds (the hosted service answers 409, which the SDK retries for minutes)."""
+        run_id, checkpoint_id = self._checkpoint_route(request, owner)
+        await self._body(request)  # no body expected; any is ignored
+        await self.backend.set_checkpoint_public(
+            f"tinker://{run_id}/{checkpoint_id}", request.method == "POST"
+        )
+        return Response(status_code=204)
+
+    async def external_weights_urls(self, request: Request, owner: str) -> Response:
+        run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
+        if kind != "external_weights":
+            raise _HTTPError(
+                400,
+                f"external_weights_urls is only for external_weights checkpoints "
+                f"(tinker://<run_id>/external_weights/<name>), got kind {kind!r}",
+            )
+        self._run_owned(run_id, owner)
+        out = await self.backend.get_external_weights_urls(f"tinker://{run_id}/{kind}/{name}")
+        return _json(out.model_dump(mode="json", exclude_none=True))
 
     async def unsupported(self, request: Request, owner: str) -> Response:
         path = request.url.path.split("/api/v1/", 1)[-1]
@@ -1170,6 +1285,7 @@ class TinkerServer:
             Route(v + "/retrieve_future", e(self.retrieve_future), methods=post),
             Route(v + "/get_server_capabilities", e(self.capabilities), methods=["GET"]),
             Route(v + "/weights_info", e(self.weights_info), methods=post),
+            Route(v + "/copy_weights", e(self.copy_weights), methods=post),
             Route(v + "/checkpoints", e(self.list_user_checkpoints), methods=["GET"]),
             Route(v + "/training_runs", e(self.list_training_runs), methods=["GET"]),
             Route(v + "/training_runs/{run_id}", e(self.get_training_run), methods=["GET"]),
@@ -1179,6 +1295,7 @@ class TinkerServer:
             Route(ckpt, e(self.delete_checkpoint), methods=["DELETE"]),
             Route(ckpt + "/ttl", e(self.set_checkpoint_ttl), methods=["PUT"]),
             Route(ckpt + "/publish", e(self.publish), methods=["POST", "DELETE"]),
+            Route(ckpt + "/external_weights_urls", e(self.external_weights_urls), methods=["GET"]),
             Route(
                 v + "/{rest:path}", e(self.unsupported), methods=["GET", "POST", "PUT", "DELETE"]
             ),

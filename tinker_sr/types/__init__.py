@@ -10,6 +10,8 @@ from .checkpoint import (
     Checkpoint,
     CheckpointsListResponse,
     CheckpointType,
+    CopyWeightsRequest,
+    CopyWeightsResponse,
     Cursor,
     ExternalWeightsUrlsResponse,
     LoadWeightsResponse,
@@ -21,6 +23,7 @@ from .checkpoint import (
     SaveWeightsResponse,
     TrainingRun,
     TrainingRunsResponse,
+    WeightsInfoResponse,
 )
 from .datum import Datum, LossFnInputs, LossFnOutput
 from .info import (
@@ -80,6 +83,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointType",
     "CheckpointsListResponse",
+    "CopyWeightsRequest",
+    "CopyWeightsResponse",
     "Cursor",
     "CustomLossInput",
     "CustomLossInputRank",
@@ -134,4 +139,5 @@ __all__ = [
     "TopkLogprobs",
     "TrainingRun",
     "TrainingRunsResponse",
+    "WeightsInfoResponse",
 ]

@@ -8,7 +8,8 @@ from urllib.parse import quote
 
 from pydantic import ConfigDict
 
-from ._base import BaseModel
+from ._base import BaseModel, StrictBase
+from .optimizer import AdamOptimizerConfig, OptimizerConfig
 
 __all__ = [
     "CheckpointType",
@@ -25,6 +26,9 @@ __all__ = [
     "SaveWeightsForSamplerResponseInternal",
     "LoadWeightsResponse",
     "ExternalWeightsUrlsResponse",
+    "WeightsInfoResponse",
+    "CopyWeightsRequest",
+    "CopyWeightsResponse",
 ]
 
 CheckpointType: TypeAlias = Literal["training", "sampler", "external"]
@@ -163,3 +167,37 @@ class LoadWeightsResponse(BaseModel):
 class ExternalWeightsUrlsResponse(BaseModel):
     urls: dict[str, str]
     expires: datetime
+
+
+class WeightsInfoResponse(BaseModel):
+    """What is needed to load a checkpoint: its base model and LoRA configuration
+    (``RestClient.get_weights_info_by_tinker_path``; ``POST /api/v1/weights_info``)."""
+
+    base_model: str
+    optimizer_config: OptimizerConfig = AdamOptimizerConfig()
+    is_lora: bool
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+class CopyWeightsRequest(StrictBase):
+    """Body of ``POST /api/v1/copy_weights``: the copy goes into training-run slot
+    ``model_seq_id`` of session ``session_id``, or, when neither is given, into a new
+    session of project ``destination_project_id``."""
+
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    source_path: str
+    """A tinker path of either kind (``weights`` or ``sampler_weights``)."""
+    ttl_seconds: int | None = None
+    """Seconds until the copy expires (3600 to 10 years); ``None`` = never. The source's
+    expiry is not inherited."""
+    weights_access_token: str | None = None
+
+
+class CopyWeightsResponse(BaseModel):
+    tinker_path: str
+    """Path of the new copy."""
