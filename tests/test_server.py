@@ -480,6 +480,9 @@ def test_checkpoint_rest_endpoints(wire: Wire) -> None:
         "base_model": MODEL,
         "is_lora": True,
         "lora_rank": 4,
+        "train_attn": True,
+        "train_mlp": True,
+        "train_unembed": True,
     }
     assert wire.http.get("/api/v1/get_server_capabilities").json()["supported_models"]
     assert (
