@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -87,6 +88,7 @@ _UNSUPPORTED = {
 }
 
 T = TypeVar("T")
+Req = TypeVar("Req", bound=pydantic.BaseModel)
 Handler = Callable[[Request, str], Awaitable[Response]]
 
 
@@ -625,16 +627,47 @@ class TinkerServer:
             )
             return "proto", proto.encode_forward_backward_output(out)
 
+        return self._submit_training(
+            "ForwardBackward", owner, session, call.model_id, call.seq_id, body, work
+        )
+
+    def _submit_training(
+        self,
+        kind: str,
+        owner: str,
+        session: SessionRow,
+        model_id: str,
+        seq_id: int,
+        body: bytes,
+        work: Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]],
+    ) -> Response:
+        """Submit a model's numbered training request (deduplicated by (model, seq_id))."""
         return self._submit(
-            kind="ForwardBackward",
+            kind=kind,
             owner=owner,
             session_id=session.session_id,
-            dedupe_key=f"train|{call.model_id}|seq_id {call.seq_id}",
-            train_seq=(call.model_id, call.seq_id),
+            dedupe_key=f"train|{model_id}|seq_id {seq_id}",
+            train_seq=(model_id, seq_id),
             body=body,
             work=work,
-            promise_extra={"model_id": call.model_id},
+            promise_extra={"model_id": model_id},
         )
+
+    async def _training_request(
+        self, request: Request, model_cls: type[Req], what: str, owner: str
+    ) -> tuple[bytes, Req, SessionRow, int]:
+        """Parse a JSON training request; a malformed one still frees its seq_id."""
+        body = await self._body(request)
+        raw = m.parse_json(body, what)
+        try:
+            req = m.parse(model_cls, raw, what)
+        except WireError:
+            self._release_if_known(raw, owner)
+            raise
+        model_id: str = req.model_id  # type: ignore[attr-defined]
+        session = self._model(model_id, owner)
+        seq_id = self._training_seq(model_id, req.seq_id, what)  # type: ignore[attr-defined]
+        return body, req, session, seq_id
 
     def _training_seq(self, model_id: str, seq_id: int | None, what: str) -> int:
         if seq_id is None:
@@ -646,15 +679,9 @@ class TinkerServer:
         return seq_id
 
     async def optim_step(self, request: Request, owner: str) -> Response:
-        body = await self._body(request)
-        raw = m.parse_json(body, "optim_step")
-        try:
-            req = m.parse(m.OptimStepRequest, raw, "optim_step")
-        except WireError:
-            self._release_if_known(raw, owner)
-            raise
-        session = self._model(req.model_id, owner)
-        seq_id = self._training_seq(req.model_id, req.seq_id, "optim_step")
+        body, req, session, seq_id = await self._training_request(
+            request, m.OptimStepRequest, "optim_step", owner
+        )
         if req.adam_params is None:
             self._reject_seq(req.model_id, seq_id)
             kind = (req.optimizer_params or {}).get("type")
@@ -671,16 +698,7 @@ class TinkerServer:
             out = await self.backend.optim_step(req.model_id, seq_id, params)
             return "json", m.dumps(out.model_dump(mode="json", exclude_none=True))
 
-        return self._submit(
-            kind="OptimStep",
-            owner=owner,
-            session_id=session.session_id,
-            dedupe_key=f"train|{req.model_id}|seq_id {seq_id}",
-            train_seq=(req.model_id, seq_id),
-            body=body,
-            work=work,
-            promise_extra={"model_id": req.model_id},
-        )
+        return self._submit_training("OptimStep", owner, session, req.model_id, seq_id, body, work)
 
     def _release_if_known(self, raw: Any, owner: str) -> None:
         """After a malformed training body: free its seq_id if model and seq_id are readable."""
@@ -693,15 +711,9 @@ class TinkerServer:
                 self._reject_seq(model_id, seq_id)
 
     async def save_weights(self, request: Request, owner: str) -> Response:
-        body = await self._body(request)
-        raw = m.parse_json(body, "save_weights")
-        try:
-            req = m.parse(m.SaveWeightsRequest, raw, "save_weights")
-        except WireError:
-            self._release_if_known(raw, owner)
-            raise
-        session = self._model(req.model_id, owner)
-        seq_id = self._training_seq(req.model_id, req.seq_id, "save_weights")
+        body, req, session, seq_id = await self._training_request(
+            request, m.SaveWeightsRequest, "save_weights", owner
+        )
         if not req.path:
             self._reject_seq(req.model_id, seq_id)
             raise _HTTPError(400, "save_weights: path (the checkpoint name) is required")
@@ -718,27 +730,14 @@ class TinkerServer:
             )
             return "json", m.dumps({"path": out.path, "type": "save_weights"})
 
-        return self._submit(
-            kind="SaveWeights",
-            owner=owner,
-            session_id=session.session_id,
-            dedupe_key=f"train|{req.model_id}|seq_id {seq_id}",
-            train_seq=(req.model_id, seq_id),
-            body=body,
-            work=work,
-            promise_extra={"model_id": req.model_id},
+        return self._submit_training(
+            "SaveWeights", owner, session, req.model_id, seq_id, body, work
         )
 
     async def save_weights_for_sampler(self, request: Request, owner: str) -> Response:
-        body = await self._body(request)
-        raw = m.parse_json(body, "save_weights_for_sampler")
-        try:
-            req = m.parse(m.SaveWeightsForSamplerRequest, raw, "save_weights_for_sampler")
-        except WireError:
-            self._release_if_known(raw, owner)
-            raise
-        session = self._model(req.model_id, owner)
-        seq_id = self._training_seq(req.model_id, req.seq_id, "save_weights_for_sampler")
+        body, req, session, seq_id = await self._training_request(
+            request, m.SaveWeightsForSamplerRequest, "save_weights_for_sampler", owner
+        )
         problem = None
         if req.kind == "inflight":
             problem = (
@@ -776,15 +775,8 @@ class TinkerServer:
                 result["path"] = out.path
             return "json", m.dumps(result)
 
-        return self._submit(
-            kind="SaveWeightsForSampler",
-            owner=owner,
-            session_id=session.session_id,
-            dedupe_key=f"train|{req.model_id}|seq_id {seq_id}",
-            train_seq=(req.model_id, seq_id),
-            body=body,
-            work=work,
-            promise_extra={"model_id": req.model_id},
+        return self._submit_training(
+            "SaveWeightsForSampler", owner, session, req.model_id, seq_id, body, work
         )
 
     async def load_weights(self, request: Request, owner: str) -> Response:
@@ -822,16 +814,7 @@ class TinkerServer:
             res["type"] = "load_weights"
             return "json", m.dumps(res)
 
-        return self._submit(
-            kind="LoadWeights",
-            owner=owner,
-            session_id=session.session_id,
-            dedupe_key=f"train|{model_id}|seq_id {seq_id}",
-            train_seq=(model_id, seq_id),
-            body=body,
-            work=work,
-            promise_extra={"model_id": model_id},
-        )
+        return self._submit_training("LoadWeights", owner, session, model_id, seq_id, body, work)
 
     async def _create_from_state(
         self, req: m.LoadWeightsRequest, owner: str, body: bytes
