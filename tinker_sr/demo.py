@@ -1,0 +1,483 @@
+"""`tinker-sr demo`: a small RL run on the embedded engine, written as a Tinker user writes it.
+
+The first half of this file is the RL loop itself. It uses only the public API
+(``import tinker_sr as tinker``, ``tinker.types`` and the provenance datum builder), so the
+same code runs unchanged on the embedded engine, on a ``tinker-sr serve`` server
+(``--base-url``) or, with ``import tinker``, on any Tinker-compatible service.
+``examples/rl_demo.py`` runs it as a plain script. The second half is the command line:
+progress bar, JSONL log and plot.
+
+The task: count upward. Each prompt ends in a digit ("count: 3") and the completion should
+continue "45678901", wrapping 9 -> 0. Every byte is scored, so the reward is verifiable and
+dense: 0.25 for a digit plus 0.75 for the right successor of the byte before it, averaged over
+the completion. The built-in models start from random weights, so the reward starts near 0.01;
+a few minutes of CPU are enough to see it climb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tinker_sr as tinker
+from tinker_sr import types
+from tinker_sr.provenance import build_datum
+
+# ---- the task: a verifiable reward ------------------------------------------------------------
+
+PROMPTS: tuple[str, ...] = ("count: 0", "count: 3", "count: 7")
+DIGITS = frozenset(b"0123456789")
+DIGIT_CREDIT = 0.25
+
+
+def byte_rewards(prompt: str, completion: Sequence[int]) -> list[float]:
+    """Counting upward from the prompt's last digit, one byte at a time, wrapping 9 -> 0.
+
+    Each completion byte earns 0.25 for being a digit and 0.75 more for being the successor
+    of the byte before it (the prompt's last byte for the first one).
+    """
+    prev = prompt.encode()[-1]
+    out = []
+    for t in completion:
+        r = 0.0
+        if t in DIGITS:
+            r += DIGIT_CREDIT
+            if prev in DIGITS and t - 48 == (prev - 48 + 1) % 10:
+                r += 1.0 - DIGIT_CREDIT
+        out.append(r)
+        prev = t
+    return out
+
+
+def reward(prompt: str, completion: Sequence[int]) -> float:
+    """The completion's reward: the mean byte reward, so "45678901" after "count: 3" is 1.0."""
+    return float(np.mean(byte_rewards(prompt, completion))) if completion else 0.0
+
+
+# Loss names the loop accepts. "reinforce" is plain REINFORCE: cross_entropy weighted by the
+# advantages, with no off-policy correction at all (the baseline StableReinforce fixes).
+LOSSES = ("stable_reinforce", "importance_sampling", "ppo", "cispo", "reinforce")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Everything that decides a run. Same config and seed: same run."""
+
+    base_model: str = "tinker-sr/tiny"
+    loss: str = "stable_reinforce"
+    loss_config: Mapping[str, float] | None = None  # None: {"kl_coeff": 0.01} for stable_reinforce
+    steps: int = 80
+    seed: int = 0
+    group_size: int = 16  # samples per prompt; the advantage is reward minus the group mean
+    max_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 3e-3
+    lora_rank: int = 8
+    grad_clip_norm: float = 0.0
+
+    def loss_fn_config(self) -> dict[str, float] | None:
+        if self.loss_config is not None:
+            return dict(self.loss_config)
+        return {"kl_coeff": 0.01} if self.loss == "stable_reinforce" else None
+
+
+def _to_loss_input(datum: types.Datum, loss: str) -> types.Datum:
+    """The provenance datum in the form ``loss`` takes."""
+    if loss != "reinforce":
+        return datum
+    inputs = datum.loss_fn_inputs
+    return replace(
+        datum,
+        loss_fn_inputs={"target_tokens": inputs["target_tokens"], "weights": inputs["advantages"]},
+    )
+
+
+async def rl_loop(
+    service_client: tinker.ServiceClient,
+    config: RLConfig,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``config.steps`` steps of sample → score → train; return one record per step."""
+    if config.loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {config.loss!r}")
+    training_client = await service_client.create_lora_training_client(
+        config.base_model, rank=config.lora_rank, seed=config.seed
+    )
+    tokenizer = training_client.get_tokenizer()
+    prompts = {p: types.ModelInput.from_ints(tokenizer.encode(p)) for p in PROMPTS}
+    loss_fn = "cross_entropy" if config.loss == "reinforce" else config.loss
+    adam = types.AdamParams(
+        learning_rate=config.learning_rate, grad_clip_norm=config.grad_clip_norm
+    )
+    records: list[dict[str, Any]] = []
+    for step in range(config.steps):
+        t0 = time.perf_counter()
+        # Stability info is recorded for every sample, so StableReinforce can use its draws.
+        sampling_client = await training_client.save_weights_and_get_sampling_client(
+            record_stability_info=True
+        )
+        responses = await asyncio.gather(
+            *(
+                sampling_client.sample(
+                    prompt=model_input,
+                    num_samples=config.group_size,
+                    sampling_params=types.SamplingParams(
+                        max_tokens=config.max_tokens,
+                        temperature=config.temperature,
+                        stop=[],  # always max_tokens bytes: the reward is per byte
+                        seed=(config.seed * 1_000_003 + step * 101 + i) % 2**62,
+                    ),
+                )
+                for i, model_input in enumerate(prompts.values())
+            )
+        )
+        t_sample = time.perf_counter() - t0
+
+        data: list[types.Datum] = []
+        sequences: list[types.SampledSequence] = []
+        by_prompt: dict[str, float] = {}
+        examples: dict[str, str] = {}
+        for (prompt, model_input), response in zip(prompts.items(), responses, strict=True):
+            rewards = np.array([reward(prompt, s.tokens) for s in response.sequences])
+            by_prompt[prompt] = float(rewards.mean())
+            examples[prompt] = tokenizer.decode(response.sequences[0].tokens)
+            advantages = rewards - rewards.mean()
+            for seq, adv in zip(response.sequences, advantages, strict=True):
+                datum = build_datum(model_input, seq, float(adv))
+                data.append(_to_loss_input(datum, config.loss))
+                sequences.append(seq)
+
+        # Submitted back to back: the optimizer step runs right after the gradient pass.
+        fb_future = training_client.forward_backward(
+            data, loss_fn=loss_fn, loss_fn_config=config.loss_fn_config()
+        )
+        optim_future = training_client.optim_step(adam)
+        fb, optim = await fb_future, await optim_future
+        elapsed = time.perf_counter() - t0
+
+        record = {
+            "step": step,
+            "reward": float(np.mean(list(by_prompt.values()))),
+            "reward_by_prompt": by_prompt,
+            "example": examples,
+            **_off_policy_stats(sequences, fb),
+            "loss": fb.metrics.get("loss:sum", float("nan")),
+            "grad_norm": _grad_norm(optim.metrics or {}),
+            "loss_metrics": dict(sorted(fb.metrics.items())),
+            "optim_metrics": dict(sorted((optim.metrics or {}).items())),
+            "time_s": elapsed,
+            "sample_time_s": t_sample,
+            "tokens_per_s": sum(len(s.tokens) for s in sequences) / elapsed,
+        }
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
+
+
+def _off_policy_stats(
+    sequences: Sequence[types.SampledSequence], fb: types.ForwardBackwardOutput
+) -> dict[str, float]:
+    """Sampler-vs-learner statistics over every sampled token, from the sampler's logprobs
+    and the learner's logprobs that forward_backward returns (so every loss gets them)."""
+    lq = np.concatenate([np.asarray(s.logprobs, dtype=np.float64) for s in sequences])
+    lp = np.concatenate(
+        [
+            np.asarray(out["logprobs"].tolist(), dtype=np.float64)[-len(s.tokens) :]
+            for s, out in zip(sequences, fb.loss_fn_outputs, strict=True)
+        ]
+    )
+    log_ratio = lp - lq
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.exp(log_ratio)
+        return {
+            # k1 estimate of KL(sampler || learner) per token; k3 is its never-negative twin.
+            "kl_sampler_learner": float(np.mean(-log_ratio)),
+            "kl_k3": float(np.mean(ratio - 1 - log_ratio)),
+            "importance_ratio_max": float(np.max(ratio)),
+            "importance_ratio_min": float(np.min(ratio)),
+            # Monte-Carlo estimate of the sampler's per-token entropy.
+            "entropy": float(np.mean(-lq)),
+        }
+
+
+def _grad_norm(metrics: Mapping[str, float]) -> float:
+    for key, value in metrics.items():
+        if key.startswith("grad_norm"):
+            return float(value)
+    return float("nan")
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+TIMING_KEYS = ("time_s", "sample_time_s", "tokens_per_s")
+STRESS = {
+    "none": {},
+    "stale": {"staleness": True},
+    "bf16": {"sampler_dtype": "bfloat16"},
+    "both": {"sampler_dtype": "bfloat16", "staleness": True},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tinker-sr demo`` (also used by ``python -m tinker_sr.demo``)."""
+    parser.add_argument(
+        "--steps", type=int, default=RLConfig.steps, help="RL steps (default %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the whole run (default 0)")
+    parser.add_argument("--loss", choices=LOSSES, default="stable_reinforce")
+    parser.add_argument(
+        "--kl-coeff", type=float, default=None, help="stable_reinforce kl_coeff (default 0.01)"
+    )
+    parser.add_argument(
+        "--model", default="tinker-sr/tiny", choices=("tinker-sr/tiny", "tinker-sr/small")
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=RLConfig.group_size,
+        help="samples per prompt (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=RLConfig.learning_rate,
+        help="Adam learning rate (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out", default="tinker-sr-demo", help="output directory (default ./%(default)s)"
+    )
+    parser.add_argument(
+        "--base-url", default=None, help="run the same loop against this Tinker-compatible server"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="key for --base-url (default $TINKER_API_KEY, else a 'tml-' placeholder "
+        "that a tinker-sr server accepts)",
+    )
+    parser.add_argument(
+        "--stress",
+        choices=tuple(STRESS),
+        default="none",
+        help="off-policy stress on the embedded engine: a stale sampler, a "
+        "bfloat16 sampler, or both (default none)",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=2,
+        help="with --stress stale/both: optimizer steps the sampler lags (default 2)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar; print only the result"
+    )
+
+
+@contextlib.contextmanager
+def open_service_client(
+    *,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    stress: str = "none",
+    staleness: int = 2,
+) -> Iterator[tinker.ServiceClient]:
+    """A ServiceClient on a fresh, throw-away embedded engine with the requested off-policy
+    stress, or on the server at ``base_url``. Closes both on exit."""
+    if stress not in STRESS:
+        raise ValueError(f"stress must be one of {', '.join(STRESS)}, got {stress!r}")
+    if base_url is not None:
+        if stress != "none":
+            raise ValueError(
+                f"stress {stress!r} configures the embedded engine's sampler and cannot apply "
+                "to a remote server; drop the stress setting or the base URL"
+            )
+        key = api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
+        with tinker.ServiceClient(base_url=base_url, api_key=key) as client:
+            yield client
+        return
+    if staleness < 1 and stress in ("stale", "both"):
+        raise ValueError(f"staleness must be >= 1 with stress {stress!r}, got {staleness}")
+    from tinker_sr.backend.local import LocalBackend
+
+    opts = STRESS[stress]
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-demo-") as store:
+        backend = LocalBackend(
+            store,
+            persistent=False,
+            sampler_dtype=opts.get("sampler_dtype"),
+            sampler_staleness=staleness if opts.get("staleness") else 0,
+        )
+        try:
+            with tinker.ServiceClient(backend=backend) as client:
+                yield client
+        finally:
+            backend.close()
+
+
+def plot_curves(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = ""
+) -> Path:
+    """Reward, sampler-vs-learner KL, entropy and gradient norm per step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward", "reward", False),
+        ("kl_k3", "KL(sampler ‖ learner) per token, k3", True),
+        ("entropy", "sampler entropy per token (nats)", False),
+        ("grad_norm", "gradient norm", True),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, (key, label, log) in zip(axes.flat, panels, strict=True):
+        for name, records in runs.items():
+            xs = [r["step"] for r in records]
+            ys = [float(r.get(key, math.nan)) for r in records]
+            if log:
+                ys = [y if y > 0 else math.nan for y in ys]
+            ax.plot(xs, ys, label=name, lw=1.4)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    if len(runs) > 1:
+        axes[0, 0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summarize(records: Sequence[Mapping[str, Any]], window: int = 5) -> tuple[float, float]:
+    """Initial and final reward: means over the first and last ``window`` steps."""
+    w = max(1, min(window, len(records) // 2 or 1))
+    first = float(np.mean([r["reward"] for r in records[:w]]))
+    last = float(np.mean([r["reward"] for r in records[-w:]]))
+    return first, last
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo from parsed ``args`` (see `add_arguments`); returns the exit code."""
+    from tqdm import tqdm
+
+    if args.steps < 1:
+        print("tinker-sr demo: --steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.base_url is not None and args.stress != "none":
+        print(
+            f"tinker-sr demo: --stress {args.stress} stresses the embedded engine's sampler; it "
+            "cannot be combined with --base-url (a remote server decides its own sampler).",
+            file=sys.stderr,
+        )
+        return 2
+    loss_config = None
+    if args.kl_coeff is not None:
+        if args.loss != "stable_reinforce":
+            print(
+                "tinker-sr demo: --kl-coeff only applies to --loss stable_reinforce",
+                file=sys.stderr,
+            )
+            return 2
+        loss_config = {"kl_coeff": args.kl_coeff}
+    config = RLConfig(
+        base_model=args.model,
+        loss=args.loss,
+        loss_config=loss_config,
+        steps=args.steps,
+        seed=args.seed,
+        group_size=args.group_size,
+        learning_rate=args.lr,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "metrics.jsonl"
+    plot_path = out / "learning_curves.png"
+    where = args.base_url or "embedded engine"
+    stress = "" if args.stress == "none" else f", stress={args.stress}"
+    if args.stress in ("stale", "both"):
+        stress += f" (k={args.staleness})"
+    if not args.quiet:
+        print(
+            f"tinker-sr demo: {config.loss} on {config.base_model} ({where}{stress}), "
+            f"{config.steps} steps, {len(PROMPTS)} prompts x {config.group_size} samples, seed {config.seed}"
+        )
+
+    bar = tqdm(total=config.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+
+        def on_step(record: dict[str, Any]) -> None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.set_postfix(
+                reward=f"{record['reward']:.3f}",
+                kl=f"{record['kl_sampler_learner']:+.1e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
+            bar.update(1)
+
+        try:
+            with open_service_client(
+                base_url=args.base_url,
+                api_key=args.api_key,
+                stress=args.stress,
+                staleness=args.staleness,
+            ) as service_client:
+                records = asyncio.run(rl_loop(service_client, config, on_step))
+        finally:
+            bar.close()
+    wall = time.perf_counter() - t0
+
+    config_path = out / "config.json"
+    config_path.write_text(
+        json.dumps(
+            {
+                **asdict(config),
+                "loss_fn_config": config.loss_fn_config(),
+                "stress": args.stress,
+                "staleness": args.staleness if args.stress in ("stale", "both") else 0,
+                "base_url": args.base_url,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    initial, final = summarize(records)
+    examples = ", ".join(f"{p!r} -> {c!r}" for p, c in records[-1]["example"].items())
+    lines = [
+        f"reward {initial:.3f} -> {final:.3f} (mean of the first / last 5 steps) in {wall:.0f} s",
+        f"samples at the last step: {examples}",
+        f"metrics: {log_path}",
+    ]
+    if not args.no_plot:
+        plot_curves({config.loss: records}, plot_path, title=f"tinker-sr demo: {config.loss}")
+        lines.append(f"plot:    {plot_path}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tinker_sr.demo", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
