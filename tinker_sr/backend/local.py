@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import shutil
-import threading
 import time
 import uuid
 from collections import deque
@@ -63,7 +62,6 @@ from tinker_sr.provenance.validate import (
 
 T = TypeVar("T")
 
-DEFAULT_MODEL = "tinker-sr/tiny"
 STABILITY_K = 8
 _TTL_MIN, _TTL_MAX = 3600, 10 * 365 * 24 * 3600
 _SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -168,7 +166,6 @@ class LocalBackend:
         self._orders: dict[str, _Order] = {}
         self._base_cache: dict[str, Transformer] = {}
         self._tokenizer = ByteTokenizer()
-        self._lock = threading.Lock()
         self._closed = False
         self._last_purge = 0.0
 
