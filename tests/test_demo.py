@@ -71,6 +71,17 @@ def test_demo_under_stale_bf16_sampler_reports_the_mismatch(tmp_path: Path, loss
     assert all(math.isfinite(r["kl_sampler_learner"]) for r in records)
 
 
+def test_same_loop_against_a_server_gives_the_same_log(tmp_path: Path, remote_server) -> None:
+    # remote_server (tests/conftest.py) is a real `tinker-sr serve` subprocess.
+    local = run_demo(tmp_path / "local", "--no-plot")
+    remote = run_demo(tmp_path / "remote", "--no-plot", "--base-url", remote_server.base_url)
+
+    def strip(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+    assert strip(remote) == strip(local)
+
+
 def test_stress_with_base_url_is_a_clear_error(tmp_path: Path, capsys) -> None:
     argv = ["demo", "--base-url", "http://127.0.0.1:9", "--stress", "bf16", "--out", str(tmp_path)]
     assert cli.main(argv) == 2

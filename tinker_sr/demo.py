@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -117,8 +117,12 @@ async def rl_loop(
         config.base_model, rank=config.lora_rank, seed=config.seed
     )
     tokenizer = training_client.get_tokenizer()
-    prompts = {p: types.ModelInput.from_ints(tokenizer.encode(p)) for p in PROMPTS}
-    loss_fn = "cross_entropy" if config.loss == "reinforce" else config.loss
+    # No BOS: the same ids whichever tokenizer the backend hands out (HF's encode adds one).
+    prompts = {
+        p: types.ModelInput.from_ints(tokenizer.encode(p, add_special_tokens=False))
+        for p in PROMPTS
+    }
+    loss_fn = cast(types.LossFnType, "cross_entropy" if config.loss == "reinforce" else config.loss)
     adam = types.AdamParams(
         learning_rate=config.learning_rate, grad_clip_norm=config.grad_clip_norm
     )
@@ -224,11 +228,12 @@ def _grad_norm(metrics: Mapping[str, float]) -> float:
 # ---- the command line ---------------------------------------------------------------------------
 
 TIMING_KEYS = ("time_s", "sample_time_s", "tokens_per_s")
-STRESS = {
-    "none": {},
-    "stale": {"staleness": True},
-    "bf16": {"sampler_dtype": "bfloat16"},
-    "both": {"sampler_dtype": "bfloat16", "staleness": True},
+# stress setting -> (sampler dtype, stale sampler?)
+STRESS: dict[str, tuple[str | None, bool]] = {
+    "none": (None, False),
+    "stale": (None, True),
+    "bf16": ("bfloat16", False),
+    "both": ("bfloat16", True),
 }
 
 
@@ -279,8 +284,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--staleness",
         type=int,
-        default=2,
-        help="with --stress stale/both: optimizer steps the sampler lags (default 2)",
+        default=3,
+        help="with --stress stale/both: optimizer steps the sampler lags (default 3)",
     )
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     parser.add_argument(
@@ -294,7 +299,7 @@ def open_service_client(
     base_url: str | None = None,
     api_key: str | None = None,
     stress: str = "none",
-    staleness: int = 2,
+    staleness: int = 3,
 ) -> Iterator[tinker.ServiceClient]:
     """A ServiceClient on a fresh, throw-away embedded engine with the requested off-policy
     stress, or on the server at ``base_url``. Closes both on exit."""
@@ -314,13 +319,13 @@ def open_service_client(
         raise ValueError(f"staleness must be >= 1 with stress {stress!r}, got {staleness}")
     from tinker_sr.backend.local import LocalBackend
 
-    opts = STRESS[stress]
+    dtype, stale = STRESS[stress]
     with tempfile.TemporaryDirectory(prefix="tinker-sr-demo-") as store:
         backend = LocalBackend(
             store,
             persistent=False,
-            sampler_dtype=opts.get("sampler_dtype"),
-            sampler_staleness=staleness if opts.get("staleness") else 0,
+            sampler_dtype=dtype,
+            sampler_staleness=staleness if stale else 0,
         )
         try:
             with tinker.ServiceClient(backend=backend) as client:
