@@ -8,8 +8,9 @@ checkpoints and recorded sequences stay as they were.
 
 Off-policy stress for studies (spec: issue 5): ``sampler_dtype="bfloat16"`` makes every
 sampler compute in bfloat16 while the learner stays in float32, and
-``sampler_staleness=k`` makes samplers created from a training model use the weights it had
-``k`` optimizer steps earlier, as asynchronous RL does. Both are real: the sampler actually
+``sampler_staleness=k`` makes samplers snapshotted from a training model
+(`save_weights_and_get_sampling_client`) use the weights it had ``k`` optimizer steps earlier,
+as asynchronous RL does; named sampler checkpoints still hold the current weights. Both are real: the sampler actually
 runs in that dtype / on those weights.
 """
 
@@ -634,7 +635,8 @@ class LocalBackend:
         def work() -> types.SaveWeightsForSamplerResponseInternal:
             t = self._trainer(model_id)
             if name is not None:
-                tensors = {f"lora.{k}": v for k, v in self._sampler_adapters(t).items()}
+                # A named checkpoint is the current weights; only live samplers lag.
+                tensors = {f"lora.{k}": v for k, v in _snapshot(t.model).items()}
                 path = self._write_checkpoint(
                     t,
                     "sampler_weights",

@@ -32,8 +32,11 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """UTF-8 bytes of `text`; add_special_tokens prepends <|bos|> (as the HF twin does)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """UTF-8 bytes of `text`, after <|bos|> unless ``add_special_tokens=False``.
+
+        The default matches Hugging Face tokenizers (and the tokenizer directory a server
+        reports), so a script gets the same ids on every backend."""
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
