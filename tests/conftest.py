@@ -17,6 +17,10 @@ import pytest
 os.environ.pop("TINKER_BASE_URL", None)
 os.environ.pop("TINKER_SR_BACKEND", None)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
+# The tiny test models run fastest on one thread, and two processes (a test and its server)
+# each spinning two threads on two cores slow torch down by orders of magnitude.
+os.environ.setdefault("TINKER_SR_TORCH_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BACKENDS = ["local"]
 try:  # the remote backend joins the matrix once its server fixture exists

@@ -160,6 +160,15 @@ class LocalBackend:
         if sampler_staleness < 0:
             raise ValueError(f"sampler_staleness must be >= 0, got {sampler_staleness}")
         self.sampler_staleness = sampler_staleness
+        # Intra-op threads of the engine's torch work ($TINKER_SR_TORCH_THREADS; default: torch's
+        # own). Small models on a busy machine run far faster on one thread than oversubscribed.
+        env_threads = os.environ.get("TINKER_SR_TORCH_THREADS", "").strip()
+        if torch_threads is None and env_threads:
+            if not env_threads.isdigit() or int(env_threads) < 1:
+                raise ValueError(
+                    f"TINKER_SR_TORCH_THREADS must be a positive integer, got {env_threads!r}"
+                )
+            torch_threads = int(env_threads)
         self._torch_threads = torch_threads
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._trainers: dict[str, _Trainer] = {}
