@@ -242,7 +242,7 @@ def summarize(out: Path, grid: Grid) -> dict[str, Any]:
             "reward_collapse_drop": COLLAPSE_DROP,
             "reward_collapse_window": COLLAPSE_WINDOW,
         },
-        "engine_commit": _git_commit(),
+        "engine_commit": ENGINE_COMMIT,
         "cells": cells,
     }
 
@@ -259,6 +259,10 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.stdout.strip() or None
+
+
+# The code that runs is the code at start-up, whatever lands while the grid runs.
+ENGINE_COMMIT = _git_commit()
 
 
 def markdown_tables(summary: Mapping[str, Any]) -> str:
