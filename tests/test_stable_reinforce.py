@@ -57,7 +57,7 @@ def test_stable_reinforce_end_to_end(setup: dict[str, Any]) -> None:
     assert abs(out.metrics["kl_sampler_learner:mean"]) < 1e-4
     assert step.metrics is not None
     # Returned logprobs are the learner's: equal to compute_logprobs on the same tokens.
-    for datum, seq, o in zip(data, seqs, out.loss_fn_outputs, strict=True):
+    for seq, o in zip(seqs, out.loss_fn_outputs, strict=True):
         lps = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT + seq.tokens)).result()
         np.testing.assert_allclose(
             o["logprobs"].tolist()[len(PROMPT) - 1 :], lps[len(PROMPT) :], atol=1e-4
