@@ -773,18 +773,6 @@ class LocalBackend:
     ) -> types.SampleResponse:
         def work() -> types.SampleResponse:
             s = self._sampler(sampler_id)
-            unsupported = {
-                "topk_prompt_logprobs": topk_prompt_logprobs,
-                "topk_sample_logprobs": topk_sample_logprobs,
-                "prompt_alt_tokens_k": prompt_alt_tokens_k,
-                "target_prompt_logprobs": target_prompt_logprobs,
-            }
-            for key, val in unsupported.items():
-                if val:
-                    raise EngineUserError(
-                        f"{key} is not supported by the tinker_sr engine yet; leave it at its "
-                        "default (0/None)"
-                    )
             tokens = _prompt_tokens(prompt, s.model.config.vocab_size)
             if num_samples < 1:
                 raise EngineUserError(f"num_samples must be >= 1, got {num_samples}")
@@ -797,6 +785,51 @@ class LocalBackend:
             max_tokens = sp.max_tokens if sp.max_tokens is not None else max_ctx - len(tokens)
             stop_ids, stop_strings = _stop_conditions(sp.stop, self._tokenizer.eos_token_id)
             seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+            vocab = s.model.config.vocab_size
+            _check_k("topk_prompt_logprobs", topk_prompt_logprobs, vocab)
+            _check_k("topk_sample_logprobs", topk_sample_logprobs, vocab)
+            _check_k("prompt_alt_tokens_k", prompt_alt_tokens_k, vocab)
+            if prompt_logprobs_last_n is not None and not (
+                1 <= prompt_logprobs_last_n <= len(tokens) - 1
+            ):
+                raise EngineUserError(
+                    f"prompt_logprobs_last_n must be in [1, len(prompt) - 1 = {len(tokens) - 1}]"
+                    f", got {prompt_logprobs_last_n}"
+                )
+            targets = (
+                _target_ids(target_prompt_logprobs, len(tokens), vocab)
+                if target_prompt_logprobs is not None
+                else None
+            )
+            # Prompt-side extras first: they only read the prompt, and a bad request must fail
+            # before any sequence is generated or recorded.
+            topk_prompt = None
+            if topk_prompt_logprobs:
+                ids_k, lps_k = engine_sampler.prompt_top_k_logprobs(
+                    s.model, tokens, topk_prompt_logprobs
+                )
+                if prompt_logprobs_last_n is not None:
+                    cut = len(tokens) - prompt_logprobs_last_n
+                    ids_k[:cut], lps_k[:cut] = engine_sampler.TOPK_SENTINEL
+                topk_prompt = types.TopkLogprobs(token_ids=ids_k, logprobs=lps_k)
+            target_out = None
+            if targets is not None:
+                assert target_prompt_logprobs is not None
+                dense = engine_sampler.target_logprobs(s.model, tokens, targets)
+                target_out = _like_request(dense, target_prompt_logprobs)
+            alt = None
+            if prompt_alt_tokens_k:
+                alt_ids, alt_lps = engine_sampler.prompt_alt_tokens(
+                    s.model,
+                    tokens,
+                    prompt_alt_tokens_k,
+                    temperature=float(sp.temperature),
+                    seed=int(seed),
+                )
+                alt = types.PromptAltTokens(
+                    tokens=types.TensorData.from_numpy(alt_ids.astype(np.int64)),
+                    logprobs=types.TensorData.from_numpy(alt_lps.astype(np.float32)),
+                )
             outs = engine_sampler.generate(
                 s.model,
                 tokens,
@@ -810,6 +843,7 @@ class LocalBackend:
                 decode=self._tokenizer.decode,
                 seed=int(seed),
                 stability_k=STABILITY_K if record_stability_info else 0,
+                top_k_logprobs=topk_sample_logprobs,
             )
             ids = (
                 list(sequence_ids)
@@ -841,13 +875,6 @@ class LocalBackend:
             )
             prompt_lp = None
             if include_prompt_logprobs:
-                if prompt_logprobs_last_n is not None and not (
-                    1 <= prompt_logprobs_last_n <= len(tokens) - 1
-                ):
-                    raise EngineUserError(
-                        f"prompt_logprobs_last_n must be in [1, len(prompt) - 1 = {len(tokens) - 1}]"
-                        f", got {prompt_logprobs_last_n}"
-                    )
                 lps = engine_sampler.prompt_logprobs(s.model, tokens)
                 arr = np.array([np.nan if v is None else v for v in lps], dtype=np.float32)
                 if prompt_logprobs_last_n is not None:
@@ -859,10 +886,21 @@ class LocalBackend:
                     sequence_id=sid,
                     tokens_np=np.asarray(o.tokens, dtype=np.int32),
                     logprobs_np=np.asarray(o.logprobs, dtype=np.float32),
+                    topk_logprobs_np=(
+                        types.TopkLogprobs(token_ids=o.topk_token_ids, logprobs=o.topk_logprobs)
+                        if o.topk_token_ids is not None and o.topk_logprobs is not None
+                        else None
+                    ),
                 )
                 for sid, o in zip(ids, outs, strict=True)
             ]
-            return types.SampleResponse(sequences=seqs, prompt_logprobs_np=prompt_lp)
+            return types.SampleResponse(
+                sequences=seqs,
+                prompt_logprobs_np=prompt_lp,
+                topk_prompt_logprobs_np=topk_prompt,
+                target_prompt_logprobs=target_out,
+                prompt_alt_tokens=alt,
+            )
 
         return await self._run(work)
 
@@ -1121,6 +1159,60 @@ class LocalBackend:
 class _DatumArrays:
     tokens: np.ndarray  # int64 [N]
     inputs: dict[str, np.ndarray]  # includes target_tokens
+
+
+def _check_k(field_name: str, k: int, vocab: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 0 <= k <= vocab:
+        raise EngineUserError(
+            f"{field_name} must be an integer in [0, vocab size = {vocab}], got {k!r}"
+        )
+
+
+def _target_ids(td: types.TensorData, prompt_len: int, vocab: int) -> np.ndarray:
+    """The request's target_prompt_logprobs as a dense int64 [len(prompt) - 1, K] array (-1 =
+    nothing requested), validated."""
+    if td.dtype != "int64":
+        raise EngineUserError(
+            f"target_prompt_logprobs must be an int64 tensor of token ids, got {td.dtype}"
+        )
+    try:
+        ids = np.asarray(td.to_numpy(pad_value=-1), dtype=np.int64)
+    except ValueError as e:
+        raise EngineUserError(f"target_prompt_logprobs: {e}") from None
+    if ids.ndim != 2 or ids.shape[0] != prompt_len - 1:
+        raise EngineUserError(
+            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {prompt_len - 1}, K] "
+            f"(row i is scored at prompt position i + 1), got {list(ids.shape)}"
+        )
+    bad = (ids < -1) | (ids >= vocab)
+    if bad.any():
+        r, c = (int(x[0]) for x in np.nonzero(bad))
+        raise EngineUserError(
+            f"target_prompt_logprobs: id {int(ids[r, c])} at [{r}, {c}] is outside the vocabulary "
+            f"[0, {vocab}); use -1 for cells that request nothing"
+        )
+    if not (ids >= 0).any():
+        raise EngineUserError(
+            "target_prompt_logprobs holds no token id (every cell is -1); request at least one"
+        )
+    return ids
+
+
+def _like_request(dense: np.ndarray, request: types.TensorData) -> types.TensorData:
+    """float32 logprobs in the request's layout: dense stays dense, CSR keeps its pattern."""
+    dense = np.asarray(dense, dtype=np.float32)
+    if request.sparse_crow_indices is None:
+        return types.TensorData(data=dense, dtype="float32", shape=list(dense.shape))
+    crow = np.asarray(request.sparse_crow_indices, dtype=np.int64)
+    col = np.asarray(request.sparse_col_indices, dtype=np.int64)
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    return types.TensorData(
+        data=np.ascontiguousarray(dense[rows, col]),
+        dtype="float32",
+        shape=list(dense.shape),
+        sparse_crow_indices=list(request.sparse_crow_indices),
+        sparse_col_indices=list(request.sparse_col_indices or []),
+    )
 
 
 def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
