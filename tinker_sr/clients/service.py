@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -174,19 +174,29 @@ class ServiceClient:
             train_unembed=train_unembed,
         )
         optimizer = optimizer if optimizer is not None else types.AdamOptimizerConfig()
-        holder = self.holder
-        model_seq_id = holder.next_model_seq_id()
-
-        async def create() -> TrainingClient:
-            sid = await holder.session_id()
-            model_id = await holder.backend.create_model(
+        backend = self.holder.backend
+        return self._training_client(
+            lambda sid, seq: backend.create_model(
                 sid,
-                model_seq_id,
+                seq,
                 base_model=base_model,
                 lora_config=lora,
                 optimizer_config=optimizer,
                 user_metadata=user_metadata,
             )
+        )
+
+    def _training_client(
+        self, create_model: Callable[[str, int], Awaitable[str]]
+    ) -> BackcompatTrainingClientFuture:
+        """Reserve the next model slot now; on the SDK loop, start the session if needed,
+        create the model with ``create_model(session_id, model_seq_id)`` and fetch its info."""
+        holder = self.holder
+        model_seq_id = holder.next_model_seq_id()
+
+        async def create() -> TrainingClient:
+            sid = await holder.session_id()
+            model_id = await create_model(sid, model_seq_id)
             info = await holder.backend.get_info(model_id)
             return TrainingClient(holder, model_id, info)
 
@@ -208,24 +218,18 @@ class ServiceClient:
                 f"{path} is a {parsed.checkpoint_type} checkpoint; training clients load from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )
-        holder = self.holder
-        model_seq_id = holder.next_model_seq_id()
-
-        async def create() -> TrainingClient:
-            sid = await holder.session_id()
-            model_id = await holder.backend.create_model_from_state(
+        backend = self.holder.backend
+        return self._training_client(
+            lambda sid, seq: backend.create_model_from_state(
                 sid,
-                model_seq_id,
+                seq,
                 path=path,
                 with_optimizer=with_optimizer,
                 base_model=base_model,
                 optimizer_config=optimizer,
                 user_metadata=user_metadata,
             )
-            info = await holder.backend.get_info(model_id)
-            return TrainingClient(holder, model_id, info)
-
-        return BackcompatTrainingClientFuture(holder.run(create()))
+        )
 
     def create_training_client_from_state(
         self,
