@@ -50,7 +50,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model, load_pretrained
 from tinker_sr.engine.optim import Adam, AdamHParams
-from tinker_sr.engine.store import CheckpointRow, Store
+from tinker_sr.engine.store import CheckpointRow, RunRow, Store
 from tinker_sr.engine.tokenizer import ByteTokenizer
 from tinker_sr.errors import RequestFailedError
 from tinker_sr.provenance.validate import (
@@ -587,6 +587,25 @@ class LocalBackend:
         )
         return tinker_path
 
+    def _live_checkpoint(self, path: str) -> CheckpointRow:
+        """The checkpoint at ``path``; not-found (the same message everywhere) if it does not
+        exist or has expired."""
+        _parse_path(path)
+        row = self.store.get_checkpoint(path)
+        if row is None:
+            raise EngineNotFoundError(
+                f"checkpoint {path} does not exist (or has expired); list checkpoints with "
+                "RestClient.list_checkpoints(run_id)"
+            )
+        return row
+
+    def _checkpoint_run(self, path: str) -> tuple[CheckpointRow, RunRow]:
+        row = self._live_checkpoint(path)
+        run = self.store.get_run(row.run_id)
+        if run is None:
+            raise EngineNotFoundError(f"checkpoint {path} has no training run record")
+        return row, run
+
     def _load_checkpoint(
         self, path: str, *, expect: str
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -596,13 +615,7 @@ class LocalBackend:
                 f"{path} is a {parsed.checkpoint_type} checkpoint; training state loads only from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )
-        row = self.store.get_checkpoint(path)
-        if row is None:
-            raise EngineNotFoundError(
-                f"checkpoint {path} does not exist (or has expired); list checkpoints with "
-                "RestClient.list_checkpoints(run_id)"
-            )
-        return ckpt_io.load_tensors(row.file_path)
+        return ckpt_io.load_tensors(self._live_checkpoint(path).file_path)
 
     async def save_state(
         self,
@@ -998,34 +1011,20 @@ class LocalBackend:
         def work() -> None:
             _parse_path(tinker_path)
             expires_at = _expiry(ttl_seconds)
-            if self.store.get_checkpoint(tinker_path) is None:
-                raise EngineNotFoundError(f"checkpoint {tinker_path} does not exist")
+            self._live_checkpoint(tinker_path)
             self.store.set_checkpoint_expiry(tinker_path, expires_at)
 
         await self._run(work)
 
     async def get_checkpoint(self, tinker_path: str) -> types.Checkpoint:
         def work() -> types.Checkpoint:
-            _parse_path(tinker_path)
-            row = self.store.get_checkpoint(tinker_path)
-            if row is None:
-                raise EngineNotFoundError(f"checkpoint {tinker_path} does not exist")
-            return self._checkpoint_type(row)
+            return self._checkpoint_type(self._live_checkpoint(tinker_path))
 
         return await self._run(work)
 
     def checkpoint_info(self, tinker_path: str) -> dict[str, Any]:
         """Base model and LoRA config of a checkpoint (for ``weights_info``)."""
-        _parse_path(tinker_path)
-        row = self.store.get_checkpoint(tinker_path)
-        if row is None:
-            raise EngineNotFoundError(
-                f"checkpoint {tinker_path} does not exist (or has expired); list checkpoints "
-                "with RestClient.list_checkpoints(run_id)"
-            )
-        run = self.store.get_run(row.run_id)
-        if run is None:
-            raise EngineNotFoundError(f"checkpoint {tinker_path} has no training run record")
+        _, run = self._checkpoint_run(tinker_path)
         return {"base_model": run.base_model, "is_lora": True, **run.lora_config}
 
     async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
@@ -1044,11 +1043,7 @@ class LocalBackend:
 
     async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
         def work() -> None:
-            _parse_path(tinker_path)
-            if self.store.get_checkpoint(tinker_path) is None:
-                raise EngineNotFoundError(
-                    f"checkpoint {tinker_path} does not exist (or has expired)"
-                )
+            self._live_checkpoint(tinker_path)
             self.store.set_checkpoint_public(tinker_path, public)
 
         await self._run(work)
@@ -1082,15 +1077,7 @@ class LocalBackend:
             if model_seq_id is not None and model_seq_id < 0:
                 raise EngineUserError(f"model_seq_id must be >= 0, got {model_seq_id}")
             expires_at = _expiry(ttl_seconds)
-            row = self.store.get_checkpoint(source_path)
-            if row is None:
-                raise EngineNotFoundError(
-                    f"checkpoint {source_path} does not exist (or has expired); list "
-                    "checkpoints with RestClient.list_checkpoints(run_id)"
-                )
-            source_run = self.store.get_run(row.run_id)
-            if source_run is None:
-                raise EngineNotFoundError(f"checkpoint {source_path} has no training run record")
+            row, source_run = self._checkpoint_run(source_path)
             if session_id is None:
                 sid = self._add_session(
                     user_metadata=None, project_id=destination_project_id, display_name=None
