@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -51,7 +52,13 @@ from tinker_sr.wire import messages as m
 
 from .state import COMPLETE, FAILED, PENDING, FutureRow, ServerState, SessionRow
 
-__all__ = ["create_app", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_LONG_POLL_S"]
+__all__ = [
+    "create_app",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_LONG_POLL_S",
+    "DEFAULT_MAX_PENDING_SAMPLES",
+    "DEFAULT_SESSION_TIMEOUT_S",
+]
 
 log = logging.getLogger("tinker_sr.server")
 
@@ -67,6 +74,11 @@ _MAX_SAMPLES_PER_REQUEST = 4096
 _MAX_GAP_WATCH = 1024
 _PRUNE_EVERY_S = 3600.0
 _TTL_MIN_S, _TTL_MAX_S = 3600, 10 * 365 * 24 * 3600
+DEFAULT_MAX_PENDING_SAMPLES = 64
+"""asample requests allowed to be pending or running at once; above it asample answers 429
+(the SDK waits, throttles and resubmits the same seq_id, spec §8.3)."""
+DEFAULT_SESSION_TIMEOUT_S = 600.0
+"""A session with no heartbeat or request for this long is finished as "interrupted"."""
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
@@ -93,10 +105,11 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.headers = headers
 
 
 def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -138,6 +151,8 @@ class TinkerServer:
         long_poll_s: float,
         close_backend: bool,
         seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
+        max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
+        session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
     ) -> None:
         self.backend = backend
         self.store_dir = store_dir
@@ -147,6 +162,13 @@ class TinkerServer:
         self.close_backend = close_backend
         self.state = ServerState(store_dir / "server.sqlite" if store_dir is not None else None)
         self.seq_gap_grace_s = seq_gap_grace_s
+        self.max_pending_samples = max_pending_samples
+        self.session_timeout_s = session_timeout_s
+        self._pending_samples: set[str] = set()  # request ids of asample work not yet done
+        # Last request per session (time.time()); heartbeats are also kept in SQLite.
+        self._last_seen: dict[str, float] = {}
+        self._expired: set[str] = set()  # sessions this process finished for inactivity
+        self._started = time.time()
         self._seen: dict[str, set[int]] = {}
         self._floor: dict[str, int] = {}
         self._gap_watches: set[tuple[str, int]] = set()
@@ -167,12 +189,55 @@ class TinkerServer:
         self._spawn(self._prune_periodically())
 
     async def _prune_periodically(self) -> None:
+        tick = _PRUNE_EVERY_S
+        if self.session_timeout_s is not None:
+            tick = min(tick, max(self.session_timeout_s / 4, 0.01))
+        last_prune = time.monotonic()
         while True:
-            await asyncio.sleep(_PRUNE_EVERY_S)
+            await asyncio.sleep(tick)
             try:
-                self.state.prune()
+                await self._expire_quiet_sessions()
             except Exception:
-                log.exception("pruning old futures failed")
+                log.exception("expiring quiet sessions failed")
+            if time.monotonic() - last_prune >= _PRUNE_EVERY_S:
+                last_prune = time.monotonic()
+                try:
+                    self.state.prune()
+                except Exception:
+                    log.exception("pruning old futures failed")
+
+    def _touch(self, session_id: str) -> None:
+        self._last_seen[session_id] = time.time()
+
+    async def _expire_quiet_sessions(self) -> None:
+        """Finish (as "interrupted") sessions with no heartbeat or request for
+        ``session_timeout_s``. Time before this process started does not count, so a restart
+        does not expire the sessions of clients that are still running."""
+        timeout = self.session_timeout_s
+        if timeout is None:
+            return
+        cutoff = time.time() - timeout
+        if self._started >= cutoff:
+            return
+        for session_id in self.state.quiet_sessions(cutoff):
+            if self._last_seen.get(session_id, 0.0) >= cutoff:
+                continue
+            if not self.state.finish_session(session_id, "interrupted"):
+                continue
+            self._expired.add(session_id)
+            self._last_seen.pop(session_id, None)
+            log.info("session %s expired: no heartbeat or request for %.0f s", session_id, timeout)
+            try:
+                await self.backend.close_session(
+                    session_id, "interrupted", f"no heartbeat or request for {timeout:g} s"
+                )
+            except Exception:
+                log.exception("closing expired session %s failed", session_id)
+
+    def _why_finished(self, session_id: str) -> str:
+        if session_id in self._expired:
+            return f"it expired after {self.session_timeout_s:g} s without a heartbeat or request"
+        return "close() was called, or it expired without heartbeats"
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -244,7 +309,7 @@ class TinkerServer:
                 owner = self._owner(request) if auth else ""
                 return await fn(request, owner)
             except _HTTPError as e:
-                return _error(e.status, e.detail)
+                return _error(e.status, e.detail, e.headers)
             except BodyTooLargeError as e:
                 return _error(413, str(e))
             except WireError as e:
@@ -279,9 +344,11 @@ class TinkerServer:
         if active and row.finished is not None:
             raise _HTTPError(
                 400,
-                f"session {session_id} is finished (close() was called); start a new "
-                "ServiceClient to keep working",
+                f"session {session_id} is finished ({self._why_finished(session_id)}); start a "
+                "new ServiceClient to keep working",
             )
+        if row.finished is None:
+            self._touch(session_id)
         return row
 
     def _model(self, model_id: str, owner: str) -> SessionRow:
@@ -291,9 +358,11 @@ class TinkerServer:
         if row.finished is not None:
             raise _HTTPError(
                 400,
-                f"model {model_id} belongs to finished session {row.session_id}; load its "
-                "checkpoint from a new ServiceClient",
+                f"model {model_id} belongs to finished session {row.session_id} "
+                f"({self._why_finished(row.session_id)}); load its checkpoint from a new "
+                "ServiceClient",
             )
+        self._touch(row.session_id)
         return row
 
     def _run_owned(self, run_id: str, owner: str) -> None:
@@ -343,8 +412,11 @@ class TinkerServer:
             )
         if row.finished is not None:
             raise _HTTPError(
-                400, f"sampler {sampler_id} belongs to finished session {row.session_id}"
+                400,
+                f"sampler {sampler_id} belongs to finished session {row.session_id} "
+                f"({self._why_finished(row.session_id)})",
             )
+        self._touch(row.session_id)
         return row
 
     # ---- futures -------------------------------------------------------------------------
@@ -389,6 +461,8 @@ class TinkerServer:
             assert existing is not None
             return self._resubmission(existing, kind, owner, body_hash, dedupe_key)
         self._events[rid] = asyncio.Event()
+        if kind == "Sample":
+            self._pending_samples.add(rid)
         task = asyncio.get_running_loop().create_task(self._execute(rid, work, promise))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -427,6 +501,7 @@ class TinkerServer:
             log.exception("request %s failed inside the backend", rid)
             self.state.fail_future(rid, f"internal error: {type(e).__name__}: {e}", "server")
         finally:
+            self._pending_samples.discard(rid)
             row = self.state.get_future(rid)
             if row is not None and row.status != PENDING:
                 self._recent[rid] = row
@@ -526,7 +601,9 @@ class TinkerServer:
         req, _ = await self._parse(request, m.SessionHeartbeatRequest, "session_heartbeat")
         row = self._session(req.session_id, owner, active=False)
         if row.finished is not None:
-            return _error(410, f"session {req.session_id} is finished")
+            return _error(
+                410, f"session {req.session_id} is finished ({self._why_finished(row.session_id)})"
+            )
         self.state.heartbeat(req.session_id)
         return _json({"type": "session_heartbeat"})
 
@@ -535,6 +612,7 @@ class TinkerServer:
         req, _ = await self._parse(request, m.SessionFinishRequest, "sessions/{id}/finish")
         self._session(session_id, owner, active=False)
         if self.state.finish_session(session_id, req.reason.type):
+            self._last_seen.pop(session_id, None)
             await self.backend.close_session(session_id, req.reason.type, req.detail)
         return Response(status_code=204)
 
@@ -963,11 +1041,23 @@ class TinkerServer:
                 )
             return "proto", proto.encode_sample_response(resp)
 
+        dedupe_key = f"sample|{sampler_id}|seq_id {seq_id}"
+        if (
+            len(self._pending_samples) >= self.max_pending_samples
+            and self.state.find_future(dedupe_key) is None
+        ):
+            # Nothing is recorded: the client resubmits this seq_id later (spec §8.3).
+            raise _HTTPError(
+                429,
+                f"asample: {len(self._pending_samples)} sampling requests are already pending "
+                f"(this server's limit is {self.max_pending_samples}); retry shortly",
+                {"Retry-After": "1"},
+            )
         return self._submit(
             kind="Sample",
             owner=owner,
             session_id=session.session_id,
-            dedupe_key=f"sample|{sampler_id}|seq_id {seq_id}",
+            dedupe_key=dedupe_key,
             body=body,
             work=work,
             promise_extra=promise_extra,
@@ -980,6 +1070,8 @@ class TinkerServer:
         row = self._recent.get(req.request_id) or self.state.get_future(req.request_id)
         if row is None or row.owner != owner:
             raise _HTTPError(404, f"unknown request_id {req.request_id!r}")
+        if row.session_id in self._last_seen:
+            self._touch(row.session_id)
         if row.status == PENDING:
             event = self._events.get(req.request_id)
             if event is not None:
@@ -1294,6 +1386,8 @@ def create_app(
     long_poll_s: float = DEFAULT_LONG_POLL_S,
     close_backend: bool = False,
     seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
+    max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
+    session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
 ) -> Starlette:
     """The ASGI app serving ``backend`` over the Tinker wire protocol.
 
@@ -1302,7 +1396,14 @@ def create_app(
     ``store_dir`` attribute, else state is kept in memory. ``close_backend``: call
     ``backend.aclose()`` at shutdown (when the app owns the backend). ``seq_gap_grace_s``:
     how long to wait for a missing training seq_id before skipping it.
+    ``max_pending_samples``: asample requests pending or running at once before asample
+    answers 429 with ``Retry-After: 1``. ``session_timeout_s``: finish (as "interrupted") a
+    session with no heartbeat or request for this long; ``None`` never expires sessions.
     """
+    if max_pending_samples < 1:
+        raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
+    if session_timeout_s is not None and session_timeout_s <= 0:
+        raise ValueError(f"session_timeout_s must be positive, got {session_timeout_s}")
     if max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
     if store_dir is None:
@@ -1315,6 +1416,8 @@ def create_app(
         long_poll_s=long_poll_s,
         close_backend=close_backend,
         seq_gap_grace_s=seq_gap_grace_s,
+        max_pending_samples=max_pending_samples,
+        session_timeout_s=session_timeout_s,
     )
 
     @contextlib.asynccontextmanager

@@ -177,6 +177,15 @@ class ServerState:
             "UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id)
         )
 
+    def quiet_sessions(self, before: float) -> list[str]:
+        """Unfinished sessions whose last heartbeat (or creation) is older than ``before``."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions WHERE finished IS NULL AND last_heartbeat < ?",
+                (before,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def finish_session(self, session_id: str, status: str) -> bool:
         """First finish wins; returns whether this call finished it."""
         return bool(
