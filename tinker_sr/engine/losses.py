@@ -55,11 +55,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.types.training import LossFnType
 
 __all__ = [
     "LOSS_NAMES",
@@ -69,15 +70,8 @@ __all__ = [
     "validate_request",
 ]
 
-LOSS_NAMES: tuple[str, ...] = (
-    "cross_entropy",
-    "importance_sampling",
-    "ppo",
-    "cispo",
-    "dro",
-    "gspo",
-    "stable_reinforce",
-)
+# The built-in losses: every public LossFnType except "custom" (server-side custom losses).
+LOSS_NAMES: tuple[str, ...] = tuple(n for n in get_args(LossFnType) if n != "custom")
 
 # Config keys each loss accepts, with their defaults.
 _CONFIG_DEFAULTS: dict[str, dict[str, float]] = {

@@ -270,27 +270,20 @@ class Store:
     def list_checkpoints(
         self, run_id: str | None = None, *, limit: int = 1000, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
-        now = time.time()
         live = "(expires_at IS NULL OR expires_at > ?)"
+        where = f"WHERE {live}"
+        args: list[object] = [time.time()]
+        if run_id is not None:
+            where, args = f"WHERE run_id=? AND {live}", [run_id, *args]
         with self._lock:
-            if run_id is None:
-                rows = self._db.execute(
-                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {live}"
-                    " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
-                    (now, limit, offset),
-                ).fetchall()
-                (total,) = self._db.execute(
-                    f"SELECT COUNT(*) FROM checkpoints WHERE {live}", (now,)
-                ).fetchone()
-            else:
-                rows = self._db.execute(
-                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE run_id=? AND {live}"
-                    " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
-                    (run_id, now, limit, offset),
-                ).fetchall()
-                (total,) = self._db.execute(
-                    f"SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND {live}", (run_id, now)
-                ).fetchone()
+            rows = self._db.execute(
+                f"SELECT {_CK_COLUMNS} FROM checkpoints {where}"
+                " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            ).fetchall()
+            (total,) = self._db.execute(
+                f"SELECT COUNT(*) FROM checkpoints {where}", args
+            ).fetchone()
         return [self._ck_row(r) for r in rows], int(total)
 
     def delete_checkpoint(self, tinker_path: str) -> CheckpointRow | None:
