@@ -1,0 +1,248 @@
+"""Tiny random Hugging Face model directories for tests: a real `transformers` checkpoint with a
+real (non-byte) BPE tokenizer, made offline in about a second.
+
+`make_tiny_hf_model_dir(path)` writes what `AutoModelForCausalLM.from_pretrained(path)` and
+`AutoTokenizer.from_pretrained(path)` load offline:
+
+- config.json + safetensors weights (one file, or several with ``sharded=True``) of a randomly
+  initialised Qwen3ForCausalLM or LlamaForCausalLM, saved in the requested dtype;
+- tokenizer.json: a byte-level BPE trained by the `tokenizers` library on a small built-in
+  English/number corpus, so ids are *not* bytes (``"hello"`` is not ``[104, 101, ...]``); the
+  special tokens come after the trained vocabulary, so every special id (EOS included) is
+  >= 259 and is not any byte id;
+- tokenizer_config.json with a Qwen-style chat template (``<|im_start|>`` / ``<|im_end|>``);
+- generation_config.json with several EOS ids.
+
+Same arguments (``seed`` included) ⇒ byte-identical files. Needs `torch`, `transformers` and
+`tokenizers` (dev dependencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Family = Literal["qwen3", "llama"]
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+# Qwen's template without tools/thinking: role header, content, <|im_end|>, newline.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a an and or of to in on for with is are was were be this that it he she they we you "
+    "user assistant system question answer number sum total add plus minus times equals what "
+    "how many apples oranges books cats dogs people day days year years hello world please "
+    "think step first then next finally result so therefore because count each more less than"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModelInfo:
+    """Ids a test needs without loading the tokenizer."""
+
+    path: Path
+    vocab_size: int  # model rows (>= tokenizer length when padded)
+    tokenizer_size: int
+    eos_token_ids: tuple[int, ...]  # generation_config's, first = config.json's
+    pad_token_id: int
+    bos_token_id: int | None  # prepended by the tokenizer (llama family only)
+    special_ids: dict[str, int]
+
+
+def _corpus(seed: int) -> list[str]:
+    """A few hundred deterministic lines of English words, numbers, arithmetic and chat text."""
+    import random
+
+    rng = random.Random(f"tinker_sr.hf_model_dir.corpus.{seed}")
+    lines: list[str] = []
+    for i in range(400):
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12)))
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"{words.capitalize()}. {a} + {b} = {a + b}.")
+        if i % 4 == 0:
+            lines.append(f"User: what is {a} plus {b}?\n\nAssistant: {a + b}\n\n")
+    return lines
+
+
+def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + n_merges,
+        initial_alphabet=alphabet,
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    # Specials after training: their ids follow the learned vocabulary (all >= 259).
+    specials = [ENDOFTEXT, IM_START, IM_END]
+    if family == "llama":
+        specials = [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
+    tok.add_special_tokens(specials)
+    if family == "llama":  # Llama prepends <|begin_of_text|> when special tokens are on
+        bos_id = tok.token_to_id(LLAMA_BOS)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{LLAMA_BOS} $A",
+            pair=f"{LLAMA_BOS} $A $B",
+            special_tokens=[(LLAMA_BOS, bos_id)],
+        )
+    return tok
+
+
+def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> Any:
+    from transformers import LlamaConfig, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen3":
+        # Like Qwen3-0.6B: tied embeddings, a 40,960-token context, EOS = <|im_end|>.
+        return Qwen3Config(
+            **common,
+            max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=True,
+            bos_token_id=ids[ENDOFTEXT],
+            eos_token_id=ids[IM_END],
+            pad_token_id=ids[ENDOFTEXT],
+            architectures=["Qwen3ForCausalLM"],
+        )
+    # Like Llama-3.2-Instruct: llama3 RoPE scaling, a list of EOS ids in config.json.
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    return LlamaConfig(
+        **common,
+        max_position_embeddings=131072,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        bos_token_id=ids[LLAMA_BOS],
+        eos_token_id=[ids[LLAMA_EOS], ids[IM_END]],
+        pad_token_id=ids[LLAMA_EOS],
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
+    """tokenizer.json plus a hand-written tokenizer_config.json in the long-standing layout
+    (chat template inline, PreTrainedTokenizerFast) that transformers 4.x and 5.x both load."""
+    tok.save(str(out / "tokenizer.json"))
+    specials = (
+        [ENDOFTEXT, IM_START, IM_END]
+        if family == "qwen3"
+        else [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
+    )
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
+                                  "rstrip": False, "single_word": False, "special": True}
+        for t in specials
+    }  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None if family == "qwen3" else LLAMA_BOS,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT if family == "qwen3" else LLAMA_EOS,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    smap = {k: config[k] for k in ("bos_token", "eos_token", "pad_token") if config[k]}
+    (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2) + "\n")
+
+
+def make_tiny_hf_model_dir(
+    path: str | os.PathLike[str],
+    family: Family = "qwen3",
+    dtype: DTypeName = "float32",
+    sharded: bool = False,
+    seed: int = 0,
+    *,
+    n_layers: int = 2,
+    n_merges: int = 400,
+    pad_vocab_to_multiple: int = 1,
+) -> Path:
+    """Write a tiny random HF causal LM + BPE tokenizer into `path` (created) and return it.
+
+    ``sharded=True`` splits the weights over several safetensors files with an index (as
+    `save_pretrained(max_shard_size=...)` does for big checkpoints). ``pad_vocab_to_multiple``
+    pads the model's embedding rows past the tokenizer's length (Qwen pads to 151,936 rows);
+    the default 1 keeps them equal. See `tiny_model_info` for the ids.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(family, seed, n_merges)
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    vocab = -(-n_tok // pad_vocab_to_multiple) * pad_vocab_to_multiple
+    ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS)}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    config = _hf_config(family, vocab, ids, n_layers)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype)).eval()
+    model.save_pretrained(out, max_shard_size="100KB" if sharded else "50GB")
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    extra = ids[ENDOFTEXT] if family == "qwen3" else ids[LLAMA_EOS]
+    gen_eos = eos + ([extra] if extra not in eos else [])
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=gen_eos,
+        pad_token_id=config.pad_token_id,
+        do_sample=True,
+        temperature=0.7,
+    ).save_pretrained(out)
+    _save_tokenizer(out, tok, family)
+    return out
+
+
+def tiny_model_info(path: str | os.PathLike[str]) -> TinyModelInfo:
+    """Read back the ids of a directory made by `make_tiny_hf_model_dir` (plain JSON reads)."""
+    root = Path(path)
+    cfg = json.loads((root / "config.json").read_text())
+    gen = json.loads((root / "generation_config.json").read_text())
+    tok = json.loads((root / "tokenizer.json").read_text())
+    specials = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+    eos = gen["eos_token_id"]
+    return TinyModelInfo(
+        path=root,
+        vocab_size=int(cfg["vocab_size"]),
+        tokenizer_size=len(tok["model"]["vocab"])
+        + len([s for s in specials.values() if s >= len(tok["model"]["vocab"])]),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
+        pad_token_id=int(cfg["pad_token_id"]),
+        bos_token_id=specials.get(LLAMA_BOS),
+        special_ids=specials,
+    )
