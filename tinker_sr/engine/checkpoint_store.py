@@ -1,0 +1,273 @@
+"""Checkpoints on disk and their metadata: save, load, copy, TTL, publish, list, and the
+REST views of training runs.
+
+Files live at ``<root>/checkpoints/<run>/<segment>/<name>.safetensors`` (written atomically by
+`engine.checkpoints`); their metadata (``tinker://`` path, type, size, expiry, public flag)
+lives in the `Store`. One lookup (`CheckpointStore.live`) decides whether a path exists, so
+load, TTL, info, publish and copy give the same not-found message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_sr import types
+from tinker_sr.engine import checkpoints as ckpt_io
+from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.engine.store import CheckpointRow, RunRow, Store
+
+TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+
+
+def expiry(ttl_seconds: int | None) -> float | None:
+    """Expiry time for ``ttl_seconds`` (3600 s to 10 years; ``None`` = never expires)."""
+    if ttl_seconds is None:
+        return None
+    if not (TTL_MIN <= ttl_seconds <= TTL_MAX):
+        raise EngineUserError(
+            f"ttl_seconds must be between {TTL_MIN} (1 hour) and {TTL_MAX} (10 years), or "
+            f"None for no expiry; got {ttl_seconds}"
+        )
+    return time.time() + ttl_seconds
+
+
+def check_name(name: str) -> None:
+    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+        raise EngineUserError(
+            f"checkpoint name {name!r} is invalid: use 1-200 characters without '/'"
+        )
+
+
+def parse_path(path: str) -> types.ParsedCheckpointTinkerPath:
+    try:
+        return types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError as e:
+        raise EngineUserError(
+            f"{e}; expected tinker://<run_id>/<weights|sampler_weights>/<name>"
+        ) from e
+
+
+def _iso(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+class CheckpointStore:
+    """Checkpoint files under ``root`` plus their rows in ``store``."""
+
+    def __init__(self, store: Store, root: Path) -> None:
+        self.store = store
+        self.root = root
+
+    def file(self, run_id: str, segment: str, name: str) -> Path:
+        safe_run = run_id.replace(":", "_")
+        return self.root / "checkpoints" / safe_run / segment / f"{name}.safetensors"
+
+    # ---- write / read -----------------------------------------------------------------
+    def write(
+        self,
+        run_id: str,
+        segment: str,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, str],
+        *,
+        ttl_seconds: int | None,
+        overwrite: bool,
+        user_metadata: Mapping[str, str] | None,
+    ) -> str:
+        """Save ``tensors`` as ``tinker://<run_id>/<segment>/<name>``; returns that path."""
+        check_name(name)
+        expires_at = expiry(ttl_seconds)
+        tinker_path = f"tinker://{run_id}/{segment}/{name}"
+        if not overwrite and self.store.get_checkpoint(tinker_path) is not None:
+            raise EngineUserError(
+                f"checkpoint {tinker_path} already exists; pick another name or pass overwrite=True"
+            )
+        file_path = self.file(run_id, segment, name)
+        size = ckpt_io.save_tensors(file_path, tensors, meta)
+        self.store.put_checkpoint(
+            CheckpointRow(
+                run_id=run_id,
+                checkpoint_id=f"{segment}/{name}",
+                checkpoint_type=SEGMENTS[segment],
+                tinker_path=tinker_path,
+                file_path=str(file_path),
+                created_at=time.time(),
+                size_bytes=size,
+                user_metadata=dict(user_metadata) if user_metadata else None,
+                expires_at=expires_at,
+            )
+        )
+        return tinker_path
+
+    def live(self, path: str) -> CheckpointRow:
+        """The checkpoint at ``path``; not-found (the same message everywhere) if it does not
+        exist or has expired."""
+        parse_path(path)
+        row = self.store.get_checkpoint(path)
+        if row is None:
+            raise EngineNotFoundError(
+                f"checkpoint {path} does not exist (or has expired); list checkpoints with "
+                "RestClient.list_checkpoints(run_id)"
+            )
+        return row
+
+    def with_run(self, path: str) -> tuple[CheckpointRow, RunRow]:
+        row = self.live(path)
+        run = self.store.get_run(row.run_id)
+        if run is None:
+            raise EngineNotFoundError(f"checkpoint {path} has no training run record")
+        return row, run
+
+    def load(self, path: str, *, expect: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Tensors and metadata of ``path``; ``expect="training"`` refuses sampler weights."""
+        parsed = parse_path(path)
+        if expect == "training" and parsed.checkpoint_type != "training":
+            raise EngineUserError(
+                f"{path} is a {parsed.checkpoint_type} checkpoint; training state loads only from "
+                "tinker://<run>/weights/<name> (written by save_state)"
+            )
+        return ckpt_io.load_tensors(self.live(path).file_path)
+
+    # ---- REST views -------------------------------------------------------------------
+    def checkpoint(self, row: CheckpointRow) -> types.Checkpoint:
+        return types.Checkpoint(
+            checkpoint_id=row.checkpoint_id,
+            checkpoint_type=row.checkpoint_type,  # type: ignore[arg-type]
+            time=_iso(row.created_at),
+            tinker_path=row.tinker_path,
+            size_bytes=row.size_bytes,
+            public=row.public,
+            user_metadata=row.user_metadata,
+            expires_at=None if row.expires_at is None else _iso(row.expires_at),
+        )
+
+    def list_run(self, run_id: str) -> types.CheckpointsListResponse:
+        if self.store.get_run(run_id) is None:
+            raise EngineNotFoundError(f"unknown training run {run_id!r}")
+        rows, _ = self.store.list_checkpoints(run_id)
+        return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
+
+    def list_all(self, *, limit: int, offset: int) -> types.CheckpointsListResponse:
+        rows, _total = self.store.list_checkpoints(None, limit=limit, offset=offset)
+        return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
+
+    def training_run(self, run_id: str) -> types.TrainingRun:
+        run = self.store.get_run(run_id)
+        if run is None:
+            raise EngineNotFoundError(f"unknown training run {run_id!r}")
+        rows, _ = self.store.list_checkpoints(run_id)
+        last = {
+            kind: max(
+                (r for r in rows if r.checkpoint_type == kind),
+                key=lambda r: r.created_at,
+                default=None,
+            )
+            for kind in ("training", "sampler")
+        }
+        return types.TrainingRun(
+            training_run_id=run.run_id,
+            base_model=run.base_model,
+            model_owner=run.session_id,
+            is_lora=True,
+            lora_rank=run.lora_rank,
+            last_request_time=_iso(run.last_request_time),
+            last_checkpoint=None if last["training"] is None else self.checkpoint(last["training"]),
+            last_sampler_checkpoint=None
+            if last["sampler"] is None
+            else self.checkpoint(last["sampler"]),
+            user_metadata=run.user_metadata,
+        )
+
+    def training_runs(self, *, limit: int, offset: int) -> types.TrainingRunsResponse:
+        runs, total = self.store.list_runs(limit=limit, offset=offset)
+        return types.TrainingRunsResponse(
+            training_runs=[self.training_run(r.run_id) for r in runs],
+            cursor=types.Cursor(offset=offset, limit=limit, total_count=total),
+        )
+
+    def info(self, path: str) -> dict[str, Any]:
+        """Base model and LoRA config of a checkpoint (for ``weights_info``)."""
+        _, run = self.with_run(path)
+        return {"base_model": run.base_model, "is_lora": True, **run.lora_config}
+
+    def weights_info(self, path: str) -> types.WeightsInfoResponse:
+        info = self.info(path)
+        return types.WeightsInfoResponse(
+            base_model=info["base_model"],
+            is_lora=True,
+            lora_rank=info.get("rank"),
+            train_unembed=info.get("train_unembed"),
+            train_mlp=info.get("train_mlp"),
+            train_attn=info.get("train_attn"),
+        )
+
+    # ---- changes ----------------------------------------------------------------------
+    def delete(self, run_id: str, checkpoint_id: str) -> None:
+        path = f"tinker://{run_id}/{checkpoint_id}"
+        parse_path(path)
+        row = self.store.delete_checkpoint(path)
+        if row is None:
+            raise EngineNotFoundError(f"checkpoint {path} does not exist")
+        Path(row.file_path).unlink(missing_ok=True)
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
+        parse_path(path)
+        expires_at = expiry(ttl_seconds)
+        self.live(path)
+        self.store.set_checkpoint_expiry(path, expires_at)
+
+    def set_public(self, path: str, public: bool) -> None:
+        self.live(path)
+        self.store.set_checkpoint_public(path, public)
+
+    def copy(
+        self,
+        row: CheckpointRow,
+        source_run: RunRow,
+        *,
+        session_id: str,
+        run_id: str,
+        expires_at: float | None,
+    ) -> str:
+        """Copy checkpoint ``row`` into new run ``run_id`` of ``session_id``; returns its path.
+
+        The copy's file is a hard link to the source's where the file system allows (no bytes
+        duplicated; deleting either leaves the other intact), else a byte copy."""
+        segment, name = row.checkpoint_id.split("/", 1)
+        target = self.file(run_id, segment, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            os.link(row.file_path, tmp)
+        except OSError:
+            shutil.copyfile(row.file_path, tmp)
+        os.replace(tmp, target)
+        new_path = f"tinker://{run_id}/{row.checkpoint_id}"
+        self.store.add_run(
+            run_id, session_id, source_run.base_model, source_run.lora_config, user_metadata=None
+        )
+        self.store.put_checkpoint(
+            CheckpointRow(
+                run_id=run_id,
+                checkpoint_id=row.checkpoint_id,
+                checkpoint_type=row.checkpoint_type,
+                tinker_path=new_path,
+                file_path=str(target),
+                created_at=time.time(),
+                size_bytes=row.size_bytes,
+                user_metadata=row.user_metadata,
+                expires_at=expires_at,
+            )
+        )
+        return new_path

@@ -1,0 +1,319 @@
+"""Request-level sampling on a registered `Sampler`: request checks, stop conditions, the
+prompt-side extras (top-k / target prompt logprobs, alternative prompt tokens), generation,
+and recording each sampled sequence for provenance checks of later training requests.
+
+The token-level work (prefill, KV-cache decode, stability draws) is `engine.sampler`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinker_sr import types
+from tinker_sr.engine import sampler as engine_sampler
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.model import Transformer
+from tinker_sr.engine.registry import Sampler
+from tinker_sr.engine.store import Store
+from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
+
+STABILITY_K = 8
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """The arguments of `Backend.sample` beyond the sampler and ``seq_id``."""
+
+    prompt: types.ModelInput
+    num_samples: int
+    sampling_params: types.SamplingParams
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: types.TensorData | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool = False
+    sequence_ids: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A checked request: what to generate, and how."""
+
+    tokens: list[int]
+    max_tokens: int
+    stop_ids: list[int]
+    stop_strings: list[str]
+    seed: int
+    targets: np.ndarray | None
+
+
+class SequenceRecorder:
+    """Stores sampled sequences (for provenance) and purges expired ones hourly."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._last_purge = 0.0
+
+    def record(
+        self,
+        session_id: str,
+        tokens: list[int],
+        ids: list[str],
+        outs: Sequence[engine_sampler.SampleOutput],
+        with_draws: bool,
+    ) -> None:
+        now = time.time()
+        if now - self._last_purge > 3600:
+            # Records live 24 h after their last use; drop the dead ones hourly.
+            self.store.purge_expired_sequences(now - RECORD_TTL_SECONDS)
+            self._last_purge = now
+        prompt_arr = np.asarray(tokens, dtype=np.int32)
+        self.store.put_sequences(
+            [
+                SequenceRecord(
+                    sequence_id=sid,
+                    session_id=session_id,
+                    prompt_tokens=prompt_arr,
+                    sampled_tokens=np.asarray(o.tokens, dtype=np.int32),
+                    sampler_logprobs=np.asarray(o.logprobs, dtype=np.float32),
+                    draws=o.draws if with_draws else None,
+                    created_at=now,
+                    last_used_at=now,
+                )
+                for sid, o in zip(ids, outs, strict=True)
+            ]
+        )
+
+
+def sample(
+    s: Sampler,
+    seq_id: int,
+    req: SampleRequest,
+    *,
+    eos_token_id: int,
+    decode: Callable[[list[int]], str],
+    recorder: SequenceRecorder,
+) -> types.SampleResponse:
+    """Run one sample request on ``s``; every check runs before anything is generated."""
+    plan = _plan(s.model, req, eos_token_id)
+    # Prompt-side extras first: they only read the prompt, and a bad request must fail
+    # before any sequence is generated or recorded.
+    topk_prompt, target_out, alt = _prompt_extras(s.model, req, plan)
+    sp = req.sampling_params
+    outs = engine_sampler.generate(
+        s.model,
+        plan.tokens,
+        num_samples=req.num_samples,
+        max_tokens=plan.max_tokens,
+        temperature=float(sp.temperature),
+        top_k=int(sp.top_k),
+        top_p=float(sp.top_p),
+        stop_token_ids=plan.stop_ids,
+        stop_strings=plan.stop_strings,
+        decode=decode,
+        seed=plan.seed,
+        stability_k=STABILITY_K if req.record_stability_info else 0,
+        top_k_logprobs=req.topk_sample_logprobs,
+    )
+    ids = (
+        list(req.sequence_ids)
+        if req.sequence_ids is not None
+        else [f"{s.sampler_id}:{seq_id}:{i}:{secrets.token_hex(4)}" for i in range(req.num_samples)]
+    )
+    recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
+    return types.SampleResponse(
+        sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
+        prompt_logprobs_np=_prompt_logprobs(s.model, req, plan.tokens),
+        topk_prompt_logprobs_np=topk_prompt,
+        target_prompt_logprobs=target_out,
+        prompt_alt_tokens=alt,
+    )
+
+
+def _plan(model: Transformer, req: SampleRequest, eos_token_id: int) -> _Plan:
+    vocab = model.config.vocab_size
+    tokens = _prompt_tokens(req.prompt, vocab)
+    if req.num_samples < 1:
+        raise EngineUserError(f"num_samples must be >= 1, got {req.num_samples}")
+    if req.sequence_ids is not None and len(req.sequence_ids) != req.num_samples:
+        raise EngineUserError(
+            f"{len(req.sequence_ids)} sequence_ids given for num_samples={req.num_samples}"
+        )
+    sp = req.sampling_params
+    max_ctx = model.config.max_seq_len
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else max_ctx - len(tokens)
+    stop_ids, stop_strings = _stop_conditions(sp.stop, eos_token_id)
+    seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+    _check_k("topk_prompt_logprobs", req.topk_prompt_logprobs, vocab)
+    _check_k("topk_sample_logprobs", req.topk_sample_logprobs, vocab)
+    _check_k("prompt_alt_tokens_k", req.prompt_alt_tokens_k, vocab)
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not (1 <= last_n <= len(tokens) - 1):
+        raise EngineUserError(
+            f"prompt_logprobs_last_n must be in [1, len(prompt) - 1 = {len(tokens) - 1}]"
+            f", got {last_n}"
+        )
+    targets = (
+        _target_ids(req.target_prompt_logprobs, len(tokens), vocab)
+        if req.target_prompt_logprobs is not None
+        else None
+    )
+    return _Plan(tokens, max_tokens, stop_ids, stop_strings, int(seed), targets)
+
+
+def _prompt_extras(
+    model: Transformer, req: SampleRequest, plan: _Plan
+) -> tuple[types.TopkLogprobs | None, types.TensorData | None, types.PromptAltTokens | None]:
+    tokens = plan.tokens
+    topk_prompt = None
+    if req.topk_prompt_logprobs:
+        ids_k, lps_k = engine_sampler.prompt_top_k_logprobs(model, tokens, req.topk_prompt_logprobs)
+        if req.prompt_logprobs_last_n is not None:
+            cut = len(tokens) - req.prompt_logprobs_last_n
+            ids_k[:cut], lps_k[:cut] = engine_sampler.TOPK_SENTINEL
+        topk_prompt = types.TopkLogprobs(token_ids=ids_k, logprobs=lps_k)
+    target_out = None
+    if plan.targets is not None:
+        assert req.target_prompt_logprobs is not None
+        dense = engine_sampler.target_logprobs(model, tokens, plan.targets)
+        target_out = _like_request(dense, req.target_prompt_logprobs)
+    alt = None
+    if req.prompt_alt_tokens_k:
+        alt_ids, alt_lps = engine_sampler.prompt_alt_tokens(
+            model,
+            tokens,
+            req.prompt_alt_tokens_k,
+            temperature=float(req.sampling_params.temperature),
+            seed=plan.seed,
+        )
+        alt = types.PromptAltTokens(
+            tokens=types.TensorData.from_numpy(alt_ids.astype(np.int64)),
+            logprobs=types.TensorData.from_numpy(alt_lps.astype(np.float32)),
+        )
+    return topk_prompt, target_out, alt
+
+
+def _prompt_logprobs(
+    model: Transformer, req: SampleRequest, tokens: list[int]
+) -> np.ndarray | None:
+    if not req.include_prompt_logprobs:
+        return None
+    lps = engine_sampler.prompt_logprobs(model, tokens)
+    arr = np.array([np.nan if v is None else v for v in lps], dtype=np.float32)
+    if req.prompt_logprobs_last_n is not None:
+        arr[: len(tokens) - req.prompt_logprobs_last_n] = np.nan
+    return arr
+
+
+def _sequence(sid: str, o: engine_sampler.SampleOutput) -> types.SampledSequence:
+    return types.SampledSequence(
+        stop_reason=o.stop_reason,
+        sequence_id=sid,
+        tokens_np=np.asarray(o.tokens, dtype=np.int32),
+        logprobs_np=np.asarray(o.logprobs, dtype=np.float32),
+        topk_logprobs_np=(
+            types.TopkLogprobs(token_ids=o.topk_token_ids, logprobs=o.topk_logprobs)
+            if o.topk_token_ids is not None and o.topk_logprobs is not None
+            else None
+        ),
+    )
+
+
+# ---- request checks ----------------------------------------------------------------------
+def _check_k(field_name: str, k: int, vocab: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 0 <= k <= vocab:
+        raise EngineUserError(
+            f"{field_name} must be an integer in [0, vocab size = {vocab}], got {k!r}"
+        )
+
+
+def _target_ids(td: types.TensorData, prompt_len: int, vocab: int) -> np.ndarray:
+    """The request's target_prompt_logprobs as a dense int64 [len(prompt) - 1, K] array (-1 =
+    nothing requested), validated."""
+    if td.dtype != "int64":
+        raise EngineUserError(
+            f"target_prompt_logprobs must be an int64 tensor of token ids, got {td.dtype}"
+        )
+    try:
+        ids = np.asarray(td.to_numpy(pad_value=-1), dtype=np.int64)
+    except ValueError as e:
+        raise EngineUserError(f"target_prompt_logprobs: {e}") from None
+    if ids.ndim != 2 or ids.shape[0] != prompt_len - 1:
+        raise EngineUserError(
+            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {prompt_len - 1}, K] "
+            f"(row i is scored at prompt position i + 1), got {list(ids.shape)}"
+        )
+    bad = (ids < -1) | (ids >= vocab)
+    if bad.any():
+        r, c = (int(x[0]) for x in np.nonzero(bad))
+        raise EngineUserError(
+            f"target_prompt_logprobs: id {int(ids[r, c])} at [{r}, {c}] is outside the vocabulary "
+            f"[0, {vocab}); use -1 for cells that request nothing"
+        )
+    if not (ids >= 0).any():
+        raise EngineUserError(
+            "target_prompt_logprobs holds no token id (every cell is -1); request at least one"
+        )
+    return ids
+
+
+def _like_request(dense: np.ndarray, request: types.TensorData) -> types.TensorData:
+    """float32 logprobs in the request's layout: dense stays dense, CSR keeps its pattern."""
+    dense = np.asarray(dense, dtype=np.float32)
+    if request.sparse_crow_indices is None:
+        return types.TensorData(data=dense, dtype="float32", shape=list(dense.shape))
+    crow = np.asarray(request.sparse_crow_indices, dtype=np.int64)
+    col = np.asarray(request.sparse_col_indices, dtype=np.int64)
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    return types.TensorData(
+        data=np.ascontiguousarray(dense[rows, col]),
+        dtype="float32",
+        shape=list(dense.shape),
+        sparse_crow_indices=list(request.sparse_crow_indices),
+        sparse_col_indices=list(request.sparse_col_indices or []),
+    )
+
+
+def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
+    for i, chunk in enumerate(prompt.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise EngineUserError(
+                f"prompt chunk {i} is a {type(chunk).__name__}; the tinker_sr engine only "
+                "accepts EncodedTextChunk (text models)"
+            )
+    tokens = prompt.to_ints()
+    if not tokens:
+        raise EngineUserError("prompt is empty; pass at least one token")
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise EngineUserError(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); "
+            f"{len(bad)} token(s) out of range"
+        )
+    return tokens
+
+
+def _stop_conditions(
+    stop: str | Sequence[str] | Sequence[int] | None, eos: int
+) -> tuple[list[int], list[str]]:
+    if stop is None:
+        return [eos], []
+    if isinstance(stop, str):
+        return [eos], [stop]
+    items = list(stop)
+    if not items:
+        return [], []  # [] = no stop condition at all, not even EOS
+    if all(isinstance(s, str) for s in items):
+        return [eos], [str(s) for s in items]
+    if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
+        return [eos, *(int(s) for s in items if isinstance(s, int))], []
+    raise EngineUserError(
+        "sampling_params.stop must be a string, a list of strings or a list of ints"
+    )

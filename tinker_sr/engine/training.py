@@ -1,0 +1,323 @@
+"""Training steps on a registered `Trainer`: forward/backward (datum checks, provenance,
+loss), the optimizer step, the adapter history that stale samplers read, and the
+training-state tensors that checkpoints hold.
+
+Every check runs before anything is mutated: weights, gradients, optimizer state and recorded
+sequences stay as they were when a request is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinker_sr import types
+from tinker_sr.engine import losses as engine_losses
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
+from tinker_sr.engine.model import Transformer
+from tinker_sr.engine.optim import Adam, AdamHParams
+from tinker_sr.engine.registry import Trainer, snapshot
+from tinker_sr.engine.store import Store
+from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
+
+
+# ---- forward / backward ------------------------------------------------------------------
+def forward_backward(
+    t: Trainer,
+    store: Store,
+    data: Sequence[types.Datum],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float | str] | None,
+    forward_only: bool,
+) -> types.ForwardBackwardOutput:
+    if not data:
+        raise EngineUserError("data is empty; pass at least one Datum")
+    if loss_fn == "custom":
+        raise EngineUserError(
+            "loss_fn 'custom' (server-side custom losses from create_custom_loss) is not "
+            "supported by this engine; use forward_backward_custom(data, fn) instead"
+        )
+    now = time.time()
+    cfg = t.model.config
+    batch = [_datum_arrays(i, d, cfg.vocab_size, cfg.max_seq_len) for i, d in enumerate(data)]
+    views = _validate_provenance(store, t.session_id, data, batch, loss_fn, now)
+    loss_data = [_loss_datum(arr, view) for arr, view in zip(batch, views, strict=True)]
+    config = engine_losses.validate_request(
+        loss_fn, loss_data, loss_fn_config, vocab_size=cfg.vocab_size
+    )
+
+    lengths = [len(a.tokens) for a in batch]
+    tokens = torch.zeros((len(batch), max(lengths)), dtype=torch.long)  # pad: masked below
+    for i, a in enumerate(batch):
+        tokens[i, : lengths[i]] = torch.from_numpy(a.tokens)
+    with torch.set_grad_enabled(not forward_only):
+        mask = torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+        logits = t.model(tokens, attn_mask=mask)
+        per_datum = [logits[i, : lengths[i]] for i in range(len(batch))]
+        result = engine_losses.compute_loss(loss_fn, per_datum, loss_data, config)
+        if not forward_only:
+            result.loss.backward()
+    touched = set().union(*(v.sequence_ids for v in views if v is not None))
+    store.touch_sequences(touched, now)
+    store.touch_run(t.model_id)
+    outputs = [
+        {k: types.TensorData.from_torch(v.detach().float()) for k, v in out.items()}
+        for out in result.outputs
+    ]
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=dict(result.metrics)
+    )
+
+
+@dataclass
+class _DatumArrays:
+    tokens: np.ndarray  # int64 [N]
+    inputs: dict[str, np.ndarray]  # includes target_tokens
+
+
+def _validate_provenance(
+    store: Store,
+    session_id: str,
+    data: Sequence[types.Datum],
+    batch: list[_DatumArrays],
+    loss_fn: str,
+    now: float,
+) -> list[ProvenanceView | None]:
+    spans = [
+        DatumSpans(
+            input_tokens=a.tokens,
+            target_tokens=a.inputs.get("target_tokens"),
+            advantages=a.inputs.get("advantages"),
+            model_input_spans=d.model_input_spans,
+            loss_fn_input_spans=d.loss_fn_input_spans,
+        )
+        for d, a in zip(data, batch, strict=True)
+    ]
+    return validate_provenance(spans, session_id=session_id, lookup=store, loss_fn=loss_fn, now=now)
+
+
+def _datum_tokens(i: int, d: types.Datum, vocab: int, max_len: int) -> np.ndarray:
+    for j, chunk in enumerate(d.model_input.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise EngineUserError(
+                f"datum {i}: model_input chunk {j} is a {type(chunk).__name__}; the tinker_sr "
+                "engine only accepts EncodedTextChunk"
+            )
+    tokens = np.asarray(d.model_input.to_ints(), dtype=np.int64)
+    n = len(tokens)
+    if n == 0:
+        raise EngineUserError(f"datum {i}: model_input is empty")
+    if n > max_len:
+        raise EngineUserError(
+            f"datum {i}: model_input has {n} tokens but the model's context is {max_len}; "
+            f"truncate by {n - max_len}"
+        )
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+        raise EngineUserError(
+            f"datum {i}: model_input token id {bad} is outside the vocabulary [0, {vocab})"
+        )
+    return tokens
+
+
+def _datum_arrays(i: int, d: types.Datum, vocab: int, max_len: int) -> _DatumArrays:
+    tokens = _datum_tokens(i, d, vocab, max_len)
+    n = len(tokens)
+    inputs: dict[str, np.ndarray] = {}
+    for key, td in d.loss_fn_inputs.items():
+        arr = td.to_numpy()
+        if arr.ndim == 0 or arr.shape[0] != n:
+            rows = "a scalar" if arr.ndim == 0 else f"{arr.shape[0]} rows"
+            raise EngineUserError(
+                f"datum {i}: loss_fn_inputs[{key!r}] has {rows} but model_input has {n} tokens; "
+                "every loss input needs one row per input position"
+            )
+        if not np.all(np.isfinite(arr)):
+            raise EngineUserError(f"datum {i}: loss_fn_inputs[{key!r}] contains NaN or inf")
+        inputs[key] = arr
+    tt = inputs.get("target_tokens")
+    if tt is None:
+        raise EngineUserError(
+            f"datum {i}: loss_fn_inputs has no 'target_tokens'; every built-in loss needs the "
+            "next token for each input position"
+        )
+    if tt.min() < 0 or tt.max() >= vocab:
+        raise EngineUserError(
+            f"datum {i}: target_tokens contain ids outside the vocabulary [0, {vocab})"
+        )
+    return _DatumArrays(tokens=tokens, inputs=inputs)
+
+
+def _loss_datum(a: _DatumArrays, view: ProvenanceView | None) -> engine_losses.LossDatum:
+    target = torch.from_numpy(np.asarray(a.inputs["target_tokens"], dtype=np.int64))
+    rest = {
+        k: torch.from_numpy(np.asarray(v, dtype=np.float32))
+        for k, v in a.inputs.items()
+        if k != "target_tokens"
+    }
+    return engine_losses.LossDatum(
+        target_tokens=target,
+        inputs=rest,
+        draws=None if view is None or view.draws is None else torch.from_numpy(view.draws),
+        sampled_mask=None if view is None else torch.from_numpy(view.sampled_mask),
+    )
+
+
+# ---- optimizer and staleness history -----------------------------------------------------
+def optim_step(
+    t: Trainer, store: Store, adam_params: types.AdamParams, *, staleness: int
+) -> types.OptimStepResponse:
+    hp = adam_hparams(adam_params)
+    metrics = t.optim.step(hp)
+    t.steps += 1
+    if staleness:
+        t.history.append(snapshot(t.model))
+        while len(t.history) > staleness + 1:
+            t.history.popleft()
+    store.touch_run(t.model_id)
+    return types.OptimStepResponse(metrics={k: float(v) for k, v in metrics.items()})
+
+
+def start_history(t: Trainer, staleness: int) -> None:
+    """Record the step-0 weights when samplers may lag (``staleness > 0``)."""
+    if staleness:
+        t.history.append(snapshot(t.model))
+
+
+def sampler_adapters(t: Trainer, staleness: int) -> dict[str, torch.Tensor]:
+    """Adapters a sampler created now gets: current, or ``staleness`` steps old."""
+    if staleness and t.history:
+        # history[-1] is the current weights; k steps back is history[-1-k] (or oldest).
+        idx = max(0, len(t.history) - 1 - staleness)
+        return t.history[idx]
+    return snapshot(t.model)
+
+
+# ---- training state in checkpoints -------------------------------------------------------
+def checkpoint_meta(t: Trainer) -> dict[str, str]:
+    return {
+        "base_model": t.base_model,
+        "lora": json.dumps(lora_json(t.lora)),
+        "steps": str(t.steps),
+        "format": "tinker_sr/1",
+    }
+
+
+def state_tensors(t: Trainer) -> dict[str, torch.Tensor]:
+    """Adapters and optimizer state, as `save_state` writes them."""
+    tensors = {f"lora.{k}": v for k, v in lora_state_dict(t.model).items()}
+    tensors.update({f"optim.{k}": v for k, v in t.optim.state_dict().items()})
+    return tensors
+
+
+def sampler_tensors(t: Trainer) -> dict[str, torch.Tensor]:
+    """The current adapters, as a named sampler checkpoint holds them."""
+    return {f"lora.{k}": v for k, v in snapshot(t.model).items()}
+
+
+def checkpoint_lora(meta: Mapping[str, str]) -> LoraSpec:
+    return LoraSpec(**json.loads(meta["lora"]))
+
+
+def load_state(
+    t: Trainer,
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, str],
+    with_optimizer: bool,
+) -> None:
+    """Load a `save_state` checkpoint into ``t``; its LoRA config must match (seed aside)."""
+    spec = checkpoint_lora(meta)
+    if lora_json(spec) | {"seed": None} != lora_json(t.lora) | {"seed": None}:
+        raise EngineUserError(
+            f"checkpoint {path} has LoRA config {lora_json(spec)} but this model has "
+            f"{lora_json(t.lora)}; create a training client from the checkpoint instead"
+        )
+    restore(t.model, t.optim, tensors, with_optimizer)
+    for p in t.model.parameters():
+        p.grad = None
+
+
+def strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def restore(
+    model: Transformer, optim: Adam, tensors: Mapping[str, torch.Tensor], with_optimizer: bool
+) -> None:
+    load_lora_state_dict(model, strip(tensors, "lora."))
+    if with_optimizer:
+        optim_state = strip(tensors, "optim.")
+        if not optim_state:
+            raise EngineUserError(
+                "checkpoint has no optimizer state; load it without the optimizer"
+            )
+        optim.load_state_dict(optim_state)
+
+
+# ---- request configs ---------------------------------------------------------------------
+def lora_spec(cfg: types.LoraConfig) -> LoraSpec:
+    if cfg.rank < 1:
+        raise EngineUserError(f"lora_config.rank must be >= 1, got {cfg.rank}")
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise EngineUserError(
+            "lora_config: at least one of train_attn/train_mlp/train_unembed must be true"
+        )
+    return LoraSpec(
+        rank=cfg.rank,
+        seed=cfg.seed,
+        train_attn=cfg.train_attn,
+        train_mlp=cfg.train_mlp,
+        train_unembed=cfg.train_unembed,
+    )
+
+
+def lora_json(spec: LoraSpec) -> dict[str, Any]:
+    return {
+        "rank": spec.rank,
+        "seed": spec.seed,
+        "train_attn": spec.train_attn,
+        "train_mlp": spec.train_mlp,
+        "train_unembed": spec.train_unembed,
+        "alpha": spec.alpha,
+    }
+
+
+def check_optimizer_config(cfg: Any) -> None:
+    kind = getattr(cfg, "type", "adamw") if cfg is not None else "adamw"
+    if kind != "adamw":
+        raise EngineUserError(
+            f"optimizer {kind!r} is not supported by the tinker_sr engine; use AdamOptimizerConfig()"
+        )
+
+
+def adam_hparams(p: Any) -> AdamHParams:
+    if not isinstance(p, types.AdamParams):
+        raise EngineUserError(
+            f"this model uses AdamW; optim_step needs AdamParams, got {type(p).__name__}"
+        )
+    vals = {
+        "learning_rate": p.learning_rate,
+        "beta1": p.beta1,
+        "beta2": p.beta2,
+        "eps": p.eps,
+        "weight_decay": p.weight_decay,
+        "grad_clip_norm": p.grad_clip_norm,
+    }
+    for k, v in vals.items():
+        if not np.isfinite(v):
+            raise EngineUserError(f"AdamParams.{k} must be finite, got {v}")
+    if p.learning_rate < 0:
+        raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
+    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
+        raise EngineUserError("AdamParams.beta1 and beta2 must be in [0, 1)")
+    if p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
+        raise EngineUserError("AdamParams.eps must be > 0; weight_decay and grad_clip_norm >= 0")
+    return AdamHParams(**vals)
