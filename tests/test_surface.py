@@ -55,14 +55,6 @@ DELIBERATE: dict[str, str] = {
     "ServiceClient.close": "ours defaults status='success' (superset of the SDK's)",
     # tinker_sr addition (documented on the method): one checkpoint's metadata.
     "RestClient.get_checkpoint_by_tinker_path": "tinker_sr extra",
-    # Admin/billing/audit endpoints: deprecated on the SDK's RestClient in favour of
-    # AdminClient; tinker_sr has no organizations or billing (AdminClient raises
-    # NotImplementedError naming the method).
-    **{
-        f"RestClient.{m}{suffix}": "admin/billing endpoint; not part of tinker_sr"
-        for m in ("get_audit_log", "get_billing_usage", "get_current_checkpoint_storage_usage")
-        for suffix in ("", "_async")
-    },
     # Session / account endpoints our server does not offer.
     **{
         f"RestClient.{m}": "session/account endpoint our server does not offer"

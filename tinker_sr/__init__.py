@@ -36,6 +36,7 @@ from tinker_sr.errors import (
 )
 from tinker_sr.futures import APIFuture
 from tinker_sr.request_options import RequestOptions, Timeout
+from tinker_sr.tinker_alias import install_as_tinker as install_as_tinker
 from tinker_sr.types import (
     AdamOptimizerConfig,
     AdamParams,

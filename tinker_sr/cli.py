@@ -1,4 +1,4 @@
-"""`tinker-sr` command line: serve, demo, models."""
+"""`tinker-sr` command line: serve, demo, models, run."""
 
 from __future__ import annotations
 
@@ -39,6 +39,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from tinker_sr.demo import main as demo_main
 
     return demo_main(args)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tinker_sr.tinker_alias import LaunchError, run_program
+
+    rest, module = list(args.argv), args.module
+    if module is None and not rest:
+        print("tinker-sr run: give a script (or -m module) to run", file=sys.stderr)
+        return 2
+    target, argv = (module, rest) if module is not None else (rest[0], rest[1:])
+    try:
+        run_program(target, argv, module=module is not None)
+    except LaunchError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
@@ -83,11 +99,39 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="offline RL run on the embedded default model")
     add_arguments(d)
     d.set_defaults(func=_cmd_demo)
+
+    r = sub.add_parser(
+        "run",
+        help="run a program that does `import tinker` on tinker_sr",
+        usage="tinker-sr run (script.py | -m module) [args ...]",
+        description="Run a script or module (like `python script.py` / `python -m module`) with "
+        "`tinker` and every `tinker.*` module resolved to tinker_sr, unchanged.",
+    )
+    r.add_argument("-m", dest="module", metavar="module", help="run a module as a script")
+    r.add_argument("argv", nargs=argparse.REMAINDER, help="the script (unless -m), then its args")
+    r.set_defaults(func=_cmd_run)
     return p
 
 
+def _run_namespace(rest: list[str]) -> argparse.Namespace | None:
+    """``run``'s arguments, parsed by hand: everything after the script (or ``-m module``)
+    belongs to the program, dashes included, which argparse cannot express."""
+    if rest and rest[0].startswith("-m"):
+        module = rest[0][2:] or (rest[1] if len(rest) > 1 else "")
+        if module:
+            return argparse.Namespace(
+                func=_cmd_run, module=module, argv=rest[1 if rest[0] != "-m" else 2 :]
+            )
+        return None
+    if rest and not rest[0].startswith("-"):
+        return argparse.Namespace(func=_cmd_run, module=None, argv=rest)
+    return None  # -h, a bad option or nothing: argparse prints help or the usage error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parsed = _run_namespace(argv[1:]) if argv[:1] == ["run"] else None
+    args = parsed or build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from datetime import date, datetime
 from typing import Any, Literal, NoReturn
 
+from tinker_sr import types
 from tinker_sr.clients.holder import ClientHolder, make_backend
+from tinker_sr.futures import APIFuture
 
 AuditEventType = Literal["all", "checkpoints", "projects", "teams", "organizations"]
 
@@ -64,12 +66,14 @@ class AdminClient:
         """tinker_sr sends no telemetry: always ``None``."""
         return None
 
-    def get_audit_log(self, event_type: AuditEventType = "all", day: date | None = None) -> Any:
+    def get_audit_log(
+        self, event_type: AuditEventType = "all", day: date | None = None
+    ) -> APIFuture[types.AuditLogResponse]:
         _unsupported("get_audit_log")
 
     async def get_audit_log_async(
         self, event_type: AuditEventType = "all", day: date | None = None
-    ) -> Any:
+    ) -> types.AuditLogResponse:
         _unsupported("get_audit_log_async")
 
     def get_billing_usage(self, starting_on: datetime | str, ending_before: datetime | str) -> Any:

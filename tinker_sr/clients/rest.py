@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Coroutine
+from datetime import date, datetime
 from typing import Any, Literal, TypeVar
 
 from tinker_sr import types
+from tinker_sr.clients.admin import AdminClient, AuditEventType
 from tinker_sr.clients.holder import ClientHolder, make_backend, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
@@ -246,3 +248,42 @@ class RestClient:
             "get_external_weights_urls_async is deprecated; await get_external_weights_urls()"
         )
         return await self.get_external_weights_urls(tinker_path)
+
+    # ---- admin endpoints (deprecated here in the SDK, moved to AdminClient) ------------------
+    def _admin(self) -> AdminClient:
+        return AdminClient(self.holder)
+
+    def get_audit_log(
+        self, event_type: AuditEventType = "all", day: date | None = None
+    ) -> APIFuture[types.AuditLogResponse]:
+        """Deprecated: `AdminClient.get_audit_log` (which raises: tinker_sr keeps no audit log)."""
+        warn_deprecated("RestClient.get_audit_log() is deprecated; use AdminClient.get_audit_log()")
+        return self._admin().get_audit_log(event_type, day)
+
+    async def get_audit_log_async(
+        self, event_type: AuditEventType = "all", day: date | None = None
+    ) -> types.AuditLogResponse:
+        warn_deprecated("RestClient.get_audit_log_async() is deprecated; use AdminClient")
+        return await self._admin().get_audit_log_async(event_type, day)
+
+    def get_billing_usage(self, starting_on: datetime | str, ending_before: datetime | str) -> Any:
+        """Deprecated: `AdminClient.get_billing_usage` (which raises: no billing here)."""
+        warn_deprecated("RestClient.get_billing_usage() is deprecated; use AdminClient")
+        return self._admin().get_billing_usage(starting_on, ending_before)
+
+    async def get_billing_usage_async(
+        self, starting_on: datetime | str, ending_before: datetime | str
+    ) -> Any:
+        warn_deprecated("RestClient.get_billing_usage_async() is deprecated; use AdminClient")
+        return await self._admin().get_billing_usage_async(starting_on, ending_before)
+
+    def get_current_checkpoint_storage_usage(self, project_id: str | None = None) -> Any:
+        """Deprecated: `AdminClient.get_current_checkpoint_storage_usage` (which raises)."""
+        warn_deprecated("RestClient.get_current_checkpoint_storage_usage() is deprecated")
+        return self._admin().get_current_checkpoint_storage_usage(project_id)
+
+    async def get_current_checkpoint_storage_usage_async(
+        self, project_id: str | None = None
+    ) -> Any:
+        warn_deprecated("RestClient.get_current_checkpoint_storage_usage_async() is deprecated")
+        return await self._admin().get_current_checkpoint_storage_usage_async(project_id)

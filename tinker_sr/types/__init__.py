@@ -6,6 +6,7 @@ response models are frozen pydantic models (``StrictBase`` forbids unknown field
 """
 
 from ._base import BaseModel, StrictBase
+from .audit_log import AuditLogEntry, AuditLogResponse
 from .checkpoint import (
     Checkpoint,
     CheckpointsListResponse,
@@ -79,6 +80,8 @@ from .training import (
 __all__ = [
     "AdamOptimizerConfig",
     "AdamParams",
+    "AuditLogEntry",
+    "AuditLogResponse",
     "BaseModel",
     "Checkpoint",
     "CheckpointType",

@@ -1,0 +1,197 @@
+"""``tinker-sr run`` and `tinker_sr.install_as_tinker`: unchanged ``import tinker`` code runs on
+tinker_sr, with every module of the official SDK 0.38 resolved and one copy of each module.
+
+The programs run in subprocesses: the alias must be installed before anything imports
+``tinker``, and this test process has the official SDK loaded (tests/test_surface.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import tinker_sr
+from tinker_sr.tinker_alias import SDK_MODULES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sdk_module_tree() -> set[str]:
+    spec = importlib.util.find_spec("tinker")
+    if spec is None or spec.origin is None:
+        pytest.skip("the official tinker SDK is not installed")
+    root = Path(spec.origin).parent
+    names = {"tinker"}
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if parts and (parts[-1].endswith("_test") or parts[-1] == "__main__"):
+            continue
+        for i in range(1, len(parts) + 1):  # namespace packages (no __init__.py) count too
+            names.add(".".join(["tinker", *parts[:i]]))
+    return names
+
+
+def run(
+    tmp_path: Path, args: list[str], *, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TINKER_SR_STORE": str(tmp_path / "store")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("TINKER_BASE_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "run", *args],
+        cwd=cwd or tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def write(path: Path, source: str) -> Path:
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def test_module_list_matches_the_installed_sdk() -> None:
+    tree = sdk_module_tree()
+    assert SDK_MODULES == tree, (
+        f"missing: {sorted(tree - SDK_MODULES)}\nno longer in the SDK: {sorted(SDK_MODULES - tree)}"
+    )
+
+
+def test_install_refuses_once_the_official_sdk_is_loaded() -> None:
+    pytest.importorskip("tinker")
+    if tinker_sr.tinker_alias.is_installed():  # pragma: no cover - never in this suite
+        pytest.skip("installed in this process")
+    with pytest.raises(RuntimeError, match="before anything imports tinker"):
+        tinker_sr.install_as_tinker()
+
+
+EVERY_MODULE = """
+import importlib, json, sys
+from pathlib import Path
+import tinker_sr
+from tinker_sr.tinker_alias import SDK_MODULES, resolve
+
+report = {"aliased": 0, "stand_in": 0, "problems": []}
+for name in sorted(SDK_MODULES):
+    module = importlib.import_module(name)
+    target = resolve(name)
+    if target is None:
+        report["stand_in"] += 1
+        if module.__name__ != name:
+            report["problems"].append(f"{name}: stand-in named {module.__name__}")
+    elif module is not sys.modules[target]:
+        report["problems"].append(f"{name}: not the module {target}")
+    else:
+        report["aliased"] += 1
+# One copy of each tinker_sr file, however many names it is imported under.
+root = Path(tinker_sr.__file__).parent
+files = {}
+for mod in list(sys.modules.values()):
+    f = getattr(mod, "__file__", None)
+    if f and Path(f).is_relative_to(root):
+        files.setdefault(f, set()).add(id(mod))
+report["duplicated"] = sorted(f for f, ids in files.items() if len(ids) > 1)
+
+import tinker
+from tinker import types, TensorData, AdminClient, APIFuture, SamplingClient, ModelInput
+from tinker.types import LossFnType, AuditLogEntry, AuditLogResponse
+from tinker.types.tensor_data import TensorData as TD2
+from tinker.lib.public_interfaces.rest_client import RestClient
+from tinker.lib.public_interfaces import APIFuture as F2
+from tinker.types.sample_request import SampleRequest
+report["identity"] = [
+    tinker is tinker_sr, types is tinker_sr.types, TD2 is TensorData is tinker_sr.TensorData,
+    RestClient is tinker_sr.RestClient, F2 is APIFuture is tinker_sr.APIFuture,
+    SampleRequest is tinker_sr.types.SampleRequest, AuditLogEntry is tinker_sr.types.AuditLogEntry,
+]
+try:
+    from tinker.lib.internal_client_holder import InternalClientHolder
+except ImportError as e:
+    report["missing_name"] = str(e)
+try:
+    import tinker.not_a_module
+except ModuleNotFoundError as e:
+    report["missing_module"] = str(e)
+import tinker_sr.cli
+report["our_cli_intact"] = hasattr(tinker_sr.cli, "main")
+print(json.dumps(report))
+"""
+
+
+def test_every_sdk_module_resolves_once(tmp_path: Path) -> None:
+    proc = run(tmp_path, [str(write(tmp_path / "every.py", EVERY_MODULE))])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["problems"] == [] and report["duplicated"] == []
+    assert report["aliased"] >= 15 and report["aliased"] + report["stand_in"] == len(SDK_MODULES)
+    assert all(report["identity"]), report["identity"]
+    assert "InternalClientHolder" in report["missing_name"]
+    assert "tinker.not_a_module" in report["missing_module"]
+    assert report["our_cli_intact"]
+
+
+TRAIN = """
+import sys
+import numpy as np
+import tinker
+from tinker import types
+from tinker.types.tensor_data import TensorData
+
+service = tinker.ServiceClient()
+training = service.create_lora_training_client("tinker-sr/tiny", rank=2, seed=0)
+tokens = [5, 6, 7, 8, 9]
+datum = types.Datum(
+    model_input=types.ModelInput.from_ints(tokens[:-1]),
+    loss_fn_inputs={
+        # The SDK-module spelling of TensorData: a second copy of the class used to be rejected.
+        "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
+        "weights": TensorData.from_numpy(np.ones(4, dtype=np.float32)),
+    },
+)
+losses = []
+for _ in range(3):
+    out = training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    losses.append(out.metrics["loss:sum"])
+print("argv", sys.argv[1:], "name", __name__)
+print("losses", losses)
+assert losses[0] > losses[-1], losses
+"""
+
+
+def test_run_script_trains_with_sdk_module_types(tmp_path: Path) -> None:
+    script = write(tmp_path / "train.py", TRAIN)
+    proc = run(tmp_path, [str(script), "--flag", "-m", "x"])
+    assert proc.returncode == 0, proc.stderr
+    assert "argv ['--flag', '-m', 'x'] name __main__" in proc.stdout
+
+
+def test_run_module_and_exit_codes(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(
+        pkg / "prog.py",
+        """
+        import sys, tinker
+        print("module run", sys.argv[1:], tinker.__name__)
+        sys.exit(int(sys.argv[1]))
+        """,
+    )
+    proc = run(tmp_path, ["-m", "mypkg.prog", "3", "-q"])
+    assert proc.returncode == 3 and "module run ['3', '-q'] tinker_sr" in proc.stdout
+    missing = run(tmp_path, ["-m", "mypkg.nope"])
+    assert missing.returncode == 2 and "no module named 'mypkg.nope'" in missing.stderr
+    no_file = run(tmp_path, ["nope.py"])
+    assert no_file.returncode == 2 and "can't open file 'nope.py'" in no_file.stderr
