@@ -1,0 +1,195 @@
+"""Futures: long operations answer ``{"request_id", ...}`` at once, run in a background task,
+and are fetched with ``retrieve_future`` (long poll). Submissions are deduplicated by a key
+(an HTTP retry of the same body gets the same future), recently finished results are cached
+in memory, and asample is throttled (429 + Retry-After above ``max_pending_samples``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from tinker_sr.errors import RequestFailedError
+from tinker_sr.wire import WireError
+from tinker_sr.wire import messages as m
+
+from .http import PROTOBUF, HTTPError, body_hash, json_reply, strip_prefix
+from .state import COMPLETE, FAILED, PENDING, FutureRow, ServerState
+
+log = logging.getLogger("tinker_sr.server")
+
+Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
+"""``work(promise)`` returns ``(encoding, payload)``: ``"json"`` or ``"proto"`` and the bytes."""
+
+_RECENT = 256
+
+
+class Background:
+    """The server's background tasks, cancelled together at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Futures:
+    """Submit, execute and retrieve futures over `ServerState`."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        background: Background,
+        *,
+        long_poll_s: float,
+        max_pending_samples: int,
+    ) -> None:
+        self.state = state
+        self.background = background
+        self.long_poll_s = long_poll_s
+        self.max_pending_samples = max_pending_samples
+        self.pending_samples: set[str] = set()  # request ids of asample work not yet done
+        self._events: dict[str, asyncio.Event] = {}
+        # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
+        self._recent: OrderedDict[str, FutureRow] = OrderedDict()
+
+    def submit(
+        self,
+        *,
+        kind: str,
+        owner: str,
+        session_id: str,
+        dedupe_key: str,
+        body: bytes,
+        work: Work,
+        promise_extra: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
+        on_accept: Callable[[], None] | None = None,
+    ) -> Response:
+        """Register a future (or find the earlier one for the same key) and start ``work``.
+
+        ``promise_extra`` (or a function of the new request id giving it) is merged into the
+        promise; ``on_accept`` runs when a new (not a repeated) submission is accepted.
+        """
+        digest = body_hash(body)
+        existing = self.state.find_future(dedupe_key)
+        if existing is not None:
+            return self._resubmission(existing, kind, owner, digest, dedupe_key)
+        rid = f"req-{uuid.uuid4().hex}"
+        extra = promise_extra(rid) if callable(promise_extra) else promise_extra
+        promise: dict[str, Any] = {"request_id": rid, **(extra or {})}
+        if on_accept is not None:
+            on_accept()
+        if not self.state.add_future(
+            rid,
+            owner=owner,
+            session_id=session_id,
+            kind=kind,
+            dedupe_key=dedupe_key,
+            body_hash=digest,
+            promise=promise,
+        ):  # lost a race with an identical submission
+            existing = self.state.find_future(dedupe_key)
+            assert existing is not None
+            return self._resubmission(existing, kind, owner, digest, dedupe_key)
+        self._events[rid] = asyncio.Event()
+        if kind == "Sample":
+            self.pending_samples.add(rid)
+        self.background.spawn(self._execute(rid, work, promise))
+        return json_reply(promise)
+
+    def check_sample_capacity(self, dedupe_key: str) -> None:
+        """429 when too many asample requests are pending, unless this one is a retry of an
+        accepted request (it still gets its future)."""
+        if (
+            len(self.pending_samples) >= self.max_pending_samples
+            and self.state.find_future(dedupe_key) is None
+        ):
+            # Nothing is recorded: the client resubmits this seq_id later (spec §8.3).
+            raise HTTPError(
+                429,
+                f"asample: {len(self.pending_samples)} sampling requests are already pending "
+                f"(this server's limit is {self.max_pending_samples}); retry shortly",
+                {"Retry-After": "1"},
+            )
+
+    def _resubmission(
+        self, row: FutureRow, kind: str, owner: str, digest: str, dedupe_key: str
+    ) -> Response:
+        if row.owner != owner:
+            raise HTTPError(404, "unknown model or sampler")
+        if row.kind != kind or row.body_hash != digest:
+            what = dedupe_key.split("|", 1)[1].replace("|", " ")
+            raise HTTPError(
+                400,
+                f"{what} was already used by a different {row.kind} request "
+                f"({row.request_id}); every request needs a fresh seq_id",
+            )
+        return json_reply(row.promise)  # an HTTP retry of the same submission: same future
+
+    async def _execute(self, rid: str, work: Work, promise: dict[str, Any]) -> None:
+        try:
+            encoding, payload = await work(promise)
+            self.state.complete_future(rid, encoding, payload)
+        except asyncio.CancelledError:
+            raise
+        except RequestFailedError as e:
+            self.state.fail_future(rid, strip_prefix(e.message), str(e.category))
+        except WireError as e:
+            self.state.fail_future(rid, str(e), "user")
+        except Exception as e:
+            log.exception("request %s failed inside the backend", rid)
+            self.state.fail_future(rid, f"internal error: {type(e).__name__}: {e}", "server")
+        finally:
+            self.pending_samples.discard(rid)
+            row = self.state.get_future(rid)
+            if row is not None and row.status != PENDING:
+                self._recent[rid] = row
+                while len(self._recent) > _RECENT:
+                    self._recent.popitem(last=False)
+            event = self._events.pop(rid, None)
+            if event is not None:
+                event.set()
+
+    def lookup(self, request_id: str, owner: str) -> FutureRow:
+        """The future ``request_id`` of ``owner``; 404 for any other."""
+        row = self._row(request_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(404, f"unknown request_id {request_id!r}")
+        return row
+
+    def _row(self, request_id: str) -> FutureRow | None:
+        return self._recent.get(request_id) or self.state.get_future(request_id)
+
+    async def answer(self, row: FutureRow) -> Response:
+        """The result of ``row`` once done, or try_again after the long poll."""
+        if row.status == PENDING:
+            event = self._events.get(row.request_id)
+            if event is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), self.long_poll_s)
+            done = self._row(row.request_id)
+            if done is None or done.status == PENDING:
+                return json_reply(m.try_again(row.request_id))
+            row = done
+        if row.status == FAILED:
+            return json_reply(
+                m.future_failure(row.error or "request failed", row.category or "unknown")
+            )
+        assert row.status == COMPLETE and row.result is not None
+        media = PROTOBUF if row.encoding == "proto" else "application/json"
+        return Response(row.result, media_type=media)

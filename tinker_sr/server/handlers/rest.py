@@ -1,0 +1,258 @@
+"""REST endpoints: capabilities, health, checkpoints and training runs (list, info, copy,
+delete, TTL, publish), and the endpoints this server deliberately does not offer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tinker_sr.types import CopyWeightsRequest, ParsedCheckpointTinkerPath
+from tinker_sr.wire import messages as m
+
+from ..http import HTTPError, body_hash, json_reply
+
+if TYPE_CHECKING:
+    from ..app import TinkerServer
+
+_TTL_MIN_S, _TTL_MAX_S = 3600, 10 * 365 * 24 * 3600
+
+# Endpoints the SDK knows that this server deliberately does not offer (400 with a reason,
+# rather than an anonymous 404).
+_UNSUPPORTED = {
+    "auth/token": "JWT exchange is disabled (client/config says pjwt_auth_enabled: false)",
+    "retrieve_futures": "the session poller is disabled (sample_use_retrieve_futures: false)",
+    "cancel_future": "sample cancellation is disabled (dynamic_config sample_cancel_enabled)",
+    "join_sampling_session": "sample_join_sampling_session is false",
+    "create_custom_loss": "server-side custom losses are disabled (custom_loss_server_side: "
+    "false); forward_backward_custom runs the loss client-side",
+    "save_weights_external": "external weights are not supported",
+    "unload_model": "models are unloaded when their session finishes",
+    "audit": "audit logs are not kept",
+    "sessions": "session listing and search are not supported",
+    "billing": "there is no billing",
+}
+
+
+async def capabilities(srv: TinkerServer, request: Request, owner: str) -> Response:
+    caps = await srv.backend.get_server_capabilities()
+    return json_reply(caps.model_dump(mode="json", exclude_none=True))
+
+
+async def healthz(srv: TinkerServer, request: Request, owner: str) -> Response:
+    return json_reply({"status": "ok"})
+
+
+async def list_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
+    run_id = request.path_params["run_id"]
+    srv.sessions.run_owned(run_id, owner)
+    out = await srv.backend.list_checkpoints(run_id)
+    return json_reply(out.model_dump(mode="json", exclude_none=True))
+
+
+def _paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[int, int]:
+    extra = set(request.query_params) - allowed
+    if extra:
+        raise HTTPError(400, f"unsupported query parameter(s): {', '.join(sorted(extra))}")
+    out = []
+    for name, default in (("limit", default_limit), ("offset", 0)):
+        raw = request.query_params.get(name, str(default))
+        if not raw.isdigit():
+            raise HTTPError(
+                400, f"query parameter {name} must be a non-negative integer, got {raw!r}"
+            )
+        out.append(int(raw))
+    return out[0], out[1]
+
+
+def _access_scope(request: Request) -> None:
+    scope = request.query_params.get("access_scope", "owned")
+    if scope not in ("owned", "accessible"):
+        raise HTTPError(400, f"access_scope must be 'owned' or 'accessible', got {scope!r}")
+
+
+def _page(key: str, items: list[Any], limit: int, offset: int) -> Response:
+    page = items[offset : offset + limit]
+    return json_reply(
+        {
+            key: [c.model_dump(mode="json", exclude_none=True) for c in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(items)},
+        }
+    )
+
+
+async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
+    limit, offset = _paging(request, 100, {"limit", "offset"})
+    # The backend lists every owner's checkpoints; keep this key's and page here.
+    everything = await srv.backend.list_user_checkpoints(limit=1 << 30, offset=0)
+    mine_runs = srv.state.model_ids_of(owner)
+    mine = [
+        c
+        for c in everything.checkpoints
+        if ParsedCheckpointTinkerPath.from_tinker_path(c.tinker_path).training_run_id in mine_runs
+    ]
+    return _page("checkpoints", mine, limit, offset)
+
+
+async def get_training_run(srv: TinkerServer, request: Request, owner: str) -> Response:
+    _paging(request, 0, {"access_scope"})
+    _access_scope(request)
+    run_id = request.path_params["run_id"]
+    srv.sessions.run_owned(run_id, owner)
+    run = await srv.backend.get_training_run(run_id)
+    return json_reply(run.model_dump(mode="json", exclude_none=True))
+
+
+async def list_training_runs(srv: TinkerServer, request: Request, owner: str) -> Response:
+    if "project_id" in request.query_params:
+        raise HTTPError(400, "filtering training runs by project_id is not supported")
+    limit, offset = _paging(request, 20, {"limit", "offset", "access_scope"})
+    _access_scope(request)
+    everything = await srv.backend.list_training_runs(limit=1 << 30, offset=0)
+    mine_runs = srv.state.model_ids_of(owner)
+    mine = [r for r in everything.training_runs if r.training_run_id in mine_runs]
+    return _page("training_runs", mine, limit, offset)
+
+
+async def weights_info(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, _ = await srv.parse(request, m.WeightsInfoRequest, "weights_info")
+    await srv.sessions.readable_checkpoint(req.tinker_path, owner, field="tinker_path")
+    info = await srv.backend.get_weights_info(req.tinker_path)
+    # optimizer_config is left out: checkpoints do not record it (the SDK defaults it).
+    out = info.model_dump(mode="json", exclude_none=True, exclude={"optimizer_config"})
+    return json_reply(out)
+
+
+def _check_copy_request(req: CopyWeightsRequest, request: Request) -> None:
+    if req.weights_access_token is not None or request.headers.get("x-tinker-weights-access-token"):
+        raise HTTPError(
+            400,
+            "copy_weights: weights_access_token is not supported by this server; another "
+            "key's checkpoint can be copied once its owner publishes it",
+        )
+    if (req.session_id is None) != (req.model_seq_id is None):
+        raise HTTPError(
+            400,
+            "copy_weights: send session_id and model_seq_id together (copy into that "
+            "training-run slot), or destination_project_id alone (copy into a new session)",
+        )
+    if req.session_id is not None and req.destination_project_id is not None:
+        raise HTTPError(
+            400,
+            "copy_weights: send session_id + model_seq_id or destination_project_id, not both",
+        )
+    if req.model_seq_id is not None and req.model_seq_id < 0:
+        raise HTTPError(400, f"copy_weights: model_seq_id must be >= 0, got {req.model_seq_id}")
+    ttl = req.ttl_seconds
+    if ttl is not None and not (_TTL_MIN_S <= ttl <= _TTL_MAX_S):
+        raise HTTPError(
+            400,
+            f"copy_weights: ttl_seconds must be between {_TTL_MIN_S} (1 hour) and "
+            f"{_TTL_MAX_S} (10 years), or null for no expiry; got {ttl}",
+        )
+
+
+async def copy_weights(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, body = await srv.parse(request, CopyWeightsRequest, "copy_weights")
+    _check_copy_request(req, request)
+    source = await srv.sessions.readable_checkpoint(req.source_path, owner, field="source_path")
+    if source.checkpoint_type == "external":
+        raise HTTPError(
+            400, "copy_weights: external_weights checkpoints are not supported by this server"
+        )
+    await srv.backend.get_checkpoint(req.source_path)  # 404 before anything is created
+    idem = request.headers.get("x-idempotency-key")
+    if idem:
+        earlier = srv.state.reply(owner, f"copy_weights|{idem}")
+        if earlier is not None and earlier[0] == body_hash(body):
+            return json_reply(earlier[1])
+    path, session_id = await _copy(srv, req, owner)
+    srv.state.add_model(
+        ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id, session_id
+    )
+    reply = {"tinker_path": path}
+    if idem:
+        srv.state.save_reply(owner, f"copy_weights|{idem}", body_hash(body), reply)
+    return json_reply(reply)
+
+
+async def _copy(srv: TinkerServer, req: CopyWeightsRequest, owner: str) -> tuple[str, str]:
+    """Copy into the requested run slot, or into a new session of ``owner``."""
+    ttl = req.ttl_seconds
+    if req.session_id is not None:
+        assert req.model_seq_id is not None
+        srv.sessions.session(req.session_id, owner)
+        path = await srv.backend.copy_weights(
+            req.source_path,
+            session_id=req.session_id,
+            model_seq_id=req.model_seq_id,
+            ttl_seconds=ttl,
+        )
+        return path, req.session_id
+    # A session of its own, finished at once: it only holds the copy.
+    session_id = await srv.backend.create_session(project_id=req.destination_project_id)
+    srv.state.add_session(session_id, owner)
+    try:
+        path = await srv.backend.copy_weights(
+            req.source_path, session_id=session_id, model_seq_id=0, ttl_seconds=ttl
+        )
+    finally:
+        if srv.state.finish_session(session_id, "success"):
+            await srv.backend.close_session(session_id, "success")
+    return path, session_id
+
+
+def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[str, str]:
+    run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
+    if kind not in ("weights", "sampler_weights"):
+        raise HTTPError(
+            404, f"unknown checkpoint kind {kind!r}; expected weights or sampler_weights"
+        )
+    srv.sessions.run_owned(run_id, owner)
+    return run_id, f"{kind}/{name}"
+
+
+async def delete_checkpoint(srv: TinkerServer, request: Request, owner: str) -> Response:
+    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    await srv.backend.delete_checkpoint(run_id, checkpoint_id)
+    return Response(status_code=204)
+
+
+async def set_checkpoint_ttl(srv: TinkerServer, request: Request, owner: str) -> Response:
+    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    req, _ = await srv.parse(request, m.CheckpointTtlRequest, "checkpoint ttl")
+    await srv.backend.set_checkpoint_ttl(f"tinker://{run_id}/{checkpoint_id}", req.ttl_seconds)
+    return Response(status_code=204)
+
+
+async def publish(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """POST publishes, DELETE unpublishes. Setting the flag a checkpoint already has
+    succeeds (the hosted service answers 409, which the SDK retries for minutes)."""
+    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    await srv.body(request)  # no body expected; any is ignored
+    await srv.backend.set_checkpoint_public(
+        f"tinker://{run_id}/{checkpoint_id}", request.method == "POST"
+    )
+    return Response(status_code=204)
+
+
+async def external_weights_urls(srv: TinkerServer, request: Request, owner: str) -> Response:
+    run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
+    if kind != "external_weights":
+        raise HTTPError(
+            400,
+            f"external_weights_urls is only for external_weights checkpoints "
+            f"(tinker://<run_id>/external_weights/<name>), got kind {kind!r}",
+        )
+    srv.sessions.run_owned(run_id, owner)
+    out = await srv.backend.get_external_weights_urls(f"tinker://{run_id}/{kind}/{name}")
+    return json_reply(out.model_dump(mode="json", exclude_none=True))
+
+
+async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Response:
+    path = request.url.path.split("/api/v1/", 1)[-1]
+    for prefix, reason in _UNSUPPORTED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
+    raise HTTPError(404, f"no such endpoint: {request.method} /api/v1/{path}")

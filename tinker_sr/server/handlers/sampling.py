@@ -1,0 +1,132 @@
+"""Sampling endpoints: create a sampling session, look one up, and asample."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tinker_sr.wire import messages as m
+from tinker_sr.wire import proto
+
+from ..http import HTTPError, body_hash, json_reply
+
+if TYPE_CHECKING:
+    from ..app import TinkerServer
+
+_MAX_SAMPLES_PER_REQUEST = 4096
+
+
+async def create_sampling_session(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, body = await srv.parse(request, m.CreateSamplingSessionRequest, "create_sampling_session")
+    srv.sessions.session(req.session_id, owner)
+    if req.model_path is None and req.base_model is None:
+        raise HTTPError(400, "create_sampling_session: send model_path or base_model")
+    if req.model_path is not None:
+        await srv.sessions.readable_checkpoint(req.model_path, owner, field="model_path")
+    key = f"sampling_session|{req.session_id}|{req.sampling_session_seq_id}"
+    earlier = srv.state.reply(owner, key)
+    if earlier is not None:
+        if earlier[0] != body_hash(body):
+            raise HTTPError(
+                400,
+                f"sampling_session_seq_id {req.sampling_session_seq_id} "
+                f"is already used in session {req.session_id}",
+            )
+        return json_reply(earlier[1])
+    sampler_id = await srv.backend.create_sampling_session(
+        req.session_id,
+        req.sampling_session_seq_id,
+        base_model=req.base_model,
+        model_path=req.model_path,
+    )
+    srv.state.add_sampler(sampler_id, req.session_id, req.model_path)
+    reply = {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+    srv.state.save_reply(owner, key, body_hash(body), reply)
+    return json_reply(reply)
+
+
+async def get_sampler(srv: TinkerServer, request: Request, owner: str) -> Response:
+    sampler_id = request.path_params["sampler_id"]
+    row = srv.state.sampler_session(sampler_id)
+    if row is None or row.owner != owner:
+        raise HTTPError(404, f"unknown sampler {sampler_id!r}")
+    base_model = await srv.backend.get_sampler_base_model(sampler_id)
+    out = {"sampler_id": sampler_id, "base_model": base_model}
+    model_path = srv.state.sampler_model_path(sampler_id)
+    if model_path:
+        out["model_path"] = model_path
+    return json_reply(out)
+
+
+def _check_sample_request(req: m.SampleRequest) -> tuple[str, int]:
+    """The sampler id and seq_id of a well-formed asample request."""
+    if req.sampling_session_id is None:
+        raise HTTPError(
+            400,
+            "asample: sampling_session_id is required; create a sampling "
+            "client (create_sampling_session) first",
+        )
+    if req.base_model is not None or req.model_path is not None:
+        raise HTTPError(
+            400,
+            "asample: base_model/model_path are not accepted here; they "
+            "belong to create_sampling_session",
+        )
+    if req.seq_id is None:
+        raise HTTPError(400, "asample: seq_id is required")
+    if not 1 <= req.num_samples <= _MAX_SAMPLES_PER_REQUEST:
+        raise HTTPError(
+            400,
+            f"asample: num_samples must be in 1..{_MAX_SAMPLES_PER_REQUEST}, got {req.num_samples}",
+        )
+    return req.sampling_session_id, req.seq_id
+
+
+async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, body = await srv.parse(request, m.SampleRequest, "asample")
+    sampler_id, seq_id = _check_sample_request(req)
+    session = srv.sessions.sampler(sampler_id, owner)
+    target = (
+        req.target_prompt_logprobs.to_public("asample.target_prompt_logprobs")
+        if req.target_prompt_logprobs is not None
+        else None
+    )
+    n = req.num_samples
+
+    def promise_extra(rid: str) -> dict[str, Any]:
+        # Unique within the session: the sampler id is, and so is (seq_id, request).
+        return {"sample_sequence_ids": [f"{sampler_id}:{seq_id}:{i}:{rid[4:12]}" for i in range(n)]}
+
+    async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
+        resp = await srv.backend.sample(
+            sampler_id,
+            seq_id,
+            prompt=req.prompt,
+            num_samples=n,
+            sampling_params=req.sampling_params.to_public(),
+            include_prompt_logprobs=bool(req.prompt_logprobs),
+            topk_prompt_logprobs=req.topk_prompt_logprobs,
+            topk_sample_logprobs=req.topk_sample_logprobs,
+            target_prompt_logprobs=target,
+            prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+            prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+            record_stability_info=bool(req.record_stability_info),
+            sequence_ids=promise["sample_sequence_ids"],
+        )
+        if len(resp.sequences) != n:
+            raise RuntimeError(f"backend returned {len(resp.sequences)} sequences for {n} samples")
+        return "proto", proto.encode_sample_response(resp)
+
+    dedupe_key = f"sample|{sampler_id}|seq_id {seq_id}"
+    srv.futures.check_sample_capacity(dedupe_key)
+    return srv.futures.submit(
+        kind="Sample",
+        owner=owner,
+        session_id=session.session_id,
+        dedupe_key=dedupe_key,
+        body=body,
+        work=work,
+        promise_extra=promise_extra,
+    )

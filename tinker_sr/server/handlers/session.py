@@ -1,0 +1,78 @@
+"""Bootstrap, session and future endpoints."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tinker_sr.wire import messages as m
+
+from ..http import body_hash, error, json_reply
+
+if TYPE_CHECKING:
+    from ..app import TinkerServer
+
+
+async def client_config(srv: TinkerServer, request: Request, owner: str) -> Response:
+    await srv.parse(request, m.ClientConfigRequest, "client/config")
+    return json_reply(m.SERVER_CLIENT_CONFIG)
+
+
+async def dynamic_config(srv: TinkerServer, request: Request, owner: str) -> Response:
+    await srv.parse(request, m.ClientConfigRequest, "client/dynamic_config")
+    return json_reply(m.SERVER_DYNAMIC_CONFIG)
+
+
+async def create_session(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, body = await srv.parse(request, m.CreateSessionRequest, "create_session")
+    idem = request.headers.get("x-idempotency-key")
+    if idem:
+        earlier = srv.state.reply(owner, f"create_session|{idem}")
+        if earlier is not None and earlier[0] == body_hash(body):
+            return json_reply(earlier[1])
+    session_id = await srv.backend.create_session(
+        user_metadata=req.user_metadata,
+        project_id=req.project_id,
+        display_name=req.display_name,
+        tags=req.tags,
+    )
+    srv.state.add_session(session_id, owner)
+    reply = {"session_id": session_id, "type": "create_session"}
+    if idem:
+        srv.state.save_reply(owner, f"create_session|{idem}", body_hash(body), reply)
+    return json_reply(reply)
+
+
+async def heartbeat(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, _ = await srv.parse(request, m.SessionHeartbeatRequest, "session_heartbeat")
+    row = srv.sessions.session(req.session_id, owner, active=False)
+    if row.finished is not None:
+        why = srv.sessions.why_finished(row.session_id)
+        return error(410, f"session {req.session_id} is finished ({why})")
+    srv.state.heartbeat(req.session_id)
+    return json_reply({"type": "session_heartbeat"})
+
+
+async def finish_session(srv: TinkerServer, request: Request, owner: str) -> Response:
+    session_id = request.path_params["session_id"]
+    req, _ = await srv.parse(request, m.SessionFinishRequest, "sessions/{id}/finish")
+    srv.sessions.session(session_id, owner, active=False)
+    if srv.state.finish_session(session_id, req.reason.type):
+        srv.sessions.finished(session_id)
+        await srv.backend.close_session(session_id, req.reason.type, req.detail)
+    return Response(status_code=204)
+
+
+async def telemetry(srv: TinkerServer, request: Request, owner: str) -> Response:
+    await srv.body(request)  # accepted and dropped
+    return json_reply({"status": "accepted"})
+
+
+async def retrieve_future(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req, _ = await srv.parse(request, m.FutureRetrieveRequest, "retrieve_future")
+    row = srv.futures.lookup(req.request_id, owner)
+    if row.session_id in srv.sessions.last_seen:
+        srv.sessions.touch(row.session_id)
+    return await srv.futures.answer(row)

@@ -1,0 +1,152 @@
+"""HTTP framing of the Tinker wire protocol: API-key auth, request bodies (size limit, zstd),
+JSON replies, and the mapping of backend errors to HTTP statuses.
+
+Nothing here knows about sessions, models or futures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tinker_sr.engine.errors import EngineNotFoundError
+from tinker_sr.errors import APIStatusError, RequestFailedError
+from tinker_sr.types import RequestErrorCategory
+from tinker_sr.wire import BodyTooLargeError, WireError, proto
+from tinker_sr.wire import messages as m
+
+log = logging.getLogger("tinker_sr.server")
+
+PROTOBUF = "application/x-protobuf"
+
+T = TypeVar("T")
+Handler = Callable[[Request, str], Awaitable[Response]]
+
+
+class HTTPError(Exception):
+    """Answer the request with ``status`` and ``{"detail": detail}``."""
+
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.headers = headers
+
+
+def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def json_reply(obj: Any, status: int = 200) -> Response:
+    return Response(m.dumps(obj), status_code=status, media_type="application/json")
+
+
+def strip_prefix(message: str) -> str:
+    # The SDK prefixes "Request failed: " itself when it raises RequestFailedError.
+    return message.removeprefix("Request failed: ")
+
+
+def body_hash(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def owner_of(request: Request, api_keys: list[bytes]) -> str:
+    """The caller's identity: a hash of its X-API-Key (checked against ``api_keys`` if any)."""
+    key = request.headers.get("x-api-key")
+    if not key:
+        raise HTTPError(
+            401, "missing X-API-Key header; pass api_key='tml-...' or set TINKER_API_KEY"
+        )
+    if api_keys:
+        # Compare against every key so timing does not reveal which one nearly matched.
+        matches = [hmac.compare_digest(key.encode(), k) for k in api_keys]
+        if not any(matches):
+            raise HTTPError(
+                401,
+                "X-API-Key is not accepted by this server (it is not one of the keys "
+                "configured with --api-keys / TINKER_SR_API_KEYS)",
+            )
+    elif not key.startswith("tml-"):
+        raise HTTPError(401, "X-API-Key must start with 'tml-' (e.g. TINKER_API_KEY=tml-local)")
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (before and after zstd decompression)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError(
+            f"request body of {declared} bytes exceeds this server's limit of {limit} bytes "
+            "(--max-body-bytes); send smaller requests"
+        )
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(
+                f"request body exceeds this server's limit of {limit} bytes "
+                "(--max-body-bytes); send smaller requests"
+            )
+        parts.append(chunk)
+    body = b"".join(parts)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "zstd":
+        return proto.zstd_decompress(body, limit)
+    if encoding not in ("", "identity"):
+        raise HTTPError(
+            415, f"Content-Encoding {encoding!r} is not supported; send identity or zstd"
+        )
+    return body
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, EngineNotFoundError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def plain_error(e: Exception) -> tuple[int, str]:
+    """Status and detail for a backend failure on a plain (non-future) call."""
+    if isinstance(e, RequestFailedError):
+        if e.category == RequestErrorCategory.User:
+            return (404 if _is_not_found(e) else 400), strip_prefix(e.message)
+        return 500, strip_prefix(e.message)
+    if isinstance(e, APIStatusError):  # the backend is itself remote: pass it through
+        return e.status_code, e.message
+    if isinstance(e, NotImplementedError):
+        # 400, not 501: the SDK retries every 5xx for minutes before giving up.
+        return 400, f"not supported by this server: {e}"
+    return 500, f"internal server error: {type(e).__name__}: {e}"
+
+
+def endpoint(
+    fn: Handler, owner: Callable[[Request], str] | None
+) -> Callable[[Request], Awaitable[Response]]:
+    """An ASGI handler: authenticate with ``owner`` (``None``: no auth), run ``fn``, and
+    turn every error into its HTTP answer."""
+
+    async def handler(request: Request) -> Response:
+        try:
+            return await fn(request, owner(request) if owner is not None else "")
+        except HTTPError as e:
+            return error(e.status, e.detail, e.headers)
+        except BodyTooLargeError as e:
+            return error(413, str(e))
+        except WireError as e:
+            return error(400, str(e))
+        except Exception as e:  # a backend failure on a plain (non-future) call
+            status, detail = plain_error(e)
+            if status >= 500:
+                log.exception("%s %s failed", request.method, request.url.path)
+            return error(status, detail)
+
+    return handler

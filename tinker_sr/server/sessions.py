@@ -1,0 +1,157 @@
+"""Who owns what, and which sessions are alive.
+
+A session belongs to the API key that created it (a hash of the key is stored), and models
+and samplers belong to sessions. A request naming anything its key does not own gets the same
+404 as a request naming something that does not exist. One exception: a checkpoint its owner
+published may be read by every key (loaded, sampled, copied, its weights info fetched).
+
+Every owned request counts as activity; a session with no heartbeat or request for
+``timeout_s`` is finished as "interrupted" (`Sessions.expire_quiet`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tinker_sr.backend.base import Backend
+from tinker_sr.types import ParsedCheckpointTinkerPath
+
+from .http import HTTPError
+from .state import ServerState, SessionRow
+
+log = logging.getLogger("tinker_sr.server")
+
+
+class Sessions:
+    """Ownership checks, activity tracking and expiry of quiet sessions."""
+
+    def __init__(self, state: ServerState, backend: Backend, timeout_s: float | None) -> None:
+        self.state = state
+        self.backend = backend
+        self.timeout_s = timeout_s
+        # Last request per session (time.time()); heartbeats are also kept in SQLite.
+        self.last_seen: dict[str, float] = {}
+        self._expired: set[str] = set()  # sessions this process finished for inactivity
+        self._started = time.time()
+
+    # ---- activity and expiry ---------------------------------------------------------
+    def touch(self, session_id: str) -> None:
+        self.last_seen[session_id] = time.time()
+
+    def finished(self, session_id: str) -> None:
+        """``session_id`` was finished by its client."""
+        self.last_seen.pop(session_id, None)
+
+    async def expire_quiet(self) -> None:
+        """Finish (as "interrupted") sessions with no heartbeat or request for
+        ``timeout_s``. Time before this process started does not count, so a restart
+        does not expire the sessions of clients that are still running."""
+        timeout = self.timeout_s
+        if timeout is None:
+            return
+        cutoff = time.time() - timeout
+        if self._started >= cutoff:
+            return
+        for session_id in self.state.quiet_sessions(cutoff):
+            if self.last_seen.get(session_id, 0.0) >= cutoff:
+                continue
+            if not self.state.finish_session(session_id, "interrupted"):
+                continue
+            self._expired.add(session_id)
+            self.last_seen.pop(session_id, None)
+            log.info("session %s expired: no heartbeat or request for %.0f s", session_id, timeout)
+            try:
+                await self.backend.close_session(
+                    session_id, "interrupted", f"no heartbeat or request for {timeout:g} s"
+                )
+            except Exception:
+                log.exception("closing expired session %s failed", session_id)
+
+    def why_finished(self, session_id: str) -> str:
+        if session_id in self._expired:
+            return f"it expired after {self.timeout_s:g} s without a heartbeat or request"
+        return "close() was called, or it expired without heartbeats"
+
+    # ---- ownership -------------------------------------------------------------------
+    def session(self, session_id: str, owner: str, *, active: bool = True) -> SessionRow:
+        row = self.state.session(session_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(404, f"unknown session_id {session_id!r}; create a session first")
+        if active and row.finished is not None:
+            raise HTTPError(
+                400,
+                f"session {session_id} is finished ({self.why_finished(session_id)}); start a "
+                "new ServiceClient to keep working",
+            )
+        if row.finished is None:
+            self.touch(session_id)
+        return row
+
+    def model(self, model_id: str, owner: str) -> SessionRow:
+        row = self.state.model_session(model_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(404, f"unknown model_id {model_id!r}; create a training client first")
+        if row.finished is not None:
+            raise HTTPError(
+                400,
+                f"model {model_id} belongs to finished session {row.session_id} "
+                f"({self.why_finished(row.session_id)}); load its checkpoint from a new "
+                "ServiceClient",
+            )
+        self.touch(row.session_id)
+        return row
+
+    def sampler(self, sampler_id: str, owner: str) -> SessionRow:
+        row = self.state.sampler_session(sampler_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(
+                404, f"unknown sampling_session_id {sampler_id!r}; create a sampling client first"
+            )
+        if row.finished is not None:
+            raise HTTPError(
+                400,
+                f"sampler {sampler_id} belongs to finished session {row.session_id} "
+                f"({self.why_finished(row.session_id)})",
+            )
+        self.touch(row.session_id)
+        return row
+
+    def run_owned(self, run_id: str, owner: str) -> None:
+        row = self.state.model_session(run_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(404, f"unknown training run {run_id!r}")
+
+    def checkpoint_path(
+        self, path: str, owner: str, *, field: str = "path"
+    ) -> ParsedCheckpointTinkerPath:
+        try:
+            parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        except ValueError:
+            raise HTTPError(
+                400,
+                f"{field} {path!r} is not a checkpoint path; expected "
+                "tinker://<run_id>/<weights|sampler_weights>/<name>",
+            ) from None
+        row = self.state.model_session(parsed.training_run_id)
+        if row is None or row.owner != owner:
+            raise HTTPError(404, f"checkpoint {path} does not exist")
+        return parsed
+
+    async def readable_checkpoint(
+        self, path: str, owner: str, *, field: str = "path"
+    ) -> ParsedCheckpointTinkerPath:
+        """A checkpoint this key may read: one of its own, or one its owner published.
+        Anything else gets the same 404 as a checkpoint that does not exist."""
+        try:
+            return self.checkpoint_path(path, owner, field=field)
+        except HTTPError as e:
+            if e.status != 404:
+                raise
+            try:
+                public = (await self.backend.get_checkpoint(path)).public
+            except Exception:
+                public = False
+            if not public:
+                raise
+            return ParsedCheckpointTinkerPath.from_tinker_path(path)
