@@ -1,0 +1,71 @@
+"""Threading defaults: passive OpenMP waits set before torch loads; threads sized to the CPUs
+the process may use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinker_sr.engine import cpu
+
+
+def _run(code: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_sets_passive_waits_before_torch_loads() -> None:
+    code = "import os, sys, tinker_sr; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
+    assert _run(code) == "False PASSIVE"
+
+
+def test_a_users_wait_policy_wins() -> None:
+    code = "import os, tinker_sr; print(os.environ['OMP_WAIT_POLICY'])"
+    assert _run(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+
+
+def test_available_cpus_follows_the_affinity_mask() -> None:
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    first = min(os.sched_getaffinity(0))
+    code = (
+        f"import os; os.sched_setaffinity(0, {{{first}}}); "
+        "from tinker_sr.engine.cpu import available_cpus; print(available_cpus())"
+    )
+    assert _run(code) == "1"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000", 1)]
+)
+def test_cgroup_quota(tmp_path: Path, text: str, expected: int | None) -> None:
+    f = tmp_path / "cpu.max"
+    f.write_text(text)
+    assert cpu._cgroup_quota_cpus(f) == expected
+    assert cpu._cgroup_quota_cpus(tmp_path / "absent") is None
+
+
+def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.THREADS_ENV, "3")
+    assert cpu.default_torch_threads() == 3
+    monkeypatch.setenv(cpu.THREADS_ENV, "zero")
+    with pytest.raises(ValueError, match="TINKER_SR_TORCH_THREADS must be a positive integer"):
+        cpu.default_torch_threads()
+    monkeypatch.delenv(cpu.THREADS_ENV)
+    assert cpu.default_torch_threads() == cpu.available_cpus()
+
+
+def test_machine_facts() -> None:
+    flags = cpu.isa_flags()
+    assert set(flags) <= set(cpu._REPORTED_FLAGS)
+    assert cpu.has_fast_bf16() == any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+    line = cpu.describe_machine()
+    assert line.startswith("CPU: ") and "usable CPUs: " in line

@@ -1,0 +1,123 @@
+"""CPU facts (model, ISA flags, fast bf16) and threading defaults: threads sized to the cores
+this process may really use, and no spinning.
+
+Two things make a small-model engine collapse on a busy machine (a server beside its client,
+a training script beside a browser, CI runners sharing cores):
+
+* OpenMP worker threads that busy-wait between parallel regions. libgomp's default spins for
+  a while before sleeping; with another runnable process on the core the spinning thread
+  burns the time slice the real work needed (measured: a 4x32 sample went from 0.40 s to
+  3.5 s with one competing process per core; with passive waits, 0.55 s).
+  ``OMP_WAIT_POLICY=PASSIVE`` must be in the environment before the OpenMP runtime loads,
+  i.e. before ``import torch``: ``import tinker_sr`` calls `prefer_passive_waits`, which sets
+  it unless the user did; child processes (a spawned server) inherit it. A program that
+  imports torch before tinker_sr keeps torch's default (set the variable yourself then).
+* More threads than cores: the default counts the CPUs of the machine, not the ones this
+  process may run on (CPU affinity, a cgroup quota of a container).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+__all__ = [
+    "available_cpus",
+    "cpu_model",
+    "default_torch_threads",
+    "describe_machine",
+    "has_fast_bf16",
+    "isa_flags",
+    "prefer_passive_waits",
+]
+
+THREADS_ENV = "TINKER_SR_TORCH_THREADS"
+
+
+def _cgroup_quota_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """CPUs allowed by a cgroup v2 quota ("max 100000" = unlimited), rounded up; None if none."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota_cpus()
+    return max(1, min(cpus, quota) if quota else cpus)
+
+
+def default_torch_threads() -> int:
+    """``$TINKER_SR_TORCH_THREADS`` when set (a positive integer), else `available_cpus`."""
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if not env:
+        return available_cpus()
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
+    return int(env)
+
+
+def prefer_passive_waits() -> bool:
+    """Ask OpenMP to sleep, not spin, when idle. Returns whether it can still take effect
+    (False once torch, and with it the OpenMP runtime, is already loaded)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return "torch" not in sys.modules
+
+
+# The ISA extensions that decide matmul speed here, in the order they are reported.
+_REPORTED_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def _cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_model() -> str:
+    import platform
+
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def isa_flags() -> list[str]:
+    """The reported ISA extensions (`_REPORTED_FLAGS`) this CPU has, from /proc/cpuinfo."""
+    have = set(_cpuinfo_field("flags").split())
+    return [f for f in _REPORTED_FLAGS if f in have]
+
+
+def has_fast_bf16() -> bool:
+    """True when bf16 matmuls run in hardware (AMX or AVX512-BF16), i.e. where a bf16
+    compute dtype is a speed-up rather than an emulation."""
+    return any(f in isa_flags() for f in _BF16_FLAGS)
+
+
+def describe_machine() -> str:
+    """One line for benchmark reports: CPU model, ISA flags, usable CPUs, torch version."""
+    import torch
+
+    return (
+        f"CPU: {cpu_model()} | flags: {' '.join(isa_flags()) or '-'} | usable CPUs: "
+        f"{available_cpus()} | load avg: {os.getloadavg()[0]:.2f} | torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
