@@ -55,6 +55,8 @@ DELIBERATE: dict[str, str] = {
     "ServiceClient.close": "ours defaults status='success' (superset of the SDK's)",
     # tinker_sr addition (documented on the method): one checkpoint's metadata.
     "RestClient.get_checkpoint_by_tinker_path": "tinker_sr extra",
+    # tinker_sr addition: which path stable_reinforce took (native or lowered; issue 13).
+    "ServiceClient.stable_reinforce_path": "tinker_sr extra",
     # Session / account endpoints our server does not offer.
     **{
         f"RestClient.{m}": "session/account endpoint our server does not offer"
@@ -78,7 +80,9 @@ DELIBERATE: dict[str, str] = {
 # Extra parameters of ours, ignored when comparing a signature.
 DELIBERATE_EXTRA_PARAMS: dict[str, set[str]] = {
     # ``backend=`` picks the embedded engine, a remote server or a Backend instance.
-    "ServiceClient.__init__": {"backend"},
+    # ``stable_reinforce_lowering=`` forces or forbids lowering stable_reinforce to
+    # cross_entropy on services without it (docs/stable_reinforce.md).
+    "ServiceClient.__init__": {"backend", "stable_reinforce_lowering"},
 }
 
 # ---- known gaps (NOT deliberate): fix, then delete the entry ----------------------------------

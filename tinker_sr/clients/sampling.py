@@ -10,6 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from tinker_sr import types
+from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientHolder, make_backend, warn_deprecated
 from tinker_sr.futures import BackcompatConcurrentFuture
 
@@ -82,8 +83,15 @@ class SamplingClient:
         with self._lock:
             seq_id = next(self._seq)
         backend = self.holder.backend
-        fut = self.holder.run(
-            backend.sample(
+        # StableReinforce lowering keeps what it needs of these samples client-side.
+        lowering = sr_lowering.session_of(self.holder)
+        plan = lowering.plan_sample(
+            self.record_stability_info, sampling_params, topk_sample_logprobs
+        )
+        holder = self.holder
+
+        async def run() -> types.SampleResponse:
+            response = await backend.sample(
                 self.sampler_id,
                 seq_id,
                 prompt=prompt,
@@ -91,14 +99,18 @@ class SamplingClient:
                 sampling_params=sampling_params,
                 include_prompt_logprobs=include_prompt_logprobs,
                 topk_prompt_logprobs=topk_prompt_logprobs,
-                topk_sample_logprobs=topk_sample_logprobs,
+                topk_sample_logprobs=plan.topk,
                 target_prompt_logprobs=target_prompt_logprobs,
                 prompt_alt_tokens_k=prompt_alt_tokens_k,
                 prompt_logprobs_last_n=prompt_logprobs_last_n,
                 record_stability_info=self.record_stability_info,
             )
-        )
-        return BackcompatConcurrentFuture(fut)
+            if not plan.keep:
+                return response
+            session_id = await holder.session_id()
+            return lowering.record_sample(plan, session_id, prompt, sampling_params, response)
+
+        return BackcompatConcurrentFuture(self.holder.run(run()))
 
     def compute_logprobs(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None

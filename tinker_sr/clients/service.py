@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tinker_sr import types
 from tinker_sr.backend.base import Backend
+from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.creation import (
     BackcompatSamplingClientFuture,
     BackcompatTrainingClientFuture,
@@ -25,6 +26,7 @@ from tinker_sr.clients.holder import (
     warn_deprecated,
 )
 from tinker_sr.clients.sampling import SamplingClient
+from tinker_sr.clients.sr_lowering import LoweringMode, LoweringOptions
 from tinker_sr.clients.training import TrainingClient
 from tinker_sr.errors import TinkerError
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
@@ -63,6 +65,12 @@ class ServiceClient:
     defaults to ``"tml-local"``, which a tinker_sr server accepts unless it was started
     with ``--api-keys``. Unlike the official SDK, ``close()``'s ``status`` defaults to
     ``"success"``.
+
+    ``stable_reinforce_lowering``: on a service without ``stable_reinforce``, the client
+    lowers it to weighted ``cross_entropy`` (same gradient; docs/stable_reinforce.md).
+    ``"auto"`` (default, or ``$TINKER_SR_LOWERING``) decides from the service's answers,
+    ``"always"`` forces the lowering, ``"never"`` forbids it; a `LoweringOptions` also picks
+    the target form and the top-k used for client-side draws.
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class ServiceClient:
         api_key: str | None = None,
         default_headers_overrides: Mapping[str, str] | None = None,
         backend: Backend | Literal["local", "remote"] | None = None,
+        stable_reinforce_lowering: LoweringOptions | LoweringMode | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -101,7 +110,14 @@ class ServiceClient:
             display_name=display_name,
             owns_backend=url is not None,
         )
+        sr_lowering.configure(self.holder, stable_reinforce_lowering)
         self._close_future: APIFuture[None] | None = None
+
+    @property
+    def stable_reinforce_path(self) -> str | None:
+        """How ``stable_reinforce`` ran in this session: ``"native"``, ``"lowered-2d"``,
+        ``"lowered-1d"`` (see `LoweringOptions`), or None before its first use."""
+        return sr_lowering.session_of(self.holder).path
 
     def __repr__(self) -> str:
         where = self.holder.base_url or "embedded engine"

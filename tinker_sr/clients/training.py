@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types
+from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientHolder, blocking_result, log, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
@@ -30,6 +31,23 @@ CustomLossFnV1 = Callable[
 _POISONED = (
     "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."
 )
+
+
+class _Turn:
+    """A call's place in its TrainingClient's order: sequence numbers are taken in call order,
+    and the next call starts taking only after this one releases its turn."""
+
+    def __init__(self, client: TrainingClient, issued: concurrent.futures.Future[None]) -> None:
+        self._client = client
+        self._issued = issued
+
+    def take(self, n: int) -> list[int]:
+        with self._client._lock:
+            return [next(self._client._seq) for _ in range(n)]
+
+    def release(self) -> None:
+        if not self._issued.done():
+            self._issued.set_result(None)
 
 
 class TrainingClient:
@@ -55,15 +73,28 @@ class TrainingClient:
     def _submit(
         self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]
     ) -> concurrent.futures.Future[T]:
-        """Reserve ``n_seq`` sequence numbers now and run ``body`` after earlier calls issued."""
+        """Run ``body`` with the next ``n_seq`` sequence numbers, after earlier calls issued."""
+
+        async def fixed(turn: _Turn) -> T:
+            return await body(turn.take(n_seq))
+
+        return self._submit_turn(fixed, release_after_start=True)
+
+    def _submit_turn(
+        self, body: Callable[[_Turn], Awaitable[T]], *, release_after_start: bool = False
+    ) -> concurrent.futures.Future[T]:
+        """Run ``body`` in call order. It takes its sequence numbers from the `_Turn` as it
+        goes (so it may decide how many it needs from earlier answers); the next call starts
+        once it calls ``turn.release()`` (or right after it started, with
+        ``release_after_start``), or ends."""
         self.holder.check_open()
         if self._poisoned:
             raise RuntimeError(_POISONED)
         with self._lock:
-            seq_ids = [next(self._seq) for _ in range(n_seq)]
             prev = self._prev_issued
             issued: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._prev_issued = issued
+        turn = _Turn(self, issued)
 
         async def run() -> T:
             try:
@@ -71,12 +102,15 @@ class TrainingClient:
                     await asyncio.wrap_future(prev)
                 if self._poisoned:
                     raise RuntimeError(_POISONED)
-                task = asyncio.ensure_future(body(seq_ids))
+                task = asyncio.ensure_future(body(turn))
+                task.add_done_callback(lambda _: turn.release())
                 # Let the body issue its request before the next call may issue its own.
                 await asyncio.sleep(0)
-            finally:
-                if not issued.done():
-                    issued.set_result(None)
+                if release_after_start:
+                    turn.release()
+            except BaseException:
+                turn.release()
+                raise
             return await task
 
         return self.holder.run(run())
@@ -116,6 +150,18 @@ class TrainingClient:
         data = list(data)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
         backend = self.holder.backend
+        if loss_fn == "stable_reinforce":  # natively or lowered, as the service allows
+            lowering = sr_lowering.session_of(self.holder)
+            holder = self.holder
+
+            async def stable_reinforce(turn: _Turn) -> types.ForwardBackwardOutput:
+                session_id = await holder.session_id()
+                return await lowering.forward_backward(
+                    backend, self.model_id, session_id, turn, data, config,
+                    forward_only=forward_only,
+                )  # fmt: skip
+
+            return AwaitableConcurrentFuture(self._submit_turn(stable_reinforce))
         return self._api(
             1,
             lambda s: backend.forward_backward(

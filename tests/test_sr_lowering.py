@@ -1,0 +1,230 @@
+"""StableReinforce lowered by the client to weighted cross_entropy (issue 13).
+
+Same datums, same draws: native ``stable_reinforce`` and the lowered form (2-D targets, and
+one 1-D call per column) must give the same gradients (read back exactly: with beta1 = 0
+Adam's first moment after one step *is* the gradient, and save_state writes it), the same
+weights after ``optim_step``, the same outputs and the same metrics. Client-side draws must
+follow the sampler's distribution like the engine's own draws (chi-square).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import tinker_sr as tinker
+from tests.engine.test_sampler import chi2_pvalue
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.clients import sr_lowering
+from tinker_sr.clients.sr_lowering import LoweringOptions, client_draws
+from tinker_sr.provenance import build_datum
+
+MODEL = "tinker-sr/tiny"
+PROMPT = list(b"Q: 2+2=")
+KL = {"kl_coeff": 0.05}
+# Gradients of the 1-D path are sums of K+1 backward passes: equal up to float32 rounding.
+GRAD_TOL = 1e-6  # relative to the largest gradient entry of the model
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> Iterator[tuple[tinker.ServiceClient, Path]]:
+    store = tmp_path / "store"
+    backend = LocalBackend(store)
+    client = tinker.ServiceClient(backend=backend, stable_reinforce_lowering="never")
+    yield client, store
+    client.close().result()
+    backend.close()
+
+
+def _data(sc: tinker.SamplingClient, seed: int = 1) -> list[types.Datum]:
+    res = sc.sample(
+        types.ModelInput.from_ints(PROMPT),
+        4,
+        types.SamplingParams(max_tokens=6, seed=seed, stop=[]),
+    ).result()
+    rng = np.random.default_rng(seed)
+    # Per-token advantages, one sequence with all-zero advantages (KL term only).
+    advs = [rng.normal(size=len(s.tokens)).tolist() for s in res.sequences[:-1]] + [0.0]
+    return [build_datum(PROMPT, s, a) for s, a in zip(res.sequences, advs, strict=True)]
+
+
+def _step_and_read(
+    tc: tinker.TrainingClient, store: Path, name: str, data: list[types.Datum]
+) -> tuple[types.ForwardBackwardOutput, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """forward_backward + one Adam step with beta1 = 0 → (output, gradients, new weights)."""
+    out = tc.forward_backward(data, "stable_reinforce", KL).result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=0.0)).result()
+    tc.save_state(name).result()
+    tensors = load_file(str(next(store.rglob(f"{name}.safetensors"))))
+    grads = {
+        k[len("optim.") : -len(".exp_avg")]: v for k, v in tensors.items() if k.endswith(".exp_avg")
+    }
+    weights = {k[len("lora.") :]: v for k, v in tensors.items() if k.startswith("lora.")}
+    return out, grads, weights
+
+
+def assert_same_training(
+    ref: tuple[types.ForwardBackwardOutput, dict[str, np.ndarray], dict[str, np.ndarray]],
+    got: tuple[types.ForwardBackwardOutput, dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> None:
+    (out_a, g_a, w_a), (out_b, g_b, w_b) = ref, got
+    assert g_a.keys() == g_b.keys() and w_a.keys() == w_b.keys()
+    scale = max(float(np.abs(g).max()) for g in g_a.values())
+    assert scale > 0
+    worst = max(float(np.abs(g_a[k] - g_b[k]).max()) for k in g_a) / scale
+    assert worst <= GRAD_TOL, worst
+    for k in w_a:
+        np.testing.assert_allclose(w_b[k], w_a[k], rtol=0, atol=1e-6)
+    for a, b in zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs, strict=True):
+        np.testing.assert_array_equal(b["logprobs"].to_numpy(), a["logprobs"].to_numpy())
+    assert out_b.metrics.keys() >= out_a.metrics.keys()
+    for key, value in out_a.metrics.items():
+        assert out_b.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_lowered_equals_native_on_the_embedded_engine(
+    embedded: tuple[tinker.ServiceClient, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    client, store = embedded
+    tcs = [client.create_lora_training_client(MODEL, rank=4, seed=0).result() for _ in range(3)]
+    sc = tcs[0].save_weights_and_get_sampling_client(record_stability_info=True).result()
+    data = _data(sc)
+    state = sr_lowering.session_of(client.holder)
+    results = {}
+    with caplog.at_level(logging.WARNING, logger="tinker_sr"):
+        for tc, (mode, targets) in zip(
+            tcs, (("never", "auto"), ("always", "2d"), ("always", "1d")), strict=True
+        ):
+            state.options = LoweringOptions(mode=mode, targets=targets)  # type: ignore[arg-type]
+            results[(mode, targets)] = _step_and_read(tc, store, f"{mode}-{targets}", data)
+            assert (
+                client.stable_reinforce_path
+                == {
+                    "auto": "native",
+                    "2d": "lowered-2d",
+                    "1d": "lowered-1d",
+                }[targets]
+            )
+    native = results[("never", "auto")]
+    # The engine's draws are used: the lowered form has no tail mass to report.
+    assert "draw_tail_mass:mean" not in results[("always", "2d")][0].metrics
+    assert_same_training(native, results[("always", "2d")])
+    assert_same_training(native, results[("always", "1d")])
+    # The 2-D path is one cross_entropy over the same logit gradient: bit-identical.
+    for k, g in native[1].items():
+        np.testing.assert_array_equal(results[("always", "2d")][1][k], g)
+    said = [r.getMessage() for r in caplog.records if "lowered by the client" in r.getMessage()]
+    assert len(said) == 2 and "2-D targets" in said[0] and "1-D targets" in said[1]
+
+
+def test_auto_mode_probes_once_and_runs_natively_here(
+    embedded: tuple[tinker.ServiceClient, Path],
+) -> None:
+    client, _ = embedded
+    state = sr_lowering.session_of(client.holder)
+    state.options = LoweringOptions(mode="auto")
+    tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    data = _data(sc)
+    before = tc.forward(data, "stable_reinforce", KL).result()
+    assert state.caps.native is True and client.stable_reinforce_path == "native"
+    # The probe changed nothing: the same forward gives the same values.
+    again = tc.forward(data, "stable_reinforce", KL).result()
+    assert again.metrics == before.metrics
+    # Once a native call went through, samples are no longer recorded client-side.
+    plan = state.plan_sample(True, types.SamplingParams(max_tokens=2), 0)
+    assert not plan.keep and plan.topk == 0
+
+
+def test_client_side_provenance_validation(embedded: tuple[tinker.ServiceClient, Path]) -> None:
+    client, _ = embedded
+    sr_lowering.session_of(client.holder).options = LoweringOptions(mode="always")
+    tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    d = _data(sc)[0]
+    targets = d.loss_fn_inputs["target_tokens"].tolist()
+    targets[-1] = (targets[-1] + 1) % 256
+    bad = types.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={**d.loss_fn_inputs, "target_tokens": targets},
+        model_input_spans=d.model_input_spans,
+        loss_fn_input_spans=d.loss_fn_input_spans,
+    )
+    with pytest.raises(tinker.RequestFailedError, match="recorded sampled token") as e:
+        tc.forward_backward([bad], "stable_reinforce").result()
+    assert e.value.category == types.RequestErrorCategory.User
+    with pytest.raises(tinker.RequestFailedError, match="kl_coeff"):
+        tc.forward_backward([d], "stable_reinforce", {"kl_coeff": -1.0}).result()
+    # The client keeps working after a refused request.
+    tc.forward_backward([d], "stable_reinforce").result()
+
+
+def _first_position_draws(
+    client: tinker.ServiceClient, backend: LocalBackend, n: int, top_k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """n one-token samples at temperature 0.8, top_k: (q over its support, support ids,
+    client draws, engine draws, client tail masses)."""
+    tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    params = types.SamplingParams(max_tokens=1, seed=123, temperature=0.8, top_k=top_k, stop=[])
+    res = sc.sample(types.ModelInput.from_ints(PROMPT), n, params, topk_sample_logprobs=top_k)
+    seqs = res.result().sequences
+    top = seqs[0].topk_logprobs_np
+    assert top is not None and top.token_ids.shape[1] == top_k  # trimmed back to the request
+    support = np.asarray(top.token_ids[0], dtype=np.int64)
+    q = np.exp(np.asarray(top.logprobs[0], dtype=np.float64))
+    state = sr_lowering.session_of(client.holder)
+    ours = np.stack([state.records.get(s.sequence_id).draws[0] for s in seqs])  # type: ignore[union-attr]
+    engine = np.stack([backend.store.get(s.sequence_id).draws[0] for s in seqs])  # type: ignore[union-attr]
+    tails = np.stack([state.records.tail(s.sequence_id) for s in seqs])  # type: ignore[misc]
+    return q, support, ours, engine, tails
+
+
+def test_client_draws_follow_q_like_the_engine_draws(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker.ServiceClient(
+        backend=backend, stable_reinforce_lowering=LoweringOptions(mode="always")
+    )
+    try:
+        q, support, ours, engine, tails = _first_position_draws(client, backend, n=400, top_k=12)
+    finally:
+        client.close().result()
+        backend.close()
+    assert ours.shape == engine.shape == (400, 8)
+    assert np.all(tails == 0)  # top_k <= k: the head is q's whole support
+    assert abs(q.sum() - 1) < 1e-5
+    for draws in (ours, engine):
+        assert np.isin(draws, support).all()
+        counts = np.array([(draws == t).sum() for t in support])
+        assert chi2_pvalue(counts, draws.size * q) > 1e-3
+    # Independent streams: the client's draws are not the engine's.
+    assert not np.array_equal(ours, engine)
+
+
+def test_client_draws_report_the_missing_tail() -> None:
+    p = np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    ids = np.array([[7, 3, 9]])
+    lps = np.log(p[:3])[None, :].astype(np.float32)
+    draws, tail = client_draws(ids, lps, 20_000, np.random.default_rng(0))
+    assert tail[0] == pytest.approx(0.2, abs=1e-6)
+    counts = np.array([(draws == t).sum() for t in (7, 3, 9)])
+    assert chi2_pvalue(counts, draws.size * p[:3] / 0.8) > 1e-3
+    # An empty cell means the head is the whole support; top_k <= k says the same.
+    padded_ids = np.array([[7, 3, 0]])
+    padded = np.array([[np.log(0.6), np.log(0.4), -99999.0]], dtype=np.float32)
+    assert client_draws(padded_ids, padded, 4, np.random.default_rng(0))[1][0] == 0
+    assert client_draws(ids, lps, 4, np.random.default_rng(0), sampling_top_k=3)[1][0] == 0
+
+
+def test_lowering_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="'auto', 'always' or 'never'"):
+        LoweringOptions(mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="targets"):
+        LoweringOptions(targets="3d")  # type: ignore[arg-type]
+    assert LoweringOptions.parse("always").mode == "always"

@@ -1,0 +1,801 @@
+"""StableReinforce on any Tinker-compatible engine: the client lowers it to ``cross_entropy``.
+
+With the sampler's logprobs fixed, the StableReinforce surrogate (spec/losses.md §2.3) is
+linear in the learner's log-probabilities, so its gradient is the gradient of a weighted
+cross-entropy over the sampled token and the K draws of each sampled position: weight
+``A_t + β`` on ``x_t``, ``-A_t / K_t`` on each valid draw ``y_{t,k}`` (``K_t`` = the number of
+valid draws of that row), nothing elsewhere. A service without ``stable_reinforce`` gets one
+``cross_entropy`` call with 2-D targets ``[N, 1+K]`` or, if it refuses 2-D targets, one 1-D
+call per column (gradients accumulate until ``optim_step``). The loss value and the
+diagnostics are computed here from the returned logprobs, with the engine's formulas.
+
+Draws: the embedded engine's recorded draws when it has them; otherwise K i.i.d. draws made
+here, from an independent stream, from the sampler's top-k distribution returned with each
+sample (``topk_sample_logprobs``). That is exact when the sampler's support fits in the
+returned k (``top_k <= k``, or fewer than k tokens left after top-p); otherwise the draws come
+from the renormalised head and the missing tail mass is reported per step
+(``draw_tail_mass:{mean,max}``).
+
+Capabilities are learned per session from the service's answers, once, and the path taken is
+logged once. This module uses numpy only (no torch, no engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+import numpy as np
+
+from tinker_sr import types
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.errors import APIStatusError, RequestFailedError, TinkerError
+from tinker_sr.provenance.validate import (
+    RECORD_TTL_SECONDS,
+    DatumSpans,
+    ProvenanceView,
+    SequenceRecord,
+    validate_provenance,
+)
+from tinker_sr.types.topk_logprobs import MASK_LOGPROB
+
+if TYPE_CHECKING:
+    from tinker_sr.backend.base import Backend
+
+__all__ = [
+    "DEFAULT_DRAW_TOPK",
+    "DRAWS_K",
+    "LoweringMode",
+    "LoweringOptions",
+    "SessionLowering",
+    "TargetsMode",
+    "client_draws",
+    "configure",
+    "lowered_inputs",
+    "session_of",
+]
+
+log = logging.getLogger("tinker_sr")
+
+LoweringMode = Literal["auto", "always", "never"]
+TargetsMode = Literal["auto", "2d", "1d"]
+Path = Literal["native", "lowered-2d", "lowered-1d"]
+
+DRAWS_K = 8
+"""Draws per sampled position, as the engine records (spec/losses.md §2.3)."""
+
+DEFAULT_DRAW_TOPK = 20
+"""Top-k asked of the sampler for client-side draws when sampling has no top_k limit (the
+usual cap of hosted logprob APIs)."""
+
+_ENV_MODE = "TINKER_SR_LOWERING"
+_DEFAULT_KL = 0.01
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """How ``stable_reinforce`` runs on this session's service.
+
+    ``mode``: ``"auto"`` runs it natively when the service implements it, else lowers it;
+    ``"always"`` lowers even on a service that has it (to compare the two); ``"never"``
+    always sends it natively (a service without it then fails the request).
+    ``targets``: lowered form; ``"auto"`` uses 2-D targets when the service takes them.
+    ``draw_topk``: k asked of the sampler for client-side draws (None: the sampling
+    ``top_k`` when it is set, else `DEFAULT_DRAW_TOPK`).
+    """
+
+    mode: LoweringMode = "auto"
+    targets: TargetsMode = "auto"
+    draw_topk: int | None = None
+    draws_k: int = DRAWS_K
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "always", "never"):
+            raise ValueError(
+                f"stable_reinforce lowering mode must be 'auto', 'always' or 'never', got "
+                f"{self.mode!r}"
+            )
+        if self.targets not in ("auto", "2d", "1d"):
+            raise ValueError(f"targets must be 'auto', '2d' or '1d', got {self.targets!r}")
+        if self.draw_topk is not None and self.draw_topk < 1:
+            raise ValueError(f"draw_topk must be >= 1 (or None), got {self.draw_topk}")
+        if self.draws_k < 1:
+            raise ValueError(f"draws_k must be >= 1, got {self.draws_k}")
+
+    @classmethod
+    def parse(cls, value: LoweringOptions | str | None) -> LoweringOptions:
+        """An options object, a mode name, or None (``$TINKER_SR_LOWERING``, else auto)."""
+        if isinstance(value, LoweringOptions):
+            return value
+        mode = value if value is not None else (os.environ.get(_ENV_MODE) or "auto")
+        return cls(mode=cast(LoweringMode, mode))
+
+
+# ---- client-side records and draws --------------------------------------------------------
+
+
+def client_draws(
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    k: int,
+    rng: np.random.Generator,
+    *,
+    sampling_top_k: int = -1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``k`` i.i.d. draws per row from the distribution whose head is given → (int32 draws
+    ``[T, k]``, float32 tail mass ``[T]``).
+
+    ``topk_ids``/``topk_logprobs`` are the sampler's ``[T, k']`` top entries of log q (empty
+    cells hold ``(0, MASK_LOGPROB)``). The draws come from the head renormalised; the tail
+    mass is what that leaves out: exactly 0 when the head is q's whole support (an empty
+    cell, or ``0 < sampling_top_k <= k'``), else ``1 - Σ head``. A row with no head gets
+    -1 draws and tail mass 1.
+    """
+    ids = np.asarray(topk_ids, dtype=np.int64)
+    lps = np.asarray(topk_logprobs, dtype=np.float64)
+    filled = np.isfinite(lps) & (lps > MASK_LOGPROB / 2)
+    p = np.where(filled, np.exp(np.where(filled, lps, 0.0)), 0.0)
+    mass = p.sum(axis=1)
+    complete = (~filled).any(axis=1) | (0 < sampling_top_k <= ids.shape[1])
+    tail = np.where(complete, 0.0, np.clip(1.0 - mass, 0.0, 1.0))
+    tail = np.where(mass > 0, tail, 1.0)
+    cdf = np.cumsum(p, axis=1)
+    u = rng.random((ids.shape[0], k)) * mass[:, None]
+    col = np.empty((ids.shape[0], k), dtype=np.int64)
+    for t in range(ids.shape[0]):
+        col[t] = np.searchsorted(cdf[t], u[t], side="right")
+    # u * mass can round to mass: clamp to the last filled cell.
+    last = np.where(filled.any(axis=1), ids.shape[1] - 1 - np.argmax(filled[:, ::-1], axis=1), 0)
+    col = np.minimum(col, last[:, None])
+    draws = np.take_along_axis(ids, col, axis=1)
+    draws[mass <= 0] = -1
+    return draws.astype(np.int32), tail.astype(np.float32)
+
+
+def _draw_rng(seed: int | None, row: int) -> np.random.Generator:
+    """An independent stream per (seed, row): never the sampler's own token stream."""
+    if seed is None:
+        return np.random.default_rng()
+    ss = np.random.SeedSequence([int(seed) % 2**63, row, 0x5EED_D7A5])
+    return np.random.Generator(np.random.PCG64(ss))
+
+
+class _Records:
+    """The sequences this session sampled with ``record_stability_info``: a `SequenceLookup`
+    for the one provenance validator, plus the tail mass of client-side draws."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, SequenceRecord] = {}
+        self._tail: dict[str, np.ndarray] = {}
+
+    def put(self, record: SequenceRecord, tail: np.ndarray | None) -> None:
+        with self._lock:
+            self._evict(time.time())
+            self._records[record.sequence_id] = record
+            if tail is not None:
+                self._tail[record.sequence_id] = tail
+
+    def get(self, sequence_id: str) -> SequenceRecord | None:
+        with self._lock:
+            return self._records.get(sequence_id)
+
+    def tail(self, sequence_id: str) -> np.ndarray | None:
+        with self._lock:
+            return self._tail.get(sequence_id)
+
+    def touch(self, ids: set[str], now: float) -> None:
+        with self._lock:
+            for sid in ids:
+                rec = self._records.get(sid)
+                if rec is not None:
+                    self._records[sid] = replace(rec, last_used_at=now)
+
+    def _evict(self, now: float) -> None:
+        # Records expire like the engine's: a day after their last use.
+        stale = [k for k, r in self._records.items() if now - r.last_used_at > RECORD_TTL_SECONDS]
+        for k in stale:
+            self._records.pop(k, None)
+            self._tail.pop(k, None)
+
+
+class _Lookup:
+    """Engine records when the backend is the embedded engine (its draws), else ours."""
+
+    def __init__(self, engine: Any, ours: _Records) -> None:
+        self.engine = engine
+        self.ours = ours
+
+    def get(self, sequence_id: str) -> SequenceRecord | None:
+        if self.engine is not None:
+            rec = self.engine.get(sequence_id)
+            if rec is not None and rec.draws is not None:
+                return cast(SequenceRecord, rec)
+        return self.ours.get(sequence_id)
+
+
+def _engine_records(backend: Any) -> Any:
+    """The embedded engine's sequence store (it records the draws), or None (a remote
+    service keeps its draws to itself)."""
+    store = getattr(backend, "store", None)
+    return store if callable(getattr(store, "get", None)) else None
+
+
+# ---- the lowering --------------------------------------------------------------------------
+
+
+@dataclass
+class _LoweredDatum:
+    """One datum in lowered form: the cross_entropy targets/weights and what the loss
+    value needs (numpy, float64 where arithmetic happens)."""
+
+    targets: np.ndarray  # int64 [N, 1+K]
+    weights: np.ndarray  # float32 [N, 1+K]
+    sampled: np.ndarray  # bool [N]
+    valid: np.ndarray  # bool [N, K]
+    lq: np.ndarray  # float64 [N]
+    adv: np.ndarray  # float64 [N]
+    tail: np.ndarray  # float64 [N]; NaN where the draws are the engine's (no tail)
+
+
+def _user_error(message: str) -> RequestFailedError:
+    return RequestFailedError(
+        f"Request failed: {message}", request_id="", category=types.RequestErrorCategory.User
+    )
+
+
+def _kl_coeff(config: Mapping[str, float | str] | None) -> float:
+    cfg = dict(config or {})
+    unknown = sorted(set(cfg) - {"kl_coeff"})
+    if unknown:
+        raise _user_error(
+            f"loss_fn_config key {unknown[0]!r} is not accepted by stable_reinforce "
+            "(accepted keys: kl_coeff); remove it"
+        )
+    value = cfg.get("kl_coeff", _DEFAULT_KL)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _user_error(f"loss_fn_config['kl_coeff'] must be a number, got {value!r}")
+    beta = float(value)
+    if not math.isfinite(beta) or beta < 0:
+        raise _user_error(
+            f"loss_fn_config['kl_coeff'] must be finite and >= 0, got {beta}; use 0 to switch "
+            "the KL term off"
+        )
+    return beta
+
+
+def _inputs(i: int, d: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(input tokens, target tokens, sampler logprobs, advantages) of datum ``i``."""
+    lfi = d.loss_fn_inputs
+    accepted = ("target_tokens", "logprobs", "advantages")
+    for key in lfi:
+        if key not in accepted:
+            raise _user_error(
+                f"datum {i}: loss_fn_inputs key {key!r} is not used by stable_reinforce "
+                f"(accepted: {', '.join(accepted)}); remove it"
+            )
+    for key in accepted:
+        if key not in lfi:
+            raise _user_error(
+                f"datum {i}: loss_fn_inputs is missing {key!r}, which stable_reinforce requires "
+                f"(required: {', '.join(accepted)})"
+            )
+    tokens = np.asarray(d.model_input.to_ints(), dtype=np.int64)
+    tt = np.asarray(lfi["target_tokens"].to_numpy())
+    if tt.ndim != 1:
+        raise _user_error(
+            f"datum {i}: target_tokens has shape {tuple(tt.shape)} but stable_reinforce takes "
+            "one target per position (shape (N,))"
+        )
+    out = [np.asarray(lfi[k].to_numpy(), dtype=np.float64) for k in ("logprobs", "advantages")]
+    for key, arr in zip(("logprobs", "advantages"), out, strict=True):
+        if arr.shape != tt.shape:
+            raise _user_error(
+                f"datum {i}: loss_fn_inputs[{key!r}] has shape {tuple(arr.shape)} but "
+                f"target_tokens has shape {tuple(tt.shape)}; every input needs one value per target"
+            )
+        if not np.isfinite(arr).all():
+            raise _user_error(f"datum {i}: loss_fn_inputs[{key!r}] holds a non-finite value")
+    return tokens, tt.astype(np.int64), out[0], out[1]
+
+
+def lowered_inputs(
+    data: Sequence[Any],
+    kl_coeff: float,
+    views: Sequence[ProvenanceView],
+    tails: Sequence[np.ndarray],
+) -> list[_LoweredDatum]:
+    """Datums + their provenance views → cross_entropy targets/weights ``[N, 1+K]``.
+
+    Weight ``A_t + β`` on the sampled token and ``-A_t / K_t`` on each of its ``K_t`` valid
+    draws, on sampled positions only; K is the request's widest row (narrower rows are
+    padded with token 0, weight 0).
+    """
+    k = max((v.draws.shape[1] for v in views if v.draws is not None), default=0)
+    out = []
+    for i, (d, view, tail) in enumerate(zip(data, views, tails, strict=True)):
+        _, tt, lq, adv = _inputs(i, d)
+        n = tt.shape[0]
+        draws = np.full((n, k), -1, dtype=np.int64)
+        if view.draws is not None:
+            draws[:, : view.draws.shape[1]] = view.draws
+        sampled = view.sampled_mask
+        valid = (draws >= 0) & sampled[:, None]
+        count = valid.sum(axis=1)
+        missing = sampled & (adv != 0) & (count == 0)
+        if missing.any():
+            t = int(np.flatnonzero(missing)[0])
+            raise _user_error(
+                f"datum {i}: position {t} has advantage {adv[t]} but no stability draws; sample "
+                "with a client created with record_stability_info=True"
+            )
+        # Same float32 arithmetic as the engine's gradient: -(A + β) on x, A / K_t per draw.
+        adv32 = adv.astype(np.float32)
+        weights = np.zeros((n, 1 + k), dtype=np.float32)
+        weights[:, 0] = np.where(sampled, adv32 + np.float32(kl_coeff), 0)
+        per_draw = -adv32 / np.maximum(count, 1).astype(np.float32)
+        weights[:, 1:] = np.where(valid, per_draw[:, None], 0)
+        targets = np.concatenate([tt[:, None], np.where(valid, draws, 0)], axis=1)
+        out.append(
+            _LoweredDatum(targets, weights, sampled, valid[:, :k], lq, adv, np.asarray(tail))
+        )
+    return out
+
+
+def _ce_datum(d: Any, targets: np.ndarray, weights: np.ndarray) -> types.Datum:
+    """A provenance-free cross_entropy datum (foreign engines know no spans; we checked them)."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(d.model_input.to_ints())),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(np.ascontiguousarray(targets)),
+            "weights": types.TensorData.from_numpy(np.ascontiguousarray(weights)),
+        },
+    )
+
+
+def lowered_result(
+    lowered: Sequence[_LoweredDatum], logprobs: Sequence[np.ndarray], kl_coeff: float
+) -> types.ForwardBackwardOutput:
+    """The output native stable_reinforce returns, from the learner logprobs of every column
+    (``logprobs[i]`` is ``[N_i, 1+K]``; columns without weight may hold anything)."""
+    outputs = []
+    per_tok_all, lx_all, lq_all, tail_all = [], [], [], []
+    for low, lp in zip(lowered, logprobs, strict=True):
+        lp64 = np.asarray(lp, dtype=np.float64)
+        lx = lp64[:, 0]
+        count = low.valid.sum(axis=1)
+        ly = np.where(low.valid, lp64[:, 1:], 0.0).sum(axis=1) / np.maximum(count, 1)
+        per_tok = -low.adv * (lx - ly) + kl_coeff * (low.lq - lx)
+        per_tok_all.append(per_tok[low.sampled])
+        lx_all.append(lx[low.sampled])
+        lq_all.append(low.lq[low.sampled])
+        tail_all.append(low.tail[low.sampled])
+        outputs.append({"logprobs": types.TensorData.from_numpy(lp[:, 0].astype(np.float32))})
+    per_tok = np.concatenate(per_tok_all)
+    lx = np.concatenate(lx_all)
+    lq = np.concatenate(lq_all)
+    metrics = {
+        "loss:sum": float(per_tok.sum()),
+        "kl_penalty:sum": float(kl_coeff * (lq - lx).sum()),
+        "num_tokens:sum": float(lx.size),
+    }
+    if lx.size:
+        log_r = lx - lq
+        with np.errstate(over="ignore"):
+            r = np.exp(log_r)
+        metrics.update(
+            {
+                "kl_sampler_learner:mean": float(np.mean(-log_r)),
+                "kl_k3:mean": float(np.mean(r - 1 - log_r)),
+                "importance_ratio:mean": float(r.mean()),
+                "importance_ratio:max": float(r.max()),
+                "importance_ratio:min": float(r.min()),
+            }
+        )
+        tail = np.concatenate(tail_all)
+        tail = tail[np.isfinite(tail)]
+        if tail.size:
+            metrics["draw_tail_mass:mean"] = float(tail.mean())
+            metrics["draw_tail_mass:max"] = float(tail.max())
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics
+    )
+
+
+# ---- capabilities and the per-session state ----------------------------------------------
+
+
+class Turn(Protocol):
+    """A training call's place in its client's order (see TrainingClient._submit_turn)."""
+
+    def take(self, n: int) -> list[int]: ...
+
+    def release(self) -> None: ...
+
+
+FB = Callable[..., Awaitable[types.ForwardBackwardOutput]]
+
+_UNSUPPORTED = re.compile(
+    r"loss_fn|stable_reinforce|unknown loss|not supported|unsupported|not implemented", re.I
+)
+
+
+def _error_text(e: BaseException) -> str:
+    body = getattr(e, "body", None)
+    return f"{e} {body!r}" if body is not None else str(e)
+
+
+def _refused(e: BaseException) -> bool:
+    """A caller-side refusal: an HTTP 4xx or a failed request in category user."""
+    if isinstance(e, APIStatusError):
+        return 400 <= e.status_code < 500 and e.status_code not in (408, 409, 429)
+    return isinstance(e, RequestFailedError) and e.category == types.RequestErrorCategory.User
+
+
+def _probe_datum(two_d: bool) -> types.Datum:
+    if two_d:
+        inputs = {
+            "target_tokens": types.TensorData.from_numpy(np.zeros((1, 2), dtype=np.int64)),
+            "weights": types.TensorData.from_numpy(np.zeros((1, 2), dtype=np.float32)),
+        }
+    else:
+        zero = types.TensorData.from_numpy(np.zeros(1, dtype=np.float32))
+        inputs = {
+            "target_tokens": types.TensorData.from_numpy(np.zeros(1, dtype=np.int64)),
+            "logprobs": zero,
+            "advantages": zero,
+        }
+    return types.Datum(model_input=types.ModelInput.from_ints([0]), loss_fn_inputs=inputs)
+
+
+@dataclass
+class Capabilities:
+    """What this session's service answered (None: not asked yet)."""
+
+    native: bool | None = None  # accepts loss_fn="stable_reinforce"
+    targets_2d: bool | None = None  # accepts 2-D cross_entropy targets
+    topk_sample: bool | None = None  # returns topk_sample_logprobs
+    native_confirmed: bool = False  # a native call with draws went through
+
+
+@dataclass
+class SamplePlan:
+    """What a sample request asks for on behalf of the lowering."""
+
+    keep: bool  # record the sequences client-side
+    topk: int  # topk_sample_logprobs to request
+    user_topk: int  # what the caller asked for (the response is trimmed back to it)
+    draw_k: int
+
+
+@dataclass
+class SessionLowering:
+    """Per-session lowering state: options, learned capabilities, client-side records."""
+
+    options: LoweringOptions = field(default_factory=LoweringOptions)
+    caps: Capabilities = field(default_factory=Capabilities)
+    records: _Records = field(default_factory=_Records)
+    path: Path | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ---- sampling side -------------------------------------------------------------------
+    def plan_sample(
+        self,
+        record_stability_info: bool,
+        params: types.SamplingParams,
+        topk_sample_logprobs: int,
+    ) -> SamplePlan:
+        keep = record_stability_info and (
+            self.options.mode == "always"
+            or (self.options.mode == "auto" and not self.caps.native_confirmed)
+        )
+        topk = topk_sample_logprobs
+        if keep and params.temperature != 0:
+            want = self.options.draw_topk
+            if want is None:
+                want = params.top_k if params.top_k > 0 else DEFAULT_DRAW_TOPK
+            topk = max(topk, want)
+        return SamplePlan(keep, topk, topk_sample_logprobs, self.options.draws_k)
+
+    def record_sample(
+        self,
+        plan: SamplePlan,
+        session_id: str,
+        prompt: types.ModelInput,
+        params: types.SamplingParams,
+        response: types.SampleResponse,
+    ) -> types.SampleResponse:
+        """Keep the sequences (and client-side draws) of ``response``; return it as the caller
+        asked for it (extra top-k columns trimmed)."""
+        if not plan.keep:
+            return response
+        now = time.time()
+        prompt_tokens = np.asarray(prompt.to_ints(), dtype=np.int32)
+        if plan.topk > 0 and response.sequences:
+            self.caps.topk_sample = any(s.topk_logprobs_np is not None for s in response.sequences)
+        for row, seq in enumerate(response.sequences):
+            tokens = np.asarray(seq.tokens, dtype=np.int32)
+            draws, tail = self._draws(plan, params, seq, tokens, row)
+            self.records.put(
+                SequenceRecord(
+                    sequence_id=seq.sequence_id,
+                    session_id=session_id,
+                    prompt_tokens=prompt_tokens,
+                    sampled_tokens=tokens,
+                    sampler_logprobs=np.asarray(seq.logprobs or [], dtype=np.float32),
+                    draws=draws,
+                    created_at=now,
+                    last_used_at=now,
+                ),
+                tail,
+            )
+        if plan.topk == plan.user_topk:
+            return response
+        return replace(
+            response, sequences=[_trim_topk(s, plan.user_topk) for s in response.sequences]
+        )
+
+    def _draws(
+        self,
+        plan: SamplePlan,
+        params: types.SamplingParams,
+        seq: types.SampledSequence,
+        tokens: np.ndarray,
+        row: int,
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if params.temperature == 0:  # greedy: q is a point mass on the token
+            return np.repeat(tokens[:, None], plan.draw_k, axis=1), np.zeros(
+                len(tokens), np.float32
+            )
+        top = seq.topk_logprobs_np
+        if top is None or len(tokens) == 0:
+            return None, None
+        return client_draws(
+            np.asarray(top.token_ids)[: len(tokens)],
+            np.asarray(top.logprobs)[: len(tokens)],
+            plan.draw_k,
+            _draw_rng(params.seed, row),
+            sampling_top_k=params.top_k,
+        )
+
+    # ---- training side -------------------------------------------------------------------
+    async def forward_backward(
+        self,
+        backend: Backend,
+        model_id: str,
+        session_id: str,
+        turn: Turn,
+        data: Sequence[Any],
+        config: Mapping[str, float | str] | None,
+        *,
+        forward_only: bool,
+    ) -> types.ForwardBackwardOutput:
+        """``stable_reinforce`` natively or lowered, as this service allows."""
+
+        async def call(
+            data: Sequence[Any], loss_fn: str, cfg: Mapping[str, float | str] | None, fo: bool
+        ) -> types.ForwardBackwardOutput:
+            seq = turn.take(1)[0]
+            return await backend.forward_backward(
+                model_id, seq, data, loss_fn, cfg, forward_only=fo
+            )
+
+        if self.options.mode == "auto" and self.caps.native is None:
+            await self._probe_native(call)
+        if self.options.mode == "never" or (self.options.mode == "auto" and self.caps.native):
+            self._announce("native")
+            fut = call(data, "stable_reinforce", config, forward_only)
+            turn.release()
+            out = await fut
+            self.caps.native_confirmed = True
+            return out
+
+        kl = _kl_coeff(config)
+        lowered = self._lower(backend, session_id, data, kl)
+        if self.options.targets == "auto" and self.caps.targets_2d is None:
+            await self._probe_2d(call)
+        two_d = self.options.targets == "2d" or (
+            self.options.targets == "auto" and bool(self.caps.targets_2d)
+        )
+        self._announce("lowered-2d" if two_d else "lowered-1d")
+        if two_d:
+            fut = call(
+                [_ce_datum(d, lo.targets, lo.weights) for d, lo in zip(data, lowered, strict=True)],
+                "cross_entropy",
+                None,
+                forward_only,
+            )
+            turn.release()
+            out = await fut
+            logprobs = [np.asarray(o["logprobs"].to_numpy()) for o in out.loss_fn_outputs]
+        else:
+            logprobs = await self._one_column_at_a_time(call, turn, data, lowered, forward_only)
+        return lowered_result(lowered, logprobs, kl)
+
+    async def _one_column_at_a_time(
+        self,
+        call: Callable[..., Awaitable[types.ForwardBackwardOutput]],
+        turn: Turn,
+        data: Sequence[Any],
+        lowered: Sequence[_LoweredDatum],
+        forward_only: bool,
+    ) -> list[np.ndarray]:
+        """K+1 calls with 1-D targets; the engine sums their gradients. Columns without any
+        weight are skipped (their logprobs are never used)."""
+        import asyncio
+
+        width = lowered[0].targets.shape[1]
+        cols = [0] + [j for j in range(1, width) if any(lo.weights[:, j].any() for lo in lowered)]
+        futs = [
+            asyncio.ensure_future(
+                call(
+                    [
+                        _ce_datum(d, lo.targets[:, j], lo.weights[:, j])
+                        for d, lo in zip(data, lowered, strict=True)
+                    ],
+                    "cross_entropy",
+                    None,
+                    forward_only,
+                )
+            )
+            for j in cols
+        ]
+        turn.release()
+        outs = await asyncio.gather(*futs)
+        logprobs = [np.zeros(lo.targets.shape, dtype=np.float32) for lo in lowered]
+        for j, out in zip(cols, outs, strict=True):
+            for lp, o in zip(logprobs, out.loss_fn_outputs, strict=True):
+                lp[:, j] = np.asarray(o["logprobs"].to_numpy())
+        return logprobs
+
+    def _lower(
+        self, backend: Backend, session_id: str, data: Sequence[Any], kl: float
+    ) -> list[_LoweredDatum]:
+        """Validate provenance here (the one validator, on the sequences this client
+        sampled) and build the cross_entropy inputs."""
+        lookup = _Lookup(_engine_records(backend), self.records)
+        spans = []
+        for i, d in enumerate(data):
+            tokens, tt, _, adv = _inputs(i, d)
+            spans.append(
+                DatumSpans(
+                    input_tokens=tokens,
+                    target_tokens=tt,
+                    advantages=adv.astype(np.float32),
+                    model_input_spans=d.model_input_spans,
+                    loss_fn_input_spans=d.loss_fn_input_spans,
+                )
+            )
+        now = time.time()
+        try:
+            views = validate_provenance(
+                spans, session_id=session_id, lookup=lookup, loss_fn="stable_reinforce", now=now
+            )
+        except EngineUserError as e:
+            raise _user_error(str(e)) from None
+        present = [v for v in views if v is not None]
+        assert len(present) == len(views)  # stable_reinforce requires provenance on every datum
+        tails = [self._tails(lookup, d, v) for d, v in zip(data, present, strict=True)]
+        lowered = lowered_inputs(data, kl, present, tails)
+        self.records.touch(set().union(*(v.sequence_ids for v in present)), now)
+        return lowered
+
+    def _tails(self, lookup: _Lookup, d: Any, view: ProvenanceView) -> np.ndarray:
+        """Per target position: the tail mass the client-side draws left out (NaN where the
+        draws are the engine's own, 0 off sampled positions)."""
+        n = len(view.sampled_mask)
+        tail = np.zeros(n, dtype=np.float64)
+        pos = 0
+        for span in d.loss_fn_input_spans:
+            if type(span).__name__ == "SampledProvenanceSpan":
+                ours = self.records.get(span.sequence_id)
+                mass = self.records.tail(span.sequence_id)
+                if lookup.get(span.sequence_id) is not ours or mass is None:
+                    tail[pos : pos + span.length] = math.nan
+                else:
+                    tail[pos : pos + span.length] = mass[span.offset : span.offset + span.length]
+            pos += span.length
+        return tail
+
+    async def _probe_native(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Ask once: does the service take ``stable_reinforce``? A forward on one datum
+        without provenance, which changes nothing: an engine that has the loss accepts it or
+        refuses the missing provenance; one that does not refuses the loss name."""
+        try:
+            await call([_probe_datum(False)], "stable_reinforce", None, True)
+            self.caps.native = True
+        except TinkerError as e:
+            text = _error_text(e)
+            if "provenance" in text.lower():
+                self.caps.native = True
+            elif _refused(e) and _UNSUPPORTED.search(text):
+                self.caps.native = False
+            else:
+                raise TinkerError(
+                    "could not tell whether this service implements stable_reinforce: the probe "
+                    f"request failed with {type(e).__name__}: {e}. Pass "
+                    "stable_reinforce_lowering='always' (lower it to cross_entropy) or 'never' "
+                    "(send it as is) to ServiceClient"
+                ) from e
+
+    async def _probe_2d(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Ask once: does cross_entropy take 2-D targets here (a forward, changes nothing)?"""
+        try:
+            await call([_probe_datum(True)], "cross_entropy", None, True)
+            self.caps.targets_2d = True
+        except TinkerError as e:
+            if not _refused(e):
+                raise
+            self.caps.targets_2d = False
+
+    def _announce(self, path: Path) -> None:
+        with self._lock:
+            if self.path == path:
+                return
+            self.path = path
+        if path == "native":
+            log.info("stable_reinforce: the service implements it; sending it as is")
+            return
+        why = (
+            "forced by stable_reinforce_lowering='always'"
+            if self.options.mode == "always"
+            else "this service does not implement stable_reinforce"
+        )
+        how = (
+            "one cross_entropy call with 2-D targets [N, 1+K]"
+            if path == "lowered-2d"
+            else "K+1 cross_entropy calls with 1-D targets (this service takes no 2-D targets)"
+        )
+        log.warning(
+            "stable_reinforce is lowered by the client (%s): %s, same gradient; loss and "
+            "diagnostics computed client-side (docs/stable_reinforce.md, 'Running "
+            "StableReinforce on other engines')",
+            why,
+            how,
+        )
+
+
+def _trim_topk(seq: types.SampledSequence, k: int) -> types.SampledSequence:
+    top = seq.topk_logprobs_np
+    if top is None:
+        return seq
+    trimmed = None
+    if k > 0:
+        trimmed = types.TopkLogprobs(
+            token_ids=np.ascontiguousarray(np.asarray(top.token_ids)[:, :k]),
+            logprobs=np.ascontiguousarray(np.asarray(top.logprobs)[:, :k]),
+        )
+    # cached_property values live in __dict__: a replaced copy must not inherit them.
+    return replace(seq, topk_logprobs_np=trimmed, _topk_logprobs_list=None)
+
+
+# ---- one state per session (holder) --------------------------------------------------------
+
+_sessions: weakref.WeakKeyDictionary[Any, SessionLowering] = weakref.WeakKeyDictionary()
+_sessions_lock = threading.Lock()
+
+
+def configure(holder: Any, options: LoweringOptions | str | None) -> SessionLowering:
+    """Set the lowering options of ``holder``'s session (a ServiceClient's)."""
+    state = SessionLowering(options=LoweringOptions.parse(options))
+    with _sessions_lock:
+        _sessions[holder] = state
+    return state
+
+
+def session_of(holder: Any) -> SessionLowering:
+    """The lowering state of ``holder``'s session (default options on first use)."""
+    with _sessions_lock:
+        state = _sessions.get(holder)
+        if state is None:
+            state = SessionLowering(options=LoweringOptions.parse(None))
+            _sessions[holder] = state
+        return state
