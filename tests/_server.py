@@ -45,8 +45,10 @@ class ServerProcess:
         max_body_bytes: int | None = None,
         long_poll_s: float | None = None,
         env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.store = Path(store)
+        self.extra_args = list(extra_args)  # e.g. the feature-less flags
         self._fixed_port = port is not None
         self.port = port or free_port()
         self.api_keys = list(api_keys or [])
@@ -89,6 +91,7 @@ class ServerProcess:
             cmd += ["--max-body-bytes", str(self.max_body_bytes)]
         if self.long_poll_s is not None:
             cmd += ["--long-poll-s", str(self.long_poll_s)]
+        cmd += self.extra_args
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         if not self.api_keys:  # a developer's own key list must not leak into the test

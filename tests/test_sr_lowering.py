@@ -9,9 +9,11 @@ follow the sampler's distribution like the engine's own draws (chi-square).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.sr_lowering import LoweringOptions, client_draws
-from tinker_sr.provenance import build_datum
+from tinker_sr.provenance import SequenceRecord, build_datum
 
 MODEL = "tinker-sr/tiny"
 PROMPT = list(b"Q: 2+2=")
@@ -228,3 +230,103 @@ def test_lowering_options_are_checked() -> None:
     with pytest.raises(ValueError, match="targets"):
         LoweringOptions(targets="3d")  # type: ignore[arg-type]
     assert LoweringOptions.parse("always").mode == "always"
+
+
+# ---- against a real server playing an engine without StableReinforce -----------------------
+
+FEATURELESS = ["--without-stable-reinforce", "--ignore-stability-info"]
+TOPK_PARAMS = types.SamplingParams(max_tokens=6, seed=3, temperature=1.0, top_k=12, stop=[])
+
+
+@pytest.fixture(scope="module")
+def featureless(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests._server import running_server
+
+    with running_server(tmp_path_factory.mktemp("featureless"), extra_args=FEATURELESS) as srv:
+        yield srv
+
+
+def _native_reference(
+    tmp_path: Path, data: list[types.Datum], records: list[SequenceRecord]
+) -> tuple[types.ForwardBackwardOutput, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Native stable_reinforce on the embedded engine, on the same datums and the same draws
+    (the client's records put into the engine's store under its session)."""
+    store = tmp_path / "native"
+    backend = LocalBackend(store)
+    client = tinker.ServiceClient(backend=backend, stable_reinforce_lowering="never")
+    try:
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        session_id = client.holder._session_id
+        assert session_id is not None
+        backend.store.put_sequences(
+            [dataclasses.replace(r, session_id=session_id) for r in records]
+        )
+        return _step_and_read(tc, store, "native", data)
+    finally:
+        client.close().result()
+        backend.close()
+
+
+@pytest.mark.parametrize("targets", ["auto", "1d"])
+def test_lowered_on_a_featureless_server_equals_native(
+    featureless: Any, tmp_path: Path, targets: str
+) -> None:
+    options = LoweringOptions(targets=targets)  # type: ignore[arg-type]
+    client = tinker.ServiceClient(
+        base_url=featureless.base_url, api_key="tml-test", stable_reinforce_lowering=options
+    )
+    try:
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        res = sc.sample(types.ModelInput.from_ints(PROMPT), 4, TOPK_PARAMS).result()
+        assert all(s.topk_logprobs_np is None for s in res.sequences)  # not asked for: trimmed
+        rng = np.random.default_rng(3)
+        data = [
+            build_datum(PROMPT, s, rng.normal(size=len(s.tokens)).tolist()) for s in res.sequences
+        ]
+        name = f"lowered-{targets}"
+        lowered = _step_and_read(tc, featureless.store, name, data)
+        state = sr_lowering.session_of(client.holder)
+        assert state.caps.native is False  # the server refused the loss (422)
+        assert client.stable_reinforce_path == ("lowered-1d" if targets == "1d" else "lowered-2d")
+        records = [state.records.get(s.sequence_id) for s in res.sequences]
+    finally:
+        client.close().result()
+    assert all(r is not None and r.draws is not None for r in records)
+    # top_k = 12 <= the 12 returned: exact draws, nothing missing.
+    assert lowered[0].metrics["draw_tail_mass:max"] == 0.0
+    reference = _native_reference(tmp_path, data, [r for r in records if r is not None])
+    assert_same_training(reference, lowered)
+
+
+def test_featureless_server_refuses_and_the_client_detects_1d_only(tmp_path: Path) -> None:
+    from tests._server import running_server
+
+    flags = [*FEATURELESS, "--only-1d-targets"]
+    with running_server(tmp_path / "store", extra_args=flags) as srv:
+        client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-test")
+        try:
+            tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+            sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+            res = sc.sample(types.ModelInput.from_ints(PROMPT), 2, TOPK_PARAMS).result()
+            data = [build_datum(PROMPT, s, 1.0) for s in res.sequences]
+            two_d = types.Datum(
+                model_input=data[0].model_input,
+                loss_fn_inputs={
+                    "target_tokens": np.zeros((len(PROMPT) + 5, 2), dtype=np.int64),
+                    "weights": np.zeros((len(PROMPT) + 5, 2), dtype=np.float32),
+                },
+            )
+            with pytest.raises(tinker.UnprocessableEntityError, match="1-D"):
+                tc.forward([two_d], "cross_entropy").result()
+            # The native loss is refused at submit; with lowering forbidden the user sees it.
+            sr_lowering.session_of(client.holder).options = LoweringOptions(mode="never")
+            with pytest.raises(tinker.UnprocessableEntityError, match="stable_reinforce"):
+                tc.forward_backward(data, "stable_reinforce").result()
+            sr_lowering.session_of(client.holder).options = LoweringOptions()
+            out = tc.forward_backward(data, "stable_reinforce").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            assert client.stable_reinforce_path == "lowered-1d"
+            assert out.metrics["num_tokens:sum"] == 2 * TOPK_PARAMS.max_tokens
+        finally:
+            client.close().result()

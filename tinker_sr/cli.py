@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.server import serve
+    from tinker_sr.server.features import ServerFeatures
 
     keys = [k for k in (args.api_key or []) if k]
     keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
@@ -20,6 +21,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         long_poll_s=args.long_poll_s,
+        features=ServerFeatures(
+            stable_reinforce=not args.without_stable_reinforce,
+            record_stability_info=not args.ignore_stability_info,
+            two_d_targets=not args.only_1d_targets,
+        ),
     )
     return 0
 
@@ -81,6 +87,25 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--log-level", default="info")
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
+    f = s.add_argument_group(
+        "feature-less mode",
+        "play an engine without StableReinforce support (to test the client-side lowering)",
+    )
+    f.add_argument(
+        "--without-stable-reinforce",
+        action="store_true",
+        help="refuse loss_fn='stable_reinforce' with HTTP 422",
+    )
+    f.add_argument(
+        "--ignore-stability-info",
+        action="store_true",
+        help="ignore record_stability_info silently (record no draws)",
+    )
+    f.add_argument(
+        "--only-1d-targets",
+        action="store_true",
+        help="refuse 2-D cross_entropy target_tokens with HTTP 422",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

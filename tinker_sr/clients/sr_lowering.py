@@ -67,7 +67,7 @@ log = logging.getLogger("tinker_sr")
 
 LoweringMode = Literal["auto", "always", "never"]
 TargetsMode = Literal["auto", "2d", "1d"]
-Path = Literal["native", "lowered-2d", "lowered-1d"]
+SRPath = Literal["native", "lowered-2d", "lowered-1d"]
 
 DRAWS_K = 8
 """Draws per sampled position, as the engine records (spec/losses.md §2.3)."""
@@ -483,7 +483,7 @@ class SessionLowering:
     options: LoweringOptions = field(default_factory=LoweringOptions)
     caps: Capabilities = field(default_factory=Capabilities)
     records: _Records = field(default_factory=_Records)
-    path: Path | None = None
+    path: SRPath | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- sampling side -------------------------------------------------------------------
@@ -736,7 +736,7 @@ class SessionLowering:
                 raise
             self.caps.targets_2d = False
 
-    def _announce(self, path: Path) -> None:
+    def _announce(self, path: SRPath) -> None:
         with self._lock:
             if self.path == path:
                 return

@@ -31,6 +31,7 @@ from tinker_sr.backend.base import Backend
 from tinker_sr.wire import messages as m
 
 from . import http
+from .features import ServerFeatures
 from .futures import Background, Futures
 from .handlers import rest, sampling, session, training
 from .ordering import SeqWatcher
@@ -85,8 +86,10 @@ class TinkerServer:
         seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
         max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
         session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+        features: ServerFeatures | None = None,
     ) -> None:
         self.backend = backend
+        self.features = features or ServerFeatures()
         self.store_dir = store_dir
         self.api_keys = [k.encode() for k in api_keys or () if k]
         self.max_body_bytes = max_body_bytes
@@ -225,6 +228,7 @@ def create_app(
     seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
     max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
     session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+    features: ServerFeatures | None = None,
 ) -> Starlette:
     """The ASGI app serving ``backend`` over the Tinker wire protocol.
 
@@ -236,6 +240,7 @@ def create_app(
     ``max_pending_samples``: asample requests pending or running at once before asample
     answers 429 with ``Retry-After: 1``. ``session_timeout_s``: finish (as "interrupted") a
     session with no heartbeat or request for this long; ``None`` never expires sessions.
+    ``features``: switch StableReinforce support off to play another engine (`ServerFeatures`).
     """
     if max_pending_samples < 1:
         raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
@@ -255,6 +260,7 @@ def create_app(
         seq_gap_grace_s=seq_gap_grace_s,
         max_pending_samples=max_pending_samples,
         session_timeout_s=session_timeout_s,
+        features=features,
     )
 
     @contextlib.asynccontextmanager

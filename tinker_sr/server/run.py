@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
+from .features import ServerFeatures
 
 __all__ = ["serve", "api_keys_from_env"]
 
@@ -27,6 +28,7 @@ def serve(
     log_level: str = "info",
     *,
     long_poll_s: float = DEFAULT_LONG_POLL_S,
+    features: ServerFeatures | None = None,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -34,6 +36,7 @@ def serve(
     futures (default ``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr``). ``api_keys``: accept
     only these keys (a list or a comma-separated string; default ``$TINKER_SR_API_KEYS``),
     else any key starting with ``tml-``. Binds 127.0.0.1 unless told otherwise.
+    ``features``: play an engine without StableReinforce support (`ServerFeatures`).
     """
     import uvicorn
 
@@ -51,8 +54,11 @@ def serve(
         store_dir=store_dir,
         long_poll_s=long_poll_s,
         close_backend=True,
+        features=features,
     )
     auth = f"{len(keys)} configured API key(s)" if keys else "any API key starting with 'tml-'"
+    if features is not None and features.reduced:
+        auth += f"; {features.describe()}"
     print(
         f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth})",
         file=sys.stderr,

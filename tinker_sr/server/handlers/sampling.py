@@ -112,7 +112,9 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
             target_prompt_logprobs=target,
             prompt_alt_tokens_k=req.prompt_alt_tokens_k,
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
-            record_stability_info=bool(req.record_stability_info),
+            # A server playing an engine without stability info drops the flag silently.
+            record_stability_info=bool(req.record_stability_info)
+            and srv.features.record_stability_info,
             sequence_ids=promise["sample_sequence_ids"],
         )
         if len(resp.sequences) != n:

@@ -94,6 +94,11 @@ async def forward_backward(srv: TinkerServer, request: Request, owner: str) -> R
             srv.seqs.reject(*target)
         raise
     session = srv.sessions.model(call.model_id, owner)
+    try:
+        srv.features.check_forward_backward(call)
+    except HTTPError:
+        srv.seqs.reject(call.model_id, call.seq_id)
+        raise
 
     async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
         out = await srv.backend.forward_backward(
