@@ -15,7 +15,9 @@ sampler compute in bfloat16 while the learner stays in float32, and
 ``sampler_staleness=k`` makes samplers snapshotted from a training model
 (`save_weights_and_get_sampling_client`) use the weights it had ``k`` optimizer steps earlier,
 as asynchronous RL does; named sampler checkpoints still hold the current weights. Both are real: the sampler actually
-runs in that dtype / on those weights.
+runs in that dtype / on those weights. By default samplers keep the base model's dtype, and a
+Hugging Face directory loads in its checkpoint's dtype (``model_dtype=`` or
+``$TINKER_SR_MODEL_DTYPE`` overrides it; docs/models.md).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from tinker_sr import types
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, expiry, parse_path
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.model import BUILTIN_CONFIGS
-from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases, parse_dtype
+from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder
 from tinker_sr.engine.sampling import sample as sample_request
 from tinker_sr.engine.store import Store
-from tinker_sr.engine.tokenizer import ByteTokenizer
 from tinker_sr.errors import RequestFailedError
 
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]
@@ -98,6 +100,7 @@ class LocalBackend:
         *,
         model_aliases: Mapping[str, str] | None = None,
         sampler_dtype: str | torch.dtype | None = None,
+        model_dtype: str | torch.dtype | None = None,
         sampler_staleness: int = 0,
         persistent: bool = True,
         torch_threads: int | None = None,
@@ -107,7 +110,13 @@ class LocalBackend:
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
         aliases = parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"))
         aliases.update(model_aliases or {})
-        self.models = ModelRegistry(aliases, sampler_dtype=parse_dtype(sampler_dtype))
+        self.models = ModelRegistry(
+            aliases,
+            sampler_dtype=parse_dtype(sampler_dtype, "sampler_dtype"),
+            model_dtype=parse_dtype(
+                model_dtype or os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "model_dtype"
+            ),
+        )
         if sampler_staleness < 0:
             raise ValueError(f"sampler_staleness must be >= 0, got {sampler_staleness}")
         self.sampler_staleness = sampler_staleness
@@ -116,11 +125,11 @@ class LocalBackend:
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._orders: dict[str, _Order] = {}
-        self._tokenizer = ByteTokenizer()
         self._closed = False
 
     @property
-    def sampler_dtype(self) -> torch.dtype:
+    def sampler_dtype(self) -> torch.dtype | None:
+        """The dtype of sampling weights; None = the base model's own."""
         return self.models.sampler_dtype
 
     # ---- plumbing ---------------------------------------------------------------------
@@ -191,6 +200,11 @@ class LocalBackend:
     # ---- models -----------------------------------------------------------------------
     def available_models(self) -> list[str]:
         return self.models.available_models()
+
+    def model_tokenizer(self, name: str) -> Any:
+        """The Hugging Face-style tokenizer of base model ``name`` (aliases resolved): what
+        ``get_tokenizer()`` returns on the embedded engine."""
+        return self.models.tokenizer(name).hf
 
     def resolve_model(self, name: str) -> str:
         """Map a requested base model name to a built-in name or a local directory."""
@@ -322,10 +336,11 @@ class LocalBackend:
     async def get_info(self, model_id: str) -> types.GetInfoResponse:
         def work() -> types.GetInfoResponse:
             t = self.models.trainer(model_id)
+            tokenizer_id = self.models.tokenizer(t.base_model).tokenizer_id
             return types.GetInfoResponse(
                 type="get_info",
                 model_data=types.ModelData(
-                    arch="transformer", model_name=t.base_model, tokenizer_id=None
+                    arch="transformer", model_name=t.base_model, tokenizer_id=tokenizer_id
                 ),
                 model_id=model_id,
                 is_lora=True,
@@ -511,8 +526,7 @@ class LocalBackend:
                 self.models.sampler(sampler_id),
                 seq_id,
                 req,
-                eos_token_id=self._tokenizer.eos_token_id,
-                decode=self._tokenizer.decode,
+                tokenizer=self.models.tokenizer(self.models.sampler(sampler_id).base_model),
                 recorder=self._recorder,
             )
 

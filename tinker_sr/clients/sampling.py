@@ -35,10 +35,13 @@ class SamplingClient:
         record_stability_info: bool = False,
         retry_config: RetryConfig | None = None,
         seq_base: int = 0,
+        tokenizer_id: str | None = None,
     ) -> None:
         self.holder = holder
         self.sampler_id = sampler_id
         self._base_model = base_model
+        # The service's tokenizer id when known (a sampler made from a training client).
+        self._tokenizer_id = tokenizer_id
         self.record_stability_info = bool(record_stability_info)
         self.retry_config = retry_config
         self._seq = itertools.count(seq_base)
@@ -135,9 +138,11 @@ class SamplingClient:
         return self._base_model
 
     def get_tokenizer(self) -> Any:
-        from tinker_sr.clients.tokenizers import load_tokenizer
+        """The model's own tokenizer (see `tinker_sr.clients.tokenizers`); raises if it cannot
+        be found rather than returning another one."""
+        from tinker_sr.clients.tokenizers import tokenizer_for
 
-        return load_tokenizer(self._base_model, None)
+        return tokenizer_for(self.holder.backend, self._base_model, self._tokenizer_id)
 
     def get_telemetry(self) -> None:
         """Always ``None``: tinker_sr collects and sends no telemetry (out of scope)."""
@@ -186,6 +191,7 @@ class SamplingClient:
         return {
             "sampler_id": self.sampler_id,
             "base_model": self._base_model,
+            "tokenizer_id": self._tokenizer_id,
             "record_stability_info": self.record_stability_info,
             "base_url": self.holder.base_url,
             "holder_key": self.holder.key,
@@ -237,4 +243,5 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
         base_model=state["base_model"],
         record_stability_info=state["record_stability_info"],
         seq_base=seq_base,
+        tokenizer_id=state.get("tokenizer_id"),
     )

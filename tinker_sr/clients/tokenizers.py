@@ -1,32 +1,67 @@
-"""Tokenizers for `get_tokenizer()`, without any download.
+"""`get_tokenizer()`: the model's own tokenizer on every backend, or an error saying what is
+missing (never a stand-in).
 
-Built-in models (and aliases to them) use the engine's byte-level tokenizer. A tokenizer id
-that is a local directory loads with `transformers` (or `tokenizers`) if installed.
+- Embedded engine: the backend's tokenizer of the model (aliases resolved): the byte-level
+  tokenizer for built-ins, the directory's tokenizer for a Hugging Face model.
+- Remote service: like the official SDK, the service's ``tokenizer_id`` (training clients; a
+  sampling client made from one inherits it), else a name derived from the base model; it is
+  loaded from a local directory or the Hugging Face cache when there, else through
+  ``transformers.AutoTokenizer.from_pretrained`` as the SDK does (which may download).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
+
+from tinker_sr.engine.hf import TOKENIZER_FILES, hub_cache_dir, resolve_model_dir
+
+
+def tokenizer_for(backend: Any, model_name: str, tokenizer_id: str | None) -> Any:
+    """The tokenizer of `model_name` as served by `backend` (see the module docstring)."""
+    own = getattr(backend, "model_tokenizer", None)
+    if own is not None:
+        return own(model_name)
+    return load_tokenizer(model_name, tokenizer_id)
+
+
+def sdk_tokenizer_id(model_name: str) -> str:
+    """The id the official SDK derives from a base model name when the service names none."""
+    name = model_name.split(":")[0]
+    if name.startswith("meta-llama/Llama-3"):
+        return "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
+    if name.count("/") == 2:
+        org, model, _variant = name.split("/", 2)
+        return f"{org}/{model}"
+    return name
 
 
 @functools.lru_cache(maxsize=32)
 def load_tokenizer(model_name: str, tokenizer_id: str | None) -> Any:
+    from tinker_sr.engine.hf_tokenizer import load_hf_tokenizer
+    from tinker_sr.engine.model import BUILTIN_CONFIGS
     from tinker_sr.engine.tokenizer import ByteTokenizer
 
-    for ident in (tokenizer_id, model_name):
-        if ident and os.path.isdir(ident):
-            if os.path.exists(os.path.join(ident, "tokenizer.json")) or os.path.exists(
-                os.path.join(ident, "tokenizer_config.json")
-            ):
-                try:
-                    from transformers import AutoTokenizer
-                except ImportError as e:
-                    raise ImportError(
-                        f"loading the tokenizer in {ident} needs `transformers`; pip install it"
-                    ) from e
-                return AutoTokenizer.from_pretrained(ident)
-    # Built-in models, and every name the embedded engine serves through an alias to one,
-    # share the byte-level tokenizer.
-    return ByteTokenizer()
+    if tokenizer_id is None and model_name.split(":")[0] in BUILTIN_CONFIGS:
+        return ByteTokenizer()
+    ident = (tokenizer_id.split(":")[0] if tokenizer_id else None) or sdk_tokenizer_id(model_name)
+    local = resolve_model_dir(ident, TOKENIZER_FILES)
+    if local is not None:
+        return load_hf_tokenizer(local)
+    where = (
+        f"the tokenizer {ident!r} of model {model_name!r} is neither a local directory nor in "
+        f"the Hugging Face cache ({hub_cache_dir()})"
+    )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise RuntimeError(
+            f"get_tokenizer: {where}, and fetching it needs `transformers` (pip install "
+            "transformers), or point HF_HOME at a cache that holds it"
+        ) from e
+    try:
+        return AutoTokenizer.from_pretrained(ident, fast=True)
+    except Exception as e:
+        raise RuntimeError(
+            f"get_tokenizer: {where}, and transformers could not load it: {e}"
+        ) from e

@@ -398,6 +398,7 @@ class TrainingClient:
                 base_model=self._info.model_data.model_name or "",
                 record_stability_info=record_stability_info,
                 retry_config=retry_config,
+                tokenizer_id=self._info.model_data.tokenizer_id,
             )
 
         return BackcompatSamplingClientFuture(self._submit(1, body))
@@ -454,11 +455,12 @@ class TrainingClient:
         return self._info
 
     def get_tokenizer(self) -> Any:
-        from tinker_sr.clients.tokenizers import load_tokenizer
+        """The model's own tokenizer (see `tinker_sr.clients.tokenizers`)."""
+        from tinker_sr.clients.tokenizers import tokenizer_for
 
         name = self._info.model_data.model_name
         assert name is not None, "get_info() did not report model_data.model_name"
-        return load_tokenizer(name, self._info.model_data.tokenizer_id)
+        return tokenizer_for(self.holder.backend, name, self._info.model_data.tokenizer_id)
 
     def get_console_url(self) -> str:
         return f"tinker-sr://training_runs/{self.model_id}"

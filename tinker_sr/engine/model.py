@@ -463,43 +463,14 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
 
 
 def load_pretrained(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = torch.float32
 ) -> Transformer:
     """Load a local HF directory (config.json + *.safetensors, LlamaForCausalLM or
-    Qwen3ForCausalLM) into a Transformer in `dtype`."""
-    from safetensors.torch import load_file
+    Qwen3ForCausalLM) into a Transformer in `dtype` (None: the checkpoint's own dtype).
+    See `tinker_sr.engine.hf.load_model_dir`."""
+    from tinker_sr.engine.hf import load_model_dir
 
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise EngineNotFoundError(
-            f"{root}: no config.json; expected a Hugging Face model directory "
-            "(config.json + *.safetensors)"
-        )
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise EngineNotFoundError(f"{root}: no *.safetensors weight files found")
-    config = config_from_hf(json.loads((root / "config.json").read_text()), name=str(root))
-    model = _empty_model(config, dtype)
-    own = model.state_dict()
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for f in files:
-            for key, tensor in load_file(f).items():
-                if key not in own:
-                    continue  # e.g. rotary inv_freq buffers of older exports
-                if own[key].shape != tensor.shape:
-                    raise EngineUserError(
-                        f"{f}: tensor {key} has shape {tuple(tensor.shape)}, config.json implies "
-                        f"{tuple(own[key].shape)}"
-                    )
-                own[key].copy_(tensor)
-                loaded.add(key)
-    missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_embeddings else set())
-    if missing:
-        raise EngineUserError(
-            f"{root}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
-    return model
+    return load_model_dir(path, dtype=dtype)
 
 
 def describe(config: ModelConfig) -> dict[str, Any]:

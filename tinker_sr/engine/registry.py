@@ -10,14 +10,16 @@ checkpoints, recorded sequences) lives in `Store` and `CheckpointStore`.
 from __future__ import annotations
 
 import copy
-import os
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.engine.hf import load_model_dir, not_found_hint, resolve_model_dir
+from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.engine.lora import (
     LoraSpec,
     apply_lora,
@@ -26,7 +28,7 @@ from tinker_sr.engine.lora import (
     lora_state_dict,
     trainable_parameters,
 )
-from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model, load_pretrained
+from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
 
 
@@ -42,23 +44,6 @@ def parse_aliases(spec: str | None) -> dict[str, str]:
         k, v = part.split("=", 1)
         out[k.strip()] = v.strip()
     return out
-
-
-def parse_dtype(d: str | torch.dtype | None) -> torch.dtype:
-    """``sampler_dtype`` as a torch dtype (``None`` = float32)."""
-    if d is None:
-        return torch.float32
-    if isinstance(d, torch.dtype):
-        return d
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-    }
-    if d not in table:
-        raise ValueError(f"sampler_dtype must be one of {sorted(table)}, got {d!r}")
-    return table[d]
 
 
 def snapshot(model: Transformer) -> dict[str, torch.Tensor]:
@@ -92,10 +77,20 @@ class Sampler:
 class ModelRegistry:
     """Aliases, base models, trainers and samplers of one engine."""
 
-    def __init__(self, aliases: Mapping[str, str], *, sampler_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        aliases: Mapping[str, str],
+        *,
+        sampler_dtype: torch.dtype | None = None,
+        model_dtype: torch.dtype | None = None,
+    ) -> None:
         self.aliases = dict(aliases)
+        # None: samplers keep the base model's dtype; HF directories load in their
+        # checkpoint's dtype unless model_dtype is set (built-ins are float32).
         self.sampler_dtype = sampler_dtype
+        self.model_dtype = model_dtype
         self._bases: dict[str, Transformer] = {}
+        self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: dict[str, Sampler] = {}
 
@@ -104,29 +99,43 @@ class ModelRegistry:
         return sorted(BUILTIN_CONFIGS) + sorted(k for k in self.aliases if k != "*")
 
     def resolve_model(self, name: str) -> str:
-        """Map a requested base model name to a built-in name or a local directory."""
+        """Map a requested base model name to a built-in name or a local directory (a path, or
+        a Hub name found in the local Hugging Face cache; see `tinker_sr.engine.hf`)."""
         if name in BUILTIN_CONFIGS:
             return name
         target = self.aliases.get(name) or self.aliases.get("*") or name
         if target in BUILTIN_CONFIGS:
             return target
-        if os.path.isdir(target) and os.path.exists(os.path.join(target, "config.json")):
-            return os.path.abspath(target)
+        found = resolve_model_dir(target)
+        if found is not None:
+            return str(found)
         raise EngineUserError(
             f"base_model {name!r} is not available. Available: {', '.join(self.available_models())}."
-            " To use another name, alias it: TINKER_SR_MODEL_ALIASES='"
-            f"{name}=tinker-sr/tiny' or to a local Hugging Face directory with config.json "
-            "and *.safetensors (nothing is downloaded)."
+            f" Looked for {target!r}: {not_found_hint(target)}. To use another name, alias it: "
+            f"TINKER_SR_MODEL_ALIASES='{name}=tinker-sr/tiny' or to a local Hugging Face "
+            "directory with config.json and *.safetensors."
         )
+
+    def tokenizer(self, name: str) -> ModelTokenizer | ByteModelTokenizer:
+        """The tokenizer of base model ``name`` (resolved like `resolve_model`), loaded once."""
+        resolved = self.resolve_model(name)
+        tok = self._tokenizers.get(resolved)
+        if tok is None:
+            if resolved in BUILTIN_CONFIGS:
+                tok = ByteModelTokenizer()
+            else:
+                tok = ModelTokenizer(Path(resolved))
+            self._tokenizers[resolved] = tok
+        return tok
 
     def base(self, resolved: str) -> Transformer:
         """The frozen base model of ``resolved``, loaded once and shared."""
         m = self._bases.get(resolved)
         if m is None:
             m = (
-                build_model(resolved, seed=0)
+                build_model(resolved, seed=0, dtype=self.model_dtype or torch.float32)
                 if resolved in BUILTIN_CONFIGS
-                else load_pretrained(resolved)
+                else load_model_dir(resolved, dtype=self.model_dtype)
             )
             m.requires_grad_(False)
             m.eval()
@@ -188,13 +197,14 @@ class ModelRegistry:
         current = snapshot(model)
         load_lora_state_dict(model, adapters)
         try:
-            return clone_for_sampling(model, dtype=self.sampler_dtype)
+            return clone_for_sampling(model, dtype=self.sampler_dtype or model.dtype)
         finally:
             load_lora_state_dict(model, current)
 
     def sampling_base(self, name: str) -> Transformer:
         """A sampling model of the plain base model ``name``."""
-        return clone_for_sampling(self.base(self.resolve_model(name)), dtype=self.sampler_dtype)
+        base = self.base(self.resolve_model(name))
+        return clone_for_sampling(base, dtype=self.sampler_dtype or base.dtype)
 
     def sampling_adapted(
         self, name: str, spec: LoraSpec, adapters: Mapping[str, torch.Tensor]
@@ -202,4 +212,4 @@ class ModelRegistry:
         """A sampling model of base ``name`` with LoRA ``adapters`` (from a checkpoint)."""
         model, _ = self.new_trainable(self.resolve_model(name), spec)
         load_lora_state_dict(model, dict(adapters))
-        return clone_for_sampling(model, dtype=self.sampler_dtype)
+        return clone_for_sampling(model, dtype=self.sampler_dtype or model.dtype)

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.model import Transformer, _stable_seed
+from tinker_sr.engine.stops import StopStrings
 
 TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
 
@@ -158,6 +159,7 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     decode: Callable[[list[int]], str] | None = None,
+    token_bytes: Sequence[bytes] | None = None,
     seed: int,
     stability_k: int = 0,
     top_k_logprobs: int = 0,
@@ -166,12 +168,14 @@ def generate(
 
     Stops a row when it produces a stop token id (kept in `tokens`, stop_reason "stop"), or
     when the decoded text of its sampled tokens contains a stop string (tokens end with the
-    token that completed it, "stop"); otherwise it runs to max_tokens ("length").
+    token that completed it, "stop"); otherwise it runs to max_tokens ("length"). Stop strings
+    are matched incrementally on `token_bytes[id]` (the model tokenizer's bytes per id, see
+    `tinker_sr.engine.stops`); `decode` is the older re-decoding fallback.
     `stability_k` > 0 adds `draws` [T, K]; `top_k_logprobs` > 0 adds the top entries of log q.
     """
     _validate(
         model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
-        stop_token_ids, stop_strings, decode, stability_k, top_k_logprobs,
+        stop_token_ids, stop_strings, decode or token_bytes, stability_k, top_k_logprobs,
     )  # fmt: skip
     n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
     greedy = temperature == 0
@@ -198,6 +202,7 @@ def generate(
     # A stop string completed by the newest token lies within the last few tokens (>= 1 byte
     # each, <= 4 bytes per character); the slack absorbs decoders that strip a leading space.
     window = 4 * max((len(s) for s in stop_strings), default=0) + 8
+    matcher = StopStrings(stop_strings, token_bytes, n) if stop_strings and token_bytes else None
 
     cache = model.new_cache(n, P + max_tokens)
     logits = model(torch.tensor([prompt]), cache=cache)[:, -1].expand(n, V)
@@ -223,7 +228,11 @@ def generate(
             out_topk_lp[:, t] = top_lp
 
         hit = ~done & torch.isin(tok, stop_ids) if len(stop_ids) else torch.zeros_like(done)
-        if stop_strings:
+        if matcher is not None:
+            for i, (tok_i, done_i) in enumerate(zip(tok.tolist(), done.tolist(), strict=True)):
+                if not done_i and matcher.push(i, tok_i):
+                    hit[i] = True
+        elif stop_strings:
             for i in (~done & ~hit).nonzero().flatten().tolist():
                 text = decode(out_tok[i, max(0, t + 1 - window) : t + 1].tolist())  # type: ignore[misc]
                 if any(s in text for s in stop_strings):

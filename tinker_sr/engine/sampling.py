@@ -7,10 +7,12 @@ The token-level work (prefill, KV-cache decode, stability draws) is `engine.samp
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +25,16 @@ from tinker_sr.engine.store import Store
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
 
 STABILITY_K = 8
+DEFAULT_MAX_TOKENS = 4096
+
+
+class StopTokenizer(Protocol):
+    """What sampling needs of a model's tokenizer (`engine.hf_tokenizer.ModelTokenizer`)."""
+
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def token_bytes(self) -> Sequence[bytes]: ...
 
 
 @dataclass(frozen=True)
@@ -97,12 +109,13 @@ def sample(
     seq_id: int,
     req: SampleRequest,
     *,
-    eos_token_id: int,
-    decode: Callable[[list[int]], str],
+    tokenizer: StopTokenizer,
     recorder: SequenceRecorder,
 ) -> types.SampleResponse:
-    """Run one sample request on ``s``; every check runs before anything is generated."""
-    plan = _plan(s.model, req, eos_token_id)
+    """Run one sample request on ``s``; every check runs before anything is generated.
+    ``tokenizer`` is the model's own: its EOS ids end a row unless ``stop=[]``, and string
+    stops are matched on its per-token bytes."""
+    plan = _plan(s.model, req, tokenizer.eos_token_ids)
     # Prompt-side extras first: they only read the prompt, and a bad request must fail
     # before any sequence is generated or recorded.
     topk_prompt, target_out, alt = _prompt_extras(s.model, req, plan)
@@ -117,7 +130,7 @@ def sample(
         top_p=float(sp.top_p),
         stop_token_ids=plan.stop_ids,
         stop_strings=plan.stop_strings,
-        decode=decode,
+        token_bytes=tokenizer.token_bytes if plan.stop_strings else None,
         seed=plan.seed,
         stability_k=STABILITY_K if req.record_stability_info else 0,
         top_k_logprobs=req.topk_sample_logprobs,
@@ -137,7 +150,7 @@ def sample(
     )
 
 
-def _plan(model: Transformer, req: SampleRequest, eos_token_id: int) -> _Plan:
+def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int]) -> _Plan:
     vocab = model.config.vocab_size
     tokens = _prompt_tokens(req.prompt, vocab)
     if req.num_samples < 1:
@@ -147,9 +160,8 @@ def _plan(model: Transformer, req: SampleRequest, eos_token_id: int) -> _Plan:
             f"{len(req.sequence_ids)} sequence_ids given for num_samples={req.num_samples}"
         )
     sp = req.sampling_params
-    max_ctx = model.config.max_seq_len
-    max_tokens = sp.max_tokens if sp.max_tokens is not None else max_ctx - len(tokens)
-    stop_ids, stop_strings = _stop_conditions(sp.stop, eos_token_id)
+    max_tokens = resolve_max_tokens(sp.max_tokens, len(tokens), model.config.max_seq_len)
+    stop_ids, stop_strings = _stop_conditions(sp.stop, eos_ids)
     seed = sp.seed if sp.seed is not None else secrets.randbits(63)
     _check_k("topk_prompt_logprobs", req.topk_prompt_logprobs, vocab)
     _check_k("topk_sample_logprobs", req.topk_sample_logprobs, vocab)
@@ -300,20 +312,42 @@ def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
     return tokens
 
 
+def resolve_max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
+    """``max_tokens``, or for ``None`` the rest of the context capped at `default_max_tokens`:
+    the KV cache and every per-token buffer are sized by prompt + this, so a model with a
+    40,960-token context does not allocate 40,960 positions per row for an unbounded request."""
+    if requested is not None:
+        return requested
+    return max(1, min(context - prompt_len, default_max_tokens()))
+
+
+def default_max_tokens() -> int:
+    """``$TINKER_SR_DEFAULT_MAX_TOKENS`` (default 4096): new tokens when max_tokens is None."""
+    raw = os.environ.get("TINKER_SR_DEFAULT_MAX_TOKENS", "").strip()
+    if not raw:
+        return DEFAULT_MAX_TOKENS
+    if not raw.isdigit() or int(raw) < 1:
+        raise EngineUserError(
+            f"TINKER_SR_DEFAULT_MAX_TOKENS must be a positive integer, got {raw!r}"
+        )
+    return int(raw)
+
+
 def _stop_conditions(
-    stop: str | Sequence[str] | Sequence[int] | None, eos: int
+    stop: str | Sequence[str] | Sequence[int] | None, eos_ids: Sequence[int]
 ) -> tuple[list[int], list[str]]:
+    eos = list(eos_ids)
     if stop is None:
-        return [eos], []
+        return eos, []
     if isinstance(stop, str):
-        return [eos], [stop]
+        return eos, [stop]
     items = list(stop)
     if not items:
         return [], []  # [] = no stop condition at all, not even EOS
     if all(isinstance(s, str) for s in items):
-        return [eos], [str(s) for s in items]
+        return eos, [str(s) for s in items]
     if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
-        return [eos, *(int(s) for s in items if isinstance(s, int))], []
+        return [*eos, *(int(s) for s in items if isinstance(s, int))], []
     raise EngineUserError(
         "sampling_params.stop must be a string, a list of strings or a list of ints"
     )

@@ -1,0 +1,242 @@
+"""Hugging Face model directories end to end: loading (dtypes, shards, HF cache), the model's own
+tokenizer and EOS ids, incremental string stops, and `get_tokenizer()` on every path."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.clients.tokenizers import load_tokenizer  # noqa: E402
+from tinker_sr.engine.hf import load_model_dir, resolve_model_dir  # noqa: E402
+from tinker_sr.engine.hf_tokenizer import FastTokenizer, ModelTokenizer  # noqa: E402
+from tinker_sr.engine.sampling import resolve_max_tokens  # noqa: E402
+from tinker_sr.engine.stops import StopStrings  # noqa: E402
+from tinker_sr.engine.tokenizer import ByteTokenizer  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
+
+TEXT = "Hello world, 123 + 456 = 579.\n\nUser: what é ü 😀?"
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import: set its constant too.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[tinker_sr.ServiceClient]:
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    yield client
+    client.close().result()
+    backend.close()
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "sharded"),
+    [("qwen3", "float32", False), ("llama", "bfloat16", True), ("qwen3", "float16", True)],
+)
+def test_loaded_weights_keep_dtype_and_match_transformers(
+    tmp_path: Path, family: str, dtype: str, sharded: bool
+) -> None:
+    root = make_tiny_hf_model_dir(tmp_path / "m", family=family, dtype=dtype, sharded=sharded)  # type: ignore[arg-type]
+    assert sharded == (root / "model.safetensors.index.json").is_file()
+    ours = load_model_dir(root)
+    theirs = AutoModelForCausalLM.from_pretrained(root)
+    assert ours.dtype == theirs.dtype == getattr(torch, dtype)
+    ids = torch.tensor([[1, 5, 100, 200, 300, 400, 650]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits.float(), rtol=0, atol=1e-5)
+    assert load_model_dir(root, dtype=torch.float32).dtype == torch.float32
+
+
+def test_hf_cache_name_resolves_offline(
+    tmp_path: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert resolve_model_dir("tiny-org/tiny-qwen3") is None
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-qwen3"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(qwen_dir, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    assert resolve_model_dir("tiny-org/tiny-qwen3") == repo / "snapshots" / rev
+    assert resolve_model_dir(f"tiny-org/tiny-qwen3@{rev}") == repo / "snapshots" / rev
+    assert resolve_model_dir("tiny-org/tiny-qwen3@v2") is None
+
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    sampler = client.create_sampling_client(base_model="tiny-org/tiny-qwen3").result()
+    tok = sampler.get_tokenizer()
+    assert tok.encode("hello", add_special_tokens=False) != list(b"hello")
+    out = sampler.sample(
+        types.ModelInput.from_ints(tok.encode("User: hi")), 1, types.SamplingParams(max_tokens=4)
+    ).result()
+    assert len(out.sequences[0].tokens) >= 1
+    # The remote path (as the official SDK does) finds the cached tokenizer by name, too.
+    assert load_tokenizer("tiny-org/tiny-qwen3", None).encode("hello") == tok.encode("hello")
+    client.close().result()
+    backend.close()
+
+
+def test_unknown_model_error_names_where_it_looked(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    with pytest.raises(tinker_sr.RequestFailedError, match="Hugging Face cache"):
+        client.create_lora_training_client(base_model="no-org/no-model", rank=2).result()
+    client.close().result()
+    backend.close()
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+
+def test_token_bytes_and_eos_come_from_the_model_dir(qwen_dir: Path) -> None:
+    info = tiny_model_info(qwen_dir)
+    mt = ModelTokenizer(qwen_dir)
+    hf = AutoTokenizer.from_pretrained(qwen_dir)
+    ids = hf.encode(TEXT, add_special_tokens=False)
+    assert b"".join(mt.token_bytes[i] for i in ids).decode() == TEXT
+    assert set(mt.eos_token_ids) == set(info.eos_token_ids) and min(mt.eos_token_ids) >= 259
+    assert mt.token_bytes[info.special_ids["<|im_end|>"]] == b""
+
+
+def test_fast_tokenizer_without_transformers_matches_autotokenizer(qwen_dir: Path) -> None:
+    ours, theirs = FastTokenizer(qwen_dir), AutoTokenizer.from_pretrained(qwen_dir)
+    assert ours.encode(TEXT) == theirs.encode(TEXT)
+    assert ours.decode(ours.encode(TEXT)) == TEXT
+    assert (ours.eos_token_id, ours.pad_token_id, len(ours)) == (
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+        len(theirs),
+    )
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+        chat, tokenize=False
+    )
+
+
+def test_stop_strings_match_across_tokens_and_split_characters() -> None:
+    # "é" is two bytes; a token may end halfway through it.
+    table = [b"ab", b"\xc3", b"\xa9c", b"\n", b"User", b":", b""]
+    m = StopStrings(["éc", "\n\nUser:"], table, rows=2)
+    assert [m.push(0, t) for t in (0, 1, 2)] == [False, False, True]
+    assert [m.push(1, t) for t in (3, 6, 3, 4, 5)] == [False, False, False, False, True]
+    long = StopStrings(["er than year"], [b"x", b"er", b" than", b" year"], rows=1)
+    assert [long.push(0, t) for t in (0, 1, 2, 3)] == [False, False, False, True]
+
+
+def test_unbounded_max_tokens_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_max_tokens(None, 10, 40960) == 4096
+    assert resolve_max_tokens(None, 10, 100) == 90
+    assert resolve_max_tokens(7, 10, 40960) == 7
+    monkeypatch.setenv("TINKER_SR_DEFAULT_MAX_TOKENS", "16")
+    assert resolve_max_tokens(None, 10, 40960) == 16
+
+
+# ---- sampling on the BPE model ------------------------------------------------------------
+
+
+def _sample(sampler: tinker_sr.SamplingClient, stop: object, seed: int, n: int = 16) -> list:
+    params = types.SamplingParams(max_tokens=48, seed=seed, stop=stop)  # type: ignore[arg-type]
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    return list(sampler.sample(prompt, n, params).result().sequences)
+
+
+def test_rows_stop_on_the_models_eos_not_the_byte_one(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    eos = set(tiny_model_info(qwen_dir).eos_token_ids)
+    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    for seed in range(20):  # find a seed where some row samples an EOS id (no stops at all)
+        free = _sample(sampler, [], seed)
+        if any(eos & set(s.tokens) for s in free):
+            break
+    else:
+        pytest.fail("no EOS id sampled in 20 seeds")
+    stopped = _sample(sampler, None, seed)
+    for f, s in zip(free, stopped, strict=True):
+        first = next((i for i, t in enumerate(f.tokens) if t in eos), None)
+        if first is None:
+            assert s.tokens == f.tokens and s.stop_reason == "length"
+        else:
+            assert s.tokens == f.tokens[: first + 1] and s.stop_reason == "stop"
+
+
+def test_string_stops_with_the_bpe_tokenizer(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    eos = set(tiny_model_info(qwen_dir).eos_token_ids)
+    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    tok = sampler.get_tokenizer()
+    free = _sample(sampler, [], seed=5, n=4)
+    assert any(t >= 259 for s in free for t in s.tokens)  # ids the byte tokenizer lacks
+    # A stop string (valid text) that row r completes at its token `end`, before any EOS.
+    r, end, text = next(
+        (i, a + 3, tok.decode(s.tokens[a : a + 3]))
+        for a in range(5, 40)
+        for i, s in enumerate(free)
+        if not eos & set(s.tokens[: a + 3])
+        and "\ufffd" not in tok.decode(s.tokens[a : a + 3])
+        and tok.decode(s.tokens[a : a + 3]).strip()
+    )
+    stopped = _sample(sampler, [text, "\n\nUser:"], seed=5, n=4)
+    for f, s in zip(free, stopped, strict=True):
+        assert s.tokens == f.tokens[: len(s.tokens)]
+        out = tok.decode(s.tokens, skip_special_tokens=True)
+        shorter = tok.decode(s.tokens[:-1], skip_special_tokens=True)
+        assert text not in shorter and "\n\nUser:" not in shorter
+        if s.stop_reason == "length":
+            assert len(s.tokens) == 48 and text not in out
+        else:  # the stop ends with the last token: a stop string or one of the model's EOS
+            assert text in out or "\n\nUser:" in out or s.tokens[-1] in eos
+    assert stopped[r].stop_reason == "stop" and len(stopped[r].tokens) <= end
+    assert text in tok.decode(stopped[r].tokens)
+
+
+def test_embedded_get_tokenizer_and_info(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    training = service.create_lora_training_client(base_model=str(qwen_dir), rank=2).result()
+    assert training.get_info().model_data.tokenizer_id == str(qwen_dir)
+    tok = training.get_tokenizer()
+    assert not isinstance(tok, ByteTokenizer)
+    assert tok.encode("hello world", add_special_tokens=False) == AutoTokenizer.from_pretrained(
+        qwen_dir
+    ).encode("hello world", add_special_tokens=False)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    assert sampler.get_tokenizer().eos_token_id == tok.eos_token_id
+    # A built-in model still gets the byte tokenizer.
+    builtin = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+    assert isinstance(builtin.get_tokenizer(), ByteTokenizer)
+
+
+def test_aliased_name_gets_the_directory_tokenizer(tmp_path: Path, qwen_dir: Path) -> None:
+    backend = LocalBackend(tmp_path / "store", model_aliases={"Qwen/Qwen3-0.6B": str(qwen_dir)})
+    client = tinker_sr.ServiceClient(backend=backend)
+    sampler = client.create_sampling_client(base_model="Qwen/Qwen3-0.6B").result()
+    tok = sampler.get_tokenizer()
+    assert tok.eos_token_id == tiny_model_info(qwen_dir).special_ids["<|im_end|>"]
+    client.close().result()
+    backend.close()
+
+
+def test_remote_get_tokenizer_raises_instead_of_guessing() -> None:
+    with pytest.raises(RuntimeError, match="neither a local directory nor in the Hugging Face"):
+        load_tokenizer("some-org/not-cached-model", None)
+    assert isinstance(load_tokenizer("tinker-sr/tiny", None), ByteTokenizer)

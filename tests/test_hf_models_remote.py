@@ -1,0 +1,92 @@
+"""A Hugging Face model directory served by `tinker-sr serve`: the tinker_sr client and the
+unmodified official SDK both get the model's own tokenizer and sample with its EOS and string
+stops."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+from transformers import AutoTokenizer  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tests._server import ServerProcess, running_server  # noqa: E402
+from tinker_sr.engine.tokenizer import ByteTokenizer  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
+
+tinker = pytest.importorskip("tinker")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with running_server(tmp_path_factory.mktemp("store"), env=env) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+
+
+def _ready(client_or_future: object) -> object:
+    """The client of a client future (both SDKs return futures from some creators)."""
+    result = getattr(client_or_future, "result", None)
+    return result() if callable(result) else client_or_future
+
+
+def _check_round(sdk: object, service: object, model_dir: Path) -> None:
+    """Training + sampling clients on the model dir: tokenizers and a string-stop sample."""
+    types = sdk.types  # type: ignore[attr-defined]
+    info = tiny_model_info(model_dir)
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    training = _ready(service.create_lora_training_client(base_model=str(model_dir), rank=2))  # type: ignore[attr-defined]
+    assert training.get_info().model_data.tokenizer_id == str(model_dir)
+    for client in (
+        training,
+        training.save_weights_and_get_sampling_client(),
+        service.create_sampling_client(base_model=str(model_dir)),  # type: ignore[attr-defined]
+    ):
+        tok = _ready(client).get_tokenizer()
+        assert not isinstance(tok, ByteTokenizer)
+        assert tok.encode("hello world") == reference.encode("hello world")
+        assert tok.eos_token_id == info.special_ids["<|im_end|>"]
+    sampler = _ready(training.save_weights_and_get_sampling_client())
+    prompt = types.ModelInput.from_ints(reference.encode("User: what is 1 plus 2?\n\nAssistant:"))
+    params = types.SamplingParams(max_tokens=24, seed=3, stop=["\n\nUser:", "1"])
+    seqs = sampler.sample(prompt, 8, params).result().sequences
+    eos = set(info.eos_token_ids)
+    for s in seqs:
+        text = reference.decode(s.tokens, skip_special_tokens=True)
+        before = reference.decode(s.tokens[:-1], skip_special_tokens=True)
+        assert "1" not in before and "\n\nUser:" not in before
+        if s.stop_reason == "stop":
+            assert s.tokens[-1] in eos or "1" in text or "\n\nUser:" in text
+        else:
+            assert len(s.tokens) == 24 and "1" not in text and "\n\nUser:" not in text
+    assert any(t >= 259 for s in seqs for t in s.tokens)
+    assert any(s.stop_reason == "stop" and s.tokens[-1] not in eos for s in seqs)
+
+
+def test_tinker_sr_client_against_server(server: ServerProcess, model_dir: Path) -> None:
+    service = tinker_sr.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    _check_round(tinker_sr, service, model_dir)
+    service.close().result()
+
+
+def test_official_sdk_against_server(server: ServerProcess, model_dir: Path) -> None:
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    _check_round(tinker, service, model_dir)
+    service.close("success").result()

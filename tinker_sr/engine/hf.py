@@ -1,0 +1,214 @@
+"""Hugging Face model directories as first-class models: find them, load them in their own dtype.
+
+A model is found, offline, as either
+- a local directory holding ``config.json`` and ``*.safetensors`` (one file, or shards listed by
+  ``model.safetensors.index.json``), or
+- a Hub name ``Org/Name`` (optionally ``Org/Name@revision``) already in the local Hugging Face
+  cache: ``$HF_HUB_CACHE`` or ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``, laid out as
+  ``models--Org--Name/snapshots/<revision>/`` with ``refs/<branch>`` naming the revision.
+  Nothing is ever downloaded.
+
+Weights stay in the checkpoint's dtype (``config.json``'s ``dtype``/``torch_dtype``, else the
+dtype of the stored tensors): a bf16 checkpoint costs 2 bytes per parameter in memory. The
+compute dtype is the weights' dtype, with RMSNorm statistics, RoPE angles, softmax and the
+returned logits in float32 (see `tinker_sr.engine.model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.engine.model import Transformer, _empty_model, config_from_hf
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, resolved like `huggingface_hub` does (no import needed)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_FILES) -> bool:
+    return any((Path(path) / m).is_file() for m in markers)
+
+
+def _snapshot(repo: Path, revision: str | None, markers: tuple[str, ...]) -> Path | None:
+    """The snapshot of a cached repo for `revision` (a branch, tag or commit; default "main",
+    else the most recent snapshot) that holds one of `markers`."""
+    snaps = repo / "snapshots"
+    if not snaps.is_dir():
+        return None
+    ref = repo / "refs" / (revision or "main")
+    if ref.is_file():
+        revision = ref.read_text().strip()
+    if revision is not None:
+        cand = snaps / revision
+        return cand if is_model_dir(cand, markers) else None
+    found = [p for p in snaps.iterdir() if is_model_dir(p, markers)]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def resolve_model_dir(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path | None:
+    """The local directory of `name` (a path or a cached Hub name) holding one of `markers`
+    (default: a model's config.json; `TOKENIZER_FILES` finds tokenizer-only repos), or None."""
+    path = Path(name).expanduser()
+    if is_model_dir(path, markers):
+        return path.resolve()
+    repo_id, _, revision = name.partition("@")
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snap = _snapshot(repo, revision or None, markers)
+    return snap.absolute() if snap is not None else None
+
+
+def not_found_hint(name: str) -> str:
+    """Where `resolve_model_dir` looked, for error messages."""
+    repo = "models--" + name.partition("@")[0].replace("/", "--")
+    return (
+        f"no local directory {name!r} with config.json, and no snapshot in the Hugging Face "
+        f"cache at {hub_cache_dir() / repo}/snapshots (set HF_HOME or HF_HUB_CACHE; "
+        "nothing is downloaded)"
+    )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineUserError(f"{path}: cannot read JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise EngineUserError(f"{path}: expected a JSON object")
+    return data
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or every file."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map") or {}
+        files = [root / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise EngineNotFoundError(f"{index} names shard files that are missing: {missing[:3]}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise EngineNotFoundError(
+            f"{root}: no *.safetensors weight files (PyTorch .bin checkpoints are not supported; "
+            "convert them with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, Any]]:
+    """(file, name, lazy slice) for every stored tensor, one file open at a time."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield f, key, handle.get_slice(key)
+
+
+def checkpoint_dtype(root: Path, hf: dict[str, Any] | None = None) -> torch.dtype:
+    """The dtype a checkpoint declares in config.json, else that of its first float tensor."""
+    hf = hf if hf is not None else read_json(root / "config.json")
+    declared = hf.get("dtype") or hf.get("torch_dtype")
+    if isinstance(declared, str) and declared in DTYPES:
+        return DTYPES[declared]
+    table = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    for _, _, sl in _tensors(weight_files(root)):
+        if sl.get_dtype() in table:
+            return table[sl.get_dtype()]
+    return torch.float32
+
+
+def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.dtype | None:
+    """'bf16' / 'bfloat16' / torch.bfloat16 → torch.bfloat16; None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    name = aliases.get(value, value)
+    if name not in DTYPES:
+        raise EngineUserError(
+            f"{field}: {value!r} is not a supported dtype; use one of {sorted(DTYPES)}"
+        )
+    return DTYPES[name]
+
+
+def load_model_dir(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, name: str | None = None
+) -> Transformer:
+    """Load a Llama / Qwen3 HF directory into a Transformer.
+
+    ``dtype=None`` keeps the checkpoint's dtype; tensors stored in another dtype (e.g. float32
+    norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
+    the model plus one tensor. Rotary ``inv_freq`` buffers of old exports are ignored.
+    """
+    root = Path(path)
+    if not is_model_dir(root):
+        raise EngineNotFoundError(
+            f"{root}: no config.json; expected a Hugging Face model directory "
+            "(config.json + *.safetensors)"
+        )
+    files = weight_files(root)
+    hf = read_json(root / "config.json")
+    config = config_from_hf(hf, name=name or str(root))
+    target = dtype or checkpoint_dtype(root, hf)
+    model = _empty_model(config, target)
+    own = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for f, key, sl in _tensors(files):
+            if key not in own:
+                continue
+            if tuple(own[key].shape) != tuple(sl.get_shape()):
+                raise EngineUserError(
+                    f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
+                    f"{tuple(own[key].shape)}"
+                )
+            own[key].copy_(sl[:])
+            loaded.add(key)
+    missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_embeddings else set())
+    if missing:
+        raise EngineUserError(
+            f"{root}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
+    return model
+
+
+def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ...]:
+    """Every EOS id the model declares: config.json's ``eos_token_id`` (an int or a list), then
+    generation_config.json's, then the tokenizer's eos token; first-seen order, no repeats."""
+    out: list[int] = []
+    for fname in ("config.json", "generation_config.json"):
+        f = root / fname
+        value = read_json(f).get("eos_token_id") if f.is_file() else None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in out:
+                out.append(v)
+    if tokenizer_eos is not None and tokenizer_eos not in out:
+        out.append(tokenizer_eos)
+    return tuple(out)

@@ -1,0 +1,277 @@
+"""A model's own tokenizer: what the engine needs of it, and the object `get_tokenizer()` returns.
+
+The engine needs only two things, and reads both from the directory's JSON files (no library):
+- the EOS ids (`tinker_sr.engine.hf.eos_token_ids` plus the tokenizer's ``eos_token``);
+- the bytes each token id decodes to (`token_bytes_table`), for incremental stop strings.
+
+`ModelTokenizer.hf` is the Hugging Face interface (encode/decode/apply_chat_template/...):
+``transformers.AutoTokenizer`` when `transformers` is installed, else `FastTokenizer`, a small
+wrapper over the `tokenizers` library that reads tokenizer_config.json (special tokens, chat
+template rendered with `jinja2`). Loading is lazy, so sampling never imports either.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.hf import eos_token_ids, read_json
+from tinker_sr.engine.tokenizer import ByteTokenizer, _bytes_to_unicode
+
+_SP_SPACE = "\u2581"  # SentencePiece's "▁"
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_kinds(spec: dict[str, Any] | None) -> set[str]:
+    """Types of a tokenizer.json decoder, flattening Sequence decoders."""
+    if not spec:
+        return set()
+    if spec.get("type") == "Sequence":
+        return set().union(*(_decoder_kinds(d) for d in spec.get("decoders", [])))
+    kinds = {str(spec.get("type"))}
+    if spec.get("type") == "Replace" and (spec.get("pattern") or {}).get("String") == _SP_SPACE:
+        kinds.add("SentencePieceSpace")
+    return kinds
+
+
+def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
+    """`table[id]` = the UTF-8 bytes token `id` contributes to decoded text (b"" for special
+    tokens and ids the tokenizer does not define, e.g. padded embedding rows).
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen): each character of a token maps back to one byte.
+    SentencePiece-style (Llama 2, Mistral): "▁" is a space and "<0xNN>" is byte NN. Other
+    decoders: the `tokenizers` library decodes each id alone.
+    """
+    table = [b""] * vocab_size
+    vocab: dict[str, int] = (spec.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram models store [piece, score] pairs
+        vocab = {piece: i for i, (piece, _score) in enumerate(vocab)}
+    kinds = _decoder_kinds(spec.get("decoder"))
+    if "ByteLevel" in kinds:
+        back = {c: b for b, c in _bytes_to_unicode().items()}
+        for tok, i in vocab.items():
+            if i < vocab_size:
+                table[i] = bytes(back[c] for c in tok if c in back)
+    elif kinds & {"Metaspace", "SentencePieceSpace", "ByteFallback"}:
+        for tok, i in vocab.items():
+            if i < vocab_size:
+                m = _BYTE_PIECE.match(tok)
+                table[i] = (
+                    bytes([int(m.group(1), 16)]) if m else tok.replace(_SP_SPACE, " ").encode()
+                )
+    else:
+        table = _decode_each(spec, vocab_size)
+    for added in spec.get("added_tokens") or []:
+        i = int(added["id"])
+        if i < vocab_size:
+            table[i] = b"" if added.get("special") else str(added["content"]).encode()
+    return table
+
+
+def _decode_each(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise EngineUserError(
+            "stop strings with this tokenizer's decoder need the `tokenizers` package; "
+            "pip install tokenizers"
+        ) from e
+    tok = Tokenizer.from_str(json.dumps(spec))
+    n = min(vocab_size, tok.get_vocab_size(with_added_tokens=True))
+    return [tok.decode([i], skip_special_tokens=True).encode() for i in range(n)] + [b""] * (
+        vocab_size - n
+    )
+
+
+def byte_token_table() -> list[bytes]:
+    """The built-in byte tokenizer: ids 0..255 are bytes; specials decode to nothing."""
+    return [bytes([i]) for i in range(256)] + [b""] * (ByteTokenizer.vocab_size - 256)
+
+
+def _special_token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ModelTokenizer:
+    """The tokenizer of one model directory (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        # The model's embedding rows; may exceed the tokenizer's length (padded vocabularies).
+        self.vocab_size = int(read_json(root / "config.json")["vocab_size"])
+        if not (root / "tokenizer.json").is_file():
+            raise EngineUserError(
+                f"{root}: no tokenizer.json; a model directory needs its fast tokenizer file "
+                "(transformers writes it with tokenizer.save_pretrained)"
+            )
+        self.tokenizer_id: str | None = str(root)
+        cfg_file = root / "tokenizer_config.json"
+        self._config = read_json(cfg_file) if cfg_file.is_file() else {}
+        self._ids = {
+            str(t["content"]): int(t["id"])
+            for t in read_json(root / "tokenizer.json").get("added_tokens") or []
+        }
+        eos = _special_token_content(self._config.get("eos_token"))
+        self.eos_token_ids = eos_token_ids(root, self._ids.get(eos) if eos else None)
+        if not self.eos_token_ids:
+            raise EngineUserError(
+                f"{root}: no EOS token id in config.json, generation_config.json or "
+                "tokenizer_config.json; set eos_token_id in config.json"
+            )
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        return token_bytes_table(read_json(self.root / "tokenizer.json"), self.vocab_size)
+
+    @functools.cached_property
+    def hf(self) -> Any:
+        return load_hf_tokenizer(self.root)
+
+
+class ByteModelTokenizer:
+    """The built-in models' tokenizer in the `ModelTokenizer` shape."""
+
+    tokenizer_id: str | None = None
+    eos_token_ids: tuple[int, ...] = (ByteTokenizer.eos_token_id,)
+    vocab_size = ByteTokenizer.vocab_size
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        return byte_token_table()
+
+    @functools.cached_property
+    def hf(self) -> ByteTokenizer:
+        return ByteTokenizer()
+
+
+def load_hf_tokenizer(root: Path) -> Any:
+    """``AutoTokenizer.from_pretrained(root)`` offline if transformers is installed, else a
+    `FastTokenizer`; raises naming the missing package when neither library is there."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return FastTokenizer(root)
+    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+
+
+class FastTokenizer:
+    """The commonly used part of a Hugging Face fast tokenizer, over the `tokenizers` library:
+    encode / decode / __call__ / special tokens / convert_* / apply_chat_template."""
+
+    def __init__(self, root: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise EngineUserError(
+                f"loading the tokenizer of {root} needs `tokenizers` (or `transformers`); "
+                "pip install tokenizers"
+            ) from e
+        self.name_or_path = str(root)
+        self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        cfg_file = root / "tokenizer_config.json"
+        cfg = read_json(cfg_file) if cfg_file.is_file() else {}
+        self.chat_template: str | None = cfg.get("chat_template")
+        jinja = root / "chat_template.jinja"
+        if self.chat_template is None and jinja.is_file():
+            self.chat_template = jinja.read_text()
+        self.bos_token = _special_token_content(cfg.get("bos_token"))
+        self.eos_token = _special_token_content(cfg.get("eos_token"))
+        self.pad_token = _special_token_content(cfg.get("pad_token"))
+        specials = [t for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self.all_special_tokens = [t.content for t in specials]
+        self.all_special_ids = [self._tok.token_to_id(t) for t in self.all_special_tokens]
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=False))
+
+    def __len__(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = False, **_: Any) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def batch_decode(self, rows: Sequence[Sequence[int]], **kw: Any) -> list[str]:
+        return [self.decode(r, **kw) for r in rows]
+
+    def __call__(
+        self, text: str | list[str], add_special_tokens: bool = True, **_: Any
+    ) -> dict[str, Any]:
+        rows = [text] if isinstance(text, str) else text
+        ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in rows]
+        mask = [[1] * len(r) for r in ids]
+        if isinstance(text, str):
+            return {"input_ids": ids[0], "attention_mask": mask[0]}
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        return [self._tok.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def apply_chat_template(
+        self,
+        conversation: Sequence[dict[str, Any]],
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Render the model's chat template (jinja2, as transformers does); token ids unless
+        ``tokenize=False``. Special tokens come from the template, so none are added."""
+        if not self.chat_template:
+            raise EngineUserError(
+                f"{self.name_or_path}: the tokenizer has no chat_template "
+                "(tokenizer_config.json or chat_template.jinja)"
+            )
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:
+            raise EngineUserError("apply_chat_template needs `jinja2`; pip install jinja2") from e
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=list(conversation),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
