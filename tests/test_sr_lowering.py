@@ -10,6 +10,7 @@ follow the sampler's distribution like the engine's own draws (chi-square).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,3 +331,19 @@ def test_featureless_server_refuses_and_the_client_detects_1d_only(tmp_path: Pat
             assert out.metrics["num_tokens:sum"] == 2 * TOPK_PARAMS.max_tokens
         finally:
             client.close().result()
+
+
+def test_demo_against_the_featureless_server_says_which_path_ran(
+    featureless: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tinker_sr.cli import main
+
+    argv = ["demo", "--steps", "2", "--group-size", "4", "--quiet", "--no-plot"]
+    assert main([*argv, "--base-url", featureless.base_url, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stable_reinforce ran: lowered by the client to cross_entropy with 2-D targets" in out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Client-side draws over the whole vocabulary: exact, nothing left out.
+    assert all(r["loss_metrics"]["draw_tail_mass:max"] == 0.0 for r in records)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["stable_reinforce_path"] == "lowered-2d"

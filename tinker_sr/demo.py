@@ -34,6 +34,7 @@ import numpy as np
 
 import tinker_sr as tinker
 from tinker_sr import types
+from tinker_sr.clients.sr_lowering import LoweringOptions
 from tinker_sr.provenance import build_datum
 
 # ---- the task: a verifiable reward ------------------------------------------------------------
@@ -287,6 +288,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="with --stress stale/both: optimizer steps the sampler lags (default 3)",
     )
+    parser.add_argument(
+        "--lowering",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="stable_reinforce on a service without it: lower it to cross_entropy in the client "
+        "(auto: when the service lacks it; always; never). Client-side draws use the full "
+        "vocabulary as top-k, so they are exact (default auto)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar; print only the result"
@@ -300,9 +309,11 @@ def open_service_client(
     api_key: str | None = None,
     stress: str = "none",
     staleness: int = 3,
+    lowering: LoweringOptions | None = None,
 ) -> Iterator[tinker.ServiceClient]:
     """A ServiceClient on a fresh, throw-away embedded engine with the requested off-policy
-    stress, or on the server at ``base_url``. Closes both on exit."""
+    stress, or on the server at ``base_url``. Closes both on exit. ``lowering``: how
+    stable_reinforce runs on a service without it (`LoweringOptions`)."""
     if stress not in STRESS:
         raise ValueError(f"stress must be one of {', '.join(STRESS)}, got {stress!r}")
     if base_url is not None:
@@ -312,7 +323,9 @@ def open_service_client(
                 "to a remote server; drop the stress setting or the base URL"
             )
         key = api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
-        with tinker.ServiceClient(base_url=base_url, api_key=key) as client:
+        with tinker.ServiceClient(
+            base_url=base_url, api_key=key, stable_reinforce_lowering=lowering
+        ) as client:
             yield client
         return
     if staleness < 1 and stress in ("stale", "both"):
@@ -328,10 +341,29 @@ def open_service_client(
             sampler_staleness=staleness if stale else 0,
         )
         try:
-            with tinker.ServiceClient(backend=backend) as client:
+            with tinker.ServiceClient(
+                backend=backend, stable_reinforce_lowering=lowering
+            ) as client:
                 yield client
         finally:
             backend.close()
+
+
+_PATHS = {
+    "native": "natively (the service implements it)",
+    "lowered-2d": "lowered by the client to cross_entropy with 2-D targets (same gradient)",
+    "lowered-1d": "lowered by the client to K+1 cross_entropy calls with 1-D targets "
+    "(same gradient)",
+}
+
+
+def _lowering_options(mode: str, base_model: str) -> LoweringOptions:
+    """Client-side draws over the whole vocabulary (the demo's models are small), so a
+    lowered run draws from exactly the sampler's distribution."""
+    from tinker_sr.engine.model import BUILTIN_CONFIGS
+
+    vocab = BUILTIN_CONFIGS[base_model].vocab_size
+    return LoweringOptions(mode=mode, draw_topk=vocab)  # type: ignore[arg-type]
 
 
 def plot_curves(
@@ -448,8 +480,10 @@ def main(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 stress=args.stress,
                 staleness=args.staleness,
+                lowering=_lowering_options(args.lowering, config.base_model),
             ) as service_client:
                 records = asyncio.run(rl_loop(service_client, config, on_step))
+                sr_path = service_client.stable_reinforce_path
         finally:
             bar.close()
     wall = time.perf_counter() - t0
@@ -463,6 +497,7 @@ def main(args: argparse.Namespace) -> int:
                 "stress": args.stress,
                 "staleness": args.staleness if args.stress in ("stale", "both") else 0,
                 "base_url": args.base_url,
+                "stable_reinforce_path": sr_path,
             },
             indent=2,
         )
@@ -472,6 +507,7 @@ def main(args: argparse.Namespace) -> int:
     examples = ", ".join(f"{p!r} -> {c!r}" for p, c in records[-1]["example"].items())
     lines = [
         f"reward {initial:.3f} -> {final:.3f} (mean of the first / last 5 steps) in {wall:.0f} s",
+        *([f"stable_reinforce ran: {_PATHS[sr_path]}"] if sr_path is not None else []),
         f"samples at the last step: {examples}",
         f"metrics: {log_path}",
     ]

@@ -136,7 +136,8 @@ def client_draws(
     ``topk_ids``/``topk_logprobs`` are the sampler's ``[T, k']`` top entries of log q (empty
     cells hold ``(0, MASK_LOGPROB)``). The draws come from the head renormalised; the tail
     mass is what that leaves out: exactly 0 when the head is q's whole support (an empty
-    cell, or ``0 < sampling_top_k <= k'``), else ``1 - Σ head``. A row with no head gets
+    cell, ``0 < sampling_top_k <= k'``, or a head summing to 1 within float32 rounding),
+    else ``1 - Σ head``. A row with no head gets
     -1 draws and tail mass 1.
     """
     ids = np.asarray(topk_ids, dtype=np.int64)
@@ -145,6 +146,8 @@ def client_draws(
     p = np.where(filled, np.exp(np.where(filled, lps, 0.0)), 0.0)
     mass = p.sum(axis=1)
     complete = (~filled).any(axis=1) | (0 < sampling_top_k <= ids.shape[1])
+    # A head summing to 1 within float32 rounding (one ulp per entry) misses nothing.
+    complete |= 1.0 - mass <= ids.shape[1] * float(np.finfo(np.float32).eps)
     tail = np.where(complete, 0.0, np.clip(1.0 - mass, 0.0, 1.0))
     tail = np.where(mass > 0, tail, 1.0)
     cdf = np.cumsum(p, axis=1)
@@ -485,6 +488,7 @@ class SessionLowering:
     records: _Records = field(default_factory=_Records)
     path: SRPath | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _announced: set[str] = field(default_factory=set)
 
     # ---- sampling side -------------------------------------------------------------------
     def plan_sample(
@@ -738,9 +742,10 @@ class SessionLowering:
 
     def _announce(self, path: SRPath) -> None:
         with self._lock:
-            if self.path == path:
-                return
             self.path = path
+            if path in self._announced:
+                return
+            self._announced.add(path)
         if path == "native":
             log.info("stable_reinforce: the service implements it; sending it as is")
             return
