@@ -36,6 +36,7 @@ import torch
 from tinker_sr import types
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, expiry, parse_path
+from tinker_sr.engine.cpu import default_torch_threads
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.model import BUILTIN_CONFIGS
@@ -78,17 +79,15 @@ def _user(msg: str) -> RequestFailedError:
     )
 
 
-def _torch_threads(torch_threads: int | None) -> int | None:
-    """Intra-op threads of the engine's torch work ($TINKER_SR_TORCH_THREADS; default: torch's
-    own). Small models on a busy machine run far faster on one thread than oversubscribed."""
-    env_threads = os.environ.get("TINKER_SR_TORCH_THREADS", "").strip()
-    if torch_threads is None and env_threads:
-        if not env_threads.isdigit() or int(env_threads) < 1:
-            raise ValueError(
-                f"TINKER_SR_TORCH_THREADS must be a positive integer, got {env_threads!r}"
-            )
-        torch_threads = int(env_threads)
-    return torch_threads
+def _torch_threads(torch_threads: int | None) -> int:
+    """Intra-op threads of the engine's torch work: the argument, else
+    $TINKER_SR_TORCH_THREADS, else the CPUs this process may use (affinity and cgroup quota;
+    `tinker_sr.engine.cpu`). Oversubscribed threads make a busy machine far slower."""
+    if torch_threads is not None:
+        if torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {torch_threads}")
+        return torch_threads
+    return default_torch_threads()
 
 
 class LocalBackend:
@@ -140,8 +139,7 @@ class LocalBackend:
         loop = asyncio.get_running_loop()
 
         def call() -> T:
-            if self._torch_threads:
-                torch.set_num_threads(self._torch_threads)
+            torch.set_num_threads(self._torch_threads)
             return fn()
 
         try:
@@ -241,6 +239,14 @@ class LocalBackend:
 
     async def close_session(self, session_id: str, status: str, detail: str | None = None) -> None:
         self.store.close_session(session_id, status)
+
+        def release() -> None:
+            # On the worker, so work already queued for these models finishes first.
+            for model_id in self.models.release_session(session_id):
+                self._orders.pop(model_id, None)
+
+        if not self._closed:
+            await self._run(release)
 
     def _check_session(self, session_id: str) -> None:
         if not self.store.session_exists(session_id):
@@ -438,9 +444,9 @@ class LocalBackend:
                 )
             sampler_id = self.models.new_sampler_id(t.session_id, sampling_session_seq_id)
             adapters = training.sampler_adapters(t, self.sampler_staleness)
-            model = self.models.sampling_copy(t.model, adapters)
             self.models.register_sampler(
-                Sampler(sampler_id, t.session_id, t.base_model, model, None)
+                Sampler(sampler_id, t.session_id, t.base_model, t.resolved, t.lora, None),
+                adapters,
             )
             return types.SaveWeightsForSamplerResponseInternal(
                 sampling_session_id=sampler_id, type="save_weights_for_sampler"
@@ -476,13 +482,15 @@ class LocalBackend:
                 parsed = parse_path(model_path)
                 tensors, meta = self.checkpoints.load(model_path, expect=parsed.checkpoint_type)
                 name = base_model or meta["base_model"]
-                adapters = training.strip(tensors, "lora.")
-                model = self.models.sampling_adapted(name, training.checkpoint_lora(meta), adapters)
+                spec = training.checkpoint_lora(meta)
+                adapters: dict[str, torch.Tensor] | None = training.strip(tensors, "lora.")
             else:
                 assert base_model is not None
-                name = base_model
-                model = self.models.sampling_base(name)
-            self.models.register_sampler(Sampler(sampler_id, session_id, name, model, model_path))
+                name, spec, adapters = base_model, None, None
+            resolved = self.models.resolve_model(name)
+            self.models.register_sampler(
+                Sampler(sampler_id, session_id, name, resolved, spec, model_path), adapters
+            )
             return sampler_id
 
         return await self._run(work)
@@ -633,4 +641,5 @@ class LocalBackend:
             return
         self._closed = True
         self._executor.shutdown(wait=True)
+        self.models.close()
         self.store.close()

@@ -31,6 +31,7 @@ __all__ = [
     "has_fast_bf16",
     "isa_flags",
     "prefer_passive_waits",
+    "return_freed_memory",
 ]
 
 THREADS_ENV = "TINKER_SR_TORCH_THREADS"
@@ -121,3 +122,19 @@ def describe_machine() -> str:
         f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed by Python/torch back to the OS (glibc keeps freed heap pages of
+    every thread's arena otherwise, so a process that dropped a session's weights would
+    still show them in its RSS). A no-op where glibc's ``malloc_trim`` is not available."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -171,6 +171,24 @@ def clone_for_sampling(model: Transformer, *, dtype: torch.dtype = torch.float32
     return clone
 
 
+def share_frozen(model: Transformer) -> Transformer:
+    """A new module tree over the very same parameter tensors as ``model`` (no copy).
+
+    For a frozen base: every trainer and sampler of one base model wraps its own LoRA
+    adapters around one shared set of base weights instead of a deep copy each.
+    """
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("share_frozen: the model must be frozen (requires_grad False)")
+    with torch.device("meta"):
+        view = Transformer(model.config)
+    view.inv_freq = model.inv_freq
+    for name, p in model.named_parameters():
+        _set_param(view, name, p)
+    if model.config.tie_embeddings:
+        view.lm_head.weight = view.model.embed_tokens.weight
+    return view.train(model.training)
+
+
 def _set_param(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
     parent, _, attr = dotted.rpartition(".")
     setattr(root.get_submodule(parent), attr, value)

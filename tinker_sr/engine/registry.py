@@ -1,31 +1,49 @@
-"""The models the engine holds in memory: name aliases, the frozen base-model cache, and the
-live trainers (LoRA model + optimizer) and samplers, each keyed by its id.
+"""The models the engine holds in memory: name aliases, the frozen base models, and the live
+trainers (LoRA adapters + optimizer) and samplers, each keyed by its id.
 
-Every entry goes in through a ``register_*`` method and out through the matching
-``release_*`` method, so what a session, client or TTL owned can be dropped in one place (the
-hook for eviction under a memory budget). The registry is in-memory only; persistence (runs,
-checkpoints, recorded sequences) lives in `Store` and `CheckpointStore`.
+Memory model (docs/architecture.md, "Memory"):
+
+* one frozen base per (model, dtype), shared by every trainer and sampler of it: a trainer is
+  `share_frozen(base)` plus its own LoRA adapters and optimizer state, never a copy of the base;
+  a base is dropped when nothing uses it any more;
+* a sampler holds only its LoRA adapters. Adapters live in memory up to
+  ``adapter_budget_bytes`` (least recently used first out), beyond that in a spill file
+  that is read back on use;
+* sampling runs on merged weights (W + s·BA, the fastest decode) kept in an LRU cache of at
+  most ``merged_budget_bytes``; a sampler whose merged weights would not fit samples through
+  its adapters on the shared base instead;
+* everything of a session goes when it closes or expires (`release_session`).
+
+Every entry goes in through a ``register_*`` method and out through a ``release_*`` method.
+The registry is in-memory only; persistence (runs, checkpoints, recorded sequences) lives in
+`Store` and `CheckpointStore`.
 """
 
 from __future__ import annotations
 
-import copy
-from collections import deque
+import os
+import shutil
+import tempfile
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import load_model_dir, not_found_hint, resolve_model_dir
 from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.engine.lora import (
+    LoraLinear,
     LoraSpec,
     apply_lora,
     clone_for_sampling,
     load_lora_state_dict,
     lora_state_dict,
+    share_frozen,
     trainable_parameters,
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
@@ -65,13 +83,46 @@ class Trainer:
     history: deque[dict[str, torch.Tensor]] = field(default_factory=deque)
 
 
+# The two sampler budgets, overridable per process by environment (MiB). The merged cache
+# defaults to room for MERGED_DEFAULT_COPIES merged models (a loop that makes a new sampler
+# every step only samples the newest one or two).
+MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
+ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
+
+
+def _budget_bytes(env: str, default_mb: int | None) -> int | None:
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return None if default_mb is None else default_mb << 20
+    if not raw.isdigit():
+        raise ValueError(f"{env} must be a whole number of MiB (0 disables), got {raw!r}")
+    return int(raw) << 20
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 @dataclass
 class Sampler:
+    """A sampling session: a base model, optionally with LoRA adapters (held by the registry).
+
+    ``model`` is the network to sample with, materialised by the registry on use (merged
+    weights from its cache, or the adapters on the shared base)."""
+
     sampler_id: str
     session_id: str
     base_model: str
-    model: Transformer
+    resolved: str
+    lora: LoraSpec | None
     model_path: str | None
+    registry: ModelRegistry | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> Transformer:
+        if self.registry is None:
+            raise EngineNotFoundError(f"sampling session {self.sampler_id!r} was released")
+        return self.registry.sampling_model(self)
 
 
 class ModelRegistry:
@@ -83,16 +134,36 @@ class ModelRegistry:
         *,
         sampler_dtype: torch.dtype | None = None,
         model_dtype: torch.dtype | None = None,
+        merged_budget_bytes: int | None = None,
+        adapter_budget_bytes: int | None = None,
     ) -> None:
         self.aliases = dict(aliases)
         # None: samplers keep the base model's dtype; HF directories load in their
         # checkpoint's dtype unless model_dtype is set (built-ins are float32).
         self.sampler_dtype = sampler_dtype
         self.model_dtype = model_dtype
-        self._bases: dict[str, Transformer] = {}
+        # None: room for MERGED_DEFAULT_COPIES merged models of the size being added.
+        self.merged_budget: int | None = (
+            _budget_bytes(MERGED_BUDGET_ENV, None)
+            if merged_budget_bytes is None
+            else merged_budget_bytes
+        )
+        self.adapter_budget: int = (
+            _budget_bytes(ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB) or 0
+            if adapter_budget_bytes is None
+            else adapter_budget_bytes
+        )
+        # (resolved, None) is the base as loaded; (resolved, dtype) a converted copy.
+        self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: dict[str, Sampler] = {}
+        # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
+        self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self._spilled: dict[str, Path] = {}
+        self._spill_dir: Path | None = None
+        # Merged sampling weights, LRU order, with their size in bytes.
+        self._merged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
 
     # ---- base models ------------------------------------------------------------------
     def available_models(self) -> list[str]:
@@ -128,25 +199,43 @@ class ModelRegistry:
             self._tokenizers[resolved] = tok
         return tok
 
-    def base(self, resolved: str) -> Transformer:
-        """The frozen base model of ``resolved``, loaded once and shared."""
-        m = self._bases.get(resolved)
+    def base(self, resolved: str, dtype: torch.dtype | None = None) -> Transformer:
+        """The frozen base model of ``resolved`` (in ``dtype`` when given and different from
+        the loaded one), loaded once and shared."""
+        if dtype is not None and dtype == self.base(resolved).dtype:
+            dtype = None
+        m = self._bases.get((resolved, dtype))
         if m is None:
-            m = (
-                build_model(resolved, seed=0, dtype=self.model_dtype or torch.float32)
-                if resolved in BUILTIN_CONFIGS
-                else load_model_dir(resolved, dtype=self.model_dtype)
-            )
+            if dtype is not None:
+                # New tensors (Module.to would convert the shared Parameters in place).
+                m = clone_for_sampling(self.base(resolved), dtype=dtype)
+            elif resolved in BUILTIN_CONFIGS:
+                m = build_model(resolved, seed=0, dtype=self.model_dtype or torch.float32)
+            else:
+                m = load_model_dir(resolved, dtype=self.model_dtype)
             m.requires_grad_(False)
             m.eval()
-            self._bases[resolved] = m
+            self._bases[(resolved, dtype)] = m
         return m
 
-    def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
-        """A fresh copy of the base with LoRA adapters, and an optimizer over them."""
-        model = copy.deepcopy(self.base(resolved))
+    def _adapted(
+        self, resolved: str, spec: LoraSpec, dtype: torch.dtype | None = None
+    ) -> Transformer:
+        """The shared frozen base of ``resolved`` with fresh LoRA adapters of its own."""
+        model = share_frozen(self.base(resolved, dtype))
         apply_lora(model, spec)
+        return model
+
+    def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
+        """The shared base with new LoRA adapters, and an optimizer over the adapters."""
+        model = self._adapted(resolved, spec)
         return model, Adam(trainable_parameters(model))
+
+    def _drop_unused_bases(self) -> None:
+        used = {t.resolved for t in self._trainers.values()}
+        used |= {s.resolved for s in self._samplers.values()}
+        for key in [k for k in self._bases if k[0] not in used]:
+            del self._bases[key]
 
     # ---- trainers ---------------------------------------------------------------------
     def trainer(self, model_id: str) -> Trainer:
@@ -164,8 +253,32 @@ class ModelRegistry:
         self._trainers[trainer.model_id] = trainer
 
     def release_trainer(self, model_id: str) -> Trainer | None:
-        """Forget ``model_id`` (its weights and optimizer state); ``None`` if unknown."""
-        return self._trainers.pop(model_id, None)
+        """Forget ``model_id`` (its adapters and optimizer state); ``None`` if unknown."""
+        t = self._trainers.pop(model_id, None)
+        self._drop_unused_bases()
+        return t
+
+    def release_session(self, session_id: str) -> list[str]:
+        """Drop every trainer and sampler of ``session_id``; returns the released ids."""
+        trainers = [k for k, t in self._trainers.items() if t.session_id == session_id]
+        samplers = [k for k, s in self._samplers.items() if s.session_id == session_id]
+        for model_id in trainers:
+            self._trainers.pop(model_id)
+        for sampler_id in samplers:
+            self._forget_sampler(sampler_id)
+        self._drop_unused_bases()
+        return_freed_memory()
+        return trainers + samplers
+
+    def close(self) -> None:
+        """Drop everything, including spilled adapter files."""
+        for session_id in {t.session_id for t in self._trainers.values()} | {
+            s.session_id for s in self._samplers.values()
+        }:
+            self.release_session(session_id)
+        if self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+            self._spill_dir = None
 
     # ---- samplers ---------------------------------------------------------------------
     def sampler(self, sampler_id: str) -> Sampler:
@@ -184,32 +297,122 @@ class ModelRegistry:
             )
         return sampler_id
 
-    def register_sampler(self, sampler: Sampler) -> None:
+    def register_sampler(
+        self, sampler: Sampler, adapters: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Add ``sampler`` (with ``adapters`` when ``sampler.lora`` is set) and build its
+        sampling weights now, so a mismatched checkpoint fails here, not at the first sample."""
+        if (adapters is None) != (sampler.lora is None):
+            raise ValueError("register_sampler: pass adapters exactly when sampler.lora is set")
+        sampler.registry = self
         self._samplers[sampler.sampler_id] = sampler
+        if adapters is not None:
+            self._adapters[sampler.sampler_id] = {
+                k: v.detach().clone() for k, v in adapters.items()
+            }
+        try:
+            self.sampling_model(sampler)
+        except Exception:
+            self._forget_sampler(sampler.sampler_id)
+            raise
+        self._spill_adapters_over_budget()
 
     def release_sampler(self, sampler_id: str) -> Sampler | None:
-        """Forget ``sampler_id`` (its sampling weights); ``None`` if unknown."""
-        return self._samplers.pop(sampler_id, None)
+        """Forget ``sampler_id`` (its adapters and merged weights); ``None`` if unknown."""
+        s = self._forget_sampler(sampler_id)
+        self._drop_unused_bases()
+        return s
+
+    def _forget_sampler(self, sampler_id: str) -> Sampler | None:
+        s = self._samplers.pop(sampler_id, None)
+        if s is not None:
+            s.registry = None
+        self._adapters.pop(sampler_id, None)
+        self._merged.pop(sampler_id, None)
+        spill = self._spilled.pop(sampler_id, None)
+        if spill is not None:
+            spill.unlink(missing_ok=True)
+        return s
 
     # ---- sampling weights -------------------------------------------------------------
-    def sampling_copy(self, model: Transformer, adapters: dict[str, torch.Tensor]) -> Transformer:
-        """A sampling model of ``model`` with ``adapters`` in place of its current ones."""
-        current = snapshot(model)
-        load_lora_state_dict(model, adapters)
-        try:
-            return clone_for_sampling(model, dtype=self.sampler_dtype or model.dtype)
-        finally:
-            load_lora_state_dict(model, current)
+    def sampling_model(self, s: Sampler) -> Transformer:
+        """The network ``s`` samples with: the shared base, its merged weights (cached, LRU
+        under ``merged_budget``), or its adapters on the shared base when merged weights would
+        not fit the budget."""
+        if s.lora is None:
+            return self.base(s.resolved, self.sampler_dtype)  # None: as loaded
+        hit = self._merged.get(s.sampler_id)
+        if hit is not None:
+            self._merged.move_to_end(s.sampler_id)
+            return hit[0]
+        # Merge on the base as loaded (as the trainer would), then cast; only the fallback
+        # runs on a base already in the sampler dtype.
+        adapted = self._adapted(s.resolved, s.lora)
+        load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
+        adapted.requires_grad_(False)
+        dtype = self.sampler_dtype or adapted.dtype
+        size = _merged_bytes(adapted, dtype)
+        budget = MERGED_DEFAULT_COPIES * size if self.merged_budget is None else self.merged_budget
+        if size > budget:
+            if dtype == adapted.dtype:
+                return adapted
+            low = self._adapted(s.resolved, s.lora, dtype)
+            load_lora_state_dict(low, self._sampler_adapters(s.sampler_id))
+            return low.requires_grad_(False)
+        if self._merged and sum(b for _, b in self._merged.values()) + size > budget:
+            while self._merged and sum(b for _, b in self._merged.values()) + size > budget:
+                self._merged.popitem(last=False)
+            return_freed_memory()
+        merged = clone_for_sampling(adapted, dtype=dtype)
+        self._merged[s.sampler_id] = (merged, size)
+        return merged
 
-    def sampling_base(self, name: str) -> Transformer:
-        """A sampling model of the plain base model ``name``."""
-        base = self.base(self.resolve_model(name))
-        return clone_for_sampling(base, dtype=self.sampler_dtype or base.dtype)
+    def _sampler_adapters(self, sampler_id: str) -> dict[str, torch.Tensor]:
+        adapters = self._adapters.get(sampler_id)
+        if adapters is not None:
+            self._adapters.move_to_end(sampler_id)
+            return adapters
+        path = self._spilled.pop(sampler_id)
+        adapters = load_file(path)
+        path.unlink(missing_ok=True)
+        self._adapters[sampler_id] = adapters
+        self._spill_adapters_over_budget(keep=sampler_id)
+        return adapters
 
-    def sampling_adapted(
-        self, name: str, spec: LoraSpec, adapters: Mapping[str, torch.Tensor]
-    ) -> Transformer:
-        """A sampling model of base ``name`` with LoRA ``adapters`` (from a checkpoint)."""
-        model, _ = self.new_trainable(self.resolve_model(name), spec)
-        load_lora_state_dict(model, dict(adapters))
-        return clone_for_sampling(model, dtype=self.sampler_dtype or model.dtype)
+    def _spill_adapters_over_budget(self, keep: str | None = None) -> None:
+        """Write the least recently used sampler adapters to files until the rest fit."""
+        total = sum(_nbytes(a) for a in self._adapters.values())
+        for sampler_id in list(self._adapters):
+            if total <= self.adapter_budget:
+                break
+            if sampler_id == keep:
+                continue
+            adapters = self._adapters.pop(sampler_id)
+            if self._spill_dir is None:
+                self._spill_dir = Path(tempfile.mkdtemp(prefix="tinker-sr-adapters-"))
+            path = self._spill_dir / f"{len(self._spilled)}-{os.getpid()}-{id(adapters)}.st"
+            save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
+            self._spilled[sampler_id] = path
+            total -= _nbytes(adapters)
+
+    def stats(self) -> dict[str, int]:
+        """Counts and bytes held, for benchmarks and tests."""
+        return {
+            "bases": len(self._bases),
+            "trainers": len(self._trainers),
+            "samplers": len(self._samplers),
+            "adapters_in_memory": len(self._adapters),
+            "adapters_in_memory_bytes": sum(_nbytes(a) for a in self._adapters.values()),
+            "adapters_spilled": len(self._spilled),
+            "merged": len(self._merged),
+            "merged_bytes": sum(b for _, b in self._merged.values()),
+        }
+
+
+def _merged_bytes(adapted: Transformer, dtype: torch.dtype) -> int:
+    """Bytes a merged copy allocates: one full weight per adapted layer, or (in another dtype
+    than the base's) every parameter."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype == adapted.dtype:
+        return sum(m.weight.numel() * size for m in adapted.modules() if isinstance(m, LoraLinear))
+    return sum(p.numel() * size for p in {id(p): p for p in adapted.parameters()}.values())

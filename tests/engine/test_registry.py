@@ -1,0 +1,99 @@
+"""The memory model: one shared frozen base, adapters per trainer/sampler, budgets, release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinker_sr.engine.lora import LoraSpec, lora_state_dict
+from tinker_sr.engine.optim import AdamHParams
+from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, snapshot
+from tinker_sr.engine.sampler import generate
+
+MODEL = "tinker-sr/tiny"
+SPEC = LoraSpec(rank=4, seed=0)
+
+
+def _registry(**budgets: int) -> ModelRegistry:
+    return ModelRegistry({}, sampler_dtype=torch.float32, **budgets)
+
+
+def _trainer(reg: ModelRegistry, model_id: str, session: str = "s") -> Trainer:
+    model, optim = reg.new_trainable(MODEL, SPEC)
+    t = Trainer(model_id, session, MODEL, MODEL, SPEC, model, optim)
+    reg.register_trainer(t)
+    return t
+
+
+def _perturbed(t: Trainer, scale: float) -> dict[str, torch.Tensor]:
+    """Non-zero adapters (B starts at zero, which would make every sampler the base)."""
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    return {k: torch.randn(v.shape, generator=gen) * scale for k, v in snapshot(t.model).items()}
+
+
+def _tokens(model: torch.nn.Module) -> list[list[int]]:
+    outs = generate(model, [1, 2, 3], num_samples=2, max_tokens=6, seed=5)  # type: ignore[arg-type]
+    return [o.tokens for o in outs]
+
+
+def test_trainers_share_one_frozen_base() -> None:
+    reg = _registry()
+    a, b = _trainer(reg, "a"), _trainer(reg, "b")
+    base = reg.base(MODEL)
+    for m in (a.model, b.model):
+        w = m.model.layers[0].self_attn.q_proj.weight
+        assert w.data_ptr() == base.model.layers[0].self_attn.q_proj.weight.data_ptr()
+        assert not w.requires_grad
+    before = base.model.layers[0].mlp.up_proj.weight.clone()
+    loss = a.model(torch.tensor([[1, 2, 3, 4]])).sum()
+    loss.backward()
+    a.optim.step(AdamHParams(learning_rate=0.1))
+    assert torch.equal(base.model.layers[0].mlp.up_proj.weight, before)
+    # b's adapters are its own: a's step moved a's B matrices (zero at init), not b's.
+    moved = [k for k, v in lora_state_dict(a.model).items() if "lora_B" in k and v.any()]
+    assert moved and not any(lora_state_dict(b.model)[k].any() for k in moved)
+
+
+def test_sampler_outputs_do_not_depend_on_where_its_weights_live() -> None:
+    """Merged (cached), spilled to a file and read back, or adapters on the shared base: the
+    same tokens."""
+    reg = _registry(adapter_budget_bytes=0)  # every sampler's adapters go to a file
+    t = _trainer(reg, "t")
+    adapters = _perturbed(t, 0.05)
+    reg.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)
+    assert reg.stats()["adapters_spilled"] == 1
+    merged = _tokens(reg.sampler("p").model)
+    unmerged_reg = _registry(merged_budget_bytes=0)
+    unmerged_reg.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)
+    assert unmerged_reg.stats()["merged"] == 0
+    assert _tokens(unmerged_reg.sampler("p").model) == merged
+    assert merged != _tokens(reg.base(MODEL))  # the adapters matter
+
+
+def test_merged_cache_is_lru_under_its_budget() -> None:
+    reg = _registry()
+    t = _trainer(reg, "t")
+    reg.register_sampler(Sampler("p0", "s", MODEL, MODEL, SPEC, None), _perturbed(t, 0.01))
+    one = reg.stats()["merged_bytes"]
+    reg.merged_budget = 2 * one
+    for i in (1, 2):
+        reg.register_sampler(Sampler(f"p{i}", "s", MODEL, MODEL, SPEC, None), _perturbed(t, i))
+    assert reg.stats()["merged"] == 2 and "p0" not in reg._merged
+    reg.sampler("p0").model  # rebuilt from its adapters, evicting the least recent (p1)
+    assert list(reg._merged) == ["p2", "p0"]
+
+
+def test_release_session_frees_everything_of_it() -> None:
+    reg = _registry(adapter_budget_bytes=0)
+    t = _trainer(reg, "a", session="s1")
+    _trainer(reg, "b", session="s2")
+    reg.register_sampler(Sampler("p", "s1", MODEL, MODEL, SPEC, None), _perturbed(t, 0.1))
+    spill = next(iter(reg._spilled.values()))
+    assert sorted(reg.release_session("s1")) == ["a", "p"]
+    assert not spill.exists()
+    assert reg.stats()["trainers"] == 1 and reg.stats()["samplers"] == 0
+    assert reg.stats()["bases"] == 1  # s2 still uses it
+    reg.release_session("s2")
+    assert reg.stats()["bases"] == 0
+    with pytest.raises(Exception, match="unknown model_id"):
+        reg.trainer("a")
