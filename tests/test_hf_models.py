@@ -240,3 +240,30 @@ def test_remote_get_tokenizer_raises_instead_of_guessing() -> None:
     with pytest.raises(RuntimeError, match="neither a local directory nor in the Hugging Face"):
         load_tokenizer("some-org/not-cached-model", None)
     assert isinstance(load_tokenizer("tinker-sr/tiny", None), ByteTokenizer)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
+    root = make_tiny_hf_model_dir(tmp_path / "m", dtype=dtype)  # type: ignore[arg-type]
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(base_model=str(root), rank=4).result()
+    ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    losses = []
+    for _ in range(3):
+        out = training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(out.metrics["loss:sum"])
+    assert losses[2] < losses[0]
+    model = backend.models.trainer(training.model_id).model
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert params["model.embed_tokens.weight"].dtype == getattr(torch, dtype)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    assert backend.models.sampler(sampler.sampler_id).model.dtype == getattr(torch, dtype)
+    client.close().result()
+    backend.close()

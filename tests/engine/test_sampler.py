@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.hf_tokenizer import byte_token_table
 from tinker_sr.engine.model import Transformer, build_model
 from tinker_sr.engine.sampler import (
     generate,
@@ -143,17 +144,18 @@ def test_stop_token_is_kept_and_finishes_only_that_row(model: Transformer) -> No
 
 def test_stop_string_truncates_after_completing_token(model: Transformer) -> None:
     free = generate(model, PROMPT, num_samples=4, max_tokens=30, seed=9, temperature=1.5)
-    text = TOK.decode(free[0].tokens)
-    needle = text[10:13]
+    # Stop strings match the text of the bytes (special tokens add none): take a valid one.
+    row = free[0].tokens
+    needle = next(bytes(row[a : a + 2]).decode() for a in range(5, 28) if max(row[a : a + 2]) < 128)
     outs = generate(
         model, PROMPT, num_samples=4, max_tokens=30, seed=9, temperature=1.5,
-        stop_strings=[needle], decode=TOK.decode,
+        stop_strings=[needle], token_bytes=byte_token_table(),
     )  # fmt: skip
     for f, o in zip(free, outs, strict=True):
-        full = TOK.decode(f.tokens)
+        full = TOK.decode(f.tokens, skip_special_tokens=True)
         if needle in full:
             assert o.stop_reason == "stop" and needle in TOK.decode(o.tokens)
-            assert needle not in TOK.decode(o.tokens[:-1])
+            assert needle not in TOK.decode(o.tokens[:-1], skip_special_tokens=True)
             assert o.tokens == f.tokens[: len(o.tokens)]
         else:
             assert o.tokens == f.tokens and o.stop_reason == "length"
@@ -270,7 +272,7 @@ def test_prompt_scoring(model: Transformer) -> None:
         (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(stop_token_ids=[999]), "stop: token id 999"),
-        (dict(stop_strings=["x"]), "decode"),
+        (dict(stop_strings=["x"]), "token_bytes"),
         (dict(stability_k=-1), "stability_k"),
     ],
 )

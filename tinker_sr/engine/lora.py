@@ -52,10 +52,14 @@ class LoraLinear(nn.Linear):
             self.lora_B.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        # The adapter is float32 whatever the base dtype (bf16/fp16 checkpoints): its small
+        # updates would round away in 16 bits, and fp16 gradients overflow.
+        delta = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+        return super().forward(x) + delta.to(x.dtype)
 
     def merged_weight(self) -> Tensor:
-        return self.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+        delta = (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+        return self.weight + delta.to(self.weight.dtype)
 
 
 def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
@@ -96,8 +100,7 @@ def apply_lora(model: Transformer, spec: LoraSpec) -> None:
         p.requires_grad_(False)
     for parent, attr in _targets(model, spec):
         base = getattr(parent, attr)
-        wrapped = LoraLinear(base, spec.rank, spec.alpha, gen)
-        setattr(parent, attr, wrapped.to(base.weight.dtype))
+        setattr(parent, attr, LoraLinear(base, spec.rank, spec.alpha, gen))
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

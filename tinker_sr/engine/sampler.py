@@ -27,7 +27,7 @@ many samples were requested. All uniforms are drawn once, before decoding starts
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,7 +108,7 @@ def _validate(
     top_p: float,
     stop_token_ids: Sequence[int],
     stop_strings: Sequence[str],
-    decode: object,
+    token_bytes: Sequence[bytes] | None,
     stability_k: int,
     top_k_logprobs: int,
 ) -> None:
@@ -138,8 +138,10 @@ def _validate(
             )
     if any(not s for s in stop_strings):
         raise EngineUserError("stop: stop strings must be non-empty")
-    if stop_strings and decode is None:
-        raise EngineUserError("stop: stop strings need a decode function (the model's tokenizer)")
+    if stop_strings and token_bytes is None:
+        raise EngineUserError(
+            "stop: stop strings need token_bytes (the model tokenizer's bytes per token id)"
+        )
     if stability_k < 0:
         raise EngineUserError(f"stability_k: expected >= 0, got {stability_k}")
     if top_k_logprobs < 0:
@@ -158,7 +160,6 @@ def generate(
     top_p: float = 1.0,
     stop_token_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
-    decode: Callable[[list[int]], str] | None = None,
     token_bytes: Sequence[bytes] | None = None,
     seed: int,
     stability_k: int = 0,
@@ -169,13 +170,13 @@ def generate(
     Stops a row when it produces a stop token id (kept in `tokens`, stop_reason "stop"), or
     when the decoded text of its sampled tokens contains a stop string (tokens end with the
     token that completed it, "stop"); otherwise it runs to max_tokens ("length"). Stop strings
-    are matched incrementally on `token_bytes[id]` (the model tokenizer's bytes per id, see
-    `tinker_sr.engine.stops`); `decode` is the older re-decoding fallback.
+    are matched incrementally on `token_bytes[id]`, the model tokenizer's bytes per id (see
+    `tinker_sr.engine.stops`).
     `stability_k` > 0 adds `draws` [T, K]; `top_k_logprobs` > 0 adds the top entries of log q.
     """
     _validate(
         model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
-        stop_token_ids, stop_strings, decode or token_bytes, stability_k, top_k_logprobs,
+        stop_token_ids, stop_strings, token_bytes, stability_k, top_k_logprobs,
     )  # fmt: skip
     n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
     greedy = temperature == 0
@@ -199,9 +200,6 @@ def generate(
     lengths = torch.full((n,), max_tokens, dtype=torch.long)
     done = torch.zeros(n, dtype=torch.bool)
     stop_ids = torch.tensor(sorted({int(i) for i in stop_token_ids}), dtype=torch.long)
-    # A stop string completed by the newest token lies within the last few tokens (>= 1 byte
-    # each, <= 4 bytes per character); the slack absorbs decoders that strip a leading space.
-    window = 4 * max((len(s) for s in stop_strings), default=0) + 8
     matcher = StopStrings(stop_strings, token_bytes, n) if stop_strings and token_bytes else None
 
     cache = model.new_cache(n, P + max_tokens)
@@ -231,11 +229,6 @@ def generate(
         if matcher is not None:
             for i, (tok_i, done_i) in enumerate(zip(tok.tolist(), done.tolist(), strict=True)):
                 if not done_i and matcher.push(i, tok_i):
-                    hit[i] = True
-        elif stop_strings:
-            for i in (~done & ~hit).nonzero().flatten().tolist():
-                text = decode(out_tok[i, max(0, t + 1 - window) : t + 1].tolist())  # type: ignore[misc]
-                if any(s in text for s in stop_strings):
                     hit[i] = True
         lengths[hit] = t + 1
         done |= hit
