@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 import tinker_sr as tinker
@@ -210,6 +211,59 @@ def test_client_draws_follow_q_like_the_engine_draws(tmp_path: Path) -> None:
     assert not np.array_equal(ours, engine)
 
 
+def test_client_draws_follow_q_at_every_position_like_the_engine_draws(tmp_path: Path) -> None:
+    """As tests/engine/test_sampler.py does for the engine's draws: q changes with the
+    position, so bin each draw by its token's rank under that position's q (the top-k the
+    sampler returned, which is q's whole support here: top_k = 12 <= k)."""
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker.ServiceClient(
+        backend=backend, stable_reinforce_lowering=LoweringOptions(mode="always")
+    )
+    try:
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        params = types.SamplingParams(max_tokens=40, seed=77, temperature=0.7, top_k=12, stop=[])
+        res = sc.sample(types.ModelInput.from_ints(PROMPT), 8, params, topk_sample_logprobs=12)
+        seqs = res.result().sequences
+        state = sr_lowering.session_of(client.holder)
+        for draws_of in (
+            lambda sid: state.records.get(sid).draws,  # type: ignore[union-attr]
+            lambda sid: backend.store.get(sid).draws,  # type: ignore[union-attr]
+        ):
+            observed, expected = np.zeros(12), np.zeros(12)
+            for seq in seqs:
+                top = seq.topk_logprobs_np
+                assert top is not None
+                draws = draws_of(seq.sequence_id)
+                for t in range(len(seq.tokens)):
+                    rank = {int(v): r for r, v in enumerate(top.token_ids[t])}
+                    np.add.at(observed, [rank[int(y)] for y in draws[t]], 1)
+                    expected += draws.shape[1] * np.exp(top.logprobs[t].astype(np.float64))
+            assert chi2_pvalue(observed, expected) > 1e-3
+            assert state.records.tail(seqs[0].sequence_id) is not None
+            assert all(float(state.records.tail(s.sequence_id).max()) == 0 for s in seqs)  # type: ignore[union-attr]
+    finally:
+        client.close().result()
+        backend.close()
+
+
+def test_client_records_expire_and_stay_bounded() -> None:
+    records = sr_lowering._Records(max_tokens=10)
+
+    def rec(sid: str, n: int, used: float) -> SequenceRecord:
+        tokens = np.zeros(n, dtype=np.int32)
+        return SequenceRecord(sid, "s", tokens, tokens, tokens.astype(np.float32), None, used, used)
+
+    records.put(rec("a", 4, 0.0), None)
+    records.put(rec("b", 4, 1.0), None)
+    records.touch({"a"}, 2.0)  # "a" is now the most recently used
+    records.put(rec("c", 4, 3.0), None)  # 12 tokens > 10: the least recently used goes
+    assert records.get("b") is None and records.get("a") is not None
+    records.put(rec("d", 1, 3.0 + sr_lowering.RECORD_TTL_SECONDS + 10), None)
+    assert records.get("a") is None and records.get("c") is None  # idle for over a day
+    assert records.get("d") is not None
+
+
 def test_client_draws_report_the_missing_tail() -> None:
     p = np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
     ids = np.array([[7, 3, 9]])
@@ -223,6 +277,35 @@ def test_client_draws_report_the_missing_tail() -> None:
     padded = np.array([[np.log(0.6), np.log(0.4), -99999.0]], dtype=np.float32)
     assert client_draws(padded_ids, padded, 4, np.random.default_rng(0))[1][0] == 0
     assert client_draws(ids, lps, 4, np.random.default_rng(0), sampling_top_k=3)[1][0] == 0
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "exact"),
+    [(0.7, 5, 0.9, True), (1.0, -1, 0.3, True), (1.0, -1, 1.0, False), (1.3, 8, 1.0, True)],
+)
+def test_head_from_raw_top_k_matches_the_sampling_distribution(
+    temperature: float, top_k: int, top_p: float, exact: bool
+) -> None:
+    """The fallback turns the raw model's top-k into log q (temperature, top_k, top_p) as the
+    engine's sampler does; where the head is q's support the result is q itself."""
+    from tests.engine.test_sampler import reference_logq
+
+    rng = np.random.default_rng(0)
+    logits = torch.tensor(rng.normal(scale=2.0, size=(6, 40)), dtype=torch.float32)
+    raw = torch.log_softmax(logits, -1).numpy().astype(np.float64)
+    k = 8
+    ids = np.argsort(-raw, axis=1, kind="stable")[:, :k]
+    params = types.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = sr_lowering.head_from_raw(ids, np.take_along_axis(raw, ids, 1), params)
+    want = np.take_along_axis(reference_logq(logits, temperature, top_k, top_p), ids, 1)
+    _, tail = client_draws(ids, got, 4, np.random.default_rng(0), sampling_top_k=top_k)
+    if exact:
+        np.testing.assert_allclose(np.exp(got), np.exp(want), atol=1e-6)
+        assert np.all(tail == 0)
+    else:  # temperature 1, no filter: the head is exact and the tail is what it misses
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        np.testing.assert_allclose(tail, 1 - np.exp(want).sum(axis=1), atol=1e-6)
+        assert np.all(tail > 0)
 
 
 def test_lowering_options_are_checked() -> None:
@@ -303,7 +386,7 @@ def test_lowered_on_a_featureless_server_equals_native(
 def test_featureless_server_refuses_and_the_client_detects_1d_only(tmp_path: Path) -> None:
     from tests._server import running_server
 
-    flags = [*FEATURELESS, "--only-1d-targets"]
+    flags = [*FEATURELESS, "--only-1d-targets", "--ignore-topk-sample-logprobs"]
     with running_server(tmp_path / "store", extra_args=flags) as srv:
         client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-test")
         try:
@@ -329,6 +412,22 @@ def test_featureless_server_refuses_and_the_client_detects_1d_only(tmp_path: Pat
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
             assert client.stable_reinforce_path == "lowered-1d"
             assert out.metrics["num_tokens:sum"] == 2 * TOPK_PARAMS.max_tokens
+            # No sample top-k from this server: the draws came from a compute_logprobs-style
+            # pass (topk_prompt_logprobs), still exact with top_k <= k.
+            state = sr_lowering.session_of(client.holder)
+            assert state.caps.topk_sample is False
+            assert out.metrics["draw_tail_mass:max"] == 0.0
+            raw = sc.sample(
+                types.ModelInput.from_ints(PROMPT + res.sequences[0].tokens),
+                1,
+                types.SamplingParams(max_tokens=1),
+                topk_prompt_logprobs=TOPK_PARAMS.top_k,
+            ).result()
+            assert raw.topk_prompt_logprobs_np is not None
+            head = np.asarray(raw.topk_prompt_logprobs_np.token_ids)[len(PROMPT) :]
+            draws = state.records.get(res.sequences[0].sequence_id).draws  # type: ignore[union-attr]
+            assert draws is not None
+            assert all(np.isin(draws[t], head[t]).all() for t in range(len(draws)))
         finally:
             client.close().result()
 

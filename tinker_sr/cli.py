@@ -25,6 +25,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             stable_reinforce=not args.without_stable_reinforce,
             record_stability_info=not args.ignore_stability_info,
             two_d_targets=not args.only_1d_targets,
+            sample_topk=not args.ignore_topk_sample_logprobs,
         ),
     )
     return 0
@@ -105,6 +106,11 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--only-1d-targets",
         action="store_true",
         help="refuse 2-D cross_entropy target_tokens with HTTP 422",
+    )
+    f.add_argument(
+        "--ignore-topk-sample-logprobs",
+        action="store_true",
+        help="return no topk_sample_logprobs (ignored silently)",
     )
 
 

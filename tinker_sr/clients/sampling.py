@@ -111,9 +111,26 @@ class SamplingClient:
             if not plan.keep:
                 return response
             session_id = await holder.session_id()
-            return lowering.record_sample(plan, session_id, prompt, sampling_params, response)
+            return await lowering.record_sample(
+                plan, session_id, prompt, sampling_params, response, self._raw_topk
+            )
 
         return BackcompatConcurrentFuture(self.holder.run(run()))
+
+    async def _raw_topk(self, tokens: list[int], k: int) -> types.TopkLogprobs | None:
+        """The model's top-k next-token log-probs at every position of ``tokens`` (for
+        client-side StableReinforce draws when the service returns no sample top-k)."""
+        with self._lock:
+            seq_id = next(self._seq)
+        r = await self.holder.backend.sample(
+            self.sampler_id,
+            seq_id,
+            prompt=types.ModelInput.from_ints(tokens),
+            num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=1),
+            topk_prompt_logprobs=k,
+        )
+        return r.topk_prompt_logprobs_np
 
     def compute_logprobs(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None

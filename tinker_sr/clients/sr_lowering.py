@@ -22,6 +22,7 @@ logged once. This module uses numpy only (no torch, no engine).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ import re
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -134,18 +136,18 @@ def client_draws(
     ``[T, k]``, float32 tail mass ``[T]``).
 
     ``topk_ids``/``topk_logprobs`` are the sampler's ``[T, k']`` top entries of log q (empty
-    cells hold ``(0, MASK_LOGPROB)``). The draws come from the head renormalised; the tail
-    mass is what that leaves out: exactly 0 when the head is q's whole support (an empty
-    cell, ``0 < sampling_top_k <= k'``, or a head summing to 1 within float32 rounding),
-    else ``1 - Σ head``. A row with no head gets
-    -1 draws and tail mass 1.
+    cells hold ``(0, MASK_LOGPROB)``; ``-inf`` cells are left out). The draws come from the
+    head renormalised; the tail mass is what that leaves out: exactly 0 when the head is q's
+    whole support (an empty cell, ``0 < sampling_top_k <= k'``, or a head summing to 1 within
+    float32 rounding), else ``1 - Σ head``. A row with no head gets -1 draws and tail mass 1.
     """
     ids = np.asarray(topk_ids, dtype=np.int64)
     lps = np.asarray(topk_logprobs, dtype=np.float64)
-    filled = np.isfinite(lps) & (lps > MASK_LOGPROB / 2)
+    empty = lps == MASK_LOGPROB
+    filled = np.isfinite(lps) & ~empty
     p = np.where(filled, np.exp(np.where(filled, lps, 0.0)), 0.0)
     mass = p.sum(axis=1)
-    complete = (~filled).any(axis=1) | (0 < sampling_top_k <= ids.shape[1])
+    complete = empty.any(axis=1) | (0 < sampling_top_k <= ids.shape[1])
     # A head summing to 1 within float32 rounding (one ulp per entry) misses nothing.
     complete |= 1.0 - mass <= ids.shape[1] * float(np.finfo(np.float32).eps)
     tail = np.where(complete, 0.0, np.clip(1.0 - mass, 0.0, 1.0))
@@ -163,6 +165,44 @@ def client_draws(
     return draws.astype(np.int32), tail.astype(np.float32)
 
 
+def head_from_raw(
+    topk_ids: np.ndarray, raw_logprobs: np.ndarray, params: types.SamplingParams
+) -> np.ndarray:
+    """The raw model's top-k (``compute_logprobs``-style ``topk_prompt_logprobs``, temperature
+    1, no filters, best first) → log q over the same cells for `client_draws`: temperature,
+    top_k and top_p applied to the head, scaled so that the head sums to ``1 - tail``.
+
+    Exact (tail 0) when ``0 < top_k <= k``, or at temperature 1 when top-p cuts inside the
+    head or the head is the whole vocabulary. Otherwise the tail is the raw model's mass
+    outside the head, which is exact at temperature 1 and an estimate at any other.
+    """
+    ids = np.asarray(topk_ids)
+    raw = np.asarray(raw_logprobs, dtype=np.float64)
+    empty = raw == MASK_LOGPROB
+    keep = np.isfinite(raw) & ~empty
+    if params.top_k > 0:
+        keep &= np.arange(ids.shape[1])[None, :] < params.top_k
+    limited = 0 < params.top_k <= ids.shape[1]
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    z = np.where(keep, raw / temperature, -np.inf)
+    if limited or temperature != 1.0:  # probabilities relative to the head
+        z = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
+    p = np.where(keep, np.exp(z), 0.0)
+    cut = np.zeros(ids.shape[0], dtype=bool)
+    if params.top_p < 1.0:
+        before = np.cumsum(p, axis=1) - p
+        dropped = keep & (before >= params.top_p)
+        cut = dropped.any(axis=1)
+        keep &= ~dropped
+    head = np.where(keep, np.exp(raw), 0.0).sum(axis=1)
+    exact = limited | empty.any(axis=1) | (cut & (temperature == 1.0))
+    tail = np.where(exact, 0.0, np.clip(1.0 - head, 0.0, 1.0))
+    q = np.where(keep, p, 0.0)
+    q = q / np.maximum(q.sum(axis=1, keepdims=True), 1e-300) * (1.0 - tail)[:, None]
+    with np.errstate(divide="ignore"):
+        return np.where(keep, np.log(q), -np.inf)
+
+
 def _draw_rng(seed: int | None, row: int) -> np.random.Generator:
     """An independent stream per (seed, row): never the sampler's own token stream."""
     if seed is None:
@@ -171,21 +211,32 @@ def _draw_rng(seed: int | None, row: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(ss))
 
 
+DEFAULT_MAX_RECORD_TOKENS = 20_000_000
+"""Sampled tokens kept client-side at most (about 45 bytes each: token, logprob, 8 draws, tail
+mass); beyond it the least recently used sequences are dropped first."""
+
+
 class _Records:
     """The sequences this session sampled with ``record_stability_info``: a `SequenceLookup`
-    for the one provenance validator, plus the tail mass of client-side draws."""
+    for the one provenance validator, plus the tail mass of client-side draws. Kept like the
+    engine keeps them (a day after last use), least recently used first out past
+    ``max_tokens`` sampled tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> None:
         self._lock = threading.Lock()
-        self._records: dict[str, SequenceRecord] = {}
+        self._records: OrderedDict[str, SequenceRecord] = OrderedDict()  # oldest use first
         self._tail: dict[str, np.ndarray] = {}
+        self._tokens = 0
+        self.max_tokens = max_tokens
 
     def put(self, record: SequenceRecord, tail: np.ndarray | None) -> None:
         with self._lock:
-            self._evict(time.time())
+            self._drop(record.sequence_id)
             self._records[record.sequence_id] = record
+            self._tokens += len(record.sampled_tokens)
             if tail is not None:
                 self._tail[record.sequence_id] = tail
+            self._evict(record.last_used_at)
 
     def get(self, sequence_id: str) -> SequenceRecord | None:
         with self._lock:
@@ -201,13 +252,21 @@ class _Records:
                 rec = self._records.get(sid)
                 if rec is not None:
                     self._records[sid] = replace(rec, last_used_at=now)
+                    self._records.move_to_end(sid)
+
+    def _drop(self, sequence_id: str) -> None:
+        rec = self._records.pop(sequence_id, None)
+        if rec is not None:
+            self._tokens -= len(rec.sampled_tokens)
+        self._tail.pop(sequence_id, None)
 
     def _evict(self, now: float) -> None:
-        # Records expire like the engine's: a day after their last use.
-        stale = [k for k, r in self._records.items() if now - r.last_used_at > RECORD_TTL_SECONDS]
-        for k in stale:
-            self._records.pop(k, None)
-            self._tail.pop(k, None)
+        while self._records:
+            oldest_id, oldest = next(iter(self._records.items()))
+            expired = now - oldest.last_used_at > RECORD_TTL_SECONDS
+            if not expired and self._tokens <= self.max_tokens:
+                return
+            self._drop(oldest_id)
 
 
 class _Lookup:
@@ -424,7 +483,8 @@ class Turn(Protocol):
     def release(self) -> None: ...
 
 
-FB = Callable[..., Awaitable[types.ForwardBackwardOutput]]
+Rescore = Callable[[list[int], int], Awaitable[types.TopkLogprobs | None]]
+"""(prompt + completion tokens, k) → the raw model's top-k at every position, or None."""
 
 _UNSUPPORTED = re.compile(
     r"loss_fn|stable_reinforce|unknown loss|not supported|unsupported|not implemented", re.I
@@ -509,25 +569,31 @@ class SessionLowering:
             topk = max(topk, want)
         return SamplePlan(keep, topk, topk_sample_logprobs, self.options.draws_k)
 
-    def record_sample(
+    async def record_sample(
         self,
         plan: SamplePlan,
         session_id: str,
         prompt: types.ModelInput,
         params: types.SamplingParams,
         response: types.SampleResponse,
+        rescore: Rescore,
     ) -> types.SampleResponse:
         """Keep the sequences (and client-side draws) of ``response``; return it as the caller
-        asked for it (extra top-k columns trimmed)."""
+        asked for it (extra top-k columns trimmed). A service that returned no
+        ``topk_sample_logprobs`` is asked for the raw top-k of each sequence instead
+        (``rescore``: a compute_logprobs pass with ``topk_prompt_logprobs``)."""
         if not plan.keep:
             return response
         now = time.time()
         prompt_tokens = np.asarray(prompt.to_ints(), dtype=np.int32)
         if plan.topk > 0 and response.sequences:
             self.caps.topk_sample = any(s.topk_logprobs_np is not None for s in response.sequences)
-        for row, seq in enumerate(response.sequences):
+        heads = await asyncio.gather(
+            *(self._head(plan, params, prompt_tokens, seq, rescore) for seq in response.sequences)
+        )
+        for row, (seq, head) in enumerate(zip(response.sequences, heads, strict=True)):
             tokens = np.asarray(seq.tokens, dtype=np.int32)
-            draws, tail = self._draws(plan, params, seq, tokens, row)
+            draws, tail = self._draws(plan, params, head, tokens, row)
             self.records.put(
                 SequenceRecord(
                     sequence_id=seq.sequence_id,
@@ -547,11 +613,33 @@ class SessionLowering:
             response, sequences=[_trim_topk(s, plan.user_topk) for s in response.sequences]
         )
 
+    async def _head(
+        self,
+        plan: SamplePlan,
+        params: types.SamplingParams,
+        prompt: np.ndarray,
+        seq: types.SampledSequence,
+        rescore: Rescore,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, log q) of the head at each sampled position, or None."""
+        top = seq.topk_logprobs_np
+        n = len(seq.tokens)
+        if top is not None:
+            return np.asarray(top.token_ids)[:n], np.asarray(top.logprobs)[:n]
+        if params.temperature == 0 or plan.topk == 0 or n == 0:
+            return None
+        raw = await rescore([*prompt.tolist(), *seq.tokens], plan.topk)
+        if raw is None:
+            return None
+        rows = slice(len(prompt), len(prompt) + n)  # row i scores token i given those before
+        ids = np.asarray(raw.token_ids)[rows]
+        return ids, head_from_raw(ids, np.asarray(raw.logprobs)[rows], params)
+
     def _draws(
         self,
         plan: SamplePlan,
         params: types.SamplingParams,
-        seq: types.SampledSequence,
+        head: tuple[np.ndarray, np.ndarray] | None,
         tokens: np.ndarray,
         row: int,
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -559,15 +647,10 @@ class SessionLowering:
             return np.repeat(tokens[:, None], plan.draw_k, axis=1), np.zeros(
                 len(tokens), np.float32
             )
-        top = seq.topk_logprobs_np
-        if top is None or len(tokens) == 0:
+        if head is None:
             return None, None
         return client_draws(
-            np.asarray(top.token_ids)[: len(tokens)],
-            np.asarray(top.logprobs)[: len(tokens)],
-            plan.draw_k,
-            _draw_rng(params.seed, row),
-            sampling_top_k=params.top_k,
+            head[0], head[1], plan.draw_k, _draw_rng(params.seed, row), sampling_top_k=params.top_k
         )
 
     # ---- training side -------------------------------------------------------------------
@@ -634,7 +717,6 @@ class SessionLowering:
     ) -> list[np.ndarray]:
         """K+1 calls with 1-D targets; the engine sums their gradients. Columns without any
         weight are skipped (their logprobs are never used)."""
-        import asyncio
 
         width = lowered[0].targets.shape[1]
         cols = [0] + [j for j in range(1, width) if any(lo.weights[:, j].any() for lo in lowered)]

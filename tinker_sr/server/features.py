@@ -32,9 +32,12 @@ class ServerFeatures:
     two_d_targets: bool = True
     """Accept 2-D ``target_tokens``; off: 422 at submit for any 2-D target."""
 
+    sample_topk: bool = True
+    """Return ``topk_sample_logprobs``; off: ignored silently (prompt top-k still works)."""
+
     @property
     def reduced(self) -> bool:
-        return not (self.stable_reinforce and self.record_stability_info and self.two_d_targets)
+        return self.describe() != "all features"
 
     def describe(self) -> str:
         off = [
@@ -43,6 +46,7 @@ class ServerFeatures:
                 ("stable_reinforce", self.stable_reinforce),
                 ("record_stability_info", self.record_stability_info),
                 ("2-D targets", self.two_d_targets),
+                ("topk_sample_logprobs", self.sample_topk),
             )
             if not on
         ]

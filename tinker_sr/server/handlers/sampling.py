@@ -108,7 +108,7 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
             sampling_params=req.sampling_params.to_public(),
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
-            topk_sample_logprobs=req.topk_sample_logprobs,
+            topk_sample_logprobs=req.topk_sample_logprobs if srv.features.sample_topk else 0,
             target_prompt_logprobs=target,
             prompt_alt_tokens_k=req.prompt_alt_tokens_k,
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
