@@ -62,8 +62,11 @@ def _step_and_read(
     tc: tinker.TrainingClient, store: Path, name: str, data: list[types.Datum]
 ) -> tuple[types.ForwardBackwardOutput, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """forward_backward + one Adam step with beta1 = 0 → (output, gradients, new weights)."""
-    out = tc.forward_backward(data, "stable_reinforce", KL).result()
-    tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=0.0)).result()
+    # Submitted back to back: the step must run after every (lowered) gradient call.
+    fb = tc.forward_backward(data, "stable_reinforce", KL)
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=0.0))
+    out = fb.result()
+    step.result()
     tc.save_state(name).result()
     tensors = load_file(str(next(store.rglob(f"{name}.safetensors"))))
     grads = {

@@ -667,13 +667,12 @@ class SessionLowering:
     ) -> types.ForwardBackwardOutput:
         """``stable_reinforce`` natively or lowered, as this service allows."""
 
-        async def call(
+        def call(
             data: Sequence[Any], loss_fn: str, cfg: Mapping[str, float | str] | None, fo: bool
-        ) -> types.ForwardBackwardOutput:
+        ) -> Awaitable[types.ForwardBackwardOutput]:
+            # Not a coroutine function: the seq_id is taken now, before the turn is released.
             seq = turn.take(1)[0]
-            return await backend.forward_backward(
-                model_id, seq, data, loss_fn, cfg, forward_only=fo
-            )
+            return backend.forward_backward(model_id, seq, data, loss_fn, cfg, forward_only=fo)
 
         if self.options.mode == "auto" and self.caps.native is None:
             await self._probe_native(call)
