@@ -40,7 +40,7 @@ import tinker_sr.lib.public_interfaces as our_public
 
 DELIBERATE: dict[str, str] = {
     # The SDK exposes ``holder`` as a deprecated property over its InternalClientHolder; ours
-    # is a plain instance attribute (our ClientHolder), so ``client.holder`` still works.
+    # is a plain instance attribute (our ClientSession), so ``client.holder`` still works.
     "ServiceClient.holder": "instance attribute, not a class-level property",
     # The other way round: the SDK's AdminClient sets ``self.holder``; ours builds it on first
     # access, so constructing an AdminClient (whose methods all raise) opens nothing.

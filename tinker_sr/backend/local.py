@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.engine import training
-from tinker_sr.engine.checkpoint_store import CheckpointStore, expiry, parse_path
+from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import parse_dtype
@@ -298,7 +298,8 @@ class LocalBackend:
     ) -> str:
         def work() -> str:
             self._check_session(session_id)
-            training.check_optimizer_config(optimizer_config)
+            validation.check_model_seq_id(model_seq_id, "create_model")
+            validation.check_optimizer_config(optimizer_config)
             model_id = self._new_model_id(session_id, model_seq_id)
             resolved = self.models.resolve_model(base_model)
             spec = training.lora_spec(lora_config)
@@ -324,7 +325,8 @@ class LocalBackend:
     ) -> str:
         def work() -> str:
             self._check_session(session_id)
-            training.check_optimizer_config(optimizer_config)
+            validation.check_model_seq_id(model_seq_id, "create_model")
+            validation.check_optimizer_config(optimizer_config)
             model_id = self._new_model_id(session_id, model_seq_id)
             tensors, meta = self.checkpoints.load(path, expect="training")
             spec = training.checkpoint_lora(meta)
@@ -592,19 +594,14 @@ class LocalBackend:
 
         def work() -> str:
             parse_path(source_path)
-            if weights_access_token is not None:
-                raise EngineUserError(
-                    "weights_access_token is not supported: tinker_sr has no cross-account "
-                    "access; copy checkpoints your own key can read (omit the token)"
-                )
-            if (session_id is None) != (model_seq_id is None):
-                raise EngineUserError(
-                    "copy_weights: pass session_id and model_seq_id together (copy into that "
-                    "run slot), or neither (copy into a new session)"
-                )
-            if model_seq_id is not None and model_seq_id < 0:
-                raise EngineUserError(f"model_seq_id must be >= 0, got {model_seq_id}")
-            expires_at = expiry(ttl_seconds)
+            validation.check_copy_weights(
+                session_id=session_id,
+                model_seq_id=model_seq_id,
+                destination_project_id=destination_project_id,
+                ttl_seconds=ttl_seconds,
+                weights_access_token=weights_access_token,
+            )
+            expires_at = validation.expiry(ttl_seconds)
             row, source_run = self.checkpoints.with_run(source_path)
             if session_id is None:
                 sid = self._add_session(

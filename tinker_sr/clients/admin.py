@@ -11,7 +11,7 @@ from datetime import date, datetime
 from typing import Any, Literal, NoReturn
 
 from tinker_sr import types
-from tinker_sr.clients.holder import ClientHolder, make_backend
+from tinker_sr.clients.holder import ClientSession, make_backend
 from tinker_sr.futures import APIFuture
 
 AuditEventType = Literal["all", "checkpoints", "projects", "teams", "organizations"]
@@ -31,7 +31,7 @@ class AdminClient:
 
     def __init__(
         self,
-        _holder: ClientHolder | None = None,
+        _holder: ClientSession | None = None,
         *,
         base_url: str | None = None,
         api_key: str | None = None,
@@ -46,14 +46,14 @@ class AdminClient:
         self._api_key = api_key
 
     @property
-    def holder(self) -> ClientHolder:
+    def holder(self) -> ClientSession:
         """The connection holder, built on first access (no method here needs one, so
         constructing an AdminClient opens no store and no connection)."""
         if self._holder is None:
             backend, url = make_backend(
                 backend=None, base_url=self._base_url, api_key=self._api_key
             )
-            self._holder = ClientHolder(
+            self._holder = ClientSession(
                 backend, base_url=url, api_key=self._api_key, owns_backend=url is not None
             )
         return self._holder

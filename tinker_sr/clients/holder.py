@@ -184,10 +184,12 @@ def make_backend(
     return remote, url
 
 
-class ClientHolder:
-    """A session on a backend, created lazily; shared by all clients of one ServiceClient."""
+class ClientSession:
+    """The client side of one session on a backend (created lazily on first need): its
+    backend, key, metadata and id counters, shared by all clients of one ServiceClient.
+    (Formerly `ClientSession`; `client.holder` keeps the SDK's attribute name.)"""
 
-    _registry: weakref.WeakValueDictionary[int, ClientHolder] = weakref.WeakValueDictionary()
+    _registry: weakref.WeakValueDictionary[int, ClientSession] = weakref.WeakValueDictionary()
     _ids = itertools.count(1)
 
     def __init__(
@@ -215,10 +217,10 @@ class ClientHolder:
         self._sampling_seq = itertools.count(0)
         self.closed = False
         self.key = next(self._ids)
-        ClientHolder._registry[self.key] = self
+        ClientSession._registry[self.key] = self
 
     @classmethod
-    def lookup(cls, key: int) -> ClientHolder | None:
+    def lookup(cls, key: int) -> ClientSession | None:
         return cls._registry.get(key)
 
     def check_open(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Literal, TypeVar
 
 from tinker_sr import types
 from tinker_sr.clients.admin import AdminClient, AuditEventType
-from tinker_sr.clients.holder import ClientHolder, make_backend, warn_deprecated
+from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 T = TypeVar("T")
@@ -22,14 +22,14 @@ class RestClient:
 
     def __init__(
         self,
-        _holder: ClientHolder | None = None,
+        _holder: ClientSession | None = None,
         *,
         base_url: str | None = None,
         api_key: str | None = None,
     ) -> None:
         if _holder is None:
             backend, url = make_backend(backend=None, base_url=base_url, api_key=api_key)
-            _holder = ClientHolder(
+            _holder = ClientSession(
                 backend, base_url=url, api_key=api_key, owns_backend=url is not None
             )
         self.holder = _holder

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tinker_sr import types
 from tinker_sr.clients import sr_lowering
-from tinker_sr.clients.holder import ClientHolder, make_backend, warn_deprecated
+from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.futures import BackcompatConcurrentFuture
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class SamplingClient:
 
     def __init__(
         self,
-        holder: ClientHolder,
+        holder: ClientSession,
         sampler_id: str,
         *,
         base_model: str,
@@ -240,13 +240,13 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
     # A clone numbers its requests in its own range so they never collide with the original's.
     seq_base = random.randint(1, 10**9) * 1_000_000_000
     base_url = state.get("base_url")
-    found = ClientHolder.lookup(int(state["holder_key"]))
+    found = ClientSession.lookup(int(state["holder_key"]))
     if found is not None and found.base_url == base_url and not found.closed:
         holder = found  # same process: keep using the creating client's connection
     elif base_url:
         # Another process: talk to the same server with this process's credentials.
         backend, url = make_backend(backend="remote", base_url=base_url, api_key=api_key)
-        holder = ClientHolder(backend, base_url=url, api_key=api_key, owns_backend=True)
+        holder = ClientSession(backend, base_url=url, api_key=api_key, owns_backend=True)
         holder._session_id = state.get("session_id")
     else:
         raise RuntimeError(

@@ -17,7 +17,7 @@ from tinker_sr.clients.creation import (
     BackcompatTrainingClientFuture,
 )
 from tinker_sr.clients.holder import (
-    ClientHolder,
+    ClientSession,
     blocking_result,
     default_api_key,
     make_backend,
@@ -101,7 +101,7 @@ class ServiceClient:
             default_headers=default_headers_overrides,
             project_id=project_id,
         )
-        self.holder = ClientHolder(
+        self.holder = ClientSession(
             be,
             base_url=url,
             api_key=key,
@@ -505,7 +505,7 @@ class ServiceClient:
 
 
 def create_sampling_client_future(
-    holder: ClientHolder,
+    holder: ClientSession,
     *,
     model_path: str | None,
     base_model: str | None,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types
 from tinker_sr.clients import sr_lowering
-from tinker_sr.clients.holder import ClientHolder, blocking_result, log, warn_deprecated
+from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class TrainingClient:
     ``fb = tc.forward_backward(...); op = tc.optim_step(...)`` then awaiting both is the
     recommended pipelining pattern."""
 
-    def __init__(self, holder: ClientHolder, model_id: str, info: types.GetInfoResponse) -> None:
+    def __init__(self, holder: ClientSession, model_id: str, info: types.GetInfoResponse) -> None:
         self.holder = holder
         self.model_id = model_id
         self._info = info

@@ -24,21 +24,9 @@ from tinker_sr import types
 from tinker_sr.engine import checkpoints as ckpt_io
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.store import CheckpointRow, RunRow, Store
+from tinker_sr.validation import expiry
 
-TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-
-
-def expiry(ttl_seconds: int | None) -> float | None:
-    """Expiry time for ``ttl_seconds`` (3600 s to 10 years; ``None`` = never expires)."""
-    if ttl_seconds is None:
-        return None
-    if not (TTL_MIN <= ttl_seconds <= TTL_MAX):
-        raise EngineUserError(
-            f"ttl_seconds must be between {TTL_MIN} (1 hour) and {TTL_MAX} (10 years), or "
-            f"None for no expiry; got {ttl_seconds}"
-        )
-    return time.time() + ttl_seconds
 
 
 def check_name(name: str) -> None:

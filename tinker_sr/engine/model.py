@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -471,10 +471,3 @@ def load_pretrained(
     from tinker_sr.engine.hf import load_model_dir
 
     return load_model_dir(path, dtype=dtype)
-
-
-def describe(config: ModelConfig) -> dict[str, Any]:
-    """Plain-dict view of a config (for get_info-style responses)."""
-    d = asdict(config)
-    d["head_dim"] = config.head_dim
-    return d

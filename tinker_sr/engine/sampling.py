@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.model import Transformer
@@ -138,7 +138,7 @@ def sample(
     ids = (
         list(req.sequence_ids)
         if req.sequence_ids is not None
-        else [f"{s.sampler_id}:{seq_id}:{i}:{secrets.token_hex(4)}" for i in range(req.num_samples)]
+        else validation.sequence_ids(s.sampler_id, seq_id, req.num_samples, secrets.token_hex(4))
     )
     recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
     return types.SampleResponse(
@@ -153,8 +153,7 @@ def sample(
 def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int]) -> _Plan:
     vocab = model.config.vocab_size
     tokens = _prompt_tokens(req.prompt, vocab)
-    if req.num_samples < 1:
-        raise EngineUserError(f"num_samples must be >= 1, got {req.num_samples}")
+    validation.check_num_samples(req.num_samples)
     if req.sequence_ids is not None and len(req.sequence_ids) != req.num_samples:
         raise EngineUserError(
             f"{len(req.sequence_ids)} sequence_ids given for num_samples={req.num_samples}"

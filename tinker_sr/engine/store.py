@@ -398,15 +398,6 @@ class Store:
                 del self._seq_cache[k]
         return cur.rowcount
 
-    def sequence_storage_bytes(self) -> int:
-        """Bytes of token/logprob/draw payload held for recorded sequences."""
-        with self._lock:
-            (n,) = self._db.execute(
-                "SELECT COALESCE(SUM(LENGTH(prompt_tokens) + LENGTH(sampled_tokens)"
-                " + LENGTH(sampler_logprobs) + COALESCE(LENGTH(draws), 0)), 0) FROM sequences"
-            ).fetchone()
-        return int(n)
-
     def _cache_put(self, rec: SequenceRecord) -> None:
         self._seq_cache[rec.sequence_id] = rec
         self._seq_cache.move_to_end(rec.sequence_id)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
@@ -174,7 +174,7 @@ def _loss_datum(a: _DatumArrays, view: ProvenanceView | None) -> engine_losses.L
 def optim_step(
     t: Trainer, store: Store, adam_params: types.AdamParams, *, staleness: int
 ) -> types.OptimStepResponse:
-    hp = adam_hparams(adam_params)
+    hp = AdamHParams(**validation.adam_values(adam_params))
     metrics = t.optim.step(hp)
     t.steps += 1
     if staleness:
@@ -262,14 +262,9 @@ def restore(
         optim.load_state_dict(optim_state)
 
 
-# ---- request configs ---------------------------------------------------------------------
-def lora_spec(cfg: types.LoraConfig) -> LoraSpec:
-    if cfg.rank < 1:
-        raise EngineUserError(f"lora_config.rank must be >= 1, got {cfg.rank}")
-    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
-        raise EngineUserError(
-            "lora_config: at least one of train_attn/train_mlp/train_unembed must be true"
-        )
+# ---- LoRA config ------------------------------------------------------------------------
+def lora_spec(cfg: types.LoraConfig | None) -> LoraSpec:
+    cfg = validation.check_lora_config(cfg)
     return LoraSpec(
         rank=cfg.rank,
         seed=cfg.seed,
@@ -288,36 +283,3 @@ def lora_json(spec: LoraSpec) -> dict[str, Any]:
         "train_unembed": spec.train_unembed,
         "alpha": spec.alpha,
     }
-
-
-def check_optimizer_config(cfg: Any) -> None:
-    kind = getattr(cfg, "type", "adamw") if cfg is not None else "adamw"
-    if kind != "adamw":
-        raise EngineUserError(
-            f"optimizer {kind!r} is not supported by the tinker_sr engine; use AdamOptimizerConfig()"
-        )
-
-
-def adam_hparams(p: Any) -> AdamHParams:
-    if not isinstance(p, types.AdamParams):
-        raise EngineUserError(
-            f"this model uses AdamW; optim_step needs AdamParams, got {type(p).__name__}"
-        )
-    vals = {
-        "learning_rate": p.learning_rate,
-        "beta1": p.beta1,
-        "beta2": p.beta2,
-        "eps": p.eps,
-        "weight_decay": p.weight_decay,
-        "grad_clip_norm": p.grad_clip_norm,
-    }
-    for k, v in vals.items():
-        if not np.isfinite(v):
-            raise EngineUserError(f"AdamParams.{k} must be finite, got {v}")
-    if p.learning_rate < 0:
-        raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
-    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
-        raise EngineUserError("AdamParams.beta1 and beta2 must be in [0, 1)")
-    if p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
-        raise EngineUserError("AdamParams.eps must be > 0; weight_decay and grad_clip_norm >= 0")
-    return AdamHParams(**vals)

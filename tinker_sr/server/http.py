@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tinker_sr.engine.errors import EngineNotFoundError
+from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
 from tinker_sr.wire import BodyTooLargeError, WireError, proto
@@ -116,6 +116,8 @@ def _is_not_found(exc: BaseException) -> bool:
 
 def plain_error(e: Exception) -> tuple[int, str]:
     """Status and detail for a backend failure on a plain (non-future) call."""
+    if isinstance(e, EngineUserError):  # a request refused by `tinker_sr.validation`
+        return (404 if isinstance(e, EngineNotFoundError) else 400), str(e)
     if isinstance(e, RequestFailedError):
         if e.category == RequestErrorCategory.User:
             return (404 if _is_not_found(e) else 400), strip_prefix(e.message)

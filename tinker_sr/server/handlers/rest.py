@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tinker_sr import validation
 from tinker_sr.types import CopyWeightsRequest, ParsedCheckpointTinkerPath
 from tinker_sr.wire import messages as m
 
@@ -15,8 +16,6 @@ from ..http import HTTPError, body_hash, json_reply
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
-
-_TTL_MIN_S, _TTL_MAX_S = 3600, 10 * 365 * 24 * 3600
 
 # Endpoints the SDK knows that this server deliberately does not offer (400 with a reason,
 # rather than an anonymous 404).
@@ -124,38 +123,16 @@ async def weights_info(srv: TinkerServer, request: Request, owner: str) -> Respo
     return json_reply(out)
 
 
-def _check_copy_request(req: CopyWeightsRequest, request: Request) -> None:
-    if req.weights_access_token is not None or request.headers.get("x-tinker-weights-access-token"):
-        raise HTTPError(
-            400,
-            "copy_weights: weights_access_token is not supported by this server; another "
-            "key's checkpoint can be copied once its owner publishes it",
-        )
-    if (req.session_id is None) != (req.model_seq_id is None):
-        raise HTTPError(
-            400,
-            "copy_weights: send session_id and model_seq_id together (copy into that "
-            "training-run slot), or destination_project_id alone (copy into a new session)",
-        )
-    if req.session_id is not None and req.destination_project_id is not None:
-        raise HTTPError(
-            400,
-            "copy_weights: send session_id + model_seq_id or destination_project_id, not both",
-        )
-    if req.model_seq_id is not None and req.model_seq_id < 0:
-        raise HTTPError(400, f"copy_weights: model_seq_id must be >= 0, got {req.model_seq_id}")
-    ttl = req.ttl_seconds
-    if ttl is not None and not (_TTL_MIN_S <= ttl <= _TTL_MAX_S):
-        raise HTTPError(
-            400,
-            f"copy_weights: ttl_seconds must be between {_TTL_MIN_S} (1 hour) and "
-            f"{_TTL_MAX_S} (10 years), or null for no expiry; got {ttl}",
-        )
-
-
 async def copy_weights(srv: TinkerServer, request: Request, owner: str) -> Response:
     req, body = await srv.parse(request, CopyWeightsRequest, "copy_weights")
-    _check_copy_request(req, request)
+    header_token = request.headers.get("x-tinker-weights-access-token")
+    validation.check_copy_weights(
+        session_id=req.session_id,
+        model_seq_id=req.model_seq_id,
+        destination_project_id=req.destination_project_id,
+        ttl_seconds=req.ttl_seconds,
+        weights_access_token=req.weights_access_token or header_token,
+    )
     source = await srv.sessions.readable_checkpoint(req.source_path, owner, field="source_path")
     if source.checkpoint_type == "external":
         raise HTTPError(

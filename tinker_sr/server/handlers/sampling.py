@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tinker_sr import validation
 from tinker_sr.wire import messages as m
 from tinker_sr.wire import proto
 
@@ -14,8 +15,6 @@ from ..http import HTTPError, body_hash, json_reply
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
-
-_MAX_SAMPLES_PER_REQUEST = 4096
 
 
 async def create_sampling_session(srv: TinkerServer, request: Request, owner: str) -> Response:
@@ -76,11 +75,7 @@ def _check_sample_request(req: m.SampleRequest) -> tuple[str, int]:
         )
     if req.seq_id is None:
         raise HTTPError(400, "asample: seq_id is required")
-    if not 1 <= req.num_samples <= _MAX_SAMPLES_PER_REQUEST:
-        raise HTTPError(
-            400,
-            f"asample: num_samples must be in 1..{_MAX_SAMPLES_PER_REQUEST}, got {req.num_samples}",
-        )
+    validation.check_num_samples(req.num_samples)
     return req.sampling_session_id, req.seq_id
 
 
@@ -97,7 +92,7 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
 
     def promise_extra(rid: str) -> dict[str, Any]:
         # Unique within the session: the sampler id is, and so is (seq_id, request).
-        return {"sample_sequence_ids": [f"{sampler_id}:{seq_id}:{i}:{rid[4:12]}" for i in range(n)]}
+        return {"sample_sequence_ids": validation.sequence_ids(sampler_id, seq_id, n, rid[4:12])}
 
     async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
         resp = await srv.backend.sample(

@@ -11,6 +11,8 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tinker_sr import validation
+from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.types import ModelData
 from tinker_sr.wire import WireError, proto
 from tinker_sr.wire import messages as m
@@ -28,15 +30,10 @@ Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 async def create_model(srv: TinkerServer, request: Request, owner: str) -> Response:
     req, body = await srv.parse(request, m.CreateModelRequest, "create_model")
     srv.sessions.session(req.session_id, owner)
-    if req.lora_config is None:
-        raise HTTPError(
-            400,
-            "create_model: lora_config is required; this server trains "
-            "LoRA adapters only (pass rank=...)",
-        )
-    if req.model_seq_id < 0:
-        raise HTTPError(400, f"create_model: model_seq_id must be >= 0, got {req.model_seq_id}")
-    lora = req.lora_config
+    # Checked before the future exists, so these are HTTP 400s (the rest of the LoRA config
+    # is the backend's to check, failing the future as the SDK expects).
+    lora = validation.require_lora_config(req.lora_config)
+    validation.check_model_seq_id(req.model_seq_id, "create_model")
 
     async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
         model_id = await srv.backend.create_model(
@@ -275,10 +272,9 @@ async def load_weights(srv: TinkerServer, request: Request, owner: str) -> Respo
     session = srv.sessions.model(req.model_id, owner)
     seq_id = _training_seq(req.seq_id, "load_weights")
     try:
-        if req.weights_access_token is not None:
-            raise HTTPError(400, "load_weights: weights_access_token is not supported")
+        validation.check_no_access_token(req.weights_access_token, "load_weights")
         await srv.sessions.readable_checkpoint(req.path, owner)
-    except HTTPError:
+    except (HTTPError, EngineUserError):
         srv.seqs.reject(req.model_id, seq_id)
         raise
     model_id = req.model_id
@@ -307,8 +303,7 @@ async def _create_from_state(
             "load_weights: send model_id (load into a model) or "
             "session_id + model_seq_id (create one), not both",
         )
-    if req.weights_access_token is not None:
-        raise HTTPError(400, "load_weights: weights_access_token is not supported")
+    validation.check_no_access_token(req.weights_access_token, "load_weights")
     srv.sessions.session(req.session_id, owner)
     await srv.sessions.readable_checkpoint(req.path, owner)
     session_id, model_seq_id = req.session_id, req.model_seq_id

@@ -1,0 +1,144 @@
+"""The one place request arguments are checked: used by the embedded backend (`LocalBackend`
+and the engine modules) and by the server where it must refuse a request before it does
+anything (creating a future or a session). The server has no checks of its own beyond HTTP
+framing, so local, remote and official-SDK traffic get the same rules and the same messages.
+
+Torch-free. Every failure is an `EngineUserError` naming the field and the fix; the backend
+and the server turn it into a user error (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from tinker_sr import types
+from tinker_sr.engine.errors import EngineUserError
+
+TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
+"""Checkpoint time-to-live bounds in seconds: 1 hour to 10 years (``None``: never expires)."""
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    if ttl_seconds is not None and not (TTL_MIN <= ttl_seconds <= TTL_MAX):
+        raise EngineUserError(
+            f"ttl_seconds must be between {TTL_MIN} (1 hour) and {TTL_MAX} (10 years), or "
+            f"None for no expiry; got {ttl_seconds}"
+        )
+
+
+def expiry(ttl_seconds: int | None) -> float | None:
+    """Expiry time for ``ttl_seconds`` (checked; ``None`` = never expires)."""
+    check_ttl(ttl_seconds)
+    return None if ttl_seconds is None else time.time() + ttl_seconds
+
+
+def check_model_seq_id(model_seq_id: int, what: str) -> None:
+    if model_seq_id < 0:
+        raise EngineUserError(f"{what}: model_seq_id must be >= 0, got {model_seq_id}")
+
+
+def check_no_access_token(token: str | None, what: str) -> None:
+    if token is not None:
+        raise EngineUserError(
+            f"{what}: weights_access_token is not supported: tinker_sr has no cross-account "
+            "access; copy or load your own checkpoints, or ones their owner published on a "
+            "server (omit the token)"
+        )
+
+
+def check_copy_weights(
+    *,
+    session_id: str | None,
+    model_seq_id: int | None,
+    destination_project_id: str | None,
+    ttl_seconds: int | None,
+    weights_access_token: str | None,
+) -> None:
+    """The arguments of `Backend.copy_weights` (the source path is checked by its lookup)."""
+    check_no_access_token(weights_access_token, "copy_weights")
+    if (session_id is None) != (model_seq_id is None):
+        raise EngineUserError(
+            "copy_weights: pass session_id and model_seq_id together (copy into that "
+            "training-run slot), or neither (copy into a new session, of "
+            "destination_project_id if given)"
+        )
+    if session_id is not None and destination_project_id is not None:
+        raise EngineUserError(
+            "copy_weights: pass session_id + model_seq_id or destination_project_id, not both"
+        )
+    if model_seq_id is not None:
+        check_model_seq_id(model_seq_id, "copy_weights")
+    check_ttl(ttl_seconds)
+
+
+MAX_SAMPLES_PER_REQUEST = 4096
+
+
+def check_num_samples(num_samples: int) -> None:
+    if not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
+        raise EngineUserError(
+            f"num_samples must be in 1..{MAX_SAMPLES_PER_REQUEST}, got {num_samples}"
+        )
+
+
+def sequence_ids(sampler_id: str, seq_id: int, num_samples: int, tag: str) -> list[str]:
+    """Ids of a sample request's sequences: unique within the session, since the sampler id
+    is, and ``tag`` (random, or from the request id) differs between requests."""
+    return [f"{sampler_id}:{seq_id}:{i}:{tag}" for i in range(num_samples)]
+
+
+def require_lora_config(cfg: types.LoraConfig | None) -> types.LoraConfig:
+    if cfg is None:
+        raise EngineUserError(
+            "create_model: lora_config is required; this engine trains LoRA adapters only "
+            "(pass rank=...)"
+        )
+    return cfg
+
+
+def check_lora_config(cfg: types.LoraConfig | None) -> types.LoraConfig:
+    """A LoRA config the engine can train: rank >= 1 and at least one target."""
+    cfg = require_lora_config(cfg)
+    if cfg.rank < 1:
+        raise EngineUserError(f"lora_config.rank must be >= 1, got {cfg.rank}")
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise EngineUserError(
+            "lora_config: at least one of train_attn/train_mlp/train_unembed must be true"
+        )
+    return cfg
+
+
+def check_optimizer_config(cfg: Any) -> None:
+    kind = getattr(cfg, "type", "adamw") if cfg is not None else "adamw"
+    if kind != "adamw":
+        raise EngineUserError(
+            f"optimizer {kind!r} is not supported by the tinker_sr engine; use AdamOptimizerConfig()"
+        )
+
+
+def adam_values(p: Any) -> dict[str, float]:
+    """The checked hyperparameters of an optim_step's `AdamParams`."""
+    if not isinstance(p, types.AdamParams):
+        raise EngineUserError(
+            f"this model uses AdamW; optim_step needs AdamParams, got {type(p).__name__}"
+        )
+    vals = {
+        "learning_rate": p.learning_rate,
+        "beta1": p.beta1,
+        "beta2": p.beta2,
+        "eps": p.eps,
+        "weight_decay": p.weight_decay,
+        "grad_clip_norm": p.grad_clip_norm,
+    }
+    for k, v in vals.items():
+        if not math.isfinite(v):
+            raise EngineUserError(f"AdamParams.{k} must be finite, got {v}")
+    if p.learning_rate < 0:
+        raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
+    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
+        raise EngineUserError("AdamParams.beta1 and beta2 must be in [0, 1)")
+    if p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
+        raise EngineUserError("AdamParams.eps must be > 0; weight_decay and grad_clip_norm >= 0")
+    return vals
