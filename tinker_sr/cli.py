@@ -1,10 +1,12 @@
-"""`tinker-sr` command line: serve, demo, models, run."""
+"""`tinker-sr` command line: serve, demo, models, run, export."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -46,6 +48,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from tinker_sr.demo import main as demo_main
 
     return demo_main(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from tinker_sr.backend.local import default_store_dir
+    from tinker_sr.engine.errors import EngineUserError
+    from tinker_sr.engine.export import export_checkpoint
+    from tinker_sr.engine.registry import parse_aliases
+
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            merge=args.merge,
+            store_dir=Path(args.store) if args.store else default_store_dir(),
+            base_model=args.base_model,
+            aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
+        )
+    except EngineUserError as e:
+        print(f"tinker-sr export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -141,6 +165,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-m", dest="module", metavar="module", help="run a module as a script")
     r.add_argument("argv", nargs=argparse.REMAINDER, help="the script (unless -m), then its args")
     r.set_defaults(func=_cmd_run)
+
+    e = sub.add_parser(
+        "export",
+        help="export a LoRA checkpoint as a PEFT adapter, or (--merge) a merged HF model",
+        description="Write a PEFT LoRA adapter directory (adapter_config.json + "
+        "adapter_model.safetensors) or, with --merge, a merged Hugging Face model directory "
+        "that transformers loads with tinker_sr's logits (docs/models.md).",
+    )
+    e.add_argument(
+        "checkpoint",
+        help="tinker://<run>/sampler_weights/<name> (or weights/<name>) or a checkpoint file",
+    )
+    e.add_argument("out", help="output directory (created)")
+    e.add_argument("--merge", action="store_true", help="write base + adapter as one HF model")
+    e.add_argument(
+        "--store", default=None, help="store of tinker:// paths (default $TINKER_SR_STORE)"
+    )
+    e.add_argument(
+        "--base-model",
+        default=None,
+        help="base model if not the checkpoint's (name, directory, HF-cache name or alias)",
+    )
+    e.set_defaults(func=_cmd_export)
     return p
 
 

@@ -1,0 +1,121 @@
+"""`tinker-sr export`: a trained LoRA checkpoint → a PEFT adapter dir and a merged HF model dir
+that `peft` / `transformers` load with tinker_sr's logits (1e-4 in float32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.cli import main as cli  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+
+TOKENS = [[3, 17, 101, 250, 40, 51, 200, 7, 9, 30]]  # valid for every model here
+
+
+def _train_and_save(
+    tmp_path: Path, base_model: str, **lora: Any
+) -> tuple[LocalBackend, str, torch.Tensor]:
+    """Train a LoRA a few steps (so B != 0), save sampler weights; return the store, the
+    tinker path and the engine's logits on TOKENS."""
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(base_model, rank=4, seed=1, **lora).result()
+    ids = TOKENS[0]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    for _ in range(3):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = training.save_weights_for_sampler(name="final").result().path
+    model = backend.models.trainer(training.model_id).model
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS))
+    client.close().result()
+    return backend, path, logits
+
+
+def _hf_logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("m") / "tiny-qwen3")
+
+
+def test_merged_and_peft_exports_reproduce_the_logits(tmp_path: Path, model_dir: Path) -> None:
+    backend, path, ours = _train_and_save(tmp_path, str(model_dir))
+    store = str(backend.store_dir)
+    backend.close()
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert (_hf_logits(base) - ours).abs().max() > 1e-3  # the adapter changed something
+
+    merged_dir = tmp_path / "merged"
+    assert cli(["export", path, str(merged_dir), "--merge", "--store", store]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert merged.dtype == torch.float32
+    assert not merged.config.tie_word_embeddings  # the lm_head adapter unties it
+    torch.testing.assert_close(_hf_logits(merged), ours, rtol=0, atol=1e-4)
+    tok = AutoTokenizer.from_pretrained(merged_dir)
+    assert tok.encode("hello world") == AutoTokenizer.from_pretrained(model_dir).encode(
+        "hello world"
+    )
+    assert (merged_dir / "generation_config.json").is_file()
+
+    peft = pytest.importorskip("peft")
+    adapter_dir = tmp_path / "adapter"
+    assert cli(["export", path, str(adapter_dir), "--store", store]) == 0
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and "lm_head" in config["target_modules"]
+    peft_model = peft.PeftModel.from_pretrained(base, adapter_dir)
+    torch.testing.assert_close(_hf_logits(peft_model), ours, rtol=0, atol=1e-4)
+
+
+def test_builtin_model_merged_export_loads_in_transformers(tmp_path: Path) -> None:
+    backend, path, ours = _train_and_save(tmp_path, "tinker-sr/tiny", train_unembed=False)
+    ckpt_file = backend.checkpoints.live(path).file_path
+    backend.close()
+    out = tmp_path / "merged"
+    assert cli(["export", ckpt_file, str(out), "--merge"]) == 0  # a checkpoint file works too
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert merged.config.tie_word_embeddings  # no lm_head adapter: still tied
+    torch.testing.assert_close(_hf_logits(merged), ours, rtol=0, atol=1e-4)
+    assert AutoTokenizer.from_pretrained(out).encode("hi", add_special_tokens=False) == [104, 105]
+
+
+def test_bf16_merged_export_keeps_the_dtype(tmp_path: Path) -> None:
+    root = make_tiny_hf_model_dir(tmp_path / "l", family="llama", dtype="bfloat16", sharded=True)
+    backend, path, ours = _train_and_save(tmp_path, str(root), train_attn=False)
+    store = str(backend.store_dir)
+    backend.close()
+    out = tmp_path / "merged"
+    assert cli(["export", path, str(out), "--merge", "--store", store]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert merged.dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # bf16 compute differs from the engine's (which adds the float32 adapter path to bf16
+    # activations) at bf16 precision; the adapter's own effect is far larger.
+    base = AutoModelForCausalLM.from_pretrained(root)
+    drift = (_hf_logits(merged) - ours).abs().max()
+    assert drift < 0.1 * (_hf_logits(base) - ours).abs().max() and drift < 0.2
+
+
+def test_export_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = "tinker://nope/sampler_weights/x"
+    assert cli(["export", missing, str(tmp_path / "o"), "--store", str(tmp_path)]) == 2
+    assert "no tinker_sr store" in capsys.readouterr().err
+    assert cli(["export", str(tmp_path / "none.safetensors"), str(tmp_path / "o")]) == 2
+    assert "checkpoint file not found" in capsys.readouterr().err

@@ -1,0 +1,192 @@
+"""Export LoRA checkpoints for other tools: a PEFT adapter directory, or a merged HF model.
+
+- `export_peft`: ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's LoRA layout
+  (``base_model.model.<module>.lora_A.weight`` / ``lora_B``; ``lora_alpha`` / ``r`` is our
+  scaling), loadable with ``peft.PeftModel.from_pretrained(base, dir)``, vLLM's LoRA support
+  (which does not take an ``lm_head`` adapter: train with ``train_unembed=False`` for vLLM) or
+  anything else that reads PEFT adapters.
+- `export_merged`: a self-contained HF model directory (config.json, model.safetensors, the
+  base's tokenizer and generation config) whose weights are W + (alpha / r) · B A, in the base
+  model's dtype; ``transformers.AutoModelForCausalLM`` loads it with tinker_sr's logits.
+
+The checkpoint is any tinker_sr LoRA checkpoint (``save_weights_for_sampler`` or
+``save_state``): a safetensors file of ``lora.<module>.lora_{A,B}.weight`` tensors with the
+base model and LoRA config in its metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_sr.engine.checkpoints import save_tensors
+from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.hf import read_json
+from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
+from tinker_sr.engine.model import Transformer, config_to_hf
+
+PEFT_PREFIX = "base_model.model."
+# Files of a base model directory that a merged export carries over unchanged.
+_CARRIED = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraCheckpoint:
+    """The adapters of a checkpoint (names without the ``lora.`` prefix) and their config."""
+
+    adapters: dict[str, torch.Tensor]
+    spec: LoraSpec
+    base_model: str
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]
+    ) -> LoraCheckpoint:
+        if "lora" not in meta or "base_model" not in meta:
+            raise EngineUserError(
+                "not a tinker_sr LoRA checkpoint: its metadata lacks 'lora' / 'base_model' "
+                "(export takes files written by save_weights_for_sampler or save_state)"
+            )
+        adapters = {k.removeprefix("lora."): v for k, v in tensors.items() if k.startswith("lora.")}
+        if not adapters:
+            raise EngineUserError("the checkpoint holds no LoRA tensors (lora.*)")
+        return cls(adapters, LoraSpec(**json.loads(meta["lora"])), meta["base_model"])
+
+    def target_modules(self) -> list[str]:
+        """Short module names with an adapter (e.g. q_proj, lm_head), as PEFT lists them."""
+        return sorted({k.split(".")[-3] for k in self.adapters})
+
+
+def export_peft(
+    ckpt: LoraCheckpoint, out: str | os.PathLike[str], *, base_model_name_or_path: str
+) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into `out`."""
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + k: v.float() for k, v in ckpt.adapters.items()}
+    save_tensors(root / "adapter_model.safetensors", tensors, {"format": "pt"})
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": ckpt.spec.rank,
+        "lora_alpha": ckpt.spec.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ckpt.target_modules(),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    (root / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return root
+
+
+def merged_model(base: Transformer, ckpt: LoraCheckpoint) -> Transformer:
+    """A new model holding base + adapter in the base's dtype (merged in float32)."""
+    adapted = clone_for_sampling(base, dtype=torch.float32)
+    apply_lora(adapted, dataclasses.replace(ckpt.spec, seed=0))
+    load_lora_state_dict(adapted, ckpt.adapters)
+    return clone_for_sampling(adapted, dtype=base.dtype)
+
+
+def export_merged(
+    base: Transformer, ckpt: LoraCheckpoint, out: str | os.PathLike[str], *, base_dir: Path | None
+) -> Path:
+    """Write the merged model as an HF directory. With `base_dir` (an HF model directory) its
+    config.json is kept (tie_word_embeddings and dtype updated) and its tokenizer and
+    generation files are copied; for a built-in model the config is generated and the byte
+    tokenizer written."""
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    model = merged_model(base, ckpt)
+    tied = model.config.tie_embeddings
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_tensors(root / "model.safetensors", state, {"format": "pt"})
+    dtype = str(model.dtype).removeprefix("torch.")
+    if base_dir is not None:
+        config = read_json(base_dir / "config.json")
+        for name in _CARRIED:
+            if (base_dir / name).is_file():
+                shutil.copyfile(base_dir / name, root / name)
+    else:
+        from tinker_sr.engine.tokenizer import write_hf_tokenizer_dir
+
+        config = config_to_hf(model.config)
+        write_hf_tokenizer_dir(root, model_max_length=model.config.max_seq_len)
+    config.update(tie_word_embeddings=tied, dtype=dtype)
+    if "torch_dtype" in config:  # transformers 4.x's name for it
+        config["torch_dtype"] = dtype
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return root
+
+
+def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
+    """A checkpoint by tinker path (looked up in the store at `store_dir`) or file path."""
+    from tinker_sr.engine.checkpoint_store import CheckpointStore
+    from tinker_sr.engine.checkpoints import load_tensors
+    from tinker_sr.engine.store import Store
+
+    if path.startswith("tinker://"):
+        if not (store_dir / "engine.sqlite").is_file():
+            raise EngineUserError(
+                f"no tinker_sr store at {store_dir} (engine.sqlite); pass the store the "
+                "checkpoint was written to (--store, $TINKER_SR_STORE) or the checkpoint file"
+            )
+        store = Store(store_dir / "engine.sqlite")
+        try:
+            tensors, meta = CheckpointStore(store, store_dir).load(path, expect="any")
+        finally:
+            store.close()
+    else:
+        tensors, meta = load_tensors(path)
+    return LoraCheckpoint.from_tensors(tensors, meta)
+
+
+def export_checkpoint(
+    path: str,
+    out: str | os.PathLike[str],
+    *,
+    merge: bool,
+    store_dir: Path,
+    base_model: str | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> Path:
+    """`tinker-sr export`: checkpoint `path` → a PEFT adapter dir, or with `merge` a merged
+    HF model dir. The base model is the checkpoint's (or `base_model`), resolved like the
+    engine does (built-ins, directories, the HF cache, `aliases`)."""
+    from tinker_sr.engine.registry import ModelRegistry
+
+    ckpt = read_checkpoint(path, store_dir)
+    registry = ModelRegistry(aliases or {})
+    name = base_model or ckpt.base_model
+    resolved = registry.resolve_model(name)
+    base_dir = Path(resolved) if os.path.isdir(resolved) else None
+    if not merge:
+        # A Hub name found in the HF cache stays a Hub name; paths and aliases resolve.
+        hub_name = name == (registry.aliases.get(name) or name) and not os.path.exists(name)
+        return export_peft(ckpt, out, base_model_name_or_path=name if hub_name else resolved)
+    return export_merged(registry.base(resolved), ckpt, out, base_dir=base_dir)
