@@ -449,3 +449,25 @@ def test_demo_against_the_featureless_server_says_which_path_ran(
     assert all(r["loss_metrics"]["draw_tail_mass:max"] == 0.0 for r in records)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["stable_reinforce_path"] == "lowered-2d"
+
+
+def test_a_service_refusing_the_extra_top_k_still_samples(featureless: Any) -> None:
+    """The top-k the lowering adds to a sample request must never break the user's sample:
+    refused (here: more than the vocabulary), the request is sent again as the user made
+    it; without any top-k the lowered loss then says why it has no draws."""
+    options = LoweringOptions(draw_topk=1000)  # the tiny vocabulary has 259
+    client = tinker.ServiceClient(
+        base_url=featureless.base_url, api_key="tml-test", stable_reinforce_lowering=options
+    )
+    try:
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        res = sc.sample(types.ModelInput.from_ints(PROMPT), 2, TOPK_PARAMS).result()
+        assert len(res.sequences) == 2
+        caps = sr_lowering.session_of(client.holder).caps
+        assert caps.topk_sample is False and caps.topk_prompt is False
+        data = [build_datum(PROMPT, s, 1.0) for s in res.sequences]
+        with pytest.raises(tinker.RequestFailedError, match="neither topk_sample_logprobs"):
+            tc.forward_backward(data, "stable_reinforce").result()
+    finally:
+        client.close().result()

@@ -83,8 +83,7 @@ class SamplingClient:
                 )
             if not include_prompt_logprobs:
                 raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
-        with self._lock:
-            seq_id = next(self._seq)
+        seq_id = self._next_seq()
         backend = self.holder.backend
         # StableReinforce lowering keeps what it needs of these samples client-side.
         lowering = sr_lowering.session_of(self.holder)
@@ -93,21 +92,26 @@ class SamplingClient:
         )
         holder = self.holder
 
-        async def run() -> types.SampleResponse:
-            response = await backend.sample(
+        seq_ids = [seq_id]  # a retry (without the top-k the lowering added) takes a new one
+
+        async def sample(topk: int) -> types.SampleResponse:
+            return await backend.sample(
                 self.sampler_id,
-                seq_id,
+                seq_ids.pop() if seq_ids else self._next_seq(),
                 prompt=prompt,
                 num_samples=num_samples,
                 sampling_params=sampling_params,
                 include_prompt_logprobs=include_prompt_logprobs,
                 topk_prompt_logprobs=topk_prompt_logprobs,
-                topk_sample_logprobs=plan.topk,
+                topk_sample_logprobs=topk,
                 target_prompt_logprobs=target_prompt_logprobs,
                 prompt_alt_tokens_k=prompt_alt_tokens_k,
                 prompt_logprobs_last_n=prompt_logprobs_last_n,
                 record_stability_info=self.record_stability_info,
             )
+
+        async def run() -> types.SampleResponse:
+            response = await lowering.sample(plan, sample)
             if not plan.keep:
                 return response
             session_id = await holder.session_id()
@@ -117,14 +121,16 @@ class SamplingClient:
 
         return BackcompatConcurrentFuture(self.holder.run(run()))
 
+    def _next_seq(self) -> int:
+        with self._lock:
+            return next(self._seq)
+
     async def _raw_topk(self, tokens: list[int], k: int) -> types.TopkLogprobs | None:
         """The model's top-k next-token log-probs at every position of ``tokens`` (for
         client-side StableReinforce draws when the service returns no sample top-k)."""
-        with self._lock:
-            seq_id = next(self._seq)
         r = await self.holder.backend.sample(
             self.sampler_id,
-            seq_id,
+            self._next_seq(),
             prompt=types.ModelInput.from_ints(tokens),
             num_samples=1,
             sampling_params=types.SamplingParams(max_tokens=1),

@@ -526,6 +526,7 @@ class Capabilities:
     native: bool | None = None  # accepts loss_fn="stable_reinforce"
     targets_2d: bool | None = None  # accepts 2-D cross_entropy targets
     topk_sample: bool | None = None  # returns topk_sample_logprobs
+    topk_prompt: bool | None = None  # answers topk_prompt_logprobs (the fallback pass)
     native_confirmed: bool = False  # a native call with draws went through
 
 
@@ -536,7 +537,8 @@ class SamplePlan:
     keep: bool  # record the sequences client-side
     topk: int  # topk_sample_logprobs to request
     user_topk: int  # what the caller asked for (the response is trimmed back to it)
-    draw_k: int
+    draw_k: int  # draws per sampled position
+    head_k: int  # top-k the client draws from (0: none needed)
 
 
 @dataclass
@@ -561,13 +563,31 @@ class SessionLowering:
             self.options.mode == "always"
             or (self.options.mode == "auto" and not self.caps.native_confirmed)
         )
-        topk = topk_sample_logprobs
+        head_k = 0
         if keep and params.temperature != 0:
-            want = self.options.draw_topk
-            if want is None:
-                want = params.top_k if params.top_k > 0 else DEFAULT_DRAW_TOPK
-            topk = max(topk, want)
-        return SamplePlan(keep, topk, topk_sample_logprobs, self.options.draws_k)
+            head_k = self.options.draw_topk or (
+                params.top_k if params.top_k > 0 else DEFAULT_DRAW_TOPK
+            )
+        topk = topk_sample_logprobs
+        if self.caps.topk_sample is not False:
+            topk = max(topk, head_k)
+        return SamplePlan(keep, topk, topk_sample_logprobs, self.options.draws_k, head_k)
+
+    async def sample(
+        self, plan: SamplePlan, do_sample: Callable[[int], Awaitable[types.SampleResponse]]
+    ) -> types.SampleResponse:
+        """``do_sample(topk_sample_logprobs)`` with the top-k the plan adds; a service that
+        refuses that extra top-k gets the caller's request as it was (and is not asked again)."""
+        if plan.topk == plan.user_topk:
+            return await do_sample(plan.topk)
+        try:
+            return await do_sample(plan.topk)
+        except TinkerError as e:
+            if not _refused(e):
+                raise
+            self.caps.topk_sample = False
+            plan.topk = plan.user_topk
+            return await do_sample(plan.topk)
 
     async def record_sample(
         self,
@@ -626,9 +646,15 @@ class SessionLowering:
         n = len(seq.tokens)
         if top is not None:
             return np.asarray(top.token_ids)[:n], np.asarray(top.logprobs)[:n]
-        if params.temperature == 0 or plan.topk == 0 or n == 0:
+        if params.temperature == 0 or plan.head_k == 0 or n == 0 or self.caps.topk_prompt is False:
             return None
-        raw = await rescore([*prompt.tolist(), *seq.tokens], plan.topk)
+        try:
+            raw = await rescore([*prompt.tolist(), *seq.tokens], plan.head_k)
+        except TinkerError as e:
+            if not _refused(e):
+                raise
+            raw = None
+        self.caps.topk_prompt = raw is not None
         if raw is None:
             return None
         rows = slice(len(prompt), len(prompt) + n)  # row i scores token i given those before
@@ -765,7 +791,13 @@ class SessionLowering:
                 spans, session_id=session_id, lookup=lookup, loss_fn="stable_reinforce", now=now
             )
         except EngineUserError as e:
-            raise _user_error(str(e)) from None
+            message = str(e)
+            if "without stability info" in message and self.caps.topk_prompt is False:
+                message += (
+                    " (this service returned neither topk_sample_logprobs nor "
+                    "topk_prompt_logprobs, so the client could not draw the centering tokens)"
+                )
+            raise _user_error(message) from None
         present = [v for v in views if v is not None]
         assert len(present) == len(views)  # stable_reinforce requires provenance on every datum
         tails = [self._tails(lookup, d, v) for d, v in zip(data, present, strict=True)]
