@@ -9,6 +9,7 @@ follow the sampler's distribution like the engine's own draws (chi-square).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -354,18 +355,28 @@ def _native_reference(
         backend.close()
 
 
+@contextlib.contextmanager
+def _remote_sample(
+    srv: Any, options: LoweringOptions, n: int
+) -> Iterator[tuple[tinker.ServiceClient, tinker.TrainingClient, types.SampleResponse]]:
+    """A client of ``srv`` with ``options``, a training client and n samples of PROMPT."""
+    client = tinker.ServiceClient(
+        base_url=srv.base_url, api_key="tml-test", stable_reinforce_lowering=options
+    )
+    try:
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        yield client, tc, sc.sample(types.ModelInput.from_ints(PROMPT), n, TOPK_PARAMS).result()
+    finally:
+        client.close().result()
+
+
 @pytest.mark.parametrize("targets", ["auto", "1d"])
 def test_lowered_on_a_featureless_server_equals_native(
     featureless: Any, tmp_path: Path, targets: str
 ) -> None:
     options = LoweringOptions(targets=targets)  # type: ignore[arg-type]
-    client = tinker.ServiceClient(
-        base_url=featureless.base_url, api_key="tml-test", stable_reinforce_lowering=options
-    )
-    try:
-        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
-        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
-        res = sc.sample(types.ModelInput.from_ints(PROMPT), 4, TOPK_PARAMS).result()
+    with _remote_sample(featureless, options, 4) as (client, tc, res):
         assert all(s.topk_logprobs_np is None for s in res.sequences)  # not asked for: trimmed
         rng = np.random.default_rng(3)
         data = [
@@ -377,8 +388,6 @@ def test_lowered_on_a_featureless_server_equals_native(
         assert state.caps.native is False  # the server refused the loss (422)
         assert client.stable_reinforce_path == ("lowered-1d" if targets == "1d" else "lowered-2d")
         records = [state.records.get(s.sequence_id) for s in res.sequences]
-    finally:
-        client.close().result()
     assert all(r is not None and r.draws is not None for r in records)
     # top_k = 12 <= the 12 returned: exact draws, nothing missing.
     assert lowered[0].metrics["draw_tail_mass:max"] == 0.0
@@ -456,18 +465,10 @@ def test_a_service_refusing_the_extra_top_k_still_samples(featureless: Any) -> N
     refused (here: more than the vocabulary), the request is sent again as the user made
     it; without any top-k the lowered loss then says why it has no draws."""
     options = LoweringOptions(draw_topk=1000)  # the tiny vocabulary has 259
-    client = tinker.ServiceClient(
-        base_url=featureless.base_url, api_key="tml-test", stable_reinforce_lowering=options
-    )
-    try:
-        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
-        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
-        res = sc.sample(types.ModelInput.from_ints(PROMPT), 2, TOPK_PARAMS).result()
+    with _remote_sample(featureless, options, 2) as (client, tc, res):
         assert len(res.sequences) == 2
         caps = sr_lowering.session_of(client.holder).caps
         assert caps.topk_sample is False and caps.topk_prompt is False
         data = [build_datum(PROMPT, s, 1.0) for s in res.sequences]
         with pytest.raises(tinker.RequestFailedError, match="neither topk_sample_logprobs"):
             tc.forward_backward(data, "stable_reinforce").result()
-    finally:
-        client.close().result()
