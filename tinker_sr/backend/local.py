@@ -27,13 +27,13 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from tinker_sr import types, validation
+from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads
@@ -55,20 +55,6 @@ def default_store_dir() -> Path:
     """``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr``."""
     env = os.environ.get("TINKER_SR_STORE")
     return Path(env) if env else Path.home() / ".cache" / "tinker_sr"
-
-
-@dataclass
-class _Order:
-    next_seq: int = 1
-    cond: asyncio.Condition | None = None
-    # seq_ids given up by the client (a request refused before it reached us): skip them.
-    released: set[int] = field(default_factory=set)
-
-    def advance_past(self, seq_id: int) -> None:
-        self.next_seq = max(self.next_seq, seq_id + 1)
-        while self.next_seq in self.released:
-            self.released.discard(self.next_seq)
-            self.next_seq += 1
 
 
 def _user(msg: str) -> RequestFailedError:
@@ -123,7 +109,7 @@ class LocalBackend:
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
-        self._orders: dict[str, _Order] = {}
+        self._ordering = SeqOrdering()
         self._closed = False
 
     @property
@@ -156,40 +142,15 @@ class LocalBackend:
             ) from e
 
     async def _in_order(self, model_id: str, seq_id: int, fn: Callable[[], T]) -> T:
-        """Execute ``fn`` when every earlier ``seq_id`` of ``model_id`` has finished."""
-        order = self._orders.get(model_id)
-        if order is None:
-            raise _user(f"unknown model_id {model_id!r}; create a training client first")
-        if order.cond is None:
-            order.cond = asyncio.Condition()
-        async with order.cond:
-            if seq_id < order.next_seq:
-                raise _user(
-                    f"seq_id {seq_id} for model {model_id} was already executed (next is "
-                    f"{order.next_seq}); every training request needs a fresh seq_id"
-                )
-            await order.cond.wait_for(lambda: order.next_seq == seq_id)
+        """Run ``fn`` on the worker when every earlier ``seq_id`` of ``model_id`` has finished."""
         try:
-            return await self._run(fn)
-        finally:
-            async with order.cond:
-                order.advance_past(seq_id)
-                order.cond.notify_all()
+            return await self._ordering.run(model_id, seq_id, lambda: self._run(fn))
+        except EngineUserError as e:  # from the ordering; the work's errors are mapped by _run
+            raise _user(str(e)) from None
 
     async def release_seq(self, model_id: str, seq_id: int) -> None:
-        """Give up ``seq_id`` of ``model_id`` without running anything, so later requests do
-        not wait for a request that will never arrive (e.g. one refused on the wire)."""
-        order = self._orders.get(model_id)
-        if order is None:
-            return
-        if order.cond is None:
-            order.cond = asyncio.Condition()
-        async with order.cond:
-            if seq_id == order.next_seq:
-                order.advance_past(seq_id)
-                order.cond.notify_all()
-            elif seq_id > order.next_seq:
-                order.released.add(seq_id)
+        """Give up ``seq_id`` of ``model_id`` (see `SeqOrdering.release`)."""
+        await self._ordering.release(model_id, seq_id)
 
     async def _trainer_work(self, model_id: str, seq_id: int, fn: Callable[[Trainer], T]) -> T:
         """Run ``fn`` on ``model_id``'s trainer, in ``seq_id`` order."""
@@ -243,7 +204,7 @@ class LocalBackend:
         def release() -> None:
             # On the worker, so work already queued for these models finishes first.
             for model_id in self.models.release_session(session_id):
-                self._orders.pop(model_id, None)
+                self._ordering.remove(model_id)
 
         if not self._closed:
             await self._run(release)
@@ -277,7 +238,7 @@ class LocalBackend:
     def _register_trainer(self, trainer: Trainer, user_metadata: Mapping[str, str] | None) -> None:
         training.start_history(trainer, self.sampler_staleness)
         self.models.register_trainer(trainer)
-        self._orders[trainer.model_id] = _Order()
+        self._ordering.add(trainer.model_id)
         self.store.add_run(
             trainer.model_id,
             trainer.session_id,
@@ -389,6 +350,28 @@ class LocalBackend:
         )
 
     # ---- checkpoints of a training model ----------------------------------------------
+    def _save(
+        self,
+        t: Trainer,
+        segment: str,
+        name: str,
+        ttl_seconds: int | None,
+        overwrite: bool,
+        user_metadata: Mapping[str, str] | None,
+    ) -> str:
+        """Checkpoint ``t``: training state (``weights``) or current adapters (``sampler_weights``)."""
+        tensors = training.state_tensors(t) if segment == "weights" else training.sampler_tensors(t)
+        return self.checkpoints.write(
+            t.model_id,
+            segment,
+            name,
+            tensors,
+            training.checkpoint_meta(t),
+            ttl_seconds=ttl_seconds,
+            overwrite=overwrite,
+            user_metadata=user_metadata,
+        )
+
     async def save_state(
         self,
         model_id: str,
@@ -400,16 +383,7 @@ class LocalBackend:
         user_metadata: Mapping[str, str] | None = None,
     ) -> types.SaveWeightsResponse:
         def work(t: Trainer) -> types.SaveWeightsResponse:
-            path = self.checkpoints.write(
-                t.model_id,
-                "weights",
-                name,
-                training.state_tensors(t),
-                training.checkpoint_meta(t),
-                ttl_seconds=ttl_seconds,
-                overwrite=overwrite,
-                user_metadata=user_metadata,
-            )
+            path = self._save(t, "weights", name, ttl_seconds, overwrite, user_metadata)
             return types.SaveWeightsResponse(path=path, type="save_weights")
 
         return await self._trainer_work(model_id, seq_id, work)
@@ -427,16 +401,7 @@ class LocalBackend:
         def work(t: Trainer) -> types.SaveWeightsForSamplerResponseInternal:
             if name is not None:
                 # A named checkpoint is the current weights; only live samplers lag.
-                path = self.checkpoints.write(
-                    t.model_id,
-                    "sampler_weights",
-                    name,
-                    training.sampler_tensors(t),
-                    training.checkpoint_meta(t),
-                    ttl_seconds=ttl_seconds,
-                    overwrite=False,
-                    user_metadata=user_metadata,
-                )
+                path = self._save(t, "sampler_weights", name, ttl_seconds, False, user_metadata)
                 return types.SaveWeightsForSamplerResponseInternal(
                     path=path, type="save_weights_for_sampler"
                 )

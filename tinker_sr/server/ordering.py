@@ -1,7 +1,7 @@
 """The server's side of training-request ordering: seq_ids that never reach the backend.
 
 The backend is the one ordering mechanism: it runs a model's requests strictly in seq_id
-order (`LocalBackend._in_order`), and `Backend.release_seq` skips a number. The client only
+order (`backend/ordering.py`), and `Backend.release_seq` skips a number. The client only
 numbers its calls and issues them in call order (`clients/training.py`). In-process every
 number reaches the backend (a request that fails validation still takes its turn). Over HTTP,
 a numbered request can be refused by the server (malformed body, bad arguments) or lost on
