@@ -887,6 +887,33 @@ def test_gspo_with_an_empty_mask_is_an_error() -> None:
         validate_request("gspo", [d], {})
 
 
+def test_gspo_without_a_mask_takes_the_ratio_over_the_sampled_positions() -> None:
+    """The cookbook's generic rl.train sends no sequence_ratio_mask; the ratio then runs over
+    the sampled positions (non-zero advantage or sampler log-prob; the provenance mask when
+    given), which for §4.2 is exactly MASK42, so the oracle row still holds."""
+    bare = LossDatum(X42, {"logprobs": LQ42, "advantages": A42})
+    assert validate_request("gspo", [bare], {}) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+    }
+    result, (grad,) = run("gspo", [Z42], [bare], {})
+    assert result.metrics["loss:sum"] == pytest.approx(-0.928586, abs=1e-5)
+    np.testing.assert_allclose(
+        coefficients(Z42, X42, grad).numpy(), (0, -0.696439, -0.696439, 0.464293), atol=1e-6
+    )
+    # A different set of positions gives a different ratio: the mask is really used.
+    only_first = LossDatum(
+        X42, {"logprobs": LQ42, "advantages": A42}, sampled_mask=torch.tensor([0, 1, 0, 0]) == 1
+    )
+    other, _ = run("gspo", [Z42], [only_first], {})
+    assert other.metrics["loss:sum"] != pytest.approx(-0.928586, abs=1e-3)
+    # An explicit mask still wins over the default.
+    explicit = datum42("gspo")
+    explicit.inputs["sequence_ratio_mask"] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    same, _ = run("gspo", [Z42], [explicit], {})
+    assert same.metrics["loss:sum"] == pytest.approx(other.metrics["loss:sum"], abs=1e-9)
+
+
 def test_stable_reinforce_request_errors() -> None:
     no_prov = LossDatum(X42, {"logprobs": LQ42, "advantages": A42})
     with pytest.raises(

@@ -15,6 +15,10 @@ sampler log-prob (input ``logprobs``), ``A_t`` the advantage, ``r_t = exp(l_t - 
                            pulls prompt log-probs toward 0 whenever beta > 0 (reproduced literally).
 * ``gspo``                 GSPO-token: s = exp(mean_{mask != 0}(sg[l] - lq)) per datum,
                            s_t = sg[s] p(x_t) / sg[p(x_t)], L = -sum min(s_t A_t, clip(s_t) A_t).
+                           ``sequence_ratio_mask`` is optional: without it the mean runs over
+                           the datum's sampled positions (as for the diagnostics below), i.e.
+                           "over a sequence's sampled tokens" as Tinker's GSPO page defines the
+                           ratio; the cookbook's generic ``rl.train`` never sends the mask.
                            Tinker does not document default clip thresholds; ours are PPO's
                            0.8 / 1.2 (the GSPO paper used 1 - 3e-4 / 1 + 4e-4: pass them
                            explicitly if that is what you want).
@@ -93,13 +97,14 @@ _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
-    "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
+    "gspo": _RL_INPUTS,
     "stable_reinforce": _RL_INPUTS,
 }
 _OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": _CLIP_INPUTS,
     "cispo": _CLIP_INPUTS,
-    "gspo": _CLIP_INPUTS,
+    # Without it the ratio is taken over the datum's sampled positions (see the module doc).
+    "gspo": (*_CLIP_INPUTS, "sequence_ratio_mask"),
 }
 
 # Upper bound on the elements of any transient rows x vocab tensor (64 MiB in float32).
@@ -259,7 +264,7 @@ def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) 
             raise EngineUserError(
                 f"datum {i}: clip_low_threshold is above clip_high_threshold at position {t}"
             )
-    if loss_fn == "gspo" and not bool((d.inputs["sequence_ratio_mask"] != 0).any()):
+    if "sequence_ratio_mask" in d.inputs and not bool((d.inputs["sequence_ratio_mask"] != 0).any()):
         raise EngineUserError(
             f"datum {i}: sequence_ratio_mask is all zero, so the GSPO sequence ratio is "
             "undefined; mark the sampled tokens with 1"
@@ -608,11 +613,19 @@ def compute_loss(
         seg = torch.repeat_interleave(
             torch.arange(len(data), device=device), torch.tensor(sizes, device=device)
         )
-        mask = cat("sequence_ratio_mask") != 0
+        mask = torch.cat(
+            [
+                d.inputs["sequence_ratio_mask"].to(device) != 0
+                if "sequence_ratio_mask" in d.inputs
+                else part
+                for d, part in zip(data, diag_parts, strict=True)
+            ]
+        )
         log_ratio = torch.where(mask, lx.detach() - lq, torch.zeros_like(lq))
         totals = torch.zeros(len(data), dtype=cd, device=device).index_add_(0, seg, log_ratio)
         counts = torch.zeros(len(data), dtype=cd, device=device).index_add_(0, seg, mask.to(cd))
-        s = torch.where(active, torch.exp(totals / counts)[seg], torch.ones_like(lx))
+        # counts is 0 only for a datum with no sampled position, hence no advantage: s unused.
+        s = torch.where(active, torch.exp(totals / counts.clamp_min(1))[seg], torch.ones_like(lx))
         s_tok = s * torch.exp(lx - lx.detach())
         surrogate, clipped = _trust_region(s_tok, adv, lo.to(device), hi.to(device))
         per_tok = -surrogate
