@@ -1,0 +1,287 @@
+"""Run one tinker-cookbook 0.6.1 recipe for a few steps on a local HF model directory.
+
+Used by tests/integration/test_cookbook.py, both ways:
+
+    tinker-sr run cookbook_driver.py JOB MODEL_DIR LOG_DIR        # embedded engine
+    TINKER_BASE_URL=http://127.0.0.1:PORT python cookbook_driver.py JOB MODEL_DIR LOG_DIR
+                                                                  # official SDK -> tinker-sr serve
+
+The cookbook code runs unchanged; this script only builds its configs (tiny batches, a few
+steps, the ``role_colon`` renderer whose stop sequence is the string ``"\\n\\nUser:"``) and
+records every ``SamplingClient.sample`` call (its stop sequences and each sequence's tokens and
+stop reason) to ``LOG_DIR/samples.jsonl`` so the test can check how sampling stopped. It also
+refuses any connection that is not to 127.0.0.1 (the cookbook fetches a pricing file; tests
+use no network).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+JOBS = ("rl_is", "rl_ppo", "rl_gspo", "rl_async_sr", "rl_resume", "sl", "dpo")
+RENDERER = "role_colon"
+
+
+def forbid_network() -> None:
+    real_connect = socket.socket.connect
+
+    def connect(self: socket.socket, address: Any) -> Any:
+        host = address[0] if isinstance(address, tuple) else address
+        if self.family in (socket.AF_INET, socket.AF_INET6) and host not in (
+            "127.0.0.1",
+            "::1",
+            "localhost",
+        ):
+            raise OSError(f"cookbook_driver: network access to {host!r} refused (offline test)")
+        return real_connect(self, address)
+
+    socket.socket.connect = connect  # type: ignore[method-assign]
+
+
+def record_samples(path: Path) -> None:
+    """Wrap `tinker.SamplingClient.sample` (tinker_sr's or the SDK's) to log each call."""
+    import tinker
+
+    original = tinker.SamplingClient.sample
+
+    def log(params: Any, response: Any) -> None:
+        with path.open("a") as f:
+            f.write(
+                json.dumps(
+                    {
+                        "stop": params.stop,
+                        "max_tokens": params.max_tokens,
+                        "sequences": [
+                            {"tokens": list(s.tokens), "stop_reason": str(s.stop_reason)}
+                            for s in response.sequences
+                        ],
+                    }
+                )
+                + "\n"
+            )
+
+    class Recorded:
+        def __init__(self, future: Any, params: Any) -> None:
+            self._future, self._params = future, params
+
+        def __await__(self) -> Any:
+            response = yield from self._future.__await__()
+            log(self._params, response)
+            return response
+
+        def result(self, timeout: float | None = None) -> Any:
+            response = self._future.result(timeout)
+            log(self._params, response)
+            return response
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._future, name)
+
+    def sample(self: Any, prompt: Any, num_samples: int, sampling_params: Any, *a: Any, **k: Any):
+        return Recorded(
+            original(self, prompt, num_samples, sampling_params, *a, **k), sampling_params
+        )
+
+    tinker.SamplingClient.sample = sample  # type: ignore[method-assign]
+
+
+def no_pricing_download() -> None:
+    from tinker_cookbook.utils import cost_estimation
+
+    cost_estimation._pricing_fetched = True  # "already tried": no download, no prices
+
+
+def digits_builder(model: str, n_batches: int) -> Any:
+    """The cookbook's arithmetic problems, scored by the share of digits in the answer: a random
+    tiny model never gets a sum right, and RL needs rewards that differ within a group."""
+    import chz
+    from tinker_cookbook.recipes.math_rl import arithmetic_env as ar
+
+    class DigitsEnv(ar.ArithmeticEnv):
+        def check_answer(self, sample_str: str) -> float:  # type: ignore[override]
+            return sum(c.isdigit() for c in sample_str) / max(1, len(sample_str))
+
+    class DigitsDataset(ar.ArithmeticDataset):
+        def _make_env_group_builder(self, rng: Any) -> Any:
+            builder = super()._make_env_group_builder(rng)
+            thunk = builder.env_thunk
+            env = thunk.func  # partial(ArithmeticEnv, x, y, ...): swap in the digit score
+            assert env is ar.ArithmeticEnv
+            return ar.ProblemGroupBuilder(
+                env_thunk=ar.partial(DigitsEnv, *thunk.args, **thunk.keywords),
+                num_envs=builder.num_envs,
+            )
+
+    @chz.chz
+    class DigitsBuilder(ar.ArithmeticDatasetBuilder):
+        async def __call__(self) -> tuple[Any, None]:
+            tokenizer = ar.get_tokenizer(self.model_name_for_tokenizer)
+            renderer = ar.renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
+            dataset = DigitsDataset(
+                batch_size=self.batch_size,
+                renderer=renderer,
+                group_size=self.group_size,
+                n_batches=self.n_batches,
+            )
+            return dataset, None
+
+    return DigitsBuilder(
+        batch_size=2,
+        model_name_for_tokenizer=model,
+        renderer_name=RENDERER,
+        n_batches=n_batches,
+        group_size=4,
+    )
+
+
+def rl_config(job: str, model: str, log: Path) -> Any:
+    from tinker_cookbook.rl import train
+
+    builder = digits_builder(model, 3 if job in ("rl_async_sr", "rl_resume") else 2)
+    extra: dict[str, Any] = {}
+    if job == "rl_async_sr":
+        extra["async_config"] = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
+    loss = {"rl_is": "importance_sampling", "rl_ppo": "ppo", "rl_gspo": "gspo"}.get(job)
+    return train.Config(
+        learning_rate=1e-3,
+        dataset_builder=builder,
+        model_name=model,
+        recipe_name=f"tinker_sr_test_{job}",
+        max_tokens=12,
+        log_path=str(log),
+        eval_every=0,
+        save_every=1 if job == "rl_resume" else 0,
+        renderer_name=RENDERER,
+        lora_rank=4,
+        loss_fn=loss or "importance_sampling",
+        num_groups_to_log=0,
+        **extra,
+    )
+
+
+def run_rl(job: str, model: str, log: Path) -> dict[str, Any]:
+    import chz
+    from tinker_cookbook.rl import train
+
+    config = rl_config(job, model, log)
+    if job != "rl_resume":
+        asyncio.run(train.main(config))
+        return {}
+    # Resume: one step with a checkpoint, then a second run on the same log_path continues it.
+    asyncio.run(train.main(chz.replace(config, max_steps=1)))
+    first = checkpoints(log)
+    asyncio.run(train.main(chz.replace(config, max_steps=3)))
+    return {"checkpoints_after_first_run": first}
+
+
+def run_sl(model: str, log: Path) -> dict[str, Any]:
+    import importlib.resources
+
+    from tinker_cookbook.renderers import TrainOnWhat
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    data = importlib.resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=model,
+        renderer_name=RENDERER,
+        max_length=192,
+        batch_size=4,
+        train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES,
+    )
+    config = train.Config(
+        log_path=str(log),
+        model_name=model,
+        recipe_name="tinker_sr_test_sl",
+        renderer_name=RENDERER,
+        dataset_builder=FromConversationFileBuilder(common_config=common, file_path=str(data)),
+        learning_rate=1e-3,
+        lora_rank=4,
+        eval_every=0,
+        save_every=0,
+        max_steps=3,
+    )
+    asyncio.run(train.main(config))
+    return {}
+
+
+def run_dpo(model: str, log: Path) -> dict[str, Any]:
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+    from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    pairs = log.parent / f"{log.name}-comparisons.jsonl"
+    rows = []
+    for a, b in [(2, 3), (4, 4), (10, 7), (1, 8)]:
+        prompt = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        rows.append(
+            {
+                "comparison": {
+                    "prompt_conversation": prompt,
+                    "completion_A": [{"role": "assistant", "content": str(a + b)}],
+                    "completion_B": [{"role": "assistant", "content": f"{a + b + 1} maybe"}],
+                },
+                "label": "A",
+            }
+        )
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=model, renderer_name=RENDERER, max_length=64, batch_size=2
+    )
+    config = train_dpo.Config(
+        log_path=str(log),
+        model_name=model,
+        recipe_name="tinker_sr_test_dpo",
+        renderer_name=RENDERER,
+        dataset_builder=DPODatasetBuilderFromComparisons(
+            common_config=common,
+            comparison_builder=ComparisonBuilderFromJsonl(train_path=str(pairs)),
+        ),
+        learning_rate=1e-3,
+        lora_rank=4,
+        eval_every=0,
+        save_every=0,
+        max_steps=2,
+    )
+    train_dpo.main(config)
+    return {}
+
+
+def checkpoints(log: Path) -> list[dict[str, Any]]:
+    path = log / "checkpoints.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str]) -> int:
+    job, model, log_dir = argv
+    if job not in JOBS:
+        raise SystemExit(f"unknown job {job!r}; one of {', '.join(JOBS)}")
+    log = Path(log_dir)
+    log.mkdir(parents=True, exist_ok=True)
+    forbid_network()
+    no_pricing_download()
+    record_samples(log / "samples.jsonl")
+    if job.startswith("rl_"):
+        summary = run_rl(job, model, log)
+    elif job == "sl":
+        summary = run_sl(model, log)
+    else:
+        summary = run_dpo(model, log)
+    import tinker
+
+    summary.update(job=job, tinker_module=tinker.__name__, checkpoints=checkpoints(log))
+    (log / "driver.json").write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

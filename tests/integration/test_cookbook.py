@@ -1,0 +1,232 @@
+"""tinker-cookbook 0.6.1 recipes run unchanged on tinker_sr, both ways, on a BPE model.
+
+Each recipe runs a few steps in a subprocess (tests/integration/cookbook_driver.py):
+
+* ``embedded``: ``tinker-sr run cookbook_driver.py ...``: ``import tinker`` is tinker_sr, the
+  embedded engine does the work;
+* ``sdk``: plain ``python cookbook_driver.py ...`` with the official SDK 0.38, against a real
+  ``tinker-sr serve`` on 127.0.0.1 started here.
+
+The model is a tiny random Qwen3 in Hugging Face format with a trained BPE tokenizer (ids are not
+bytes; EOS ``<|im_end|>`` is id >= 259), made by `make_tiny_hf_model_dir`; its EOS logit is
+raised so that sampling ends on EOS often enough to check. The cookbook loads the tokenizer by
+model name, offline: the model name is the directory's path. Recipes use the ``role_colon``
+renderer, whose stop sequence is the string ``"\\n\\nUser:"``.
+
+Needs ``tinker-cookbook==0.6.1`` (installed by .ci/run with ``--no-deps``; see docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("tinker_cookbook", reason="tinker-cookbook 0.6.1 is not installed")
+pytest.importorskip("transformers")
+
+from tests._server import REPO, ServerProcess, running_server  # noqa: E402
+
+DRIVER = Path(__file__).with_name("cookbook_driver.py")
+STOP = "\n\nUser:"
+WAYS = ("embedded", "sdk")
+_JOB_LIMIT_S = 420
+
+
+def offline_env(tmp: Path) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TINKER_TELEMETRY": "0",
+        "TINKER_SR_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for name in (
+        "TINKER_BASE_URL",
+        "TINKER_API_KEY",
+        "TINKER_SR_BACKEND",
+        "TINKER_SR_MODEL_ALIASES",
+    ):
+        env.pop(name, None)
+    return env
+
+
+def raise_eos_logit(model_dir: Path, eos_id: int) -> None:
+    """Make EOS a likely next token everywhere (~20 % per step with these numbers): every
+    embedding gets a shared component along one axis and EOS a larger one, so the (tied) output
+    layer scores EOS above the rest. Measured with transformers on the seed-0 model."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    emb = weights["model.embed_tokens.weight"]
+    emb[:, 0] += 0.3
+    emb[eos_id, 0] = 1.3
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.eos_token_ids[0])
+    return info
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("cookbook_server")
+    with running_server(tmp / "store", env=offline_env(tmp)) as srv:
+        yield srv
+
+
+def run_job(way: str, job: str, model: Any, tmp: Path, server: ServerProcess | None) -> Path:
+    log = tmp / f"{way}-{job}"
+    env = offline_env(tmp)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    args = [str(DRIVER), job, str(model.path), str(log)]
+    if way == "embedded":
+        env["TINKER_SR_STORE"] = str(tmp / "store")
+        cmd = [sys.executable, "-m", "tinker_sr", "run", *args]
+    else:
+        assert server is not None
+        env.update(TINKER_BASE_URL=server.base_url, TINKER_API_KEY="tml-cookbook-test")
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=_JOB_LIMIT_S
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    summary = json.loads((log / "driver.json").read_text())
+    assert summary["tinker_module"] == ("tinker_sr" if way == "embedded" else "tinker")
+    return log
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_rl_sampling(log: Path, model: Any) -> dict[str, int]:
+    """Every rollout sample used the renderer's string stop and ended on it, on the model's EOS
+    or at max_tokens; return how many sequences ended which way."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model.path)
+    eos = set(model.eos_token_ids)
+    ends = {"eos": 0, "stop_string": 0, "length": 0}
+    rollouts = [c for c in jsonl(log / "samples.jsonl") if c["stop"] is not None]
+    assert rollouts, "no rollout sampling was recorded"
+    for call in rollouts:
+        assert call["stop"] == [STOP], call["stop"]  # strings, not token ids
+        for seq in call["sequences"]:
+            tokens, reason = seq["tokens"], seq["stop_reason"]
+            assert not eos & set(tokens[:-1]), f"sampling ran past EOS: {tokens}"
+            assert STOP not in tok.decode(tokens[:-1]), f"sampling ran past {STOP!r}: {tokens}"
+            if tokens and tokens[-1] in eos:
+                assert reason == "stop", seq
+                ends["eos"] += 1
+            elif STOP in tok.decode(tokens):
+                assert reason == "stop", seq
+                ends["stop_string"] += 1
+            else:
+                assert reason == "length" and len(tokens) == call["max_tokens"], seq
+                ends["length"] += 1
+    assert ends["eos"] > 0, f"no sequence stopped on the model's EOS {sorted(eos)}: {ends}"
+    return ends
+
+
+def check_steps(log: Path, n: int, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The training rows of metrics.jsonl (the cookbook appends a token-usage-only row)."""
+    rows = [r for r in jsonl(log / "metrics.jsonl") if keys[0] in r]
+    assert [r["step"] for r in rows] == list(range(n)), [r["step"] for r in rows]
+    for row in rows:
+        for key in keys:
+            assert key in row and math.isfinite(row[key]), (key, row)
+    return rows
+
+
+@pytest.fixture(params=WAYS)
+def way(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def maybe_server(way: str, request: pytest.FixtureRequest) -> ServerProcess | None:
+    return request.getfixturevalue("server") if way == "sdk" else None
+
+
+@pytest.mark.parametrize("job", ["rl_is", "rl_ppo", "rl_gspo"])
+def test_rl_train(
+    way: str, job: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, job, model, tmp_path, maybe_server)
+    rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
+    assert all(r["tokens/trained"] > 0 for r in rows)
+    # Rewards differ within groups, so advantages (and gradients) are not all zero.
+    assert any(r["env/all/by_group/frac_mixed"] > 0 for r in rows)
+    check_rl_sampling(log, model)
+
+
+def test_rl_train_async_off_policy_stable_reinforce(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, "rl_async_sr", model, tmp_path, maybe_server)
+    rows = check_steps(log, 3, ("optim/lr",))
+    assert all(r["tokens/trained"] > 0 for r in rows)
+    # The first groups_per_batch * (max_steps_off_policy + 1) = 4 rollouts all start on the
+    # initial weights, so step 1 trains on data one step stale; the cap of 1 holds throughout.
+    assert [r["async/staleness_max"] for r in rows][1:] == [1, 1]
+    check_rl_sampling(log, model)
+
+
+def test_rl_train_resumes_from_its_checkpoint(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, "rl_resume", model, tmp_path, maybe_server)
+    summary = json.loads((log / "driver.json").read_text())
+    first = summary["checkpoints_after_first_run"]
+    assert [c["batch"] for c in first if c["name"] != "final"] == [1], first
+    # The second run (a new session) picked up at batch 1 from the saved state: it trained
+    # steps 1 and 2 only, its token counts continue the first run's, and step 0 is logged once.
+    check_steps(log, 3, ("optim/lr",))
+    second = summary["checkpoints"][len(first) :]
+    assert [(c["name"], c["batch"]) for c in second] == [("000002", 2), ("000003", 3), ("final", 3)]
+    assert second[0]["state_path"].split("/")[2] != first[0]["state_path"].split("/")[2]
+    trained = [c["cumulative_tokens"]["trained"] for c in (first[0], *second)]
+    assert trained == sorted(trained) and trained[0] > 0
+
+
+def test_supervised_train(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, "sl", model, tmp_path, maybe_server)
+    rows = check_steps(log, 3, ("train_mean_nll", "num_loss_tokens"))
+    assert all(r["num_loss_tokens"] > 0 for r in rows)
+    final = json.loads((log / "driver.json").read_text())["checkpoints"][-1]
+    assert final["name"] == "final" and final["sampler_path"].startswith("tinker://")
+
+
+def test_dpo_through_forward_backward_custom(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, "dpo", model, tmp_path, maybe_server)
+    rows = check_steps(log, 2, ("dpo_loss", "accuracy", "chosen_reward", "rejected_reward"))
+    # Step 0: the policy is the reference, so the DPO loss is log 2; after one update the
+    # chosen completions (the right sums) gained on the rejected ones.
+    assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert rows[1]["margin"] > rows[0]["margin"]
