@@ -486,6 +486,86 @@ def _gather_logprobs(
     return [o for o in out if o is not None], compute_dtype
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """log_softmax(head(h))[m, cols[m, :]] without ever holding more than a chunk of logits.
+
+    ``h`` is [M, D] (hidden states of the rows that have targets), ``cols`` [M, J];
+    ``params`` are the head's trainable parameters (a LoRA adapter on the unembedding), passed
+    so that autograd routes their gradients here. Forward unembeds ``chunk`` rows at a time and
+    keeps a per-row logsumexp. Backward recomputes the logits of the rows whose incoming
+    gradient is non-zero only (positions that carry no loss, e.g. prompts under zero weights
+    or advantages, cost no backward unembedding), forms
+    dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, and back-propagates it through ``head``
+    chunk by chunk.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        h: torch.Tensor,
+        cols: torch.Tensor,
+        head: torch.nn.Module,
+        compute_dtype: torch.dtype,
+        vocab: int,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        lse = torch.empty(h.shape[0], dtype=compute_dtype, device=h.device)
+        picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
+        with torch.no_grad():
+            for a in range(0, h.shape[0], chunk):
+                z = head(h[a : a + chunk]).to(compute_dtype)
+                lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
+                picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
+        ctx.save_for_backward(h, cols, lse)
+        ctx.head, ctx.chunk, ctx.params = head, chunk, params
+        return picked.sub_(lse[:, None])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        h, cols, lse = ctx.saved_tensors
+        params: tuple[torch.Tensor, ...] = ctx.params
+        grad = grad.to(lse.dtype)
+        live = torch.nonzero(grad.ne(0).any(dim=1)).squeeze(1)  # rows that carry a loss
+        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        dparams = [torch.zeros_like(p) for p in params]
+        for a in range(0, live.numel(), ctx.chunk):
+            rows = live[a : a + ctx.chunk]
+            g = grad[rows]
+            with torch.enable_grad():
+                hc = h[rows].detach().requires_grad_(dh is not None)
+                z = ctx.head(hc)
+                dz = torch.exp(z.detach().to(lse.dtype) - lse[rows, None])
+                dz.mul_(-g.sum(dim=1, keepdim=True)).scatter_add_(1, cols[rows], g)
+                wrt = ([hc] if dh is not None else []) + list(params)
+                got = torch.autograd.grad(z, wrt, dz.to(z.dtype), allow_unused=True)
+            if dh is not None:
+                dh.index_copy_(0, rows, got[0])
+                got = got[1:]
+            for acc, g_p in zip(dparams, got, strict=True):
+                if g_p is not None:
+                    acc += g_p
+        return (dh, None, None, None, None, *dparams)
+
+
+def _head_logprobs(
+    hidden: Sequence[torch.Tensor], cols: list[torch.Tensor], head: torch.nn.Module
+) -> tuple[list[torch.Tensor], torch.dtype]:
+    """Per datum log_softmax(head(hidden[i]))[:, cols[i]] ([N_i, J_i]), chunked."""
+    compute_dtype = torch.float64 if hidden[0].dtype == torch.float64 else torch.float32
+    j_max = max(c.shape[1] for c in cols)
+    h = torch.cat(list(hidden))
+    padded = torch.cat([torch.nn.functional.pad(c, (0, j_max - c.shape[1])) for c in cols])
+    vocab = int(getattr(head, "out_features", 0))
+    params = [p for p in head.parameters() if p.requires_grad]
+    logp = _HeadLogprobs.apply(h, padded.to(h.device), head, compute_dtype, vocab, *params)
+    out, m = [], 0
+    for x, c in zip(hidden, cols, strict=True):
+        out.append(logp[m : m + x.shape[0], : c.shape[1]])
+        m += x.shape[0]
+    return out, compute_dtype
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses (flat over all positions of the request)
 
@@ -528,21 +608,31 @@ def compute_loss(
     logits: Sequence[torch.Tensor],
     data: Sequence[LossDatum],
     config: Mapping[str, float] | None,
+    *,
+    unembed: torch.nn.Module | None = None,
 ) -> LossResult:
     """Loss, per-datum outputs and metrics for one request.
 
     ``logits[i]`` is the learner's [N_i, V] logits for datum i (a view into a padded batch is
     fine). The returned ``loss`` is differentiable with respect to the logits.
+
+    With ``unembed`` (the model's ``lm_head``), ``logits[i]`` are instead the [N_i, D] final
+    hidden states: the unembedding runs chunk by chunk inside the loss (`_HeadLogprobs`), so
+    no [N, V] tensor is ever allocated, and the backward pass skips positions without loss.
     """
     if len(logits) != len(data):
         raise ValueError(f"got {len(logits)} logits tensors for {len(data)} datums")
-    vocab = logits[0].shape[-1] if logits else None
+    vocab: int | None = logits[0].shape[-1] if logits else None
+    width, what = vocab, "the vocabulary"
+    if unembed is not None:
+        vocab = int(getattr(unembed, "out_features", 0))
+        width, what = int(getattr(unembed, "in_features", 0)), "the hidden width"
     cfg = validate_request(loss_fn, data, config, vocab_size=vocab)
     for i, (z, d) in enumerate(zip(logits, data, strict=True)):
-        if z.dim() != 2 or z.shape[0] != d.target_tokens.shape[0] or z.shape[1] != vocab:
+        if z.dim() != 2 or z.shape[0] != d.target_tokens.shape[0] or z.shape[1] != width:
             raise ValueError(
-                f"datum {i}: logits have shape {tuple(z.shape)} but target_tokens has "
-                f"{d.target_tokens.shape[0]} rows and the vocabulary {vocab} tokens"
+                f"datum {i}: inputs have shape {tuple(z.shape)} but target_tokens has "
+                f"{d.target_tokens.shape[0]} rows and {what} is {width}"
             )
 
     device = logits[0].device
@@ -553,7 +643,10 @@ def compute_loss(
         if loss_fn == "stable_reinforce" and d.draws is not None:
             tt = torch.cat([tt, d.draws.to(device=device, dtype=torch.long).clamp_min(0)], 1)
         cols.append(tt)
-    logp, cd = _gather_logprobs(logits, cols)
+    if unembed is not None:
+        logp, cd = _head_logprobs(logits, cols, unembed)
+    else:
+        logp, cd = _gather_logprobs(logits, cols)
 
     outputs = [
         {"logprobs": (lp[:, 0] if d.target_tokens.dim() == 1 else lp).detach().float()}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 
@@ -262,6 +263,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: RoPE frequencies stay float32 under model.to(bf16).
         self.inv_freq = rope_inv_freq(config)
+        # Activation checkpointing per decoder layer (long sequences: memory for compute).
+        self.checkpoint_layers = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -278,7 +281,20 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """tokens [B, T] → float32 logits [B, T, V].
+        """tokens [B, T] → float32 logits [B, T, V] (arguments: `hidden_states`)."""
+        x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
+        return self.lm_head(x).float()
+
+    def hidden_states(
+        self,
+        tokens: Tensor,
+        *,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """tokens [B, T] → the final-normed hidden states [B, T, D] that `lm_head` unembeds
+        (a loss can unembed them in chunks instead of materialising [B, T, V] logits).
 
         attn_mask [B, T] (bool or 0/1) marks real tokens of a right-padded batch. Under causal
         attention a real token never attends to a later position, so right padding cannot leak
@@ -315,9 +331,14 @@ class Transformer(nn.Module):
         )
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, start_pos, cache, i)
-        return self.lm_head(self.model.norm(x)).float()
+            if recompute:
+                # Keep only each layer's input; its activations are recomputed in backward.
+                x = checkpoint(layer, x, cos, sin, start_pos, None, i, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, start_pos, cache, i)
+        return self.model.norm(x)
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

@@ -88,6 +88,7 @@ class Trainer:
 # every step only samples the newest one or two).
 MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
+CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
 
 
 def _budget_bytes(env: str, default_mb: int | None) -> int | None:
@@ -227,8 +228,11 @@ class ModelRegistry:
         return model
 
     def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
-        """The shared base with new LoRA adapters, and an optimizer over the adapters."""
+        """The shared base with new LoRA adapters, and an optimizer over the adapters.
+        ``$TINKER_SR_ACTIVATION_CHECKPOINTING=1`` recomputes layer activations in backward
+        (less memory for long sequences, about one more forward pass of compute)."""
         model = self._adapted(resolved, spec)
+        model.checkpoint_layers = os.environ.get(CHECKPOINTING_ENV, "") not in ("", "0")
         return model, Adam(trainable_parameters(model))
 
     def _drop_unused_bases(self) -> None:
