@@ -134,36 +134,9 @@ async def rl_loop(
         sampling_client = await training_client.save_weights_and_get_sampling_client(
             record_stability_info=True
         )
-        responses = await asyncio.gather(
-            *(
-                sampling_client.sample(
-                    prompt=model_input,
-                    num_samples=config.group_size,
-                    sampling_params=types.SamplingParams(
-                        max_tokens=config.max_tokens,
-                        temperature=config.temperature,
-                        stop=[],  # always max_tokens bytes: the reward is per byte
-                        seed=(config.seed * 1_000_003 + step * 101 + i) % 2**62,
-                    ),
-                )
-                for i, model_input in enumerate(prompts.values())
-            )
-        )
+        responses = await _sample_prompts(sampling_client, prompts, config, step)
         t_sample = time.perf_counter() - t0
-
-        data: list[types.Datum] = []
-        sequences: list[types.SampledSequence] = []
-        by_prompt: dict[str, float] = {}
-        examples: dict[str, str] = {}
-        for (prompt, model_input), response in zip(prompts.items(), responses, strict=True):
-            rewards = np.array([reward(prompt, s.tokens) for s in response.sequences])
-            by_prompt[prompt] = float(rewards.mean())
-            examples[prompt] = tokenizer.decode(response.sequences[0].tokens)
-            advantages = rewards - rewards.mean()
-            for seq, adv in zip(response.sequences, advantages, strict=True):
-                datum = build_datum(model_input, seq, float(adv))
-                data.append(_to_loss_input(datum, config.loss))
-                sequences.append(seq)
+        data, sequences, by_prompt, examples = _score(prompts, responses, tokenizer, config.loss)
 
         # Submitted back to back: the optimizer step runs right after the gradient pass.
         fb_future = training_client.forward_backward(
@@ -191,6 +164,55 @@ async def rl_loop(
         if on_step is not None:
             on_step(record)
     return records
+
+
+async def _sample_prompts(
+    sampling_client: tinker.SamplingClient,
+    prompts: Mapping[str, types.ModelInput],
+    config: RLConfig,
+    step: int,
+) -> list[types.SampleResponse]:
+    """One group of samples per prompt, all in flight at once."""
+    return list(
+        await asyncio.gather(
+            *(
+                sampling_client.sample(
+                    prompt=model_input,
+                    num_samples=config.group_size,
+                    sampling_params=types.SamplingParams(
+                        max_tokens=config.max_tokens,
+                        temperature=config.temperature,
+                        stop=[],  # always max_tokens bytes: the reward is per byte
+                        seed=(config.seed * 1_000_003 + step * 101 + i) % 2**62,
+                    ),
+                )
+                for i, model_input in enumerate(prompts.values())
+            )
+        )
+    )
+
+
+def _score(
+    prompts: Mapping[str, types.ModelInput],
+    responses: Sequence[types.SampleResponse],
+    tokenizer: Any,
+    loss: str,
+) -> tuple[list[types.Datum], list[types.SampledSequence], dict[str, float], dict[str, str]]:
+    """Rewards, group-mean advantages and training data of one step's samples."""
+    data: list[types.Datum] = []
+    sequences: list[types.SampledSequence] = []
+    by_prompt: dict[str, float] = {}
+    examples: dict[str, str] = {}
+    for (prompt, model_input), response in zip(prompts.items(), responses, strict=True):
+        rewards = np.array([reward(prompt, s.tokens) for s in response.sequences])
+        by_prompt[prompt] = float(rewards.mean())
+        examples[prompt] = tokenizer.decode(response.sequences[0].tokens)
+        advantages = rewards - rewards.mean()
+        for seq, adv in zip(response.sequences, advantages, strict=True):
+            datum = build_datum(model_input, seq, float(adv))
+            data.append(_to_loss_input(datum, loss))
+            sequences.append(seq)
+    return data, sequences, by_prompt, examples
 
 
 def _off_policy_stats(
@@ -414,30 +436,21 @@ def summarize(records: Sequence[Mapping[str, Any]], window: int = 5) -> tuple[fl
     return first, last
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the demo from parsed ``args`` (see `add_arguments`); returns the exit code."""
-    from tqdm import tqdm
-
+def _config_from_args(args: argparse.Namespace) -> RLConfig | str:
+    """The run's config, or why the arguments do not make one."""
     if args.steps < 1:
-        print("tinker-sr demo: --steps must be >= 1", file=sys.stderr)
-        return 2
+        return "--steps must be >= 1"
     if args.base_url is not None and args.stress != "none":
-        print(
-            f"tinker-sr demo: --stress {args.stress} stresses the embedded engine's sampler; it "
-            "cannot be combined with --base-url (a remote server decides its own sampler).",
-            file=sys.stderr,
+        return (
+            f"--stress {args.stress} stresses the embedded engine's sampler; it "
+            "cannot be combined with --base-url (a remote server decides its own sampler)."
         )
-        return 2
     loss_config = None
     if args.kl_coeff is not None:
         if args.loss != "stable_reinforce":
-            print(
-                "tinker-sr demo: --kl-coeff only applies to --loss stable_reinforce",
-                file=sys.stderr,
-            )
-            return 2
+            return "--kl-coeff only applies to --loss stable_reinforce"
         loss_config = {"kl_coeff": args.kl_coeff}
-    config = RLConfig(
+    return RLConfig(
         base_model=args.model,
         loss=args.loss,
         loss_config=loss_config,
@@ -446,6 +459,30 @@ def main(args: argparse.Namespace) -> int:
         group_size=args.group_size,
         learning_rate=args.lr,
     )
+
+
+def _write_config(
+    path: Path, config: RLConfig, args: argparse.Namespace, sr_path: str | None
+) -> None:
+    record = {
+        **asdict(config),
+        "loss_fn_config": config.loss_fn_config(),
+        "stress": args.stress,
+        "staleness": args.staleness if args.stress in ("stale", "both") else 0,
+        "base_url": args.base_url,
+        "stable_reinforce_path": sr_path,
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo from parsed ``args`` (see `add_arguments`); returns the exit code."""
+    from tqdm import tqdm
+
+    config = _config_from_args(args)
+    if isinstance(config, str):
+        print(f"tinker-sr demo: {config}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "metrics.jsonl"
@@ -488,21 +525,7 @@ def main(args: argparse.Namespace) -> int:
             bar.close()
     wall = time.perf_counter() - t0
 
-    config_path = out / "config.json"
-    config_path.write_text(
-        json.dumps(
-            {
-                **asdict(config),
-                "loss_fn_config": config.loss_fn_config(),
-                "stress": args.stress,
-                "staleness": args.staleness if args.stress in ("stale", "both") else 0,
-                "base_url": args.base_url,
-                "stable_reinforce_path": sr_path,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    _write_config(out / "config.json", config, args, sr_path)
     initial, final = summarize(records)
     examples = ", ".join(f"{p!r} -> {c!r}" for p, c in records[-1]["example"].items())
     lines = [
