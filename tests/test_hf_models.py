@@ -4,6 +4,7 @@ tokenizer and EOS ids, incremental string stops, and `get_tokenizer()` on every 
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -267,3 +268,35 @@ def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
     assert backend.models.sampler(sampler.sampler_id).model.dtype == getattr(torch, dtype)
     client.close().result()
     backend.close()
+
+
+def test_without_transformers_get_tokenizer_uses_the_tokenizers_library(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinker_sr.engine.hf_tokenizer import load_hf_tokenizer
+
+    expected = AutoTokenizer.from_pretrained(qwen_dir).encode(TEXT)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    tok = load_hf_tokenizer(qwen_dir)
+    assert isinstance(tok, FastTokenizer)
+    assert tok.encode(TEXT) == expected
+
+
+def test_max_tokens_none_generates_up_to_the_cap(
+    service, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TINKER_SR_DEFAULT_MAX_TOKENS", "8")
+    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    allocated: list[int] = []
+    model_cls = type(sampler.holder.backend.models.base(str(qwen_dir)))
+    new_cache = model_cls.new_cache
+
+    def spy(self, batch_size: int, max_len: int):  # type: ignore[no-untyped-def]
+        allocated.append(max_len)
+        return new_cache(self, batch_size, max_len)
+
+    monkeypatch.setattr(model_cls, "new_cache", spy)
+    params = types.SamplingParams(max_tokens=None, stop=[], seed=0)
+    out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params).result()
+    assert [len(s.tokens) for s in out.sequences] == [8, 8]
+    assert allocated == [3 + 8]  # prompt + max_tokens, not the 40,960-token context

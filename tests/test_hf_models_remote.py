@@ -4,6 +4,7 @@ stops."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,18 +27,32 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def hub_cache(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """An HF hub cache holding the model as ``tiny-org/tiny-qwen3`` (refs/main → snapshot)."""
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    repo, rev = cache / "models--tiny-org--tiny-qwen3", "a" * 40
+    shutil.copytree(model_dir, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, hub_cache: Path) -> Iterator[ServerProcess]:
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     with running_server(tmp_path_factory.mktemp("store"), env=env) as srv:
         yield srv
 
 
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+def _offline(monkeypatch: pytest.MonkeyPatch, hub_cache: Path) -> None:
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    # huggingface_hub reads these once, at import; transformers reads its constants per call.
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub_cache))
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
 
 
@@ -90,3 +105,23 @@ def test_official_sdk_against_server(server: ServerProcess, model_dir: Path) -> 
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
     _check_round(tinker, service, model_dir)
     service.close("success").result()
+
+
+@pytest.mark.parametrize("sdk_name", ["tinker_sr", "tinker"])
+def test_hub_cache_name_served_and_tokenized_offline(
+    server: ServerProcess, model_dir: Path, sdk_name: str
+) -> None:
+    sdk = tinker_sr if sdk_name == "tinker_sr" else tinker
+    service = sdk.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    expected = AutoTokenizer.from_pretrained(model_dir).encode("hello world")
+    training = _ready(service.create_lora_training_client(base_model="tiny-org/tiny-qwen3", rank=2))
+    assert training.get_info().model_data.tokenizer_id.endswith("snapshots/" + "a" * 40)  # type: ignore[attr-defined]
+    sampler = _ready(service.create_sampling_client(base_model="tiny-org/tiny-qwen3"))
+    for client in (training, sampler):
+        assert client.get_tokenizer().encode("hello world") == expected  # type: ignore[attr-defined]
+    types = sdk.types
+    out = sampler.sample(  # type: ignore[attr-defined]
+        types.ModelInput.from_ints(expected), 2, types.SamplingParams(max_tokens=6, stop=["\n"])
+    ).result()
+    assert len(out.sequences) == 2
+    (service.close() if sdk_name == "tinker_sr" else service.close("success")).result()
