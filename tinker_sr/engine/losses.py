@@ -500,6 +500,7 @@ class _HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")  # backward recomputes under the same autocast
     def forward(  # type: ignore[override]
         ctx: Any,
         h: torch.Tensor,
@@ -522,6 +523,7 @@ class _HeadLogprobs(torch.autograd.Function):
         return picked.sub_(lse[:, None])
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         h, cols, lse = ctx.saved_tensors
         params: tuple[torch.Tensor, ...] = ctx.params

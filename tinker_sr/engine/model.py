@@ -265,6 +265,8 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(config)
         # Activation checkpointing per decoder layer (long sequences: memory for compute).
         self.checkpoint_layers = False
+        # Training under torch.autocast in this dtype (bf16 mixed precision); None = off.
+        self.autocast_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinker_sr.engine.cpu import return_freed_memory
+from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import load_model_dir, not_found_hint, resolve_model_dir
 from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
@@ -89,6 +89,22 @@ class Trainer:
 MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
 CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
+TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
+
+
+def train_autocast_dtype() -> torch.dtype | None:
+    """``$TINKER_SR_TRAIN_DTYPE``: ``float32`` (default) trains in fp32; ``bf16`` trains with
+    bf16 matmuls under autocast (fp32 master weights, adapters, optimizer and loss) where the
+    CPU has fast bf16 (AMX / AVX512-BF16: `has_fast_bf16`), else stays fp32 (bf16 would be
+    emulated, i.e. slower); ``bf16-force`` uses bf16 regardless."""
+    raw = os.environ.get(TRAIN_DTYPE_ENV, "").strip().lower()
+    if raw in ("", "float32", "fp32"):
+        return None
+    if raw in ("bf16", "bfloat16"):
+        return torch.bfloat16 if has_fast_bf16() else None
+    if raw == "bf16-force":
+        return torch.bfloat16
+    raise ValueError(f"{TRAIN_DTYPE_ENV} must be float32, bf16 or bf16-force, got {raw!r}")
 
 
 def _budget_bytes(env: str, default_mb: int | None) -> int | None:
@@ -233,6 +249,7 @@ class ModelRegistry:
         (less memory for long sequences, about one more forward pass of compute)."""
         model = self._adapted(resolved, spec)
         model.checkpoint_layers = os.environ.get(CHECKPOINTING_ENV, "") not in ("", "0")
+        model.autocast_dtype = train_autocast_dtype()
         return model, Adam(trainable_parameters(model))
 
     def _drop_unused_bases(self) -> None:

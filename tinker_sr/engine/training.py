@@ -59,12 +59,16 @@ def forward_backward(
         tokens[i, : lengths[i]] = torch.from_numpy(a.tokens)
     with torch.set_grad_enabled(not forward_only):
         mask = torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        # Hidden states, not logits: the loss unembeds them in chunks (no [B, T, V] tensor).
-        hidden = t.model.hidden_states(tokens, attn_mask=mask)
-        per_datum = [hidden[i, : lengths[i]] for i in range(len(batch))]
-        result = engine_losses.compute_loss(
-            loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
-        )
+        # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
+        # trainer was created with it; see `registry.train_autocast_dtype`.
+        low = t.model.autocast_dtype
+        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+            # Hidden states, not logits: the loss unembeds them in chunks (no [B, T, V]).
+            hidden = t.model.hidden_states(tokens, attn_mask=mask)
+            per_datum = [hidden[i, : lengths[i]] for i in range(len(batch))]
+            result = engine_losses.compute_loss(
+                loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
+            )
         if not forward_only:
             result.loss.backward()
     touched = set().union(*(v.sequence_ids for v in views if v is not None))

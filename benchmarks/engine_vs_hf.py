@@ -1,0 +1,307 @@
+"""tinker_sr's embedded engine against transformers + peft, same weights, same machine, same run.
+
+The model is a random Qwen3 (vocab 32,000, hidden 512, 8 layers, 8 heads / 4 KV heads,
+FFN 1536, tied embeddings: ~42M parameters) written once as a Hugging Face directory (with a
+BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,up,down.
+
+* train: one LoRA step (cross_entropy on every position, AdamW), B x T tokens, fp32;
+  tokens/s, achieved FLOP/s counted at 4·N per token (forward 2N + input-gradient 2N: the
+  base is frozen) as a share of the fp32 matmul peak measured in the same process, and the
+  process's peak RSS. tinker_sr goes through its public API (`ServiceClient`), HF through
+  peft + torch.optim.AdamW.
+* sample: 8 samples x 128 new tokens from one 32-token prompt, logprobs on (tinker_sr:
+  `SamplingClient.sample`; HF: `generate(do_sample=True, num_return_sequences=8)` with the
+  scores turned into logprobs).
+* train-bf16 (only where the CPU has fast bf16, AMX / avx512_bf16): the same step with
+  bf16 matmuls and fp32 master weights: HF under ``torch.autocast("cpu", bfloat16)``,
+  tinker_sr with ``TINKER_SR_TRAIN_DTYPE=bf16``.
+
+Every measurement runs in a fresh process (peak RSS is per process); rounds alternate the
+order of the two sides, and the report gives per-round ratios and their median.
+
+    pip install -e '.[bench]'                      # transformers + peft
+    python benchmarks/engine_vs_hf.py              # B=16 T=256, 3 rounds (slow on 2 cores)
+    python benchmarks/engine_vs_hf.py --batch 4 --seq 128 --rounds 2   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, ALPHA = 8, 32
+
+
+def make_model_dir(path: Path) -> Path:
+    """The benchmark's Qwen3 directory: tokenizer files of the test helper, bigger weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    make_tiny_hf_model_dir(path, "qwen3", pad_vocab_to_multiple=32000)
+    hf = json.loads((path / "config.json").read_text())
+    config = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+    for f in path.glob("model*.safetensors*"):
+        f.unlink()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+# ---- one measurement per process ------------------------------------------------------------
+
+
+def matmul_peak_flops(n: int = 1024, reps: int = 10) -> float:
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _batch(batch: int, seq: int) -> Any:
+    import torch
+
+    return torch.randint(0, 32000, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+
+def engine_train(model_dir: str, batch: int, seq: int, reps: int) -> dict[str, float]:
+    import tinker_sr as tinker
+
+    types = tinker.types
+    tokens = _batch(batch, seq).tolist()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(row[:-1]),
+            loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * seq},
+        )
+        for row in tokens
+    ]
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(
+        base_model=model_dir, rank=RANK, seed=0, train_unembed=False
+    ).result()
+
+    def step() -> None:
+        fb = training.forward_backward(data, "cross_entropy")
+        opt = training.optim_step(types.AdamParams(learning_rate=1e-4))
+        fb.result()
+        opt.result()
+
+    return _time(step, reps)
+
+
+def hf_model(model_dir: str) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
+    return get_peft_model(model, cfg)
+
+
+def hf_train(model_dir: str, batch: int, seq: int, reps: int, bf16: bool) -> dict[str, float]:
+    import torch
+
+    model = hf_model(model_dir)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    tokens = _batch(batch, seq)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _time(step, reps)
+
+
+def engine_sample(model_dir: str, reps: int) -> dict[str, float]:
+    import tinker_sr as tinker
+
+    types = tinker.types
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(
+        base_model=model_dir, rank=RANK, seed=0, train_unembed=False
+    ).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(_batch(1, 31)[0].tolist())
+    params = types.SamplingParams(max_tokens=128, temperature=1.0, seed=0)
+
+    def run() -> None:
+        out = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
+        assert all(s.logprobs is not None for s in out.sequences)
+
+    return _time(run, reps)
+
+
+def hf_sample(model_dir: str, reps: int) -> dict[str, float]:
+    import torch
+
+    model = hf_model(model_dir).eval()
+    prompt = _batch(1, 31)
+
+    def run() -> None:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=prompt,
+                do_sample=True,
+                num_return_sequences=8,
+                max_new_tokens=128,
+                min_new_tokens=128,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+
+    return _time(run, reps)
+
+
+def _time(fn: Any, reps: int) -> dict[str, float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {
+        "seconds": min(times),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+        "matmul_flops": matmul_peak_flops(),
+    }
+
+
+def child(side: str, work: str, model_dir: str, batch: int, seq: int, reps: int) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    if work == "sample":
+        result = engine_sample(model_dir, reps) if side == "engine" else hf_sample(model_dir, reps)
+    elif side == "engine":
+        result = engine_train(model_dir, batch, seq, reps)
+    else:
+        result = hf_train(model_dir, batch, seq, reps, bf16=work == "train-bf16")
+    print(json.dumps(result))
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def run_child(side: str, work: str, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", side, work, str(model_dir)]
+    cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_OFFLINE": "1"}
+    if work == "train-bf16":
+        env["TINKER_SR_TRAIN_DTYPE"] = "bf16"
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-bench-") as store:
+        env["TINKER_SR_STORE"] = store
+        out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=2, help="timed repetitions per process")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", nargs="*", default=["train", "sample", "train-bf16"])
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child, args.batch, args.seq, args.reps)
+        return
+
+    from tinker_sr.engine.cpu import describe_machine, has_fast_bf16
+
+    print(describe_machine())
+    works = [w for w in args.work if w != "train-bf16" or has_fast_bf16()]
+    n_params = 41_600_000  # recomputed below from the HF model
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-hfdir-") as tmp:
+        model_dir = make_model_dir(Path(tmp) / "qwen3")
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(model_dir)
+        n_params = sum(p.numel() for p in m.parameters())
+        del m, torch
+        print(f"model: {n_params / 1e6:.1f}M parameters; train batch {args.batch} x {args.seq}")
+        results: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {w: [] for w in works}
+        for r in range(args.rounds):
+            for work in works:
+                sides = ["engine", "hf"] if r % 2 == 0 else ["hf", "engine"]
+                got = {s: run_child(s, work, model_dir, args) for s in sides}
+                results[work].append((got["engine"], got["hf"]))
+                print(f"round {r + 1} {work}: " + json.dumps(got))
+    _report(results, args, n_params)
+
+
+def _report(
+    results: dict[str, list[tuple[dict[str, float], dict[str, float]]]],
+    args: argparse.Namespace,
+    n_params: int,
+) -> None:
+    print()
+    tokens = {"train": args.batch * args.seq, "train-bf16": args.batch * args.seq}
+    for work, rounds in results.items():
+        n_tok = tokens.get(work, 8 * 128)
+        ratios = [h["seconds"] / e["seconds"] for e, h in rounds]
+        e_tps = statistics.median(n_tok / e["seconds"] for e, _ in rounds)
+        h_tps = statistics.median(n_tok / h["seconds"] for _, h in rounds)
+        print(
+            f"{work}: tinker_sr {e_tps:.0f} tokens/s, HF+peft {h_tps:.0f} tokens/s, speed ratio "
+            f"median {statistics.median(ratios):.2f} (rounds: "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + ")"
+        )
+        for side, idx in (("tinker_sr", 0), ("HF+peft", 1)):
+            rss = statistics.median(r[idx]["peak_rss_gib"] for r in rounds)
+            line = f"    {side:<9} peak RSS {rss:.2f} GiB"
+            if work.startswith("train"):
+                share = statistics.median(
+                    4 * n_params * n_tok / r[idx]["seconds"] / r[idx]["matmul_flops"]
+                    for r in rounds
+                )
+                peak = statistics.median(r[idx]["matmul_flops"] for r in rounds) / 1e9
+                line += f", {share:.1%} of the fp32 matmul peak ({peak:.0f} GFLOP/s here)"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bf16 mixed-precision training (``TINKER_SR_TRAIN_DTYPE``) against the fp32 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tinker_sr as tinker
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.engine import registry
+
+TOKENS = [256, *b"mixed precision keeps fp32 master weights"]
+
+
+def _step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float, np.ndarray]:
+    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    backend = LocalBackend(tmp / dtype)
+    service = tinker.ServiceClient(backend=backend)
+    training = service.create_lora_training_client(
+        base_model="tinker-sr/small", rank=4, seed=0
+    ).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
+    out = training.forward_backward([datum], "cross_entropy").result()
+    trainer = backend.models.trainer(training.model_id)
+    assert trainer.model.autocast_dtype == (torch.bfloat16 if dtype != "float32" else None)
+    params = [p for _, p in trainer.optim.params]
+    grads = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+    assert all(p.dtype == torch.float32 for p in params)  # fp32 master weights
+    service.close().result()
+    backend.close()
+    return out.metrics["loss:sum"], grads.numpy()
+
+
+def test_bf16_step_matches_fp32_within_tolerance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref_loss, ref_grad = _step(tmp_path, "float32", monkeypatch)
+    loss, grad = _step(tmp_path, "bf16-force", monkeypatch)
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    cosine = float(grad @ ref_grad / (np.linalg.norm(grad) * np.linalg.norm(ref_grad)))
+    assert cosine > 0.99
+    assert np.linalg.norm(grad - ref_grad) / np.linalg.norm(ref_grad) < 0.1
+
+
+def test_train_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, "bf16")
+    expected = torch.bfloat16 if registry.has_fast_bf16() else None
+    assert registry.train_autocast_dtype() == expected
+    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match="TINKER_SR_TRAIN_DTYPE must be"):
+        registry.train_autocast_dtype()
