@@ -172,7 +172,7 @@ def server_expiry(sessions: int, timeout_s: float) -> dict[str, float]:
             idle = rss_bytes(server.pid)
             _client(url, sessions=sessions, abandon=True)
             busy = rss_bytes(server.pid)
-            time.sleep(timeout_s * 3 + 2)  # expiry runs every timeout/4
+            time.sleep(timeout_s * 1.5 + 5)  # expiry is checked every timeout / 4
             expired = rss_bytes(server.pid)
         finally:
             server.terminate()
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--session-timeout", type=float, default=4.0)
+    parser.add_argument("--session-timeout", type=float, default=15.0)
     parser.add_argument("--only", choices=["loop", "clients", "server"])
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
