@@ -41,3 +41,90 @@ def test_injected_delay_trips_result_timeout(tinker_sr_faulty_service: Any) -> N
     with pytest.raises(TimeoutError):
         fut.result(timeout=0.1)
     assert fut.result(timeout=60).get_base_model() == "tinker-sr/tiny"
+
+
+# ---- tinker_mock: offline model names and tokenizers --------------------------------------------
+
+MODELS = ["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B"]
+
+
+@pytest.mark.parametrize("client", ["tinker", "tinker_sr"])
+def test_get_tokenizer_is_the_offline_chat_tokenizer_on_every_path(
+    client: str, tinker_mock: Any
+) -> None:
+    import importlib
+
+    from tinker_sr.testing.offline_model import TOKEN_IDS, VOCAB_SIZE
+
+    module = importlib.import_module(client)
+    service = module.ServiceClient()
+    for model in MODELS:
+        training = service.create_lora_training_client(model, rank=4, seed=0).result()
+        sampler = service.create_sampling_client(base_model=model).result()
+        from_training = training.save_weights_and_get_sampling_client().result()
+        for tok in (
+            training.get_tokenizer(),
+            sampler.get_tokenizer(),
+            from_training.get_tokenizer(),
+        ):
+            assert len(tok) == VOCAB_SIZE
+            for special in ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_id|>"):
+                assert tok.encode(special, add_special_tokens=False) == [TOKEN_IDS[special]]
+            assert tok.decode(tok.encode("héllo", add_special_tokens=False)) == "héllo"
+    service.close("success").result()
+
+
+def test_mock_sets_and_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from tinker_sr.testing import mock_tinker
+
+    monkeypatch.setenv("TINKER_SR_BACKEND", "local")
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    with mock_tinker("http://my-tinker.invalid/prefix") as mock:
+        assert os.environ["TINKER_BASE_URL"] == "http://my-tinker.invalid/prefix"
+        assert os.environ["TINKER_API_KEY"] == mock.api_key
+        assert "TINKER_SR_BACKEND" not in os.environ  # tinker_sr clients go over HTTP
+        import httpx
+
+        assert httpx.get("http://my-tinker.invalid/prefix/api/v1/healthz").json() == {
+            "status": "ok"
+        }
+    assert os.environ["TINKER_SR_BACKEND"] == "local" and "TINKER_BASE_URL" not in os.environ
+
+
+def test_docs_tinker_sr_example(tinker_mock: Any) -> None:
+    # docs/testing.md, "A tinker_sr script under test", verbatim.
+    from tinker_sr.testing import connection_reset
+
+    tinker_mock.add_fault(connection_reset("asample"))
+    service = tinker.ServiceClient()  # RemoteBackend -> the mock
+    sampler = service.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
+    tok = sampler.get_tokenizer()
+    prompt = types.ModelInput.from_ints(tok.encode("<|im_start|>user\nhi<|im_end|>\n"))
+    out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=8, stop=["\n"])).result()
+    assert len(out.sequences) == 2
+    assert [c["status"] for c in tinker_mock.trace.calls("asample")] == [None, 200]
+    service.close().result()
+
+
+@pytest.mark.parametrize("renderer_name", ["qwen3", "llama3"])
+def test_cookbook_renderers_work_offline(renderer_name: str, tinker_mock: Any) -> None:
+    renderers = pytest.importorskip("tinker_cookbook.renderers")
+    tokenizer_utils = pytest.importorskip("tinker_cookbook.tokenizer_utils")
+    import tinker as official
+
+    model = "Qwen/Qwen3-8B" if renderer_name == "qwen3" else "meta-llama/Llama-3.1-8B"
+    tokenizer = tokenizer_utils.get_tokenizer(model)  # AutoTokenizer.from_pretrained(model)
+    renderer = renderers.get_renderer(renderer_name, tokenizer)
+    prompt = renderer.build_generation_prompt([{"role": "user", "content": "What is 2+2?"}])
+    service = official.ServiceClient()
+    sampler = service.create_sampling_client(base_model=model).result()
+    params = official.types.SamplingParams(
+        max_tokens=16, seed=0, stop=renderer.get_stop_sequences()
+    )
+    out = sampler.sample(prompt, 4, params).result()
+    for seq in out.sequences:
+        message, _ = renderer.parse_response(seq.tokens)
+        assert message["role"] == "assistant"
+    service.close("success").result()

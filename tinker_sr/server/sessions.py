@@ -56,20 +56,28 @@ class Sessions:
         for session_id in self.state.quiet_sessions(cutoff):
             if self.last_seen.get(session_id, 0.0) >= cutoff:
                 continue
-            if not self.state.finish_session(session_id, "interrupted"):
-                continue
-            self._expired.add(session_id)
-            self.last_seen.pop(session_id, None)
-            log.info("session %s expired: no heartbeat or request for %.0f s", session_id, timeout)
-            try:
-                await self.backend.close_session(
-                    session_id, "interrupted", f"no heartbeat or request for {timeout:g} s"
-                )
-            except Exception:
-                log.exception("closing expired session %s failed", session_id)
+            await self.expire(session_id)
+
+    async def expire(self, session_id: str) -> bool:
+        """Finish ``session_id`` as "interrupted" for inactivity (also used by
+        `tinker_sr.testing`'s ``session_expires`` fault). False if it was already finished."""
+        if not self.state.finish_session(session_id, "interrupted"):
+            return False
+        self._expired.add(session_id)
+        self.last_seen.pop(session_id, None)
+        timeout = self.timeout_s
+        why = f"no heartbeat or request for {timeout:g} s" if timeout else "expired"
+        log.info("session %s expired: %s", session_id, why)
+        try:
+            await self.backend.close_session(session_id, "interrupted", why)
+        except Exception:
+            log.exception("closing expired session %s failed", session_id)
+        return True
 
     def why_finished(self, session_id: str) -> str:
         if session_id in self._expired:
+            if self.timeout_s is None:
+                return "it expired"
             return f"it expired after {self.timeout_s:g} s without a heartbeat or request"
         return "close() was called, or it expired without heartbeats"
 

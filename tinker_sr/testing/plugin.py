@@ -1,8 +1,12 @@
 """pytest plugin: offline Tinker fixtures (registered through the ``pytest11`` entry point).
 
-``tinker_sr_service`` gives a `ServiceClient` on the embedded engine with a fresh store in a
-temporary directory and every base model name aliased to the tiny built-in model, so an RL
-script under test runs in seconds with no key, network or GPU.
+- ``tinker_mock``: `mock_tinker` for one test: any httpx client (the official SDK's,
+  `tinker_sr`'s) that talks to ``$TINKER_BASE_URL`` reaches the `tinker-sr serve` app in this
+  process; fresh store, offline model names, wire faults, trace. No socket, no key.
+- ``tinker_server`` / ``tinker_server_session``: a real `tinker-sr serve` process on a free
+  127.0.0.1 port (per test / per session), with the same faults and trace.
+- ``tinker_sr_service`` and the fixtures after it: `tinker_sr` clients on the embedded engine
+  with no HTTP at all (every base model name aliased to ``tinker-sr/tiny``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,35 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture
+def tinker_mock(tmp_path: Path) -> Iterator[Any]:
+    """A `tinker_sr.testing.mock.MockTinker` serving ``$TINKER_BASE_URL`` in-process."""
+    from tinker_sr.testing.mock import mock_tinker
+
+    with mock_tinker(store=tmp_path / "tinker_mock") as mock:
+        yield mock
+
+
+@pytest.fixture
+def tinker_server(tmp_path: Path) -> Iterator[Any]:
+    """A `tinker_sr.testing.server.ServerProcess` (testing mode) for one test: ``base_url``,
+    ``api_key``, ``add_fault``, ``trace``. Stopped afterwards; its store is the test's."""
+    from tinker_sr.testing.server import tinker_server_process
+
+    with tinker_server_process(tmp_path / "tinker_server") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def tinker_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`tinker_server` shared by the whole session (start-up paid once; faults you add stay
+    planned until you ``clear_faults()``)."""
+    from tinker_sr.testing.server import tinker_server_process
+
+    with tinker_server_process(tmp_path_factory.mktemp("tinker_server")) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -1,0 +1,109 @@
+"""The `tinker_server` fixtures: a real `tinker-sr serve` process with offline model names,
+wire faults added at run time (a real TCP reset, a real read timeout) and a JSONL trace."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import httpx
+import pytest
+
+from tinker_sr.testing import (
+    ServerProcess,
+    connection_reset,
+    http_error,
+    rate_limited,
+    request_timeout,
+    session_expires,
+)
+
+MODEL = "meta-llama/Llama-3.1-8B"
+PROMPT = [256, 265, 117, 115, 101, 114, 266]  # <|begin_of_text|><|start_header_id|>user<|end_..|>
+
+
+def close(service: Any) -> None:
+    with contextlib.suppress(Exception):  # an expired session may refuse to finish
+        service.close("success").result(timeout=30)
+
+
+def _service(name: str, srv: ServerProcess, *, timeout: float | None = None) -> Any:
+    module = importlib.import_module(name)
+    if name == "tinker_sr" and timeout is not None:
+        from tinker_sr.backend.remote import RemoteBackend
+
+        backend = RemoteBackend(srv.base_url, srv.api_key, timeout=timeout)
+        return module, module.ServiceClient(backend=backend)
+    return module, module.ServiceClient(base_url=srv.base_url, api_key=srv.api_key)
+
+
+def _sample(module: Any, sampler: Any) -> Any:
+    params = module.types.SamplingParams(max_tokens=3, seed=0)
+    return sampler.sample(module.types.ModelInput.from_ints(PROMPT), 1, params).result(timeout=120)
+
+
+@pytest.mark.parametrize("client", ["tinker", "tinker_sr"])
+def test_real_server_faults_are_retried_and_traced(
+    client: str, tinker_server_session: ServerProcess
+) -> None:
+    srv = tinker_server_session
+    module, service = _service(client, srv)
+    training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    # Any model name is the offline chat model, with the Llama-3 header tokens.
+    tok = training.get_tokenizer()
+    assert tok.encode("<|start_header_id|>", add_special_tokens=False) == [265]
+    sampler = training.save_weights_and_get_sampling_client().result()
+    start = len(srv.trace)
+    srv.add_fault(connection_reset("asample"))  # a TCP RST from the server's socket
+    srv.add_fault(rate_limited("asample", retry_after=0.1, after=1))
+    srv.add_fault(http_error("retrieve_future", 502))
+    try:
+        assert len(_sample(module, sampler).sequences) == 1
+    finally:
+        faults = srv.faults()
+        srv.clear_faults()
+    close(service)
+    assert [f["fired"] for f in faults] == [1, 1, 1]
+    entries = srv.trace.entries[start:]
+    asample = [e["status"] for e in entries if e["endpoint"] == "asample"]
+    polls = [e["status"] for e in entries if e["endpoint"] == "retrieve_future"]
+    assert asample == [None, 429, 200] and polls[0] == 502 and polls[-1] == 200
+
+
+@pytest.mark.parametrize("client", ["tinker", "tinker_sr"])
+def test_real_server_request_timeout_is_retried(
+    client: str, tinker_server_session: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv = tinker_server_session
+    if client == "tinker":  # the SDK's 60 s default read timeout, shortened for the test
+        monkeypatch.setattr("tinker._base_client.DEFAULT_TIMEOUT", httpx.Timeout(2.0))
+    module, service = _service(client, srv, timeout=2.0)
+    sampler = service.create_sampling_client(base_model=MODEL).result()
+    start = len(srv.trace)
+    srv.add_fault(request_timeout("asample"))
+    try:
+        assert len(_sample(module, sampler).sequences) == 1
+    finally:
+        srv.clear_faults()
+        close(service)
+    asample = [e for e in srv.trace.entries[start:] if e["endpoint"] == "asample"]
+    assert [e["status"] for e in asample] == [None, 200]
+    assert asample[0]["fault"] == "timeout"
+
+
+def test_real_server_session_expiry(tinker_server: ServerProcess) -> None:
+    for name in ("tinker", "tinker_sr"):
+        module, service = _service(name, tinker_server)
+        sampler = service.create_sampling_client(base_model=MODEL).result()
+        tinker_server.add_fault(session_expires("asample"))
+        with pytest.raises(module.BadRequestError, match="expired"):
+            _sample(module, sampler)
+        close(service)
+    assert [e["status"] for e in tinker_server.trace.calls("asample")] == [400, 400]
+
+
+def test_faults_need_a_testing_server(tmp_path: Any) -> None:
+    srv = ServerProcess(tmp_path / "store")  # plain `tinker-sr serve`, not started
+    with pytest.raises(RuntimeError, match="testing=True"):
+        srv.add_fault(http_error("asample", 500))

@@ -1,0 +1,216 @@
+"""Wire faults and traces of `mock_tinker`, against both clients: the official SDK (`tinker`)
+and `tinker_sr` over HTTP. Each row of docs/testing.md's fault table is one case here."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tinker_sr.testing import (
+    MockTinker,
+    WireFault,
+    connection_reset,
+    future_stays_pending,
+    http_error,
+    mock_tinker,
+    rate_limited,
+    request_timeout,
+    sequence_expired,
+    session_expires,
+    slow_response,
+)
+
+MODEL = "Qwen/Qwen3-8B"
+PROMPT = [259, 117, 115, 101, 114, 10]  # "<|im_start|>user\n" in the offline tokenizer
+
+
+def close(service: Any) -> None:
+    """Finish the session so no heartbeat outlives the mock (an expired one may refuse)."""
+    with contextlib.suppress(Exception):
+        service.close("success").result(timeout=30)
+
+
+@dataclass
+class Clients:
+    name: str
+    tinker: Any  # the `tinker` or `tinker_sr` module
+    service: Any
+    training: Any
+    sampler: Any
+
+
+@pytest.fixture(scope="module")
+def mock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockTinker]:
+    with mock_tinker(store=tmp_path_factory.mktemp("mock")) as m:
+        yield m
+
+
+@pytest.fixture(scope="module", params=["tinker", "tinker_sr"])
+def clients(request: pytest.FixtureRequest, mock: MockTinker) -> Iterator[Clients]:
+    module = importlib.import_module(request.param)
+    service = module.ServiceClient()
+    training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    yield Clients(request.param, module, service, training, sampler)
+    close(service)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_faults(mock: MockTinker) -> Iterator[None]:
+    yield
+    mock.faults.clear()
+
+
+def _sample(c: Clients) -> Any:
+    params = c.tinker.types.SamplingParams(max_tokens=3, seed=0)
+    return c.sampler.sample(c.tinker.types.ModelInput.from_ints(PROMPT), 2, params).result(
+        timeout=120
+    )
+
+
+def _forward_backward(c: Clients) -> Any:
+    types = c.tinker.types
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0, 1.0, 1.0, 1.0]},
+    )
+    return c.training.forward_backward([datum], "cross_entropy").result(timeout=120)
+
+
+OPS: dict[str, Callable[[Clients], Any]] = {
+    "sample": _sample,
+    "forward_backward": _forward_backward,
+}
+
+# (fault, the call that meets it, the endpoint it hits, statuses seen there: None = no answer)
+TRANSIENT: dict[str, tuple[Callable[[], WireFault], str, str, list[int | None]]] = {
+    "429_retry_after": (lambda: rate_limited("asample", 0.1), "sample", "asample", [429, 200]),
+    "500": (lambda: http_error("asample", 500), "sample", "asample", [500, 200]),
+    "502": (lambda: http_error("forward_backward", 502), "forward_backward",
+            "forward_backward", [502, 200]),
+    "503_on_poll": (lambda: http_error("retrieve_future", 503), "forward_backward",
+                    "retrieve_future", [503, 200]),
+    "connection_reset": (lambda: connection_reset("asample"), "sample", "asample", [None, 200]),
+    "request_timeout": (lambda: request_timeout("retrieve_future"), "forward_backward",
+                        "retrieve_future", [None, 200]),
+    "slow_response": (lambda: slow_response("forward_backward", 0.3), "forward_backward",
+                      "forward_backward", [200]),
+    "try_again_3x": (lambda: future_stays_pending(times=3), "sample", "retrieve_future",
+                     [200, 200, 200, 200]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(TRANSIENT))
+def test_transient_fault_is_retried_transparently(
+    case: str, clients: Clients, mock: MockTinker
+) -> None:
+    make, op, endpoint, statuses = TRANSIENT[case]
+    start = len(mock.trace)
+    fault = mock.add_fault(make())
+
+    result = OPS[op](clients)  # no exception reaches the user's code
+
+    assert result is not None and fault.fired == fault.times
+    seen = [e for e in mock.trace.entries[start:] if e["endpoint"] == endpoint]
+    assert [e["status"] for e in seen] == statuses
+    assert seen[0]["fault"] == fault.name
+    assert seen[-1]["fault"] is None or fault.kind == "slow"  # a slow answer is still the answer
+
+
+def test_official_sdk_retries_429_and_5xx_and_the_trace_counts_them(
+    clients: Clients, mock: MockTinker
+) -> None:
+    start = len(mock.trace)
+    mock.add_fault(rate_limited("asample", retry_after=0.05, times=2))
+    mock.add_fault(http_error("asample", 503, after=2, times=1))
+
+    assert len(_sample(clients).sequences) == 2
+
+    calls = [e for e in mock.trace.entries[start:] if e["endpoint"] == "asample"]
+    assert [e["status"] for e in calls] == [429, 429, 503, 200]  # 3 retried requests
+    assert [e["fault"] for e in calls] == ["http_429", "http_429", "http_503", None]
+    # Every retry resubmitted the same request (same seq_id), so the server ran it once.
+    assert len({e["request"]["seq_id"] for e in calls}) == 1
+    assert all(e["duration_s"] >= 0 and e["started"] > 0 for e in calls)
+
+
+def test_a_future_that_stays_pending_times_out_in_user_code(
+    clients: Clients, mock: MockTinker
+) -> None:
+    fault = mock.add_fault(future_stays_pending(times=None))
+    params = clients.tinker.types.SamplingParams(max_tokens=2, seed=0)
+    future = clients.sampler.sample(clients.tinker.types.ModelInput.from_ints(PROMPT), 1, params)
+    with pytest.raises(TimeoutError):
+        future.result(timeout=1.0)
+    assert fault.fired >= 1
+    mock.faults.clear()
+    assert len(future.result(timeout=120).sequences) == 1  # the work itself was done
+
+
+def test_an_expired_sampling_session_is_a_bad_request(mock: MockTinker) -> None:
+    for name in ("tinker", "tinker_sr"):
+        module = importlib.import_module(name)
+        service = module.ServiceClient()
+        sampler = service.create_sampling_client(base_model=MODEL).result()
+        mock.add_fault(session_expires("asample"))
+        params = module.types.SamplingParams(max_tokens=2, seed=0)
+        with pytest.raises(module.BadRequestError, match="expired"):
+            sampler.sample(module.types.ModelInput.from_ints(PROMPT), 1, params).result(timeout=120)
+        mock.faults.clear()
+        close(service)
+        calls = mock.trace.calls("asample")
+        assert calls[-1]["status"] == 400 and calls[-1]["fault"] == "expire_session"
+
+
+def test_an_expired_recorded_sequence_fails_the_training_request(
+    clients: Clients, mock: MockTinker
+) -> None:
+    types = clients.tinker.types
+    seq = _sample(clients).sequences[0]
+    full = PROMPT + list(seq.tokens)
+    n = len(PROMPT) - 1
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n + list(seq.logprobs),
+            "advantages": [0.0] * n + [1.0] * len(seq.tokens),
+        },
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
+        ],
+    )
+    mock.add_fault(sequence_expired("forward_backward"))
+
+    with pytest.raises(clients.tinker.RequestFailedError, match="expired") as failure:
+        clients.training.forward_backward([datum], "importance_sampling").result(timeout=120)
+
+    assert failure.value.category == types.RequestErrorCategory.User
+    # The trace shows what the code sent: the datum carried provenance spans.
+    (fb,) = [e for e in mock.trace.calls("forward_backward") if seq.sequence_id in str(e)]
+    assert fb["fault"] == "expire_sequence"
+    spans = fb["request"]["data"][0]["model_input_spans"]
+    assert [next(iter(s)) for s in spans] == ["prompt_tokens", "sampled_tokens"]
+    assert {s[k]["sequence_id"] for s in spans for k in s} == {seq.sequence_id}
+
+
+def test_trace_is_jsonl_on_disk(clients: Clients, mock: MockTinker) -> None:
+    from tinker_sr.testing import read_trace
+
+    _forward_backward(clients)
+    assert mock.trace.path is not None and Path(mock.trace.path).exists()
+    on_disk = read_trace(mock.trace.path)
+    assert 0 < len(on_disk) <= len(mock.trace)
+    assert on_disk.calls("forward_backward")[-1]["request"]["loss_fn"] == "cross_entropy"

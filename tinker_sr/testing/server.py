@@ -1,0 +1,313 @@
+"""A real `tinker-sr serve` process on a free 127.0.0.1 port, for tests.
+
+    with tinker_server_process(tmp_path / "store") as srv:
+        client = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key)
+        srv.add_fault(rate_limited("asample"))
+        ...
+        assert srv.trace.count("asample") == 2
+
+``testing=True`` (the default here; the `tinker_server` fixture) runs
+``python -m tinker_sr.testing.server``: the same app as ``tinker-sr serve`` with every base
+model name served by the offline chat model, wrapped in the wire-fault / trace middleware, with
+faults added at run time through ``/_tinker_sr_testing/faults`` and the trace appended to
+``<store>/trace.jsonl``. ``testing=False`` runs plain ``python -m tinker_sr.server``.
+`ServerProcess.kill()` sends SIGKILL (a crash); `start()` brings it back on the same port and
+store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tinker_sr.testing.wire import CONTROL_PREFIX, Trace, WireFault, read_trace
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding tinker_sr/
+_STARTUP_LIMIT_S = 120.0  # importing torch on a busy 2-core machine can take a while
+DEFAULT_TEST_KEY = "tml-tinker-sr-test"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _PortTaken(Exception):
+    pass
+
+
+class ServerProcess:
+    """One server subprocess. ``api_keys``: accept only these (``api_key`` is the first, else
+    `DEFAULT_TEST_KEY`, which any key-less server accepts). ``extra_args``: more command-line
+    flags (plain mode: any `tinker-sr serve` flag)."""
+
+    def __init__(
+        self,
+        store: Path,
+        *,
+        port: int | None = None,
+        api_keys: Sequence[str] | None = None,
+        max_body_bytes: int | None = None,
+        long_poll_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        testing: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.store = Path(store)
+        self._fixed_port = port is not None
+        self.port = port or free_port()
+        self.api_keys = list(api_keys or [])
+        self.max_body_bytes = max_body_bytes
+        self.long_poll_s = long_poll_s
+        self.env = dict(env or {})
+        self.testing = testing
+        self.extra_args = list(extra_args)  # more `tinker-sr serve` flags (feature-less mode)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.store.parent / f"server-{self.store.name}.log"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str:
+        return self.api_keys[0] if self.api_keys else DEFAULT_TEST_KEY
+
+    @property
+    def trace_path(self) -> Path:
+        return self.store / "trace.jsonl"
+
+    # ---- testing-mode controls ---------------------------------------------------------------
+
+    @property
+    def trace(self) -> Trace:
+        """The requests this server saw so far (testing mode), read from its JSONL trace."""
+        return read_trace(self.trace_path)
+
+    def add_fault(self, fault: WireFault) -> WireFault:
+        """Plan ``fault`` on the running server (testing mode)."""
+        self._control("POST", json=fault.to_json())
+        return fault
+
+    def clear_faults(self) -> None:
+        self._control("DELETE")
+
+    def faults(self) -> list[dict[str, Any]]:
+        """The server's planned faults with their ``seen``/``fired`` counters."""
+        return list(self._control("GET").json())
+
+    def _control(self, method: str, **kw: Any) -> httpx.Response:
+        if not self.testing:
+            raise RuntimeError("faults need a testing server: ServerProcess(..., testing=True)")
+        resp = httpx.request(method, f"{self.base_url}{CONTROL_PREFIX}faults", timeout=10, **kw)
+        resp.raise_for_status()
+        return resp
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for _ in range(3):
+            try:
+                self._start_once()
+                return
+            except _PortTaken:
+                if self._fixed_port:
+                    raise RuntimeError(f"port {self.port} is taken:\n{self.log()}") from None
+                self.port = free_port()  # another process grabbed it between probe and bind
+        raise RuntimeError(f"could not find a free port:\n{self.log()}")
+
+    def _command(self) -> list[str]:
+        module = "tinker_sr.testing.server" if self.testing else "tinker_sr.server"
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), "--store", str(self.store)]
+        cmd += ["--log-level", "warning"]
+        if self.api_keys:
+            cmd += ["--api-keys", ",".join(self.api_keys)]
+        if self.max_body_bytes is not None:
+            cmd += ["--max-body-bytes", str(self.max_body_bytes)]
+        if self.long_poll_s is not None:
+            cmd += ["--long-poll-s", str(self.long_poll_s)]
+        return cmd + self.extra_args
+
+    def _start_once(self) -> None:
+        env = {**os.environ, **self.env}
+        # The child imports the same tinker_sr as this process (a checkout or an install).
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")])
+        )
+        if not self.api_keys:  # a developer's own key list must not leak into the test
+            env.pop("TINKER_SR_API_KEYS", None)
+        self.store.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            self._command(), cwd=self.store, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + _STARTUP_LIMIT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                if "address already in use" in self.log().lower():
+                    raise _PortTaken
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during start-up:\n{self.log()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(
+            f"server did not answer healthz within {_STARTUP_LIMIT_S} s:\n{self.log()}"
+        )
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to clean up (a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@contextmanager
+def running_server(store: Path, **kwargs: Any) -> Iterator[ServerProcess]:
+    """Start a server on ``store``; stop it on exit (keyword arguments: `ServerProcess`)."""
+    srv = ServerProcess(Path(store), **kwargs)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@contextmanager
+def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]:
+    """`running_server` in testing mode: offline model names, wire faults, trace."""
+    with running_server(store, testing=True, **kwargs) as srv:
+        yield srv
+
+
+# ---- the testing server itself: ``python -m tinker_sr.testing.server`` ------------------------
+
+
+def build_testing_app(store: Path, **app_options: Any) -> Any:
+    """The `tinker-sr serve` app on ``store`` with offline model names, wrapped in the fault /
+    trace middleware and the ``/_tinker_sr_testing/faults`` control endpoint."""
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server.app import create_app
+    from tinker_sr.testing.offline_model import offline_model_dir
+    from tinker_sr.testing.wire import FaultPlan, WireMiddleware
+
+    model_dir = offline_model_dir(store / "models")
+    backend = LocalBackend(store, model_aliases={"*": str(model_dir)})
+    app = create_app(backend, store_dir=store, close_backend=True, **app_options)
+    plan = FaultPlan()
+    wrapped = WireMiddleware(
+        app,
+        plan,
+        Trace(store / "trace.jsonl"),
+        in_process=False,
+        server=lambda: app.state.tinker_server,
+    )
+    return _ControlApp(wrapped, plan)
+
+
+class _ControlApp:
+    """Serves ``/_tinker_sr_testing/faults`` (GET list, POST add, DELETE clear)."""
+
+    def __init__(self, app: Any, plan: Any) -> None:
+        self.app = app
+        self.plan = plan
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(CONTROL_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        status, answer = self._handle(scope["method"], body)
+        data = json.dumps(answer).encode()
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    def _handle(self, method: str, body: bytes) -> tuple[int, Any]:
+        if method == "POST":
+            try:
+                fault = WireFault(**json.loads(body))
+            except (TypeError, ValueError) as e:
+                return 400, {"detail": f"bad fault: {e}"}
+            self.plan.add(fault)
+        elif method == "DELETE":
+            self.plan.clear()
+        elif method != "GET":
+            return 405, {"detail": "use GET, POST or DELETE"}
+        return 200, [f.to_json() for f in self.plan.faults]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    from tinker_sr.cli import add_serve_arguments
+    from tinker_sr.server.features import ServerFeatures
+
+    parser = argparse.ArgumentParser(prog="python -m tinker_sr.testing.server", description=__doc__)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    store = Path(args.store or "tinker-sr-test-store")
+    keys = [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
+    keys += [k for k in args.api_key or [] if k]
+    features = ServerFeatures(
+        stable_reinforce=not args.without_stable_reinforce,
+        record_stability_info=not args.ignore_stability_info,
+        two_d_targets=not args.only_1d_targets,
+    )
+    app = build_testing_app(
+        store, api_keys=keys or None, max_body_bytes=args.max_body_bytes,
+        long_poll_s=args.long_poll_s, features=features,
+    )  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
