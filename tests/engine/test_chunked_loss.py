@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.test_losses import random_batch
-from tinker_sr.engine import losses
+from tinker_sr.engine import loss_logprobs
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.losses import LOSS_NAMES, compute_loss
 
@@ -46,7 +46,7 @@ def _run(loss_fn: str, chunked: bool, dtype: torch.dtype) -> tuple[object, list[
 def test_chunked_matches_full_logits(
     loss_fn: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 3 * V)  # 3 rows per chunk: many chunks
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 3 * V)  # 3 rows per chunk: many chunks
     ref, ref_grads = _run(loss_fn, chunked=False, dtype=dtype)
     got, got_grads = _run(loss_fn, chunked=True, dtype=dtype)
     tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-5}

@@ -1,0 +1,226 @@
+"""Learner log-probs of chosen token columns, without materialising tokens x vocab.
+
+Log-probs are computed by gathering the needed logits and subtracting a row-chunked
+logsumexp; the backward pass writes the logit gradient straight into one buffer. Beyond that
+gradient, nothing of size tokens x vocab is allocated (transients are bounded by
+``_CHUNK_ELEMENTS``). When every datum's logits are row views of one contiguous padded batch,
+the gradient is produced for the batch at once instead of one padded copy per datum.
+`head_logprobs` does the same from final hidden states, running the unembedding chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+# Upper bound on the elements of any transient rows x vocab tensor (64 MiB in float32).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+class _GatherLogprobs(torch.autograd.Function):
+    """log_softmax(z)[row, col] for the rows in ``ranges`` and the columns ``cols[m, :]``.
+
+    ``z`` is [R, V]; ``ranges`` lists (start, stop) row ranges whose concatenation gives the
+    M output rows; ``cols`` is [M, J]. Forward keeps only a per-row logsumexp; backward builds
+    dL/dz = onehot-scatter(g) - softmax(z) * sum_j g[:, j] directly in the gradient buffer.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        z: torch.Tensor,
+        ranges: list[tuple[int, int]],
+        cols: torch.Tensor,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
+        lse = torch.empty(cols.shape[0], dtype=compute_dtype, device=z.device)
+        picked = torch.empty(cols.shape, dtype=compute_dtype, device=z.device)
+        for sl, a, b in _chunks(ranges, chunk):
+            lse[sl] = torch.logsumexp(z[a:b].to(compute_dtype), dim=-1)
+            picked[sl] = z[a:b].gather(1, cols[sl])
+        ctx.save_for_backward(z, cols, lse)
+        ctx.ranges = ranges
+        return picked.sub_(lse[:, None])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        z, cols, lse = ctx.saved_tensors
+        ranges: list[tuple[int, int]] = ctx.ranges
+        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
+        grad = grad.to(lse.dtype)
+        gsum = grad.sum(dim=1)
+
+        ordered = sorted(ranges)
+        disjoint = all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
+        covered = sum(stop - start for start, stop in ranges)
+        # Write each row straight into the gradient when every row is written exactly once.
+        gz = torch.empty_like(z) if disjoint and covered == z.shape[0] else torch.zeros_like(z)
+        if disjoint and z.dtype == lse.dtype and z.is_contiguous():
+            # -softmax(z) * gsum as one exp: exp(z - lse + log|gsum|), then flip the rows whose
+            # gsum is positive. Rows with gsum == 0 come out exactly 0 (exp(-inf)).
+            shift = lse - torch.log(gsum.abs())
+            flip = gsum > 0
+            for sl, a, b in _chunks(ranges, chunk):
+                out = gz[a:b]
+                torch.sub(z[a:b], shift[sl, None], out=out).exp_()
+                rows = torch.nonzero(flip[sl]).squeeze(1)
+                if rows.numel():
+                    out[rows] = out[rows].neg_()
+                out.scatter_add_(1, cols[sl], grad[sl])
+        else:
+            for sl, a, b in _chunks(ranges, chunk):
+                g = torch.exp(z[a:b].to(lse.dtype) - lse[sl, None]).mul_(-gsum[sl, None])
+                g.scatter_add_(1, cols[sl], grad[sl])
+                gz[a:b] += g.to(z.dtype)
+        return gz, None, None, None
+
+
+def _chunks(ranges: list[tuple[int, int]], chunk: int) -> Iterator[tuple[slice, int, int]]:
+    """(output slice, first row, stop row) per chunk of at most ``chunk`` rows of ``ranges``."""
+    m = 0
+    for start, stop in ranges:
+        for a in range(start, stop, chunk):
+            b = min(a + chunk, stop)
+            yield slice(m + a - start, m + b - start), a, b
+        m += stop - start
+
+
+def _row_source(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """If ``t`` is a row-aligned view of a contiguous [..., V] base, return (base, first row)."""
+    base = t._base
+    if base is None or t.dim() != 2 or base.dtype != t.dtype or base.dim() < 2:
+        return None
+    v = t.shape[1]
+    if base.shape[-1] != v or not base.is_contiguous() or t.stride() != (v, 1):
+        return None
+    if t.requires_grad != base.requires_grad or (t.requires_grad and t.grad_fn is None):
+        return None  # detached alias: the gradient must not reach the base
+    offset = t.storage_offset() - base.storage_offset()
+    if offset < 0 or offset % v:
+        return None
+    row = offset // v
+    if row + t.shape[0] > base.numel() // v:
+        return None
+    return base, row
+
+
+def gather_logprobs(
+    logits: Sequence[torch.Tensor], cols: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.dtype]:
+    """Return per datum log_softmax(logits[i])[:, cols[i]] ([N_i, J_i], compute dtype)."""
+    dtype = logits[0].dtype
+    compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    # Group datums by the tensor whose rows they read, so a padded batch is handled in one call.
+    groups: dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]] = {}
+    for i, t in enumerate(logits):
+        src = _row_source(t)
+        if src is None:
+            base2d, row = t, 0
+            key = id(t)
+        else:
+            base, row = src
+            key = id(base)
+            if key in groups:
+                base2d = groups[key][0]
+            else:
+                base2d = base.view(-1, t.shape[1])
+        groups.setdefault(key, (base2d, []))[1].append((i, row, row + t.shape[0]))
+
+    out: list[torch.Tensor | None] = [None] * len(logits)
+    for z, members in groups.values():
+        j_max = max(cols[i].shape[1] for i, _, _ in members)
+        ranges = [(a, b) for _, a, b in members]
+        padded = torch.cat(
+            [torch.nn.functional.pad(cols[i], (0, j_max - cols[i].shape[1])) for i, _, _ in members]
+        ).to(z.device)
+        logp = _GatherLogprobs.apply(z, ranges, padded, compute_dtype)
+        m = 0
+        for i, a, b in members:
+            out[i] = logp[m : m + b - a, : cols[i].shape[1]]
+            m += b - a
+    return [o for o in out if o is not None], compute_dtype
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log_softmax(head(h))[m, cols[m, :]] without ever holding more than a chunk of logits.
+
+    ``h`` is [M, D] (hidden states of the rows that have targets), ``cols`` [M, J];
+    ``params`` are the head's trainable parameters (a LoRA adapter on the unembedding), passed
+    so that autograd routes their gradients here. Forward unembeds ``chunk`` rows at a time and
+    keeps a per-row logsumexp. Backward recomputes the logits of the rows whose incoming
+    gradient is non-zero only (positions that carry no loss, e.g. prompts under zero weights
+    or advantages, cost no backward unembedding), forms
+    dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, and back-propagates it through ``head``
+    chunk by chunk.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")  # backward recomputes under the same autocast
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        h: torch.Tensor,
+        cols: torch.Tensor,
+        head: torch.nn.Module,
+        compute_dtype: torch.dtype,
+        vocab: int,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        lse = torch.empty(h.shape[0], dtype=compute_dtype, device=h.device)
+        picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
+        with torch.no_grad():
+            for a in range(0, h.shape[0], chunk):
+                z = head(h[a : a + chunk]).to(compute_dtype)
+                lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
+                picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
+        ctx.save_for_backward(h, cols, lse)
+        ctx.head, ctx.chunk, ctx.params = head, chunk, params
+        return picked.sub_(lse[:, None])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        h, cols, lse = ctx.saved_tensors
+        params: tuple[torch.Tensor, ...] = ctx.params
+        grad = grad.to(lse.dtype)
+        live = torch.nonzero(grad.ne(0).any(dim=1)).squeeze(1)  # rows that carry a loss
+        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        dparams = [torch.zeros_like(p) for p in params]
+        for a in range(0, live.numel(), ctx.chunk):
+            rows = live[a : a + ctx.chunk]
+            g = grad[rows]
+            with torch.enable_grad():
+                hc = h[rows].detach().requires_grad_(dh is not None)
+                z = ctx.head(hc)
+                dz = torch.exp(z.detach().to(lse.dtype) - lse[rows, None])
+                dz.mul_(-g.sum(dim=1, keepdim=True)).scatter_add_(1, cols[rows], g)
+                wrt = ([hc] if dh is not None else []) + list(params)
+                got = torch.autograd.grad(z, wrt, dz.to(z.dtype), allow_unused=True)
+            if dh is not None:
+                dh.index_copy_(0, rows, got[0])
+                got = got[1:]
+            for acc, g_p in zip(dparams, got, strict=True):
+                if g_p is not None:
+                    acc += g_p
+        return (dh, None, None, None, None, *dparams)
+
+
+def head_logprobs(
+    hidden: Sequence[torch.Tensor], cols: list[torch.Tensor], head: torch.nn.Module
+) -> tuple[list[torch.Tensor], torch.dtype]:
+    """Per datum log_softmax(head(hidden[i]))[:, cols[i]] ([N_i, J_i]), chunked."""
+    compute_dtype = torch.float64 if hidden[0].dtype == torch.float64 else torch.float32
+    j_max = max(c.shape[1] for c in cols)
+    h = torch.cat(list(hidden))
+    padded = torch.cat([torch.nn.functional.pad(c, (0, j_max - c.shape[1])) for c in cols])
+    vocab = int(getattr(head, "out_features", 0))
+    params = [p for p in head.parameters() if p.requires_grad]
+    logp = _HeadLogprobs.apply(h, padded.to(h.device), head, compute_dtype, vocab, *params)
+    out, m = [], 0
+    for x, c in zip(hidden, cols, strict=True):
+        out.append(logp[m : m + x.shape[0], : c.shape[1]])
+        m += x.shape[0]
+    return out, compute_dtype
