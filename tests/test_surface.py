@@ -204,6 +204,50 @@ def test_top_level_names_and_kinds() -> None:
     assert not problems, "\n".join(problems)
 
 
+def field_shape(cls: Any) -> dict[str, str] | None:
+    """Field name -> "required" or the default's repr (a model default by its class name)."""
+    if inspect.isclass(cls) and issubclass(cls, pydantic.BaseModel):
+        return {
+            name: "required"
+            if f.is_required()
+            else type(f.default).__name__
+            if isinstance(f.default, pydantic.BaseModel)
+            else repr(f.default)
+            for name, f in cls.model_fields.items()
+        }
+    if dataclasses.is_dataclass(cls):
+        return {
+            f.name: "required"
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            else "default"
+            for f in dataclasses.fields(cls)
+        }
+    return None
+
+
+def test_types_module_names_kinds_and_fields() -> None:
+    """Every public name of ``tinker.types`` exists in ``tinker_sr.types`` with the same kind,
+    and every model/dataclass has the same fields, required fields and defaults."""
+    names = [
+        n
+        for n in dir(sdk.types)
+        if not n.startswith("_")
+        and n != "annotations"  # ``from __future__ import annotations`` leaking out
+        and not inspect.ismodule(getattr(sdk.types, n))
+    ]
+    assert len(names) > 150
+    problems = []
+    for name in names:
+        theirs, ours = getattr(sdk.types, name), getattr(tinker_sr.types, name, None)
+        if ours is None or name not in tinker_sr.types.__all__:
+            problems.append(f"tinker_sr.types.{name}: missing")
+        elif kind(ours) != kind(theirs):
+            problems.append(f"tinker_sr.types.{name}: {kind(ours)}, SDK: {kind(theirs)}")
+        elif field_shape(ours) != field_shape(theirs):
+            problems.append(f"{name} fields: SDK {field_shape(theirs)} vs ours {field_shape(ours)}")
+    assert not problems, "\n".join(problems)
+
+
 def test_public_interfaces_module() -> None:
     problems = []
     for name in sdk_public.__all__:

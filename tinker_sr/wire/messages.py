@@ -18,14 +18,20 @@ import pydantic
 from pydantic import ConfigDict, Field
 
 from tinker_sr.types import (
-    AdamOptimizerConfig,
     AdamParams,
-    LoraConfig,
     ModelInput,
-    OptimizerConfig,
     RequestErrorCategory,
     SamplingParams,
     TensorData,
+)
+from tinker_sr.types.service import (
+    CreateModelRequest,
+    CreateSamplingSessionRequest,
+    GetInfoRequest,
+    LoadWeightsRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    SessionHeartbeatRequest,
 )
 
 from .errors import WireError
@@ -105,11 +111,6 @@ class CreateSessionRequest(_Wire):
     type: Literal["create_session"] = "create_session"
 
 
-class SessionHeartbeatRequest(_Wire):
-    session_id: str
-    type: Literal["session_heartbeat"] = "session_heartbeat"
-
-
 class FinishReason(_Wire):
     type: Literal["success", "errored", "interrupted"]
 
@@ -122,21 +123,6 @@ class SessionFinishRequest(_Wire):
 # ---- training ------------------------------------------------------------------------------
 
 
-class CreateModelRequest(_Wire):
-    session_id: str
-    model_seq_id: int
-    base_model: str
-    user_metadata: dict[str, Any] | None = None
-    lora_config: LoraConfig | None = None
-    optimizer_config: OptimizerConfig = AdamOptimizerConfig()
-    type: Literal["create_model"] = "create_model"
-
-
-class GetInfoRequest(_Wire):
-    model_id: str
-    type: Literal["get_info"] = "get_info"
-
-
 class OptimStepRequest(_Wire):
     model_id: str
     seq_id: int | None = None
@@ -146,52 +132,7 @@ class OptimStepRequest(_Wire):
     type: Literal["optim_step"] = "optim_step"
 
 
-class SaveWeightsRequest(_Wire):
-    model_id: str
-    path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
-    type: Literal["save_weights"] = "save_weights"
-
-
-class SaveWeightsForSamplerRequest(_Wire):
-    model_id: str
-    path: str | None = None
-    sampling_session_seq_id: int | None = None
-    kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
-    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
-
-
-class LoadWeightsRequest(_Wire):
-    # Mode 1 (load into an existing model): model_id + seq_id.
-    model_id: str | None = None
-    seq_id: int | None = None
-    # Mode 2 (create a model from a checkpoint): session_id + model_seq_id.
-    session_id: str | None = None
-    model_seq_id: int | None = None
-    base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
-    path: str
-    optimizer: bool
-    optimizer_config: OptimizerConfig | None = None
-    weights_access_token: str | None = None
-    type: Literal["load_weights"] = "load_weights"
-
-
 # ---- sampling -----------------------------------------------------------------------------
-
-
-class CreateSamplingSessionRequest(_Wire):
-    session_id: str
-    sampling_session_seq_id: int
-    base_model: str | None = None
-    model_path: str | None = None
-    type: Literal["create_sampling_session"] = "create_sampling_session"
 
 
 class WireSamplingParams(_Wire):
