@@ -30,7 +30,6 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -38,16 +37,30 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 import numpy as np
 
 from tinker_sr import types
+from tinker_sr.clients.sr_draws import (
+    DEFAULT_MAX_RECORD_TOKENS,
+    client_draws,
+    head_from_raw,
+)
+from tinker_sr.clients.sr_draws import Lookup as _Lookup
+from tinker_sr.clients.sr_draws import Records as _Records
+from tinker_sr.clients.sr_draws import draw_rng as _draw_rng
+from tinker_sr.clients.sr_draws import engine_records as _engine_records
+from tinker_sr.clients.sr_lowered import LoweredDatum as _LoweredDatum
+from tinker_sr.clients.sr_lowered import ce_datum as _ce_datum
+from tinker_sr.clients.sr_lowered import datum_inputs as _inputs
+from tinker_sr.clients.sr_lowered import kl_coeff_of as _kl_coeff
+from tinker_sr.clients.sr_lowered import lowered_inputs, lowered_result
+from tinker_sr.clients.sr_lowered import user_error as _user_error
 from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.errors import APIStatusError, RequestFailedError, TinkerError
+from tinker_sr.provenance.validate import RECORD_TTL_SECONDS as RECORD_TTL_SECONDS
 from tinker_sr.provenance.validate import (
-    RECORD_TTL_SECONDS,
     DatumSpans,
     ProvenanceView,
     SequenceRecord,
     validate_provenance,
 )
-from tinker_sr.types.topk_logprobs import MASK_LOGPROB
 
 if TYPE_CHECKING:
     from tinker_sr.backend.base import Backend
@@ -60,6 +73,9 @@ __all__ = [
     "SessionLowering",
     "TargetsMode",
     "client_draws",
+    "head_from_raw",
+    "lowered_result",
+    "DEFAULT_MAX_RECORD_TOKENS",
     "configure",
     "lowered_inputs",
     "session_of",
@@ -79,7 +95,6 @@ DEFAULT_DRAW_TOPK = 20
 usual cap of hosted logprob APIs)."""
 
 _ENV_MODE = "TINKER_SR_LOWERING"
-_DEFAULT_KL = 0.01
 
 
 @dataclass(frozen=True)
@@ -119,357 +134,6 @@ class LoweringOptions:
             return value
         mode = value if value is not None else (os.environ.get(_ENV_MODE) or "auto")
         return cls(mode=cast(LoweringMode, mode))
-
-
-# ---- client-side records and draws --------------------------------------------------------
-
-
-def client_draws(
-    topk_ids: np.ndarray,
-    topk_logprobs: np.ndarray,
-    k: int,
-    rng: np.random.Generator,
-    *,
-    sampling_top_k: int = -1,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``k`` i.i.d. draws per row from the distribution whose head is given → (int32 draws
-    ``[T, k]``, float32 tail mass ``[T]``).
-
-    ``topk_ids``/``topk_logprobs`` are the sampler's ``[T, k']`` top entries of log q (empty
-    cells hold ``(0, MASK_LOGPROB)``; ``-inf`` cells are left out). The draws come from the
-    head renormalised; the tail mass is what that leaves out: exactly 0 when the head is q's
-    whole support (an empty cell, ``0 < sampling_top_k <= k'``, or a head summing to 1 within
-    float32 rounding), else ``1 - Σ head``. A row with no head gets -1 draws and tail mass 1.
-    """
-    ids = np.asarray(topk_ids, dtype=np.int64)
-    lps = np.asarray(topk_logprobs, dtype=np.float64)
-    empty = lps == MASK_LOGPROB
-    filled = np.isfinite(lps) & ~empty
-    p = np.where(filled, np.exp(np.where(filled, lps, 0.0)), 0.0)
-    mass = p.sum(axis=1)
-    complete = empty.any(axis=1) | (0 < sampling_top_k <= ids.shape[1])
-    # A head summing to 1 within float32 rounding (one ulp per entry) misses nothing.
-    complete |= 1.0 - mass <= ids.shape[1] * float(np.finfo(np.float32).eps)
-    tail = np.where(complete, 0.0, np.clip(1.0 - mass, 0.0, 1.0))
-    tail = np.where(mass > 0, tail, 1.0)
-    cdf = np.cumsum(p, axis=1)
-    u = rng.random((ids.shape[0], k)) * mass[:, None]
-    col = np.empty((ids.shape[0], k), dtype=np.int64)
-    for t in range(ids.shape[0]):
-        col[t] = np.searchsorted(cdf[t], u[t], side="right")
-    # u * mass can round to mass: clamp to the last filled cell.
-    last = np.where(filled.any(axis=1), ids.shape[1] - 1 - np.argmax(filled[:, ::-1], axis=1), 0)
-    col = np.minimum(col, last[:, None])
-    draws = np.take_along_axis(ids, col, axis=1)
-    draws[mass <= 0] = -1
-    return draws.astype(np.int32), tail.astype(np.float32)
-
-
-def head_from_raw(
-    topk_ids: np.ndarray, raw_logprobs: np.ndarray, params: types.SamplingParams
-) -> np.ndarray:
-    """The raw model's top-k (``compute_logprobs``-style ``topk_prompt_logprobs``, temperature
-    1, no filters, best first) → log q over the same cells for `client_draws`: temperature,
-    top_k and top_p applied to the head, scaled so that the head sums to ``1 - tail``.
-
-    Exact (tail 0) when ``0 < top_k <= k``, or at temperature 1 when top-p cuts inside the
-    head or the head is the whole vocabulary. Otherwise the tail is the raw model's mass
-    outside the head, which is exact at temperature 1 and an estimate at any other.
-    """
-    ids = np.asarray(topk_ids)
-    raw = np.asarray(raw_logprobs, dtype=np.float64)
-    empty = raw == MASK_LOGPROB
-    keep = np.isfinite(raw) & ~empty
-    if params.top_k > 0:
-        keep &= np.arange(ids.shape[1])[None, :] < params.top_k
-    limited = 0 < params.top_k <= ids.shape[1]
-    temperature = params.temperature if params.temperature > 0 else 1.0
-    z = np.where(keep, raw / temperature, -np.inf)
-    if limited or temperature != 1.0:  # probabilities relative to the head
-        z = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
-    p = np.where(keep, np.exp(z), 0.0)
-    cut = np.zeros(ids.shape[0], dtype=bool)
-    if params.top_p < 1.0:
-        before = np.cumsum(p, axis=1) - p
-        dropped = keep & (before >= params.top_p)
-        cut = dropped.any(axis=1)
-        keep &= ~dropped
-    head = np.where(keep, np.exp(raw), 0.0).sum(axis=1)
-    exact = limited | empty.any(axis=1) | (cut & (temperature == 1.0))
-    tail = np.where(exact, 0.0, np.clip(1.0 - head, 0.0, 1.0))
-    q = np.where(keep, p, 0.0)
-    q = q / np.maximum(q.sum(axis=1, keepdims=True), 1e-300) * (1.0 - tail)[:, None]
-    with np.errstate(divide="ignore"):
-        return np.where(keep, np.log(q), -np.inf)
-
-
-def _draw_rng(seed: int | None, row: int) -> np.random.Generator:
-    """An independent stream per (seed, row): never the sampler's own token stream."""
-    if seed is None:
-        return np.random.default_rng()
-    ss = np.random.SeedSequence([int(seed) % 2**63, row, 0x5EED_D7A5])
-    return np.random.Generator(np.random.PCG64(ss))
-
-
-DEFAULT_MAX_RECORD_TOKENS = 20_000_000
-"""Sampled tokens kept client-side at most (about 45 bytes each: token, logprob, 8 draws, tail
-mass); beyond it the least recently used sequences are dropped first."""
-
-
-class _Records:
-    """The sequences this session sampled with ``record_stability_info``: a `SequenceLookup`
-    for the one provenance validator, plus the tail mass of client-side draws. Kept like the
-    engine keeps them (a day after last use), least recently used first out past
-    ``max_tokens`` sampled tokens."""
-
-    def __init__(self, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> None:
-        self._lock = threading.Lock()
-        self._records: OrderedDict[str, SequenceRecord] = OrderedDict()  # oldest use first
-        self._tail: dict[str, np.ndarray] = {}
-        self._tokens = 0
-        self.max_tokens = max_tokens
-
-    def put(self, record: SequenceRecord, tail: np.ndarray | None) -> None:
-        with self._lock:
-            self._drop(record.sequence_id)
-            self._records[record.sequence_id] = record
-            self._tokens += len(record.sampled_tokens)
-            if tail is not None:
-                self._tail[record.sequence_id] = tail
-            self._evict(record.last_used_at)
-
-    def get(self, sequence_id: str) -> SequenceRecord | None:
-        with self._lock:
-            return self._records.get(sequence_id)
-
-    def tail(self, sequence_id: str) -> np.ndarray | None:
-        with self._lock:
-            return self._tail.get(sequence_id)
-
-    def touch(self, ids: set[str], now: float) -> None:
-        with self._lock:
-            for sid in ids:
-                rec = self._records.get(sid)
-                if rec is not None:
-                    self._records[sid] = replace(rec, last_used_at=now)
-                    self._records.move_to_end(sid)
-
-    def _drop(self, sequence_id: str) -> None:
-        rec = self._records.pop(sequence_id, None)
-        if rec is not None:
-            self._tokens -= len(rec.sampled_tokens)
-        self._tail.pop(sequence_id, None)
-
-    def _evict(self, now: float) -> None:
-        while self._records:
-            oldest_id, oldest = next(iter(self._records.items()))
-            expired = now - oldest.last_used_at > RECORD_TTL_SECONDS
-            if not expired and self._tokens <= self.max_tokens:
-                return
-            self._drop(oldest_id)
-
-
-class _Lookup:
-    """Engine records when the backend is the embedded engine (its draws), else ours."""
-
-    def __init__(self, engine: Any, ours: _Records) -> None:
-        self.engine = engine
-        self.ours = ours
-
-    def get(self, sequence_id: str) -> SequenceRecord | None:
-        if self.engine is not None:
-            rec = self.engine.get(sequence_id)
-            if rec is not None and rec.draws is not None:
-                return cast(SequenceRecord, rec)
-        return self.ours.get(sequence_id)
-
-
-def _engine_records(backend: Any) -> Any:
-    """The embedded engine's sequence store (it records the draws), or None (a remote
-    service keeps its draws to itself)."""
-    store = getattr(backend, "store", None)
-    return store if callable(getattr(store, "get", None)) else None
-
-
-# ---- the lowering --------------------------------------------------------------------------
-
-
-@dataclass
-class _LoweredDatum:
-    """One datum in lowered form: the cross_entropy targets/weights and what the loss
-    value needs (numpy, float64 where arithmetic happens)."""
-
-    targets: np.ndarray  # int64 [N, 1+K]
-    weights: np.ndarray  # float32 [N, 1+K]
-    sampled: np.ndarray  # bool [N]
-    valid: np.ndarray  # bool [N, K]
-    lq: np.ndarray  # float64 [N]
-    adv: np.ndarray  # float64 [N]
-    tail: np.ndarray  # float64 [N]; NaN where the draws are the engine's (no tail)
-
-
-def _user_error(message: str) -> RequestFailedError:
-    return RequestFailedError(
-        f"Request failed: {message}", request_id="", category=types.RequestErrorCategory.User
-    )
-
-
-def _kl_coeff(config: Mapping[str, float | str] | None) -> float:
-    cfg = dict(config or {})
-    unknown = sorted(set(cfg) - {"kl_coeff"})
-    if unknown:
-        raise _user_error(
-            f"loss_fn_config key {unknown[0]!r} is not accepted by stable_reinforce "
-            "(accepted keys: kl_coeff); remove it"
-        )
-    value = cfg.get("kl_coeff", _DEFAULT_KL)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _user_error(f"loss_fn_config['kl_coeff'] must be a number, got {value!r}")
-    beta = float(value)
-    if not math.isfinite(beta) or beta < 0:
-        raise _user_error(
-            f"loss_fn_config['kl_coeff'] must be finite and >= 0, got {beta}; use 0 to switch "
-            "the KL term off"
-        )
-    return beta
-
-
-def _inputs(i: int, d: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(input tokens, target tokens, sampler logprobs, advantages) of datum ``i``."""
-    lfi = d.loss_fn_inputs
-    accepted = ("target_tokens", "logprobs", "advantages")
-    for key in lfi:
-        if key not in accepted:
-            raise _user_error(
-                f"datum {i}: loss_fn_inputs key {key!r} is not used by stable_reinforce "
-                f"(accepted: {', '.join(accepted)}); remove it"
-            )
-    for key in accepted:
-        if key not in lfi:
-            raise _user_error(
-                f"datum {i}: loss_fn_inputs is missing {key!r}, which stable_reinforce requires "
-                f"(required: {', '.join(accepted)})"
-            )
-    tokens = np.asarray(d.model_input.to_ints(), dtype=np.int64)
-    tt = np.asarray(lfi["target_tokens"].to_numpy())
-    if tt.ndim != 1:
-        raise _user_error(
-            f"datum {i}: target_tokens has shape {tuple(tt.shape)} but stable_reinforce takes "
-            "one target per position (shape (N,))"
-        )
-    out = [np.asarray(lfi[k].to_numpy(), dtype=np.float64) for k in ("logprobs", "advantages")]
-    for key, arr in zip(("logprobs", "advantages"), out, strict=True):
-        if arr.shape != tt.shape:
-            raise _user_error(
-                f"datum {i}: loss_fn_inputs[{key!r}] has shape {tuple(arr.shape)} but "
-                f"target_tokens has shape {tuple(tt.shape)}; every input needs one value per target"
-            )
-        if not np.isfinite(arr).all():
-            raise _user_error(f"datum {i}: loss_fn_inputs[{key!r}] holds a non-finite value")
-    return tokens, tt.astype(np.int64), out[0], out[1]
-
-
-def lowered_inputs(
-    data: Sequence[Any],
-    kl_coeff: float,
-    views: Sequence[ProvenanceView],
-    tails: Sequence[np.ndarray],
-) -> list[_LoweredDatum]:
-    """Datums + their provenance views → cross_entropy targets/weights ``[N, 1+K]``.
-
-    Weight ``A_t + β`` on the sampled token and ``-A_t / K_t`` on each of its ``K_t`` valid
-    draws, on sampled positions only; K is the request's widest row (narrower rows are
-    padded with token 0, weight 0).
-    """
-    k = max((v.draws.shape[1] for v in views if v.draws is not None), default=0)
-    out = []
-    for i, (d, view, tail) in enumerate(zip(data, views, tails, strict=True)):
-        _, tt, lq, adv = _inputs(i, d)
-        n = tt.shape[0]
-        draws = np.full((n, k), -1, dtype=np.int64)
-        if view.draws is not None:
-            draws[:, : view.draws.shape[1]] = view.draws
-        sampled = view.sampled_mask
-        valid = (draws >= 0) & sampled[:, None]
-        count = valid.sum(axis=1)
-        missing = sampled & (adv != 0) & (count == 0)
-        if missing.any():
-            t = int(np.flatnonzero(missing)[0])
-            raise _user_error(
-                f"datum {i}: position {t} has advantage {adv[t]} but no stability draws; sample "
-                "with a client created with record_stability_info=True"
-            )
-        # Same float32 arithmetic as the engine's gradient: -(A + β) on x, A / K_t per draw.
-        adv32 = adv.astype(np.float32)
-        weights = np.zeros((n, 1 + k), dtype=np.float32)
-        weights[:, 0] = np.where(sampled, adv32 + np.float32(kl_coeff), 0)
-        per_draw = -adv32 / np.maximum(count, 1).astype(np.float32)
-        weights[:, 1:] = np.where(valid, per_draw[:, None], 0)
-        targets = np.concatenate([tt[:, None], np.where(valid, draws, 0)], axis=1)
-        out.append(
-            _LoweredDatum(targets, weights, sampled, valid[:, :k], lq, adv, np.asarray(tail))
-        )
-    return out
-
-
-def _ce_datum(d: Any, targets: np.ndarray, weights: np.ndarray) -> types.Datum:
-    """A provenance-free cross_entropy datum (foreign engines know no spans; we checked them)."""
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(list(d.model_input.to_ints())),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(np.ascontiguousarray(targets)),
-            "weights": types.TensorData.from_numpy(np.ascontiguousarray(weights)),
-        },
-    )
-
-
-def lowered_result(
-    lowered: Sequence[_LoweredDatum], logprobs: Sequence[np.ndarray], kl_coeff: float
-) -> types.ForwardBackwardOutput:
-    """The output native stable_reinforce returns, from the learner logprobs of every column
-    (``logprobs[i]`` is ``[N_i, 1+K]``; columns without weight may hold anything)."""
-    outputs = []
-    per_tok_all, lx_all, lq_all, tail_all = [], [], [], []
-    for low, lp in zip(lowered, logprobs, strict=True):
-        lp64 = np.asarray(lp, dtype=np.float64)
-        lx = lp64[:, 0]
-        count = low.valid.sum(axis=1)
-        ly = np.where(low.valid, lp64[:, 1:], 0.0).sum(axis=1) / np.maximum(count, 1)
-        per_tok = -low.adv * (lx - ly) + kl_coeff * (low.lq - lx)
-        per_tok_all.append(per_tok[low.sampled])
-        lx_all.append(lx[low.sampled])
-        lq_all.append(low.lq[low.sampled])
-        tail_all.append(low.tail[low.sampled])
-        outputs.append({"logprobs": types.TensorData.from_numpy(lp[:, 0].astype(np.float32))})
-    per_tok = np.concatenate(per_tok_all)
-    lx = np.concatenate(lx_all)
-    lq = np.concatenate(lq_all)
-    metrics = {
-        "loss:sum": float(per_tok.sum()),
-        "kl_penalty:sum": float(kl_coeff * (lq - lx).sum()),
-        "num_tokens:sum": float(lx.size),
-    }
-    if lx.size:
-        log_r = lx - lq
-        with np.errstate(over="ignore"):
-            r = np.exp(log_r)
-        metrics.update(
-            {
-                "kl_sampler_learner:mean": float(np.mean(-log_r)),
-                "kl_k3:mean": float(np.mean(r - 1 - log_r)),
-                "importance_ratio:mean": float(r.mean()),
-                "importance_ratio:max": float(r.max()),
-                "importance_ratio:min": float(r.min()),
-            }
-        )
-        tail = np.concatenate(tail_all)
-        tail = tail[np.isfinite(tail)]
-        if tail.size:
-            metrics["draw_tail_mass:mean"] = float(tail.mean())
-            metrics["draw_tail_mass:max"] = float(tail.max())
-    return types.ForwardBackwardOutput(
-        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics
-    )
 
 
 # ---- capabilities and the per-session state ----------------------------------------------
