@@ -93,6 +93,19 @@ def test_mock_sets_and_restores_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert os.environ["TINKER_SR_BACKEND"] == "local" and "TINKER_BASE_URL" not in os.environ
 
 
+def test_mock_also_serves_the_hosted_service_url(tinker_mock: Any) -> None:
+    import tinker as official
+
+    from tinker_sr.testing.mock import PRODUCTION_BASE_URL
+
+    # Code that names the hosted service explicitly still cannot leave the machine.
+    service = official.ServiceClient(base_url=PRODUCTION_BASE_URL)
+    sampler = service.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
+    assert sampler.get_base_model() == "Qwen/Qwen3-8B"
+    assert tinker_mock.trace.calls("create_sampling_session")[-1]["status"] == 200
+    service.close("success").result()
+
+
 def test_docs_tinker_sr_example(tinker_mock: Any) -> None:
     # docs/testing.md, "A tinker_sr script under test", verbatim.
     from tinker_sr.testing import connection_reset

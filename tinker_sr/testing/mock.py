@@ -34,8 +34,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tinker_sr.backend.transport import DEFAULT_BASE_URL as PRODUCTION_BASE_URL
 from tinker_sr.testing.offline_model import hub_names_resolve_to, offline_model_dir
-from tinker_sr.testing.wire import FaultPlan, Trace, TransportFault, WireFault, WireMiddleware
+from tinker_sr.testing.wire import (
+    API_PREFIX,
+    FaultPlan,
+    Trace,
+    TransportFault,
+    WireFault,
+    WireMiddleware,
+)
 
 DEFAULT_BASE_URL = "http://tinker.mock.invalid"
 DEFAULT_API_KEY = "tml-tinker-sr-mock"
@@ -71,7 +79,6 @@ class MockTinker:
         self._asgi = WireMiddleware(
             self.app, self.faults, self.trace, in_process=True, server=self.server
         )
-        self._prefix = urlsplit(self.base_url).path.rstrip("/")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tinker-sr-mock", daemon=True
@@ -156,8 +163,9 @@ class MockTinker:
 
     async def _call_app(self, request: httpx.Request) -> httpx.Response:
         path = request.url.raw_path.decode("ascii")
-        if self._prefix and path.startswith(self._prefix):
-            path = path[len(self._prefix) :] or "/"
+        start = path.find(API_PREFIX)  # a base URL may carry a path (the production one does)
+        if start > 0:
+            path = path[start:]
         inner = httpx.Request(
             request.method,
             httpx.URL(f"http://{request.url.netloc.decode('ascii')}{path}"),
@@ -218,6 +226,7 @@ def mock_tinker(
     trace_path: str | os.PathLike[str] | None = None,
     model_aliases: Mapping[str, str] | None = None,
     set_env: bool = True,
+    intercept_production: bool = True,
     **app_options: Any,
 ) -> Iterator[MockTinker]:
     """Serve Tinker in-process at ``base_url`` for the duration of the block.
@@ -229,6 +238,8 @@ def mock_tinker(
     name is the offline chat model. ``set_env``: set ``TINKER_BASE_URL``/``TINKER_API_KEY``
     (and unset ``TINKER_SR_BACKEND``) inside the block. Other keywords go to `create_app`
     (e.g. ``session_timeout_s``, ``max_pending_samples``, ``api_keys``).
+    ``intercept_production``: also serve requests to the hosted Tinker service's URL (the SDKs'
+    default), so code that names it explicitly cannot reach the network from a test.
     """
     import respx
 
@@ -242,12 +253,14 @@ def mock_tinker(
             model_aliases=model_aliases,
             app_options=app_options,
         )
-        parts = urlsplit(mock.base_url)
         router = respx.MockRouter(using="httpx", assert_all_called=False)
-        where: dict[str, Any] = {"scheme": parts.scheme, "host": parts.hostname}
-        if parts.port is not None:
-            where["port"] = parts.port
-        router.route(**where).mock(side_effect=mock.side_effect)
+        urls = [mock.base_url] + ([PRODUCTION_BASE_URL] if intercept_production else [])
+        for url in urls:
+            parts = urlsplit(url)
+            where: dict[str, Any] = {"scheme": parts.scheme, "host": parts.hostname}
+            if parts.port is not None:
+                where["port"] = parts.port
+            router.route(**where).mock(side_effect=mock.side_effect)
         router.route().pass_through()  # every other URL goes out as usual
         env: dict[str, str | None] = {}
         if set_env:
