@@ -349,9 +349,9 @@ class WireMiddleware:
         if fault.kind == "status":
             await _respond(send, fault.status, _fault_body(fault, ex.endpoint), fault.retry_after)
         elif fault.kind == "try_again":
-            rid = _json_field(ex.body, "request_id") or ""
-            await _respond(send, 200, {"type": "try_again", "request_id": rid,
-                                       "queue_state": "active"})  # fmt: skip
+            from tinker_sr.wire.messages import try_again
+
+            await _respond(send, 200, try_again(_json_field(ex.body, "request_id") or ""))
         elif fault.kind in ("reset", "timeout"):
             await self._transport_fault(fault.kind, ex.endpoint, receive, raw_send)
         else:
