@@ -189,8 +189,10 @@ def test_rl_train_async_off_policy_stable_reinforce(
     rows = check_steps(log, 3, ("optim/lr",))
     assert all(r["tokens/trained"] > 0 for r in rows)
     # The first groups_per_batch * (max_steps_off_policy + 1) = 4 rollouts all start on the
-    # initial weights, so step 1 trains on data one step stale; the cap of 1 holds throughout.
-    assert [r["async/staleness_max"] for r in rows][1:] == [1, 1]
+    # initial weights, so step 1 trains on data one step stale; the cap of 1 holds throughout
+    # (step 2's staleness depends on when its rollouts started, so only the cap is checked).
+    staleness = [r["async/staleness_max"] for r in rows]
+    assert staleness[1] == 1 and max(staleness) == 1, staleness
     check_rl_sampling(log, model)
 
 
