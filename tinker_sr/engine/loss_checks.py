@@ -105,6 +105,14 @@ def _first_true(mask: torch.Tensor) -> int:
 
 def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) -> None:
     tt = d.target_tokens
+    _check_targets(i, loss_fn, tt, vocab_size)
+    _check_inputs(i, loss_fn, d, tt)
+    _check_provenance_fields(i, d, tt.shape[0], vocab_size)
+    if loss_fn == "stable_reinforce":
+        _validate_stable_reinforce_datum(i, d)
+
+
+def _check_targets(i: int, loss_fn: str, tt: torch.Tensor, vocab_size: int | None) -> None:
     if not isinstance(tt, torch.Tensor):
         raise EngineUserError(f"datum {i}: target_tokens must be a tensor")
     if tt.dtype.is_floating_point or tt.dtype.is_complex or tt.dtype == torch.bool:
@@ -132,8 +140,10 @@ def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) 
             f"datum {i}: target_tokens holds token {int(tt.reshape(-1)[t])} at flat index {t} "
             f"but the vocabulary has {vocab_size} tokens"
         )
-    n = tt.shape[0]
 
+
+def _check_inputs(i: int, loss_fn: str, d: LossDatum, tt: torch.Tensor) -> None:
+    n = tt.shape[0]
     required = _REQUIRED_INPUTS[loss_fn]
     accepted = _accepted_inputs(loss_fn)
     for key in required:
@@ -184,6 +194,10 @@ def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) 
             "undefined; mark the sampled tokens with 1"
         )
 
+
+def _check_provenance_fields(i: int, d: LossDatum, n: int, vocab_size: int | None) -> None:
+    """The validator's ``sampled_mask`` and ``draws`` (a mismatch is a backend bug, but say
+    where)."""
     if d.sampled_mask is not None:
         sm = d.sampled_mask
         if not isinstance(sm, torch.Tensor) or sm.dtype != torch.bool or sm.shape != (n,):
@@ -207,9 +221,6 @@ def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) 
                 f"datum {i}: recorded stability draws hold token ids >= the vocabulary size "
                 f"{vocab_size}; the sequence was sampled from a different model"
             )
-
-    if loss_fn == "stable_reinforce":
-        _validate_stable_reinforce_datum(i, d)
 
 
 def _validate_stable_reinforce_datum(i: int, d: LossDatum) -> None:
