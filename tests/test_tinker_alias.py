@@ -195,3 +195,52 @@ def test_run_module_and_exit_codes(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no module named 'mypkg.nope'" in missing.stderr
     no_file = run(tmp_path, ["nope.py"])
     assert no_file.returncode == 2 and "can't open file 'nope.py'" in no_file.stderr
+
+
+SPAWNS = """
+import multiprocessing as mp
+import subprocess
+import sys
+
+import tinker
+
+
+def child(_: int) -> str:
+    import tinker
+    from tinker.types.tensor_data import TensorData
+
+    return f"{tinker.__name__} {TensorData.__module__}"
+
+
+if __name__ == "__main__":
+    with mp.get_context("spawn").Pool(1) as pool:
+        print("spawn:", pool.map(child, [0])[0])
+    code = "import os, tinker; print(tinker.__name__, os.getpid())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    print("subprocess:", out.stdout.strip())
+"""
+
+
+def test_started_interpreters_alias_tinker_too(tmp_path: Path) -> None:
+    """Subprocesses and multiprocessing spawn workers of a `tinker-sr run` program get tinker_sr
+    (through the sitecustomize hook), and a sitecustomize the hook shadows still runs."""
+    theirs = tmp_path / "their_site"
+    theirs.mkdir()
+    log = tmp_path / "their_site.log"
+    (theirs / "sitecustomize.py").write_text(
+        f"import os\nwith open({str(log)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+    )
+    write(tmp_path / "spawns.py", SPAWNS)
+    env_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(theirs), env_path]))
+    try:
+        proc = run(tmp_path, [str(tmp_path / "spawns.py")])
+    finally:
+        if env_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env_path
+    assert proc.returncode == 0, proc.stderr
+    assert "spawn: tinker_sr tinker_sr.types.tensor_data" in proc.stdout
+    child = proc.stdout.split("subprocess: tinker_sr ")[1].split()[0]
+    assert child in log.read_text().split(), "the shadowed sitecustomize did not run in the child"

@@ -206,6 +206,16 @@ def install_as_tinker() -> None:
     sys.meta_path.insert(0, _TinkerFinder())
 
 
+def _alias_started_interpreters() -> None:
+    """Make interpreters the program starts (subprocesses, multiprocessing spawn workers) alias
+    tinker too: through ``_as_tinker/sitecustomize.py``, first on their ``PYTHONPATH``."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hook = os.path.join(package_parent, "tinker_sr", "_as_tinker")
+    rest = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, package_parent, rest]))
+    os.environ["TINKER_SR_AS_TINKER"] = "1"
+
+
 class LaunchError(Exception):
     """The program to run was not found (raised before any of it runs)."""
 
@@ -214,6 +224,7 @@ def run_program(target: str, argv: Sequence[str], *, module: bool) -> None:
     """Run a script (``python script.py argv...``) or a module (``python -m target argv...``)
     as ``__main__`` with tinker resolved to tinker_sr. Its `SystemExit` propagates."""
     install_as_tinker()
+    _alias_started_interpreters()
     sys.argv = [target, *argv]  # run_module replaces argv[0] with the module's path, as -m does
     if module:
         sys.path.insert(0, os.getcwd())
