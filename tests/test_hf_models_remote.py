@@ -38,9 +38,14 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, hub_cache: Path) -> Iterator[ServerProcess]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, hub_cache: Path, model_dir: Path
+) -> Iterator[ServerProcess]:
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
-    with running_server(tmp_path_factory.mktemp("store"), env=env) as srv:
+    # A server loads only the model directories its operator names (issue 10, item 12);
+    # Hub names in its cache need no flag.
+    flags = ["--model-dir", str(model_dir)]
+    with running_server(tmp_path_factory.mktemp("store"), env=env, extra_args=flags) as srv:
         yield srv
 
 

@@ -265,17 +265,22 @@ def test_stable_reinforce_needs_a_sampled_span_in_the_loss_spans() -> None:
 
 
 def test_stable_reinforce_needs_every_sampled_token_covered_once() -> None:
-    lookup = Lookup(record(prompt=PROMPT + SAMPLED[:1]))
+    lookup = Lookup(record())
     d = canonical()
-    # Last two sampled tokens only: token 0 of the sequence is claimed as a prompt token.
+    # Last two sampled tokens only: the row predicting sampled token 0 is claimed as a prompt
+    # position (each sampled token still follows the context it was sampled in).
+    d.input_tokens = np.asarray(PROMPT + SAMPLED[:2], np.int64)
+    d.model_input_spans = [P(sequence_id="s1", length=4), S(sequence_id="s1", length=2)]
     d.loss_fn_input_spans = [
-        P(sequence_id="s1", offset=1, length=4),
+        P(sequence_id="s1", offset=1, length=3),
+        P(sequence_id="s1", length=1),
         S(sequence_id="s1", offset=1, length=2),
     ]
     d.target_tokens = np.asarray([0, 0, 0, 0, 22, 23], np.int64)
+    d.advantages = np.asarray([0, 0, 0, 0, 1, 1], np.float32)
     rejects(
         [d],
-        "datum 0: loss_fn_input_spans span 1 (SampledProvenanceSpan sequence_id='s1', offset=1, "
+        "datum 0: loss_fn_input_spans span 2 (SampledProvenanceSpan sequence_id='s1', offset=1, "
         "length=2): sampled token 0 of sequence 's1' is not covered (2 of 3 sampled tokens are); "
         "stable_reinforce trains on whole sampled sequences",
         lookup=lookup,
@@ -283,21 +288,22 @@ def test_stable_reinforce_needs_every_sampled_token_covered_once() -> None:
     assert run([d], lookup=lookup, loss_fn="importance_sampling")[0] is not None
 
 
-def test_stable_reinforce_rejects_a_sampled_token_covered_twice() -> None:
+def test_a_sampled_token_trained_twice_is_rejected_by_its_context() -> None:
+    # The second copy of sampled token 2 follows 7 tokens; it was sampled after 6. (Covering a
+    # token twice always puts one copy in a context it was not sampled in.)
     d = canonical()
-    d.target_tokens = np.asarray([0, 21, 22, 23, 23, 0], np.int64)
+    d.input_tokens = np.asarray(PROMPT + SAMPLED, np.int64)
+    d.model_input_spans = [P(sequence_id="s1", length=4), S(sequence_id="s1", length=3)]
+    d.target_tokens = np.asarray([0, 0, 0, 21, 22, 23, 23], np.int64)
+    d.advantages = np.asarray([0, 0, 0, 1, 1, 1, 1], np.float32)
     d.loss_fn_input_spans = [
-        P(sequence_id="s1", offset=1, length=1),
+        P(sequence_id="s1", offset=1, length=3),
         S(sequence_id="s1", length=3),
         S(sequence_id="s1", offset=2, length=1),
-        P(sequence_id="s1", offset=1, length=1),
     ]
-    rejects(
-        [d],
-        "datum 0: loss_fn_input_spans span 2 (SampledProvenanceSpan sequence_id='s1', offset=2, "
-        "length=1): sampled token 2 of sequence 's1' is already covered by an earlier span; "
-        "cover each sampled token exactly once",
-    )
+    for loss_fn in ("stable_reinforce", "importance_sampling"):
+        with pytest.raises(EngineUserError, match="span 2 .*trained after 7 model_input tokens"):
+            run([d], loss_fn=loss_fn)
 
 
 def test_stable_reinforce_needs_stability_info_where_advantage_is_nonzero() -> None:

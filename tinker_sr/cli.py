@@ -6,7 +6,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
+
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -20,7 +23,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         store=args.store,
         api_keys=keys or None,
-        max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         long_poll_s=args.long_poll_s,
         features=ServerFeatures(
@@ -29,6 +31,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             two_d_targets=not args.only_1d_targets,
             sample_topk=not args.ignore_topk_sample_logprobs,
         ),
+        limits=limits_from_args(args),
+        model_aliases=model_aliases_from_args(args),
     )
     return 0
 
@@ -89,7 +93,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    from tinker_sr.server.app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES
+    from tinker_sr.server.app import DEFAULT_LONG_POLL_S
 
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
@@ -105,11 +109,29 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--api-keys", default=None, help="comma-separated form of --api-key")
     s.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest accepted request body (default {DEFAULT_MAX_BODY_BYTES})",
+        "--model-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve this local Hugging Face model directory, as base_model DIR or its folder "
+        "name (repeatable). Requests cannot name directories themselves",
     )
+    s.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME=TARGET",
+        help="serve base_model NAME as TARGET, a built-in model or a local directory "
+        "(repeatable; also $TINKER_SR_MODEL_ALIASES)",
+    )
+    for limit in fields(Limits):  # one flag per limit: engine/limits.py is the one place
+        default = getattr(DEFAULT_LIMITS, limit.name)
+        s.add_argument(
+            "--" + limit.name.replace("_", "-"),
+            type=int,
+            default=default,
+            help=f"{Limits.help(limit.name)} (default {default})",
+        )
     s.add_argument("--log-level", default="info")
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
     f = s.add_argument_group(
@@ -136,6 +158,30 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="return no topk_sample_logprobs (ignored silently)",
     )
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    try:
+        return Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    except ValueError as e:
+        raise SystemExit(f"tinker-sr serve: {e}") from None
+
+
+def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
+    from tinker_sr.engine.registry import parse_aliases
+
+    aliases: dict[str, str] = {}
+    for d in args.model_dir:
+        path = os.path.abspath(d)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"tinker-sr serve: --model-dir {d}: no config.json in {path}")
+        for name in (d, path, os.path.basename(path.rstrip(os.sep))):
+            aliases[name] = path
+    try:
+        aliases.update(parse_aliases(",".join(args.model_alias)))
+    except ValueError as e:
+        raise SystemExit(f"tinker-sr serve: --model-alias: {e}") from None
+    return aliases
 
 
 def build_parser() -> argparse.ArgumentParser:

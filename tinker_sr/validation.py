@@ -15,6 +15,7 @@ from typing import Any
 
 from tinker_sr import types
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 
 TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 """Checkpoint time-to-live bounds in seconds: 1 hour to 10 years (``None``: never expires)."""
@@ -73,14 +74,9 @@ def check_copy_weights(
     check_ttl(ttl_seconds)
 
 
-MAX_SAMPLES_PER_REQUEST = 4096
-
-
-def check_num_samples(num_samples: int) -> None:
-    if not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
-        raise EngineUserError(
-            f"num_samples must be in 1..{MAX_SAMPLES_PER_REQUEST}, got {num_samples}"
-        )
+def check_num_samples(num_samples: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """1 to ``limits.max_num_samples`` (the server checks it before it lists sequence ids)."""
+    limits.check_num_samples(num_samples)
 
 
 def sequence_ids(sampler_id: str, seq_id: int, num_samples: int, tag: str) -> list[str]:
@@ -142,3 +138,42 @@ def adam_values(p: Any) -> dict[str, float]:
     if p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
         raise EngineUserError("AdamParams.eps must be > 0; weight_decay and grad_clip_norm >= 0")
     return vals
+
+
+def check_user_metadata(metadata: object, what: str) -> None:
+    """``user_metadata`` is a str -> str mapping, as the official SDK types it everywhere it is
+    read back (runs, checkpoints, sessions): anything else would break those listings."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise EngineUserError(
+            f"{what}: user_metadata must be a dict of str -> str, got {type(metadata).__name__}"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise EngineUserError(
+                f"{what}: user_metadata[{key!r}] = {value!r:.40}: keys and values must be "
+                "strings; convert them, e.g. with str() or json.dumps()"
+            )
+
+
+def check_tags(tags: object) -> list[str]:
+    """Session ``tags``: a list of strings (kept with the session), deduplicated in order."""
+    if isinstance(tags, str) or not isinstance(tags, list | tuple):
+        raise EngineUserError(f"create_session: tags must be a list of str, got {tags!r:.40}")
+    for tag in tags:
+        if not isinstance(tag, str):
+            raise EngineUserError(f"create_session: tags must be strings, got {tag!r:.40}")
+    return list(dict.fromkeys(tags))
+
+
+INFLIGHT_UNSUPPORTED = (
+    "kind 'inflight' (samplers that follow later weight updates) is not supported; use the "
+    "default kind 'snapshot'"
+)
+
+
+def check_sampler_kind(kind: str, what: str) -> None:
+    """Only ``"snapshot"`` samplers exist here; refused alike by clients and server."""
+    if kind == "inflight":
+        raise EngineUserError(f"{what}: {INFLIGHT_UNSUPPORTED}")

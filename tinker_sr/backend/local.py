@@ -39,6 +39,7 @@ from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import parse_dtype
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder
@@ -89,7 +90,13 @@ class LocalBackend:
         sampler_staleness: int = 0,
         persistent: bool = True,
         torch_threads: int | None = None,
+        limits: Limits | None = None,
+        request_model_paths: bool = True,
     ) -> None:
+        """``limits``: the size limits every request is held to (`engine.limits.Limits`;
+        ``tinker-sr serve`` sets them from its flags). ``request_model_paths``: may
+        ``base_model`` name a local directory (False on a server: only aliases may)."""
+        self.limits = limits if limits is not None else DEFAULT_LIMITS
         self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
@@ -101,6 +108,7 @@ class LocalBackend:
             model_dtype=parse_dtype(
                 model_dtype or os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "model_dtype"
             ),
+            request_paths=request_model_paths,
         )
         if sampler_staleness < 0:
             raise ValueError(f"sampler_staleness must be >= 0, got {sampler_staleness}")
@@ -109,7 +117,7 @@ class LocalBackend:
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
-        self._ordering = SeqOrdering()
+        self._ordering = SeqOrdering(self.limits)
         self._closed = False
 
     @property
@@ -136,10 +144,18 @@ class LocalBackend:
             raise
         except Exception as e:  # an engine bug: report it as a server-side failure
             raise RequestFailedError(
-                f"Request failed: internal error: {type(e).__name__}: {e}",
+                f"Request failed: internal error: {type(e).__name__}: {self._hide_paths(e)}",
                 request_id=uuid.uuid4().hex,
                 category=types.RequestErrorCategory.Server,
             ) from e
+
+    def _hide_paths(self, e: Exception) -> str:
+        """An error's text without this engine's store path: a server must not tell its
+        clients where (or how) it keeps its files."""
+        text = str(e)
+        for path in {str(self.store_dir.resolve()), str(self.store_dir)}:
+            text = text.replace(path, "<store>")
+        return text
 
     async def _in_order(self, model_id: str, seq_id: int, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker when every earlier ``seq_id`` of ``model_id`` has finished."""
@@ -178,8 +194,16 @@ class LocalBackend:
         display_name: str | None = None,
         tags: Sequence[str] = (),
     ) -> str:
+        try:
+            validation.check_user_metadata(user_metadata, "create_session")
+            tag_list = validation.check_tags(tags)
+        except EngineUserError as e:
+            raise _user(str(e)) from None
         return self._add_session(
-            user_metadata=user_metadata, project_id=project_id, display_name=display_name
+            user_metadata=user_metadata,
+            project_id=project_id,
+            display_name=display_name,
+            tags=tag_list,
         )
 
     def _add_session(
@@ -188,6 +212,7 @@ class LocalBackend:
         user_metadata: Mapping[str, str] | None,
         project_id: str | None,
         display_name: str | None,
+        tags: list[str] | None = None,
     ) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         self.store.add_session(
@@ -195,6 +220,7 @@ class LocalBackend:
             user_metadata=dict(user_metadata or {}),
             project_id=project_id,
             display_name=display_name,
+            tags=tags,
         )
         return session_id
 
@@ -236,6 +262,7 @@ class LocalBackend:
         return model_id
 
     def _register_trainer(self, trainer: Trainer, user_metadata: Mapping[str, str] | None) -> None:
+        validation.check_user_metadata(user_metadata, "create_model")
         training.start_history(trainer, self.sampler_staleness)
         self.models.register_trainer(trainer)
         self._ordering.add(trainer.model_id)
@@ -263,6 +290,7 @@ class LocalBackend:
             validation.check_optimizer_config(optimizer_config)
             model_id = self._new_model_id(session_id, model_seq_id)
             resolved = self.models.resolve_model(base_model)
+            self.limits.check_lora_rank(lora_config.rank)
             spec = training.lora_spec(lora_config)
             model, optim = self.models.new_trainable(resolved, spec)
             self._register_trainer(
@@ -334,7 +362,7 @@ class LocalBackend:
             model_id,
             seq_id,
             lambda t: training.forward_backward(
-                t, self.store, data, loss_fn, loss_fn_config, forward_only
+                t, self.store, data, loss_fn, loss_fn_config, forward_only, self.limits
             ),
         )
 
@@ -360,6 +388,7 @@ class LocalBackend:
         user_metadata: Mapping[str, str] | None,
     ) -> str:
         """Checkpoint ``t``: training state (``weights``) or current adapters (``sampler_weights``)."""
+        validation.check_user_metadata(user_metadata, f"save ({segment})")
         tensors = training.state_tensors(t) if segment == "weights" else training.sampler_tensors(t)
         return self.checkpoints.write(
             t.model_id,
@@ -503,6 +532,7 @@ class LocalBackend:
                 req,
                 tokenizer=self.models.tokenizer(self.models.sampler(sampler_id).base_model),
                 recorder=self._recorder,
+                limits=self.limits,
             )
 
         return await self._run(work)

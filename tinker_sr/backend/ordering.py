@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 
 T = TypeVar("T")
 
@@ -42,8 +43,9 @@ class _Order:
 class SeqOrdering:
     """The ``seq_id`` order of every live model."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self._orders: dict[str, _Order] = {}
+        self._limits = limits
 
     def add(self, model_id: str) -> None:
         self._orders[model_id] = _Order()
@@ -65,6 +67,8 @@ class SeqOrdering:
                     f"seq_id {seq_id} for model {model_id} was already executed (next is "
                     f"{order.next_seq}); every training request needs a fresh seq_id"
                 )
+            # A number far ahead could only wait forever for the ones in between.
+            self._limits.check_seq_ahead(model_id, seq_id, order.next_seq)
             await cond.wait_for(lambda: order.next_seq == seq_id)
         try:
             return await fn()

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import random
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker_sr import types
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.futures import BackcompatConcurrentFuture
+
+T = TypeVar("T")
+_MAX_RETRIES = 8  # transient failures retried per call before the error is raised
 
 if TYPE_CHECKING:
     from tinker_sr.lib.retry_handler import RetryConfig
@@ -43,7 +49,8 @@ class SamplingClient:
         # The service's tokenizer id when known (a sampler made from a training client).
         self._tokenizer_id = tokenizer_id
         self.record_stability_info = bool(record_stability_info)
-        self.retry_config = retry_config
+        self.retry_config = retry_config  # honoured by every sample call (_retrying)
+        self._gate: asyncio.Semaphore | None = None
         self._seq = itertools.count(seq_base)
         self._lock = threading.Lock()
 
@@ -68,6 +75,12 @@ class SamplingClient:
         """``num_samples`` independent completions of ``prompt``; every sequence carries its
         ``sequence_id``, tokens and sampled-token logprobs."""
         self.holder.check_open()
+        # Coerce and check as the official SDK does (it builds this request model first):
+        # num_samples "2" -> 2 and a dict of sampling params are accepted, a list prompt is not.
+        req = types.SampleRequest(
+            num_samples=num_samples, prompt=prompt, sampling_params=sampling_params
+        )
+        num_samples, prompt, sampling_params = req.num_samples, req.prompt, req.sampling_params
         if target_prompt_logprobs is not None:
             if target_prompt_logprobs.dtype != "int64":
                 raise ValueError("target_prompt_logprobs must have dtype int64")
@@ -95,19 +108,22 @@ class SamplingClient:
         seq_ids = [seq_id]  # a retry (without the top-k the lowering added) takes a new one
 
         async def sample(topk: int) -> types.SampleResponse:
-            return await backend.sample(
-                self.sampler_id,
-                seq_ids.pop() if seq_ids else self._next_seq(),
-                prompt=prompt,
-                num_samples=num_samples,
-                sampling_params=sampling_params,
-                include_prompt_logprobs=include_prompt_logprobs,
-                topk_prompt_logprobs=topk_prompt_logprobs,
-                topk_sample_logprobs=topk,
-                target_prompt_logprobs=target_prompt_logprobs,
-                prompt_alt_tokens_k=prompt_alt_tokens_k,
-                prompt_logprobs_last_n=prompt_logprobs_last_n,
-                record_stability_info=self.record_stability_info,
+            seq = seq_ids.pop() if seq_ids else self._next_seq()
+            return await self._retrying(  # transient failures retry the same seq
+                lambda: backend.sample(
+                    self.sampler_id,
+                    seq,
+                    prompt=prompt,
+                    num_samples=num_samples,
+                    sampling_params=sampling_params,
+                    include_prompt_logprobs=include_prompt_logprobs,
+                    topk_prompt_logprobs=topk_prompt_logprobs,
+                    topk_sample_logprobs=topk,
+                    target_prompt_logprobs=target_prompt_logprobs,
+                    prompt_alt_tokens_k=prompt_alt_tokens_k,
+                    prompt_logprobs_last_n=prompt_logprobs_last_n,
+                    record_stability_info=self.record_stability_info,
+                )
             )
 
         async def run() -> types.SampleResponse:
@@ -137,6 +153,44 @@ class SamplingClient:
             topk_prompt_logprobs=k,
         )
         return r.topk_prompt_logprobs_np
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` under this client's `RetryConfig` (the default one when None, as in the
+        official SDK): at most ``max_connections`` at once, transient errors retried with
+        jittered exponential backoff, and a call with no answer for ``progress_timeout``
+        seconds reported as stuck. Retries reuse the request's seq_id: the service answers a
+        repeated (sampler, seq_id) with the same result, so nothing is sampled twice."""
+        import httpx
+
+        from tinker_sr.errors import APIConnectionError, APIStatusError
+        from tinker_sr.lib.retry_handler import RetryConfig, is_retryable_status_code
+
+        cfg = self.retry_config or RetryConfig()
+        if self._gate is None and cfg.max_connections is not None:
+            self._gate = asyncio.Semaphore(cfg.max_connections)
+        attempt = 0
+        while True:
+            try:
+                async with self._gate or contextlib.nullcontext():
+                    if not cfg.enable_stuck_detection:
+                        return await call()
+                    try:
+                        return await asyncio.wait_for(call(), cfg.progress_timeout)
+                    except TimeoutError:
+                        raise APIConnectionError(
+                            httpx.Request("POST", "sample"),
+                            f"No progress for {cfg.progress_timeout} s. Requests appear to be "
+                            "stuck.",
+                        ) from None
+            except Exception as e:
+                transient = isinstance(e, cfg.retryable_exceptions) or (
+                    isinstance(e, APIStatusError) and is_retryable_status_code(e.status_code)
+                )
+                if not (cfg.enable_retry_logic and transient) or attempt >= _MAX_RETRIES:
+                    raise
+            delay = min(cfg.retry_delay_base * 2**attempt, cfg.retry_delay_max)
+            await asyncio.sleep(delay * (1 + cfg.jitter_factor * random.random()))
+            attempt += 1
 
     def compute_logprobs(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
@@ -239,7 +239,10 @@ class TrainingClient:
                 loss_fn_input_spans=d.loss_fn_input_spans,
             )
 
-        async def body(s: list[int]) -> types.ForwardBackwardOutput:
+        async def body(turn: _Turn) -> types.ForwardBackwardOutput:
+            # Like the official SDK, a failed custom loss poisons the client. The backward's
+            # number is taken only once the loss has succeeded, so a failure leaves no gap
+            # for the backend to wait on (queued calls then see the poison and take none).
             try:
                 fwd_data = []
                 for d in data:
@@ -249,8 +252,9 @@ class TrainingClient:
                         w = types.TensorData.from_torch(torch.zeros(shape, dtype=torch.float32))
                     fwd_data.append(ce_copy(d, w))
                 fwd = await backend.forward_backward(
-                    self.model_id, s[0], fwd_data, "cross_entropy", None, forward_only=True
-                )
+                    self.model_id, turn.take(1)[0], fwd_data, "cross_entropy", None,
+                    forward_only=True,
+                )  # fmt: skip
                 logprobs = [
                     out["logprobs"].to_torch().float().clone().requires_grad_(True)
                     for out in fwd.loss_fn_outputs
@@ -269,9 +273,15 @@ class TrainingClient:
             except BaseException:
                 self._poisoned = True
                 raise
-            out = await backend.forward_backward(
-                self.model_id, s[1], bwd_data, "cross_entropy", None, forward_only=False
-            )
+            bwd = asyncio.ensure_future(
+                backend.forward_backward(
+                    self.model_id, turn.take(1)[0], bwd_data, "cross_entropy", None,
+                    forward_only=False,
+                )
+            )  # fmt: skip
+            await asyncio.sleep(0)  # issued: later calls may now issue theirs
+            turn.release()
+            out = await bwd
             metrics = dict(out.metrics)
             metrics["surrogate_loss:sum"] = metrics.get("loss:sum", 0.0)
             metrics.update({k: float(v) for k, v in user_metrics.items()})
@@ -282,7 +292,7 @@ class TrainingClient:
                 metrics=metrics,
             )
 
-        return self._api(2, body)
+        return AwaitableConcurrentFuture(self._submit_turn(body))
 
     def _check_handle_session(self, handle: LossHandle) -> None:
         """A `LossHandle` works only for clients of the session that created it."""
@@ -384,6 +394,8 @@ class TrainingClient:
             )
         if kind not in ("snapshot", "inflight"):
             raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
+        # Refused here with the server's own words (it refuses the SDK's request alike).
+        validation.check_sampler_kind(kind, "save_weights_and_get_sampling_client")
         backend = self.holder.backend
         sampling_seq = self.holder.next_sampling_session_seq_id()
 
@@ -427,7 +439,7 @@ class TrainingClient:
             "TrainingClient.load_state is deprecated; use "
             "ServiceClient.create_training_client_from_state instead"
         )
-        return self._load(path, with_optimizer=False)
+        return self._load(path, with_optimizer=False, weights_access_token=weights_access_token)
 
     def load_state_with_optimizer(
         self, path: str, weights_access_token: str | None = None
@@ -436,9 +448,12 @@ class TrainingClient:
             "TrainingClient.load_state_with_optimizer is deprecated; use "
             "ServiceClient.create_training_client_from_state_with_optimizer instead"
         )
-        return self._load(path, with_optimizer=True)
+        return self._load(path, with_optimizer=True, weights_access_token=weights_access_token)
 
-    def _load(self, path: str, *, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+    def _load(
+        self, path: str, *, with_optimizer: bool, weights_access_token: str | None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        validation.check_no_access_token(weights_access_token, "load_weights")  # as the server
         types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         backend = self.holder.backend
         return self._api(

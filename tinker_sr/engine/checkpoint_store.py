@@ -29,10 +29,27 @@ from tinker_sr.validation import expiry
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
+MAX_NAME_BYTES = 200
+"""A checkpoint name is a file name (plus ``.safetensors``): file systems allow 255 bytes."""
+
+
 def check_name(name: str) -> None:
-    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+    """1 to MAX_NAME_BYTES bytes of UTF-8 text, no separators, control characters (NUL) or
+    dot-only names: a name is a file name on the server, and must stay one file name."""
+    try:
+        size = len(name.encode("utf-8"))
+    except (UnicodeEncodeError, AttributeError):
+        size = -1
+    bad = (
+        size < 1
+        or size > MAX_NAME_BYTES
+        or name in (".", "..")
+        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+    )
+    if bad:
         raise EngineUserError(
-            f"checkpoint name {name!r} is invalid: use 1-200 characters without '/'"
+            f"checkpoint name {name!r:.60} is invalid: use 1-{MAX_NAME_BYTES} bytes of UTF-8 "
+            "text without '/', '\\' or control characters (such as NUL), not '.' or '..'"
         )
 
 

@@ -75,6 +75,12 @@ def resolve_model_dir(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path
     path = Path(name).expanduser()
     if is_model_dir(path, markers):
         return path.resolve()
+    return cached_hub_model(name, markers)
+
+
+def cached_hub_model(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path | None:
+    """The snapshot of Hub name `name` (``org/model[@revision]``) in the local Hugging Face
+    cache, or None; never a path given as `name` (what a server may resolve for a client)."""
     repo_id, _, revision = name.partition("@")
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return None

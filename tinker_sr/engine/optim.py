@@ -67,6 +67,18 @@ class Adam:
         for _, p in self.params:
             p.grad = None
 
+    def grads(self) -> list[Tensor | None]:
+        """A copy of the accumulated gradients, for `restore_grads` if a backward pass must be
+        undone (it produced non-finite values)."""
+        return [None if p.grad is None else p.grad.clone() for _, p in self.params]
+
+    def restore_grads(self, grads: Sequence[Tensor | None]) -> None:
+        for (_, p), g in zip(self.params, grads, strict=True):
+            p.grad = g
+
+    def grads_finite(self) -> bool:
+        return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for _, p in self.params)
+
     def grad_norm(self) -> float:
         grads = [p.grad for _, p in self.params if p.grad is not None]
         if not grads:
@@ -79,15 +91,18 @@ class Adam:
     def step(self, hp: AdamHParams, *, zero_grad: bool = True) -> dict[str, float]:
         """Apply one update from the accumulated gradients, then (by default) clear them.
 
-        A non-finite gradient norm raises EngineUserError before anything changes.
+        A non-finite gradient norm raises EngineUserError: the gradients are discarded (so the
+        next forward_backward + optim_step work normally) and nothing else changes.
         """
         hp.validate()
         norm = self.grad_norm()
         if not math.isfinite(norm):
+            self.zero_grad()
             raise EngineUserError(
-                f"optim_step: the accumulated gradient is not finite (norm {norm}); nothing was "
-                "updated. Check the loss inputs (advantages, logprobs, weights) of the last "
-                "forward_backward calls"
+                f"optim_step: the accumulated gradient is not finite (norm {norm}); it was "
+                "discarded and the weights and optimizer state are unchanged. Check the loss "
+                "inputs (advantages, logprobs, weights) of the forward_backward calls since the "
+                "last step, then run them again"
             )
         clip = 1.0
         if hp.grad_clip_norm > 0:  # same arithmetic as torch.nn.utils.clip_grad_norm_

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
-from tinker_sr.engine.hf import load_model_dir, not_found_hint, resolve_model_dir
+from tinker_sr.engine.hf import cached_hub_model, load_model_dir, not_found_hint, resolve_model_dir
 from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -153,8 +153,15 @@ class ModelRegistry:
         model_dtype: torch.dtype | None = None,
         merged_budget_bytes: int | None = None,
         adapter_budget_bytes: int | None = None,
+        request_paths: bool = True,
     ) -> None:
+        """``request_paths``: may a request's ``base_model`` name a local directory? Yes for
+        the embedded engine (the caller owns the machine); a server says no, so a client can
+        neither load nor probe the server's files: its directories come only from the
+        operator's aliases (``tinker-sr serve --model-dir/--model-alias``), and a request
+        may name only built-ins, aliases and Hub names cached on the server."""
         self.aliases = dict(aliases)
+        self.request_paths = request_paths
         # None: samplers keep the base model's dtype; HF directories load in their
         # checkpoint's dtype unless model_dtype is set (built-ins are float32).
         self.sampler_dtype = sampler_dtype
@@ -191,9 +198,20 @@ class ModelRegistry:
         a Hub name found in the local Hugging Face cache; see `tinker_sr.engine.hf`)."""
         if name in BUILTIN_CONFIGS:
             return name
-        target = self.aliases.get(name) or self.aliases.get("*") or name
+        alias = self.aliases.get(name) or self.aliases.get("*")
+        target = alias or name
         if target in BUILTIN_CONFIGS:
             return target
+        if alias is None and not self.request_paths:
+            # Same answer whether or not such a directory exists: no file-system oracle.
+            cached = cached_hub_model(target)
+            if cached is not None:
+                return str(cached)
+            raise EngineUserError(
+                f"base_model {name!r} is not available on this server. Available: "
+                f"{', '.join(self.available_models())}. The server's operator adds models "
+                "with `tinker-sr serve --model-dir DIR` or `--model-alias NAME=TARGET`."
+            )
         found = resolve_model_dir(target)
         if found is not None:
             return str(found)

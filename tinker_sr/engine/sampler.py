@@ -16,7 +16,10 @@ Every output of `generate` refers to this one q:
   uniforms from the row's independent "draws" stream (never the token's uniform).
 
 temperature == 0 is greedy: q is a point mass on the argmax, logprobs are 0.0 and every
-draw equals the chosen token.
+draw equals the chosen token. So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
+the limit of q as the temperature falls to 0, and dividing logits by a smaller number would
+overflow float32 to inf and make q NaN. top_p always keeps the most likely token, however
+small top_p is.
 
 Randomness is counter-based: row i of a request with seed s uses generators seeded from
 hash(s, i, "token") and hash(s, i, "draws"), so the same seed gives bit-identical tokens,
@@ -40,6 +43,7 @@ from tinker_sr.engine.model import Transformer, _stable_seed
 from tinker_sr.engine.stops import StopStrings
 
 TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
+GREEDY_BELOW_TEMPERATURE = 1e-6  # temperatures below this sample greedily (module docstring)
 
 
 @dataclass
@@ -70,8 +74,10 @@ def sampling_logprobs(logits: Tensor, temperature: float, top_k: int, top_p: flo
         return z.log_softmax(-1)
     if top_p < 1.0:
         p = vals.softmax(-1)
-        before = p.cumsum(-1) - p  # mass strictly ahead of each token; the first one is kept
-        vals = vals.masked_fill(before >= top_p, -math.inf)
+        before = p.cumsum(-1) - p  # mass strictly ahead of each token
+        drop = before >= top_p
+        drop[..., 0] = False  # the first is always kept (a tiny top_p rounds to 0 in float32)
+        vals = vals.masked_fill(drop, -math.inf)
     kept = torch.full_like(z, -math.inf).scatter_(-1, idx, vals)
     return kept.log_softmax(-1)
 
@@ -179,7 +185,7 @@ def generate(
         stop_token_ids, stop_strings, token_bytes, stability_k, top_k_logprobs,
     )  # fmt: skip
     n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
-    greedy = temperature == 0
+    greedy = temperature < GREEDY_BELOW_TEMPERATURE
     u_tok = torch.stack(
         [torch.rand(max_tokens, dtype=torch.float64, generator=_row_generator(seed, i, "token"))
          for i in range(n)]
@@ -332,7 +338,7 @@ def prompt_alt_tokens(
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
     _check_tokens(tokens, model.config.vocab_size, "prompt")
     logits = model(torch.tensor([list(tokens)]))[0, :-1]
-    if temperature == 0:
+    if temperature < GREEDY_BELOW_TEMPERATURE:
         ids = logits.argmax(-1, keepdim=True).expand(-1, k)
         return ids.numpy().astype(np.int64), np.zeros(ids.shape, dtype=np.float32)
     logq = sampling_logprobs(logits, temperature, -1, 1.0)

@@ -19,6 +19,7 @@ import numpy as np
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import Sampler
 from tinker_sr.engine.store import Store
@@ -111,11 +112,12 @@ def sample(
     *,
     tokenizer: StopTokenizer,
     recorder: SequenceRecorder,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> types.SampleResponse:
     """Run one sample request on ``s``; every check runs before anything is generated.
     ``tokenizer`` is the model's own: its EOS ids end a row unless ``stop=[]``, and string
     stops are matched on its per-token bytes."""
-    plan = _plan(s.model, req, tokenizer.eos_token_ids)
+    plan = _plan(s.model, req, tokenizer.eos_token_ids, limits)
     # Prompt-side extras first: they only read the prompt, and a bad request must fail
     # before any sequence is generated or recorded.
     topk_prompt, target_out, alt = _prompt_extras(s.model, req, plan)
@@ -150,16 +152,19 @@ def sample(
     )
 
 
-def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int]) -> _Plan:
+def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int], limits: Limits) -> _Plan:
+    _check_types(req)
     vocab = model.config.vocab_size
     tokens = _prompt_tokens(req.prompt, vocab)
-    validation.check_num_samples(req.num_samples)
+    validation.check_num_samples(req.num_samples, limits)
     if req.sequence_ids is not None and len(req.sequence_ids) != req.num_samples:
         raise EngineUserError(
             f"{len(req.sequence_ids)} sequence_ids given for num_samples={req.num_samples}"
         )
     sp = req.sampling_params
     max_tokens = resolve_max_tokens(sp.max_tokens, len(tokens), model.config.max_seq_len)
+    if max_tokens >= 1:  # below 1 is refused by the sampler, with its own message
+        limits.check_sample_tokens(req.num_samples, len(tokens), max_tokens)
     stop_ids, stop_strings = _stop_conditions(sp.stop, eos_ids)
     seed = sp.seed if sp.seed is not None else secrets.randbits(63)
     _check_k("topk_prompt_logprobs", req.topk_prompt_logprobs, vocab)
@@ -238,6 +243,20 @@ def _sequence(sid: str, o: engine_sampler.SampleOutput) -> types.SampledSequence
 
 
 # ---- request checks ----------------------------------------------------------------------
+def _check_types(req: SampleRequest) -> None:
+    """The embedded path gets Python objects, not parsed JSON: a wrong type is the caller's
+    error, named as such (the clients coerce what the official SDK coerces first)."""
+    expected: list[tuple[str, object, type | tuple[type, ...]]] = [
+        ("prompt", req.prompt, types.ModelInput),
+        ("sampling_params", req.sampling_params, types.SamplingParams),
+        ("num_samples", req.num_samples, (int, np.integer)),
+    ]
+    for name, value, kind in expected:
+        if not isinstance(value, kind) or isinstance(value, bool):
+            want = kind.__name__ if isinstance(kind, type) else "int"
+            raise EngineUserError(f"{name} must be a {want}, got {type(value).__name__}")
+
+
 def _check_k(field_name: str, k: int, vocab: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 0 <= k <= vocab:
         raise EngineUserError(
@@ -251,6 +270,13 @@ def _target_ids(td: types.TensorData, prompt_len: int, vocab: int) -> np.ndarray
     if td.dtype != "int64":
         raise EngineUserError(
             f"target_prompt_logprobs must be an int64 tensor of token ids, got {td.dtype}"
+        )
+    shape = td.shape
+    # Checked before densifying: a sparse [2, 10**13] would otherwise be allocated.
+    if shape is None or len(shape) != 2 or shape[0] != prompt_len - 1 or not 1 <= shape[1] <= vocab:
+        raise EngineUserError(
+            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {prompt_len - 1}, K] "
+            f"with 1 <= K <= {vocab} (row i is scored at prompt position i + 1), got {shape}"
         )
     try:
         ids = np.asarray(td.to_numpy(pad_value=-1), dtype=np.int64)

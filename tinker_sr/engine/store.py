@@ -72,6 +72,7 @@ CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
 # a column existed get it through ``ALTER TABLE ... ADD COLUMN`` when they are opened.
 _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
+    ("sessions", "tags", "TEXT"),
 )
 
 _CK_COLUMNS = (
@@ -161,13 +162,29 @@ class Store:
         user_metadata: dict[str, str] | None,
         project_id: str | None,
         display_name: str | None,
+        tags: list[str] | None = None,
     ) -> None:
         with self._lock:
             self._db.execute(
                 "INSERT INTO sessions(session_id, created_at, user_metadata, project_id,"
-                " display_name) VALUES (?,?,?,?,?)",
-                (session_id, time.time(), _json(user_metadata), project_id, display_name),
+                " display_name, tags) VALUES (?,?,?,?,?,?)",
+                (
+                    session_id,
+                    time.time(),
+                    _json(user_metadata),
+                    project_id,
+                    display_name,
+                    json.dumps(tags or []),
+                ),
             )
+
+    def session_tags(self, session_id: str) -> list[str] | None:
+        """The tags a session was created with (None: no such session)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT tags FROM sessions WHERE session_id=?", (session_id,)
+            ).fetchone()
+        return None if row is None else list(json.loads(row[0] or "[]"))
 
     def session_exists(self, session_id: str) -> bool:
         with self._lock:

@@ -20,12 +20,15 @@ import torch
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.guards import checked_backward
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.optim import Adam, AdamHParams
 from tinker_sr.engine.registry import Trainer, snapshot
 from tinker_sr.engine.store import Store
 from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
+from tinker_sr.types.tensor_data import check_int64
 
 
 # ---- forward / backward ------------------------------------------------------------------
@@ -36,9 +39,12 @@ def forward_backward(
     loss_fn: str,
     loss_fn_config: Mapping[str, float | str] | None,
     forward_only: bool,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> types.ForwardBackwardOutput:
     if not data:
         raise EngineUserError("data is empty; pass at least one Datum")
+    _check_datum_types(data)
+    limits.check_train_tokens(sum(d.model_input.length for d in data))
     if loss_fn == "custom":
         raise EngineUserError(
             "loss_fn 'custom' (server-side custom losses from create_custom_loss) is not "
@@ -69,8 +75,10 @@ def forward_backward(
             result = engine_losses.compute_loss(
                 loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
             )
-        if not forward_only:
-            result.loss.backward()
+        if not forward_only:  # refused (gradients untouched) if it would not be finite
+            checked_backward(
+                result, t.optim, loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
+            )
     touched = set().union(*(v.sequence_ids for v in views if v is not None))
     store.touch_sequences(touched, now)
     store.touch_run(t.model_id)
@@ -81,6 +89,17 @@ def forward_backward(
     return types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=dict(result.metrics)
     )
+
+
+def _check_datum_types(data: Sequence[types.Datum]) -> None:
+    if not isinstance(data, Sequence) or isinstance(data, str | bytes):
+        raise EngineUserError(f"data must be a list of Datum, got {type(data).__name__}")
+    for i, d in enumerate(data):
+        if not isinstance(d, types.Datum):
+            raise EngineUserError(
+                f"data[{i}] must be a Datum, got {type(d).__name__}; build it with "
+                "types.Datum(model_input=..., loss_fn_inputs=...)"
+            )
 
 
 @dataclass
@@ -139,13 +158,7 @@ def _datum_arrays(i: int, d: types.Datum, vocab: int, max_len: int) -> _DatumArr
     n = len(tokens)
     inputs: dict[str, np.ndarray] = {}
     for key, td in d.loss_fn_inputs.items():
-        arr = td.to_numpy()
-        if arr.ndim == 0 or arr.shape[0] != n:
-            rows = "a scalar" if arr.ndim == 0 else f"{arr.shape[0]} rows"
-            raise EngineUserError(
-                f"datum {i}: loss_fn_inputs[{key!r}] has {rows} but model_input has {n} tokens; "
-                "every loss input needs one row per input position"
-            )
+        arr = _loss_input_array(i, key, td, n, vocab)
         if not np.all(np.isfinite(arr)):
             raise EngineUserError(f"datum {i}: loss_fn_inputs[{key!r}] contains NaN or inf")
         inputs[key] = arr
@@ -160,6 +173,34 @@ def _datum_arrays(i: int, d: types.Datum, vocab: int, max_len: int) -> _DatumArr
             f"datum {i}: target_tokens contain ids outside the vocabulary [0, {vocab})"
         )
     return _DatumArrays(tokens=tokens, inputs=inputs)
+
+
+def _loss_input_array(i: int, key: str, td: types.TensorData, n: int, vocab: int) -> np.ndarray:
+    """One loss input as an array of ``n`` rows (and, if 2-D, 1 to ``vocab`` columns), its
+    shape checked before a sparse tensor is densified."""
+    where = f"datum {i}: loss_fn_inputs[{key!r}]"
+    shape = list(td.shape) if td.shape is not None else [td.dense_size]
+    if not shape or shape[0] != n:
+        rows = "a scalar" if not shape else f"{shape[0]} rows"
+        raise EngineUserError(
+            f"{where} has {rows} but model_input has {n} tokens; every loss input needs one "
+            "row per input position"
+        )
+    if len(shape) > 2 or (len(shape) == 2 and not 1 <= shape[1] <= vocab):
+        raise EngineUserError(
+            f"{where} has shape {shape}; use [{n}] or [{n}, K] with 1 <= K <= {vocab} (the "
+            "vocabulary size)"
+        )
+    try:
+        arr = td.to_numpy()
+        if key == "target_tokens" and td.dtype != "int64":
+            # Token ids: 2.9 is a mistake, not token 2; refuse rather than truncate.
+            check_int64(arr, integral=True, what=f"{where} ({td.dtype})")
+    except ValueError as e:  # a malformed CSR tensor, a fractional token id
+        raise EngineUserError(f"{where}: {e}") from None
+    if list(arr.shape) != shape:
+        raise EngineUserError(f"{where}: data holds shape {list(arr.shape)}, not {shape}")
+    return arr
 
 
 def _loss_datum(a: _DatumArrays, view: ProvenanceView | None) -> engine_losses.LossDatum:

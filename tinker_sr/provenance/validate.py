@@ -278,6 +278,8 @@ def _validate_datum(
                         f"sampled token {span.offset + k} is {int(recorded[k])}",
                         "targets under a SampledProvenanceSpan must be the sampled tokens",
                     )
+            if name == "loss_fn_input_spans" and sampled:
+                _check_context(ctx, j, span, pos, tokens, rec)
             ids.add(span.sequence_id)
             pos += span.length
 
@@ -306,6 +308,44 @@ def _validate_datum(
     if stable:
         _check_stable_reinforce(ctx, lis, datum.advantages, record)
     return ProvenanceView(sampled_mask=sampled_mask, draws=draws, sequence_ids=frozenset(ids))
+
+
+def _check_context(
+    ctx: _Datum, j: int, span: Span, pos: int, tokens: np.ndarray, rec: SequenceRecord
+) -> None:
+    """Target row ``pos + k`` is predicted from ``tokens[:pos + k + 1]``; sampled token
+    ``offset + k`` was drawn after ``prompt + sampled[:offset + k]``. The two must be equal,
+    or the recorded logprobs and draws describe another distribution (spec/losses.md §2.7)."""
+    name = "loss_fn_input_spans"
+    fix = (
+        "train each sampled token right after the context it was sampled in: the prompt, "
+        "then the earlier sampled tokens (tinker_sr.provenance.build_datum does this)"
+    )
+    prompt = np.asarray(rec.prompt_tokens)
+    need = len(prompt) + span.offset
+    if pos + 1 != need:
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"its first token is trained after {pos + 1} model_input tokens but was sampled "
+            f"after {need} (the prompt of sequence {span.sequence_id!r} and {span.offset} "
+            "sampled tokens)",
+            fix,
+        )
+    sampled_before = np.asarray(rec.sampled_tokens[: span.offset + span.length - 1])
+    want = np.concatenate([prompt, sampled_before])
+    got = tokens[: len(want)]
+    if len(got) != len(want) or not np.array_equal(got, want):
+        k = _first_mismatch(got, want[: len(got)]) if len(got) else 0
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"it is trained in a context that differs from the one it was sampled in, first "
+            f"at model_input position {k}",
+            fix,
+        )
 
 
 class _RecordFn(Protocol):

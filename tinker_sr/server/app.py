@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from tinker_sr.backend.base import Backend
+from tinker_sr.engine.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
 from . import http
@@ -50,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger("tinker_sr.server")
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = DEFAULT_LIMITS.max_body_bytes  # engine/limits.py: one place
 """Well above the SDK's forward_backward chunk size (5 MB estimated per request)."""
 
 DEFAULT_LONG_POLL_S = 25.0

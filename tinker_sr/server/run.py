@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from tinker_sr.engine.limits import Limits
 
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
 from .features import ServerFeatures
@@ -29,6 +31,8 @@ def serve(
     *,
     long_poll_s: float = DEFAULT_LONG_POLL_S,
     features: ServerFeatures | None = None,
+    limits: Limits | None = None,
+    model_aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -36,7 +40,11 @@ def serve(
     futures (default ``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr``). ``api_keys``: accept
     only these keys (a list or a comma-separated string; default ``$TINKER_SR_API_KEYS``),
     else any key starting with ``tml-``. Binds 127.0.0.1 unless told otherwise.
-    ``features``: play an engine without StableReinforce support (`ServerFeatures`).
+    ``features``: play an engine without StableReinforce support (`ServerFeatures`). ``limits``:
+    the engine's size limits (`engine.limits.Limits`); its ``max_body_bytes`` wins over the
+    ``max_body_bytes`` argument, which is kept for callers that set only that.
+    ``model_aliases``: base_model name -> built-in model or local directory; requests may
+    name only these (and built-ins), never a directory of their own.
     """
     import uvicorn
 
@@ -46,11 +54,15 @@ def serve(
         api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
     keys = list(api_keys) if api_keys else api_keys_from_env()
     store_dir = Path(store) if store is not None else default_store_dir()
-    backend = LocalBackend(store_dir=store_dir)
+    if limits is None:
+        limits = Limits(max_body_bytes=max_body_bytes)
+    backend = LocalBackend(
+        store_dir=store_dir, limits=limits, model_aliases=model_aliases, request_model_paths=False
+    )
     app = create_app(
         backend,
         api_keys=keys,
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=limits.max_body_bytes,
         store_dir=store_dir,
         long_poll_s=long_poll_s,
         close_backend=True,

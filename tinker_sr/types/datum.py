@@ -10,9 +10,9 @@ import numpy as np
 
 from .model_input import ModelInput
 from .provenance_spans import PromptProvenanceSpan, ProvenanceSpans, SampledProvenanceSpan
-from .tensor_data import TensorData
+from .tensor_data import TensorData, check_int64
 
-__all__ = ["Datum", "LossFnInputs", "LossFnOutput"]
+__all__ = ["Datum", "LossFnInputs", "LossFnOutput", "ProvenancePairError"]
 
 LossFnInputs: TypeAlias = dict[str, TensorData]
 LossFnOutput: TypeAlias = dict[str, TensorData]
@@ -32,6 +32,11 @@ _KEY_TO_DTYPE = {
 _SPARSE_ELIGIBLE_KEYS = frozenset({"target_tokens", "weights"})
 
 
+class ProvenancePairError(ValueError, AssertionError):
+    """Only one of the two span lists is set. A ValueError (bad input); also an
+    AssertionError, which is what the official SDK raises here, so code catching that works."""
+
+
 @dataclass(frozen=True)
 class Datum:
     model_input: ModelInput
@@ -47,14 +52,29 @@ class Datum:
     """Runs tiling ``loss_fn_inputs["target_tokens"]``. Attach via ``with_provenance``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_input, ModelInput):
+            raise TypeError(
+                f"Datum.model_input must be a ModelInput, got {type(self.model_input).__name__}; "
+                "build it with ModelInput.from_ints(tokens)"
+            )
+        if not isinstance(self.loss_fn_inputs, dict):
+            raise TypeError(
+                "Datum.loss_fn_inputs must be a dict of key -> tensor, got "
+                f"{type(self.loss_fn_inputs).__name__}"
+            )
         # Runs again under dataclasses.replace, so replaced inputs are coerced too.
         coerced = {key: _to_tensor_data(key, value) for key, value in self.loss_fn_inputs.items()}
         object.__setattr__(self, "loss_fn_inputs", coerced)
         _check_span_types("model_input_spans", self.model_input_spans)
         _check_span_types("loss_fn_input_spans", self.loss_fn_input_spans)
-        assert (self.model_input_spans is None) == (self.loss_fn_input_spans is None), (
-            "provenance comes as a pair: set both span lists or neither"
-        )
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            have = (
+                "model_input_spans" if self.loss_fn_input_spans is None else "loss_fn_input_spans"
+            )
+            raise ProvenancePairError(
+                f"Datum: only {have} is set; provenance comes as a pair, set both span lists "
+                "or neither (Datum.with_provenance does)"
+            )
 
     def with_provenance(
         self, model_input: ProvenanceSpans, loss_fn_inputs: ProvenanceSpans
@@ -76,6 +96,8 @@ class Datum:
 def _check_span_types(field_name: str, spans: ProvenanceSpans | None) -> None:
     if spans is None:
         return
+    if not isinstance(spans, list):
+        raise TypeError(f"{field_name} must be a list of spans, got {type(spans).__name__}")
     for i, span in enumerate(spans):
         if not isinstance(span, PromptProvenanceSpan | SampledProvenanceSpan):
             raise TypeError(
@@ -126,11 +148,15 @@ def _to_tensor_data(key: str, value: Any) -> TensorData:
                 "tensor for custom keys"
             )
         dtype = _KEY_TO_DTYPE[key]
-        if array.dtype.kind in "fiu":
-            return TensorData.from_numpy(array.astype(np.int64 if dtype == "int64" else np.float32))
-        if nested:
+        if nested and array.dtype.kind not in "biuf":
             raise _ragged_error(key)
-        return TensorData(data=value, dtype=dtype, shape=[len(value)])  # type: ignore[arg-type]
+        if dtype == "int64":
+            # Token ids: 2.9 is a mistake, not token 2 (the SDK would truncate it silently).
+            check_int64(array, integral=True, what=f"loss_fn_inputs[{key!r}]")
+        try:
+            return TensorData(data=array, dtype=dtype, shape=list(array.shape))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {exc}") from None
     raise TypeError(
         f"Unsupported loss_fn_inputs value for {key!r}: {type(value).__name__} "
         "(use TensorData, a torch tensor, a numpy array or a list)"

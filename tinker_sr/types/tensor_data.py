@@ -5,6 +5,7 @@ torch is imported only inside the torch conversions, so importing the types stay
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,9 +20,13 @@ from .tensor_dtype import TensorDtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorData"]
+__all__ = ["TensorData", "check_int64"]
 
 _NUMPY_DTYPES: dict[str, type[np.generic]] = {"int64": np.int64, "float32": np.float32}
+
+MAX_DENSE_CELLS = 1 << 31
+"""Most cells ``to_numpy`` densifies a CSR tensor to (16 GiB at int64), a last line of
+defence; request validation holds sparse tensors to the model's much smaller limits first."""
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -59,20 +64,19 @@ class TensorData:
         if dtype is None:
             raise TypeError("TensorData requires `dtype`")
         np_dtype = _numpy_dtype(dtype)
-        if isinstance(data, np.ndarray):
-            if data.dtype != np_dtype:
-                arr = data.astype(np_dtype)
-            elif not data.flags.writeable:
-                # torch.from_numpy warns on read-only buffers (frombuffer, mmap, Arrow).
-                arr = data.copy()
-            else:
-                arr = data
-        elif data is None:
+        if data is None:
             arr = np.empty(0, dtype=np_dtype)
         else:
-            arr = np.asarray(data, dtype=np_dtype)
+            arr = _as_array(data, np_dtype)
         if sparse_crow_indices is None and shape is not None and list(arr.shape) != shape:
-            arr = arr.reshape(shape)
+            _check_shape(shape)
+            try:
+                arr = arr.reshape(shape)
+            except ValueError:
+                raise ValueError(
+                    f"TensorData: shape {shape} needs {math.prod(shape)} values, data has "
+                    f"{arr.size}"
+                ) from None
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "sparse_crow_indices", sparse_crow_indices)
@@ -136,12 +140,25 @@ class TensorData:
             sparse_col_indices=csr.col_indices().tolist(),
         )
 
+    @property
+    def dense_size(self) -> int:
+        """Number of cells of the dense tensor: what ``to_numpy`` allocates for CSR. Check it
+        against a limit before densifying a tensor someone else sent."""
+        if self.shape is None:
+            return int(self._numpy.size)
+        return math.prod(self.shape)
+
     def to_numpy(self, pad_value: int = 0) -> npt.NDArray[Any]:
         """Dense numpy array; CSR cells not listed are filled with ``pad_value``."""
         if self.sparse_crow_indices is None:
             return self._numpy
         pad_value = _check_pad_value(pad_value)
         crow, col, shape = self._csr_parts()
+        if self.dense_size > MAX_DENSE_CELLS:
+            raise ValueError(
+                f"sparse TensorData of shape {shape} would densify to {self.dense_size} cells, "
+                f"more than {MAX_DENSE_CELLS}; send a smaller tensor"
+            )
         dense = np.full(shape, pad_value, dtype=self._numpy.dtype)
         rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
         dense[rows, col] = self._numpy.ravel()
@@ -161,11 +178,18 @@ class TensorData:
         """Nested Python lists in the dense shape."""
         return self.to_numpy(pad_value).tolist()
 
+    def check_sparse(self) -> None:
+        """Raise ValueError if this is a malformed CSR tensor (cheap: never densifies).
+        Construction does not check, as in the official SDK; request validation does."""
+        if self.sparse_crow_indices is not None:
+            self._csr_parts()
+
     def _csr_parts(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if self.sparse_col_indices is None:
             raise ValueError("sparse TensorData needs sparse_col_indices with sparse_crow_indices")
         if self.shape is None or len(self.shape) != 2:
             raise ValueError(f"sparse TensorData needs a 2-D shape, got shape={self.shape}")
+        _check_shape(self.shape)
         crow = np.asarray(self.sparse_crow_indices, dtype=np.int64)
         col = np.asarray(self.sparse_col_indices, dtype=np.int64)
         rows, cols = self.shape
@@ -183,6 +207,58 @@ class TensorData:
                 f"(need {rows + 1}, from 0 to {nnz}), {len(col)} column indices for {nnz} values"
             )
         return crow, col, [rows, cols]
+
+
+def _check_shape(shape: Any) -> None:
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"TensorData: shape must be a list of integers >= 0, got {shape!r}")
+
+
+def _as_array(data: Any, np_dtype: type[np.generic]) -> np.ndarray:
+    """``data`` as an array of ``np_dtype``. Values int64 cannot hold (inf/NaN, beyond
+    +-2**63) are refused; fractions are truncated toward zero, as the official SDK does."""
+    if isinstance(data, np.ndarray):
+        arr = data
+    else:
+        try:
+            arr = np.asarray(data)
+        except (ValueError, OverflowError) as e:
+            raise ValueError(f"TensorData: data must be a flat or rectangular list ({e})") from None
+    if arr.dtype.kind not in "biuf":
+        example = arr.ravel()[0] if arr.size else None
+        raise ValueError(f"TensorData: data must hold numbers, got {arr.dtype} (e.g. {example!r})")
+    if np_dtype is np.int64 and arr.dtype.kind in "uf":
+        check_int64(arr, integral=False)
+    if arr.dtype == np_dtype:
+        # torch.from_numpy warns on read-only buffers (frombuffer, mmap, Arrow).
+        return arr if arr.flags.writeable else arr.copy()
+    with np.errstate(over="ignore"):  # 1e300 -> float32 inf: refused where values are checked
+        return arr.astype(np_dtype)
+
+
+_INT64_LIMIT = float(2**63)
+
+
+def check_int64(arr: np.ndarray, *, integral: bool, what: str = "int64 TensorData") -> None:
+    """Raise ValueError unless every value of ``arr`` fits int64 (and, if ``integral``, is a
+    whole number): converting it would otherwise fail or silently change it."""
+    if arr.dtype.kind == "u":
+        bad = arr > np.iinfo(np.int64).max
+    elif arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr) | (arr >= _INT64_LIMIT) | (arr < -_INT64_LIMIT)
+        if integral:
+            bad |= np.isfinite(arr) & (arr != np.trunc(arr))
+    else:
+        return
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        kind = "a whole number" if integral else "a number"
+        raise ValueError(
+            f"{what}: value {arr.ravel()[i].item()!r} at flat index {i} is not {kind} in the "
+            "int64 range; send whole numbers (token ids), or use dtype float32"
+        )
 
 
 def _check_pad_value(pad_value: Any) -> int:

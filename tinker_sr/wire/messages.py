@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -104,7 +105,7 @@ class ClientConfigRequest(_Wire):
 
 class CreateSessionRequest(_Wire):
     tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None  # typed as the SDK's public methods type it
     sdk_version: str | None = None
     project_id: str | None = None
     display_name: str | None = None
@@ -181,19 +182,18 @@ class WireTensorData(_Wire):
                 )
         elif self.sparse_col_indices is None or self.shape is None or len(self.shape) != 2:
             raise WireError(f"{where}: a sparse tensor needs sparse_col_indices and a 2-D shape")
-        td = TensorData(
-            data=self.data,
-            dtype=self.dtype,
-            shape=self.shape,
-            sparse_crow_indices=self.sparse_crow_indices,
-            sparse_col_indices=self.sparse_col_indices,
-        )
-        if td.sparse_crow_indices is not None:
-            try:
-                td.to_numpy()  # validates the CSR structure
-            except ValueError as e:
-                raise WireError(f"{where}: {e}") from None
-        return td
+        try:  # checks values (int64 range) and CSR structure without densifying
+            td = TensorData(
+                data=self.data,
+                dtype=self.dtype,
+                shape=self.shape,
+                sparse_crow_indices=self.sparse_crow_indices,
+                sparse_col_indices=self.sparse_col_indices,
+            )
+            td.check_sparse()
+            return td
+        except ValueError as e:
+            raise WireError(f"{where}: {e}") from None
 
     @classmethod
     def from_public(cls, td: TensorData) -> WireTensorData:
@@ -246,14 +246,71 @@ class CheckpointTtlRequest(_Wire):
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects a JSON body may have. Real bodies need about 8; deeper
+ones exist only to exhaust the parser's stack."""
+
+# A ``\uD800``-``\uDFFF`` escape: JSON lets it through alone, but a lone surrogate is not text
+# (it cannot be encoded as UTF-8, so it would fail later, in storage or in the reply).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(body: bytes, what: str) -> Any:
-    """Decode a JSON body; an empty body counts as ``{}``."""
+    """Decode a JSON body; an empty body counts as ``{}``.
+
+    Refused as a WireError (a 400): invalid JSON or UTF-8, nesting deeper than
+    ``MAX_JSON_DEPTH``, and strings holding a lone UTF-16 surrogate.
+    """
     if not body.strip():
         return {}
     try:
-        return json.loads(body)
+        obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"{what}: request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise _too_deep(what) from None
+    _check_json_tree(obj, what, check_text=_SURROGATE_ESCAPE.search(body) is not None)
+    return obj
+
+
+def _too_deep(what: str) -> WireError:
+    return WireError(
+        f"{what}: request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels; flatten it"
+    )
+
+
+def _check_json_tree(obj: Any, what: str, *, check_text: bool) -> None:
+    """Depth (and, if ``check_text``, every string) of a decoded body; iterative, so a
+    hostile body cannot exhaust the stack here either."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, what)
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(what)
+        if isinstance(node, dict):
+            if check_text:
+                for key in node:
+                    _check_text(key, what)
+            children: Any = node.values()
+        else:
+            children = node
+        kinds = (dict, list, str) if check_text else (dict, list)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, kinds))
+
+
+def _check_text(s: str, what: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise WireError(
+            f"{what}: string {s[:40]!r} holds a lone UTF-16 surrogate at index {e.start}, "
+            "which is not text; send valid UTF-8 (pair the surrogate or remove it)"
+        ) from None
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:

@@ -57,9 +57,12 @@ def _paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[in
     out = []
     for name, default in (("limit", default_limit), ("offset", 0)):
         raw = request.query_params.get(name, str(default))
-        if not raw.isdigit():
+        # ASCII digits only (str.isdigit also accepts "²", which int() refuses), and few
+        # enough of them for SQLite's 64-bit integers.
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
             raise HTTPError(
-                400, f"query parameter {name} must be a non-negative integer, got {raw!r}"
+                400,
+                f"query parameter {name} must be a non-negative integer below 10**9, got {raw!r:.40}",
             )
         out.append(int(raw))
     return out[0], out[1]

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tinker_sr import validation
+from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.wire import messages as m
 from tinker_sr.wire import proto
 
@@ -59,7 +60,7 @@ async def get_sampler(srv: TinkerServer, request: Request, owner: str) -> Respon
     return json_reply(out)
 
 
-def _check_sample_request(req: m.SampleRequest) -> tuple[str, int]:
+def _check_sample_request(req: m.SampleRequest, limits: Limits) -> tuple[str, int]:
     """The sampler id and seq_id of a well-formed asample request."""
     if req.sampling_session_id is None:
         raise HTTPError(
@@ -75,13 +76,14 @@ def _check_sample_request(req: m.SampleRequest) -> tuple[str, int]:
         )
     if req.seq_id is None:
         raise HTTPError(400, "asample: seq_id is required")
-    validation.check_num_samples(req.num_samples)
+    validation.check_num_samples(req.num_samples, limits)
     return req.sampling_session_id, req.seq_id
 
 
 async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
     req, body = await srv.parse(request, m.SampleRequest, "asample")
-    sampler_id, seq_id = _check_sample_request(req)
+    limits = getattr(srv.backend, "limits", DEFAULT_LIMITS)
+    sampler_id, seq_id = _check_sample_request(req, limits)
     session = srv.sessions.sampler(sampler_id, owner)
     target = (
         req.target_prompt_logprobs.to_public("asample.target_prompt_logprobs")

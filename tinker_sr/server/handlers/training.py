@@ -214,12 +214,11 @@ async def save_weights_for_sampler(srv: TinkerServer, request: Request, owner: s
         srv, request, m.SaveWeightsForSamplerRequest, "save_weights_for_sampler", owner
     )
     problem = None
-    if req.kind == "inflight":
-        problem = (
-            "save_weights_for_sampler: kind 'inflight' (samplers that follow later "
-            "weight updates) is not supported; use the default kind 'snapshot'"
-        )
-    elif req.path is None and req.sampling_session_seq_id is None:
+    try:
+        validation.check_sampler_kind(req.kind, "save_weights_for_sampler")
+    except EngineUserError as e:
+        problem = str(e)
+    if problem is None and req.path is None and req.sampling_session_seq_id is None:
         problem = (
             "save_weights_for_sampler: send either path (a checkpoint name) or "
             "sampling_session_seq_id (to get a sampling session)"
