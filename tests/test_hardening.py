@@ -256,7 +256,7 @@ def test_15_failing_custom_loss_consumes_its_reserved_numbers(local: tinker.Serv
     backend = local.holder.backend
     assert isinstance(backend, LocalBackend)
     # Only the forward took a number (1, done): the backend waits for nothing.
-    order = backend._orders[tc.model_id]
+    order = backend._ordering._orders[tc.model_id]
     assert order.next_seq == 2 and not order.released
 
 
