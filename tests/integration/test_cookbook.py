@@ -88,9 +88,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, model: Any) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("cookbook_server")
-    with running_server(tmp / "store", env=offline_env(tmp)) as srv:
+    # A server loads only the model directories its operator names (issue 10, item 12).
+    flags = ["--model-dir", str(model.path)]
+    with running_server(tmp / "store", env=offline_env(tmp), extra_args=flags) as srv:
         yield srv
 
 
