@@ -26,9 +26,6 @@ import argparse
 import collections
 import concurrent.futures
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,53 +47,18 @@ from tinker_sr.engine.cpu import describe_machine  # noqa: E402
 from tinker_sr.engine.store import Store  # noqa: E402
 from tinker_sr.server.app import create_app  # noqa: E402
 from tinker_sr.testing.adversary import Adversary, judge, route_table, send  # noqa: E402
+from tinker_sr.testing.server import ServerProcess  # noqa: E402
 
 MODEL = "tinker-sr/tiny"
 KEY = "tml-soak"
 TOKENS = [1, 2, 3, 4, 5]
 
 
-# ---- the server process -----------------------------------------------------------------
-class Server:
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> float:
-        t0 = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "tinker_sr.server", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--store", str(self.store), "--log-level", "error"]
-        log = open(self.store.parent / "server.log", "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        while time.monotonic() - t0 < 180:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up; see {self.store.parent}")
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start in 180 s")
-
-    def sigkill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+# ---- the server process: tinker_sr.testing.server.ServerProcess (127.0.0.1, SIGKILL-able)
+def start(server: ServerProcess) -> float:
+    t0 = time.monotonic()
+    server.start()
+    return time.monotonic() - t0
 
 
 def http_client(url: str) -> httpx.Client:
@@ -212,8 +174,11 @@ def workload(url: str, kind: str, index: int, steps: int) -> ClientRun:
         model_input=T.ModelInput.from_ints(TOKENS),
         loss_fn_inputs={"target_tokens": TOKENS[1:] + [6], "weights": [1.0] * len(TOKENS)},
     )
-    # tinker_sr hands back creation futures where the SDK hands back clients.
-    ready = (lambda x: x.result()) if kind == "tinker_sr" else (lambda x: x)
+
+    def ready(client_or_future: Any) -> Any:  # both SDKs return futures from some creators
+        result = getattr(client_or_future, "result", None)
+        return result() if callable(result) else client_or_future
+
     tc = ready(service.create_lora_training_client(MODEL, rank=4, seed=11))
     futures = 0
     for _ in range(steps):
@@ -247,15 +212,17 @@ def run_clients(url: str, n: int, steps: int) -> tuple[list[ClientRun], list[str
 
 
 # ---- phase 2: SIGKILL and restart -------------------------------------------------------------
-def after_restart(server: Server, checkpoints: list[str], sequences: list[str]) -> dict[str, Any]:
-    server.sigkill()
-    restart_s = server.start()
+def after_restart(
+    server: ServerProcess, checkpoints: list[str], sequences: list[str]
+) -> dict[str, Any]:
+    server.kill()  # SIGKILL
+    restart_s = start(server)
     found_ckpt = 0
-    with http_client(server.url) as http:
+    with http_client(server.base_url) as http:
         for path in checkpoints:
             if http.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 200:
                 found_ckpt += 1
-        ids = real_ids(server.url)  # serves again: a new session, model, checkpoint
+        ids = real_ids(server.base_url)  # serves again: a new session, model, checkpoint
     store = Store(server.store / "engine.sqlite")
     found_seq = sum(store.get(s) is not None for s in sequences)
     return {
@@ -279,18 +246,20 @@ def main() -> int:
     print(describe_machine(), flush=True)
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tinker_sr_soak_") as tmp:
-        server = Server(Path(tmp) / "store")
+        server = ServerProcess(Path(tmp) / "store", api_keys=[KEY])
+        url = server.base_url
         try:
-            print(f"server up in {server.start():.1f} s at {server.url}", flush=True)
-            ids = real_ids(server.url)
-            solo = workload(server.url, "tinker_sr", -1, args.steps)
+            print(f"server up in {start(server):.1f} s at {url}", flush=True)
+            url = server.base_url  # the port may change if it was taken meanwhile
+            ids = real_ids(url)
+            solo = workload(url, "tinker_sr", -1, args.steps)
             t0 = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-                attack_f = pool.submit(attack, server.url, ids, args)
-                clients_f = pool.submit(run_clients, server.url, args.clients, args.steps)
+                attack_f = pool.submit(attack, url, ids, args)
+                clients_f = pool.submit(run_clients, url, args.clients, args.steps)
                 result, (runs, client_errors) = attack_f.result(), clients_f.result()
             phase1_s = time.monotonic() - t0
-            alive = httpx.get(f"{server.url}/api/v1/healthz", timeout=10).status_code == 200
+            alive = httpx.get(f"{url}/api/v1/healthz", timeout=10).status_code == 200
             report_attack(result, alive, failures, args)
             report_clients(runs, client_errors, solo, args, failures)
             checkpoints = [ids["checkpoint"], solo.checkpoint] + [r.checkpoint for r in runs]
