@@ -16,6 +16,14 @@ tensor saved for backward.
 
     python benchmarks/losses.py            # B=16, T=256, D=256, V=32768
     python benchmarks/losses.py --quick    # T=64, fewer repetitions
+
+``--full-step`` times the whole ``forward_backward`` request instead, through the public
+embedded API on ``tinker-sr/small``: sequences sampled with ``record_stability_info``, datums
+built with provenance (`tinker_sr.provenance.build.build_datum`), and the same datums sent as
+``importance_sampling`` and as ``stable_reinforce`` (provenance validation, draw lookup, model,
+loss and backward all included) in paired runs of alternating order. Target: <= 1.05.
+
+    python benchmarks/losses.py --full-step
 """
 
 from __future__ import annotations
@@ -182,12 +190,67 @@ def run_once(setup: Setup, name: str, measure: bool) -> tuple[float, float, int,
     return elapsed, cpu, mem.growth, saved_logits, sum(storages.values())
 
 
+FULL_STEP_TARGET = 1.05
+
+
+def full_step(reps: int) -> None:
+    """stable_reinforce vs importance_sampling as whole requests on the same provenance datums."""
+    import tinker_sr as tinker
+    from tinker_sr.engine.cpu import describe_machine
+    from tinker_sr.provenance.build import build_datum
+
+    types = tinker.types
+    print(describe_machine())
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(base_model="tinker-sr/small", rank=8, seed=0)
+    training = training.result()
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    data = []
+    for i in range(4):
+        prompt = types.ModelInput.from_ints([256, *f"prompt {i}: count to ten".encode()])
+        params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=i)
+        out = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
+        for j, seq in enumerate(out.sequences):
+            data.append(build_datum(prompt, seq, float(j % 2) - 0.5))
+
+    def timed(loss_fn: str) -> float:
+        start = time.process_time()
+        training.forward_backward(data, loss_fn).result()
+        return time.process_time() - start
+
+    pair = ["importance_sampling", "stable_reinforce"]
+    for name in pair:  # warm-up
+        timed(name)
+    runs: dict[str, list[float]] = {name: [] for name in pair}
+    for rep in range(reps):
+        for name in pair if rep % 2 == 0 else pair[::-1]:
+            runs[name].append(timed(name))
+    ratios = [a / b for a, b in zip(runs[pair[1]], runs[pair[0]], strict=True)]
+    ratio = statistics.median(ratios)
+    n_tok = sum(d.model_input.length for d in data)
+    print(
+        f"tinker-sr/small LoRA r8, {len(data)} datums with provenance, {n_tok} tokens, {reps} pairs"
+    )
+    for name in pair:
+        print(f"{name:<20} median CPU {statistics.median(runs[name]) * 1e3:8.1f} ms")
+    print(
+        f"full step stable_reinforce / importance_sampling = {ratio:.3f} (CPU time, median of "
+        f"per-pair ratios; target <= {FULL_STEP_TARGET}): "
+        f"{'PASS' if ratio <= FULL_STEP_TARGET else 'FAIL'}"
+    )
+    service.close().result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T=64 and fewer repetitions")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--full-step", action="store_true", help="whole requests (see above)")
     args = parser.parse_args()
+    if args.full_step:
+        full_step(args.reps or 9)
+        return
     b, t, d, v = 16, (64 if args.quick else 256), 256, args.vocab
     reps = args.reps or (4 if args.quick else 8)
     torch.set_num_threads(min(2, torch.get_num_threads()))
