@@ -187,11 +187,22 @@ def _validate_datum(
             "loss_fn_input_spans tile the rows of loss_fn_inputs['target_tokens'], which is "
             "missing; add target_tokens"
         )
-    fields = (
+    fields: tuple[_Field, ...] = (
         ("model_input_spans", mis, len(tokens), "model_input"),
         ("loss_fn_input_spans", lis, int(targets.shape[0]), "target_tokens"),
     )
-    # Structure first: kinds, lengths, tiling.
+    _check_tiling(ctx, fields)  # structure first: kinds, lengths, tiling
+    ids = _check_against_records(ctx, fields, tokens, targets, record, now, ttl)
+    sampled_mask, draws = _sampled_positions(lis, int(targets.shape[0]), record)
+    if stable:
+        _check_stable_reinforce(ctx, lis, datum.advantages, record)
+    return ProvenanceView(sampled_mask=sampled_mask, draws=draws, sequence_ids=frozenset(ids))
+
+
+_Field = tuple[str, list[Span], int, str]  # (field name, spans, positions to tile, what)
+
+
+def _check_tiling(ctx: _Datum, fields: tuple[_Field, ...]) -> None:
     for name, spans, size, what in fields:
         covered = 0
         for j, span in enumerate(spans):
@@ -213,77 +224,116 @@ def _validate_datum(
                 f"{what} exactly, each position in one run"
             )
 
-    # Each span against its recorded sequence.
+
+def _check_against_records(
+    ctx: _Datum,
+    fields: tuple[_Field, ...],
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    record: _RecordFn,
+    now: float,
+    ttl: float,
+) -> set[str]:
+    """Each span against its recorded sequence; returns the sequence ids used."""
     ids: set[str] = set()
     for name, spans, _, _ in fields:
         pos = 0
         for j, span in enumerate(spans):
-            rec = record(span.sequence_id)
-            if rec is None:
-                raise ctx.span_error(
-                    name,
-                    j,
-                    span,
-                    f"sequence_id {span.sequence_id!r} is not known in this session",
-                    "sequence ids resolve only in the session that sampled them; sample and "
-                    "train through clients of one ServiceClient",
-                )
-            idle = now - rec.last_used_at
-            if idle > ttl:
-                raise ctx.span_error(
-                    name,
-                    j,
-                    span,
-                    f"sequence {span.sequence_id!r} expired ({idle:.0f} s since its last use; "
-                    f"records are kept {ttl:.0f} s after last use)",
-                    "sample it again",
-                )
+            rec = _live_record(ctx, name, j, span, record, now, ttl)
             sampled = _kind(span) == "sampled"
-            source = rec.sampled_tokens if sampled else rec.prompt_tokens
-            where = "sampled tokens" if sampled else "prompt"
-            if span.offset + span.length > len(source):
-                raise ctx.span_error(
-                    name,
-                    j,
-                    span,
-                    f"runs past the end of the {where} of sequence {span.sequence_id!r} "
-                    f"({len(source)} tokens)",
-                    "offset + length must not exceed that count",
-                )
-            recorded = np.asarray(source[span.offset : span.offset + span.length])
+            recorded = _recorded_run(ctx, name, j, span, rec, sampled)
+            kind = "sampled" if sampled else "prompt"
             if name == "model_input_spans":
                 got = tokens[pos : pos + span.length]
-                if not np.array_equal(got, recorded):
-                    k = _first_mismatch(got, recorded)
-                    raise ctx.span_error(
-                        name,
-                        j,
-                        span,
-                        f"model_input token at position {pos + k} is {int(got[k])} but the "
-                        f"recorded {'sampled' if sampled else 'prompt'} token {span.offset + k} "
-                        f"is {int(recorded[k])}",
-                        "the training context must reproduce the sampling context token for "
-                        "token (do not re-tokenize)",
-                    )
+                fix = (
+                    "the training context must reproduce the sampling context token for "
+                    "token (do not re-tokenize)"
+                )
+                _check_same(ctx, name, j, span, pos, got, recorded, "model_input token", kind, fix)
             elif sampled and targets.ndim == 1:
                 # Targets under prompt spans may be padding (the cookbook writes 0s): not checked.
                 got = targets[pos : pos + span.length]
-                if not np.array_equal(got, recorded):
-                    k = _first_mismatch(got, recorded)
-                    raise ctx.span_error(
-                        name,
-                        j,
-                        span,
-                        f"target_tokens at position {pos + k} is {int(got[k])} but the recorded "
-                        f"sampled token {span.offset + k} is {int(recorded[k])}",
-                        "targets under a SampledProvenanceSpan must be the sampled tokens",
-                    )
+                fix = "targets under a SampledProvenanceSpan must be the sampled tokens"
+                _check_same(ctx, name, j, span, pos, got, recorded, "target_tokens", kind, fix)
             if name == "loss_fn_input_spans" and sampled:
                 _check_context(ctx, j, span, pos, tokens, rec)
             ids.add(span.sequence_id)
             pos += span.length
+    return ids
 
-    n = int(targets.shape[0])
+
+def _live_record(
+    ctx: _Datum, name: str, j: int, span: Span, record: _RecordFn, now: float, ttl: float
+) -> SequenceRecord:
+    rec = record(span.sequence_id)
+    if rec is None:
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"sequence_id {span.sequence_id!r} is not known in this session",
+            "sequence ids resolve only in the session that sampled them; sample and "
+            "train through clients of one ServiceClient",
+        )
+    idle = now - rec.last_used_at
+    if idle > ttl:
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"sequence {span.sequence_id!r} expired ({idle:.0f} s since its last use; "
+            f"records are kept {ttl:.0f} s after last use)",
+            "sample it again",
+        )
+    return rec
+
+
+def _recorded_run(
+    ctx: _Datum, name: str, j: int, span: Span, rec: SequenceRecord, sampled: bool
+) -> np.ndarray:
+    """The recorded tokens ``span`` claims (sampled tokens or prompt)."""
+    source = rec.sampled_tokens if sampled else rec.prompt_tokens
+    where = "sampled tokens" if sampled else "prompt"
+    if span.offset + span.length > len(source):
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"runs past the end of the {where} of sequence {span.sequence_id!r} "
+            f"({len(source)} tokens)",
+            "offset + length must not exceed that count",
+        )
+    return np.asarray(source[span.offset : span.offset + span.length])
+
+
+def _check_same(
+    ctx: _Datum,
+    name: str,
+    j: int,
+    span: Span,
+    pos: int,
+    got: np.ndarray,
+    recorded: np.ndarray,
+    label: str,
+    kind: str,
+    fix: str,
+) -> None:
+    if not np.array_equal(got, recorded):
+        k = _first_mismatch(got, recorded)
+        raise ctx.span_error(
+            name,
+            j,
+            span,
+            f"{label} at position {pos + k} is {int(got[k])} but the recorded {kind} token "
+            f"{span.offset + k} is {int(recorded[k])}",
+            fix,
+        )
+
+
+def _sampled_positions(
+    lis: list[Span], n: int, record: _RecordFn
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The target rows under a SampledProvenanceSpan, and their recorded draws (-1: none)."""
     sampled_mask = np.zeros(n, dtype=bool)
     k_max = 0
     pos = 0
@@ -304,10 +354,7 @@ def _validate_datum(
                 rows = np.asarray(rec.draws)[span.offset : span.offset + span.length]
                 draws[pos : pos + span.length, : rows.shape[1]] = rows
             pos += span.length
-
-    if stable:
-        _check_stable_reinforce(ctx, lis, datum.advantages, record)
-    return ProvenanceView(sampled_mask=sampled_mask, draws=draws, sequence_ids=frozenset(ids))
+    return sampled_mask, draws
 
 
 def _check_context(
