@@ -222,6 +222,8 @@ def after_restart(
         for path in checkpoints:
             if http.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 200:
                 found_ckpt += 1
+            else:
+                print(f"    missing after restart: {path}")
         ids = real_ids(server.base_url)  # serves again: a new session, model, checkpoint
     store = Store(server.store / "engine.sqlite")
     found_seq = sum(store.get(s) is not None for s in sequences)
@@ -262,7 +264,8 @@ def main() -> int:
             alive = httpx.get(f"{url}/api/v1/healthz", timeout=10).status_code == 200
             report_attack(result, alive, failures, args)
             report_clients(runs, client_errors, solo, args, failures)
-            checkpoints = [ids["checkpoint"], solo.checkpoint] + [r.checkpoint for r in runs]
+            # Not ids["checkpoint"]: the adversary may legitimately delete it (DELETE route).
+            checkpoints = [solo.checkpoint] + [r.checkpoint for r in runs]
             sequences = solo.sequence_ids + [s for r in runs for s in r.sequence_ids]
             restart = after_restart(server, checkpoints, sequences)
             report_restart(restart, failures)
