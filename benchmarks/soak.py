@@ -13,8 +13,10 @@ Phase 1, all at once on one server (127.0.0.1 only):
     training the same LoRA (same seed, same data) for a few steps, sampling and saving a
     checkpoint. Every future must resolve (none lost), sampled sequence ids must be unique
     (none duplicated), and every client's final weights must equal a solo run's.
-Phase 2: SIGKILL the server, restart it on the same store, and check every acknowledged
-checkpoint and every recorded sampled sequence is still there, and that it serves again.
+Phase 2: save checkpoints and sample back to back, SIGKILL the server in the middle of that
+(``--kill-after`` seconds), restart it on the same store, and check that every acknowledged
+checkpoint and every recorded sampled sequence (phase 1's and those acknowledged just before
+the kill) is still there, and that it serves again.
 
 Bounded: stops sending after ``--time-limit`` seconds even below ``--requests`` (and says so).
 Exit status 1 if any check fails.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import itertools
 import os
 import sys
 import tempfile
@@ -212,10 +215,55 @@ def run_clients(url: str, n: int, steps: int) -> tuple[list[ClientRun], list[str
 
 
 # ---- phase 2: SIGKILL and restart -------------------------------------------------------------
+def acknowledge_until_killed(url: str, stop: threading.Event) -> tuple[list[str], list[str]]:
+    """Save checkpoints and sample, back to back, until the server dies under us; return
+    what it acknowledged (a future answered with a path / sequence ids) before it died."""
+    ids, paths, sequences = real_ids(url), [], []
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]}
+    with httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=10) as http:
+        for n in itertools.count(2):
+            if stop.is_set():
+                break
+            try:
+                save = {"model_id": ids["model_id"], "path": f"live-{n}", "seq_id": n}
+                got = wait_future(http, http.post("/api/v1/save_weights", json=save).json())
+                paths.append(got["path"])
+                body = {"num_samples": 2, "prompt": prompt, "seq_id": n}
+                body |= {"sampling_params": {"max_tokens": 3, "seed": n}}
+                body["sampling_session_id"] = ids["sampler_id"]
+                promise = http.post("/api/v1/asample", json=body).json()
+                while True:  # a sample's result is protobuf; JSON is try_again or a failure
+                    rid = {"request_id": promise["request_id"]}
+                    done = http.post("/api/v1/retrieve_future", json=rid)
+                    if not done.headers["content-type"].startswith("application/json"):
+                        break
+                    if done.json().get("type") != "try_again":
+                        raise ValueError(done.text)
+                sequences += promise["sample_sequence_ids"]
+            except httpx.HTTPError:
+                break  # the server is gone: everything acknowledged so far must survive
+            except (KeyError, ValueError) as e:  # an answer, but not the expected one
+                if not stop.is_set():
+                    print(f"    unexpected answer before the kill: {e!r:.300}")
+                break
+    return paths, sequences
+
+
 def after_restart(
-    server: ServerProcess, checkpoints: list[str], sequences: list[str]
+    server: ServerProcess, checkpoints: list[str], sequences: list[str], kill_after_s: float
 ) -> dict[str, Any]:
-    server.kill()  # SIGKILL
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        live = pool.submit(acknowledge_until_killed, server.base_url, stop)
+        time.sleep(kill_after_s)
+        server.kill()  # SIGKILL, with saves and samples in flight
+        stop.set()
+        live_paths, live_sequences = live.result(timeout=120)
+    print(
+        f"  in flight at the SIGKILL: {len(live_paths)} checkpoints and "
+        f"{len(live_sequences)} sequences acknowledged in the last {kill_after_s:.0f} s"
+    )
+    checkpoints, sequences = checkpoints + live_paths, sequences + live_sequences
     restart_s = start(server)
     found_ckpt = 0
     with http_client(server.base_url) as http:
@@ -244,6 +292,7 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=1500.0, help="seconds of attack at most")
     p.add_argument("--future-timeout", type=float, default=300.0, help="a future slower = hang")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-after", type=float, default=5.0, help="seconds of saves before SIGKILL")
     args = p.parse_args()
     print(describe_machine(), flush=True)
     failures: list[str] = []
@@ -267,7 +316,7 @@ def main() -> int:
             # Not ids["checkpoint"]: the adversary may legitimately delete it (DELETE route).
             checkpoints = [solo.checkpoint] + [r.checkpoint for r in runs]
             sequences = solo.sequence_ids + [s for r in runs for s in r.sequence_ids]
-            restart = after_restart(server, checkpoints, sequences)
+            restart = after_restart(server, checkpoints, sequences, args.kill_after)
             report_restart(restart, failures)
             print(f"phase 1 (attack + clients at once): {phase1_s:.1f} s", flush=True)
         finally:
