@@ -107,3 +107,19 @@ def test_faults_need_a_testing_server(tmp_path: Any) -> None:
     srv = ServerProcess(tmp_path / "store")  # plain `tinker-sr serve`, not started
     with pytest.raises(RuntimeError, match="testing=True"):
         srv.add_fault(http_error("asample", 500))
+
+
+def test_docs_real_server_example(tinker_server: ServerProcess) -> None:
+    # docs/testing.md, "Against a real server": the ci_project script, unmodified, in a subprocess.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "ci_project" / "rl_step.py"
+    tinker_server.add_fault(connection_reset("forward_backward"))  # a real TCP RST
+    env = {**os.environ, "TINKER_BASE_URL": tinker_server.base_url,
+           "TINKER_API_KEY": tinker_server.api_key}  # fmt: skip
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=300)
+    assert tinker_server.trace.count("optim_step") == 3  # its 3 steps
+    assert tinker_server.trace.calls("forward_backward")[0]["status"] is None  # the reset
