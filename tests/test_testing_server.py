@@ -54,6 +54,9 @@ def test_real_server_faults_are_retried_and_traced(
     tok = training.get_tokenizer()
     assert tok.encode("<|start_header_id|>", add_special_tokens=False) == [265]
     sampler = training.save_weights_and_get_sampling_client().result()
+    by_name = service.create_sampling_client(base_model=MODEL).result()
+    for other in (sampler.get_tokenizer(), by_name.get_tokenizer()):
+        assert other.encode("<|eot_id|>", add_special_tokens=False) == [267]
     start = len(srv.trace)
     srv.add_fault(connection_reset("asample"))  # a TCP RST from the server's socket
     srv.add_fault(rate_limited("asample", retry_after=0.1, after=1))

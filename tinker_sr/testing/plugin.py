@@ -40,7 +40,8 @@ def tinker_server(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def tinker_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """`tinker_server` shared by the whole session (start-up paid once; faults you add stay
-    planned until you ``clear_faults()``)."""
+    planned until you ``clear_faults()``; hub tokenizer names load the offline tokenizer from
+    its first use to the end of the session)."""
     from tinker_sr.testing.server import tinker_server_process
 
     with tinker_server_process(tmp_path_factory.mktemp("tinker_server")) as srv:

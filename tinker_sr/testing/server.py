@@ -216,9 +216,14 @@ def running_server(store: Path, **kwargs: Any) -> Iterator[ServerProcess]:
 
 @contextmanager
 def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]:
-    """`running_server` in testing mode: offline model names, wire faults, trace."""
+    """`running_server` in testing mode: offline model names, wire faults, trace. While it
+    runs, ``AutoTokenizer.from_pretrained(<hub name>)`` in this process loads the offline
+    model's tokenizer (the official SDK's ``SamplingClient.get_tokenizer()`` does that)."""
+    from tinker_sr.testing.offline_model import MODEL_DIR_NAME, hub_names_resolve_to
+
     with running_server(store, testing=True, **kwargs) as srv:
-        yield srv
+        with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME):
+            yield srv
 
 
 # ---- the testing server itself: ``python -m tinker_sr.testing.server`` ------------------------
