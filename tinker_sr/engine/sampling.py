@@ -117,13 +117,14 @@ def sample(
     """Run one sample request on ``s``; every check runs before anything is generated.
     ``tokenizer`` is the model's own: its EOS ids end a row unless ``stop=[]``, and string
     stops are matched on its per-token bytes."""
-    plan = _plan(s.model, req, tokenizer.eos_token_ids, limits)
+    model = s.model  # materialised once (merged weights from the cache, or adapters on the base)
+    plan = _plan(model, req, tokenizer.eos_token_ids, limits)
     # Prompt-side extras first: they only read the prompt, and a bad request must fail
     # before any sequence is generated or recorded.
-    topk_prompt, target_out, alt = _prompt_extras(s.model, req, plan)
+    topk_prompt, target_out, alt = _prompt_extras(model, req, plan)
     sp = req.sampling_params
     outs = engine_sampler.generate(
-        s.model,
+        model,
         plan.tokens,
         num_samples=req.num_samples,
         max_tokens=plan.max_tokens,
@@ -145,7 +146,7 @@ def sample(
     recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
     return types.SampleResponse(
         sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
-        prompt_logprobs_np=_prompt_logprobs(s.model, req, plan.tokens),
+        prompt_logprobs_np=_prompt_logprobs(model, req, plan.tokens),
         topk_prompt_logprobs_np=topk_prompt,
         target_prompt_logprobs=target_out,
         prompt_alt_tokens=alt,
