@@ -186,16 +186,7 @@ def generate(
     )  # fmt: skip
     n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
     greedy = temperature < GREEDY_BELOW_TEMPERATURE
-    u_tok = torch.stack(
-        [torch.rand(max_tokens, dtype=torch.float64, generator=_row_generator(seed, i, "token"))
-         for i in range(n)]
-    )  # fmt: skip
-    u_draw = None
-    if K and not greedy:
-        u_draw = torch.stack(
-            [torch.rand(max_tokens, K, dtype=torch.float64, generator=_row_generator(seed, i, "draws"))
-             for i in range(n)]
-        )  # fmt: skip
+    u_tok, u_draw = _uniforms(seed, n, max_tokens, 0 if greedy else K)
 
     out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
     out_lp = torch.zeros(n, max_tokens, dtype=torch.float32)
@@ -242,8 +233,38 @@ def generate(
             break
         logits = model(tok[:, None], start_pos=P + t, cache=cache)[:, -1]
 
+    return _outputs(out_tok, out_lp, out_draws, out_topk_ids, out_topk_lp, lengths, done)
+
+
+def _uniforms(seed: int, n: int, max_tokens: int, k: int) -> tuple[Tensor, Tensor | None]:
+    """Per-row uniforms for the sampled tokens [n, T] and (k > 0) the draws [n, T, k], each
+    row from its own stream, so results do not depend on the other rows."""
+    u_tok = torch.stack(
+        [torch.rand(max_tokens, dtype=torch.float64, generator=_row_generator(seed, i, "token"))
+         for i in range(n)]
+    )  # fmt: skip
+    u_draw = None
+    if k:
+        u_draw = torch.stack(
+            [torch.rand(max_tokens, k, dtype=torch.float64, generator=_row_generator(seed, i, "draws"))
+             for i in range(n)]
+        )  # fmt: skip
+    return u_tok, u_draw
+
+
+def _outputs(
+    out_tok: Tensor,
+    out_lp: Tensor,
+    out_draws: Tensor,
+    out_topk_ids: Tensor,
+    out_topk_lp: Tensor,
+    lengths: Tensor,
+    done: Tensor,
+) -> list[SampleOutput]:
+    """One `SampleOutput` per row, cut to its length."""
+    K, kk = out_draws.shape[2], out_topk_ids.shape[2]
     outputs = []
-    for i in range(n):
+    for i in range(len(lengths)):
         L = int(lengths[i])
         topk_ids = topk_lp = None
         if kk:
