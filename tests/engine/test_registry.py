@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.lora import LoraSpec, lora_state_dict
 from tinker_sr.engine.optim import AdamHParams
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, snapshot
@@ -97,3 +102,31 @@ def test_release_session_frees_everything_of_it() -> None:
     assert reg.stats()["bases"] == 0
     with pytest.raises(Exception, match="unknown model_id"):
         reg.trainer("a")
+
+
+def test_spill_dir_is_removed_at_exit_without_close(tmp_path: Path) -> None:
+    """A process that spills adapters and exits without `close` leaves no temp dir behind."""
+    code = (
+        "import torch, tempfile\n"
+        f"tempfile.tempdir = {str(tmp_path)!r}\n"
+        "from tinker_sr.engine.registry import ModelRegistry, Sampler\n"
+        "from tinker_sr.engine.lora import LoraSpec\n"
+        "reg = ModelRegistry({}, sampler_dtype=torch.float32, adapter_budget_bytes=0)\n"
+        "spec = LoraSpec(rank=4, seed=0)\n"
+        "model, _ = reg.new_trainable('tinker-sr/tiny', spec)\n"
+        "from tinker_sr.engine.registry import snapshot\n"
+        "s = Sampler('p', 's', 'tinker-sr/tiny', 'tinker-sr/tiny', spec, None)\n"
+        "reg.register_sampler(s, snapshot(model))\n"
+        "assert reg.stats()['adapters_spilled'] == 1\n"
+        "print(next(iter(reg._spilled.values())).parent)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    spill_dir = Path(out.stdout.strip().splitlines()[-1])
+    assert spill_dir.parent == Path(tmp_path)
+    assert not spill_dir.exists()
+
+
+@pytest.mark.parametrize("name", [123, None, ""])
+def test_base_model_of_the_wrong_type_is_a_user_error_naming_the_field(name: object) -> None:
+    with pytest.raises(EngineUserError, match="base_model must be a non-empty string"):
+        _registry().resolve_model(name)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,6 +197,11 @@ class ModelRegistry:
     def resolve_model(self, name: str) -> str:
         """Map a requested base model name to a built-in name or a local directory (a path, or
         a Hub name found in the local Hugging Face cache; see `tinker_sr.engine.hf`)."""
+        if not isinstance(name, str) or not name:
+            raise EngineUserError(
+                f"base_model must be a non-empty string (a model name or a local model "
+                f"directory), got {type(name).__name__} {name!r}"
+            )
         if name in BUILTIN_CONFIGS:
             return name
         alias = self.aliases.get(name) or self.aliases.get("*")
@@ -418,6 +424,13 @@ class ModelRegistry:
         self._spill_adapters_over_budget(keep=sampler_id)
         return adapters
 
+    def _new_spill_dir(self) -> Path:
+        """A temp dir removed when the registry is collected or the interpreter exits, so a
+        process that never calls `close` (a script leaving its ServiceClient) leaves no files."""
+        path = Path(tempfile.mkdtemp(prefix="tinker-sr-adapters-"))
+        weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+        return path
+
     def _spill_adapters_over_budget(self, keep: str | None = None) -> None:
         """Write the least recently used sampler adapters to files until the rest fit."""
         total = sum(_nbytes(a) for a in self._adapters.values())
@@ -428,7 +441,7 @@ class ModelRegistry:
                 continue
             adapters = self._adapters.pop(sampler_id)
             if self._spill_dir is None:
-                self._spill_dir = Path(tempfile.mkdtemp(prefix="tinker-sr-adapters-"))
+                self._spill_dir = self._new_spill_dir()
             path = self._spill_dir / f"{len(self._spilled)}-{os.getpid()}-{id(adapters)}.st"
             save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
             self._spilled[sampler_id] = path
