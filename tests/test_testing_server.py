@@ -71,7 +71,10 @@ def test_real_server_faults_are_retried_and_traced(
     entries = srv.trace.entries[start:]
     asample = [e["status"] for e in entries if e["endpoint"] == "asample"]
     polls = [e["status"] for e in entries if e["endpoint"] == "retrieve_future"]
-    assert asample == [None, 429, 200] and polls[0] == 502 and polls[-1] == 200
+    # The trace is in completion order, so on a loaded machine a poll can finish before the
+    # faulted one; what matters is that the 502 was answered and polling then succeeded.
+    faulted = [e["status"] for e in entries if e["endpoint"] == "retrieve_future" and e["fault"]]
+    assert asample == [None, 429, 200] and faulted == [502] and polls[-1] == 200
 
 
 @pytest.mark.parametrize("client", ["tinker", "tinker_sr"])

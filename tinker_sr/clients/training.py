@@ -184,7 +184,7 @@ class TrainingClient:
         from ``ServiceClient.create_custom_loss`` of this client's session; a handle is
         checked against ``data`` first (each input present, at its declared rank) and run
         per datum, losses summed."""
-        from tinker_sr.clients.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
+        from tinker_sr.clients.custom_loss import LossHandle, check_loss_inputs
 
         if loss_type_input is not None:
             warnings.warn(
@@ -194,82 +194,25 @@ class TrainingClient:
             )
             if loss_type_input != "logprobs":
                 raise ValueError(f"loss_type_input must be 'logprobs', got {loss_type_input!r}")
-        try:
-            import torch
-        except ImportError as e:  # pragma: no cover - torch is a dependency here
-            raise ImportError("forward_backward_custom requires torch") from e
-        compute: CustomLossFnV1
-        if isinstance(loss_fn, LossHandle):
+        if isinstance(loss_fn, LossHandle) and loss_fn.loss_id is not None:
             self._check_handle_session(loss_fn)
             check_loss_inputs(loss_fn, data)
-            if loss_fn.loss_id is not None:
-                # A server-side loss: one forward_backward (the engine says it has none).
-                return self.forward_backward(data, "custom", {"loss_id": loss_fn.loss_id})
-            handle = loss_fn
-
-            def run_handle(
-                batch: list[types.Datum], logprobs: list[torch.Tensor]
-            ) -> tuple[torch.Tensor, dict[str, float]]:
-                return run_loss_handle(handle, batch, logprobs)
-
-            compute = run_handle
-        elif callable(loss_fn):
-            compute = loss_fn
-        else:
-            raise TypeError(
-                "loss_fn must be a callable (data, logprobs_list) -> (loss, metrics) or a "
-                f"LossHandle from ServiceClient.create_custom_loss, got {type(loss_fn).__name__}"
-            )
-        if not data:
-            raise ValueError("No data provided")
-        for i, d in enumerate(data):
-            if "target_tokens" not in d.loss_fn_inputs:
-                raise ValueError(f"datum {i}: forward_backward_custom needs target_tokens")
+            # A server-side loss: one forward_backward (the engine says it has none).
+            return self.forward_backward(data, "custom", {"loss_id": loss_fn.loss_id})
+        compute = self._custom_compute(loss_fn, data)
         data = list(data)
         backend = self.holder.backend
-
-        def ce_copy(d: types.Datum, weights: Any) -> types.Datum:
-            return types.Datum(
-                model_input=d.model_input,
-                loss_fn_inputs={
-                    "target_tokens": d.loss_fn_inputs["target_tokens"],
-                    "weights": weights,
-                },
-                model_input_spans=d.model_input_spans,
-                loss_fn_input_spans=d.loss_fn_input_spans,
-            )
 
         async def body(turn: _Turn) -> types.ForwardBackwardOutput:
             # Like the official SDK, a failed custom loss poisons the client. The backward's
             # number is taken only once the loss has succeeded, so a failure leaves no gap
             # for the backend to wait on (queued calls then see the poison and take none).
             try:
-                fwd_data = []
-                for d in data:
-                    w = d.loss_fn_inputs.get("weights")
-                    if w is None:
-                        shape = d.loss_fn_inputs["target_tokens"].to_numpy().shape
-                        w = types.TensorData.from_torch(torch.zeros(shape, dtype=torch.float32))
-                    fwd_data.append(ce_copy(d, w))
                 fwd = await backend.forward_backward(
-                    self.model_id, turn.take(1)[0], fwd_data, "cross_entropy", None,
-                    forward_only=True,
+                    self.model_id, turn.take(1)[0], [_ce_copy(d, None) for d in data],
+                    "cross_entropy", None, forward_only=True,
                 )  # fmt: skip
-                logprobs = [
-                    out["logprobs"].to_torch().float().clone().requires_grad_(True)
-                    for out in fwd.loss_fn_outputs
-                ]
-                loss, user_metrics = compute(data, logprobs)
-                loss.backward()
-                grads = []
-                for lp in logprobs:
-                    if lp.grad is None:
-                        raise ValueError("No gradient computed for logprob tensor")
-                    grads.append(-lp.grad)
-                bwd_data = [
-                    ce_copy(d, types.TensorData.from_torch(g))
-                    for d, g in zip(data, grads, strict=True)
-                ]
+                loss, user_metrics, bwd_data = _custom_backward_data(data, compute, fwd)
             except BaseException:
                 self._poisoned = True
                 raise
@@ -285,7 +228,7 @@ class TrainingClient:
             metrics = dict(out.metrics)
             metrics["surrogate_loss:sum"] = metrics.get("loss:sum", 0.0)
             metrics.update({k: float(v) for k, v in user_metrics.items()})
-            metrics["loss:sum"] = float(loss.detach())
+            metrics["loss:sum"] = float(loss)
             return types.ForwardBackwardOutput(
                 loss_fn_output_type=out.loss_fn_output_type,
                 loss_fn_outputs=out.loss_fn_outputs,
@@ -293,6 +236,36 @@ class TrainingClient:
             )
 
         return AwaitableConcurrentFuture(self._submit_turn(body))
+
+    def _custom_compute(
+        self, loss_fn: CustomLossFnV1 | LossHandle, data: list[types.Datum]
+    ) -> CustomLossFnV1:
+        """The client-side loss of `forward_backward_custom`, checked against ``data``."""
+        from tinker_sr.clients.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
+
+        compute: CustomLossFnV1
+        if isinstance(loss_fn, LossHandle):
+            self._check_handle_session(loss_fn)
+            check_loss_inputs(loss_fn, data)
+            handle = loss_fn
+
+            def run_handle(batch: list[types.Datum], logprobs: list[Any]) -> tuple[Any, Any]:
+                return run_loss_handle(handle, batch, logprobs)
+
+            compute = run_handle
+        elif callable(loss_fn):
+            compute = loss_fn
+        else:
+            raise TypeError(
+                "loss_fn must be a callable (data, logprobs_list) -> (loss, metrics) or a "
+                f"LossHandle from ServiceClient.create_custom_loss, got {type(loss_fn).__name__}"
+            )
+        if not data:
+            raise ValueError("No data provided")
+        for i, d in enumerate(data):
+            if "target_tokens" not in d.loss_fn_inputs:
+                raise ValueError(f"datum {i}: forward_backward_custom needs target_tokens")
+        return compute
 
     def _check_handle_session(self, handle: LossHandle) -> None:
         """A `LossHandle` works only for clients of the session that created it."""
@@ -616,3 +589,43 @@ class TrainingClient:
             record_stability_info=record_stability_info,
             kind=kind,
         )
+
+
+def _ce_copy(d: types.Datum, weights: types.TensorData | None) -> types.Datum:
+    """``d`` as a cross-entropy datum: its targets with ``weights`` (zeros when None)."""
+    targets = d.loss_fn_inputs["target_tokens"]
+    if weights is None:
+        weights = d.loss_fn_inputs.get("weights")
+    if weights is None:
+        import numpy as np
+
+        shape = targets.to_numpy().shape
+        weights = types.TensorData.from_numpy(np.zeros(shape, dtype=np.float32))
+    return types.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+        model_input_spans=d.model_input_spans,
+        loss_fn_input_spans=d.loss_fn_input_spans,
+    )
+
+
+def _custom_backward_data(
+    data: list[types.Datum], compute: CustomLossFnV1, fwd: types.ForwardBackwardOutput
+) -> tuple[float, Mapping[str, float], list[types.Datum]]:
+    """Runs the user's loss on the forward pass's logprobs; returns the loss, its metrics and
+    the backward pass's datums (cross-entropy weighted by minus d loss / d logprobs)."""
+    logprobs = [
+        out["logprobs"].to_torch().float().clone().requires_grad_(True)
+        for out in fwd.loss_fn_outputs
+    ]
+    loss, user_metrics = compute(data, logprobs)
+    loss.backward()
+    grads = []
+    for lp in logprobs:
+        if lp.grad is None:
+            raise ValueError("No gradient computed for logprob tensor")
+        grads.append(-lp.grad)
+    bwd_data = [
+        _ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
+    ]
+    return float(loss.detach()), user_metrics, bwd_data
