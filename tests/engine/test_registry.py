@@ -130,3 +130,27 @@ def test_spill_dir_is_removed_at_exit_without_close(tmp_path: Path) -> None:
 def test_base_model_of_the_wrong_type_is_a_user_error_naming_the_field(name: object) -> None:
     with pytest.raises(EngineUserError, match="base_model must be a non-empty string"):
         _registry().resolve_model(name)  # type: ignore[arg-type]
+
+
+def test_a_session_keeps_only_its_most_recently_used_lora_samplers() -> None:
+    """An RL loop that makes a sampler every step never says when it drops one: the session
+    keeps the adapters of its N most recently used LoRA samplers (memory and spill files stay
+    bounded), never evicts base-model samplers, and names the quota when an old one is used."""
+    from tinker_sr.engine.errors import EngineNotFoundError
+
+    reg = _registry(samplers_per_session=2, adapter_budget_bytes=0)
+    t = _trainer(reg, "t")
+    reg.register_sampler(Sampler("base", "s", MODEL, MODEL, None, None))
+    for i in range(3):
+        reg.register_sampler(Sampler(f"p{i}", "s", MODEL, MODEL, SPEC, None), _perturbed(t, 0.1))
+        reg.sampler("p0")  # p0 stays in use, so p1 is the least recently used
+    reg.register_sampler(Sampler("other", "s2", MODEL, MODEL, SPEC, None), _perturbed(t, 0.2))
+    assert {reg.sampler(k).sampler_id for k in ("base", "p0", "p2", "other")} == {
+        "base",
+        "p0",
+        "p2",
+        "other",
+    }
+    with pytest.raises(EngineNotFoundError, match="2 most recently used LoRA sampling clients"):
+        reg.sampler("p1")
+    assert reg.stats()["samplers"] == 4 and reg.stats()["adapters_spilled"] == 3

@@ -89,6 +89,10 @@ class Trainer:
 # every step only samples the newest one or two).
 MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
+# A session keeps the adapters of its most recently used samplers only: an RL loop that makes
+# a sampler every step (and never says when it drops one) would otherwise fill memory, then
+# the spill directory, without bound. Base-model samplers cost nothing and are never evicted.
+SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION = "TINKER_SR_SAMPLERS_PER_SESSION", 64
 CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
 TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
 
@@ -155,6 +159,7 @@ class ModelRegistry:
         merged_budget_bytes: int | None = None,
         adapter_budget_bytes: int | None = None,
         request_paths: bool = True,
+        samplers_per_session: int | None = None,
     ) -> None:
         """``request_paths``: may a request's ``base_model`` name a local directory? Yes for
         the embedded engine (the caller owns the machine); a server says no, so a client can
@@ -177,6 +182,12 @@ class ModelRegistry:
             _budget_bytes(ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB) or 0
             if adapter_budget_bytes is None
             else adapter_budget_bytes
+        )
+        self.samplers_per_session = max(
+            1,
+            int(os.environ.get(SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION))
+            if samplers_per_session is None
+            else samplers_per_session,
         )
         # (resolved, None) is the base as loaded; (resolved, dtype) a converted copy.
         self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}
@@ -327,11 +338,15 @@ class ModelRegistry:
 
     # ---- samplers ---------------------------------------------------------------------
     def sampler(self, sampler_id: str) -> Sampler:
-        s = self._samplers.get(sampler_id)
+        """``sampler_id``'s sampler, now the most recently used (samplers are kept in use order)."""
+        s = self._samplers.pop(sampler_id, None)
         if s is None:
             raise EngineNotFoundError(
-                f"unknown sampling session {sampler_id!r}; create a sampling client first"
+                f"unknown sampling session {sampler_id!r}; create a sampling client first (a "
+                f"session keeps the weights of its {self.samplers_per_session} most recently "
+                f"used LoRA sampling clients; ${SAMPLERS_PER_SESSION_ENV} raises the number)"
             )
+        self._samplers[sampler_id] = s
         return s
 
     def new_sampler_id(self, session_id: str, seq: int) -> str:
@@ -360,7 +375,18 @@ class ModelRegistry:
         except Exception:
             self._forget_sampler(sampler.sampler_id)
             raise
+        self._evict_least_used(sampler.session_id)
         self._spill_adapters_over_budget()
+
+    def _evict_least_used(self, session_id: str) -> None:
+        """Release the session's least recently used LoRA samplers beyond its quota."""
+        ids = [
+            k
+            for k, s in self._samplers.items()
+            if s.session_id == session_id and s.lora is not None
+        ]
+        for sampler_id in ids[: max(0, len(ids) - self.samplers_per_session)]:
+            self._forget_sampler(sampler_id)
 
     def release_sampler(self, sampler_id: str) -> Sampler | None:
         """Forget ``sampler_id`` (its adapters and merged weights); ``None`` if unknown."""
