@@ -300,3 +300,17 @@ def test_max_tokens_none_generates_up_to_the_cap(
     out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params).result()
     assert [len(s.tokens) for s in out.sequences] == [8, 8]
     assert allocated == [3 + 8]  # prompt + max_tokens, not the 40,960-token context
+
+
+def test_padded_llama_vocab_eos_list_and_missing_tokenizer_json(tmp_path: Path) -> None:
+    root = make_tiny_hf_model_dir(tmp_path / "l", family="llama", pad_vocab_to_multiple=64)
+    info = tiny_model_info(root)
+    mt = ModelTokenizer(root)
+    assert mt.eos_token_ids == info.eos_token_ids and len(mt.eos_token_ids) == 2
+    assert len(mt.token_bytes) == info.vocab_size > info.tokenizer_size
+    assert mt.token_bytes[info.vocab_size - 1] == b""  # a padding row decodes to nothing
+    (root / "tokenizer.json").unlink()
+    bare = ModelTokenizer(root)  # EOS ids still come from config.json
+    assert bare.eos_token_ids == info.eos_token_ids
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer.json"):
+        _ = bare.token_bytes

@@ -100,6 +100,15 @@ def _special_token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _special_token_ids(root: Path, config: dict[str, Any]) -> dict[str, int]:
+    """Added-token ids by content, from tokenizer.json or tokenizer_config.json."""
+    if (root / "tokenizer.json").is_file():
+        added = read_json(root / "tokenizer.json").get("added_tokens") or []
+        return {str(t["content"]): int(t["id"]) for t in added}
+    decoder = config.get("added_tokens_decoder") or {}
+    return {str(t.get("content")): int(i) for i, t in decoder.items() if isinstance(t, dict)}
+
+
 class ModelTokenizer:
     """The tokenizer of one model directory (see the module docstring)."""
 
@@ -107,20 +116,12 @@ class ModelTokenizer:
         self.root = root
         # The model's embedding rows; may exceed the tokenizer's length (padded vocabularies).
         self.vocab_size = int(read_json(root / "config.json")["vocab_size"])
-        if not (root / "tokenizer.json").is_file():
-            raise EngineUserError(
-                f"{root}: no tokenizer.json; a model directory needs its fast tokenizer file "
-                "(transformers writes it with tokenizer.save_pretrained)"
-            )
         self.tokenizer_id: str | None = str(root)
         cfg_file = root / "tokenizer_config.json"
-        self._config = read_json(cfg_file) if cfg_file.is_file() else {}
-        self._ids = {
-            str(t["content"]): int(t["id"])
-            for t in read_json(root / "tokenizer.json").get("added_tokens") or []
-        }
-        eos = _special_token_content(self._config.get("eos_token"))
-        self.eos_token_ids = eos_token_ids(root, self._ids.get(eos) if eos else None)
+        config = read_json(cfg_file) if cfg_file.is_file() else {}
+        eos = _special_token_content(config.get("eos_token"))
+        ids = _special_token_ids(root, config)
+        self.eos_token_ids = eos_token_ids(root, ids.get(eos) if eos else None)
         if not self.eos_token_ids:
             raise EngineUserError(
                 f"{root}: no EOS token id in config.json, generation_config.json or "
@@ -129,6 +130,12 @@ class ModelTokenizer:
 
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
+        """Needed only for string stops, so a directory without tokenizer.json still samples."""
+        if not (self.root / "tokenizer.json").is_file():
+            raise EngineUserError(
+                f"{self.root}: stop strings need the model's tokenizer.json (a fast tokenizer; "
+                "transformers writes it with tokenizer.save_pretrained); use token-id stops"
+            )
         return token_bytes_table(read_json(self.root / "tokenizer.json"), self.vocab_size)
 
     @functools.cached_property
