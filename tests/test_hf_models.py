@@ -248,18 +248,18 @@ def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
     root = make_tiny_hf_model_dir(tmp_path / "m", dtype=dtype)  # type: ignore[arg-type]
     backend = LocalBackend(tmp_path / "store")
     client = tinker_sr.ServiceClient(backend=backend)
-    training = client.create_lora_training_client(base_model=str(root), rank=4).result()
+    training = client.create_lora_training_client(base_model=str(root), rank=4, seed=1).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(ids[:-1]),
         loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
     )
     losses = []
-    for _ in range(3):
+    for _ in range(4):
         out = training.forward_backward([datum], "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(out.metrics["loss:sum"])
-    assert losses[2] < losses[0]
+    assert losses[3] < 0.9 * losses[0]
     model = backend.models.trainer(training.model_id).model
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
