@@ -7,6 +7,8 @@ exception into `RequestFailedError(category=Server)`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class EngineUserError(ValueError):
     """The request is wrong; the message names the field, the datum and the fix.
@@ -18,3 +20,15 @@ class EngineUserError(ValueError):
 
 class EngineNotFoundError(EngineUserError):
     """A named object (model, checkpoint, sampler, sequence) does not exist."""
+
+
+def check_same_names(want: Iterable[str], got: Iterable[str], *, mismatch: str, fix: str) -> None:
+    """Refuse a state dict whose tensor names are not exactly ``want``'s: ``mismatch`` says
+    what does not match, ``fix`` what to load instead."""
+    want_set, got_set = set(want), set(got)
+    missing, unexpected = sorted(want_set - got_set), sorted(got_set - want_set)
+    if missing or unexpected:
+        raise EngineUserError(
+            f"{mismatch}: {len(missing)} missing (e.g. {missing[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}); {fix}"
+        )

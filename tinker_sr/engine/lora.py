@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.errors import EngineUserError, check_same_names
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -121,13 +121,13 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
     """Copy adapter values in; names and shapes must match this model's adapters exactly."""
     own = {n: p for n, p in model.named_parameters() if _is_adapter(n)}
-    missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
-    if missing or unexpected:
-        raise EngineUserError(
-            f"LoRA weights do not match this model: {len(missing)} missing (e.g. {missing[:2]}), "
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}); load a checkpoint saved from "
-            "a model with the same base model and LoRA config (rank, train_* flags)"
-        )
+    check_same_names(
+        own,
+        sd,
+        mismatch="LoRA weights do not match this model",
+        fix="load a checkpoint saved from a model with the same base model and LoRA config "
+        "(rank, train_* flags)",
+    )
     for n, p in own.items():
         if tuple(sd[n].shape) != tuple(p.shape):
             raise EngineUserError(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.engine.errors import EngineUserError, check_same_names
 
 
 @dataclass
@@ -138,13 +138,12 @@ class Adam:
     def load_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Exact restore; names and shapes must match this optimizer's parameters."""
         want = self.state_dict()
-        missing, unexpected = sorted(want.keys() - sd.keys()), sorted(sd.keys() - want.keys())
-        if missing or unexpected:
-            raise EngineUserError(
-                f"optimizer state does not match this model: {len(missing)} missing (e.g. "
-                f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); load "
-                "state saved from a model with the same base model and LoRA config"
-            )
+        check_same_names(
+            want,
+            sd,
+            mismatch="optimizer state does not match this model",
+            fix="load state saved from a model with the same base model and LoRA config",
+        )
         for k, v in sd.items():
             if tuple(v.shape) != tuple(want[k].shape):
                 raise EngineUserError(

@@ -274,9 +274,7 @@ class Store:
     def get_checkpoint(self, tinker_path: str, *, now: float | None = None) -> CheckpointRow | None:
         """The live checkpoint at ``tinker_path``; expired ones count as missing."""
         with self._lock:
-            row = self._db.execute(
-                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE tinker_path=?", (tinker_path,)
-            ).fetchone()
+            row = self._ck_by_path(tinker_path)
         if row is None:
             return None
         ck = self._ck_row(row)
@@ -305,13 +303,18 @@ class Store:
 
     def delete_checkpoint(self, tinker_path: str) -> CheckpointRow | None:
         with self._lock:
-            row = self._db.execute(
-                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE tinker_path=?", (tinker_path,)
-            ).fetchone()
+            row = self._ck_by_path(tinker_path)
             if row is None:
                 return None
             self._db.execute("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
         return self._ck_row(row)
+
+    def _ck_by_path(self, tinker_path: str) -> tuple[Any, ...] | None:
+        """The raw checkpoint row at ``tinker_path`` (the caller holds the lock)."""
+        row: tuple[Any, ...] | None = self._db.execute(
+            f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE tinker_path=?", (tinker_path,)
+        ).fetchone()
+        return row
 
     def set_checkpoint_expiry(self, tinker_path: str, expires_at: float | None) -> bool:
         with self._lock:
