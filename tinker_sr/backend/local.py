@@ -526,11 +526,12 @@ class LocalBackend:
         )
 
         def work() -> types.SampleResponse:
+            sampler = self.models.sampler(sampler_id)
             return sample_request(
-                self.models.sampler(sampler_id),
+                sampler,
                 seq_id,
                 req,
-                tokenizer=self.models.tokenizer(self.models.sampler(sampler_id).base_model),
+                tokenizer=self.models.tokenizer(sampler.base_model),
                 recorder=self._recorder,
                 limits=self.limits,
             )
