@@ -331,8 +331,8 @@ def test_09_non_finite_loss_is_refused_naming_the_datum_and_the_client_trains_on
 
 
 def test_09_a_non_finite_gradient_refused_by_optim_step_is_discarded() -> None:
-    from tinker_sr.engine.errors import EngineUserError
     from tinker_sr.engine.optim import Adam, AdamHParams
+    from tinker_sr.user_errors import EngineUserError
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = Adam([("p", p)])
@@ -432,7 +432,7 @@ def test_11_samples_times_tokens_above_the_limit_is_refused(service: tinker.Serv
 
 def test_11_limits_are_configurable_on_every_path(tmp_path: Path) -> None:
     from tinker_sr.cli import build_parser, limits_from_args
-    from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
+    from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
     args = build_parser().parse_args(["serve", "--max-lora-rank", "8", "--max-train-tokens", "9"])
     assert limits_from_args(args) == Limits(max_lora_rank=8, max_train_tokens=9)
@@ -663,8 +663,8 @@ def test_13_fractional_float_target_tokens_are_refused_on_the_engine(
 
 
 def test_17_sampled_tokens_trained_after_another_sequences_prompt_are_refused() -> None:
-    from tinker_sr.engine.errors import EngineUserError
     from tinker_sr.provenance.validate import DatumSpans, SequenceRecord, validate_provenance
+    from tinker_sr.user_errors import EngineUserError
 
     def record(sid: str, prompt: list[int], sampled: list[int]) -> SequenceRecord:
         return SequenceRecord(

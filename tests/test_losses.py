@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.losses import (
     LOSS_NAMES,
     LossDatum,
     compute_loss,
     validate_request,
 )
+from tinker_sr.user_errors import EngineUserError
 
 f64 = torch.float64
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")

@@ -8,7 +8,6 @@ import re
 import numpy as np
 import pytest
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.provenance.validate import (
     RECORD_TTL_SECONDS,
     DatumSpans,
@@ -18,6 +17,7 @@ from tinker_sr.provenance.validate import (
 )
 from tinker_sr.types.provenance_spans import PromptProvenanceSpan as P
 from tinker_sr.types.provenance_spans import SampledProvenanceSpan as S
+from tinker_sr.user_errors import EngineUserError
 
 NOW = 1_000_000.0
 PROMPT = [11, 12, 13, 14]

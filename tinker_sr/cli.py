@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -56,9 +56,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from tinker_sr.backend.local import default_store_dir
-    from tinker_sr.engine.errors import EngineUserError
     from tinker_sr.engine.export import export_checkpoint
     from tinker_sr.engine.registry import parse_aliases
+    from tinker_sr.user_errors import EngineUserError
 
     try:
         out = export_checkpoint(

@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from tinker_sr import types
-from tinker_sr.engine.errors import EngineUserError
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.user_errors import EngineUserError
 
 TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 """Checkpoint time-to-live bounds in seconds: 1 hour to 10 years (``None``: never expires)."""

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tinker_sr.engine.checkpoints import load_tensors, save_tensors
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.lora import LoraSpec, apply_lora, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import build_model
 from tinker_sr.engine.optim import Adam, AdamHParams
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
 def test_round_trip_with_metadata_and_no_temp_files(tmp_path) -> None:

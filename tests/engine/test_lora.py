@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.lora import (
     LoraLinear,
     LoraSpec,
@@ -15,6 +14,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import ModelConfig, Transformer, build_model
 from tinker_sr.engine.sampler import generate
+from tinker_sr.user_errors import EngineUserError
 
 TINY = "tinker-sr/tiny"
 QWEN_TINY = ModelConfig(

@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.model import (
     BUILTIN_CONFIGS,
     ModelConfig,
@@ -15,6 +14,7 @@ from tinker_sr.engine.model import (
     load_pretrained,
     save_pretrained,
 )
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 TINY = "tinker-sr/tiny"
 # The small built-in's architecture (q/k norm, untied head) at tiny size, to keep tests fast.

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.optim import Adam, AdamHParams
+from tinker_sr.user_errors import EngineUserError
 
 
 def make_params(seed: int = 0) -> list[tuple[str, nn.Parameter]]:

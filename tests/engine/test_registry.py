@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.lora import LoraSpec, lora_state_dict
 from tinker_sr.engine.optim import AdamHParams
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, snapshot
 from tinker_sr.engine.sampler import generate
+from tinker_sr.user_errors import EngineUserError
 
 MODEL = "tinker-sr/tiny"
 SPEC = LoraSpec(rank=4, seed=0)
@@ -136,7 +136,7 @@ def test_a_session_keeps_only_its_most_recently_used_lora_samplers() -> None:
     """An RL loop that makes a sampler every step never says when it drops one: the session
     keeps the adapters of its N most recently used LoRA samplers (memory and spill files stay
     bounded), never evicts base-model samplers, and names the quota when an old one is used."""
-    from tinker_sr.engine.errors import EngineNotFoundError
+    from tinker_sr.user_errors import EngineNotFoundError
 
     reg = _registry(samplers_per_session=2, adapter_budget_bytes=0)
     t = _trainer(reg, "t")

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.hf_tokenizer import byte_token_table
 from tinker_sr.engine.model import Transformer, build_model
 from tinker_sr.engine.sampler import (
@@ -18,6 +17,7 @@ from tinker_sr.engine.sampler import (
     target_logprobs,
 )
 from tinker_sr.engine.tokenizer import ByteTokenizer
+from tinker_sr.user_errors import EngineUserError
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("Once upon a time", add_special_tokens=True)

@@ -17,9 +17,9 @@ from tests.fuzz.conftest import FUZZ
 from tinker_sr import types
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.engine import training
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.registry import ModelRegistry, Trainer
 from tinker_sr.engine.store import Store
+from tinker_sr.user_errors import EngineUserError
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 N = 5

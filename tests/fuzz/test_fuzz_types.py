@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tests.fuzz.conftest import FUZZ
 from tinker_sr import types
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.provenance.validate import DatumSpans, SequenceRecord, validate_provenance
+from tinker_sr.user_errors import EngineUserError
 
 TYPED = (ValueError, TypeError, KeyError)
 

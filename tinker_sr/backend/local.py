@@ -37,15 +37,15 @@ from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import parse_dtype
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder
 from tinker_sr.engine.sampling import sample as sample_request
 from tinker_sr.engine.store import Store
 from tinker_sr.errors import RequestFailedError
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]
 
@@ -93,7 +93,7 @@ class LocalBackend:
         limits: Limits | None = None,
         request_model_paths: bool = True,
     ) -> None:
-        """``limits``: the size limits every request is held to (`engine.limits.Limits`;
+        """``limits``: the size limits every request is held to (`tinker_sr.limits.Limits`;
         ``tinker-sr serve`` sets them from its flags). ``request_model_paths``: may
         ``base_model`` name a local directory (False on a server: only aliases may)."""
         self.limits = limits if limits is not None else DEFAULT_LIMITS

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tinker_sr.engine.errors import EngineUserError
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.user_errors import EngineUserError
 
 T = TypeVar("T")
 

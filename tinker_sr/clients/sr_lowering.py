@@ -52,7 +52,6 @@ from tinker_sr.clients.sr_lowered import datum_inputs as _inputs
 from tinker_sr.clients.sr_lowered import kl_coeff_of as _kl_coeff
 from tinker_sr.clients.sr_lowered import lowered_inputs, lowered_result
 from tinker_sr.clients.sr_lowered import user_error as _user_error
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.errors import APIStatusError, RequestFailedError, TinkerError
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS as RECORD_TTL_SECONDS
 from tinker_sr.provenance.validate import (
@@ -61,6 +60,7 @@ from tinker_sr.provenance.validate import (
     SequenceRecord,
     validate_provenance,
 )
+from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from tinker_sr.backend.base import Backend

@@ -22,8 +22,8 @@ import torch
 
 from tinker_sr import types
 from tinker_sr.engine import checkpoints as ckpt_io
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.store import CheckpointRow, RunRow, Store
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 from tinker_sr.validation import expiry
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as _serialize
 
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
 def save_tensors(

@@ -1,34 +1,7 @@
-"""Errors raised by the engine.
+"""Old home of the engine's user errors: they moved to `tinker_sr.user_errors` (torch-free, shared
+with the validator and the clients). Kept only so code written against the old path still imports;
+import from `tinker_sr.user_errors`."""
 
-The engine never imports the public client types. It raises these; the backend turns
-`EngineUserError` into `RequestFailedError(category=User)` (a caller mistake) and any other
-exception into `RequestFailedError(category=Server)`.
-"""
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, check_same_names
 
-from __future__ import annotations
-
-from collections.abc import Iterable
-
-
-class EngineUserError(ValueError):
-    """The request is wrong; the message names the field, the datum and the fix.
-
-    A request that raises this must leave the model, optimizer, checkpoints and recorded
-    sequences exactly as they were.
-    """
-
-
-class EngineNotFoundError(EngineUserError):
-    """A named object (model, checkpoint, sampler, sequence) does not exist."""
-
-
-def check_same_names(want: Iterable[str], got: Iterable[str], *, mismatch: str, fix: str) -> None:
-    """Refuse a state dict whose tensor names are not exactly ``want``'s: ``mismatch`` says
-    what does not match, ``fix`` what to load instead."""
-    want_set, got_set = set(want), set(got)
-    missing, unexpected = sorted(want_set - got_set), sorted(got_set - want_set)
-    if missing or unexpected:
-        raise EngineUserError(
-            f"{mismatch}: {len(missing)} missing (e.g. {missing[:2]}), "
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}); {fix}"
-        )
+__all__ = ["EngineNotFoundError", "EngineUserError", "check_same_names"]

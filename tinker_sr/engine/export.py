@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.checkpoints import save_tensors
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.hf import read_json
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
 from tinker_sr.engine.model import Transformer, config_to_hf
+from tinker_sr.user_errors import EngineUserError
 
 PEFT_PREFIX = "base_model.model."
 # Files of a base model directory that a merged export carries over unchanged.

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tinker_sr.engine import losses as engine_losses
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.optim import Adam
+from tinker_sr.user_errors import EngineUserError
 
 __all__ = ["checked_backward", "nonfinite_datum"]
 

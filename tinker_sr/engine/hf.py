@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.model import Transformer, _empty_model, config_from_hf
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.hf import eos_token_ids, read_json
 from tinker_sr.engine.tokenizer import ByteTokenizer, _bytes_to_unicode
+from tinker_sr.user_errors import EngineUserError
 
 _SP_SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

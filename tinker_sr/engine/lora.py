@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinker_sr.engine.errors import EngineUserError, check_same_names
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
+from tinker_sr.user_errors import EngineUserError, check_same_names
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, get_args
 
 import torch
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.types.training import LossFnType
+from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from tinker_sr.engine.losses import LossDatum

@@ -264,7 +264,8 @@ def _policy_loss(
     f = _flatten(logp, data, cd)
     metrics: dict[str, float] = {}
     if loss_fn == "stable_reinforce":
-        per_tok, clipped = _stable_reinforce(f, logp, data, cfg, cd, metrics), None
+        ly = _draw_logprob_means(logp, data, cd)
+        per_tok, clipped = _stable_reinforce(f, ly, cfg["kl_coeff"], metrics), None
     elif loss_fn == "gspo":
         per_tok, clipped = _gspo(f, data, cfg, cd)
     else:
@@ -326,17 +327,11 @@ def _gspo(
     return -surrogate, clipped
 
 
-def _stable_reinforce(
-    f: _Flat,
-    logp: Sequence[torch.Tensor],
-    data: Sequence[LossDatum],
-    cfg: Mapping[str, float],
-    cd: torch.dtype,
-    metrics: dict[str, float],
+def _draw_logprob_means(
+    logp: Sequence[torch.Tensor], data: Sequence[LossDatum], cd: torch.dtype
 ) -> torch.Tensor:
-    device = f.lx.device
-    beta = cfg["kl_coeff"]
-    sampled = f.diag
+    """Per position, the learner's mean log-prob over the datum's valid draws (0 without draws)."""
+    device = logp[0].device
     for_ly = []
     for lp, d in zip(logp, data, strict=True):
         if d.draws is None:
@@ -346,7 +341,13 @@ def _stable_reinforce(
         count = valid.sum(dim=1)
         mean = (lp[:, 1:] * valid).sum(dim=1) / count.clamp_min(1)
         for_ly.append(mean)
-    ly = torch.cat(for_ly)
+    return torch.cat(for_ly)
+
+
+def _stable_reinforce(
+    f: _Flat, ly: torch.Tensor, beta: float, metrics: dict[str, float]
+) -> torch.Tensor:
+    sampled = f.diag
     kl_k1 = f.lq - f.lx
     per_tok = -f.adv * (f.lx - ly) + beta * kl_k1
     per_tok = torch.where(sampled, per_tok, torch.zeros_like(per_tok))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
 @dataclass(frozen=True)
@@ -68,28 +68,22 @@ class ModelConfig:
             )
 
 
-# Both built-ins use the byte tokenizer (tinker_sr.engine.tokenizer.ByteTokenizer):
-# 256 byte ids + <|bos|>=256, <|eos|>=257, <|pad|>=258.
+def _byte_model(name: str, **shape: Any) -> ModelConfig:
+    """A built-in model: tied embeddings and the byte tokenizer's ids
+    (tinker_sr.engine.tokenizer.ByteTokenizer: 256 byte ids + <|bos|>=256, <|eos|>=257,
+    <|pad|>=258)."""
+    ids = {"vocab_size": 259, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+    return ModelConfig(name=name, tie_embeddings=True, **ids, **shape)
+
 
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
     # ~140k parameters: a whole RL step is milliseconds on a CPU.
-    "tinker-sr/tiny": ModelConfig(
-        name="tinker-sr/tiny",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=256,
-        max_seq_len=512,
-        tie_embeddings=True,
-        vocab_size=259,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
+    "tinker-sr/tiny": _byte_model(
+        "tinker-sr/tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512
     ),
     # ~24M parameters, Qwen3-shaped (q/k norm, GQA, tied embeddings).
-    "tinker-sr/small": ModelConfig(
-        name="tinker-sr/small",
+    "tinker-sr/small": _byte_model(
+        "tinker-sr/small",
         dim=512,
         n_layers=8,
         n_heads=8,
@@ -97,12 +91,7 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         ffn_dim=1408,
         max_seq_len=1024,
         rope_theta=1_000_000.0,
-        tie_embeddings=True,
         qk_norm=True,
-        vocab_size=259,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from tinker_sr.engine.errors import EngineUserError, check_same_names
+from tinker_sr.user_errors import EngineUserError, check_same_names
 
 
 @dataclass

@@ -34,7 +34,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.engine.hf import cached_hub_model, load_model_dir, not_found_hint, resolve_model_dir
 from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.engine.lora import (
@@ -49,6 +48,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
 def parse_aliases(spec: str | None) -> dict[str, str]:

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.model import Transformer, _stable_seed
 from tinker_sr.engine.stops import StopStrings
+from tinker_sr.user_errors import EngineUserError
 
 TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
 GREEDY_BELOW_TEMPERATURE = 1e-6  # temperatures below this sample greedily (module docstring)

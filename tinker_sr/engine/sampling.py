@@ -18,12 +18,12 @@ import numpy as np
 
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
-from tinker_sr.engine.errors import EngineUserError
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import Sampler
 from tinker_sr.engine.store import Store
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
+from tinker_sr.user_errors import EngineUserError
 
 STABILITY_K = 8
 DEFAULT_MAX_TOKENS = 4096

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tinker_sr.engine.errors import EngineUserError
+from tinker_sr.user_errors import EngineUserError
 
 
 class StopStrings:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -19,16 +19,16 @@ import torch
 
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.engine.guards import checked_backward
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.optim import Adam, AdamHParams
 from tinker_sr.engine.registry import Trainer, snapshot
 from tinker_sr.engine.store import Store
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
 from tinker_sr.types.tensor_data import check_int64
+from tinker_sr.user_errors import EngineUserError
 
 
 # ---- forward / backward ------------------------------------------------------------------
@@ -323,11 +323,5 @@ def lora_spec(cfg: types.LoraConfig | None) -> LoraSpec:
 
 
 def lora_json(spec: LoraSpec) -> dict[str, Any]:
-    return {
-        "rank": spec.rank,
-        "seed": spec.seed,
-        "train_attn": spec.train_attn,
-        "train_mlp": spec.train_mlp,
-        "train_unembed": spec.train_unembed,
-        "alpha": spec.alpha,
-    }
+    """Every LoraSpec field, in declaration order (checkpoint metadata and get_info)."""
+    return asdict(spec)

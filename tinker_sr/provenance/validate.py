@@ -18,8 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan
+from tinker_sr.user_errors import EngineUserError
 
 __all__ = [
     "RECORD_TTL_SECONDS",

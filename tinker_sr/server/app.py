@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from tinker_sr.backend.base import Backend
-from tinker_sr.engine.limits import DEFAULT_LIMITS
+from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
 from . import http

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tinker_sr.engine.errors import EngineNotFoundError, EngineUserError
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 from tinker_sr.wire import BodyTooLargeError, WireError, proto
 from tinker_sr.wire import messages as m
 

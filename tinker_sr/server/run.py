@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tinker_sr.engine.limits import Limits
+from tinker_sr.limits import Limits
 
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
 from .features import ServerFeatures
@@ -41,7 +41,7 @@ def serve(
     only these keys (a list or a comma-separated string; default ``$TINKER_SR_API_KEYS``),
     else any key starting with ``tml-``. Binds 127.0.0.1 unless told otherwise.
     ``features``: play an engine without StableReinforce support (`ServerFeatures`). ``limits``:
-    the engine's size limits (`engine.limits.Limits`); its ``max_body_bytes`` wins over the
+    the engine's size limits (`tinker_sr.limits.Limits`); its ``max_body_bytes`` wins over the
     ``max_body_bytes`` argument, which is kept for callers that set only that.
     ``model_aliases``: base_model name -> built-in model or local directory; requests may
     name only these (and built-ins), never a directory of their own.

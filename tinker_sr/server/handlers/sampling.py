@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tinker_sr import validation
-from tinker_sr.engine.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.wire import messages as m
 from tinker_sr.wire import proto
 

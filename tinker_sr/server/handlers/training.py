@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tinker_sr import validation
-from tinker_sr.engine.errors import EngineUserError
 from tinker_sr.types import ModelData
+from tinker_sr.user_errors import EngineUserError
 from tinker_sr.wire import WireError, proto
 from tinker_sr.wire import messages as m
 
