@@ -72,8 +72,15 @@ def _byte_model(name: str, **shape: Any) -> ModelConfig:
     """A built-in model: tied embeddings and the byte tokenizer's ids
     (tinker_sr.engine.tokenizer.ByteTokenizer: 256 byte ids + <|bos|>=256, <|eos|>=257,
     <|pad|>=258)."""
-    ids = {"vocab_size": 259, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
-    return ModelConfig(name=name, tie_embeddings=True, **ids, **shape)
+    return ModelConfig(
+        name=name,
+        vocab_size=259,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_embeddings=True,
+        **shape,
+    )
 
 
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
