@@ -18,12 +18,13 @@ import tinker_sr  # noqa: E402
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.clients.tokenizers import load_tokenizer  # noqa: E402
-from tinker_sr.engine.hf import load_model_dir, resolve_model_dir  # noqa: E402
-from tinker_sr.engine.hf_tokenizer import FastTokenizer, ModelTokenizer  # noqa: E402
+from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.engine.sampling import resolve_max_tokens  # noqa: E402
 from tinker_sr.engine.stops import StopStrings  # noqa: E402
-from tinker_sr.engine.tokenizer import ByteTokenizer  # noqa: E402
+from tinker_sr.hf_files import resolve_model_dir  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
+from tinker_sr.tokenization.byte import ByteTokenizer  # noqa: E402
+from tinker_sr.tokenization.hf import FastTokenizer, ModelTokenizer  # noqa: E402
 
 TEXT = "Hello world, 123 + 456 = 579.\n\nUser: what é ü 😀?"
 
@@ -273,7 +274,7 @@ def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
 def test_without_transformers_get_tokenizer_uses_the_tokenizers_library(
     qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tinker_sr.engine.hf_tokenizer import load_hf_tokenizer
+    from tinker_sr.tokenization.hf import load_hf_tokenizer
 
     expected = AutoTokenizer.from_pretrained(qwen_dir).encode(TEXT)
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails

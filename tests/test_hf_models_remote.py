@@ -15,8 +15,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tests._server import ServerProcess, running_server  # noqa: E402
-from tinker_sr.engine.tokenizer import ByteTokenizer  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
+from tinker_sr.tokenization.byte import ByteTokenizer  # noqa: E402
 
 tinker = pytest.importorskip("tinker")
 

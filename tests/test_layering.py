@@ -70,21 +70,12 @@ def _is_engine(name: str) -> bool:
     return name == ENGINE or name.startswith(ENGINE + ".")
 
 
-# Known, being fixed: the client-side get_tokenizer() reads tokenizer files through engine/hf.py.
-# strict: the mark must go as soon as the import does.
-_TOKENIZERS = pytest.mark.xfail(strict=True, reason="clients/tokenizers.py imports engine.hf")
-_PARAMS = [
-    pytest.param(p, marks=[_TOKENIZERS] if p.name == "tokenizers.py" else []) for p in CLIENT_SIDE
-]
-
-
-@pytest.mark.parametrize("path", _PARAMS, ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize("path", CLIENT_SIDE, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_client_side_never_imports_the_engine(path: Path) -> None:
     engine = [n for n in _imports(path, top_level_only=False) if _is_engine(n)]
     assert not engine, f"{path.relative_to(PACKAGE)} imports {engine}; see docs/architecture.md"
 
 
-@_TOKENIZERS
 def test_client_side_does_not_reach_the_engine_through_other_modules() -> None:
     seen: dict[str, str] = {}  # module -> the module that first imported it
     todo = [(_module_name(p), "") for p in CLIENT_SIDE]
@@ -128,7 +119,7 @@ def test_neutral_modules_import_without_torch() -> None:
     code = (
         "import sys\n"
         "import tinker_sr, tinker_sr.limits, tinker_sr.user_errors, tinker_sr.validation\n"
-        "import tinker_sr.clients.sr_lowering\n"
+        "import tinker_sr.clients.sr_lowering, tinker_sr.clients.tokenizers\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

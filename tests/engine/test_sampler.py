@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from tinker_sr.engine.hf_tokenizer import byte_token_table
 from tinker_sr.engine.model import Transformer, build_model
 from tinker_sr.engine.sampler import (
     generate,
@@ -16,7 +15,8 @@ from tinker_sr.engine.sampler import (
     score_tokens,
     target_logprobs,
 )
-from tinker_sr.engine.tokenizer import ByteTokenizer
+from tinker_sr.tokenization.byte import ByteTokenizer
+from tinker_sr.tokenization.hf import byte_token_table
 from tinker_sr.user_errors import EngineUserError
 
 TOK = ByteTokenizer()

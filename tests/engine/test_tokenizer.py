@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinker_sr.engine.tokenizer import ByteTokenizer, write_hf_tokenizer_dir
+from tinker_sr.tokenization.byte import ByteTokenizer, write_hf_tokenizer_dir
 
 
 def test_bytes_and_special_ids() -> None:
@@ -30,3 +30,16 @@ def test_hf_tokenizer_dir_loads_offline_and_matches(tmp_path) -> None:
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (256, 257, 258)
     assert len(hf) == 259
     assert hf.decode(ours.encode("héllo", add_special_tokens=False)) == "héllo"
+
+
+def test_every_builtin_model_is_a_byte_tokenizer_model() -> None:
+    """The clients learn the built-in names from the tokenizer module, not the engine."""
+    from tinker_sr.engine.model import BUILTIN_CONFIGS
+    from tinker_sr.tokenization.byte import BYTE_TOKENIZER_MODELS
+
+    assert sorted(BUILTIN_CONFIGS) == sorted(BYTE_TOKENIZER_MODELS)
+    for cfg in BUILTIN_CONFIGS.values():
+        assert (cfg.vocab_size, cfg.eos_token_id) == (
+            len(ByteTokenizer()),
+            ByteTokenizer.eos_token_id,
+        )

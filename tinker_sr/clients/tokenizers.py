@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from tinker_sr.engine.hf import TOKENIZER_FILES, hub_cache_dir, resolve_model_dir
+from tinker_sr.hf_files import TOKENIZER_FILES, hub_cache_dir, resolve_model_dir
 
 
 def tokenizer_for(backend: Any, model_name: str, tokenizer_id: str | None) -> Any:
@@ -38,11 +38,10 @@ def sdk_tokenizer_id(model_name: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def load_tokenizer(model_name: str, tokenizer_id: str | None) -> Any:
-    from tinker_sr.engine.hf_tokenizer import load_hf_tokenizer
-    from tinker_sr.engine.model import BUILTIN_CONFIGS
-    from tinker_sr.engine.tokenizer import ByteTokenizer
+    from tinker_sr.tokenization.byte import BYTE_TOKENIZER_MODELS, ByteTokenizer
+    from tinker_sr.tokenization.hf import load_hf_tokenizer
 
-    if tokenizer_id is None and model_name.split(":")[0] in BUILTIN_CONFIGS:
+    if tokenizer_id is None and model_name.split(":")[0] in BYTE_TOKENIZER_MODELS:
         return ByteTokenizer()
     ident = (tokenizer_id.split(":")[0] if tokenizer_id else None) or sdk_tokenizer_id(model_name)
     local = resolve_model_dir(ident, TOKENIZER_FILES)

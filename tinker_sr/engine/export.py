@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.checkpoints import save_tensors
-from tinker_sr.engine.hf import read_json
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
 from tinker_sr.engine.model import Transformer, config_to_hf
+from tinker_sr.hf_files import read_json
 from tinker_sr.user_errors import EngineUserError
 
 PEFT_PREFIX = "base_model.model."
@@ -133,7 +133,7 @@ def export_merged(
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, root / name)
     else:
-        from tinker_sr.engine.tokenizer import write_hf_tokenizer_dir
+        from tinker_sr.tokenization.byte import write_hf_tokenizer_dir
 
         config = config_to_hf(model.config)
         write_hf_tokenizer_dir(root, model_max_length=model.config.max_seq_len)

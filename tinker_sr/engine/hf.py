@@ -1,12 +1,9 @@
-"""Hugging Face model directories as first-class models: find them, load them in their own dtype.
+"""Hugging Face model directories as first-class models: load them in their own dtype.
 
-A model is found, offline, as either
-- a local directory holding ``config.json`` and ``*.safetensors`` (one file, or shards listed by
-  ``model.safetensors.index.json``), or
-- a Hub name ``Org/Name`` (optionally ``Org/Name@revision``) already in the local Hugging Face
-  cache: ``$HF_HUB_CACHE`` or ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``, laid out as
-  ``models--Org--Name/snapshots/<revision>/`` with ``refs/<branch>`` naming the revision.
-  Nothing is ever downloaded.
+Finding a directory (a local path, or a Hub name in the local Hugging Face cache; nothing is
+ever downloaded) is `tinker_sr.hf_files`, torch-free and shared with the clients. A model
+directory holds ``config.json`` and ``*.safetensors`` (one file, or shards listed by
+``model.safetensors.index.json``).
 
 Weights stay in the checkpoint's dtype (``config.json``'s ``dtype``/``torch_dtype``, else the
 dtype of the stored tensors): a bf16 checkpoint costs 2 bytes per parameter in memory. The
@@ -16,7 +13,6 @@ returned logits in float32 (see `tinker_sr.engine.model`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +21,7 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.model import Transformer, _empty_model, config_from_hf
+from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -33,80 +30,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, resolved like `huggingface_hub` does (no import needed)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
-    )
-    return Path(home).expanduser() / "hub"
-
-
-MODEL_FILES = ("config.json",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_FILES) -> bool:
-    return any((Path(path) / m).is_file() for m in markers)
-
-
-def _snapshot(repo: Path, revision: str | None, markers: tuple[str, ...]) -> Path | None:
-    """The snapshot of a cached repo for `revision` (a branch, tag or commit; default "main",
-    else the most recent snapshot) that holds one of `markers`."""
-    snaps = repo / "snapshots"
-    if not snaps.is_dir():
-        return None
-    ref = repo / "refs" / (revision or "main")
-    if ref.is_file():
-        revision = ref.read_text().strip()
-    if revision is not None:
-        cand = snaps / revision
-        return cand if is_model_dir(cand, markers) else None
-    found = [p for p in snaps.iterdir() if is_model_dir(p, markers)]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def resolve_model_dir(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path | None:
-    """The local directory of `name` (a path or a cached Hub name) holding one of `markers`
-    (default: a model's config.json; `TOKENIZER_FILES` finds tokenizer-only repos), or None."""
-    path = Path(name).expanduser()
-    if is_model_dir(path, markers):
-        return path.resolve()
-    return cached_hub_model(name, markers)
-
-
-def cached_hub_model(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path | None:
-    """The snapshot of Hub name `name` (``org/model[@revision]``) in the local Hugging Face
-    cache, or None; never a path given as `name` (what a server may resolve for a client)."""
-    repo_id, _, revision = name.partition("@")
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
-        return None
-    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-    snap = _snapshot(repo, revision or None, markers)
-    return snap.absolute() if snap is not None else None
-
-
-def not_found_hint(name: str) -> str:
-    """Where `resolve_model_dir` looked, for error messages."""
-    repo = "models--" + name.partition("@")[0].replace("/", "--")
-    return (
-        f"no local directory {name!r} with config.json, and no snapshot in the Hugging Face "
-        f"cache at {hub_cache_dir() / repo}/snapshots (set HF_HOME or HF_HUB_CACHE; "
-        "nothing is downloaded)"
-    )
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EngineUserError(f"{path}: cannot read JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise EngineUserError(f"{path}: expected a JSON object")
-    return data
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -203,18 +126,3 @@ def load_model_dir(
             f"{root}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
         )
     return model
-
-
-def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ...]:
-    """Every EOS id the model declares: config.json's ``eos_token_id`` (an int or a list), then
-    generation_config.json's, then the tokenizer's eos token; first-seen order, no repeats."""
-    out: list[int] = []
-    for fname in ("config.json", "generation_config.json"):
-        f = root / fname
-        value = read_json(f).get("eos_token_id") if f.is_file() else None
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in out:
-                out.append(v)
-    if tokenizer_eos is not None and tokenizer_eos not in out:
-        out.append(tokenizer_eos)
-    return tuple(out)

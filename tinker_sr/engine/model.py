@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
@@ -69,15 +70,15 @@ class ModelConfig:
 
 
 def _byte_model(name: str, **shape: Any) -> ModelConfig:
-    """A built-in model: tied embeddings and the byte tokenizer's ids
-    (tinker_sr.engine.tokenizer.ByteTokenizer: 256 byte ids + <|bos|>=256, <|eos|>=257,
-    <|pad|>=258)."""
+    """A built-in model: tied embeddings and the byte tokenizer's vocabulary and special ids
+    (256 byte ids + <|bos|>, <|eos|>, <|pad|>)."""
+    tok = ByteTokenizer
     return ModelConfig(
         name=name,
-        vocab_size=259,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         tie_embeddings=True,
         **shape,
     )

@@ -34,8 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
-from tinker_sr.engine.hf import cached_hub_model, load_model_dir, not_found_hint, resolve_model_dir
-from tinker_sr.engine.hf_tokenizer import ByteModelTokenizer, ModelTokenizer
+from tinker_sr.engine.hf import load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
     LoraSpec,
@@ -48,6 +47,8 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
+from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir
+from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
@@ -207,7 +208,7 @@ class ModelRegistry:
 
     def resolve_model(self, name: str) -> str:
         """Map a requested base model name to a built-in name or a local directory (a path, or
-        a Hub name found in the local Hugging Face cache; see `tinker_sr.engine.hf`)."""
+        a Hub name found in the local Hugging Face cache; see `tinker_sr.hf_files`)."""
         if not isinstance(name, str) or not name:
             raise EngineUserError(
                 f"base_model must be a non-empty string (a model name or a local model "

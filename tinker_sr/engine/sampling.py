@@ -30,7 +30,7 @@ DEFAULT_MAX_TOKENS = 4096
 
 
 class StopTokenizer(Protocol):
-    """What sampling needs of a model's tokenizer (`engine.hf_tokenizer.ModelTokenizer`)."""
+    """What sampling needs of a model's tokenizer (`tinker_sr.tokenization.hf.ModelTokenizer`)."""
 
     eos_token_ids: tuple[int, ...]
 

@@ -47,7 +47,7 @@ class TokenizerIds:
     def _byte_tokenizer(self) -> str:
         with self._lock:
             if self._byte_dir is None:
-                from tinker_sr.engine.tokenizer import write_hf_tokenizer_dir
+                from tinker_sr.tokenization.byte import write_hf_tokenizer_dir
 
                 root = self.store_dir / "tokenizers" if self.store_dir is not None else None
                 if root is None or ":" in str(root.resolve()):

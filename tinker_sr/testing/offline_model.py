@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.engine.tokenizer import _bytes_to_unicode
+from tinker_sr.tokenization.byte import _bytes_to_unicode
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|im_end|>", "<|endoftext|>"
 # (token, special): Qwen3 keeps <think>/<tool_call> as ordinary added tokens, so decoding

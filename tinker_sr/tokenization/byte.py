@@ -18,6 +18,9 @@ from tinker_sr.user_errors import EngineUserError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
+# The built-in models (`tinker_sr.engine.model.BUILTIN_CONFIGS`), every one on this tokenizer:
+# named here so the clients' get_tokenizer() knows them without importing the engine.
+BYTE_TOKENIZER_MODELS = ("tinker-sr/tiny", "tinker-sr/small")
 
 
 class ByteTokenizer:

@@ -1,7 +1,7 @@
 """A model's own tokenizer: what the engine needs of it, and the object `get_tokenizer()` returns.
 
 The engine needs only two things, and reads both from the directory's JSON files (no library):
-- the EOS ids (`tinker_sr.engine.hf.eos_token_ids` plus the tokenizer's ``eos_token``);
+- the EOS ids (`tinker_sr.hf_files.eos_token_ids` plus the tokenizer's ``eos_token``);
 - the bytes each token id decodes to (`token_bytes_table`), for incremental stop strings.
 
 `ModelTokenizer.hf` is the Hugging Face interface (encode/decode/apply_chat_template/...):
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.engine.hf import eos_token_ids, read_json
-from tinker_sr.engine.tokenizer import ByteTokenizer, _bytes_to_unicode
+from tinker_sr.hf_files import eos_token_ids, read_json
+from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
 from tinker_sr.user_errors import EngineUserError
 
 _SP_SPACE = "\u2581"  # SentencePiece's "▁"
