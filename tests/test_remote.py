@@ -284,9 +284,31 @@ def test_submissions_are_retried_under_one_idempotency_key_and_polls_handle_ever
     assert [p.headers["X-Tinker-Request-Iteration"] for p in polls] == ["0", "1", "2", "3", "4"]
     assert all(p.headers["X-Tinker-Request-Type"] == "ForwardBackward" for p in polls)
     assert polls[0].headers["Accept"] == "application/x-protobuf"
-    # Two submission backoffs (0.5 s then 1 s, minus up to 25 % jitter) and one 429 backoff.
-    assert len(sleeps) == 3
-    assert 0.375 <= sleeps[0] <= 0.5 and 0.75 <= sleeps[1] <= 1.0 and sleeps[2] == 1.0
+    # Two submission backoffs (0.5 s then 1 s, minus up to 25 % jitter), a short one after
+    # the polled 500 (50 ms) and one 429 backoff; the 408 and try_again re-poll at once.
+    assert len(sleeps) == 4
+    assert 0.375 <= sleeps[0] <= 0.5 and 0.75 <= sleeps[1] <= 1.0
+    assert 0.0375 <= sleeps[2] <= 0.05 and sleeps[3] == 1.0
+
+
+def test_polls_back_off_on_repeated_server_errors() -> None:
+    # A failing server is re-polled with growing delays (50 ms doubling, capped at 2 s),
+    # not thousands of times a second; the result still arrives when the server recovers.
+    script = Script(
+        {
+            **BOOT,
+            "forward_backward": [(200, {"request_id": "r1"})],
+            "retrieve_future": [*[(503, {"detail": "down"})] * 8, (200, _fb_result())],
+        }
+    )
+    backend, sleeps = _backend(script)
+    out = asyncio.run(backend.forward_backward("m", 1, [DATUM], "cross_entropy"))
+    assert out.metrics == {"loss:sum": 6.0}
+    assert len(script.sent("retrieve_future")) == 9
+    assert len(sleeps) == 8
+    nominal = [min(0.05 * 2**i, 2.0) for i in range(8)]
+    assert all(0.75 * n <= s <= n for s, n in zip(sleeps, nominal, strict=True))
+    assert sleeps[-1] >= 1.5  # capped at 2 s minus jitter
 
 
 def test_retry_after_is_obeyed_and_exhausted_retries_raise() -> None:

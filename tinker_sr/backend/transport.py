@@ -322,7 +322,7 @@ class WireTransport:
         raw bytes for a protobuf result, the decoded object for a JSON one."""
         rid = promise["request_id"]
         accept = PROTOBUF if want_proto else "application/json"
-        iteration, backoff, bad_requests = 0, 1.0, 0
+        iteration, backoff, bad_requests, server_errors = 0, 1.0, 0, 0
         while True:
             headers = {
                 "Accept": accept,
@@ -360,8 +360,14 @@ class WireTransport:
                         category=m.category_of(body.get("category")),
                     )
                 return resp, body
-            if status == 408 or status >= 500:
-                continue  # still pending, or a transient server problem: re-poll at once
+            if status == 408:
+                continue  # the long poll ran out while the request is still pending
+            if status >= 500:
+                # A transient server problem: re-poll soon, but back off (50 ms doubling to
+                # 2 s) so a failing server is not hit thousands of times a second.
+                await self._sleep(_backoff(server_errors, base=0.05, cap=2.0))
+                server_errors += 1
+                continue
             if status == 429:
                 await self._sleep(backoff)
                 backoff = min(2 * backoff, 30.0)
