@@ -225,20 +225,24 @@ class ModelRegistry:
             cached = cached_hub_model(target)
             if cached is not None:
                 return str(cached)
-            raise EngineUserError(
-                f"base_model {name!r} is not available on this server. Available: "
-                f"{', '.join(self.available_models())}. The server's operator adds models "
-                "with `tinker-sr serve --model-dir DIR` or `--model-alias NAME=TARGET`."
+            raise self._unavailable(
+                f"{name!r} is not available on this server",
+                "The server's operator adds models with `tinker-sr serve --model-dir DIR` or "
+                "`--model-alias NAME=TARGET`.",
             )
         found = resolve_model_dir(target)
         if found is not None:
             return str(found)
-        raise EngineUserError(
-            f"base_model {name!r} is not available. Available: {', '.join(self.available_models())}."
-            f" Looked for {target!r}: {not_found_hint(target)}. To use another name, alias it: "
+        raise self._unavailable(
+            f"{name!r} is not available",
+            f"Looked for {target!r}: {not_found_hint(target)}. To use another name, alias it: "
             f"TINKER_SR_MODEL_ALIASES='{name}=tinker-sr/tiny' or to a local Hugging Face "
-            "directory with config.json and *.safetensors."
+            "directory with config.json and *.safetensors.",
         )
+
+    def _unavailable(self, what: str, fix: str) -> EngineUserError:
+        available = ", ".join(self.available_models())
+        return EngineUserError(f"base_model {what}. Available: {available}. {fix}")
 
     def tokenizer(self, name: str) -> ModelTokenizer | ByteModelTokenizer:
         """The tokenizer of base model ``name`` (resolved like `resolve_model`), loaded once."""

@@ -199,12 +199,7 @@ class ServerState:
         self._exec("INSERT OR REPLACE INTO models VALUES (?, ?)", (model_id, session_id))
 
     def model_session(self, model_id: str) -> SessionRow | None:
-        row = self._one(
-            "SELECT s.session_id, s.owner, s.finished FROM models m JOIN sessions s "
-            "ON m.session_id = s.session_id WHERE m.model_id=?",
-            (model_id,),
-        )
-        return SessionRow(*row) if row else None
+        return self._session_of("models", "model_id", model_id)
 
     def model_ids_of(self, owner: str) -> set[str]:
         with self._lock:
@@ -225,10 +220,15 @@ class ServerState:
         return row[0] if row else None
 
     def sampler_session(self, sampler_id: str) -> SessionRow | None:
+        return self._session_of("samplers", "sampler_id", sampler_id)
+
+    def _session_of(self, table: str, key: str, value: str) -> SessionRow | None:
+        """The session that owns row ``value`` of ``table`` (``models`` / ``samplers``).
+        ``table`` and ``key`` are this module's constants, never request data."""
         row = self._one(
-            "SELECT s.session_id, s.owner, s.finished FROM samplers x JOIN sessions s "
-            "ON x.session_id = s.session_id WHERE x.sampler_id=?",
-            (sampler_id,),
+            f"SELECT s.session_id, s.owner, s.finished FROM {table} x JOIN sessions s "
+            f"ON x.session_id = s.session_id WHERE x.{key}=?",
+            (value,),
         )
         return SessionRow(*row) if row else None
 

@@ -188,18 +188,19 @@ def _transport_error(e: TransportFault, request: httpx.Request) -> httpx.Transpo
 def _env(values: Mapping[str, str | None]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_env(values)
         yield
     finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+        _set_env(saved)
+
+
+def _set_env(values: Mapping[str, str | None]) -> None:
+    """Set each variable; None unsets it."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @contextmanager

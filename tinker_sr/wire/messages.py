@@ -20,11 +20,11 @@ from pydantic import ConfigDict, Field
 
 from tinker_sr.types import (
     AdamParams,
-    ModelInput,
     RequestErrorCategory,
     SamplingParams,
     TensorData,
 )
+from tinker_sr.types import SampleRequest as PublicSampleRequest
 from tinker_sr.types.service import (
     CreateModelRequest,
     CreateSamplingSessionRequest,
@@ -149,17 +149,10 @@ class WireSamplingParams(_Wire):
 
     @classmethod
     def from_public(cls, params: SamplingParams) -> WireSamplingParams:
-        stop: Any = params.stop
-        if stop is not None and not isinstance(stop, str):
-            stop = list(stop)
-        return cls(
-            max_tokens=params.max_tokens,
-            seed=params.seed,
-            stop=stop,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-        )
+        fields = params.model_dump()  # the same six fields
+        if fields["stop"] is not None and not isinstance(fields["stop"], str):
+            fields["stop"] = list(fields["stop"])  # a tuple of stops is a JSON list
+        return cls(**fields)
 
 
 class WireTensorData(_Wire):
@@ -207,22 +200,13 @@ class WireTensorData(_Wire):
         )
 
 
-class SampleRequest(_Wire):
-    num_samples: int = 1
-    prompt: ModelInput
-    sampling_params: WireSamplingParams
-    base_model: str | None = None
-    model_path: str | None = None
-    sampling_session_id: str | None = None
-    seq_id: int | None = None
-    prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    target_prompt_logprobs: WireTensorData | None = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
-    record_stability_info: bool | None = None
-    type: Literal["sample"] = "sample"
+class SampleRequest(_Wire, PublicSampleRequest):
+    """The public `tinker_sr.types.SampleRequest` (same fields, order and defaults), with the two
+    fields that are not plain JSON in their wire forms (pydantic validates against these; mypy
+    calls replacing a field's type an unsafe override, hence the ignores)."""
+
+    sampling_params: WireSamplingParams  # type: ignore[assignment]
+    target_prompt_logprobs: WireTensorData | None = None  # type: ignore[assignment]
 
 
 # ---- futures / REST -----------------------------------------------------------------------
