@@ -5,6 +5,8 @@
   ``tinker_sr.engine``: not at the top of a module and not inside a function.
 - Importing any of them does not pull the engine in through another module either: the
   module-level imports they reach, followed through the package, never land in the engine.
+- The other way round: the engine (and the neutral modules it shares with the clients) never
+  imports the clients, the backends, the server or the wire codec.
 """
 
 from __future__ import annotations
@@ -98,6 +100,30 @@ def test_client_side_does_not_reach_the_engine_through_other_modules() -> None:
     assert not reached, (
         f"engine modules reached from the client side (module: imported by): {chains}"
     )
+
+
+ENGINE_SIDE = sorted(
+    [
+        *(PACKAGE / "engine").rglob("*.py"),
+        *(PACKAGE / "tokenization").rglob("*.py"),
+        *(PACKAGE / "provenance").rglob("*.py"),
+        PACKAGE / "hf_files.py",
+        PACKAGE / "validation.py",
+        PACKAGE / "user_errors.py",
+        PACKAGE / "limits.py",
+    ]
+)
+UPPER_LAYERS = ("tinker_sr.clients", "tinker_sr.backend", "tinker_sr.server", "tinker_sr.wire")
+
+
+@pytest.mark.parametrize("path", ENGINE_SIDE, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_side_never_imports_an_upper_layer(path: Path) -> None:
+    upper = [
+        n
+        for n in _imports(path, top_level_only=False)
+        if any(n == u or n.startswith(u + ".") for u in UPPER_LAYERS)
+    ]
+    assert not upper, f"{path.relative_to(PACKAGE)} imports {upper}; see docs/architecture.md"
 
 
 def test_the_checker_sees_an_engine_import(tmp_path: Path) -> None:
