@@ -4,9 +4,13 @@ This module is the worker, the ordering and the session lifecycle; the engine wo
 lives in `engine.registry` (models, trainers, samplers), `engine.training`,
 `engine.sampling` and `engine.checkpoint_store`.
 
-All torch work runs on one dedicated worker thread, so the caller's event loop never blocks
-and execution order (hence every result) is deterministic. Training requests of one model
-execute strictly in ``seq_id`` order, whatever order they arrive in. A request that fails
+Torch work runs on two dedicated threads, so the caller's event loop never blocks: the
+engine worker (training, checkpoints, sessions) and the sampling worker (sample requests), so
+an asynchronous RL loop's sampling does not wait behind training steps and vice versa. Each
+thread runs its own requests one at a time, in arrival order, and every result is
+deterministic (a sampler decodes an immutable snapshot of its weights; the registry is
+locked). Training requests of one model execute strictly in ``seq_id`` order, whatever order
+they arrive in. A request that fails
 validation raises before anything is mutated: weights, optimizer state, gradients,
 checkpoints and recorded sequences stay as they were.
 
@@ -117,6 +121,7 @@ class LocalBackend:
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
+        self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-sampling")
         self._ordering = SeqOrdering(self.limits)
         self._closed = False
 
@@ -126,8 +131,9 @@ class LocalBackend:
         return self.models.sampler_dtype
 
     # ---- plumbing ---------------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Run engine work on the worker thread; map engine errors to Tinker errors."""
+    async def _run(self, fn: Callable[[], T], executor: ThreadPoolExecutor | None = None) -> T:
+        """Run engine work on the worker thread (or ``executor``: the sampling worker); map
+        engine errors to Tinker errors."""
         if self._closed:
             raise RuntimeError("LocalBackend is closed")
         loop = asyncio.get_running_loop()
@@ -137,7 +143,7 @@ class LocalBackend:
             return fn()
 
         try:
-            return await loop.run_in_executor(self._executor, call)
+            return await loop.run_in_executor(executor or self._executor, call)
         except EngineUserError as e:
             raise _user(str(e)) from e
         except RequestFailedError:
@@ -233,6 +239,8 @@ class LocalBackend:
                 self._ordering.remove(model_id)
 
         if not self._closed:
+            # Sample requests made before the close finish first, as training work does.
+            await self._run(lambda: None, self._sampling)
             await self._run(release)
 
     def _check_session(self, session_id: str) -> None:
@@ -536,7 +544,7 @@ class LocalBackend:
                 limits=self.limits,
             )
 
-        return await self._run(work)
+        return await self._run(work, self._sampling)
 
     # ---- REST -------------------------------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
@@ -633,6 +641,7 @@ class LocalBackend:
         if self._closed:
             return
         self._closed = True
+        self._sampling.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self.models.close()
         self.store.close()

@@ -14,6 +14,12 @@ Memory model (docs/architecture.md, "Memory"):
   its adapters on the shared base instead;
 * everything of a session goes when it closes or expires (`release_session`).
 
+Threads: the training worker and the sampling scheduler share one registry, so every public
+method runs under one reentrant lock. What a sampler decodes with is an immutable snapshot
+(merged copies, or its own adapter copy on the frozen base; never a trainer's live tensors),
+and a decode holds its model object, so a release or eviction meanwhile only drops the
+registry's reference: the memory goes when the decode finishes.
+
 Every entry goes in through a ``register_*`` method and out through a ``release_*`` method.
 The registry is in-memory only; persistence (runs, checkpoints, recorded sequences) lives in
 `Store` and `CheckpointStore`.
@@ -21,14 +27,17 @@ The registry is in-memory only; persistence (runs, checkpoints, recorded sequenc
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,6 +59,23 @@ from tinker_sr.engine.optim import Adam
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(
+    method: Callable[Concatenate[ModelRegistry, P], R],
+) -> Callable[Concatenate[ModelRegistry, P], R]:
+    """Run ``method`` under the registry's lock: the training worker and the sampling
+    scheduler use one registry from two threads (reentrant: locked methods call each other)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ModelRegistry, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def parse_aliases(spec: str | None) -> dict[str, str]:
@@ -167,6 +193,7 @@ class ModelRegistry:
         neither load nor probe the server's files: its directories come only from the
         operator's aliases (``tinker-sr serve --model-dir/--model-alias``), and a request
         may name only built-ins, aliases and Hub names cached on the server."""
+        self._lock = threading.RLock()
         self.aliases = dict(aliases)
         self.request_paths = request_paths
         # None: samplers keep the base model's dtype; HF directories load in their
@@ -244,6 +271,7 @@ class ModelRegistry:
         available = ", ".join(self.available_models())
         return EngineUserError(f"base_model {what}. Available: {available}. {fix}")
 
+    @_locked
     def tokenizer(self, name: str) -> ModelTokenizer | ByteModelTokenizer:
         """The tokenizer of base model ``name`` (resolved like `resolve_model`), loaded once."""
         resolved = self.resolve_model(name)
@@ -256,6 +284,7 @@ class ModelRegistry:
             self._tokenizers[resolved] = tok
         return tok
 
+    @_locked
     def base(self, resolved: str, dtype: torch.dtype | None = None) -> Transformer:
         """The frozen base model of ``resolved`` (in ``dtype`` when given and different from
         the loaded one), loaded once and shared."""
@@ -283,6 +312,7 @@ class ModelRegistry:
         apply_lora(model, spec)
         return model
 
+    @_locked
     def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
         """The shared base with new LoRA adapters, and an optimizer over the adapters.
         ``$TINKER_SR_ACTIVATION_CHECKPOINTING=1`` recomputes layer activations in backward
@@ -299,6 +329,7 @@ class ModelRegistry:
             del self._bases[key]
 
     # ---- trainers ---------------------------------------------------------------------
+    @_locked
     def trainer(self, model_id: str) -> Trainer:
         t = self._trainers.get(model_id)
         if t is None:
@@ -307,18 +338,22 @@ class ModelRegistry:
             )
         return t
 
+    @_locked
     def has_trainer(self, model_id: str) -> bool:
         return model_id in self._trainers
 
+    @_locked
     def register_trainer(self, trainer: Trainer) -> None:
         self._trainers[trainer.model_id] = trainer
 
+    @_locked
     def release_trainer(self, model_id: str) -> Trainer | None:
         """Forget ``model_id`` (its adapters and optimizer state); ``None`` if unknown."""
         t = self._trainers.pop(model_id, None)
         self._drop_unused_bases()
         return t
 
+    @_locked
     def release_session(self, session_id: str) -> list[str]:
         """Drop every trainer and sampler of ``session_id``; returns the released ids."""
         trainers = [k for k, t in self._trainers.items() if t.session_id == session_id]
@@ -331,6 +366,7 @@ class ModelRegistry:
         return_freed_memory()
         return trainers + samplers
 
+    @_locked
     def close(self) -> None:
         """Drop everything, including spilled adapter files."""
         for session_id in {t.session_id for t in self._trainers.values()} | {
@@ -342,6 +378,7 @@ class ModelRegistry:
             self._spill_dir = None
 
     # ---- samplers ---------------------------------------------------------------------
+    @_locked
     def sampler(self, sampler_id: str) -> Sampler:
         """``sampler_id``'s sampler, now the most recently used (samplers are kept in use order)."""
         s = self._samplers.pop(sampler_id, None)
@@ -354,6 +391,7 @@ class ModelRegistry:
         self._samplers[sampler_id] = s
         return s
 
+    @_locked
     def new_sampler_id(self, session_id: str, seq: int) -> str:
         sampler_id = f"{session_id}:sample:{seq}"
         if sampler_id in self._samplers:
@@ -362,6 +400,7 @@ class ModelRegistry:
             )
         return sampler_id
 
+    @_locked
     def register_sampler(
         self, sampler: Sampler, adapters: Mapping[str, torch.Tensor] | None = None
     ) -> None:
@@ -393,6 +432,7 @@ class ModelRegistry:
         for sampler_id in ids[: max(0, len(ids) - self.samplers_per_session)]:
             self._forget_sampler(sampler_id)
 
+    @_locked
     def release_sampler(self, sampler_id: str) -> Sampler | None:
         """Forget ``sampler_id`` (its adapters and merged weights); ``None`` if unknown."""
         s = self._forget_sampler(sampler_id)
@@ -411,6 +451,7 @@ class ModelRegistry:
         return s
 
     # ---- sampling weights -------------------------------------------------------------
+    @_locked
     def sampling_model(self, s: Sampler) -> Transformer:
         """The network ``s`` samples with: the shared base, its merged weights (cached, LRU
         under ``merged_budget``), or its adapters on the shared base when merged weights would
@@ -478,6 +519,7 @@ class ModelRegistry:
             self._spilled[sampler_id] = path
             total -= _nbytes(adapters)
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Counts and bytes held, for benchmarks and tests."""
         return {

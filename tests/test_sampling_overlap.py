@@ -1,0 +1,127 @@
+"""Sampling runs on its own thread: a sample request does not wait behind a training request
+of the same model (issue 11, goal 7), and training keeps its seq_id order."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.engine import training
+
+PROMPT = types.ModelInput.from_ints(list(b"overlap: "))
+PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
+# Guards the test against hanging forever if sampling ever queues behind training again:
+# the blocked training request then gives up and reports that it was never released.
+DEADLOCK_GUARD_S = 120
+
+
+async def _model_and_sampler(backend: LocalBackend) -> tuple[str, str]:
+    session = await backend.create_session()
+    model_id = await backend.create_model(
+        session, 0, base_model="tinker-sr/tiny", lora_config=types.LoraConfig(rank=4, seed=0)
+    )
+    saved = await backend.save_weights_for_sampler(model_id, 1, sampling_session_seq_id=0)
+    assert saved.sampling_session_id is not None
+    return model_id, saved.sampling_session_id
+
+
+def test_sample_completes_while_a_training_request_of_the_model_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sampled = threading.Event()
+    order: list[str] = []
+    real = training.forward_backward
+
+    def blocking_forward_backward(*args: Any, **kwargs: Any) -> Any:
+        order.append("fb-start")
+        released = sampled.wait(DEADLOCK_GUARD_S)
+        order.append(f"fb-end released={released}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "forward_backward", blocking_forward_backward)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(b"abc")),
+        loss_fn_inputs={"target_tokens": list(b"bcd"), "weights": [1.0, 1.0, 1.0]},
+    )
+
+    async def main() -> tuple[types.SampleResponse, types.ForwardBackwardOutput]:
+        backend = LocalBackend(tmp_path)
+        try:
+            model_id, sampler_id = await _model_and_sampler(backend)
+            fb = asyncio.ensure_future(
+                backend.forward_backward(model_id, 2, [datum], "cross_entropy")
+            )
+            while not order:  # the training request holds the engine worker
+                await asyncio.sleep(0.01)
+            res = await backend.sample(
+                sampler_id, 1, prompt=PROMPT, num_samples=2, sampling_params=PARAMS
+            )
+            order.append("sampled")
+            sampled.set()
+            return res, await fb
+        finally:
+            backend.close()
+
+    res, fb_out = asyncio.run(main())
+    assert order == ["fb-start", "sampled", "fb-end released=True"]
+    assert len(res.sequences) == 2 and all(len(s.tokens) == 6 for s in res.sequences)
+    assert fb_out.loss_fn_outputs
+
+
+def test_training_keeps_seq_id_order_while_sampling(tmp_path: Path) -> None:
+    """Training requests submitted out of order, interleaved with samples, run by seq_id."""
+
+    async def main() -> list[float]:
+        backend = LocalBackend(tmp_path)
+        try:
+            model_id, sampler_id = await _model_and_sampler(backend)
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(list(b"abcdef")),
+                loss_fn_inputs={"target_tokens": list(b"bcdefg"), "weights": [1.0] * 6},
+            )
+            adam = types.AdamParams(learning_rate=5e-2)
+            calls = [
+                backend.optim_step(model_id, 5, adam),
+                backend.sample(sampler_id, 1, prompt=PROMPT, num_samples=2, sampling_params=PARAMS),
+                backend.forward_backward(model_id, 4, [datum], "cross_entropy"),
+                backend.optim_step(model_id, 3, adam),
+                backend.sample(sampler_id, 2, prompt=PROMPT, num_samples=1, sampling_params=PARAMS),
+                backend.forward_backward(model_id, 2, [datum], "cross_entropy"),
+                backend.forward_backward(model_id, 6, [datum], "cross_entropy", forward_only=True),
+            ]
+            out = await asyncio.gather(*calls)
+            return [float(out[i].metrics["loss:sum"]) for i in (5, 2, 6)]
+        finally:
+            backend.close()
+
+    async def in_order() -> list[float]:
+        backend = LocalBackend(tmp_path / "ref")
+        try:
+            model_id, _ = await _model_and_sampler(backend)
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(list(b"abcdef")),
+                loss_fn_inputs={"target_tokens": list(b"bcdefg"), "weights": [1.0] * 6},
+            )
+            adam = types.AdamParams(learning_rate=5e-2)
+            losses = []
+            for seq in (2, 3, 4, 5, 6):
+                if seq % 2:
+                    await backend.optim_step(model_id, seq, adam)
+                else:
+                    fb = await backend.forward_backward(
+                        model_id, seq, [datum], "cross_entropy", forward_only=seq == 6
+                    )
+                    losses.append(float(fb.metrics["loss:sum"]))
+            return losses
+        finally:
+            backend.close()
+
+    got, want = asyncio.run(main()), asyncio.run(in_order())
+    assert got == want
+    assert got[0] != got[1] != got[2]  # each optimizer step changed the weights
