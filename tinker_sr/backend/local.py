@@ -5,11 +5,12 @@ lives in `engine.registry` (models, trainers, samplers), `engine.training`,
 `engine.sampling` and `engine.checkpoint_store`.
 
 Torch work runs on two dedicated threads, so the caller's event loop never blocks: the
-engine worker (training, checkpoints, sessions) and the sampling worker (sample requests), so
-an asynchronous RL loop's sampling does not wait behind training steps and vice versa. Each
-thread runs its own requests one at a time, in arrival order, and every result is
-deterministic (a sampler decodes an immutable snapshot of its weights; the registry is
-locked). Training requests of one model execute strictly in ``seq_id`` order, whatever order
+engine worker (training, checkpoints, sessions; one request at a time, in arrival order) and
+the sampling worker (`engine.scheduler`: every in-flight sample request decodes in one batch,
+continuous batching), so an asynchronous RL loop's sampling does not wait behind training
+steps and vice versa. Every result is deterministic: a sampler decodes an immutable snapshot
+of its weights, the registry is locked, and a request's samples are bit-identical whatever
+else decodes beside it. Training requests of one model execute strictly in ``seq_id`` order, whatever order
 they arrive in. A request that fails
 validation raises before anything is mutated: weights, optimizer state, gradients,
 checkpoints and recorded sequences stay as they were.
@@ -29,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,8 +45,9 @@ from tinker_sr.engine.cpu import default_torch_threads
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
-from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder
-from tinker_sr.engine.sampling import sample as sample_request
+from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
+from tinker_sr.engine.sampling import begin as begin_sample
+from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import Store
 from tinker_sr.errors import RequestFailedError
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
@@ -121,7 +123,7 @@ class LocalBackend:
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
-        self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-sampling")
+        self._scheduler = DecodeScheduler(self._torch_threads)
         self._ordering = SeqOrdering(self.limits)
         self._closed = False
 
@@ -131,9 +133,8 @@ class LocalBackend:
         return self.models.sampler_dtype
 
     # ---- plumbing ---------------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T], executor: ThreadPoolExecutor | None = None) -> T:
-        """Run engine work on the worker thread (or ``executor``: the sampling worker); map
-        engine errors to Tinker errors."""
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Run engine work on the worker thread; map engine errors to Tinker errors."""
         if self._closed:
             raise RuntimeError("LocalBackend is closed")
         loop = asyncio.get_running_loop()
@@ -142,8 +143,15 @@ class LocalBackend:
             torch.set_num_threads(self._torch_threads)
             return fn()
 
+        return await self._mapped(loop.run_in_executor(self._executor, call))
+
+    async def _on_sampler(self, future: Future[T]) -> T:
+        """Await work of the sampling worker; map engine errors to Tinker errors."""
+        return await self._mapped(asyncio.wrap_future(future))
+
+    async def _mapped(self, work: Awaitable[T]) -> T:
         try:
-            return await loop.run_in_executor(executor or self._executor, call)
+            return await work
         except EngineUserError as e:
             raise _user(str(e)) from e
         except RequestFailedError:
@@ -240,7 +248,7 @@ class LocalBackend:
 
         if not self._closed:
             # Sample requests made before the close finish first, as training work does.
-            await self._run(lambda: None, self._sampling)
+            await self._on_sampler(self._scheduler.barrier())
             await self._run(release)
 
     def _check_session(self, session_id: str) -> None:
@@ -533,9 +541,9 @@ class LocalBackend:
             sequence_ids=sequence_ids,
         )
 
-        def work() -> types.SampleResponse:
+        def begin() -> Started:
             sampler = self.models.sampler(sampler_id)
-            return sample_request(
+            return begin_sample(
                 sampler,
                 seq_id,
                 req,
@@ -544,7 +552,10 @@ class LocalBackend:
                 limits=self.limits,
             )
 
-        return await self._run(work, self._sampling)
+        if self._closed:
+            raise RuntimeError("LocalBackend is closed")
+        rows = num_samples if isinstance(num_samples, int) else 1
+        return await self._on_sampler(self._scheduler.submit(begin, rows))
 
     # ---- REST -------------------------------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
@@ -641,7 +652,7 @@ class LocalBackend:
         if self._closed:
             return
         self._closed = True
-        self._sampling.shutdown(wait=True)
+        self._scheduler.close()
         self._executor.shutdown(wait=True)
         self.models.close()
         self.store.close()

@@ -32,12 +32,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from tinker_sr.engine.batching import decode_step
 from tinker_sr.engine.model import Transformer, _stable_seed
 from tinker_sr.engine.stops import StopStrings
 from tinker_sr.user_errors import EngineUserError
@@ -154,86 +155,167 @@ def _validate(
         raise EngineUserError(f"topk_sample_logprobs: expected >= 0, got {top_k_logprobs}")
 
 
+def generate(model: Transformer, prompt: list[int], **options: Any) -> list[SampleOutput]:
+    """Sample continuations of `prompt`, alone (see the module docstring for q); ``options``
+    are `DecodeGroup`'s (num_samples, max_tokens, seed, temperature, top_k, top_p, stops,
+    stability_k, top_k_logprobs).
+
+    This is one `DecodeGroup` decoded through the same batched decode step
+    (`engine.batching`) that decodes it beside other requests, with the same results.
+    """
+    return decode_alone(DecodeGroup(model, prompt, **options))
+
+
 @torch.inference_mode()
-def generate(
-    model: Transformer,
-    prompt: list[int],
-    *,
-    num_samples: int,
-    max_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    stop_token_ids: Sequence[int] = (),
-    stop_strings: Sequence[str] = (),
-    token_bytes: Sequence[bytes] | None = None,
-    seed: int,
-    stability_k: int = 0,
-    top_k_logprobs: int = 0,
-) -> list[SampleOutput]:
-    """Sample `num_samples` continuations of `prompt` (see the module docstring for q).
+def decode_alone(group: DecodeGroup) -> list[SampleOutput]:
+    """Prefill ``group`` and decode it to the end on its own."""
+    group.prefill()
+    while not group.finished:
+        group.receive(decode_step(group.model, [group])[0])
+    return group.outputs()
+
+
+class DecodeGroup:
+    """The rows of one request (its num_samples continuations of one prompt) on their way
+    through decoding: the request's own KV cache, uniforms, stop state and outputs.
 
     Stops a row when it produces a stop token id (kept in `tokens`, stop_reason "stop"), or
     when the decoded text of its sampled tokens contains a stop string (tokens end with the
     token that completed it, "stop"); otherwise it runs to max_tokens ("length"). Stop strings
     are matched incrementally on `token_bytes[id]`, the model tokenizer's bytes per id (see
-    `tinker_sr.engine.stops`).
-    `stability_k` > 0 adds `draws` [T, K]; `top_k_logprobs` > 0 adds the top entries of log q.
+    `tinker_sr.engine.stops`). `stability_k` > 0 adds `draws` [T, K]; `top_k_logprobs` > 0
+    adds the top entries of log q.
+
+    `prefill` runs the prompt once (batch 1, broadcast to every row's cache) and samples the
+    first token; each `receive` takes the next logits of the active rows (from
+    `engine.batching.decode_step`, alone or beside other groups) and samples the next token.
+    A row that stops leaves `active`; the group is `finished` when every row stopped or
+    max_tokens were sampled. Sampling works on all of the group's rows (finished rows keep
+    their last logits), so nothing it computes depends on other groups.
     """
-    _validate(
-        model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
-        stop_token_ids, stop_strings, token_bytes, stability_k, top_k_logprobs,
-    )  # fmt: skip
-    n, P, K, V = num_samples, len(prompt), stability_k, model.config.vocab_size
-    greedy = temperature < GREEDY_BELOW_TEMPERATURE
-    u_tok, u_draw = _uniforms(seed, n, max_tokens, 0 if greedy else K)
 
-    out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
-    out_lp = torch.zeros(n, max_tokens, dtype=torch.float32)
-    out_draws = torch.zeros(n, max_tokens, K, dtype=torch.int32)
-    kk = min(top_k_logprobs, V)
-    out_topk_ids = torch.zeros(n, max_tokens, kk, dtype=torch.int32)
-    out_topk_lp = torch.zeros(n, max_tokens, kk, dtype=torch.float32)
-    lengths = torch.full((n,), max_tokens, dtype=torch.long)
-    done = torch.zeros(n, dtype=torch.bool)
-    stop_ids = torch.tensor(sorted({int(i) for i in stop_token_ids}), dtype=torch.long)
-    matcher = StopStrings(stop_strings, token_bytes, n) if stop_strings and token_bytes else None
+    def __init__(
+        self,
+        model: Transformer,
+        prompt: list[int],
+        *,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        token_bytes: Sequence[bytes] | None = None,
+        seed: int,
+        stability_k: int = 0,
+        top_k_logprobs: int = 0,
+    ) -> None:
+        _validate(
+            model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
+            stop_token_ids, stop_strings, token_bytes, stability_k, top_k_logprobs,
+        )  # fmt: skip
+        n, K, V = num_samples, stability_k, model.config.vocab_size
+        self.model, self.prompt, self.max_tokens = model, list(prompt), max_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.greedy = temperature < GREEDY_BELOW_TEMPERATURE
+        self.u_tok, self.u_draw = _uniforms(seed, n, max_tokens, 0 if self.greedy else K)
+        kk = min(top_k_logprobs, V)
+        self.out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
+        self.out_lp = torch.zeros(n, max_tokens, dtype=torch.float32)
+        self.out_draws = torch.zeros(n, max_tokens, K, dtype=torch.int32)
+        self.out_topk_ids = torch.zeros(n, max_tokens, kk, dtype=torch.int32)
+        self.out_topk_lp = torch.zeros(n, max_tokens, kk, dtype=torch.float32)
+        self.lengths = torch.full((n,), max_tokens, dtype=torch.long)
+        self.done = torch.zeros(n, dtype=torch.bool)
+        self.stop_ids = torch.tensor(sorted({int(i) for i in stop_token_ids}), dtype=torch.long)
+        self.matcher = (
+            StopStrings(stop_strings, token_bytes, n) if stop_strings and token_bytes else None
+        )
+        self.cache = model.new_cache(n, len(prompt) + max_tokens)
+        self.logits = torch.zeros(n, V)
+        self.t = 0  # index of the next token to sample
+        self.pos = len(prompt)  # position of the tokens fed at the next decode step
+        self.finished = False
+        self._active = torch.arange(n)
+        self._fed = torch.zeros(n, dtype=torch.long)
 
-    cache = model.new_cache(n, P + max_tokens)
-    logits = model(torch.tensor([prompt]), cache=cache)[:, -1].expand(n, V)
-    arange_v = torch.arange(V)
-    for t in range(max_tokens):
-        if greedy:
+    @property
+    def rows(self) -> int:
+        return int(self.done.shape[0])
+
+    @property
+    def active(self) -> Tensor:
+        return self._active
+
+    @property
+    def fed_tokens(self) -> Tensor:
+        return self._fed
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        """Run the prompt once into every row's cache and sample the first token."""
+        last = self.model(torch.tensor([self.prompt]), cache=self.cache)[:, -1]
+        self.logits.copy_(last.expand_as(self.logits))
+        self._sample()
+
+    @torch.inference_mode()
+    def receive(self, logits: Tensor) -> None:
+        """The active rows' logits [len(active), V] after the last fed token: sample the next."""
+        self.logits[self._active] = logits
+        self._sample()
+
+    def _sample(self) -> None:
+        t = self.t
+        tok = self._draw(t)
+        hit = (
+            ~self.done & torch.isin(tok, self.stop_ids)
+            if len(self.stop_ids)
+            else torch.zeros_like(self.done)
+        )
+        if self.matcher is not None:
+            for i, (tok_i, done_i) in enumerate(zip(tok.tolist(), self.done.tolist(), strict=True)):
+                if not done_i and self.matcher.push(i, tok_i):
+                    hit[i] = True
+        self.lengths[hit] = t + 1
+        self.done |= hit
+        if t + 1 == self.max_tokens or bool(self.done.all()):
+            self.finished = True
+            return
+        self._active = (~self.done).nonzero().squeeze(1)
+        self._fed = tok[self._active]
+        self.pos = len(self.prompt) + t
+        self.t = t + 1
+
+    def _draw(self, t: int) -> Tensor:
+        """Token t of every row from q (module docstring), with its log q, draws and top-k."""
+        logits = self.logits
+        if self.greedy:
             tok = logits.argmax(-1)
+            arange_v = torch.arange(logits.shape[-1])
             logq = torch.where(arange_v == tok[:, None], 0.0, -math.inf)
         else:
-            logq = sampling_logprobs(logits, temperature, top_k, top_p)
+            logq = sampling_logprobs(logits, self.temperature, self.top_k, self.top_p)
             cdf = logq.exp().double().cumsum_(-1)
             last = cdf.argmax(-1)  # first index reaching the total = last token with q > 0
-            tok = _inverse_cdf(cdf, last, u_tok[:, t : t + 1]).squeeze(1)
-            if u_draw is not None:
-                out_draws[:, t] = _inverse_cdf(cdf, last, u_draw[:, t]).to(torch.int32)
-        if K and greedy:
-            out_draws[:, t] = tok[:, None].to(torch.int32)
-        out_tok[:, t] = tok
-        out_lp[:, t] = logq.gather(-1, tok[:, None]).squeeze(1)
-        if kk:
-            top_lp, top_ids = logq.topk(kk, dim=-1)
-            out_topk_ids[:, t] = top_ids.to(torch.int32)
-            out_topk_lp[:, t] = top_lp
+            tok = _inverse_cdf(cdf, last, self.u_tok[:, t : t + 1]).squeeze(1)
+            if self.u_draw is not None:
+                self.out_draws[:, t] = _inverse_cdf(cdf, last, self.u_draw[:, t]).to(torch.int32)
+        if self.out_draws.shape[2] and self.greedy:
+            self.out_draws[:, t] = tok[:, None].to(torch.int32)
+        self.out_tok[:, t] = tok
+        self.out_lp[:, t] = logq.gather(-1, tok[:, None]).squeeze(1)
+        if self.out_topk_ids.shape[2]:
+            top_lp, top_ids = logq.topk(self.out_topk_ids.shape[2], dim=-1)
+            self.out_topk_ids[:, t] = top_ids.to(torch.int32)
+            self.out_topk_lp[:, t] = top_lp
+        return tok
 
-        hit = ~done & torch.isin(tok, stop_ids) if len(stop_ids) else torch.zeros_like(done)
-        if matcher is not None:
-            for i, (tok_i, done_i) in enumerate(zip(tok.tolist(), done.tolist(), strict=True)):
-                if not done_i and matcher.push(i, tok_i):
-                    hit[i] = True
-        lengths[hit] = t + 1
-        done |= hit
-        if t + 1 == max_tokens or bool(done.all()):
-            break
-        logits = model(tok[:, None], start_pos=P + t, cache=cache)[:, -1]
-
-    return _outputs(out_tok, out_lp, out_draws, out_topk_ids, out_topk_lp, lengths, done)
+    def outputs(self) -> list[SampleOutput]:
+        return _outputs(
+            self.out_tok, self.out_lp, self.out_draws, self.out_topk_ids, self.out_topk_lp,
+            self.lengths, self.done,
+        )  # fmt: skip
 
 
 def _uniforms(seed: int, n: int, max_tokens: int, k: int) -> tuple[Tensor, Tensor | None]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -105,7 +105,15 @@ class SequenceRecorder:
         )
 
 
-def sample(
+class Started(NamedTuple):
+    """A checked sample request, ready to decode: its rows, and what turns their outputs into
+    the response (recording the sequences first)."""
+
+    group: engine_sampler.DecodeGroup
+    finish: Callable[[list[engine_sampler.SampleOutput]], types.SampleResponse]
+
+
+def begin(
     s: Sampler,
     seq_id: int,
     req: SampleRequest,
@@ -113,17 +121,18 @@ def sample(
     tokenizer: StopTokenizer,
     recorder: SequenceRecorder,
     limits: Limits = DEFAULT_LIMITS,
-) -> types.SampleResponse:
-    """Run one sample request on ``s``; every check runs before anything is generated.
-    ``tokenizer`` is the model's own: its EOS ids end a row unless ``stop=[]``, and string
-    stops are matched on its per-token bytes."""
+) -> Started:
+    """Check one sample request on ``s`` and compute its prompt-side extras; every check runs
+    here, before anything is generated or recorded. ``tokenizer`` is the model's own: its EOS
+    ids end a row unless ``stop=[]``, and string stops are matched on its per-token bytes.
+    Decode the returned group (alone: `engine.sampler.decode_alone`; beside others:
+    `engine.scheduler`), then call ``finish`` with its outputs."""
     model = s.model  # materialised once (merged weights from the cache, or adapters on the base)
     plan = _plan(model, req, tokenizer.eos_token_ids, limits)
-    # Prompt-side extras first: they only read the prompt, and a bad request must fail
-    # before any sequence is generated or recorded.
     topk_prompt, target_out, alt = _prompt_extras(model, req, plan)
+    prompt_lps = _prompt_logprobs(model, req, plan.tokens)
     sp = req.sampling_params
-    outs = engine_sampler.generate(
+    group = engine_sampler.DecodeGroup(
         model,
         plan.tokens,
         num_samples=req.num_samples,
@@ -143,14 +152,18 @@ def sample(
         if req.sequence_ids is not None
         else validation.sequence_ids(s.sampler_id, seq_id, req.num_samples, secrets.token_hex(4))
     )
-    recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
-    return types.SampleResponse(
-        sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
-        prompt_logprobs_np=_prompt_logprobs(model, req, plan.tokens),
-        topk_prompt_logprobs_np=topk_prompt,
-        target_prompt_logprobs=target_out,
-        prompt_alt_tokens=alt,
-    )
+
+    def finish(outs: list[engine_sampler.SampleOutput]) -> types.SampleResponse:
+        recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
+        return types.SampleResponse(
+            sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
+            prompt_logprobs_np=prompt_lps,
+            topk_prompt_logprobs_np=topk_prompt,
+            target_prompt_logprobs=target_out,
+            prompt_alt_tokens=alt,
+        )
+
+    return Started(group, finish)
 
 
 def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int], limits: Limits) -> _Plan:

@@ -1,0 +1,93 @@
+"""Concurrent sample requests through the clients decode together (continuous batching) and
+return exactly what each returns alone, embedded and over the server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tinker_sr as tinker
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.engine import scheduler
+
+
+def calls(n: int = 10) -> list[dict[str, Any]]:
+    """Different prompts, lengths, row counts, sampling settings, stops and extras."""
+    out = []
+    for i in range(n):
+        stop: Any = [] if i % 3 == 0 else (list(range(100, 100 + 8 * i)) if i % 3 == 1 else "e")
+        out.append(
+            dict(
+                prompt=types.ModelInput.from_ints(list(b"batch " * (1 + i % 4))[: 5 + 3 * i]),
+                num_samples=1 + (5 * i) % 8,
+                sampling_params=types.SamplingParams(
+                    max_tokens=4 + 2 * i,
+                    temperature=(1.0, 0.8, 0.0, 1.2)[i % 4],
+                    top_k=(-1, 30)[i % 2],
+                    top_p=(1.0, 0.9)[i % 2],
+                    seed=10 + i,
+                    stop=stop,
+                ),
+                topk_sample_logprobs=i % 3,
+                include_prompt_logprobs=i % 4 == 1,
+            )
+        )
+    return out
+
+
+def summary(res: types.SampleResponse) -> Any:
+    seqs = [
+        (
+            s.tokens,
+            s.logprobs,
+            s.stop_reason,
+            s.topk_logprobs,
+        )
+        for s in res.sequences
+    ]
+    lps = res.prompt_logprobs
+    return seqs, None if lps is None else [x for x in lps if x is not None]
+
+
+def samplers(service: tinker.ServiceClient) -> list[Any]:
+    """A LoRA sampler recording stability info, and a base-model sampler (another model)."""
+    tc = service.create_lora_training_client("tinker-sr/tiny", rank=4, seed=2).result()
+    lora = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    base = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+    return [lora, base]
+
+
+def test_concurrent_requests_equal_requests_one_at_a_time(service: tinker.ServiceClient) -> None:
+    clients = samplers(service)
+    work = [(clients[i % 2], kw) for i, kw in enumerate(calls())]
+    alone = [summary(sc.sample(**kw).result()) for sc, kw in work]
+    futures = [sc.sample(**kw) for sc, kw in work]  # all in flight at once
+    together = [summary(f.result()) for f in futures]
+    assert together == alone
+    assert any(s[2] == "stop" for seqs, _ in alone for s in seqs)
+
+
+def test_requests_decode_in_shared_steps_within_the_row_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(scheduler.MAX_ROWS_ENV, "12")
+    backend = LocalBackend(tmp_path)
+    service = tinker.ServiceClient(backend=backend)
+    try:
+        sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+        work = calls(8)
+        alone = [summary(sc.sample(**kw).result()) for kw in work]
+        solo_steps = list(backend._scheduler.rows_per_step)
+        backend._scheduler.rows_per_step.clear()
+        together = [summary(f.result()) for f in [sc.sample(**kw) for kw in work]]
+        steps = list(backend._scheduler.rows_per_step)
+    finally:
+        service.close().result()
+        backend.close()
+    assert together == alone
+    assert max(solo_steps) <= 8  # alone: at most one request's rows per step
+    assert 8 < max(steps) <= 12  # together: rows of several requests, within the cap
+    assert len(steps) < len(solo_steps)

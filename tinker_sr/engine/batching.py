@@ -1,0 +1,191 @@
+"""One decode step for the rows of many sampling requests at once, with results that do not
+depend on what else is in the batch.
+
+Rows of different requests share every row-wise operation of a decode step (the projections,
+the MLP, the norms and the unembedding: ~94 % of its FLOPs); attention runs per request on its
+own KV cache at its own position, with exactly the shapes it has when the request runs alone.
+
+Determinism across batch compositions. A float32 GEMM on this kind of CPU is not batch
+invariant: ``F.linear(x[:M], W)[0]`` differs between M = 1, M = 2..3 and M >= 4, because the
+BLAS picks its kernel and blocking by M. For a fixed M each row's result is independent of the
+other rows, and for M a multiple of CHUNK (8) one GEMM usually equals running it in CHUNK-row
+slices. So every decode GEMM runs on a row count padded to a multiple of CHUNK, and at first
+use per (weight shape, dtype, bias, threads, M) a probe checks that one GEMM equals its
+CHUNK-row slices and that a row's result does not depend on its neighbours; where the probe
+fails (another BLAS, another CPU), that GEMM runs slice by slice. Either way a row's logits
+are those of a CHUNK-row GEMM over it, whatever the other rows are, and a request alone runs
+the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinker_sr.engine.lora import LoraLinear
+from tinker_sr.engine.model import Attention, DecoderLayer, KVCache, Transformer, rotate_half
+
+CHUNK = 8
+FORCE_CHUNKED_ENV = "TINKER_SR_DECODE_CHUNKED"
+
+# (out, in, dtype, bias, threads, M) -> does one GEMM over M rows equal its CHUNK-row slices?
+_invariant: dict[tuple[int, int, torch.dtype, bool, int, int], bool] = {}
+
+
+def padded_rows(m: int) -> int:
+    """The row count a decode step of ``m`` rows runs at (a multiple of CHUNK)."""
+    return max(CHUNK, -(-m // CHUNK) * CHUNK)
+
+
+def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
+    """One GEMM over ``m`` random rows equals its CHUNK-row slices, and (m == CHUNK) a row's
+    result does not depend on the other rows of its slice nor on its place in it."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, weight.shape[1], generator=gen).to(weight.dtype)
+    whole = F.linear(x, weight, bias)
+    sliced = torch.cat([F.linear(x[i : i + CHUNK], weight, bias) for i in range(0, m, CHUNK)])
+    if not torch.equal(whole, sliced):
+        return False
+    if m != CHUNK:
+        return True
+    other = torch.randn(m, weight.shape[1], generator=gen).to(weight.dtype)
+    for place in range(m):
+        mixed = other.clone()
+        mixed[place] = x[0]
+        if not torch.equal(F.linear(mixed, weight, bias)[place], whole[0]):
+            return False
+    return True
+
+
+def gemm_is_row_invariant(weight: Tensor, bias: Tensor | None, m: int) -> bool:
+    """Cached `_probe` for this weight's shape and dtype at ``m`` rows (a multiple of CHUNK)."""
+    key = (
+        weight.shape[0],
+        weight.shape[1],
+        weight.dtype,
+        bias is not None,
+        torch.get_num_threads(),
+        m,
+    )
+    hit = _invariant.get(key)
+    if hit is None:
+        hit = _invariant[key] = _probe(weight, bias, m) and (
+            m == CHUNK or _probe(weight, bias, CHUNK)
+        )
+    return hit
+
+
+def _gemms(mod: nn.Linear) -> list[tuple[Tensor, Tensor | None]]:
+    if isinstance(mod, LoraLinear):
+        return [(mod.weight, mod.bias), (mod.lora_A.weight, None), (mod.lora_B.weight, None)]
+    return [(mod.weight, mod.bias)]
+
+
+def force_chunked() -> bool:
+    return os.environ.get(FORCE_CHUNKED_ENV, "") not in ("", "0")
+
+
+def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:
+    """``mod(x)`` for x [M, in] with M a multiple of CHUNK, each row's result that of a
+    CHUNK-row GEMM: one GEMM where the probe shows that is the same, else slice by slice."""
+    m = x.shape[0]
+    if not force_chunked() and all(gemm_is_row_invariant(w, b, m) for w, b in _gemms(mod)):
+        return mod(x)
+    return torch.cat([mod(x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
+
+
+class DecodeRows(Protocol):
+    """What `decode_step` needs of one request's rows."""
+
+    cache: KVCache  # one row per sample of the request
+    pos: int  # absolute position of the tokens fed this step
+
+    @property
+    def active(self) -> Tensor:
+        """int64 indices of the rows still decoding (finished rows leave the batch)."""
+        ...
+
+    @property
+    def fed_tokens(self) -> Tensor:
+        """int64 [len(active)]: the token each active row feeds this step."""
+        ...
+
+
+def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor]:
+    """Feed each group's active rows one token; returns float32 logits [len(active), V] per
+    group. Every group must use ``model``; each group's cache advances by one position."""
+    tokens = torch.cat([g.fed_tokens for g in groups])
+    m = tokens.shape[0]
+    padded = torch.zeros(padded_rows(m), dtype=torch.long)
+    padded[:m] = tokens
+    x = model.model.embed_tokens(padded)
+    ropes = [_rope(g.pos, model.inv_freq, x.dtype) for g in groups]
+    layers = cast(Sequence[DecoderLayer], model.model.layers)
+    for i, layer in enumerate(layers):
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        gate = F.silu(linear_rows(mlp.gate_proj, h))
+        x = x + linear_rows(mlp.down_proj, gate * linear_rows(mlp.up_proj, h))
+    logits = linear_rows(model.lm_head, model.model.norm(x)).float()
+    sizes = [len(g.active) for g in groups]
+    return list(logits[:m].split(sizes))
+
+
+def _attention(
+    attn: Attention,
+    h: Tensor,
+    groups: Sequence[DecodeRows],
+    ropes: Sequence[tuple[Tensor, Tensor]],
+    layer: int,
+) -> Tensor:
+    """Batched q/k/v and o projections; RoPE, cache update and SDPA per group."""
+    rows = h.shape[0]
+    q = linear_rows(attn.q_proj, h).view(rows, attn.n_heads, attn.head_dim)
+    k = linear_rows(attn.k_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
+    v = linear_rows(attn.v_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    y = torch.zeros(rows, attn.n_heads * attn.head_dim, dtype=h.dtype)
+    start = 0
+    for g, rope in zip(groups, ropes, strict=True):
+        end = start + len(g.active)
+        y[start:end] = _group_attention(g, q[start:end], k[start:end], v[start:end], rope, layer)
+        start = end
+    return linear_rows(attn.o_proj, y)
+
+
+def _group_attention(
+    g: DecodeRows, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor], layer: int
+) -> Tensor:
+    """One request's attention for its active rows. Runs on all of the request's rows
+    (finished ones fed zeros), so its shapes never depend on anything but the request."""
+    n = g.cache.batch_size
+    qf, kf, vf = (_all_rows(t, g.active, n) for t in (q, k, v))  # [n, heads, 1, head_dim]
+    cos, sin = rope
+    qf = qf * cos + rotate_half(qf) * sin
+    kf = kf * cos + rotate_half(kf) * sin
+    keys, values = g.cache.update(layer, g.pos, kf, vf)
+    y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
+    return y.reshape(n, -1)[g.active]
+
+
+def _all_rows(t: Tensor, active: Tensor, n: int) -> Tensor:
+    """[m, heads, D] values of the active rows → [n, heads, 1, D] with zeros elsewhere."""
+    if len(active) == n:
+        return t.unsqueeze(2)
+    full = torch.zeros(n, *t.shape[1:], dtype=t.dtype)
+    full[active] = t
+    return full.unsqueeze(2)
+
+
+def _rope(pos: int, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [1, head_dim] at ``pos``, computed as `Transformer.hidden_states` does."""
+    freqs = torch.outer(torch.arange(pos, pos + 1, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

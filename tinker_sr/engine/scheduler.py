@@ -1,0 +1,177 @@
+"""The sampling worker: one thread that decodes every in-flight sample request together
+(continuous batching, issue 11 goal 4).
+
+Each loop: admit queued requests in arrival order (check them, compute their prompt extras,
+prefill; FIFO, while the active rows stay within ``max_rows``), then one decode step per
+model for all active requests of that model (`engine.batching.decode_step`: rows of many
+requests in one step), then retire finished requests (record, respond). A row that stops
+leaves the batch at the next step; a new request joins at the next step after its prefill.
+Rows share a step only when they decode the same model object (a sampler's merged weights,
+a base, or an adapters-on-base copy); different models take separate steps.
+
+Results never depend on what else is in flight (`engine.batching`): a request gives
+bit-identical tokens, logprobs and draws alone or beside any others.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinker_sr.engine.batching import decode_step
+from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
+
+MAX_ROWS_ENV, DEFAULT_MAX_ROWS = "TINKER_SR_MAX_DECODE_ROWS", 256
+STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
+
+Finish = Callable[[list[SampleOutput]], Any]
+# A request's first half, run on the worker: checks and prompt work, then the rows to decode
+# and what turns their outputs into the result; None when there is nothing to decode.
+Begin = Callable[[], tuple[DecodeGroup, Finish] | None]
+
+
+def max_decode_rows() -> int:
+    """``$TINKER_SR_MAX_DECODE_ROWS`` (default 256): rows decoding at once; more queue."""
+    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_ROWS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_ROWS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+@dataclass
+class _Job:
+    begin: Begin
+    rows: int
+    future: Future[Any]
+    barrier: bool = False  # runs once everything submitted before it has finished
+
+
+@dataclass
+class _Active:
+    group: DecodeGroup
+    finish: Finish
+    future: Future[Any]
+
+
+class DecodeScheduler:
+    """Owns the sampling thread; `submit` a request, get a `Future` of its result."""
+
+    def __init__(self, threads: int, max_rows: int | None = None) -> None:
+        """``threads``: torch intra-op threads of the sampling thread; ``max_rows``: rows
+        decoding at once (default `max_decode_rows`)."""
+        self.max_rows = max_decode_rows() if max_rows is None else max_rows
+        self.threads = threads
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._active: list[_Active] = []
+        self._closing = False
+        # Rows decoded by each step, newest last (for tests and benchmarks).
+        self.rows_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
+        self._thread = threading.Thread(target=self._loop, name="tinker-sr-sampling", daemon=True)
+        self._thread.start()
+
+    def submit(self, begin: Begin, rows: int) -> Future[Any]:
+        """Queue a request of ``rows`` rows (its num_samples); FIFO admission."""
+        return self._put(_Job(begin, max(1, rows), Future()))
+
+    def barrier(self, fn: Callable[[], Any] = lambda: None) -> Future[Any]:
+        """Run ``fn`` on the worker once every request submitted before has finished."""
+
+        def begin() -> None:
+            fn()
+
+        return self._put(_Job(begin, 0, Future(), barrier=True))
+
+    def _put(self, job: _Job) -> Future[Any]:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the sampling worker is closed")
+            self._queue.append(job)
+            self._cond.notify()
+        return job.future
+
+    def close(self) -> None:
+        """Finish everything submitted, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    # ---- the thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._queue or self._active or self._closing):
+                        self._cond.wait()
+                    if self._closing and not (self._queue or self._active):
+                        return
+                    admitted = self._admissible()
+                for job in admitted:
+                    self._start(job)
+                self._step()
+
+    def _admissible(self) -> list[_Job]:
+        """Queued jobs to start now, in order: while the active rows fit ``max_rows`` (one
+        request always fits when nothing runs); a barrier waits until nothing runs."""
+        out: list[_Job] = []
+        rows = sum(len(a.group.active) for a in self._active)
+        while self._queue:
+            job = self._queue[0]
+            busy = bool(self._active or out)
+            if job.barrier and busy:
+                break
+            if busy and rows + job.rows > self.max_rows:
+                break
+            out.append(self._queue.popleft())
+            rows += job.rows
+            if job.barrier:
+                break
+        return out
+
+    def _start(self, job: _Job) -> None:
+        try:
+            begun = job.begin()
+            if begun is None:
+                job.future.set_result(None)
+                return
+            group, finish = begun
+            group.prefill()
+        except Exception as e:  # the request's own error, reported to its caller
+            job.future.set_exception(e)
+            return
+        self._active.append(_Active(group, finish, job.future))
+
+    def _step(self) -> None:
+        """One decode step per model over its active requests, then retire finished ones."""
+        by_model: dict[int, list[_Active]] = {}
+        for a in self._active:
+            if not a.group.finished:
+                by_model.setdefault(id(a.group.model), []).append(a)
+        for batch in by_model.values():
+            groups = [a.group for a in batch]
+            try:
+                logits = decode_step(groups[0].model, groups)
+                self.rows_per_step.append(sum(len(g.active) for g in groups))
+                for g, lg in zip(groups, logits, strict=True):
+                    g.receive(lg)
+            except Exception as e:  # an engine bug: fail these requests, keep serving
+                for a in batch:
+                    a.future.set_exception(e)
+                    self._active.remove(a)
+        for a in [a for a in self._active if a.group.finished]:
+            self._active.remove(a)
+            try:
+                a.future.set_result(a.finish(a.group.outputs()))
+            except Exception as e:
+                a.future.set_exception(e)
