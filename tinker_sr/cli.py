@@ -124,7 +124,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="serve base_model NAME as TARGET, a built-in model or a local directory "
         "(repeatable; also $TINKER_SR_MODEL_ALIASES)",
     )
-    for limit in fields(Limits):  # one flag per limit: engine/limits.py is the one place
+    for limit in fields(Limits):  # one flag per limit: tinker_sr/limits.py is the one place
         default = getattr(DEFAULT_LIMITS, limit.name)
         s.add_argument(
             "--" + limit.name.replace("_", "-"),

@@ -51,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger("tinker_sr.server")
 
-DEFAULT_MAX_BODY_BYTES = DEFAULT_LIMITS.max_body_bytes  # engine/limits.py: one place
+DEFAULT_MAX_BODY_BYTES = DEFAULT_LIMITS.max_body_bytes  # tinker_sr/limits.py: one place
 """Well above the SDK's forward_backward chunk size (5 MB estimated per request)."""
 
 DEFAULT_LONG_POLL_S = 25.0
