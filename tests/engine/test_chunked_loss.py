@@ -14,41 +14,51 @@ from tinker_sr.engine.losses import LOSS_NAMES, compute_loss
 D, V = 6, 11
 
 
-def _head(dtype: torch.dtype) -> torch.nn.Module:
+def _head(dtype: torch.dtype, adapter: bool = True) -> torch.nn.Module:
+    """A LoRA-wrapped head, or (``adapter=False``) a plain frozen Linear."""
     gen = torch.Generator().manual_seed(0)
     base = torch.nn.Linear(D, V, bias=False).to(dtype)
     with torch.no_grad():
         base.weight.copy_(torch.randn(V, D, generator=gen))
     base.weight.requires_grad_(False)
+    if not adapter:
+        return base
     head = LoraLinear(base, rank=2, alpha=4.0, generator=gen).to(dtype)
     with torch.no_grad():
         head.lora_B.weight.copy_(torch.randn(V, 2, generator=gen) * 0.1)
     return head
 
 
-def _run(loss_fn: str, chunked: bool, dtype: torch.dtype) -> tuple[object, list[torch.Tensor]]:
+def _run(
+    loss_fn: str, chunked: bool, dtype: torch.dtype, adapter: bool = True
+) -> tuple[object, list[torch.Tensor]]:
     _, data = random_batch(loss_fn, seed=7)
     gen = torch.Generator().manual_seed(1)
     hidden = [torch.randn(d.target_tokens.shape[0], D, generator=gen, dtype=dtype) for d in data]
     hidden = [h.requires_grad_() for h in hidden]
-    head = _head(dtype)
+    head = _head(dtype, adapter)
     if chunked:
         result = compute_loss(loss_fn, hidden, data, {}, unembed=head)
     else:
         result = compute_loss(loss_fn, [head(h) for h in hidden], data, {})
     result.loss.backward()
-    grads = [h.grad for h in hidden] + [head.lora_A.weight.grad, head.lora_B.weight.grad]
+    grads = [h.grad for h in hidden]
+    if isinstance(head, LoraLinear):
+        grads += [head.lora_A.weight.grad, head.lora_B.weight.grad]
     return result, grads  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("loss_fn", LOSS_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("adapter", [True, False], ids=["lora-head", "frozen-head"])
 def test_chunked_matches_full_logits(
-    loss_fn: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    loss_fn: str, dtype: torch.dtype, adapter: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A frozen head takes the path that needs no backward unembedding (softmax @ W done in
+    forward); a LoRA head recomputes its live rows in backward."""
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 3 * V)  # 3 rows per chunk: many chunks
-    ref, ref_grads = _run(loss_fn, chunked=False, dtype=dtype)
-    got, got_grads = _run(loss_fn, chunked=True, dtype=dtype)
+    ref, ref_grads = _run(loss_fn, chunked=False, dtype=dtype, adapter=adapter)
+    got, got_grads = _run(loss_fn, chunked=True, dtype=dtype, adapter=adapter)
     tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-5}
     assert got.metrics.keys() == ref.metrics.keys()  # type: ignore[attr-defined]
     for k, v in ref.metrics.items():  # type: ignore[attr-defined]
@@ -81,6 +91,33 @@ def test_positions_without_loss_skip_the_backward_unembedding(
     assert forward_rows == sum(h.shape[0] for h in hidden) and sum(calls) == live < forward_rows
     # Only the head's adapter is trainable here (hidden states need no gradient): it gets one.
     assert head.lora_B.weight.grad is not None and head.lora_B.weight.grad.abs().sum() > 0
+
+
+def test_frozen_head_backward_unembeds_only_rows_outside_the_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows in the hint get their input gradient from the forward's softmax @ W; a live row
+    the hint missed is recomputed; both agree with the full-logits reference."""
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 2 * V)
+    head = _head(torch.float64, adapter=False)
+    calls: list[int] = []
+    original = head.forward
+    monkeypatch.setattr(head, "forward", lambda x: calls.append(x.shape[0]) or original(x))
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(7, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    cols = torch.randint(0, V, (7, 2), generator=gen)
+    g = torch.randn(7, 2, generator=gen, dtype=torch.float64)
+    g[[1, 4]] = 0.0  # rows without loss
+    hint = torch.tensor([True, False, True, True, False, False, True])  # row 5 is missed
+    (got,), _ = loss_logprobs.head_logprobs([h], [cols], head, [hint])
+    calls.clear()
+    (dh,) = torch.autograd.grad(got, h, g)
+    assert calls == [1]  # only row 5 was unembedded again
+    ref_h = h.detach().requires_grad_()
+    ref = torch.log_softmax(original(ref_h), -1).gather(1, cols)
+    (ref_dh,) = torch.autograd.grad(ref, ref_h, g)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(dh, ref_dh, atol=1e-12, rtol=1e-10)
 
 
 def test_activation_checkpointing_gives_the_same_gradients() -> None:

@@ -17,6 +17,8 @@ import torch
 
 # Upper bound on the elements of any transient rows x vocab tensor (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
+# False: a frozen head recomputes its live rows in backward too (for A/B benchmarks).
+PRECOMPUTE_HEAD_GRAD = True
 
 
 class _GatherLogprobs(torch.autograd.Function):
@@ -150,11 +152,13 @@ class _HeadLogprobs(torch.autograd.Function):
     ``h`` is [M, D] (hidden states of the rows that have targets), ``cols`` [M, J];
     ``params`` are the head's trainable parameters (a LoRA adapter on the unembedding), passed
     so that autograd routes their gradients here. Forward unembeds ``chunk`` rows at a time and
-    keeps a per-row logsumexp. Backward recomputes the logits of the rows whose incoming
-    gradient is non-zero only (positions that carry no loss, e.g. prompts under zero weights
-    or advantages, cost no backward unembedding), forms
-    dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, and back-propagates it through ``head``
-    chunk by chunk.
+    keeps a per-row logsumexp. With dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, the input
+    gradient is dL/dh = sum_j g_j W[col_j] - (sum_j g_j) * softmax(z) @ W. When the head is a
+    plain frozen Linear, forward also computes ``softmax(z) @ W`` for the rows in ``hint`` (rows
+    that may carry a loss) while their logits are at hand, so backward needs no logits at all.
+    Other live rows (an adapter on the head, or rows outside ``hint``) are recomputed in
+    backward, chunk by chunk; rows whose incoming gradient is zero (positions that carry no
+    loss, e.g. prompts under zero weights or advantages) cost no backward unembedding.
     """
 
     @staticmethod
@@ -163,62 +167,128 @@ class _HeadLogprobs(torch.autograd.Function):
         ctx: Any,
         h: torch.Tensor,
         cols: torch.Tensor,
+        hint: torch.Tensor | None,
         head: torch.nn.Module,
         compute_dtype: torch.dtype,
         vocab: int,
         *params: torch.Tensor,
     ) -> torch.Tensor:
         chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        weight = None
+        if PRECOMPUTE_HEAD_GRAD and ctx.needs_input_grad[0] and not params:
+            weight = _plain_weight(head)
         lse = torch.empty(h.shape[0], dtype=compute_dtype, device=h.device)
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
+        expected = None if weight is None else torch.zeros_like(h)
+        done = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
                 z = head(h[a : a + chunk]).to(compute_dtype)
                 lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
-        ctx.save_for_backward(h, cols, lse)
-        ctx.head, ctx.chunk, ctx.params = head, chunk, params
+                if expected is not None and weight is not None:
+                    _expected_rows(z, lse, weight, hint, a, expected, done)
+        ctx.save_for_backward(h, cols, lse, expected, done)
+        ctx.head, ctx.chunk, ctx.params, ctx.weight = head, chunk, params, weight
         return picked.sub_(lse[:, None])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        h, cols, lse = ctx.saved_tensors
-        params: tuple[torch.Tensor, ...] = ctx.params
+        h, cols, lse, expected, done = ctx.saved_tensors
         grad = grad.to(lse.dtype)
-        live = torch.nonzero(grad.ne(0).any(dim=1)).squeeze(1)  # rows that carry a loss
+        live = grad.ne(0).any(dim=1)  # rows that carry a loss
         dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        dparams = [torch.zeros_like(p) for p in params]
-        for a in range(0, live.numel(), ctx.chunk):
-            rows = live[a : a + ctx.chunk]
+        if dh is not None and expected is not None:
+            rows = torch.nonzero(live & done).squeeze(1)
             g = grad[rows]
-            with torch.enable_grad():
-                hc = h[rows].detach().requires_grad_(dh is not None)
-                z = ctx.head(hc)
-                dz = torch.exp(z.detach().to(lse.dtype) - lse[rows, None])
-                dz.mul_(-g.sum(dim=1, keepdim=True)).scatter_add_(1, cols[rows], g)
-                wrt = ([hc] if dh is not None else []) + list(params)
-                got = torch.autograd.grad(z, wrt, dz.to(z.dtype), allow_unused=True)
-            if dh is not None:
-                dh.index_copy_(0, rows, got[0])
-                got = got[1:]
-            for acc, g_p in zip(dparams, got, strict=True):
-                if g_p is not None:
-                    acc += g_p
-        return (dh, None, None, None, None, *dparams)
+            picked_w = ctx.weight[cols[rows]].to(g.dtype)  # [n, J, D]
+            got = torch.bmm(g[:, None, :], picked_w).squeeze(1)
+            got -= g.sum(dim=1, keepdim=True) * expected[rows].to(g.dtype)
+            dh.index_copy_(0, rows, got.to(dh.dtype))
+            live &= ~done
+        dparams = _recompute_rows(ctx, grad, torch.nonzero(live).squeeze(1), h, cols, lse, dh)
+        return (dh, None, None, None, None, None, *dparams)
+
+
+def _plain_weight(head: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of a plain, frozen Linear head (no adapter), else None."""
+    if type(head) is not torch.nn.Linear or head.weight.requires_grad:
+        return None
+    return head.weight
+
+
+def _expected_rows(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    weight: torch.Tensor,
+    hint: torch.Tensor | None,
+    a: int,
+    out: torch.Tensor,
+    done: torch.Tensor,
+) -> None:
+    """out[a + i] = softmax(z[i]) @ weight for the chunk's rows in ``hint``; z is consumed."""
+    n = z.shape[0]
+    rows = torch.arange(a, a + n, device=z.device)
+    if hint is not None and not bool(hint[a : a + n].all()):
+        rows = rows[hint[a : a + n]]
+        z = z[rows - a]
+    p = z.sub_(lse[rows, None]).exp_()
+    out[rows] = torch.mm(p.to(weight.dtype), weight).to(out.dtype)
+    done[rows] = True
+
+
+def _recompute_rows(
+    ctx: Any,
+    grad: torch.Tensor,
+    live: torch.Tensor,
+    h: torch.Tensor,
+    cols: torch.Tensor,
+    lse: torch.Tensor,
+    dh: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Backward through the head for rows ``live`` by recomputing their logits; fills their
+    rows of ``dh`` and returns the gradients of the head's trainable parameters."""
+    params: tuple[torch.Tensor, ...] = ctx.params
+    dparams = [torch.zeros_like(p) for p in params]
+    for a in range(0, live.numel(), ctx.chunk):
+        rows = live[a : a + ctx.chunk]
+        g = grad[rows]
+        with torch.enable_grad():
+            hc = h[rows].detach().requires_grad_(dh is not None)
+            z = ctx.head(hc)
+            dz = torch.exp(z.detach().to(lse.dtype) - lse[rows, None])
+            dz.mul_(-g.sum(dim=1, keepdim=True)).scatter_add_(1, cols[rows], g)
+            wrt = ([hc] if dh is not None else []) + list(params)
+            got = torch.autograd.grad(z, wrt, dz.to(z.dtype), allow_unused=True)
+        if dh is not None:
+            dh.index_copy_(0, rows, got[0])
+            got = got[1:]
+        for acc, g_p in zip(dparams, got, strict=True):
+            if g_p is not None:
+                acc += g_p
+    return dparams
 
 
 def head_logprobs(
-    hidden: Sequence[torch.Tensor], cols: list[torch.Tensor], head: torch.nn.Module
+    hidden: Sequence[torch.Tensor],
+    cols: list[torch.Tensor],
+    head: torch.nn.Module,
+    hint: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], torch.dtype]:
-    """Per datum log_softmax(head(hidden[i]))[:, cols[i]] ([N_i, J_i]), chunked."""
+    """Per datum log_softmax(head(hidden[i]))[:, cols[i]] ([N_i, J_i]), chunked. ``hint[i]``
+    (bool [N_i]) marks the positions that may carry a loss (None: any may); it only decides
+    where backward work is done ahead, never the result."""
     compute_dtype = torch.float64 if hidden[0].dtype == torch.float64 else torch.float32
     j_max = max(c.shape[1] for c in cols)
     h = torch.cat(list(hidden))
     padded = torch.cat([torch.nn.functional.pad(c, (0, j_max - c.shape[1])) for c in cols])
+    flat_hint = None if hint is None else torch.cat(list(hint)).to(h.device)
     vocab = int(getattr(head, "out_features", 0))
     params = [p for p in head.parameters() if p.requires_grad]
-    logp = _HeadLogprobs.apply(h, padded.to(h.device), head, compute_dtype, vocab, *params)
+    logp = _HeadLogprobs.apply(
+        h, padded.to(h.device), flat_hint, head, compute_dtype, vocab, *params
+    )
     out, m = [], 0
     for x, c in zip(hidden, cols, strict=True):
         out.append(logp[m : m + x.shape[0], : c.shape[1]])

@@ -200,8 +200,22 @@ def _learner_logprobs(
             tt = torch.cat([tt, d.draws.to(device=device, dtype=torch.long).clamp_min(0)], 1)
         cols.append(tt)
     if unembed is not None:
-        return head_logprobs(logits, cols, unembed)
+        return head_logprobs(logits, cols, unembed, _may_carry_loss(loss_fn, data))
     return gather_logprobs(logits, cols)
+
+
+def _may_carry_loss(loss_fn: str, data: Sequence[LossDatum]) -> list[torch.Tensor] | None:
+    """Per datum, the positions whose loss gradient may be non-zero (None: all may).
+
+    Only a hint for where the unembedding's backward work is done ahead (`head_logprobs`);
+    a position outside it that still gets a gradient is handled, just later.
+    """
+    if loss_fn == "cross_entropy":
+        w = [d.inputs["weights"] for d in data]
+        return [(x != 0) if x.dim() == 1 else (x != 0).any(dim=1) for x in w]
+    if loss_fn in ("importance_sampling", "ppo", "cispo", "gspo"):
+        return [d.inputs["advantages"] != 0 for d in data]
+    return None
 
 
 def _cross_entropy(

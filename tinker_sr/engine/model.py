@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tinker_sr.engine.fused import linear_group
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -189,9 +190,10 @@ class Attention(nn.Module):
         layer: int,
     ) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -211,7 +213,7 @@ class Attention(nn.Module):
                 q_pos = torch.arange(start_pos, start_pos + T)[:, None]
                 mask = torch.arange(start_pos + T)[None, :] <= q_pos
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return linear_group(y.transpose(1, 2).reshape(B, T, -1), (self.o_proj,))[0]
 
 
 class MLP(nn.Module):
@@ -222,7 +224,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_group(x, (self.gate_proj, self.up_proj))
+        return linear_group(F.silu(gate) * up, (self.down_proj,))[0]
 
 
 class DecoderLayer(nn.Module):
