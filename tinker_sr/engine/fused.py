@@ -54,6 +54,17 @@ def linear_group(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     return list(y.split(sizes, dim=-1))
 
 
+def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight`` in ``dtype``, cast once and kept on the (frozen, shared) weight itself; a
+    weight modified in place since (its version changed) is cast again."""
+    key = (dtype, weight._version)
+    cached = getattr(weight, "_tinker_sr_cast", None)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().to(dtype))
+        weight._tinker_sr_cast = cached  # type: ignore[attr-defined]
+    return cached[1]  # type: ignore[no-any-return]
+
+
 @dataclass
 class _LoraParts:
     weight: Tensor  # frozen base [N, K]
@@ -134,3 +145,25 @@ class _MergedLoraGroup(torch.autograd.Function):
             row += b_i.shape[0]
         da = torch.mm(dy_b.t().mul_(s), x2).to(a_cat.dtype).split(r)  # s (dy B)^T x
         return (dx, None, None, *([None] * g), *da, *db)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` keeping only ``gate`` and ``up`` for backward (autograd would also
+    keep ``silu(gate)``, the size of ``up``); gradients bit-identical to autograd's."""
+    if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate, up)  # type: ignore[no-any-return]
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        d_up = F.silu(gate).mul_(dh)  # silu(gate) recomputed: the same value as in forward
+        d_gate = torch.ops.aten.silu_backward(dh * up, gate)
+        return d_gate, d_up

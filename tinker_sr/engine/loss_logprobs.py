@@ -14,6 +14,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from tinker_sr.engine.fused import frozen_cast
 
 # Upper bound on the elements of any transient rows x vocab tensor (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
@@ -181,13 +184,17 @@ class _HeadLogprobs(torch.autograd.Function):
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
         expected = None if weight is None else torch.zeros_like(h)
         done = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        low = _autocast_weight(head)
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
-                z = head(h[a : a + chunk]).to(compute_dtype)
+                hc = h[a : a + chunk]
+                z = head(hc) if low is None else F.linear(hc.to(low.dtype), low)
+                z = z.to(compute_dtype)
                 lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
                 if expected is not None and weight is not None:
-                    _expected_rows(z, lse, weight, hint, a, expected, done)
+                    mm_weight = weight if low is None else low
+                    _expected_rows(z, lse, mm_weight, hint, a, expected, done)
         ctx.save_for_backward(h, cols, lse, expected, done)
         ctx.head, ctx.chunk, ctx.params, ctx.weight = head, chunk, params, weight
         return picked.sub_(lse[:, None])
@@ -209,6 +216,15 @@ class _HeadLogprobs(torch.autograd.Function):
             live &= ~done
         dparams = _recompute_rows(ctx, grad, torch.nonzero(live).squeeze(1), h, cols, lse, dh)
         return (dh, None, None, None, None, None, *dparams)
+
+
+def _autocast_weight(head: torch.nn.Module) -> torch.Tensor | None:
+    """Under CPU autocast, a plain frozen head's weight in the autocast dtype, cast once and
+    kept (autocast would cast the whole [V, D] weight again for every chunk of every step)."""
+    weight = _plain_weight(head)
+    if weight is None or head.bias is not None or not torch.is_autocast_enabled("cpu"):
+        return None
+    return frozen_cast(weight, torch.get_autocast_dtype("cpu"))
 
 
 def _plain_weight(head: torch.nn.Module) -> torch.Tensor | None:

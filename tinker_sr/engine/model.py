@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tinker_sr.engine.fused import linear_group
+from tinker_sr.engine.fused import linear_group, swiglu
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -225,7 +225,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = linear_group(x, (self.gate_proj, self.up_proj))
-        return linear_group(F.silu(gate) * up, (self.down_proj,))[0]
+        return linear_group(swiglu(gate, up), (self.down_proj,))[0]
 
 
 class DecoderLayer(nn.Module):
