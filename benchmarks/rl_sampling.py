@@ -179,7 +179,9 @@ def main() -> None:
             Engine(model_dir, args.new_tokens),
             HF(model_dir, args.new_tokens, args.hf_peft),
         )
-        engine.run(single)  # warm-up: merged weights, GEMM probes, allocator
+        # Warm-up: merged weights, allocator, and the engine's one-time GEMM probes (one per
+        # weight shape and row count, `engine.batching`): the rl batch meets most row counts.
+        engine.run(rl_batch)
         hf.run(single)
         rows = [_round(r, engine, hf, rl_batch, single, args) for r in range(args.rounds)]
         engine.service.close().result()

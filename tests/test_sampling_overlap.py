@@ -9,10 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.engine import training
+from tinker_sr.engine.lora import LoraSpec
+from tinker_sr.engine.optim import AdamHParams
+from tinker_sr.engine.registry import ModelRegistry, Sampler, snapshot
+from tinker_sr.engine.sampler import generate
 
 PROMPT = types.ModelInput.from_ints(list(b"overlap: "))
 PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
@@ -125,3 +130,64 @@ def test_training_keeps_seq_id_order_while_sampling(tmp_path: Path) -> None:
     got, want = asyncio.run(main()), asyncio.run(in_order())
     assert got == want
     assert got[0] != got[1] != got[2]  # each optimizer step changed the weights
+
+
+def test_a_sampler_evicted_while_it_decodes_finishes_its_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session keeping one LoRA sampler evicts the decoding one when it makes the next: the
+    decode holds its weights and finishes with exactly the result it has undisturbed."""
+    monkeypatch.setenv("TINKER_SR_SAMPLERS_PER_SESSION", "1")
+    params = types.SamplingParams(max_tokens=120, temperature=1.0, seed=3, stop=[])
+
+    async def main(evict: bool) -> tuple[types.SampleResponse, list[str]]:
+        backend = LocalBackend(tmp_path / str(evict))
+        try:
+            model_id, sampler_id = await _model_and_sampler(backend)
+            task = asyncio.ensure_future(
+                backend.sample(sampler_id, 1, prompt=PROMPT, num_samples=4, sampling_params=params)
+            )
+            while not backend._scheduler.rows_per_step:  # the request is decoding
+                await asyncio.sleep(0.005)
+            if evict:
+                await backend.save_weights_for_sampler(model_id, 2, sampling_session_seq_id=1)
+            res = await task
+            return res, [k for k in backend.models._samplers]
+        finally:
+            backend.close()
+
+    undisturbed, _ = asyncio.run(main(False))
+    evicted, live = asyncio.run(main(True))
+    assert not any(k.endswith(":sample:0") for k in live)  # the decoding sampler was evicted
+    assert [s.tokens for s in evicted.sequences] == [s.tokens for s in undisturbed.sequences]
+    assert [s.logprobs for s in evicted.sequences] == [s.logprobs for s in undisturbed.sequences]
+
+
+def test_adapters_on_base_sampler_never_reads_the_trainers_live_adapters() -> None:
+    """Over the merged-weights budget a sampler decodes through adapters on the shared base:
+    its own copy, so a training step meanwhile cannot change what it samples."""
+    registry = ModelRegistry({}, merged_budget_bytes=0)
+    spec = LoraSpec(rank=4, seed=0)
+    model, optim = registry.new_trainable("tinker-sr/tiny", spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    registry.register_sampler(
+        Sampler("p", "s", "tinker-sr/tiny", "tinker-sr/tiny", spec, None), snapshot(model)
+    )
+    sampling_model = registry.sampler("p").model
+    assert registry.stats()["merged"] == 0  # the adapters-on-base path
+    live = {p.data_ptr() for n, p in model.named_parameters() if "lora_" in n}
+    assert not live & {p.data_ptr() for n, p in sampling_model.named_parameters() if "lora_" in n}
+
+    def tokens(m: torch.nn.Module) -> list[list[int]]:
+        outs = generate(m, [1, 2, 3], num_samples=3, max_tokens=12, seed=7)  # type: ignore[arg-type]
+        return [o.tokens for o in outs]
+
+    before = tokens(sampling_model)
+    model(torch.tensor([[1, 2, 3, 4, 5]])).sum().backward()
+    optim.step(AdamHParams(learning_rate=0.5))
+    assert tokens(model) != before  # the trainer moved
+    assert tokens(sampling_model) == before
+    assert tokens(registry.sampler("p").model) == before

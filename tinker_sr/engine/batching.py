@@ -172,7 +172,8 @@ def _group_attention(
     kf = kf * cos + rotate_half(kf) * sin
     keys, values = g.cache.update(layer, g.pos, kf, vf)
     y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
-    return y.reshape(n, -1)[g.active]
+    y = y.reshape(n, -1)
+    return y if len(g.active) == n else y[g.active]
 
 
 def _all_rows(t: Tensor, active: Tensor, n: int) -> Tensor:

@@ -262,7 +262,10 @@ class DecodeGroup:
     @torch.inference_mode()
     def receive(self, logits: Tensor) -> None:
         """The active rows' logits [len(active), V] after the last fed token: sample the next."""
-        self.logits[self._active] = logits
+        if len(self._active) == self.rows:
+            self.logits.copy_(logits)
+        else:
+            self.logits[self._active] = logits
         self._sample()
 
     def _sample(self) -> None:
