@@ -195,13 +195,17 @@ def hf_sample(model_dir: str, reps: int) -> dict[str, float]:
 
 def _time(fn: Any, reps: int) -> dict[str, float]:
     fn()  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     return {
         "seconds": min(times),
+        # Process CPU time: on a shared machine it moves less with other processes' load than
+        # wall time does (both sides wait passively: OMP_WAIT_POLICY=PASSIVE is inherited).
+        "cpu_seconds": min(cpu),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
         "matmul_flops": matmul_peak_flops(),
     }
@@ -282,12 +286,16 @@ def _report(
     for work, rounds in results.items():
         n_tok = tokens.get(work, 8 * 128)
         ratios = [h["seconds"] / e["seconds"] for e, h in rounds]
+        cpu_ratios = [h["cpu_seconds"] / e["cpu_seconds"] for e, h in rounds]
         e_tps = statistics.median(n_tok / e["seconds"] for e, _ in rounds)
         h_tps = statistics.median(n_tok / h["seconds"] for _, h in rounds)
         print(
             f"{work}: tinker_sr {e_tps:.0f} tokens/s, HF+peft {h_tps:.0f} tokens/s, speed ratio "
             f"median {statistics.median(ratios):.2f} (rounds: "
             + ", ".join(f"{x:.2f}" for x in ratios)
+            + "); CPU-time ratio median "
+            + f"{statistics.median(cpu_ratios):.2f} (rounds: "
+            + ", ".join(f"{x:.2f}" for x in cpu_ratios)
             + ")"
         )
         for side, idx in (("tinker_sr", 0), ("HF+peft", 1)):

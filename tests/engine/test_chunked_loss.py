@@ -138,3 +138,36 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         grads.append([p.grad for _, p in trainable_parameters(model)])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tinker_sr.engine import model as model_mod
+    from tinker_sr.engine import registry
+
+    config = model_mod.BUILTIN_CONFIGS["tinker-sr/small"]
+    need = model_mod.activation_bytes(config, 4096)
+    # 4096 tokens x 8 layers x 7,424 floats per token and layer (hidden 512, FFN 1408 here).
+    assert need == 4 * 4096 * 8 * (4 * 512 + 3 * 512 + 3 * 256 + 2 * 1408)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 100 * need)
+    assert not model_mod.checkpoint_pays(config, 4096)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 3 * need)
+    assert model_mod.checkpoint_pays(config, 4096)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: None)
+    assert not model_mod.checkpoint_pays(config, 4096)
+
+    used: list[int] = []
+    monkeypatch.setattr(model_mod, "checkpoint", lambda *a, **k: used.append(1) or a[0](*a[1:]))
+    model = model_mod.build_model("tinker-sr/tiny")
+    model.checkpoint_layers = None  # automatic
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 0)
+    model(torch.zeros((1, 4), dtype=torch.long)).sum().backward()
+    assert len(used) == model.config.n_layers
+
+    for raw, want in (("", None), ("auto", None), ("0", False), ("1", True)):
+        monkeypatch.setenv(registry.CHECKPOINTING_ENV, raw)
+        assert registry.checkpointing_setting() is want
+    monkeypatch.setenv(registry.CHECKPOINTING_ENV, "yes")
+    with pytest.raises(ValueError, match="TINKER_SR_ACTIVATION_CHECKPOINTING must be"):
+        registry.checkpointing_setting()

@@ -50,7 +50,7 @@ def test_merged_groups_match_the_per_layer_adapters(
     ref = _grads(False, tokens, dtype, monkeypatch)
     assert not calls
     got = _grads(True, tokens, dtype, monkeypatch)
-    assert len(calls) == 4 * 2  # groups q/k/v, o, gate/up and down in each of 2 layers
+    assert len(calls) == 3 * 2  # groups q/k/v, o and gate/up in each of 2 layers (down: mlp_down)
     for a, b in zip(got, ref, strict=True):
         if dtype == torch.float64:
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
@@ -91,3 +91,21 @@ def test_swiglu_gradients_equal_autograd_bit_for_bit() -> None:
         grads.append((out.detach(), g.grad, u.grad))
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_mlp_down_matches_swiglu_then_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused SwiGLU + merged down projection (recomputing its input in backward)."""
+    model = _model(dtype=torch.float64)
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    gen = torch.Generator().manual_seed(5)
+    gate, up, dy = (torch.randn(64, 256, generator=gen, dtype=torch.float64) for _ in range(3))
+    dy = dy[:, :64]
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(fused, "ENABLED", enabled)
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        out = fused.mlp_down(g, u, down)
+        wrt = [g, u, down.lora_A.weight, down.lora_B.weight]
+        results.append([out, *torch.autograd.grad(out, wrt, dy)])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "available_cpus",
+    "available_memory",
     "cpu_model",
     "default_torch_threads",
     "describe_machine",
@@ -56,6 +57,27 @@ def available_cpus() -> int:
         cpus = os.cpu_count() or 1
     quota = _cgroup_quota_cpus()
     return max(1, min(cpus, quota) if quota else cpus)
+
+
+def available_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process could still allocate: MemAvailable, capped by the room left under a
+    cgroup v2 memory limit; None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, min(found)) if found else None
 
 
 def default_torch_threads() -> int:

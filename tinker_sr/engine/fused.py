@@ -125,26 +125,40 @@ class _MergedLoraGroup(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, *tensors = ctx.saved_tensors
-        g, s = ctx.g, ctx.scaling
+        g = ctx.g
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(dy2, _merged_weight(weights, a, b, s)).view(x.shape).to(x.dtype)
-        a_cat = torch.cat(a)  # [g r, K]
-        xa = torch.mm(x2, a_cat.t()).mul_(s)  # s x A^T, [M, g r]
-        # One GEMM per product over the whole group: B as a block-diagonal [N, g r] matrix
-        # (the off-diagonal blocks cost g-fold tiny FLOPs, not a strided pass per member).
-        b_blk = torch.block_diag(*b).to(dy2.dtype)
-        dy_b = torch.mm(dy2, b_blk)  # dy B, [M, g r]
-        db_blk = torch.mm(dy2.t(), xa.to(dy2.dtype))  # [N, g r]; member i's block is dB_i
-        r, row = a[0].shape[0], 0
-        db = []
-        for i, b_i in enumerate(b):
-            db.append(db_blk[row : row + b_i.shape[0], i * r : (i + 1) * r].to(b_i.dtype))
-            row += b_i.shape[0]
-        da = torch.mm(dy_b.t().mul_(s), x2).to(a_cat.dtype).split(r)  # s (dy B)^T x
+        dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, ctx.needs_input_grad[0])
         return (dx, None, None, *([None] * g), *da, *db)
+
+
+def _group_grads(
+    x: Tensor,
+    dy: Tensor,
+    weights: Sequence[Tensor],
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    s: float,
+    need_dx: bool,
+) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
+    """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dx = None
+    if need_dx:
+        dx = torch.mm(dy2, _merged_weight(weights, a, b, s)).view(x.shape).to(x.dtype)
+    a_cat = torch.cat(list(a))  # [g r, K]
+    xa = torch.mm(x2, a_cat.t()).mul_(s)  # s x A^T, [M, g r]
+    # One GEMM per product over the whole group: B as a block-diagonal [N, g r] matrix
+    # (the off-diagonal blocks cost g-fold tiny FLOPs, not a strided pass per member).
+    b_blk = torch.block_diag(*b).to(dy2.dtype)
+    dy_b = torch.mm(dy2, b_blk)  # dy B, [M, g r]
+    db_blk = torch.mm(dy2.t(), xa.to(dy2.dtype))  # [N, g r]; member i's block is dB_i
+    r, row = a[0].shape[0], 0
+    db = []
+    for i, b_i in enumerate(b):
+        db.append(db_blk[row : row + b_i.shape[0], i * r : (i + 1) * r].to(b_i.dtype))
+        row += b_i.shape[0]
+    da = list(torch.mm(dy_b.t().mul_(s), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
+    return dx, da, db
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -164,6 +178,42 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        d_up = F.silu(gate).mul_(dh)  # silu(gate) recomputed: the same value as in forward
-        d_gate = torch.ops.aten.silu_backward(dh * up, gate)
-        return d_gate, d_up
+        return _swiglu_grads(gate, up, dh)
+
+
+def _swiglu_grads(gate: Tensor, up: Tensor, dh: Tensor) -> tuple[Tensor, Tensor]:
+    """Autograd's own arithmetic for h = silu(gate) * up, with silu(gate) recomputed."""
+    d_up = F.silu(gate).mul_(dh.to(gate.dtype))
+    d_gate = torch.ops.aten.silu_backward(dh.to(up.dtype) * up, gate)
+    return d_gate, d_up
+
+
+def mlp_down(gate: Tensor, up: Tensor, down: nn.Module) -> Tensor:
+    """``down(silu(gate) * up)``. With a LoRA down projection on a large batch, one autograd
+    node that keeps only ``gate`` and ``up``: its input ``silu(gate) * up`` (the size of
+    ``up``) is recomputed in backward instead of kept."""
+    parts = _lora_parts(down)
+    if not ENABLED or parts is None or parts.bias is not None or not _merge_pays(gate, [parts]):
+        return linear_group(swiglu(gate, up), (down,))[0]
+    return _SwiGLUDown.apply(gate, up, parts.scaling, parts.weight, parts.a, parts.b)  # type: ignore[no-any-return]
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(  # type: ignore[override]
+        ctx: Any, gate: Tensor, up: Tensor, scaling: float, w: Tensor, a: Tensor, b: Tensor
+    ) -> Tensor:
+        ctx.save_for_backward(gate, up, w, a, b)
+        ctx.scaling = scaling
+        return F.linear(F.silu(gate) * up, _merged_weight([w], [a], [b], scaling))
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        gate, up, w, a, b = ctx.saved_tensors
+        h = F.silu(gate) * up  # bit-identical to the forward's value
+        dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], ctx.scaling, True)
+        assert dh is not None
+        d_gate, d_up = _swiglu_grads(gate, up, dh)
+        return d_gate, d_up, None, None, da, db

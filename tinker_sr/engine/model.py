@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tinker_sr.engine.fused import linear_group, swiglu
+from tinker_sr.engine.cpu import available_memory
+from tinker_sr.engine.fused import linear_group, mlp_down
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -225,7 +226,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = linear_group(x, (self.gate_proj, self.up_proj))
-        return linear_group(swiglu(gate, up), (self.down_proj,))[0]
+        return mlp_down(gate, up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -263,8 +264,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: RoPE frequencies stay float32 under model.to(bf16).
         self.inv_freq = rope_inv_freq(config)
-        # Activation checkpointing per decoder layer (long sequences: memory for compute).
-        self.checkpoint_layers = False
+        # Activation checkpointing per decoder layer (long sequences: memory for compute):
+        # True, False, or None = automatic (`checkpoint_pays`).
+        self.checkpoint_layers: bool | None = False
         # Training under torch.autocast in this dtype (bf16 mixed precision); None = off.
         self.autocast_dtype: torch.dtype | None = None
 
@@ -333,7 +335,11 @@ class Transformer(nn.Module):
         )
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
+        recompute = cache is None and torch.is_grad_enabled()
+        if recompute and self.checkpoint_layers is None:
+            recompute = checkpoint_pays(self.config, tokens.numel())
+        else:
+            recompute = recompute and bool(self.checkpoint_layers)
         for i, layer in enumerate(self.model.layers):
             if recompute:
                 # Keep only each layer's input; its activations are recomputed in backward.
@@ -341,6 +347,23 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, start_pos, cache, i)
         return self.model.norm(x)
+
+
+def activation_bytes(config: ModelConfig, tokens: int) -> int:
+    """Estimated bytes a training forward of ``tokens`` tokens keeps for backward in float32:
+    per layer and token the two norms' inputs and outputs, q/k before their norms, q/k/v and
+    the output of attention, and the MLP's gate and up projections."""
+    q = config.n_heads * config.head_dim
+    kv = config.n_kv_heads * config.head_dim
+    per_token = 4 * config.dim + 3 * q + 3 * kv + 2 * config.ffn_dim
+    return 4 * tokens * config.n_layers * per_token
+
+
+def checkpoint_pays(config: ModelConfig, tokens: int) -> bool:
+    """The automatic activation-checkpointing policy: on when the estimated activations (x2
+    for backward's transients) would take more than half of the memory still available."""
+    room = available_memory()
+    return room is not None and 2 * activation_bytes(config, tokens) > room // 2
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

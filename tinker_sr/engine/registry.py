@@ -124,6 +124,17 @@ CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
 TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
 
 
+def checkpointing_setting() -> bool | None:
+    """``$TINKER_SR_ACTIVATION_CHECKPOINTING``: ``1`` always, ``0`` never, unset or ``auto``:
+    when a step's activations would crowd the available memory (`model.checkpoint_pays`)."""
+    raw = os.environ.get(CHECKPOINTING_ENV, "auto").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise ValueError(f"{CHECKPOINTING_ENV} must be 0, 1 or auto, got {raw!r}")
+
+
 def train_autocast_dtype() -> torch.dtype | None:
     """``$TINKER_SR_TRAIN_DTYPE``: ``float32`` (default) trains in fp32; ``bf16`` trains with
     bf16 matmuls under autocast (fp32 master weights, adapters, optimizer and loss) where the
@@ -315,10 +326,10 @@ class ModelRegistry:
     @_locked
     def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
         """The shared base with new LoRA adapters, and an optimizer over the adapters.
-        ``$TINKER_SR_ACTIVATION_CHECKPOINTING=1`` recomputes layer activations in backward
-        (less memory for long sequences, about one more forward pass of compute)."""
+        Activation checkpointing (`checkpointing_setting`) recomputes layer activations in
+        backward: less memory for long sequences, about one more forward pass of compute."""
         model = self._adapted(resolved, spec)
-        model.checkpoint_layers = os.environ.get(CHECKPOINTING_ENV, "") not in ("", "0")
+        model.checkpoint_layers = checkpointing_setting()
         model.autocast_dtype = train_autocast_dtype()
         return model, Adam(trainable_parameters(model))
 
