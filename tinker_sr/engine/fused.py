@@ -97,15 +97,23 @@ def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
 def _merged_weight(
     weights: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], s: float
 ) -> Tensor:
-    """cat_i(W_i + (B_i A_i) s), each block formed as `LoraLinear.merged_weight` does."""
+    """cat_i(W_i + s B_i A_i) in the adapters' dtype (float32), then the base's dtype.
+
+    Formed outside autocast: it is weight-sized arithmetic on the float32 master adapters
+    (autocast would also refuse the ``out=`` products or make them slow); a caller under
+    autocast then casts the result once, as for any weight.
+    """
     n = sum(w.shape[0] for w in weights)
     out = torch.empty(n, weights[0].shape[1], dtype=a[0].dtype, device=weights[0].device)
     row = 0
-    for w, a_i, b_i in zip(weights, a, b, strict=True):
-        block = out[row : row + w.shape[0]]
-        torch.mm(b_i, a_i, out=block)
-        block.mul_(s).add_(w)
-        row += w.shape[0]
+    with torch.autocast(out.device.type, enabled=False):
+        for w, a_i, b_i in zip(weights, a, b, strict=True):
+            block = out[row : row + w.shape[0]]
+            if w.dtype == out.dtype:  # one pass: W + s (B A) in the GEMM's epilogue
+                torch.addmm(w, b_i, a_i, alpha=s, out=block)
+            else:
+                torch.mm(b_i, a_i, out=block).mul_(s).add_(w)
+            row += w.shape[0]
     return out if weights[0].dtype == out.dtype else out.to(weights[0].dtype)
 
 
@@ -140,18 +148,22 @@ def _group_grads(
     s: float,
     need_dx: bool,
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
-    """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T."""
-    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T.
+
+    The products run in the gradient's dtype (bf16 under mixed precision), with explicit
+    casts: a CUDA backward runs outside the forward's autocast.
+    """
+    low = dy.dtype
+    x2, dy2 = x.reshape(-1, x.shape[-1]).to(low), dy.reshape(-1, dy.shape[-1])
     dx = None
     if need_dx:
-        dx = torch.mm(dy2, _merged_weight(weights, a, b, s)).view(x.shape).to(x.dtype)
+        dx = torch.mm(dy2, _merged_weight(weights, a, b, s).to(low)).view(x.shape).to(x.dtype)
     a_cat = torch.cat(list(a))  # [g r, K]
-    xa = torch.mm(x2, a_cat.t()).mul_(s)  # s x A^T, [M, g r]
+    xa = torch.mm(x2, a_cat.t().to(low)).mul_(s)  # s x A^T, [M, g r]
     # One GEMM per product over the whole group: B as a block-diagonal [N, g r] matrix
     # (the off-diagonal blocks cost g-fold tiny FLOPs, not a strided pass per member).
-    b_blk = torch.block_diag(*b).to(dy2.dtype)
-    dy_b = torch.mm(dy2, b_blk)  # dy B, [M, g r]
-    db_blk = torch.mm(dy2.t(), xa.to(dy2.dtype))  # [N, g r]; member i's block is dB_i
+    dy_b = torch.mm(dy2, torch.block_diag(*b).to(low))  # dy B, [M, g r]
+    db_blk = torch.mm(dy2.t(), xa)  # [N, g r]; member i's block is dB_i
     r, row = a[0].shape[0], 0
     db = []
     for i, b_i in enumerate(b):
