@@ -33,6 +33,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ),
         limits=limits_from_args(args),
         model_aliases=model_aliases_from_args(args),
+        device=device_from_args(args),
     )
     return 0
 
@@ -132,6 +133,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
             default=default,
             help=f"{Limits.help(limit.name)} (default {default})",
         )
+    s.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default=None,
+        help="where the engine runs: cpu, cuda (an NVIDIA GPU; error if none), or auto (the GPU "
+        "when there is one). Default $TINKER_SR_DEVICE, else cpu",
+    )
     s.add_argument("--log-level", default="info")
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
     f = s.add_argument_group(
@@ -158,6 +166,18 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="return no topk_sample_logprobs (ignored silently)",
     )
+
+
+def device_from_args(args: argparse.Namespace) -> str | None:
+    """``--device``, checked before the server starts: ``cuda`` without a GPU exits here with
+    the reason and the fix."""
+    from tinker_sr.engine.device import resolve_device
+
+    try:
+        resolve_device(args.device, what="--device")
+    except ValueError as e:
+        raise SystemExit(f"tinker-sr serve: {e}") from None
+    return args.device
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import tinker_sr as tinker
-from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.engine import registry
+
+from .small_lora import small_lora_client
 
 TOKENS = [256, *b"mixed precision keeps fp32 master weights"]
 
@@ -19,14 +19,7 @@ TOKENS = [256, *b"mixed precision keeps fp32 master weights"]
 def _step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float, np.ndarray]:
     monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
     backend = LocalBackend(tmp / dtype)
-    service = tinker.ServiceClient(backend=backend)
-    training = service.create_lora_training_client(
-        base_model="tinker-sr/small", rank=4, seed=0
-    ).result()
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
-    )
+    service, training, datum = small_lora_client(backend, TOKENS)
     out = training.forward_backward([datum], "cross_entropy").result()
     trainer = backend.models.trainer(training.model_id)
     assert trainer.model.autocast_dtype == (torch.bfloat16 if dtype != "float32" else None)

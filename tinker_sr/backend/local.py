@@ -42,6 +42,7 @@ from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads
+from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
@@ -98,10 +99,14 @@ class LocalBackend:
         torch_threads: int | None = None,
         limits: Limits | None = None,
         request_model_paths: bool = True,
+        device: str | torch.device | None = None,
     ) -> None:
         """``limits``: the size limits every request is held to (`tinker_sr.limits.Limits`;
         ``tinker-sr serve`` sets them from its flags). ``request_model_paths``: may
-        ``base_model`` name a local directory (False on a server: only aliases may)."""
+        ``base_model`` name a local directory (False on a server: only aliases may).
+        ``device``: ``cpu`` (default), ``cuda`` or ``auto`` (`tinker_sr.engine.device`;
+        default ``$TINKER_SR_DEVICE``); ``cuda`` without a usable GPU is a ValueError."""
+        engine_device = resolve_device(device, what="LocalBackend(device=...)")
         self.limits = limits if limits is not None else DEFAULT_LIMITS
         self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +120,7 @@ class LocalBackend:
                 model_dtype or os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "model_dtype"
             ),
             request_paths=request_model_paths,
+            device=engine_device,
         )
         if sampler_staleness < 0:
             raise ValueError(f"sampler_staleness must be >= 0, got {sampler_staleness}")

@@ -46,14 +46,14 @@ def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
     """One GEMM over ``m`` random rows equals its CHUNK-row slices, and (m == CHUNK) a row's
     result does not depend on the other rows of its slice nor on its place in it."""
     gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, weight.shape[1], generator=gen).to(weight.dtype)
+    x = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
     whole = F.linear(x, weight, bias)
     sliced = torch.cat([F.linear(x[i : i + CHUNK], weight, bias) for i in range(0, m, CHUNK)])
     if not torch.equal(whole, sliced):
         return False
     if m != CHUNK:
         return True
-    other = torch.randn(m, weight.shape[1], generator=gen).to(weight.dtype)
+    other = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
     for place in range(m):
         mixed = other.clone()
         mixed[place] = x[0]
@@ -121,10 +121,10 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
     group. Every group must use ``model``; each group's cache advances by one position."""
     tokens = torch.cat([g.fed_tokens for g in groups])
     m = tokens.shape[0]
-    padded = torch.zeros(padded_rows(m), dtype=torch.long)
+    padded = torch.zeros(padded_rows(m), dtype=torch.long, device=model.device)
     padded[:m] = tokens
     x = model.model.embed_tokens(padded)
-    ropes = [_rope(g.pos, model.inv_freq, x.dtype) for g in groups]
+    ropes = [_rope(g.pos, model.inv_freq, x.dtype, x.device) for g in groups]
     layers = cast(Sequence[DecoderLayer], model.model.layers)
     for i, layer in enumerate(layers):
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
@@ -132,7 +132,7 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
         mlp = layer.mlp
         gate = F.silu(linear_rows(mlp.gate_proj, h))
         x = x + linear_rows(mlp.down_proj, gate * linear_rows(mlp.up_proj, h))
-    logits = linear_rows(model.lm_head, model.model.norm(x)).float()
+    logits = linear_rows(model.lm_head, model.model.norm(x)).float().cpu()  # samplers: CPU
     sizes = [len(g.active) for g in groups]
     return list(logits[:m].split(sizes))
 
@@ -151,7 +151,7 @@ def _attention(
     v = linear_rows(attn.v_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    y = torch.zeros(rows, attn.n_heads * attn.head_dim, dtype=h.dtype)
+    y = torch.zeros(rows, attn.n_heads * attn.head_dim, dtype=h.dtype, device=h.device)
     start = 0
     for g, rope in zip(groups, ropes, strict=True):
         end = start + len(g.active)
@@ -180,13 +180,15 @@ def _all_rows(t: Tensor, active: Tensor, n: int) -> Tensor:
     """[m, heads, D] values of the active rows → [n, heads, 1, D] with zeros elsewhere."""
     if len(active) == n:
         return t.unsqueeze(2)
-    full = torch.zeros(n, *t.shape[1:], dtype=t.dtype)
+    full = torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=t.device)
     full[active] = t
     return full.unsqueeze(2)
 
 
-def _rope(pos: int, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _rope(
+    pos: int, inv_freq: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """cos, sin [1, head_dim] at ``pos``, computed as `Transformer.hidden_states` does."""
     freqs = torch.outer(torch.arange(pos, pos + 1, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)

@@ -42,10 +42,12 @@ class LoraLinear(nn.Linear):
         self.weight = base.weight
         self.bias = base.bias
         self.scaling = alpha / rank
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False)
+        device = base.weight.device  # the adapter lives with its base (CPU or GPU)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
         with torch.no_grad():
-            # PEFT's default: kaiming_uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(in), 1/sqrt(in)).
+            # PEFT's default: kaiming_uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(in), 1/sqrt(in)),
+            # drawn from a CPU generator on every device (copy_ moves it).
             bound = 1.0 / math.sqrt(self.in_features)
             a = torch.rand(rank, self.in_features, generator=generator, dtype=torch.float32)
             self.lora_A.weight.copy_(a * (2 * bound) - bound)

@@ -227,9 +227,10 @@ def _autocast_weight(head: torch.nn.Module) -> torch.Tensor | None:
     """Under CPU autocast, a plain frozen head's weight in the autocast dtype, cast once and
     kept (autocast would cast the whole [V, D] weight again for every chunk of every step)."""
     weight = _plain_weight(head)
-    if weight is None or head.bias is not None or not torch.is_autocast_enabled("cpu"):
+    kind = weight.device.type if weight is not None else "cpu"
+    if weight is None or head.bias is not None or not torch.is_autocast_enabled(kind):
         return None
-    return frozen_cast(weight, torch.get_autocast_dtype("cpu"))
+    return frozen_cast(weight, torch.get_autocast_dtype(kind))
 
 
 def _plain_weight(head: torch.nn.Module) -> torch.Tensor | None:

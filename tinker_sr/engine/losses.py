@@ -259,7 +259,8 @@ def _flatten(logp: Sequence[torch.Tensor], data: Sequence[LossDatum], cd: torch.
         if d.sampled_mask is not None:
             diag_parts.append(d.sampled_mask.to(device))
         else:
-            diag_parts.append((d.inputs["advantages"] != 0) | (d.inputs["logprobs"] != 0))
+            part = (d.inputs["advantages"] != 0) | (d.inputs["logprobs"] != 0)
+            diag_parts.append(part.to(device))
     diag = torch.cat(diag_parts).to(device)
     # Where A = 0 a position contributes nothing; keep its ratio at 1 there so an extreme sampler
     # log-prob cannot overflow to inf and turn the batch's gradient into NaN (inf * 0).

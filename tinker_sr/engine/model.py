@@ -110,13 +110,18 @@ class KVCache:
     """Keys and values for every layer, allocated once for `batch_size` rows × `max_len` positions."""
 
     def __init__(
-        self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
         self.batch_size = batch_size
         self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [b, H, T, D] at start_pos (b may be 1: broadcast to every row, which is how
@@ -211,8 +216,8 @@ class Attention(nn.Module):
             k, v = cache.update(layer, start_pos, k, v)
             mask = None
             if T > 1:  # chunk after a prefix: query i sits at absolute position start_pos + i
-                q_pos = torch.arange(start_pos, start_pos + T)[:, None]
-                mask = torch.arange(start_pos + T)[None, :] <= q_pos
+                q_pos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
+                mask = torch.arange(start_pos + T, device=x.device)[None, :] <= q_pos
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return linear_group(y.transpose(1, 2).reshape(B, T, -1), (self.o_proj,))[0]
 
@@ -274,8 +279,12 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.config, batch_size, max_len, self.dtype)
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
 
     def forward(
         self,
@@ -285,7 +294,8 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """tokens [B, T] → float32 logits [B, T, V] (arguments: `hidden_states`)."""
+        """tokens [B, T] → float32 logits [B, T, V] on the model's device (arguments:
+        `hidden_states`)."""
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
         return self.lm_head(x).float()
 
@@ -306,7 +316,9 @@ class Transformer(nn.Module):
         ids harmless (they may be any value, e.g. -1) and is checked to really be right padding.
         Logits at pad positions are meaningless.
         """
+        tokens = tokens.to(self.device)  # CPU-built inputs; a no-op on a CPU model
         if attn_mask is not None:
+            attn_mask = attn_mask.to(self.device)
             if cache is not None:
                 raise ValueError(
                     "attn_mask is for full-sequence (training) forwards, not cached decode"
@@ -317,7 +329,7 @@ class Transformer(nn.Module):
                     f"attn_mask shape {tuple(valid.shape)} != tokens {tuple(tokens.shape)}"
                 )
             lengths = valid.sum(1, keepdim=True)
-            if not torch.equal(valid, torch.arange(tokens.shape[1]) < lengths):
+            if not torch.equal(valid, torch.arange(tokens.shape[1], device=self.device) < lengths):
                 raise ValueError(
                     "attn_mask must be right padding: each row all True, then all False"
                 )
@@ -334,7 +346,8 @@ class Transformer(nn.Module):
             torch.arange(start_pos, start_pos + T, dtype=torch.float32), self.inv_freq
         )
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        # Computed on the CPU, as they always were, then moved: the same values on any device.
+        cos, sin = emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype)
         recompute = cache is None and torch.is_grad_enabled()
         if recompute and self.checkpoint_layers is None:
             recompute = checkpoint_pays(self.config, tokens.numel())

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
+from tinker_sr.engine.device import fast_bf16
 from tinker_sr.engine.hf import load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -135,15 +136,17 @@ def checkpointing_setting() -> bool | None:
     raise ValueError(f"{CHECKPOINTING_ENV} must be 0, 1 or auto, got {raw!r}")
 
 
-def train_autocast_dtype() -> torch.dtype | None:
+def train_autocast_dtype(device: torch.device | None = None) -> torch.dtype | None:
     """``$TINKER_SR_TRAIN_DTYPE``: ``float32`` (default) trains in fp32; ``bf16`` trains with
     bf16 matmuls under autocast (fp32 master weights, adapters, optimizer and loss) where the
-    CPU has fast bf16 (AMX / AVX512-BF16: `has_fast_bf16`), else stays fp32 (bf16 would be
-    emulated, i.e. slower); ``bf16-force`` uses bf16 regardless."""
+    device has fast bf16 (CPU: AMX / AVX512-BF16, `has_fast_bf16`; CUDA: sm80+), else stays
+    fp32 (bf16 would be emulated, i.e. slower); ``bf16-force`` uses bf16 regardless."""
     raw = os.environ.get(TRAIN_DTYPE_ENV, "").strip().lower()
     if raw in ("", "float32", "fp32"):
         return None
     if raw in ("bf16", "bfloat16"):
+        if device is not None and device.type != "cpu":
+            return torch.bfloat16 if fast_bf16(device) else None
         return torch.bfloat16 if has_fast_bf16() else None
     if raw == "bf16-force":
         return torch.bfloat16
@@ -198,6 +201,7 @@ class ModelRegistry:
         adapter_budget_bytes: int | None = None,
         request_paths: bool = True,
         samplers_per_session: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``request_paths``: may a request's ``base_model`` name a local directory? Yes for
         the embedded engine (the caller owns the machine); a server says no, so a client can
@@ -211,6 +215,8 @@ class ModelRegistry:
         # checkpoint's dtype unless model_dtype is set (built-ins are float32).
         self.sampler_dtype = sampler_dtype
         self.model_dtype = model_dtype
+        # Where every model, adapter, optimizer state and KV cache lives (engine.device).
+        self.device = device if device is not None else torch.device("cpu")
         # None: room for MERGED_DEFAULT_COPIES merged models of the size being added.
         self.merged_budget: int | None = (
             _budget_bytes(MERGED_BUDGET_ENV, None)
@@ -312,6 +318,8 @@ class ModelRegistry:
                 m = load_model_dir(resolved, dtype=self.model_dtype)
             m.requires_grad_(False)
             m.eval()
+            if m.device != self.device:  # loaded on the CPU, then moved once
+                m = m.to(self.device)
             self._bases[(resolved, dtype)] = m
         return m
 
@@ -330,7 +338,7 @@ class ModelRegistry:
         backward: less memory for long sequences, about one more forward pass of compute."""
         model = self._adapted(resolved, spec)
         model.checkpoint_layers = checkpointing_setting()
-        model.autocast_dtype = train_autocast_dtype()
+        model.autocast_dtype = train_autocast_dtype(self.device)
         return model, Adam(trainable_parameters(model))
 
     def _drop_unused_bases(self) -> None:

@@ -377,7 +377,7 @@ def _outputs(
 def _next_token_logprobs(model: Transformer, tokens: Sequence[int]) -> Tensor:
     """[len(tokens) - 1, V] log p(· | tokens[:t+1]) under the raw model (temperature 1)."""
     _check_tokens(tokens, model.config.vocab_size, "prompt")
-    logits = model(torch.tensor([list(tokens)]))[0, :-1]
+    logits = model(torch.tensor([list(tokens)]))[0, :-1].cpu()
     return logits.log_softmax(-1)
 
 
@@ -443,7 +443,7 @@ def prompt_alt_tokens(
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
     _check_tokens(tokens, model.config.vocab_size, "prompt")
-    logits = model(torch.tensor([list(tokens)]))[0, :-1]
+    logits = model(torch.tensor([list(tokens)]))[0, :-1].cpu()
     if temperature < GREEDY_BELOW_TEMPERATURE:
         ids = logits.argmax(-1, keepdim=True).expand(-1, k)
         return ids.numpy().astype(np.int64), np.zeros(ids.shape, dtype=np.float32)

@@ -63,12 +63,17 @@ def forward_backward(
     tokens = torch.zeros((len(batch), max(lengths)), dtype=torch.long)  # pad: masked below
     for i, a in enumerate(batch):
         tokens[i, : lengths[i]] = torch.from_numpy(a.tokens)
+    device = t.model.device
+    tokens = tokens.to(device)
     with torch.set_grad_enabled(not forward_only):
-        mask = torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+        mask = (
+            torch.arange(tokens.shape[1], device=device)[None, :]
+            < torch.tensor(lengths, device=device)[:, None]
+        )
         # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
         # trainer was created with it; see `registry.train_autocast_dtype`.
         low = t.model.autocast_dtype
-        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+        with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None):
             # Hidden states, not logits: the loss unembeds them in chunks (no [B, T, V]).
             hidden = t.model.hidden_states(tokens, attn_mask=mask)
             per_datum = [hidden[i, : lengths[i]] for i in range(len(batch))]

@@ -33,6 +33,7 @@ def serve(
     features: ServerFeatures | None = None,
     limits: Limits | None = None,
     model_aliases: Mapping[str, str] | None = None,
+    device: str | None = None,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -44,7 +45,8 @@ def serve(
     the engine's size limits (`tinker_sr.limits.Limits`); its ``max_body_bytes`` wins over the
     ``max_body_bytes`` argument, which is kept for callers that set only that.
     ``model_aliases``: base_model name -> built-in model or local directory; requests may
-    name only these (and built-ins), never a directory of their own.
+    name only these (and built-ins), never a directory of their own. ``device``: ``cpu``,
+    ``cuda`` or ``auto`` (default ``$TINKER_SR_DEVICE``, else ``cpu``).
     """
     import uvicorn
 
@@ -57,7 +59,11 @@ def serve(
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
     backend = LocalBackend(
-        store_dir=store_dir, limits=limits, model_aliases=model_aliases, request_model_paths=False
+        store_dir=store_dir,
+        limits=limits,
+        model_aliases=model_aliases,
+        request_model_paths=False,
+        device=device,
     )
     app = create_app(
         backend,

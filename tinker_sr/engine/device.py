@@ -1,0 +1,70 @@
+"""Which device the engine runs on: ``cpu`` (the default and the CI path), ``cuda`` or ``auto``.
+
+Set by ``LocalBackend(device=...)``, ``tinker-sr serve --device`` or ``$TINKER_SR_DEVICE``
+(in that order of precedence). On CUDA the model weights, LoRA adapters, optimizer state and
+KV caches live on the GPU; random draws still come from CPU generators (the same seeds give
+the same uniforms as on a CPU) and are moved to the device after drawing; results are moved
+back to the CPU where they leave the engine.
+
+The CUDA path has not been run on a GPU yet: see docs/performance.md ("GPU").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tinker_sr.engine.cpu import has_fast_bf16
+
+DEVICE_ENV = "TINKER_SR_DEVICE"
+CHOICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(
+    value: str | torch.device | None = None, *, what: str = "device"
+) -> torch.device:
+    """``value`` (or ``$TINKER_SR_DEVICE``, else ``cpu``) as a torch.device.
+
+    ``auto`` is CUDA when torch can use a GPU, else the CPU. ``cuda`` (or ``cuda:N``) without a
+    usable GPU is a ValueError naming the setting and the fix, never a silent CPU fallback.
+    """
+    source = what
+    if value is None:
+        value, source = os.environ.get(DEVICE_ENV, "").strip() or "cpu", DEVICE_ENV
+    raw = str(value).strip().lower()
+    if raw == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(raw)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{source}={value!r} is not a device; use one of {', '.join(CHOICES)}")
+    if device.type == "cuda":
+        _check_cuda(device, source, str(value))
+    return device
+
+
+def _check_cuda(device: torch.device, source: str, value: str) -> None:
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + (
+            "" if torch.version.cuda else ", a build without CUDA"
+        )
+        raise ValueError(
+            f"{source}={value!r} but CUDA is not available ({build}). Install a CUDA build of "
+            f"torch on a machine with an NVIDIA GPU, or set {source} to 'cpu' (or 'auto': the "
+            "GPU when there is one, else the CPU)"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"{source}={value!r} but this machine has {torch.cuda.device_count()} CUDA "
+            f"device(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+        )
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """bf16 matmuls run in hardware on ``device`` (CPU: AMX / AVX512-BF16; CUDA: sm80+)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return has_fast_bf16()
