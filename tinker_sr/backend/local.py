@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -130,6 +131,8 @@ class LocalBackend:
         self._torch_threads = _torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._scheduler = DecodeScheduler(self._torch_threads)
+        # A backend dropped without close() still lets its sampling thread end.
+        weakref.finalize(self, self._scheduler.close, False)
         self._ordering = SeqOrdering(self.limits)
         self._closed = False
 

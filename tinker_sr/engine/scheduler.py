@@ -99,12 +99,13 @@ class DecodeScheduler:
             self._cond.notify()
         return job.future
 
-    def close(self) -> None:
-        """Finish everything submitted, then stop the thread."""
+    def close(self, wait: bool = True) -> None:
+        """Finish everything submitted, then stop the thread (``wait``: until it has)."""
         with self._cond:
             self._closing = True
             self._cond.notify()
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     # ---- the thread ---------------------------------------------------------------------
     def _loop(self) -> None:
