@@ -120,23 +120,35 @@ def test_result_async_timeout_raises_and_cancels_operation(loop_thread: Any, wra
     assert inner.cancelled()
 
 
-def test_waiting_does_not_block_the_callers_event_loop(loop_thread: Any, wrap: Any) -> None:
+def test_waiting_does_not_block_the_callers_event_loop(wrap: Any) -> None:
+    # The operation finishes only once the caller's loop has ticked three times while the
+    # waiter awaits it, so the order is fixed without any timing. A waiter that blocked the
+    # loop would stop the ticks; the guard timer then finishes the operation, and "done"
+    # comes first (the test fails instead of hanging).
+    inner: cf.Future[Any] = cf.Future()
+    guard = threading.Timer(30, lambda: inner.done() or inner.set_result(None))
+    guard.start()
+
     async def main() -> list[str]:
         order: list[str] = []
 
         async def ticker() -> None:
             for _ in range(3):
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0)
                 order.append("tick")
+            inner.set_result(None)
 
         async def waiter() -> None:
-            await wrap(submit(loop_thread, value_after(None, 0.1)))
+            await wrap(inner)
             order.append("done")
 
         await asyncio.gather(waiter(), ticker())
         return order
 
-    assert asyncio.run(main()) == ["tick", "tick", "tick", "done"]
+    try:
+        assert asyncio.run(main()) == ["tick", "tick", "tick", "done"]
+    finally:
+        guard.cancel()
 
 
 def test_coroutine_works_with_gather_and_create_task(loop_thread: Any, wrap: Any) -> None:
