@@ -350,7 +350,7 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype)
         recompute = cache is None and torch.is_grad_enabled()
         if recompute and self.checkpoint_layers is None:
-            recompute = checkpoint_pays(self.config, tokens.numel())
+            recompute = checkpoint_pays(self.config, tokens.numel(), self.device)
         else:
             recompute = recompute and bool(self.checkpoint_layers)
         for i, layer in enumerate(self.model.layers):
@@ -372,10 +372,16 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     return 4 * tokens * config.n_layers * per_token
 
 
-def checkpoint_pays(config: ModelConfig, tokens: int) -> bool:
+def checkpoint_pays(
+    config: ModelConfig, tokens: int, device: torch.device = torch.device("cpu")
+) -> bool:
     """The automatic activation-checkpointing policy: on when the estimated activations (x2
-    for backward's transients) would take more than half of the memory still available."""
-    room = available_memory()
+    for backward's transients) would take more than half of the memory still available on
+    ``device`` (host memory for the CPU, the GPU's free memory for CUDA)."""
+    if device.type == "cuda":
+        room: int | None = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        room = available_memory()
     return room is not None and 2 * activation_bytes(config, tokens) > room // 2
 
 
