@@ -69,3 +69,18 @@ def test_machine_facts() -> None:
     assert cpu.has_fast_bf16() == any(f in flags for f in ("amx_bf16", "avx512_bf16"))
     line = cpu.describe_machine()
     assert line.startswith("CPU: ") and "usable CPUs: " in line
+
+
+def test_available_memory_is_meminfo_capped_by_the_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert cpu.available_memory(meminfo, cgroup) == 4000000 * 1024  # no cgroup files
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("100\n")
+    assert cpu.available_memory(meminfo, cgroup) == 4000000 * 1024  # unlimited
+    (cgroup / "memory.max").write_text(f"{3 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{1 << 30}\n")
+    assert cpu.available_memory(meminfo, cgroup) == 2 << 30  # the cgroup leaves less
+    assert cpu.available_memory(tmp_path / "none", tmp_path / "none") is None

@@ -109,3 +109,14 @@ def test_mlp_down_matches_swiglu_then_down(monkeypatch: pytest.MonkeyPatch) -> N
         results.append([out, *torch.autograd.grad(out, wrt, dy)])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_frozen_cast_is_kept_until_the_weight_changes() -> None:
+    w = torch.randn(4, 3)
+    low = fused.frozen_cast(w, torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and torch.equal(low, w.to(torch.bfloat16))
+    assert fused.frozen_cast(w, torch.bfloat16) is low  # cast once
+    with torch.no_grad():
+        w.add_(1.0)  # a weight changed in place is cast again
+    again = fused.frozen_cast(w, torch.bfloat16)
+    assert again is not low and torch.equal(again, w.to(torch.bfloat16))
