@@ -3,6 +3,8 @@ return exactly what each returns alone, embedded and over the server."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,24 +72,51 @@ def test_concurrent_requests_equal_requests_one_at_a_time(service: tinker.Servic
     assert any(s[2] == "stop" for seqs, _ in alone for s in seqs)
 
 
+def alone_then_together(tmp_path: Path, n: int) -> tuple[Any, Any, list[int], list[int]]:
+    """``calls(n)`` on a fresh embedded engine one at a time, then all at once: both
+    results and the rows of each decode step of either phase."""
+    backend = LocalBackend(tmp_path)
+    service = tinker.ServiceClient(backend=backend)
+    rows = backend._scheduler.rows_per_step
+    try:
+        sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+        work = calls(n)
+        alone = [summary(sc.sample(**kw).result()) for kw in work]
+        solo_steps = list(rows)
+        rows.clear()
+        # Hold the worker until every request is queued, so they are in flight together
+        # however the threads are scheduled.
+        held, gate = threading.Event(), threading.Event()
+        backend._scheduler.barrier(lambda: (held.set(), gate.wait(60)))
+        held.wait(60)
+        futures = [sc.sample(**kw) for kw in work]
+        while len(backend._scheduler._queue) < len(work):
+            time.sleep(0.002)
+        gate.set()
+        together = [summary(f.result()) for f in futures]
+        return alone, together, solo_steps, list(rows)
+    finally:
+        service.close().result()
+        backend.close()
+
+
 def test_requests_decode_in_shared_steps_within_the_row_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(scheduler.MAX_ROWS_ENV, "12")
-    backend = LocalBackend(tmp_path)
-    service = tinker.ServiceClient(backend=backend)
-    try:
-        sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
-        work = calls(8)
-        alone = [summary(sc.sample(**kw).result()) for kw in work]
-        solo_steps = list(backend._scheduler.rows_per_step)
-        backend._scheduler.rows_per_step.clear()
-        together = [summary(f.result()) for f in [sc.sample(**kw) for kw in work]]
-        steps = list(backend._scheduler.rows_per_step)
-    finally:
-        service.close().result()
-        backend.close()
+    alone, together, solo_steps, steps = alone_then_together(tmp_path, 8)
     assert together == alone
     assert max(solo_steps) <= 8  # alone: at most one request's rows per step
     assert 8 < max(steps) <= 12  # together: rows of several requests, within the cap
     assert len(steps) < len(solo_steps)
+
+
+def test_kv_cache_budget_makes_requests_wait_their_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no room for a second request's KV cache, requests decode one after another:
+    still the same results."""
+    monkeypatch.setenv(scheduler.CACHE_BUDGET_ENV, "0")
+    alone, together, _, steps = alone_then_together(tmp_path, 8)
+    assert together == alone
+    assert max(steps) <= 8

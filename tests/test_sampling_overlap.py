@@ -17,7 +17,7 @@ from tinker_sr.engine import training
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.engine.optim import AdamHParams
 from tinker_sr.engine.registry import ModelRegistry, Sampler, snapshot
-from tinker_sr.engine.sampler import generate
+from tinker_sr.engine.sampler import DecodeGroup, generate
 
 PROMPT = types.ModelInput.from_ints(list(b"overlap: "))
 PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
@@ -138,19 +138,31 @@ def test_a_sampler_evicted_while_it_decodes_finishes_its_request(
     """A session keeping one LoRA sampler evicts the decoding one when it makes the next: the
     decode holds its weights and finishes with exactly the result it has undisturbed."""
     monkeypatch.setenv("TINKER_SR_SAMPLERS_PER_SESSION", "1")
-    params = types.SamplingParams(max_tokens=120, temperature=1.0, seed=3, stop=[])
+    params = types.SamplingParams(max_tokens=40, temperature=1.0, seed=3, stop=[])
+    decoding, evicted_now = threading.Event(), threading.Event()
+    receive = DecodeGroup.receive
+
+    def held_receive(self: DecodeGroup, logits: torch.Tensor) -> None:
+        if self.t == 5:  # mid-decode: wait until the test has evicted the sampler
+            decoding.set()
+            evicted_now.wait(DEADLOCK_GUARD_S)
+        receive(self, logits)
+
+    monkeypatch.setattr(DecodeGroup, "receive", held_receive)
 
     async def main(evict: bool) -> tuple[types.SampleResponse, list[str]]:
         backend = LocalBackend(tmp_path / str(evict))
+        decoding.clear()
+        evicted_now.clear()
         try:
             model_id, sampler_id = await _model_and_sampler(backend)
             task = asyncio.ensure_future(
                 backend.sample(sampler_id, 1, prompt=PROMPT, num_samples=4, sampling_params=params)
             )
-            while not backend._scheduler.rows_per_step:  # the request is decoding
-                await asyncio.sleep(0.005)
+            await asyncio.get_running_loop().run_in_executor(None, decoding.wait, DEADLOCK_GUARD_S)
             if evict:
                 await backend.save_weights_for_sampler(model_id, 2, sampling_session_seq_id=1)
+            evicted_now.set()
             res = await task
             return res, [k for k in backend.models._samplers]
         finally:

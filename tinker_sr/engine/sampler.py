@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from tinker_sr.engine.batching import decode_step
-from tinker_sr.engine.model import Transformer, _stable_seed
+from tinker_sr.engine.model import KVCache, Transformer, _stable_seed
 from tinker_sr.engine.stops import StopStrings
 from tinker_sr.user_errors import EngineUserError
 
@@ -232,7 +232,6 @@ class DecodeGroup:
         self.matcher = (
             StopStrings(stop_strings, token_bytes, n) if stop_strings and token_bytes else None
         )
-        self.cache = model.new_cache(n, len(prompt) + max_tokens)
         self.logits = torch.zeros(n, V)
         self.t = 0  # index of the next token to sample
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
@@ -240,9 +239,20 @@ class DecodeGroup:
         self._active = torch.arange(n)
         self._fed = torch.zeros(n, dtype=torch.long)
 
+    cache: KVCache  # allocated by `prefill`
+
     @property
     def rows(self) -> int:
         return int(self.done.shape[0])
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV cache `prefill` allocates: keys and values of every row, layer and
+        position (prompt + max_tokens)."""
+        cfg = self.model.config
+        per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+        size = torch.empty((), dtype=self.model.dtype).element_size()
+        return self.rows * (len(self.prompt) + self.max_tokens) * per_position * size
 
     @property
     def active(self) -> Tensor:
@@ -254,7 +264,9 @@ class DecodeGroup:
 
     @torch.inference_mode()
     def prefill(self) -> None:
-        """Run the prompt once into every row's cache and sample the first token."""
+        """Allocate the KV cache, run the prompt once into every row's cache and sample the
+        first token."""
+        self.cache = self.model.new_cache(self.rows, len(self.prompt) + self.max_tokens)
         last = self.model(torch.tensor([self.prompt]), cache=self.cache)[:, -1]
         self.logits.copy_(last.expand_as(self.logits))
         self._sample()

@@ -2,7 +2,8 @@
 (continuous batching, issue 11 goal 4).
 
 Each loop: admit queued requests in arrival order (check them, compute their prompt extras,
-prefill; FIFO, while the active rows stay within ``max_rows``), then one decode step per
+prefill; FIFO, while the active rows stay within ``max_rows`` and their KV caches within
+``$TINKER_SR_DECODE_CACHE_MB``), then one decode step per
 model for all active requests of that model (`engine.batching.decode_step`: rows of many
 requests in one step), then retire finished requests (record, respond). A row that stops
 leaves the batch at the next step; a new request joins at the next step after its prefill.
@@ -29,6 +30,9 @@ from tinker_sr.engine.batching import decode_step
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
 
 MAX_ROWS_ENV, DEFAULT_MAX_ROWS = "TINKER_SR_MAX_DECODE_ROWS", 256
+# KV caches of the requests decoding together: a request without max_tokens reserves 4096
+# positions per row, and decoding requests together multiplies that memory.
+CACHE_BUDGET_ENV, DEFAULT_CACHE_MB = "TINKER_SR_DECODE_CACHE_MB", 2048
 STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
 
 Finish = Callable[[list[SampleOutput]], Any]
@@ -37,14 +41,24 @@ Finish = Callable[[list[SampleOutput]], Any]
 Begin = Callable[[], tuple[DecodeGroup, Finish] | None]
 
 
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
+    return int(raw)
+
+
 def max_decode_rows() -> int:
     """``$TINKER_SR_MAX_DECODE_ROWS`` (default 256): rows decoding at once; more queue."""
-    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_ROWS
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{MAX_ROWS_ENV} must be a positive integer, got {raw!r}")
-    return int(raw)
+    return _env_int(MAX_ROWS_ENV, DEFAULT_MAX_ROWS, 1)
+
+
+def decode_cache_budget() -> int:
+    """``$TINKER_SR_DECODE_CACHE_MB`` (default 2048) in bytes: the KV caches of requests
+    decoding together; a request that would exceed it waits (0: one request at a time)."""
+    return _env_int(CACHE_BUDGET_ENV, DEFAULT_CACHE_MB, 0) << 20
 
 
 @dataclass
@@ -69,10 +83,13 @@ class DecodeScheduler:
         """``threads``: torch intra-op threads of the sampling thread; ``max_rows``: rows
         decoding at once (default `max_decode_rows`)."""
         self.max_rows = max_decode_rows() if max_rows is None else max_rows
+        self.cache_budget = decode_cache_budget()
         self.threads = threads
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._active: list[_Active] = []
+        # Checked requests waiting for KV-cache room, in arrival order, ahead of the queue.
+        self._ready: deque[_Active] = deque()
         self._closing = False
         # Rows decoded by each step, newest last (for tests and benchmarks).
         self.rows_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
@@ -113,11 +130,12 @@ class DecodeScheduler:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._queue or self._active or self._closing):
+                    while not (self._queue or self._active or self._ready or self._closing):
                         self._cond.wait()
-                    if self._closing and not (self._queue or self._active):
+                    if self._closing and not (self._queue or self._active or self._ready):
                         return
-                    admitted = self._admissible()
+                    admitted = [] if self._ready else self._admissible()
+                self._admit_ready()
                 for job in admitted:
                     self._start(job)
                 self._step()
@@ -141,17 +159,33 @@ class DecodeScheduler:
         return out
 
     def _start(self, job: _Job) -> None:
+        """Check the request (`Begin`), then decode it as soon as its KV cache fits."""
         try:
             begun = job.begin()
-            if begun is None:
-                job.future.set_result(None)
-                return
-            group, finish = begun
-            group.prefill()
         except Exception as e:  # the request's own error, reported to its caller
             job.future.set_exception(e)
             return
-        self._active.append(_Active(group, finish, job.future))
+        if begun is None:
+            job.future.set_result(None)
+            return
+        self._ready.append(_Active(*begun, job.future))
+        self._admit_ready()
+
+    def _admit_ready(self) -> None:
+        """Prefill waiting requests in order while their KV caches fit the budget (one
+        request always fits when nothing decodes)."""
+        while self._ready:
+            a = self._ready[0]
+            used = sum(b.group.cache_bytes for b in self._active)
+            if self._active and used + a.group.cache_bytes > self.cache_budget:
+                return
+            self._ready.popleft()
+            try:
+                a.group.prefill()
+            except Exception as e:
+                a.future.set_exception(e)
+                continue
+            self._active.append(a)
 
     def _step(self) -> None:
         """One decode step per model over its active requests, then retire finished ones."""
