@@ -12,6 +12,8 @@ BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,
 * sample: 8 samples x 128 new tokens from one 32-token prompt, logprobs on (tinker_sr:
   `SamplingClient.sample`; HF: `generate(do_sample=True, num_return_sequences=8)` with the
   scores turned into logprobs).
+* train-prompt: the fp32 step with no loss on the first half of every sequence (a prompt:
+  zero weights for tinker_sr, label -100 for HF), the shape of an RL or SFT batch.
 * train-bf16 (only where the CPU has fast bf16, AMX / avx512_bf16): the same step with
   bf16 matmuls and fp32 master weights: HF under ``torch.autocast("cpu", bfloat16)``,
   tinker_sr with ``TINKER_SR_TRAIN_DTYPE=bf16``.
@@ -97,7 +99,9 @@ def _batch(batch: int, seq: int) -> Any:
     return torch.randint(0, 32000, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
 
-def engine_train(model_dir: str, batch: int, seq: int, reps: int) -> dict[str, float]:
+def engine_train(
+    model_dir: str, batch: int, seq: int, reps: int, prompt: int = 0
+) -> dict[str, float]:
     import tinker_sr as tinker
 
     types = tinker.types
@@ -105,7 +109,10 @@ def engine_train(model_dir: str, batch: int, seq: int, reps: int) -> dict[str, f
     data = [
         types.Datum(
             model_input=types.ModelInput.from_ints(row[:-1]),
-            loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * seq},
+            loss_fn_inputs={
+                "target_tokens": row[1:],
+                "weights": [0.0] * prompt + [1.0] * (seq - prompt),
+            },
         )
         for row in tokens
     ]
@@ -133,17 +140,21 @@ def hf_model(model_dir: str) -> Any:
     return get_peft_model(model, cfg)
 
 
-def hf_train(model_dir: str, batch: int, seq: int, reps: int, bf16: bool) -> dict[str, float]:
+def hf_train(
+    model_dir: str, batch: int, seq: int, reps: int, bf16: bool, prompt: int = 0
+) -> dict[str, float]:
     import torch
 
     model = hf_model(model_dir)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     tokens = _batch(batch, seq)
+    labels = tokens[:, :-1].clone()
+    labels[:, : prompt + 1] = -100  # HF shifts: label i is the target of position i - 1
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+            loss = model(input_ids=tokens[:, :-1], labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -215,12 +226,13 @@ def child(side: str, work: str, model_dir: str, batch: int, seq: int, reps: int)
     import torch
 
     torch.manual_seed(0)
+    prompt = seq // 2 if work == "train-prompt" else 0  # no loss on the first half
     if work == "sample":
         result = engine_sample(model_dir, reps) if side == "engine" else hf_sample(model_dir, reps)
     elif side == "engine":
-        result = engine_train(model_dir, batch, seq, reps)
+        result = engine_train(model_dir, batch, seq, reps, prompt)
     else:
-        result = hf_train(model_dir, batch, seq, reps, bf16=work == "train-bf16")
+        result = hf_train(model_dir, batch, seq, reps, work == "train-bf16", prompt)
     print(json.dumps(result))
 
 
@@ -282,7 +294,7 @@ def _report(
     n_params: int,
 ) -> None:
     print()
-    tokens = {"train": args.batch * args.seq, "train-bf16": args.batch * args.seq}
+    tokens = {w: args.batch * args.seq for w in ("train", "train-prompt", "train-bf16")}
     for work, rounds in results.items():
         n_tok = tokens.get(work, 8 * 128)
         ratios = [h["seconds"] / e["seconds"] for e, h in rounds]
