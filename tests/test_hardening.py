@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,11 +245,17 @@ def test_14_malformed_datum_fields_are_typed_errors(
 def test_15_failing_custom_loss_consumes_its_reserved_numbers(local: tinker.ServiceClient) -> None:
     tc = local.create_lora_training_client("tinker-sr/tiny", rank=4).result()
 
+    queued_behind = threading.Event()
+
     def broken(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
+        # Fail only once optim_step is queued behind this call: failing earlier poisons the
+        # client before optim_step is called, which then raises at the call instead.
+        queued_behind.wait(timeout=120)
         raise ZeroDivisionError("user bug")
 
     fb = tc.forward_backward_custom([DATUM], broken)
     queued = tc.optim_step(types.AdamParams(learning_rate=0.1))  # queued behind the custom loss
+    queued_behind.set()
     with pytest.raises(ZeroDivisionError):
         fb.result(timeout=120)
     with pytest.raises(RuntimeError, match="poisoned"):
