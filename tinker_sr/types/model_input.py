@@ -6,7 +6,7 @@ import base64
 from collections.abc import Sequence
 from typing import Annotated, Literal, TypeAlias
 
-from pydantic import Discriminator, Tag, field_serializer, field_validator
+from pydantic import BeforeValidator, Discriminator, PlainSerializer, Tag
 
 from ._base import StrictBase
 
@@ -25,6 +25,16 @@ def _b64_to_bytes(value: object) -> object:
     return base64.b64decode(value) if isinstance(value, str) else value
 
 
+def _bytes_to_b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+# Bytes on the model, base64 text when dumped (a base64 string is accepted on input).
+Base64Bytes: TypeAlias = Annotated[
+    bytes, BeforeValidator(_b64_to_bytes), PlainSerializer(_bytes_to_b64)
+]
+
+
 class EncodedTextChunk(StrictBase):
     tokens: Sequence[int]
     """Token ids."""
@@ -37,7 +47,7 @@ class EncodedTextChunk(StrictBase):
 
 
 class ImageChunk(StrictBase):
-    data: bytes
+    data: Base64Bytes
     """Encoded image bytes (a base64 string is accepted and decoded)."""
 
     format: Literal["png", "jpeg"]
@@ -46,15 +56,6 @@ class ImageChunk(StrictBase):
     """Advisory token count; the server recomputes it and may fail fast on a mismatch."""
 
     type: Literal["image"] = "image"
-
-    @field_validator("data", mode="before")
-    @classmethod
-    def _decode_data(cls, value: object) -> object:
-        return _b64_to_bytes(value)
-
-    @field_serializer("data")
-    def _encode_data(self, value: bytes) -> str:
-        return base64.b64encode(value).decode("ascii")
 
     @property
     def length(self) -> int:
@@ -123,19 +124,10 @@ def tensor_container_shape(data: bytes) -> tuple[int, ...]:
 
 
 class DmelChunk(StrictBase):
-    dmel: bytes
+    dmel: Base64Bytes
     """Serialized TensorContainer holding the DMel token tensor (base64 string accepted)."""
 
     type: Literal["dmel"] = "dmel"
-
-    @field_validator("dmel", mode="before")
-    @classmethod
-    def _decode_dmel(cls, value: object) -> object:
-        return _b64_to_bytes(value)
-
-    @field_serializer("dmel")
-    def _encode_dmel(self, value: bytes) -> str:
-        return base64.b64encode(value).decode("ascii")
 
     @property
     def length(self) -> int:
