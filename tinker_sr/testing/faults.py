@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from tinker_sr.errors import RequestFailedError
 from tinker_sr.types import RequestErrorCategory
@@ -30,6 +30,9 @@ def request_failed(message: str = "injected failure", *, user: bool = False) -> 
     )
 
 
+F = TypeVar("F")
+
+
 @dataclass
 class Fault:
     method: str
@@ -40,19 +43,31 @@ class Fault:
     fired: int = 0
 
 
-class FaultyBackend:
-    """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
+class FaultTable(Generic[F]):
+    """Faults to inject and per-name call counters, thread-safe: the common part of
+    `FaultyBackend` (faults per Backend method) and `testing.wire.FaultPlan` (per endpoint)."""
 
-    def __init__(self, inner: Any, faults: Sequence[Fault] = ()) -> None:
-        self.inner = inner
+    def __init__(self, faults: Sequence[F] = ()) -> None:
         self.faults = list(faults)
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, fault: Fault) -> Fault:
+    def add(self, fault: F) -> F:
         with self._lock:
             self.faults.append(fault)
         return fault
+
+    def clear(self) -> None:
+        with self._lock:
+            self.faults.clear()
+
+
+class FaultyBackend(FaultTable[Fault]):
+    """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
+
+    def __init__(self, inner: Any, faults: Sequence[Fault] = ()) -> None:
+        super().__init__(faults)
+        self.inner = inner
 
     def _due(self, method: str) -> Fault | None:
         with self._lock:

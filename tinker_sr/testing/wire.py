@@ -19,10 +19,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from tinker_sr.testing.faults import FaultTable
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -129,22 +131,8 @@ def sequence_expired(endpoint: str = "forward_backward", **match: Any) -> WireFa
     return WireFault(endpoint, "expire_sequence", **match)
 
 
-class FaultPlan:
+class FaultPlan(FaultTable[WireFault]):
     """The faults of one mock or server, with per-endpoint call counters (thread-safe)."""
-
-    def __init__(self, faults: Sequence[WireFault] = ()) -> None:
-        self.faults = list(faults)
-        self.calls: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def add(self, fault: WireFault) -> WireFault:
-        with self._lock:
-            self.faults.append(fault)
-        return fault
-
-    def clear(self) -> None:
-        with self._lock:
-            self.faults.clear()
 
     def next_call(
         self, endpoint: str, request_type: str | None = None
