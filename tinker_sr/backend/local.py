@@ -10,10 +10,10 @@ the sampling worker (`engine.scheduler`: every in-flight sample request decodes 
 continuous batching), so an asynchronous RL loop's sampling does not wait behind training
 steps and vice versa. Every result is deterministic: a sampler decodes an immutable snapshot
 of its weights, the registry is locked, and a request's samples are bit-identical whatever
-else decodes beside it. Training requests of one model execute strictly in ``seq_id`` order, whatever order
-they arrive in. A request that fails
-validation raises before anything is mutated: weights, optimizer state, gradients,
-checkpoints and recorded sequences stay as they were.
+else decodes beside it. Training requests of one model execute strictly in ``seq_id`` order,
+whatever order they arrive in. A request that fails validation raises before anything is
+mutated: weights, optimizer state, gradients, checkpoints and recorded sequences stay as they
+were.
 
 Off-policy stress for studies (spec: issue 5): ``sampler_dtype="bfloat16"`` makes every
 sampler compute in bfloat16 while the learner stays in float32, and
