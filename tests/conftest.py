@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +50,35 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 def service(backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A `tinker_sr.ServiceClient` on the embedded engine or on a real local server."""
     import tinker_sr as tinker
-    from tinker_sr.backend.local import LocalBackend
 
     if backend_kind == "local":
-        backend = LocalBackend(tmp_path / "store")
-        client = tinker.ServiceClient(backend=backend)
-        yield client
-        client.close().result()
-        backend.close()
+        with embedded_client(tmp_path) as client:
+            yield client
     else:
         srv = request.getfixturevalue("remote_server")
         client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-test")
         yield client
         client.close().result()
+
+
+@contextmanager
+def embedded_client(tmp_path: Path) -> Iterator[Any]:
+    """A `tinker_sr.ServiceClient` on a fresh embedded engine (store under ``tmp_path``),
+    closed with its backend afterwards."""
+    import tinker_sr as tinker
+    from tinker_sr.backend.local import LocalBackend
+
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker.ServiceClient(backend=backend)
+    try:
+        yield client
+    finally:
+        client.close().result()
+        backend.close()
+
+
+@pytest.fixture
+def embedded_service(tmp_path: Path) -> Iterator[Any]:
+    """A `tinker_sr.ServiceClient` on the embedded engine only (see `service` for both)."""
+    with embedded_client(tmp_path) as client:
+        yield client

@@ -65,15 +65,6 @@ def sampler_id(wire: Wire, session_id: str) -> str:
     return str(wire.ok("create_sampling_session", body)["sampling_session_id"])
 
 
-@pytest.fixture
-def local(tmp_path: Path) -> Iterator[tinker.ServiceClient]:
-    backend = LocalBackend(tmp_path / "store")
-    client = tinker.ServiceClient(backend=backend)
-    yield client
-    client.close().result()
-    backend.close()
-
-
 _SAMPLE_SEQ = itertools.count()
 
 
@@ -176,9 +167,9 @@ def test_06_int64_tensor_data_refuses_values_it_cannot_hold() -> None:
     ("temperature", "top_p"), [(1e-300, 1.0), (1e-45, 1.0), (5e-324, 1.0), (1.0, 1e-300)]
 )
 def test_08_tiny_temperature_or_top_p_samples_greedily_never_nan(
-    local: tinker.ServiceClient, temperature: float, top_p: float
+    embedded_service: tinker.ServiceClient, temperature: float, top_p: float
 ) -> None:
-    sc = local.create_sampling_client(base_model="tinker-sr/tiny").result()
+    sc = embedded_service.create_sampling_client(base_model="tinker-sr/tiny").result()
     prompt = types.ModelInput.from_ints([1, 2, 3])
     greedy = sc.sample(prompt, 2, types.SamplingParams(max_tokens=6, temperature=0)).result()
     params = types.SamplingParams(max_tokens=6, temperature=temperature, top_p=top_p, seed=3)
@@ -242,8 +233,10 @@ def test_14_malformed_datum_fields_are_typed_errors(
 # ---- 15. forward_backward_custom deadlock --------------------------------------------------
 
 
-def test_15_failing_custom_loss_consumes_its_reserved_numbers(local: tinker.ServiceClient) -> None:
-    tc = local.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+def test_15_failing_custom_loss_consumes_its_reserved_numbers(
+    embedded_service: tinker.ServiceClient,
+) -> None:
+    tc = embedded_service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
 
     queued_behind = threading.Event()
 
@@ -260,7 +253,7 @@ def test_15_failing_custom_loss_consumes_its_reserved_numbers(local: tinker.Serv
         fb.result(timeout=120)
     with pytest.raises(RuntimeError, match="poisoned"):
         queued.result(timeout=120)  # before the fix: waited forever for seq_id 2
-    backend = local.holder.backend
+    backend = embedded_service.holder.backend
     assert isinstance(backend, LocalBackend)
     # Only the forward took a number (1, done): the backend waits for nothing.
     order = backend._ordering._orders[tc.model_id]
@@ -356,14 +349,14 @@ def test_09_a_non_finite_gradient_refused_by_optim_step_is_discarded() -> None:
 
 
 def test_04_huge_sparse_target_prompt_logprobs_is_refused_before_allocating(
-    wire: Wire, sampler_id: str, local: tinker.ServiceClient
+    wire: Wire, sampler_id: str, embedded_service: tinker.ServiceClient
 ) -> None:
     for cols in (10**13, 10**9):
         tpl = {"data": [], "dtype": "int64", "shape": [2, cols]}
         tpl |= {"sparse_crow_indices": [0, 0, 0], "sparse_col_indices": []}
         resp = wire.post("asample", sample_body(sampler_id, target_prompt_logprobs=tpl))
         wire_refused(wire, resp, "target_prompt_logprobs", "1 <= K <= 259")
-    sc = local.create_sampling_client(base_model=MODEL).result()
+    sc = embedded_service.create_sampling_client(base_model=MODEL).result()
     sparse = types.TensorData(
         data=[], dtype="int64", shape=[2, 10**13], sparse_crow_indices=[0, 0, 0],
         sparse_col_indices=[],
@@ -497,7 +490,7 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
 
 
 def test_14_embedded_zero_size_and_malformed_sparse_targets_are_user_errors(
-    local: tinker.ServiceClient,
+    embedded_service: tinker.ServiceClient,
 ) -> None:
     empty = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
@@ -508,21 +501,23 @@ def test_14_embedded_zero_size_and_malformed_sparse_targets_are_user_errors(
     )
     csr = types.Datum(model_input=DATUM.model_input, loss_fn_inputs={"target_tokens": broken})
     assert_twin_unaffected(
-        local, lambda tc: tc.forward_backward([empty], "cross_entropy").result(), "[4, 0]"
+        embedded_service,
+        lambda tc: tc.forward_backward([empty], "cross_entropy").result(),
+        "[4, 0]",
     )
     assert_twin_unaffected(
-        local, lambda tc: tc.forward_backward([csr], "cross_entropy").result(), "CSR"
+        embedded_service, lambda tc: tc.forward_backward([csr], "cross_entropy").result(), "CSR"
     )
 
 
 @pytest.mark.parametrize("data", [None, [None], {"a": 1}, [DATUM, "x"]])
 def test_14_embedded_malformed_data_is_a_typed_error(
-    local: tinker.ServiceClient, data: Any
+    embedded_service: tinker.ServiceClient, data: Any
 ) -> None:
     def bad(tc: Any) -> None:
         tc.forward_backward(data, "cross_entropy").result()
 
-    assert_twin_unaffected(local, bad)
+    assert_twin_unaffected(embedded_service, bad)
 
 
 @pytest.mark.parametrize(
@@ -535,9 +530,9 @@ def test_14_embedded_malformed_data_is_a_typed_error(
     ],
 )
 def test_14_embedded_sample_arguments_are_checked_like_the_sdk(
-    local: tinker.ServiceClient, args: tuple[Any, ...], needle: str | None
+    embedded_service: tinker.ServiceClient, args: tuple[Any, ...], needle: str | None
 ) -> None:
-    sc = local.create_sampling_client(base_model=MODEL).result()
+    sc = embedded_service.create_sampling_client(base_model=MODEL).result()
     if needle is None:
         assert sc.sample(*args).result().sequences
     else:

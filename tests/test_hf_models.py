@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +39,6 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     # huggingface_hub reads the variable once, at import: set its constant too.
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[tinker_sr.ServiceClient]:
-    backend = LocalBackend(tmp_path / "store")
-    client = tinker_sr.ServiceClient(backend=backend)
-    yield client
-    client.close().result()
-    backend.close()
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -166,9 +156,9 @@ def _sample(sampler: tinker_sr.SamplingClient, stop: object, seed: int, n: int =
     return list(sampler.sample(prompt, n, params).result().sequences)
 
 
-def test_rows_stop_on_the_models_eos_not_the_byte_one(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_rows_stop_on_the_models_eos_not_the_byte_one(embedded_service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
     eos = set(tiny_model_info(qwen_dir).eos_token_ids)
-    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    sampler = embedded_service.create_sampling_client(base_model=str(qwen_dir)).result()
     for seed in range(20):  # find a seed where some row samples an EOS id (no stops at all)
         free = _sample(sampler, [], seed)
         if any(eos & set(s.tokens) for s in free):
@@ -184,9 +174,9 @@ def test_rows_stop_on_the_models_eos_not_the_byte_one(service, qwen_dir: Path) -
             assert s.tokens == f.tokens[: first + 1] and s.stop_reason == "stop"
 
 
-def test_string_stops_with_the_bpe_tokenizer(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_string_stops_with_the_bpe_tokenizer(embedded_service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
     eos = set(tiny_model_info(qwen_dir).eos_token_ids)
-    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    sampler = embedded_service.create_sampling_client(base_model=str(qwen_dir)).result()
     tok = sampler.get_tokenizer()
     free = _sample(sampler, [], seed=5, n=4)
     assert any(t >= 259 for s in free for t in s.tokens)  # ids the byte tokenizer lacks
@@ -213,8 +203,10 @@ def test_string_stops_with_the_bpe_tokenizer(service, qwen_dir: Path) -> None:  
     assert text in tok.decode(stopped[r].tokens)
 
 
-def test_embedded_get_tokenizer_and_info(service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    training = service.create_lora_training_client(base_model=str(qwen_dir), rank=2).result()
+def test_embedded_get_tokenizer_and_info(embedded_service, qwen_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    training = embedded_service.create_lora_training_client(
+        base_model=str(qwen_dir), rank=2
+    ).result()
     assert training.get_info().model_data.tokenizer_id == str(qwen_dir)
     tok = training.get_tokenizer()
     assert not isinstance(tok, ByteTokenizer)
@@ -224,7 +216,7 @@ def test_embedded_get_tokenizer_and_info(service, qwen_dir: Path) -> None:  # ty
     sampler = training.save_weights_and_get_sampling_client().result()
     assert sampler.get_tokenizer().eos_token_id == tok.eos_token_id
     # A built-in model still gets the byte tokenizer.
-    builtin = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+    builtin = embedded_service.create_sampling_client(base_model="tinker-sr/tiny").result()
     assert isinstance(builtin.get_tokenizer(), ByteTokenizer)
 
 
@@ -284,10 +276,10 @@ def test_without_transformers_get_tokenizer_uses_the_tokenizers_library(
 
 
 def test_max_tokens_none_generates_up_to_the_cap(
-    service, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+    embedded_service, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("TINKER_SR_DEFAULT_MAX_TOKENS", "8")
-    sampler = service.create_sampling_client(base_model=str(qwen_dir)).result()
+    sampler = embedded_service.create_sampling_client(base_model=str(qwen_dir)).result()
     allocated: list[int] = []
     model_cls = type(sampler.holder.backend.models.base(str(qwen_dir)))
     new_cache = model_cls.new_cache
