@@ -17,6 +17,7 @@ import pytest
 from tests._server import ServerProcess, running_server
 from tinker_sr import errors, types
 from tinker_sr.backend.remote import RemoteBackend
+from tinker_sr.provenance import build_datum
 from tinker_sr.wire import proto
 
 MODEL = "tinker-sr/tiny"
@@ -57,24 +58,7 @@ async def _training_script(backend: Any) -> dict[str, Any]:
     out["samples"] = [s.tokens for s in sample.sequences]
     out["prompt_logprobs"] = sample.prompt_logprobs
     seq = sample.sequences[0]
-    full = [1, 2, 3, *seq.tokens]
-    rl = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0, 0.0, *(seq.logprobs or [])],
-            "advantages": [0.0, 0.0] + [1.0] * len(seq.tokens),
-        },
-    ).with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=3),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=2),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
+    rl = build_datum([1, 2, 3], seq, 1.0)
     rl_out = await backend.forward_backward(model, 4, [rl], "stable_reinforce", {"kl_coeff": 0.01})
     out["rl_loss"] = rl_out.metrics["loss:sum"]
     state = await backend.save_state(model, 5, "st")

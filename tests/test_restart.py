@@ -12,6 +12,7 @@ import pytest
 from tests._server import ServerProcess
 from tinker_sr import errors, types
 from tinker_sr.backend.remote import RemoteBackend
+from tinker_sr.provenance import build_datum
 from tinker_sr.wire import proto
 
 MODEL = "tinker-sr/tiny"
@@ -20,27 +21,6 @@ PROBE = types.Datum(
     model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
     loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},
 )
-
-
-def _rl_datum(seq: types.SampledSequence) -> types.Datum:
-    full = PROMPT + list(seq.tokens)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0, 0.0, *(seq.logprobs or [])],
-            "advantages": [0.0, 0.0] + [1.0] * len(seq.tokens),
-        },
-    ).with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=2),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
 
 
 async def _before_crash(url: str) -> dict[str, Any]:
@@ -112,7 +92,9 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
     probe = await backend.forward_backward(resumed, 1, [PROBE], "cross_entropy", forward_only=True)
     assert probe.loss_fn_outputs[0]["logprobs"].tolist() == before["probe"]
     # The sequence recorded before the crash still backs provenance spans.
-    out = await backend.forward_backward(resumed, 2, [_rl_datum(before["seq"])], "stable_reinforce")
+    out = await backend.forward_backward(
+        resumed, 2, [build_datum(PROMPT, before["seq"], 1.0)], "stable_reinforce"
+    )
     assert "loss:sum" in out.metrics
     # Named sampler weights still sample.
     sampler = await backend.create_sampling_session(session, 7, model_path=before["named"])

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tinker_sr.provenance import build_datum
 from tinker_sr.testing import (
     MockTinker,
     WireFault,
@@ -173,25 +174,7 @@ def test_an_expired_recorded_sequence_fails_the_training_request(
 ) -> None:
     types = clients.tinker.types
     seq = _sample(clients).sequences[0]
-    full = PROMPT + list(seq.tokens)
-    n = len(PROMPT) - 1
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0] * n + list(seq.logprobs),
-            "advantages": [0.0] * n + [1.0] * len(seq.tokens),
-        },
-    ).with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
+    datum = build_datum(PROMPT, seq, 1.0, types=types)
     mock.add_fault(sequence_expired("forward_backward"))
 
     with pytest.raises(clients.tinker.RequestFailedError, match="expired") as failure:
