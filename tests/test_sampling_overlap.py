@@ -79,6 +79,14 @@ def test_sample_completes_while_a_training_request_of_the_model_runs(
     assert fb_out.loss_fn_outputs
 
 
+# A training datum and optimizer step shared by the out-of-order run and its in-order twin.
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints(list(b"abcdef")),
+    loss_fn_inputs={"target_tokens": list(b"bcdefg"), "weights": [1.0] * 6},
+)
+ADAM = types.AdamParams(learning_rate=5e-2)
+
+
 def test_training_keeps_seq_id_order_while_sampling(tmp_path: Path) -> None:
     """Training requests submitted out of order, interleaved with samples, run by seq_id."""
 
@@ -86,19 +94,14 @@ def test_training_keeps_seq_id_order_while_sampling(tmp_path: Path) -> None:
         backend = LocalBackend(tmp_path)
         try:
             model_id, sampler_id = await _model_and_sampler(backend)
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints(list(b"abcdef")),
-                loss_fn_inputs={"target_tokens": list(b"bcdefg"), "weights": [1.0] * 6},
-            )
-            adam = types.AdamParams(learning_rate=5e-2)
             calls = [
-                backend.optim_step(model_id, 5, adam),
+                backend.optim_step(model_id, 5, ADAM),
                 backend.sample(sampler_id, 1, prompt=PROMPT, num_samples=2, sampling_params=PARAMS),
-                backend.forward_backward(model_id, 4, [datum], "cross_entropy"),
-                backend.optim_step(model_id, 3, adam),
+                backend.forward_backward(model_id, 4, [DATUM], "cross_entropy"),
+                backend.optim_step(model_id, 3, ADAM),
                 backend.sample(sampler_id, 2, prompt=PROMPT, num_samples=1, sampling_params=PARAMS),
-                backend.forward_backward(model_id, 2, [datum], "cross_entropy"),
-                backend.forward_backward(model_id, 6, [datum], "cross_entropy", forward_only=True),
+                backend.forward_backward(model_id, 2, [DATUM], "cross_entropy"),
+                backend.forward_backward(model_id, 6, [DATUM], "cross_entropy", forward_only=True),
             ]
             out = await asyncio.gather(*calls)
             return [float(out[i].metrics["loss:sum"]) for i in (5, 2, 6)]
@@ -109,18 +112,13 @@ def test_training_keeps_seq_id_order_while_sampling(tmp_path: Path) -> None:
         backend = LocalBackend(tmp_path / "ref")
         try:
             model_id, _ = await _model_and_sampler(backend)
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints(list(b"abcdef")),
-                loss_fn_inputs={"target_tokens": list(b"bcdefg"), "weights": [1.0] * 6},
-            )
-            adam = types.AdamParams(learning_rate=5e-2)
             losses = []
             for seq in (2, 3, 4, 5, 6):
                 if seq % 2:
-                    await backend.optim_step(model_id, seq, adam)
+                    await backend.optim_step(model_id, seq, ADAM)
                 else:
                     fb = await backend.forward_backward(
-                        model_id, seq, [datum], "cross_entropy", forward_only=seq == 6
+                        model_id, seq, [DATUM], "cross_entropy", forward_only=seq == 6
                     )
                     losses.append(float(fb.metrics["loss:sum"]))
             return losses
