@@ -50,7 +50,7 @@ def test_merged_groups_match_the_per_layer_adapters(
     ref = _grads(False, tokens, dtype, monkeypatch)
     assert not calls
     got = _grads(True, tokens, dtype, monkeypatch)
-    assert len(calls) == 3 * 2  # groups q/k/v, o and gate/up in each of 2 layers (down: mlp_down)
+    assert len(calls) == 3 * 2  # groups q/k/v, o and gate/up in each of 2 layers (down: swiglu_mlp)
     for a, b in zip(got, ref, strict=True):
         if dtype == torch.float64:
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
@@ -93,22 +93,117 @@ def test_swiglu_gradients_equal_autograd_bit_for_bit() -> None:
         assert torch.equal(a, b)
 
 
-def test_mlp_down_matches_swiglu_then_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused SwiGLU + merged down projection (recomputing its input in backward)."""
-    model = _model(dtype=torch.float64)
-    down = model.get_submodule("model.layers.0.mlp.down_proj")
-    gen = torch.Generator().manual_seed(5)
-    gate, up, dy = (torch.randn(64, 256, generator=gen, dtype=torch.float64) for _ in range(3))
-    dy = dy[:, :64]
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_swiglu_mlp_matches_the_per_layer_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gate/up as one unsplit merged GEMM into the SwiGLU + down node (which recomputes its
+    input in backward and writes both halves of its gradient into one buffer)."""
+    model = _model(dtype=dtype)
+    mlp = model.get_submodule("model.layers.0.mlp")
+    x0 = torch.randn(4, 64, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(4, 64, mlp.down_proj.out_features, generator=torch.Generator().manual_seed(6))
+    calls: list[int] = []
+    original = fused._SwiGLUDown.apply
+    monkeypatch.setattr(fused._SwiGLUDown, "apply", lambda *a: calls.append(1) or original(*a))
     results = []
     for enabled in (False, True):
         monkeypatch.setattr(fused, "ENABLED", enabled)
-        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
-        out = fused.mlp_down(g, u, down)
-        wrt = [g, u, down.lora_A.weight, down.lora_B.weight]
-        results.append([out, *torch.autograd.grad(out, wrt, dy)])
+        x = x0.to(dtype).requires_grad_()
+        out = fused.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        wrt = [x] + [p for _, p in trainable_parameters(mlp)]
+        results.append([out, *torch.autograd.grad(out, wrt, dy.to(dtype))])
+    assert calls == [1]  # the fused node ran, once
     for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+        else:
+            assert float((a - b).detach().norm() / b.detach().norm()) < 1e-5
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama/Qwen3's RMSNorm, op by op."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),  # a bf16 model
+        (torch.bfloat16, torch.float32),  # q/k norms under bf16 autocast
+        (torch.float64, torch.float64),
+    ],
+)
+def test_rms_norm_forward_is_hf_bit_for_bit_and_backward_matches_autograd(
+    x_dtype: torch.dtype, w_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x0 = (torch.randn(3, 5, 64, generator=gen) * 3).to(x_dtype)
+    w0 = (1 + torch.randn(64, generator=gen) * 0.1).to(w_dtype)
+    g = torch.randn(3, 5, 64, generator=gen).to(torch.result_type(x0, w0))
+    got, ref = [], []
+    for fn, out in ((fused.rms_norm, got), (_hf_rms_norm, ref)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w, 1e-6)
+        out += [y.detach(), *torch.autograd.grad(y, (x, w), g)]
+    assert got[0].dtype == ref[0].dtype and torch.equal(got[0], ref[0])
+    with torch.no_grad():  # the no-grad path (sampling) computes the same values
+        assert torch.equal(fused.rms_norm(x0, w0, 1e-6), ref[0])
+    # HF normalises in float32 whatever the input dtype (float64 too): float32 tolerances.
+    tol = 2e-2 if x_dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_rms_norm_gradcheck() -> None:
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    # The normalisation runs in float32 (as HF's does): float32-sized finite differences.
+    assert torch.autograd.gradcheck(
+        lambda a, b: fused.rms_norm(a, b, 1e-5), (x, w), eps=1e-3, atol=1e-3, rtol=1e-3
+    )
+
+
+def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "angle_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # q/k from a bf16 autocast GEMM, fp32 angles
+        (torch.float64, torch.float64),
+    ],
+)
+def test_rope_forward_is_rotate_half_bit_for_bit_and_backward_matches_autograd(
+    x_dtype: torch.dtype, angle_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(9)
+    freqs = torch.outer(torch.arange(7.0), torch.rand(16, generator=gen))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(angle_dtype), emb.sin().to(angle_dtype)
+    # [B, T, H, D] transposed to [B, H, T, D], as attention hands it over (a strided view)
+    x0 = torch.randn(2, 7, 3, 32, generator=gen).to(x_dtype).transpose(1, 2)
+    g = torch.randn(2, 3, 7, 32, generator=gen).to(torch.result_type(x0, cos))
+    got, ref = [], []
+    for fn, out in ((fused.rope, got), (_hf_rope, ref)):
+        x = x0.detach().clone().requires_grad_()
+        y = fn(x, cos, sin)
+        out += [y.detach(), *torch.autograd.grad(y, (x,), g)]
+    assert got[0].dtype == ref[0].dtype and torch.equal(got[0], ref[0])
+    with torch.no_grad():
+        assert torch.equal(fused.rope(x0, cos, sin), ref[0])
+    assert got[1].dtype == ref[1].dtype == x_dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(x_dtype, 1e-2)
+    torch.testing.assert_close(got[1], ref[1], atol=tol, rtol=tol)
 
 
 def test_frozen_cast_is_kept_until_the_weight_changes() -> None:

@@ -42,7 +42,7 @@ from tinker_sr import types, validation
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
-from tinker_sr.engine.cpu import default_torch_threads
+from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.model import BUILTIN_CONFIGS
@@ -108,6 +108,7 @@ class LocalBackend:
         ``device``: ``cpu`` (default), ``cuda`` or ``auto`` (`tinker_sr.engine.device`;
         default ``$TINKER_SR_DEVICE``); ``cuda`` without a usable GPU is a ValueError."""
         engine_device = resolve_device(device, what="LocalBackend(device=...)")
+        tune_allocator()  # before the engine's threads exist; $TINKER_SR_MALLOC_TUNING=0: off
         self.limits = limits if limits is not None else DEFAULT_LIMITS
         self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
         self.store_dir.mkdir(parents=True, exist_ok=True)

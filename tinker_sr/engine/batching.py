@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinker_sr.engine.fused import rope as apply_rope
 from tinker_sr.engine.lora import LoraLinear
-from tinker_sr.engine.model import Attention, DecoderLayer, KVCache, Transformer, rotate_half
+from tinker_sr.engine.model import Attention, DecoderLayer, KVCache, Transformer
 
 CHUNK = 8
 FORCE_CHUNKED_ENV = "TINKER_SR_DECODE_CHUNKED"
@@ -168,8 +169,7 @@ def _group_attention(
     n = g.cache.batch_size
     qf, kf, vf = (_all_rows(t, g.active, n) for t in (q, k, v))  # [n, heads, 1, head_dim]
     cos, sin = rope
-    qf = qf * cos + rotate_half(qf) * sin
-    kf = kf * cos + rotate_half(kf) * sin
+    qf, kf = apply_rope(qf, cos, sin), apply_rope(kf, cos, sin)
     keys, values = g.cache.update(layer, g.pos, kf, vf)
     y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
     y = y.reshape(n, -1)

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "available_cpus",
@@ -33,6 +34,7 @@ __all__ = [
     "isa_flags",
     "prefer_passive_waits",
     "return_freed_memory",
+    "tune_allocator",
 ]
 
 THREADS_ENV = "TINKER_SR_TORCH_THREADS"
@@ -144,6 +146,60 @@ def describe_machine() -> str:
         f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
+
+
+ALLOCATOR_ENV = "TINKER_SR_MALLOC_TUNING"
+# glibc mallopt parameters (malloc.h) and the values the engine sets.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
+_ALLOCATOR_SETTINGS = (
+    (_M_ARENA_MAX, 1),  # every thread allocates from the main (sbrk) heap: no 64 MiB arena cap
+    (_M_MMAP_THRESHOLD, 32 << 20),  # glibc's maximum: blocks below it come from the heap
+    (_M_TRIM_THRESHOLD, 1 << 30),  # keep up to 1 GiB of freed heap for the next step
+    (_M_TOP_PAD, 64 << 20),  # grow the heap in 64 MiB steps
+)
+_allocator_tuned: bool | None = None
+
+
+def tune_allocator() -> bool:
+    """Make glibc keep the memory of one training step for the next (returns whether it did).
+
+    A training step allocates and frees ~1-2 GB of activations and gradients. With glibc's
+    defaults every block over its mmap threshold is a fresh ``mmap`` whose pages the kernel
+    faults in and zeroes on first touch, every step (measured on the 16 x 256 benchmark step:
+    ~1.1 GB of page faults, ~0.5 s of system CPU time, ~5 % of the step), and a worker thread's
+    arena cannot hold blocks over 64 MiB at all. One heap, blocks up to 32 MiB from it, and
+    freed memory kept (up to 1 GiB at the top) remove those faults; peak RSS moves by ~3 %.
+    The engine's explicit `return_freed_memory` after releasing sessions and weights still
+    hands everything back. Set ``$TINKER_SR_MALLOC_TUNING=0`` to keep glibc's defaults; a
+    no-op without glibc. Idempotent; call it before the engine's threads start.
+    """
+    global _allocator_tuned
+    if _allocator_tuned is not None:
+        return _allocator_tuned
+    _allocator_tuned = False
+    if os.environ.get(ALLOCATOR_ENV, "1").strip() in ("0", "false", "no", "off"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    _allocator_tuned = all(libc.mallopt(k, v) == 1 for k, v in _ALLOCATOR_SETTINGS)
+    return _allocator_tuned
+
+
+def _glibc() -> Any | None:
+    """The C library when it is glibc (has ``mallopt`` and ``malloc_trim``), else None."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - both exist only in glibc
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def return_freed_memory() -> None:

@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tinker_sr.engine.fused import frozen_cast
 
@@ -185,11 +184,11 @@ class _HeadLogprobs(torch.autograd.Function):
         expected = None if weight is None else torch.zeros_like(h)
         done = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         low = _autocast_weight(head)
+        buffers: dict[torch.dtype, torch.Tensor] = {}
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk]
-                z = head(hc) if low is None else F.linear(hc.to(low.dtype), low)
-                z = z.to(compute_dtype)
+                z = _chunk_logits(head, low, hc, compute_dtype, buffers)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
                 # logsumexp by hand, in place: exp(z - max) is also softmax's numerator
                 # (torch.logsumexp is several times slower than these passes at V ~ 32k).
@@ -221,6 +220,33 @@ class _HeadLogprobs(torch.autograd.Function):
             live &= ~done
         dparams = _recompute_rows(ctx, grad, torch.nonzero(live).squeeze(1), h, cols, lse, dh)
         return (dh, None, None, None, None, None, *dparams)
+
+
+def _chunk_logits(
+    head: torch.nn.Module,
+    low: torch.Tensor | None,
+    hc: torch.Tensor,
+    compute_dtype: torch.dtype,
+    buffers: dict[torch.dtype, torch.Tensor],
+) -> torch.Tensor:
+    """``head(hc)`` in ``compute_dtype``, for a plain head written into one [chunk, V] buffer
+    per dtype that every chunk of the forward reuses: a fresh 64 MiB result per chunk is a
+    fresh mmap whose pages the kernel faults in and zeroes each time (the unembedding GEMM ran
+    at ~80 % of its speed into fresh memory). ``low``: the head's weight cast for autocast."""
+    weight = low
+    if weight is None and type(head) is torch.nn.Linear and head.bias is None:
+        weight = head.weight
+    if weight is None:  # an adapter on the head, or a bias: its own forward
+        return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
+    n = hc.shape[0]
+
+    def buffer(dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in buffers:
+            buffers[dtype] = hc.new_empty((n, weight.shape[0]), dtype=dtype)
+        return buffers[dtype][:n]
+
+    z = torch.mm(hc.to(weight.dtype), weight.t(), out=buffer(weight.dtype))
+    return z if z.dtype == compute_dtype else buffer(compute_dtype).copy_(z)
 
 
 def _autocast_weight(head: torch.nn.Module) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine.cpu import available_memory
-from tinker_sr.engine.fused import linear_group, mlp_down
+from tinker_sr.engine.fused import linear_group, rms_norm, rope, swiglu_mlp
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -140,9 +140,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 and cast back before the gain, as HF Llama/Qwen3 do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -203,8 +201,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
 
         if cache is None or start_pos == 0:
             # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
@@ -230,8 +227,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = linear_group(x, (self.gate_proj, self.up_proj))
-        return mlp_down(gate, up, self.down_proj)
+        return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class DecoderLayer(nn.Module):

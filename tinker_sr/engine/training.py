@@ -76,7 +76,12 @@ def forward_backward(
         with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None):
             # Hidden states, not logits: the loss unembeds them in chunks (no [B, T, V]).
             hidden = t.model.hidden_states(tokens, attn_mask=mask)
-            per_datum = [hidden[i, : lengths[i]] for i in range(len(batch))]
+            # Rows through unbind, not hidden[i, :n]: each such slice's backward would zero-fill
+            # and add a whole [B, T, D] gradient (B of them per step).
+            rows = hidden.unbind(0)
+            per_datum = [
+                r if n == r.shape[0] else r[:n] for r, n in zip(rows, lengths, strict=True)
+            ]
             result = engine_losses.compute_loss(
                 loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
             )
