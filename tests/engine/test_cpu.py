@@ -84,3 +84,55 @@ def test_available_memory_is_meminfo_capped_by_the_cgroup_limit(tmp_path: Path) 
     (cgroup / "memory.current").write_text(f"{1 << 30}\n")
     assert cpu.available_memory(meminfo, cgroup) == 2 << 30  # the cgroup leaves less
     assert cpu.available_memory(tmp_path / "none", tmp_path / "none") is None
+
+
+_FAULTS_AFTER_REUSE = """
+import resource, sys, threading
+from tinker_sr.engine import cpu
+tuned = cpu.tune_allocator() if sys.argv[1] == "tune" else False
+import torch
+faults = []
+def steps():  # on a worker thread, as the engine's work runs
+    for _ in range(4):  # a training step's pattern: allocate and touch, free, again
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones(20 << 18) for _ in range(8)]  # 8 x 20 MiB
+        del blocks
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+worker = threading.Thread(target=steps)
+worker.start()
+worker.join()
+print(tuned, *faults)
+"""
+
+
+def _faults(mode: str, **env: str) -> tuple[str, list[int]]:
+    done = subprocess.run(
+        [sys.executable, "-c", _FAULTS_AFTER_REUSE, mode],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    tuned, *faults = done.stdout.split()
+    return tuned, [int(f) for f in faults]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_tuned_allocator_reuses_a_steps_memory_without_page_faults() -> None:
+    """Tuned, the memory a round (step) freed is reused by the next ones without being
+    faulted in (and zeroed by the kernel) again; glibc's defaults fault part of it in again
+    every round (measured here: ~11 % of the first round's faults; tuned: none)."""
+    tuned, faults = _faults("tune")
+    off, off_faults = _faults("tune", TINKER_SR_MALLOC_TUNING="0")
+    assert (tuned, off) == ("True", "False")
+    assert faults[0] > 30_000  # 160 MiB of 4 KiB pages, touched
+    assert sum(faults[2:]) <= 0.02 * faults[0], faults
+    assert sum(faults[2:]) <= sum(off_faults[2:]), (faults, off_faults)
+
+
+def test_local_backend_tunes_the_allocator() -> None:
+    code = (
+        "from tinker_sr.backend.local import LocalBackend; from tinker_sr.engine import cpu; "
+        "LocalBackend(persistent=False).close(); print(cpu._allocator_tuned)"
+    )
+    assert _run(code) == ("True" if sys.platform.startswith("linux") else "False")
