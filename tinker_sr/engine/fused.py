@@ -93,10 +93,11 @@ def _lora_parts(layer: nn.Module) -> _LoraParts | None:
 
 def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
     """Merging costs ~8 weight-sized passes (forward and backward); the per-layer adapter
-    ~6 output-sized plus 4 input-sized passes per token. Compare the two."""
+    ~6 output-sized plus 4 input-sized passes per token. Compare the two. ``x``: any
+    activation with one row per token (only its row count is used)."""
     m = x.numel() // x.shape[-1]
     n = sum(p.weight.shape[0] for p in group)
-    k = x.shape[-1]
+    k = group[0].weight.shape[1]
     return m * (3 * n + 2 * k) >= 4 * n * k
 
 
