@@ -43,40 +43,13 @@ def padded_rows(m: int) -> int:
     return max(CHUNK, -(-m // CHUNK) * CHUNK)
 
 
-# Output features from which a decode GEMM runs as (W x^T)^T (the unembedding).
-TRANSPOSED_MIN_OUT = 8192
-
-
-def _gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x W^T + b`` for a few rows (a decode step); every decode GEMM and the probe go
-    through here. A vocabulary-sized weight (>= TRANSPOSED_MIN_OUT outputs) runs as
-    ``(W x^T)^T``: MKL's float32 GEMM with 8 rows ran the 32000 x 512 unembedding in 3.6 ms
-    per step that way round instead of 5.8 ms (in a real decode loop; the layers' small
-    weights were slower so, and keep ``F.linear``)."""
-    if weight.shape[0] < TRANSPOSED_MIN_OUT:
-        return F.linear(x, weight, bias)
-    xt = x.t()
-    y = torch.mm(weight, xt) if bias is None else torch.addmm(bias.unsqueeze(1), weight, xt)
-    return y.t().contiguous()
-
-
-def _module_rows(mod: nn.Linear, x: Tensor) -> Tensor:
-    """``mod(x)`` with its GEMMs through `_gemm` (a LoRA layer as `LoraLinear.forward`)."""
-    y = _gemm(x, mod.weight, mod.bias)
-    if isinstance(mod, LoraLinear):
-        a, b = mod.lora_A, mod.lora_B
-        delta = _gemm(_gemm(x.to(a.weight.dtype), a.weight, a.bias), b.weight, b.bias)
-        y = y + (delta * mod.scaling).to(x.dtype)
-    return y
-
-
 def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
     """One GEMM over ``m`` random rows equals its CHUNK-row slices, and (m == CHUNK) a row's
     result does not depend on the other rows of its slice nor on its place in it."""
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
-    whole = _gemm(x, weight, bias)
-    sliced = torch.cat([_gemm(x[i : i + CHUNK], weight, bias) for i in range(0, m, CHUNK)])
+    whole = F.linear(x, weight, bias)
+    sliced = torch.cat([F.linear(x[i : i + CHUNK], weight, bias) for i in range(0, m, CHUNK)])
     if not torch.equal(whole, sliced):
         return False
     if m != CHUNK:
@@ -85,7 +58,7 @@ def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
     for place in range(m):
         mixed = other.clone()
         mixed[place] = x[0]
-        if not torch.equal(_gemm(mixed, weight, bias)[place], whole[0]):
+        if not torch.equal(F.linear(mixed, weight, bias)[place], whole[0]):
             return False
     return True
 
@@ -123,8 +96,8 @@ def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:
     CHUNK-row GEMM: one GEMM where the probe shows that is the same, else slice by slice."""
     m = x.shape[0]
     if not force_chunked() and all(gemm_is_row_invariant(w, b, m) for w, b in _gemms(mod)):
-        return _module_rows(mod, x)
-    return torch.cat([_module_rows(mod, x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
+        return mod(x)
+    return torch.cat([mod(x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
 
 
 class DecodeRows(Protocol):
