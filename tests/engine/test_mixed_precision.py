@@ -49,3 +49,30 @@ def test_train_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, "fp8")
     with pytest.raises(ValueError, match="TINKER_SR_TRAIN_DTYPE must be"):
         registry.train_autocast_dtype()
+
+
+def test_bf16_logits_widened_in_pieces_equal_the_whole_chunk_widened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under bf16 autocast the head's logits are exponentiated in float32 a few rows at a
+    time (`loss_logprobs._exp_rows`): bit-identical to widening the whole chunk at once."""
+    from tinker_sr.engine import loss_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(48, 300, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 48, generator=gen))
+    h0 = torch.randn(77, 48, generator=gen)  # 77 rows: pieces of 32, 32 and 13
+    cols = torch.randint(0, 300, (77, 2), generator=gen)
+    grad = torch.randn(77, 2, generator=gen)
+    got = []
+    for rows in (loss_logprobs._EXP_ROWS, 10**9):  # pieces; one piece = the whole chunk
+        monkeypatch.setattr(loss_logprobs, "_EXP_ROWS", rows)
+        h = h0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (logp,), _ = loss_logprobs.head_logprobs([h], [cols], head)
+        (dh,) = torch.autograd.grad(logp, (h,), grad)
+        got.append((logp.detach(), dh))
+    assert got[0][0].dtype == torch.float32
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
