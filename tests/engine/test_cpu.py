@@ -93,7 +93,7 @@ tuned = cpu.tune_allocator() if sys.argv[1] == "tune" else False
 import torch
 faults = []
 def steps():  # on a worker thread, as the engine's work runs
-    for _ in range(4):  # a training step's pattern: allocate and touch, free, again
+    for _ in range(6):  # a training step's pattern: allocate and touch, free, again
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         blocks = [torch.ones(20 << 18) for _ in range(8)]  # 8 x 20 MiB
         del blocks
@@ -120,14 +120,16 @@ def _faults(mode: str, **env: str) -> tuple[str, list[int]]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_tuned_allocator_reuses_a_steps_memory_without_page_faults() -> None:
     """Tuned, the memory a round (step) freed is reused by the next ones without being
-    faulted in (and zeroed by the kernel) again; glibc's defaults fault part of it in again
-    every round (measured here: ~11 % of the first round's faults; tuned: none)."""
+    faulted in (and zeroed by the kernel) again; glibc's defaults fault parts of it in
+    again and again (measured here, rounds 4-6: ~75 % of the first round's faults in all;
+    tuned: none)."""
     tuned, faults = _faults("tune")
     off, off_faults = _faults("tune", TINKER_SR_MALLOC_TUNING="0")
     assert (tuned, off) == ("True", "False")
     assert faults[0] > 30_000  # 160 MiB of 4 KiB pages, touched
-    assert sum(faults[2:]) <= 0.02 * faults[0], faults
-    assert sum(faults[2:]) <= sum(off_faults[2:]), (faults, off_faults)
+    # Settled after a couple of rounds: none of the last three faults memory in again.
+    assert sum(faults[3:]) <= 0.02 * faults[0], faults
+    assert sum(faults[3:]) <= sum(off_faults[3:]), (faults, off_faults)
 
 
 def test_local_backend_tunes_the_allocator() -> None:
