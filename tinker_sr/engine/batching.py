@@ -29,7 +29,13 @@ from torch import Tensor, nn
 
 from tinker_sr.engine.fused import rope as apply_rope
 from tinker_sr.engine.lora import LoraLinear
-from tinker_sr.engine.model import Attention, DecoderLayer, KVCache, Transformer
+from tinker_sr.engine.model import (
+    Attention,
+    DecoderLayer,
+    KVCache,
+    Transformer,
+    rope_angles,
+)
 
 CHUNK = 8
 FORCE_CHUNKED_ENV = "TINKER_SR_DECODE_CHUNKED"
@@ -125,7 +131,7 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
     padded = torch.zeros(padded_rows(m), dtype=torch.long, device=model.device)
     padded[:m] = tokens
     x = model.model.embed_tokens(padded)
-    ropes = [_rope(g.pos, model.inv_freq, x.dtype, x.device) for g in groups]
+    ropes = [rope_angles(model.inv_freq, g.pos, 1, x.dtype, x.device) for g in groups]
     layers = cast(Sequence[DecoderLayer], model.model.layers)
     for i, layer in enumerate(layers):
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
@@ -183,12 +189,3 @@ def _all_rows(t: Tensor, active: Tensor, n: int) -> Tensor:
     full = torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=t.device)
     full[active] = t
     return full.unsqueeze(2)
-
-
-def _rope(
-    pos: int, inv_freq: Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """cos, sin [1, head_dim] at ``pos``, computed as `Transformer.hidden_states` does."""
-    freqs = torch.outer(torch.arange(pos, pos + 1, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)

@@ -166,9 +166,15 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return inv_freq
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_angles(
+    inv_freq: Tensor, start_pos: int, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos, sin [length, head_dim] for positions start_pos.. (each half repeats the other, the
+    HF "rotate_half" layout `fused.rope` takes). Computed on the CPU in float32, then moved and
+    cast: the same values on any device, in prefill, training and decode."""
+    freqs = torch.outer(torch.arange(start_pos, start_pos + length, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
 
 class Attention(nn.Module):
@@ -350,12 +356,7 @@ class Transformer(nn.Module):
             )
 
         x = self.model.embed_tokens(tokens)
-        freqs = torch.outer(
-            torch.arange(start_pos, start_pos + T, dtype=torch.float32), self.inv_freq
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Computed on the CPU, as they always were, then moved: the same values on any device.
-        cos, sin = emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype)
+        cos, sin = rope_angles(self.inv_freq, start_pos, T, x.dtype, x.device)
         recompute = cache is None and torch.is_grad_enabled()
         if recompute and self.checkpoint_layers is None:
             recompute = checkpoint_pays(self.config, tokens.numel(), self.device)
