@@ -184,7 +184,7 @@ class _HeadLogprobs(torch.autograd.Function):
         expected = None if weight is None else torch.zeros_like(h)
         done = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         low = _autocast_weight(head)
-        buffers: dict[torch.dtype, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}  # reused by every chunk: see _chunk_logits
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk]
@@ -222,7 +222,7 @@ def _chunk_logits(
     low: torch.Tensor | None,
     hc: torch.Tensor,
     compute_dtype: torch.dtype,
-    buffers: dict[torch.dtype, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """``head(hc)``; a plain head writes it into one [chunk, V] buffer (in the GEMM's dtype:
     `_exp_rows` widens low-precision logits) that every chunk of the forward reuses: a fresh
@@ -235,14 +235,10 @@ def _chunk_logits(
         weight = head.weight
     if weight is None:  # an adapter on the head, or a bias: its own forward
         return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
-    n = hc.shape[0]
-
-    def buffer(dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in buffers:
-            buffers[dtype] = hc.new_empty((n, weight.shape[0]), dtype=dtype)
-        return buffers[dtype][:n]
-
-    return torch.mm(hc.to(weight.dtype), weight.t(), out=buffer(weight.dtype))
+    if "logits" not in buffers:  # the first chunk is the largest
+        buffers["logits"] = hc.new_empty((hc.shape[0], weight.shape[0]), dtype=weight.dtype)
+    out = buffers["logits"][: hc.shape[0]]
+    return torch.mm(hc.to(weight.dtype), weight.t(), out=out)
 
 
 # Rows per piece when low-precision logits are exponentiated in float32 (4 MiB at V = 32k).
@@ -253,7 +249,7 @@ def _exp_rows(
     z: torch.Tensor,
     compute_dtype: torch.dtype,
     lse: torch.Tensor,
-    buffers: dict[torch.dtype, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``e = exp(z - max)`` per row (softmax's numerator, overwriting ``z``), its row sums, and
     ``lse = max + log(sum)`` written into ``lse`` — the logsumexp by hand, in place
@@ -271,12 +267,12 @@ def _exp_rows(
         lse.copy_(top.squeeze(1) + total.log())
         return e, total
     total = torch.empty(z.shape[0], dtype=compute_dtype, device=z.device)
-    if compute_dtype not in buffers:
+    if "widened" not in buffers:
         rows = min(_EXP_ROWS, z.shape[0])
-        buffers[compute_dtype] = z.new_empty((rows, z.shape[1]), dtype=compute_dtype)
+        buffers["widened"] = z.new_empty((rows, z.shape[1]), dtype=compute_dtype)
     for a in range(0, z.shape[0], _EXP_ROWS):
         piece = z[a : a + _EXP_ROWS]
-        wide = buffers[compute_dtype][: piece.shape[0]].copy_(piece)
+        wide = buffers["widened"][: piece.shape[0]].copy_(piece)
         top = wide.amax(dim=-1, keepdim=True)
         e = wide.sub_(top).exp_()
         total[a : a + _EXP_ROWS] = e.sum(dim=-1)
