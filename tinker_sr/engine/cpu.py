@@ -18,6 +18,7 @@ a training script beside a browser, CI runners sharing cores):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -186,8 +187,10 @@ def tune_allocator() -> bool:
     return _allocator_tuned
 
 
+@functools.cache
 def _glibc() -> Any | None:
-    """The C library when it is glibc (has ``mallopt`` and ``malloc_trim``), else None."""
+    """The C library when it is glibc (has ``mallopt`` and ``malloc_trim``), else None. Looked
+    up once (``find_library`` may run ``ldconfig``), not at every `return_freed_memory`."""
     import ctypes
     import ctypes.util
 
