@@ -1,0 +1,119 @@
+"""A user's RL loop as they bring it: a Hugging Face model directory with its own BPE
+tokenizer, many steps, a new sampler every step, and (``--busy``) another process busy on
+every core the whole time.
+
+Each step: ``save_weights_and_get_sampling_client(record_stability_info=True)``, 4 concurrent
+sample requests x 4 samples (a string stop, temperature 1), one provenance datum per sample
+(`tinker_sr.provenance.build_datum`; reward: an arbitrary deterministic score of the
+sampled tokens, advantage = reward minus the group mean),
+``stable_reinforce`` + Adam. Prints RSS at checkpoints, the time, and a digest of every step's
+loss: two runs with the same seed must print the same digest (deterministic on a CPU, even
+with concurrent batched sampling and a busy machine).
+
+    python benchmarks/user_trial.py                       # 300 steps, tiny qwen3 BPE dir
+    python benchmarks/user_trial.py --steps 800 --busy    # long, beside busy processes
+    python benchmarks/user_trial.py --model-dir DIR       # your own HF directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing
+import os
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+PROMPTS = ["User: count to five\n\nAssistant:", "User: name a colour\n\nAssistant:"]
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def trial(model_dir: str, steps: int) -> None:
+    import tinker_sr as tinker
+    from tinker_sr.provenance import build_datum
+
+    types = tinker.types
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(base_model=model_dir, rank=8, seed=0).result()
+    tokenizer = training.get_tokenizer()
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(p)) for p in PROMPTS]
+    digest = hashlib.sha256()
+    report = {1, steps} | {steps * k // 8 for k in range(1, 8)}
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        params = types.SamplingParams(max_tokens=12, temperature=1.0, stop=["\n\nUser:"], seed=step)
+        futures = [
+            (prompts[i % 2], sampler.sample(prompts[i % 2], num_samples=4, sampling_params=params))
+            for i in range(4)
+        ]
+        data = []
+        for prompt, future in futures:
+            sequences = future.result().sequences
+            rewards = [float(sum(s.tokens) % 7) for s in sequences]
+            mean = sum(rewards) / len(rewards)
+            data += [
+                build_datum(prompt, s, r - mean) for s, r in zip(sequences, rewards, strict=True)
+            ]
+        out = training.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.01}).result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        digest.update(struct.pack("<d", out.metrics["loss:sum"]))
+        if step in report:
+            print(
+                f"step {step}: RSS {_rss_mib():.1f} MiB, {time.perf_counter() - start:.0f} s, "
+                f"loss {out.metrics['loss:sum']:+.6f}",
+                flush=True,
+            )
+    print(
+        f"{steps} steps in {time.perf_counter() - start:.0f} s; loss digest {digest.hexdigest()[:16]}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--model-dir", help="a local HF directory (default: a tiny qwen3 + BPE)")
+    parser.add_argument("--busy", action="store_true", help="one busy process per usable CPU")
+    args = parser.parse_args()
+    from tinker_sr.engine.cpu import available_cpus, describe_machine
+
+    print(describe_machine())
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-trial-") as tmp:
+        os.environ.setdefault("TINKER_SR_STORE", str(Path(tmp) / "store"))
+        model_dir = args.model_dir
+        if model_dir is None:
+            from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+            model_dir = str(make_tiny_hf_model_dir(Path(tmp) / "model", "qwen3"))
+        busy = []
+        if args.busy:
+            busy = [
+                multiprocessing.Process(target=_busy, daemon=True) for _ in range(available_cpus())
+            ]
+            for p in busy:
+                p.start()
+        print(f"model {model_dir}; {args.steps} steps; busy processes: {len(busy)}")
+        try:
+            trial(model_dir, args.steps)
+        finally:
+            for p in busy:
+                p.terminate()
+
+
+if __name__ == "__main__":
+    main()
