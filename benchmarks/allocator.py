@@ -26,10 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+from memory import MIB, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
 
 
 def child(model: str, steps: int) -> None:
@@ -59,7 +56,7 @@ def child(model: str, steps: int) -> None:
         training.forward_backward(data, "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
         if step in (25, steps):
-            rss_at[step] = _rss_mib()
+            rss_at[step] = rss_bytes() / MIB
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(
         json.dumps(

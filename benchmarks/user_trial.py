@@ -30,17 +30,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
+from memory import MIB, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
+
 PROMPTS = ["User: count to five\n\nAssistant:", "User: name a colour\n\nAssistant:"]
 
 
 def _busy() -> None:
     while True:
         pass
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
 def trial(model_dir: str, steps: int) -> None:
@@ -75,7 +72,7 @@ def trial(model_dir: str, steps: int) -> None:
         digest.update(struct.pack("<d", out.metrics["loss:sum"]))
         if step in report:
             print(
-                f"step {step}: RSS {_rss_mib():.1f} MiB, {time.perf_counter() - start:.0f} s, "
+                f"step {step}: RSS {rss_bytes() / MIB:.1f} MiB, {time.perf_counter() - start:.0f} s, "
                 f"loss {out.metrics['loss:sum']:+.6f}",
                 flush=True,
             )
