@@ -80,15 +80,28 @@ def make_model_dir(path: Path) -> Path:
 # ---- one measurement per process ------------------------------------------------------------
 
 
-def matmul_peak_flops(n: int = 1024, reps: int = 10) -> float:
+def matmul_peak_flops(n: int = 1024, reps: int = 10) -> dict[str, float]:
+    """The fp32 matmul rate of torch's BLAS (``a @ b``: MKL on x86) and of oneDNN (inside the
+    same torch build; tinker_sr's engine uses it where available, see engine/gemm.py), as
+    FLOP/s; "peak" is the faster of the two: the most this machine's torch reaches."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    rates = {"blas": _rate(lambda: a @ b, n, reps)}
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is not None and torch.backends.mkldnn.is_available():
+        bt = b.t()
+        rates["onednn"] = _rate(lambda: op(a, bt, None, "none", [], ""), n, reps)
+    rates["peak"] = max(rates.values())
+    return rates
+
+
+def _rate(fn: Any, n: int, reps: int) -> float:
+    fn()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        a @ b
+        fn()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
@@ -315,11 +328,18 @@ def _report(
             line = f"    {side:<9} peak RSS {rss:.2f} GiB"
             if work.startswith("train"):
                 share = statistics.median(
-                    4 * n_params * n_tok / r[idx]["seconds"] / r[idx]["matmul_flops"]
+                    4 * n_params * n_tok / r[idx]["seconds"] / r[idx]["matmul_flops"]["peak"]
                     for r in rounds
                 )
-                peak = statistics.median(r[idx]["matmul_flops"] for r in rounds) / 1e9
-                line += f", {share:.1%} of the fp32 matmul peak ({peak:.0f} GFLOP/s here)"
+                rate = {
+                    k: statistics.median(r[idx]["matmul_flops"].get(k, 0.0) for r in rounds) / 1e9
+                    for k in ("peak", "blas", "onednn")
+                }
+                line += (
+                    f", {share:.1%} of the fp32 matmul peak ({rate['peak']:.0f} GFLOP/s here: "
+                    f"the faster of torch's BLAS {rate['blas']:.0f} and oneDNN "
+                    f"{rate['onednn']:.0f})"
+                )
             print(line)
 
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinker_sr.engine import gemm
+
 # False: always the per-layer path (for A/B benchmarks and the equivalence tests).
 ENABLED = True
 
@@ -40,9 +42,9 @@ def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool = True) -> 
     parts = [_lora_parts(layer) for layer in layers]
     group = [p for p in parts if p is not None]
     if not ENABLED or len(group) < len(parts) or not _merge_pays(x, group):
-        return [layer(x) for layer in layers]
+        return [apply_linear(layer, x) for layer in layers]
     if len({p.scaling for p in group}) != 1:
-        return [layer(x) for layer in layers]
+        return [apply_linear(layer, x) for layer in layers]
     y = _MergedLoraGroup.apply(
         x,
         group[0].scaling,
@@ -58,6 +60,41 @@ def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool = True) -> 
         ]
         y = y + torch.cat(bias).to(y.dtype)
     return list(y.split(sizes, dim=-1)) if split else y
+
+
+def apply_linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """``layer(x)``; a plain Linear over a frozen weight through `frozen_linear` (a LoRA
+    layer's own forward does the same for its base)."""
+    if type(layer) is nn.Linear and not layer.weight.requires_grad:
+        return frozen_linear(x, layer.weight, layer.bias)
+    return layer(x)  # type: ignore[no-any-return]
+
+
+def frozen_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a weight (and bias) that take no gradient, with its
+    products in `gemm` (forward, and ``dx = dy W`` in backward)."""
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenLinear.apply(x, weight, bias)  # type: ignore[no-any-return]
+    return gemm.linear(x, weight, bias)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return gemm.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = gemm.mm(dy2, weight.to(dy.dtype)).view(*dy.shape[:-1], weight.shape[1])
+        return dx.to(ctx.x_dtype), None, None
 
 
 def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
@@ -137,7 +174,7 @@ class _MergedLoraGroup(torch.autograd.Function):
         if torch.is_autocast_enabled(kind):  # cast once, keep the cast (half the memory)
             x = x.to(torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x, *tensors)
-        return F.linear(x, merged)
+        return gemm.linear(x, merged)
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
@@ -168,21 +205,21 @@ def _group_grads(
     x2, dy2 = x.reshape(-1, x.shape[-1]).to(low), dy.reshape(-1, dy.shape[-1])
     dx = None
     if need_dx:
-        dx = torch.mm(dy2, _merged_weight(weights, a, b, s).to(low)).view(x.shape).to(x.dtype)
+        dx = gemm.mm(dy2, _merged_weight(weights, a, b, s).to(low)).view(x.shape).to(x.dtype)
     a_cat = torch.cat(list(a))  # [g r, K]
-    xa = torch.mm(x2, a_cat.t().to(low)).mul_(s)  # s x A^T, [M, g r]
+    xa = gemm.mm(x2, a_cat.t().to(low)).mul_(s)  # s x A^T, [M, g r]
     # One GEMM per product over the whole group: B as a block-diagonal [N, g r] matrix
     # (the off-diagonal blocks cost g-fold tiny FLOPs, not a strided pass per member).
     # The skinny operands are laid out [g r, *] (rank-major): MKL runs these rank-8 products
     # 2-5x faster that way round than with [*, g r] operands (measured on the bench shapes).
-    dy_b = torch.mm(dy2, torch.block_diag(*[b_i.t() for b_i in b]).to(low).t())  # dy B
-    db_blk = torch.mm(xa.t(), dy2)  # [g r, N]; member i's block, transposed, is dB_i
+    dy_b = gemm.mm(dy2, torch.block_diag(*[b_i.t() for b_i in b]).to(low).t())  # dy B
+    db_blk = gemm.mm(xa.t(), dy2)  # [g r, N]; member i's block, transposed, is dB_i
     r, row = a[0].shape[0], 0
     db = []
     for i, b_i in enumerate(b):
         db.append(db_blk[i * r : (i + 1) * r, row : row + b_i.shape[0]].t().to(b_i.dtype))
         row += b_i.shape[0]
-    da = list(torch.mm(dy_b.t().mul_(s), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
+    da = list(gemm.mm(dy_b.t().mul_(s), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
     return dx, da, db
 
 
@@ -268,7 +305,7 @@ class _SwiGLUDown(torch.autograd.Function):
         ctx.save_for_backward(gate_up, w, a, b)
         ctx.scaling = scaling
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(_silu_mul(gate, up), _merged_weight([w], [a], [b], scaling))
+        return gemm.linear(_silu_mul(gate, up), _merged_weight([w], [a], [b], scaling))
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")

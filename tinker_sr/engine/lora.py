@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tinker_sr.engine.fused import frozen_linear
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError, check_same_names
 
@@ -57,7 +58,7 @@ class LoraLinear(nn.Linear):
         # The adapter is float32 whatever the base dtype (bf16/fp16 checkpoints): its small
         # updates would round away in 16 bits, and fp16 gradients overflow.
         delta = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
-        return super().forward(x) + delta.to(x.dtype)
+        return frozen_linear(x, self.weight, self.bias) + delta.to(x.dtype)
 
     def merged_weight(self) -> Tensor:
         delta = (self.lora_B.weight @ self.lora_A.weight) * self.scaling

@@ -15,10 +15,14 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine import gemm
 from tinker_sr.engine.fused import frozen_cast
 
-# Upper bound on the elements of any transient rows x vocab tensor (64 MiB in float32).
-_CHUNK_ELEMENTS = 1 << 24
+# Upper bound on the elements of any transient rows x vocab tensor: just under 32 MiB in
+# float32, so that a fresh chunk of logits (the oneDNN GEMM has no ``out=``) comes from the
+# heap that `cpu.tune_allocator` keeps (glibc serves 32 MiB and more by a fresh mmap, whose
+# pages fault in and are zeroed on every chunk).
+_CHUNK_ELEMENTS = (1 << 23) - (1 << 12)
 # False: a frozen head recomputes its live rows in backward too (for A/B benchmarks).
 PRECOMPUTE_HEAD_GRAD = True
 
@@ -235,6 +239,8 @@ def _chunk_logits(
         weight = head.weight
     if weight is None:  # an adapter on the head, or a bias: its own forward
         return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
+    if gemm.uses_onednn(hc, weight):  # a fresh result: see _CHUNK_ELEMENTS
+        return gemm.linear(hc, weight)
     if "logits" not in buffers:  # the first chunk is the largest
         buffers["logits"] = hc.new_empty((hc.shape[0], weight.shape[0]), dtype=weight.dtype)
     out = buffers["logits"][: hc.shape[0]]
@@ -314,7 +320,7 @@ def _expected_rows(
     if hint is not None and not bool(hint[a : a + n].all()):
         keep = hint[a : a + n]
         rows, e, total = rows[keep], e[keep], total[keep]
-    got = torch.mm(e.to(weight.dtype), weight).to(out.dtype)
+    got = gemm.mm(e.to(weight.dtype), weight).to(out.dtype)
     out[rows] = got.div_(total[:, None].to(out.dtype))
     done[rows] = True
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine.cpu import available_memory
-from tinker_sr.engine.fused import linear_group, rms_norm, rope, swiglu_mlp
+from tinker_sr.engine.fused import apply_linear, linear_group, rms_norm, rope, swiglu_mlp
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -311,7 +311,7 @@ class Transformer(nn.Module):
         """tokens [B, T] → float32 logits [B, T, V] on the model's device (arguments:
         `hidden_states`)."""
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
-        return self.lm_head(x).float()
+        return apply_linear(self.lm_head, x).float()
 
     def hidden_states(
         self,

@@ -1,0 +1,171 @@
+"""The engine's float32 GEMMs (`engine.gemm`): oneDNN where the build has it, torch's BLAS
+otherwise; the same products either way, to float32 rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinker_sr.engine import batching, fused, gemm
+from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
+
+needs_onednn = pytest.mark.skipif(
+    not gemm.onednn_fp32(), reason="this torch build has no usable oneDNN float32 GEMM"
+)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 rounding of a length-K dot product, against a float64 reference."""
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(4096, 1280, 512), (256, 512, 1536), (8, 32000, 512), (130, 96, 2000)]
+)
+def test_linear_matches_float64_and_repeats_bit_for_bit(m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+    assert gemm.uses_onednn(x, w)
+    got = gemm.linear(x, w)
+    _close(got, _reference(x, w))
+    assert torch.equal(got, gemm.linear(x, w))  # deterministic
+
+
+@needs_onednn
+def test_strided_operands_bias_and_batch_dims() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(300, 700, generator=gen)[:, 100:612]  # row stride 700
+    b = torch.randn(512, 400, generator=gen).t()  # [400, 512] transposed view
+    w = torch.randn(640, 512, generator=gen) / 512**0.5
+    bias = torch.randn(640, generator=gen)
+    _close(gemm.linear(a, w, bias), _reference(a, w, bias))
+    _close(gemm.mm(b, w.t()), _reference(b, w))
+    x3 = torch.randn(4, 75, 512, generator=gen)
+    got = gemm.linear(x3, w)
+    assert got.shape == (4, 75, 640)
+    _close(got, _reference(x3, w))
+
+
+def test_torch_op_where_onednn_does_not_apply() -> None:
+    x, w = torch.randn(64, 512), torch.randn(512, 512)
+    assert not gemm.uses_onednn(x.double(), w.double())
+    assert not gemm.uses_onednn(x.bfloat16(), w.bfloat16())
+    assert not gemm.uses_onednn(x[:1, :8], w[:8, :8])  # too small to pay for the call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not gemm.uses_onednn(x, w)
+        assert gemm.linear(x, w).dtype == torch.bfloat16  # autocast still applies
+    assert torch.equal(gemm.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+
+
+def test_backend_env_blas_and_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(gemm.BACKEND_ENV, "blas")
+        gemm.onednn_fp32.cache_clear()
+        assert not gemm.onednn_fp32()
+        x, w = torch.randn(256, 512), torch.randn(512, 512)
+        assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+        monkeypatch.setenv(gemm.BACKEND_ENV, "mkl2")
+        gemm.onednn_fp32.cache_clear()
+        with pytest.raises(ValueError, match="TINKER_SR_GEMM='mkl2'.*'onednn'.*'blas'"):
+            gemm.onednn_fp32()
+    finally:
+        monkeypatch.delenv(gemm.BACKEND_ENV)
+        gemm.onednn_fp32.cache_clear()
+
+
+@needs_onednn
+def test_packed_weight_is_reused_and_refreshed_after_an_in_place_change() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(1024, 512, generator=gen) / 512**0.5
+    x = torch.randn(8, 512, generator=gen)
+    first = gemm.packed_linear(x, w)
+    _close(first, _reference(x, w))
+    packed = w._tinker_sr_packed  # type: ignore[attr-defined]
+    assert torch.equal(gemm.packed_linear(x, w), first)
+    assert w._tinker_sr_packed is packed  # type: ignore[attr-defined]
+    with torch.no_grad():
+        w.mul_(2)
+    torch.testing.assert_close(gemm.packed_linear(x, w), 2 * first)
+    assert w._tinker_sr_packed is not packed  # type: ignore[attr-defined]
+    # The choice is made at 8 rows whatever the batch: a 256-row batch takes the same path.
+    assert torch.equal(gemm.packed_linear(x.repeat(32, 1), w)[:8], gemm.packed_linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_frozen_linear_gradients_equal_autograd(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(768, 512, generator=gen) / 512**0.5).to(dtype)
+    bias = torch.randn(768, generator=gen).to(dtype)
+    x = torch.randn(3, 200, 512, generator=gen, dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 200, 768, generator=gen, dtype=dtype)
+    y = fused.frozen_linear(x, w, bias)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x_ref = x.detach().double().requires_grad_(True)
+    y_ref = F.linear(x_ref, w.double(), bias.double())
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(dx.double(), dx_ref, rtol=tol, atol=tol)
+
+
+def _wide_model() -> Transformer:
+    """Wide enough that its projections and unembedding take the oneDNN path (k/v stay on
+    the BLAS: both paths in one model)."""
+    config = dataclasses.replace(
+        BUILTIN_CONFIGS["tinker-sr/tiny"], dim=384, n_heads=6, n_kv_heads=2, ffn_dim=1024
+    )
+    return build_model(config, seed=5).eval()
+
+
+@needs_onednn
+def test_decode_rows_do_not_depend_on_the_batch_on_the_onednn_path() -> None:
+    """Each row's logits from a batched decode equal those of the row in an 8-row slice of
+    other rows, for batches of 8..64 rows (the property continuous batching relies on)."""
+    model = _wide_model()
+    layer = model.model.layers[0].mlp.up_proj
+    assert gemm.uses_onednn(torch.empty(8, 384), layer.weight, rows=8)
+    gen = torch.Generator().manual_seed(4)
+    for m in (8, 16, 64):
+        x = torch.randn(m, 384, generator=gen)
+        whole = batching.linear_rows(layer, x)
+        for i in range(0, m, 3):
+            others = torch.randn(batching.CHUNK, 384, generator=gen)
+            others[i % batching.CHUNK] = x[i]
+            alone = batching.linear_rows(layer, others)[i % batching.CHUNK]
+            assert torch.equal(whole[i], alone), (m, i)
+
+
+def test_training_step_agrees_with_the_blas_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss and the LoRA gradients of one step on the oneDNN GEMMs equal those on torch's
+    BLAS to float32 rounding."""
+    from tinker_sr.engine.lora import LoraSpec, apply_lora, trainable_parameters
+
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(6))
+
+    def grads() -> list[torch.Tensor]:
+        model = _wide_model().train()
+        apply_lora(model, LoraSpec(rank=4, seed=1))
+        with torch.no_grad():
+            for name, p in trainable_parameters(model):
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
+        logits = model(tokens)
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].flatten()
+        )
+        loss.backward()
+        return [loss.detach()] + [p.grad for _, p in trainable_parameters(model)]  # type: ignore[misc]
+
+    default = grads()
+    monkeypatch.setattr(gemm, "onednn_fp32", lambda: False)
+    blas = grads()
+    for a, b in zip(default, blas, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-6)

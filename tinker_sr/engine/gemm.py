@@ -1,0 +1,119 @@
+"""The engine's float32 GEMMs on a CPU, through oneDNN where this torch build has it.
+
+``torch.mm``/``F.linear`` run float32 on a CPU through torch's BLAS: MKL on x86 builds. MKL
+chooses its kernels by CPU vendor as well as by ISA; on the AMD EPYC (Zen 5, full-width
+AVX-512) these figures were measured on it ran at 205-215 GFLOP/s on 2 threads, while
+oneDNN, which ships inside every x86 torch build (torch already uses it for bf16 matmuls) and
+dispatches on the ISA alone, ran the same products at 420-490 GFLOP/s, bit-exact float32
+arithmetic (no reduced-precision math mode), in every shape of a training step, and 2-5x
+faster for the 8-row products of decode. On an Intel CPU both libraries reach the peak.
+
+So the engine's hot products (the projections of every layer, forward and backward, the
+unembedding and its backward, the LoRA gradients) call `linear`/`mm` here, which use oneDNN
+for float32 CPU tensors when it is available and passes a numerical check at first use, and
+torch's own op otherwise (other dtypes, autocast, CUDA, tiny products where a oneDNN call's
+fixed cost exceeds the work). The choice depends only on the build, the dtype and the shape,
+never on a timing: runs stay bit-identical. ``$TINKER_SR_GEMM=blas`` keeps torch's BLAS
+everywhere (for A/B benchmarks and to compare against another machine's results).
+
+`packed_linear` is decode's variant: the weight reordered once into oneDNN's blocked layout
+(cached on the weight, like `fused.frozen_cast`) for products of a few rows, where reading the
+weight is the whole cost.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["BACKEND_ENV", "linear", "mm", "onednn_fp32", "packed_linear", "uses_onednn"]
+
+BACKEND_ENV = "TINKER_SR_GEMM"
+# Below this many multiply-adds a oneDNN call's fixed cost (~7 us) outweighs its speed.
+MIN_MACS = 1 << 20
+
+
+def _op() -> Any | None:
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return None if ops is None else ops._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def onednn_fp32() -> bool:
+    """oneDNN float32 GEMMs are available in this torch build, not switched off by
+    ``$TINKER_SR_GEMM=blas``, and agree with torch's own on a check product."""
+    choice = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if choice not in ("", "onednn", "blas"):
+        raise ValueError(f"${BACKEND_ENV}={choice!r}: use 'onednn' (the default) or 'blas'")
+    if choice == "blas" or not torch.backends.mkldnn.is_available():
+        return False
+    op = _op()
+    if op is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=gen), torch.randn(80, 96, generator=gen)
+    try:
+        got = op(x, w, None, "none", [], "")
+        packed = op(x, _reorder(w, 8), None, "none", [], "")
+    except RuntimeError:
+        return False
+    want = F.linear(x.double(), w.double()).float()
+    return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4)) and torch.equal(got, packed)
+
+
+def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None) -> bool:
+    """Would ``linear(x, w)`` run on oneDNN? ``rows``: judge the size at this many rows
+    instead of x's (decode: the same choice whatever the batch)."""
+    m = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    return (
+        x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and m * w.numel() >= MIN_MACS
+        and not torch.is_autocast_enabled("cpu")
+        and onednn_fp32()
+    )
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` (x [..., K], w [N, K]) without autograd: callers are custom
+    autograd nodes (their backward calls `mm`/`linear` too) or run under no_grad."""
+    if uses_onednn(x, w) and (bias is None or bias.dtype == torch.float32):
+        with torch.no_grad():
+            return _op()(x, w, bias, "none", [], "")  # type: ignore[misc,no-any-return]
+    return F.linear(x, w, bias)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for 2-D a [M, K], b [K, N] (strided views welcome), as `linear`."""
+    return linear(a, b.t())
+
+
+def _reorder(w: Tensor, rows: int) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)  # type: ignore[no-any-return]
+
+
+def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 8) -> Tensor:
+    """``F.linear(x, w, bias)`` for a few rows (decode) with ``w`` reordered once into
+    oneDNN's layout and kept on ``w`` (reordered again if ``w`` was modified in place since).
+    Whether oneDNN applies is judged at ``rows`` rows, whatever x's row count; where it does
+    not, torch's own op."""
+    if not uses_onednn(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
+        return F.linear(x, w, bias)
+    key = w._version
+    cached = getattr(w, "_tinker_sr_packed", None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, _reorder(w.detach(), rows))
+        w._tinker_sr_packed = cached  # type: ignore[attr-defined]
+    with torch.no_grad():
+        return _op()(x, cached[1], bias, "none", [], "")  # type: ignore[misc,no-any-return]
