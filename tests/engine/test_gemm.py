@@ -169,3 +169,30 @@ def test_training_step_agrees_with_the_blas_path(monkeypatch: pytest.MonkeyPatch
     blas = grads()
     for a, b in zip(default, blas, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-6)
+
+
+def test_merged_sampler_budget_counts_the_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merged sampler's weights are packed again for decode where oneDNN applies: the
+    merged-cache budget counts both copies."""
+    from tinker_sr.engine.lora import LoraLinear, LoraSpec, apply_lora
+    from tinker_sr.engine.registry import _merged_bytes
+
+    model = build_model("tinker-sr/tiny", seed=0)
+    apply_lora(model, LoraSpec(rank=2, seed=0))
+    one = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, LoraLinear))
+    expected = 2 * one if gemm.onednn_fp32() else one
+    assert _merged_bytes(model, torch.float32) == expected
+    monkeypatch.setattr(gemm, "onednn_fp32", lambda: False)
+    assert _merged_bytes(model, torch.float32) == one
+
+
+def test_linear_keeps_autograd_where_a_graph_is_recorded() -> None:
+    """Called with an operand that needs a gradient (outside a custom node), `linear` is
+    torch's op, so the gradient still flows."""
+    x = torch.randn(64, 512, requires_grad=True)
+    w = torch.randn(512, 512)
+    y = gemm.linear(x, w)
+    assert y.grad_fn is not None
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, w.sum(0).expand(64, -1), rtol=1e-4, atol=1e-4)
+    assert gemm.packed_linear(x, w).grad_fn is not None

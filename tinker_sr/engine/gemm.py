@@ -85,11 +85,15 @@ def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None) -> bool:
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, w, bias)`` (x [..., K], w [N, K]) without autograd: callers are custom
-    autograd nodes (their backward calls `mm`/`linear` too) or run under no_grad."""
-    if uses_onednn(x, w) and (bias is None or bias.dtype == torch.float32):
-        with torch.no_grad():
-            return _op()(x, w, bias, "none", [], "")  # type: ignore[misc,no-any-return]
+    """``F.linear(x, w, bias)`` (x [..., K], w [N, K]). The oneDNN op has no autograd
+    formula, so it runs only where no graph is being recorded through it: inside custom
+    autograd nodes (their forward and backward) or under no_grad; anywhere else (an operand
+    that needs a gradient, with grad mode on) torch's op."""
+    tracked = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not tracked and uses_onednn(x, w) and (bias is None or bias.dtype == torch.float32):
+        return _op()(x, w, bias, "none", [], "")  # type: ignore[misc,no-any-return]
     return F.linear(x, w, bias)
 
 
@@ -107,7 +111,8 @@ def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 
     oneDNN's layout and kept on ``w`` (reordered again if ``w`` was modified in place since).
     Whether oneDNN applies is judged at ``rows`` rows, whatever x's row count; where it does
     not, torch's own op."""
-    if not uses_onednn(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
+    tracked = torch.is_grad_enabled() and x.requires_grad  # decode runs in inference mode
+    if tracked or not uses_onednn(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, w, bias)
     key = w._version
     cached = getattr(w, "_tinker_sr_packed", None)
@@ -115,5 +120,4 @@ def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 
         with torch.no_grad():
             cached = (key, _reorder(w.detach(), rows))
         w._tinker_sr_packed = cached  # type: ignore[attr-defined]
-    with torch.no_grad():
-        return _op()(x, cached[1], bias, "none", [], "")  # type: ignore[misc,no-any-return]
+    return _op()(x, cached[1], bias, "none", [], "")  # type: ignore[misc,no-any-return]

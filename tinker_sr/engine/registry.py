@@ -42,6 +42,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from tinker_sr.engine import gemm
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.device import fast_bf16
 from tinker_sr.engine.hf import load_model_dir
@@ -555,8 +556,12 @@ class ModelRegistry:
 
 def _merged_bytes(adapted: Transformer, dtype: torch.dtype) -> int:
     """Bytes a merged copy allocates: one full weight per adapted layer, or (in another dtype
-    than the base's) every parameter."""
+    than the base's) every parameter; twice that where decode keeps a oneDNN-packed copy of
+    each weight beside it (`gemm.packed_linear`: float32 on a CPU with oneDNN)."""
     size = torch.empty((), dtype=dtype).element_size()
     if dtype == adapted.dtype:
-        return sum(m.weight.numel() * size for m in adapted.modules() if isinstance(m, LoraLinear))
-    return sum(p.numel() * size for p in {id(p): p for p in adapted.parameters()}.values())
+        total = sum(m.weight.numel() * size for m in adapted.modules() if isinstance(m, LoraLinear))
+    else:
+        total = sum(p.numel() * size for p in {id(p): p for p in adapted.parameters()}.values())
+    packs = dtype == torch.float32 and adapted.device.type == "cpu" and gemm.onednn_fp32()
+    return 2 * total if packs else total
