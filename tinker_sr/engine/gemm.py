@@ -1,12 +1,14 @@
 """The engine's float32 GEMMs on a CPU, through oneDNN where this torch build has it.
 
-``torch.mm``/``F.linear`` run float32 on a CPU through torch's BLAS: MKL on x86 builds. MKL
-chooses its kernels by CPU vendor as well as by ISA; on the AMD EPYC (Zen 5, full-width
-AVX-512) these figures were measured on it ran at 205-215 GFLOP/s on 2 threads, while
+``torch.mm``/``F.linear`` run float32 on a CPU through torch's BLAS: MKL on x86 builds, whose
+code paths are known to depend on the CPU vendor as well as the ISA. On the AMD EPYC (Zen 5,
+full-width AVX-512) our figures come from, MKL ran at 205-215 GFLOP/s on 2 threads, while
 oneDNN, which ships inside every x86 torch build (torch already uses it for bf16 matmuls) and
-dispatches on the ISA alone, ran the same products at 420-490 GFLOP/s, bit-exact float32
-arithmetic (no reduced-precision math mode), in every shape of a training step, and 2-5x
-faster for the 8-row products of decode. On an Intel CPU both libraries reach the peak.
+dispatches on the ISA, ran the same products at 420-490 GFLOP/s in IEEE float32 (no
+reduced-precision math mode; results differ from MKL's by summation order only), in every
+shape of a training step, and 2-5x
+faster for the 8-row products of decode. (Not measured on other CPUs: on an Intel one the two
+may well be level; oneDNN is chosen by availability, not by a timing, either way.)
 
 So the engine's hot products (the projections of every layer, forward and backward, the
 unembedding and its backward, the LoRA gradients) call `linear`/`mm` here, which use oneDNN
