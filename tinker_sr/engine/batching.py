@@ -15,6 +15,10 @@ CHUNK-row slices and that a row's result does not depend on its neighbours; wher
 fails (another BLAS, another CPU), that GEMM runs slice by slice. Either way a row's logits
 are those of a CHUNK-row GEMM over it, whatever the other rows are, and a request alone runs
 the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
+
+The products run through `gemm.packed_linear` (oneDNN on weights reordered once, where the
+torch build has it; whether it applies is decided at CHUNK rows, so a row never changes
+library with the batch), and the probe checks exactly that path.
 """
 
 from __future__ import annotations
