@@ -7,7 +7,8 @@ BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,
 * train: one LoRA step (cross_entropy on every position, AdamW), B x T tokens, fp32;
   tokens/s, achieved FLOP/s counted at 4·N per token (forward 2N + input-gradient 2N: the
   base is frozen) as a share of the fp32 matmul peak measured in the same process (the
-  faster of torch's BLAS and oneDNN: on AMD CPUs MKL reaches about half of oneDNN), and the
+  faster of torch's BLAS and oneDNN: on the AMD EPYC we measure on, MKL reaches about half
+  of oneDNN), and the
   process's peak RSS. tinker_sr goes through its public API (`ServiceClient`), HF through
   peft + torch.optim.AdamW.
 * sample: 8 samples x 128 new tokens from one 32-token prompt, logprobs on (tinker_sr:
