@@ -209,13 +209,6 @@ def return_freed_memory() -> None:
     """Hand memory freed by Python/torch back to the OS (glibc keeps freed heap pages of
     every thread's arena otherwise, so a process that dropped a session's weights would
     still show them in its RSS). A no-op where glibc's ``malloc_trim`` is not available."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -16,6 +16,7 @@ keep the per-layer path, where the weight-sized merge would cost more than it sa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -63,9 +64,9 @@ def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool = True) -> 
 
 
 def apply_linear(layer: nn.Module, x: Tensor) -> Tensor:
-    """``layer(x)``; a plain Linear over a frozen weight through `frozen_linear` (a LoRA
-    layer's own forward does the same for its base)."""
-    if type(layer) is nn.Linear and not layer.weight.requires_grad:
+    """``layer(x)``; a plain Linear through `frozen_linear` (which keeps ``F.linear`` for a
+    weight that trains; a LoRA layer's own forward does the same for its base)."""
+    if type(layer) is nn.Linear:
         return frozen_linear(x, layer.weight, layer.bias)
     return layer(x)  # type: ignore[no-any-return]
 
@@ -420,19 +421,11 @@ def bf16_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return _BF16CausalAttention.apply(q, k, v)  # type: ignore[no-any-return]
 
 
-_MASKS: dict[tuple[int, int, str], Tensor] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _causal_mask(g: int, t: int, device: torch.device) -> Tensor:
-    """bool [G·T, T], True where row i·T + r may not see a column (columns after r)."""
-    key = (g, t, str(device))
-    mask = _MASKS.get(key)
-    if mask is None:
-        mask = torch.ones(t, t, dtype=torch.bool, device=device).triu_(1).repeat(g, 1)
-        if len(_MASKS) > 8:
-            _MASKS.clear()
-        _MASKS[key] = mask
-    return mask
+    """bool [G·T, T], True where row i·T + r may not see a column (columns after r); the
+    same mask serves every layer of a step, and the steps of one shape."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu_(1).repeat(g, 1)
 
 
 class _BF16CausalAttention(torch.autograd.Function):

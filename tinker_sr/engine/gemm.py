@@ -40,7 +40,9 @@ BACKEND_ENV = "TINKER_SR_GEMM"
 MIN_MACS = 1 << 20
 
 
+@functools.cache
 def _op() -> Any | None:
+    """torch's oneDNN linear op, looked up once (it is called for every product)."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
         return None if ops is None else ops._linear_pointwise

@@ -228,11 +228,12 @@ def _chunk_logits(
     compute_dtype: torch.dtype,
     buffers: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """``head(hc)``; a plain head writes it into one [chunk, V] buffer (in the GEMM's dtype:
-    `_exp_rows` widens low-precision logits) that every chunk of the forward reuses: a fresh
-    64 MiB result per chunk is a fresh mmap whose pages the kernel faults in and zeroes each
-    time (the unembedding GEMM ran at ~80 % of its speed into fresh memory). ``low``: the
-    head's weight cast for autocast. An adapter on the head: its own forward, in
+    """``head(hc)``. A plain head on oneDNN (`gemm`) returns a fresh result, which stays under
+    glibc's mmap threshold (see _CHUNK_ELEMENTS); on torch's own GEMM it writes into one
+    [chunk, V] buffer (in the GEMM's dtype: `_exp_rows` widens low-precision logits) that
+    every chunk of the forward reuses, so no chunk pays for fresh memory, allocator tuning or
+    not (the unembedding GEMM ran at ~80 % of its speed into freshly mapped 64 MiB chunks).
+    ``low``: the head's weight cast for autocast. An adapter on the head: its own forward, in
     ``compute_dtype``."""
     weight = low
     if weight is None and type(head) is torch.nn.Linear and head.bias is None:
