@@ -8,8 +8,8 @@ BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,
   tokens/s, achieved FLOP/s counted at 4·N per token (forward 2N + input-gradient 2N: the
   base is frozen) as a share of the fp32 matmul peak measured in the same process (the
   faster of torch's BLAS and oneDNN: on the AMD EPYC we measure on, MKL reaches about half
-  of oneDNN), and the process's peak RSS. tinker_sr goes through its public API (`ServiceClient`), HF through
-  peft + torch.optim.AdamW.
+  of oneDNN), and the process's peak RSS. tinker_sr goes through its public API
+  (`ServiceClient`), HF through peft + torch.optim.AdamW.
 * sample: 8 samples x 128 new tokens from one 32-token prompt, logprobs on (tinker_sr:
   `SamplingClient.sample`; HF: `generate(do_sample=True, num_return_sequences=8)` with the
   scores turned into logprobs).
