@@ -22,9 +22,16 @@ BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,
 Every measurement runs in a fresh process (peak RSS is per process); rounds alternate the
 order of the two sides, and the report gives per-round ratios and their median.
 
+``--breakdown`` profiles one more tinker_sr step per train process (after the timed ones, so
+the figures above are unaffected) and splits its time into matrix products (oneDNN and BLAS
+GEMMs, the bf16 attention's batched products), torch's fused attention and everything else,
+with the bound that split puts on the share of the peak: 4·N per token over the time of the
+matrix products alone, i.e. the share the step would reach if all other work took no time.
+
     pip install -e '.[bench]'                      # transformers + peft
     python benchmarks/engine_vs_hf.py              # B=16 T=256, 3 rounds (slow on 2 cores)
     python benchmarks/engine_vs_hf.py --batch 4 --seq 128 --rounds 2   # quicker
+    python benchmarks/engine_vs_hf.py --work train --rounds 2 --breakdown  # where time goes
 """
 
 from __future__ import annotations
@@ -114,8 +121,8 @@ def _batch(batch: int, seq: int) -> Any:
 
 
 def engine_train(
-    model_dir: str, batch: int, seq: int, reps: int, prompt: int = 0
-) -> dict[str, float]:
+    model_dir: str, batch: int, seq: int, reps: int, prompt: int = 0, breakdown: bool = False
+) -> dict[str, Any]:
     import tinker_sr as tinker
 
     types = tinker.types
@@ -141,7 +148,50 @@ def engine_train(
         fb.result()
         opt.result()
 
-    return _time(step, reps)
+    result = _time(step, reps)
+    if breakdown:
+        result["breakdown"] = _profile_step(step)
+    return result
+
+
+# Profiler op names counted as matrix products, and as torch's fused attention kernels.
+_MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+_ATTENTION_MARK = "scaled_dot_product"
+
+
+def _profile_step(step: Any) -> dict[str, float]:
+    """Self CPU seconds of one profiled step: matrix products, fused attention, the rest. The
+    engine computes on its own worker thread, which a profiler started here does not see: the
+    engine's forward_backward and optim_step are profiled where they run instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tinker_sr.engine import training
+
+    split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+
+    def profiled(fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = fn(*args, **kwargs)
+            for ev in prof.key_averages():
+                seconds = ev.self_cpu_time_total / 1e6
+                if ev.key in _MATMUL_OPS:
+                    split["matmul"] += seconds
+                elif _ATTENTION_MARK in ev.key:
+                    split["attention"] += seconds
+                else:
+                    split["other"] += seconds
+            return out
+
+        return run
+
+    saved = training.forward_backward, training.optim_step
+    training.forward_backward, training.optim_step = map(profiled, saved)
+    try:
+        step()
+    finally:
+        training.forward_backward, training.optim_step = saved
+    return split
 
 
 def hf_model(model_dir: str) -> Any:
@@ -236,7 +286,9 @@ def _time(fn: Any, reps: int) -> dict[str, float]:
     }
 
 
-def child(side: str, work: str, model_dir: str, batch: int, seq: int, reps: int) -> None:
+def child(
+    side: str, work: str, model_dir: str, batch: int, seq: int, reps: int, breakdown: bool
+) -> None:
     import torch
 
     torch.manual_seed(0)
@@ -244,7 +296,7 @@ def child(side: str, work: str, model_dir: str, batch: int, seq: int, reps: int)
     if work == "sample":
         result = engine_sample(model_dir, reps) if side == "engine" else hf_sample(model_dir, reps)
     elif side == "engine":
-        result = engine_train(model_dir, batch, seq, reps, prompt)
+        result = engine_train(model_dir, batch, seq, reps, prompt, breakdown)
     else:
         result = hf_train(model_dir, batch, seq, reps, work == "train-bf16", prompt)
     print(json.dumps(result))
@@ -253,9 +305,10 @@ def child(side: str, work: str, model_dir: str, batch: int, seq: int, reps: int)
 # ---- driver ---------------------------------------------------------------------------------
 
 
-def run_child(side: str, work: str, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+def run_child(side: str, work: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, work, str(model_dir)]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
+    cmd += ["--breakdown"] if args.breakdown else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_OFFLINE": "1"}
     if work == "train-bf16":
         env["TINKER_SR_TRAIN_DTYPE"] = "bf16"
@@ -272,10 +325,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2, help="timed repetitions per process")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", nargs="*", default=["train", "sample", "train-bf16"])
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="profile one more tinker_sr train step per process: matmul / attention / other",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*args.child, args.batch, args.seq, args.reps)
+        child(*args.child, args.batch, args.seq, args.reps, args.breakdown)
         return
 
     from tinker_sr.engine.cpu import describe_machine, has_fast_bf16
@@ -292,7 +350,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in m.parameters())
         del m, torch
         print(f"model: {n_params / 1e6:.1f}M parameters; train batch {args.batch} x {args.seq}")
-        results: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {w: [] for w in works}
+        results: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {w: [] for w in works}
         for r in range(args.rounds):
             for work in works:
                 sides = ["engine", "hf"] if r % 2 == 0 else ["hf", "engine"]
@@ -303,7 +361,7 @@ def main() -> None:
 
 
 def _report(
-    results: dict[str, list[tuple[dict[str, float], dict[str, float]]]],
+    results: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]],
     args: argparse.Namespace,
     n_params: int,
 ) -> None:
@@ -342,6 +400,19 @@ def _report(
                     f"{rate['onednn']:.0f})"
                 )
             print(line)
+        splits = [e["breakdown"] for e, _ in rounds if "breakdown" in e]
+        if splits:
+            part = {k: statistics.median(b[k] for b in splits) for k in splits[0]}
+            peak = statistics.median(e["matmul_flops"]["peak"] for e, _ in rounds)
+            total = part["matmul"] + part["attention"] + part["other"]
+            print(
+                f"    tinker_sr profiled step, ops' own time {total:.2f} s: matrix products "
+                f"{part['matmul']:.2f} s ({part['matmul'] / total:.0%}), fused attention "
+                f"{part['attention']:.2f} s ({part['attention'] / total:.0%}), other "
+                f"{part['other']:.2f} s ({part['other'] / total:.0%}); with every non-matmul "
+                f"op at zero time the step would reach "
+                f"{4 * n_params * n_tok / part['matmul'] / peak:.1%} of the peak"
+            )
 
 
 if __name__ == "__main__":

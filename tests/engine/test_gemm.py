@@ -88,15 +88,35 @@ def test_packed_weight_is_reused_and_refreshed_after_an_in_place_change() -> Non
     x = torch.randn(8, 512, generator=gen)
     first = gemm.packed_linear(x, w)
     _close(first, _reference(x, w))
-    packed = w._tinker_sr_packed  # type: ignore[attr-defined]
+    packed = gemm.packed_weight(w, 8)
     assert torch.equal(gemm.packed_linear(x, w), first)
-    assert w._tinker_sr_packed is packed  # type: ignore[attr-defined]
+    assert gemm.packed_weight(w, 8) is packed
+    # One copy per (rows, transposed): the unembedding's chunks and decode share a weight.
+    assert gemm.packed_weight(w, 256) is not packed
+    assert gemm.packed_weight(w, 8, transpose=True) is not packed
     with torch.no_grad():
         w.mul_(2)
     torch.testing.assert_close(gemm.packed_linear(x, w), 2 * first)
-    assert w._tinker_sr_packed is not packed  # type: ignore[attr-defined]
+    assert gemm.packed_weight(w, 8) is not packed
     # The choice is made at 8 rows whatever the batch: a 256-row batch takes the same path.
     assert torch.equal(gemm.packed_linear(x.repeat(32, 1), w)[:8], gemm.packed_linear(x, w))
+
+
+@needs_onednn
+def test_packed_mm_multiplies_by_the_weight_itself() -> None:
+    """``a @ w`` through w's packed transpose (the unembedding's softmax @ W), refreshed after
+    an in-place change like `packed_linear`'s copy."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(4000, 512, generator=gen) / 512**0.5  # [V, D]
+    e = torch.rand(100, 4000, generator=gen)
+    got = gemm.packed_mm(e, w, 128)
+    _close(got, e.double() @ w.double())
+    assert torch.equal(gemm.packed_mm(e, w, 128), got)
+    with torch.no_grad():
+        w.neg_()
+    torch.testing.assert_close(gemm.packed_mm(e, w, 128), -got)
+    # Where oneDNN does not apply (float64 here), torch's product.
+    assert torch.equal(gemm.packed_mm(e.double(), w.double(), 128), e.double() @ w.double())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -196,3 +216,35 @@ def test_linear_keeps_autograd_where_a_graph_is_recorded() -> None:
     (dx,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(dx, w.sum(0).expand(64, -1), rtol=1e-4, atol=1e-4)
     assert gemm.packed_linear(x, w).grad_fn is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("pack", [True, False])
+def test_frozen_head_logprobs_and_gradient_through_packed_weights(
+    pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunked unembedding multiplies a frozen head through packed copies of its weight
+    (forward) and its transpose (softmax @ W) when the weight is small enough, as it is
+    otherwise: log-probs and dL/dh against float64 autograd either way."""
+    from tinker_sr.engine import loss_logprobs
+
+    if not pack:
+        monkeypatch.setattr(loss_logprobs, "PACK_HEAD_MAX_BYTES", 0)
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 96 * 4000)  # chunks of 96 rows
+    gen = torch.Generator().manual_seed(8)
+    head = torch.nn.Linear(512, 4000, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(4000, 512, generator=gen) / 512**0.5)
+    h = torch.randn(300, 512, generator=gen, requires_grad=True)
+    cols = torch.randint(0, 4000, (300, 1), generator=gen)
+    g = torch.randn(300, 1, generator=gen)
+    (logp,), _ = loss_logprobs.head_logprobs([h], [cols], head)
+    (dh,) = torch.autograd.grad(logp, h, g)
+
+    h64 = h.detach().double().requires_grad_()
+    want = torch.log_softmax(h64 @ head.weight.double().t(), -1).gather(1, cols)
+    (want_dh,) = torch.autograd.grad(want, h64, g.double())
+    torch.testing.assert_close(logp.double(), want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(dh.double(), want_dh, rtol=1e-4, atol=2e-5)
+    packed = getattr(head.weight, "_tinker_sr_packed", {})
+    assert sorted(packed) == ([(96, False), (96, True)] if pack else [])

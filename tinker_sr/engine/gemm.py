@@ -18,9 +18,10 @@ fixed cost exceeds the work). The choice depends only on the build, the dtype an
 never on a timing: runs stay bit-identical. ``$TINKER_SR_GEMM=blas`` keeps torch's BLAS
 everywhere (for A/B benchmarks and to compare against another machine's results).
 
-`packed_linear` is decode's variant: the weight reordered once into oneDNN's blocked layout
-(cached on the weight, like `fused.frozen_cast`) for products of a few rows, where reading the
-weight is the whole cost.
+`packed_linear`/`packed_mm` multiply by a weight reordered once into oneDNN's blocked layout
+(`packed_weight`, cached on the weight like `fused.frozen_cast`): decode's products of a few
+rows, where reading the weight is the whole cost, and the unembedding's chunks, where a plain
+weight would be reordered inside every call.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BACKEND_ENV", "linear", "mm", "onednn_fp32", "packed_linear", "uses_onednn"]
+__all__ = [
+    "BACKEND_ENV",
+    "linear",
+    "mm",
+    "onednn_fp32",
+    "packed_linear",
+    "packed_mm",
+    "packed_weight",
+    "uses_onednn",
+]
 
 BACKEND_ENV = "TINKER_SR_GEMM"
 # Below this many multiply-adds a oneDNN call's fixed cost (~7 us) outweighs its speed.
@@ -110,18 +120,43 @@ def _reorder(w: Tensor, rows: int) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)  # type: ignore[no-any-return]
 
 
-def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 8) -> Tensor:
-    """``F.linear(x, w, bias)`` for a few rows (decode) with ``w`` reordered once into
-    oneDNN's layout and kept on ``w`` (reordered again if ``w`` was modified in place since).
-    Whether oneDNN applies is judged at ``rows`` rows, whatever x's row count; where it does
-    not, torch's own op."""
-    tracked = torch.is_grad_enabled() and x.requires_grad  # decode runs in inference mode
-    if tracked or not uses_onednn(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
-        return F.linear(x, w, bias)
-    key = w._version
-    cached = getattr(w, "_tinker_sr_packed", None)
-    if cached is None or cached[0] != key:
+def packed_weight(w: Tensor, rows: int, transpose: bool = False) -> Tensor:
+    """``w`` (``w.t()`` with ``transpose``) reordered once into oneDNN's blocked layout for
+    products of about ``rows`` rows, kept on ``w`` per (rows, transpose) and reordered again
+    if ``w`` was modified in place since. A plain weight is reordered inside every oneDNN call
+    (for a 64 MiB unembedding, ~2.5 ms of each ~20 ms chunk); a transposed view also pays for
+    its strides."""
+    cache: dict[tuple[int, bool], tuple[int, Tensor]] | None = getattr(w, "_tinker_sr_packed", None)
+    if cache is None:
+        cache = {}
+        w._tinker_sr_packed = cache  # type: ignore[attr-defined]
+    hit = cache.get((rows, transpose))
+    if hit is None or hit[0] != w._version:
         with torch.no_grad():
-            cached = (key, _reorder(w.detach(), rows))
-        w._tinker_sr_packed = cached  # type: ignore[attr-defined]
-    return _op()(x, cached[1], bias, "none", [], "")  # type: ignore[misc,no-any-return]
+            src = w.detach().t().contiguous() if transpose else w.detach()
+            hit = (w._version, _reorder(src, rows))
+        cache[(rows, transpose)] = hit
+    return hit[1]
+
+
+def _packs(x: Tensor, w: Tensor, rows: int) -> bool:
+    tracked = torch.is_grad_enabled() and x.requires_grad  # decode runs in inference mode
+    return not tracked and uses_onednn(x, w, rows)
+
+
+def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 8) -> Tensor:
+    """``F.linear(x, w, bias)`` with ``w`` packed for ``rows`` rows (`packed_weight`): decode's
+    products of a few rows, where reading the weight is the whole cost, and the unembedding's
+    chunks. Whether oneDNN applies is judged at ``rows`` rows, whatever x's row count (decode:
+    the same path at every batch size); where it does not, torch's own op."""
+    if not _packs(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
+        return F.linear(x, w, bias)
+    return _op()(x, packed_weight(w, rows), bias, "none", [], "")  # type: ignore[misc,no-any-return]
+
+
+def packed_mm(a: Tensor, w: Tensor, rows: int) -> Tensor:
+    """``a @ w`` (a [M, K], w [K, N]) with ``w.t()`` packed for ``rows`` rows and kept on
+    ``w``: the unembedding's ``softmax @ W``. Where oneDNN does not apply, torch's op."""
+    if not _packs(a, w.t(), rows):
+        return a @ w
+    return _op()(a, packed_weight(w, rows, transpose=True), None, "none", [], "")  # type: ignore[misc,no-any-return]

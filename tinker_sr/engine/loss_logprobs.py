@@ -25,6 +25,11 @@ from tinker_sr.engine.fused import frozen_cast
 _CHUNK_ELEMENTS = (1 << 23) - (1 << 12)
 # False: a frozen head recomputes its live rows in backward too (for A/B benchmarks).
 PRECOMPUTE_HEAD_GRAD = True
+# A frozen float32 head up to this size is multiplied through oneDNN-packed copies of its
+# weight and its transpose (`gemm.packed_weight`, made at the first step and kept: two more
+# copies of the weight, 2 x 62.5 MiB at 32,000 x 512), which saved ~3 % of a 16 x 256 LoRA
+# step there; a larger one (152k x 1024: 2 x 594 MiB) is multiplied as it is.
+PACK_HEAD_MAX_BYTES = 256 << 20
 
 
 class _GatherLogprobs(torch.autograd.Function):
@@ -192,12 +197,12 @@ class _HeadLogprobs(torch.autograd.Function):
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk]
-                z = _chunk_logits(head, low, hc, compute_dtype, buffers)
+                z = _chunk_logits(head, low, hc, compute_dtype, buffers, chunk)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
                 e, total = _exp_rows(z, compute_dtype, lse[a : a + chunk], buffers)
                 if expected is not None and weight is not None:
                     mm_weight = weight if low is None else low
-                    _expected_rows(e, total, mm_weight, hint, a, expected, done)
+                    _expected_rows(e, total, mm_weight, hint, a, expected, done, chunk)
         ctx.save_for_backward(h, cols, lse, expected, done)
         ctx.head, ctx.chunk, ctx.params, ctx.weight = head, chunk, params, weight
         return picked.sub_(lse[:, None])
@@ -227,9 +232,11 @@ def _chunk_logits(
     hc: torch.Tensor,
     compute_dtype: torch.dtype,
     buffers: dict[str, torch.Tensor],
+    rows: int,
 ) -> torch.Tensor:
     """``head(hc)``. A plain head on oneDNN (`gemm`) returns a fresh result, which stays under
-    glibc's mmap threshold (see _CHUNK_ELEMENTS); on torch's own GEMM it writes into one
+    glibc's mmap threshold (see _CHUNK_ELEMENTS), multiplied by the weight packed for ``rows``
+    rows (the chunk size) where it is at most `PACK_HEAD_MAX_BYTES`; on torch's own GEMM it writes into one
     [chunk, V] buffer (in the GEMM's dtype: `_exp_rows` widens low-precision logits) that
     every chunk of the forward reuses, so no chunk pays for fresh memory, allocator tuning or
     not (the unembedding GEMM ran at ~80 % of its speed into freshly mapped 64 MiB chunks).
@@ -241,6 +248,8 @@ def _chunk_logits(
     if weight is None:  # an adapter on the head, or a bias: its own forward
         return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
     if gemm.uses_onednn(hc, weight):  # a fresh result: see _CHUNK_ELEMENTS
+        if _packs_head(weight):
+            return gemm.packed_linear(hc, weight, rows=rows)
         return gemm.linear(hc, weight)
     if "logits" not in buffers:  # the first chunk is the largest
         buffers["logits"] = hc.new_empty((hc.shape[0], weight.shape[0]), dtype=weight.dtype)
@@ -313,17 +322,25 @@ def _expected_rows(
     a: int,
     out: torch.Tensor,
     done: torch.Tensor,
+    chunk: int,
 ) -> None:
     """out[a + i] = softmax @ weight for the chunk's rows in ``hint``, from the chunk's
-    ``e = exp(z - max)`` and its row sums ``total`` (the division runs on the [n, D] result)."""
+    ``e = exp(z - max)`` and its row sums ``total`` (the division runs on the [n, D] result).
+    ``chunk``: the rows per chunk, for which a packed weight is made."""
     n = e.shape[0]
     rows = torch.arange(a, a + n, device=e.device)
     if hint is not None and not bool(hint[a : a + n].all()):
         keep = hint[a : a + n]
         rows, e, total = rows[keep], e[keep], total[keep]
-    got = gemm.mm(e.to(weight.dtype), weight).to(out.dtype)
+    e = e.to(weight.dtype)
+    got = gemm.packed_mm(e, weight, chunk) if _packs_head(weight) else gemm.mm(e, weight)
+    got = got.to(out.dtype)
     out[rows] = got.div_(total[:, None].to(out.dtype))
     done[rows] = True
+
+
+def _packs_head(weight: torch.Tensor) -> bool:
+    return weight.numel() * weight.element_size() <= PACK_HEAD_MAX_BYTES
 
 
 def _recompute_rows(
