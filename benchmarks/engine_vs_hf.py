@@ -310,6 +310,7 @@ def run_child(side: str, work: str, model_dir: Path, args: argparse.Namespace) -
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
     cmd += ["--breakdown"] if args.breakdown else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_OFFLINE": "1"}
+    env.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter on stderr
     if work == "train-bf16":
         env["TINKER_SR_TRAIN_DTYPE"] = "bf16"
     with tempfile.TemporaryDirectory(prefix="tinker-sr-bench-") as store:
