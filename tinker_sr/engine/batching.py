@@ -105,15 +105,15 @@ def force_chunked() -> bool:
 
 
 def _linear(mod: nn.Linear, x: Tensor) -> Tensor:
-    """``mod(x)`` with the base product through `gemm.packed_linear` (decode's rows are few:
+    """``mod(x)`` with every product through `gemm.packed_linear` (decode's rows are few:
     oneDNN on a weight reordered once reads it 2-5x faster than the BLAS, where available)."""
-    y = packed_linear(x, mod.weight, mod.bias, CHUNK)
-    if isinstance(mod, LoraLinear):  # as LoraLinear.forward, the adapter in float32
-        a, b = mod.lora_A.weight, mod.lora_B.weight
-        xa = x.to(a.dtype)
-        delta = packed_linear(packed_linear(xa, a, None, CHUNK), b, None, CHUNK) * mod.scaling
-        y = y + delta.to(x.dtype)
-    return y
+    if isinstance(mod, LoraLinear):  # an adapter on the shared base
+        return mod.forward_with(x, _decode_linear)
+    return _decode_linear(x, mod.weight, mod.bias)
+
+
+def _decode_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    return packed_linear(x, w, bias, CHUNK)
 
 
 def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from torch import Tensor, nn
 from tinker_sr.engine.fused import frozen_linear
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError, check_same_names
+
+# F.linear's signature: (x, weight, bias) -> x @ weight.T + bias.
+LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -55,10 +59,16 @@ class LoraLinear(nn.Linear):
             self.lora_B.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        # The adapter is float32 whatever the base dtype (bf16/fp16 checkpoints): its small
-        # updates would round away in 16 bits, and fp16 gradients overflow.
-        delta = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
-        return frozen_linear(x, self.weight, self.bias) + delta.to(x.dtype)
+        return self.forward_with(x, frozen_linear)
+
+    def forward_with(self, x: Tensor, linear: LinearFn) -> Tensor:
+        """The layer's output with every product (base and adapter) computed by ``linear``
+        (``F.linear``'s signature): decode passes its packed-weight GEMM. The adapter is
+        float32 whatever the base dtype (bf16/fp16 checkpoints): its small updates would
+        round away in 16 bits, and fp16 gradients overflow."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        delta = linear(linear(x.to(a.dtype), a, None), b, None) * self.scaling
+        return linear(x, self.weight, self.bias) + delta.to(x.dtype)
 
     def merged_weight(self) -> Tensor:
         delta = (self.lora_B.weight @ self.lora_A.weight) * self.scaling
