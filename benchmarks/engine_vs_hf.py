@@ -386,7 +386,7 @@ def _report(
         for side, idx in (("tinker_sr", 0), ("HF+peft", 1)):
             rss = statistics.median(r[idx]["peak_rss_gib"] for r in rounds)
             line = f"    {side:<9} peak RSS {rss:.2f} GiB"
-            if work.startswith("train"):
+            if work in ("train", "train-prompt"):  # bf16 products run up to 2x the fp32 peak
                 share = statistics.median(
                     4 * n_params * n_tok / r[idx]["seconds"] / r[idx]["matmul_flops"]["peak"]
                     for r in rounds
@@ -406,14 +406,18 @@ def _report(
             part = {k: statistics.median(b[k] for b in splits) for k in splits[0]}
             peak = statistics.median(e["matmul_flops"]["peak"] for e, _ in rounds)
             total = part["matmul"] + part["attention"] + part["other"]
-            print(
+            line = (
                 f"    tinker_sr profiled step, ops' own time {total:.2f} s: matrix products "
                 f"{part['matmul']:.2f} s ({part['matmul'] / total:.0%}), fused attention "
                 f"{part['attention']:.2f} s ({part['attention'] / total:.0%}), other "
-                f"{part['other']:.2f} s ({part['other'] / total:.0%}); with every non-matmul "
-                f"op at zero time the step would reach "
-                f"{4 * n_params * n_tok / part['matmul'] / peak:.1%} of the peak"
+                f"{part['other']:.2f} s ({part['other'] / total:.0%})"
             )
+            if work == "train":  # 4·N per token is the work done only for fp32, every position
+                line += (
+                    "; with every non-matmul op at zero time the step would reach "
+                    f"{4 * n_params * n_tok / part['matmul'] / peak:.1%} of the peak"
+                )
+            print(line)
 
 
 if __name__ == "__main__":
