@@ -156,7 +156,7 @@ def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 
 
 def packed_mm(a: Tensor, w: Tensor, rows: int) -> Tensor:
     """``a @ w`` (a [M, K], w [K, N]) with ``w.t()`` packed for ``rows`` rows and kept on
-    ``w``: the unembedding's ``softmax @ W``. Where oneDNN does not apply, torch's op."""
+    ``w``: the unembedding's ``softmax @ W``. Where oneDNN does not apply, `mm`."""
     if not _packs(a, w.t(), rows):
-        return a @ w
+        return mm(a, w)
     return _op()(a, packed_weight(w, rows, transpose=True), None, "none", [], "")  # type: ignore[misc,no-any-return]

@@ -236,10 +236,11 @@ def _chunk_logits(
 ) -> torch.Tensor:
     """``head(hc)``. A plain head on oneDNN (`gemm`) returns a fresh result, which stays under
     glibc's mmap threshold (see _CHUNK_ELEMENTS), multiplied by the weight packed for ``rows``
-    rows (the chunk size) where it is at most `PACK_HEAD_MAX_BYTES`; on torch's own GEMM it writes into one
-    [chunk, V] buffer (in the GEMM's dtype: `_exp_rows` widens low-precision logits) that
-    every chunk of the forward reuses, so no chunk pays for fresh memory, allocator tuning or
-    not (the unembedding GEMM ran at ~80 % of its speed into freshly mapped 64 MiB chunks).
+    rows (the chunk size) where it is at most `PACK_HEAD_MAX_BYTES`; on torch's own GEMM it
+    writes into one [chunk, V] buffer (in the GEMM's dtype: `_exp_rows` widens low-precision
+    logits) that every chunk of the forward reuses, so no chunk pays for fresh memory,
+    allocator tuning or not (the unembedding GEMM ran at ~80 % of its speed into freshly
+    mapped 64 MiB chunks).
     ``low``: the head's weight cast for autocast. An adapter on the head: its own forward, in
     ``compute_dtype``."""
     weight = low
