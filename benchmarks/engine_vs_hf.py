@@ -26,7 +26,10 @@ order of the two sides, and the report gives per-round ratios and their median.
 the figures above are unaffected) and splits its time into matrix products (oneDNN and BLAS
 GEMMs, the bf16 attention's batched products), torch's fused attention and everything else,
 with the bound that split puts on the share of the peak: 4·N per token over the time of the
-matrix products alone, i.e. the share the step would reach if all other work took no time.
+matrix products alone, i.e. the share the step would reach if all other work took no time,
+and a floor under the step with those products: attention's own products at the peak, the
+activations kept for backward written and read once at the copy bandwidth and one exp per
+logit at torch's exp rate, each measured in the same process (see ``_step_floor``).
 
     pip install -e '.[bench]'                      # transformers + peft
     python benchmarks/engine_vs_hf.py              # B=16 T=256, 3 rounds (slow on 2 cores)
@@ -151,6 +154,7 @@ def engine_train(
     result = _time(step, reps)
     if breakdown:
         result["breakdown"] = _profile_step(step)
+        result["floor"] = _step_floor(model_dir, batch, seq, result["matmul_flops"]["peak"])
     return result
 
 
@@ -192,6 +196,47 @@ def _profile_step(step: Any) -> dict[str, float]:
     finally:
         training.forward_backward, training.optim_step = saved
     return split
+
+
+def _step_floor(model_dir: str, batch: int, seq: int, peak: float) -> dict[str, float]:
+    """What a train step needs besides its 4·N matrix products, each at a rate measured here:
+    attention's own products (causal: half of the T x T blocks; forward QK^T and PV, backward
+    those again plus dV, dP, dQ, dK: 7 products, not counted in 4·N) at the matmul peak; the
+    activations the forward keeps for backward (`model.activation_bytes`) written once and
+    read once at this machine's copy bandwidth; and one exp per logit of the loss at torch's
+    exp rate. Added to the measured matrix products this is a floor no implementation with
+    these products gets under (it leaves out the gradients flowing between layers, the
+    norms' and the loss's other passes, and all per-op overhead)."""
+    import torch
+
+    from tinker_sr.engine.model import activation_bytes, config_from_hf
+
+    config = config_from_hf(json.loads((Path(model_dir) / "config.json").read_text()), "bench")
+    tokens = batch * seq
+    n = 32 << 20  # 128 MiB per side: far beyond the caches
+    src, dst = torch.randn(n), torch.empty(n)
+    copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
+    bandwidth = 2 * 4 * n / copy  # bytes read + written per second
+    z = torch.randn(256, config.vocab_size)
+    exp_rate = z.numel() / min(
+        _seconds(lambda: torch.exp(z, out=dst[: z.numel()])) for _ in range(5)
+    )
+    head = config.head_dim * config.n_heads
+    attn_flops = 7 * 2 * batch * seq * seq * head / 2 * config.n_layers
+    act = activation_bytes(config, tokens)
+    return {
+        "bandwidth": bandwidth,
+        "exp_rate": exp_rate,
+        "attention": attn_flops / peak,
+        "activations": 2 * act / bandwidth,
+        "loss_exp": tokens * config.vocab_size / exp_rate,
+    }
+
+
+def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def hf_model(model_dir: str) -> Any:
@@ -418,6 +463,19 @@ def _report(
                     f"{4 * n_params * n_tok / part['matmul'] / peak:.1%} of the peak"
                 )
             print(line)
+            floors = [e["floor"] for e, _ in rounds if "floor" in e]
+            if work == "train" and floors:
+                f = {k: statistics.median(x[k] for x in floors) for k in floors[0]}
+                least = part["matmul"] + f["attention"] + f["activations"] + f["loss_exp"]
+                print(
+                    f"    floor of the step with these matrix products: {least:.2f} s = "
+                    f"{4 * n_params * n_tok / least / peak:.1%} of the peak (products "
+                    f"{part['matmul']:.2f} s as profiled; attention's products at the peak "
+                    f"{f['attention']:.3f} s; activations written and read once at "
+                    f"{f['bandwidth'] / 1e9:.0f} GB/s {f['activations']:.3f} s; one exp per "
+                    f"logit at {f['exp_rate'] / 1e9:.1f} G/s {f['loss_exp']:.3f} s). 80 % of "
+                    f"the peak is a {4 * n_params * n_tok / (0.8 * peak):.2f} s step."
+                )
 
 
 if __name__ == "__main__":
