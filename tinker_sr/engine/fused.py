@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinker_sr.engine import gemm
+from tinker_sr.engine import compiled, gemm
 
 # False: always the per-layer path (for A/B benchmarks and the equivalence tests).
 ENABLED = True
@@ -227,6 +227,10 @@ def _group_grads(
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` with one result buffer (bit-identical to the two-op form)."""
+    if compiled.use(gate, up):
+        fused = compiled.call("silu_mul", gate, up)
+        if fused is not None:
+            return fused  # type: ignore[no-any-return]
     h = F.silu(gate)
     return h.mul_(up) if h.dtype == torch.result_type(h, up) else h * up
 
@@ -314,11 +318,17 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         gate_up, w, a, b = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
-        silu = F.silu(gate)
-        h = silu * up  # bit-identical to the forward's value
+        fuse = compiled.use(gate_up, dy)
+        silu = None if fuse else F.silu(gate)
+        h = _silu_mul(gate, up) if silu is None else silu * up  # the forward's value, bitwise
         dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], ctx.scaling, True)
         del h
         assert dh is not None  # a fresh GEMM result: _swiglu_grads may overwrite it
+        if silu is None:
+            d_gate_up = compiled.call("swiglu_backward", gate_up, dh)
+            if d_gate_up is not None:
+                return d_gate_up, None, None, da, db
+            silu = F.silu(gate)
         d_gate_up = torch.empty_like(gate_up)
         d_gate, d_up = d_gate_up.chunk(2, dim=-1)
         _swiglu_grads(gate, up, dh, silu, out=(d_gate, d_up))
@@ -339,6 +349,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if compiled.use(x, weight):
+        fused = compiled.call("rms_norm", x, weight, eps)
+        if fused is not None:
+            return fused  # type: ignore[no-any-return]
     x32 = x.float()
     r = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     n = (x32 * r).to(x.dtype)
@@ -358,6 +372,10 @@ class _RMSNorm(torch.autograd.Function):
         # out = w * n, n = x r, r = (mean(x^2) + eps)^-1/2:
         # dL/dx = r (g w - n mean(g w n)),  dL/dw = sum over rows of g n.
         x, weight, r = ctx.saved_tensors
+        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1] and compiled.use(g, x, weight):
+            dx = compiled.call("rms_norm_backward", g, x, weight, r)
+            if dx is not None:
+                return dx, None, None
         n = x.float() * r
         dw = None
         if ctx.needs_input_grad[1]:
@@ -380,6 +398,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     """[x1, x2] -> [x1 c - x2 s, x2 c + x1 s] (inverse: the signs of s flipped)."""
+    if compiled.use(x, cos, sin):
+        fused = compiled.call("rope_inverse" if inverse else "rope", x, cos, sin)
+        if fused is not None:
+            return fused  # type: ignore[no-any-return]
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]

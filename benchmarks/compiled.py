@@ -1,0 +1,106 @@
+"""The optional compiled kernels (``$TINKER_SR_COMPILE=1``, `tinker_sr/engine/compiled.py`)
+against the eager engine: one LoRA train step, both ways, in one process.
+
+The same training client runs its step with the compiled kernels switched on and off in
+alternating order (the switch is read per call, so nothing else changes between the two:
+same weights, same batch, same oneDNN products; learning rate 0 so every step sees the same
+weights). Reports the one-time compile cost (the first compiled step minus an eager one),
+per-pair time ratios compiled / eager and their median, and the largest relative difference
+of the loss between the two (float32 rounding: the norms' sums run in another order).
+
+The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; needs the
+``bench`` extra for transformers); ``--model tinker-sr/small`` needs nothing extra.
+
+    python benchmarks/compiled.py                       # Qwen3 dir, 16 x 256, 5 pairs
+    python benchmarks/compiled.py --model tinker-sr/small --batch 8 --seq 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-bench", help="qwen3-bench, a name or a dir")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+
+    import tinker_sr as tinker
+    from tinker_sr.engine import compiled
+    from tinker_sr.engine.cpu import describe_machine
+
+    print(describe_machine())
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-compiled-") as tmp:
+        os.environ["TINKER_SR_STORE"] = str(Path(tmp) / "store")
+        model = args.model
+        if model == "qwen3-bench":
+            from engine_vs_hf import make_model_dir
+
+            model = str(make_model_dir(Path(tmp) / "qwen3"))
+        types = tinker.types
+        rows = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator())
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(r[:-1]),
+                loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * args.seq},
+            )
+            for r in rows.tolist()
+        ]
+        training = (
+            tinker.ServiceClient()
+            .create_lora_training_client(base_model=model, rank=8, seed=0, train_unembed=False)
+            .result()
+        )
+
+        def step(on: bool) -> tuple[float, float]:
+            os.environ[compiled.ENV] = "1" if on else "0"
+            compiled.enabled.cache_clear()
+            start = time.perf_counter()
+            out = training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=0.0)).result()
+            return time.perf_counter() - start, out.metrics["loss:sum"]
+
+        print(f"model {args.model}, LoRA r8, train step {args.batch} x {args.seq}, fp32")
+        eager_first, _ = step(False)
+        compile_first, _ = step(True)
+        if compiled.failure():
+            sys.exit(f"compiled kernels unavailable here: {compiled.failure()}")
+        print(f"first steps: eager {eager_first:.2f} s, compiled {compile_first:.2f} s (compiles)")
+        times: dict[bool, list[float]] = {False: [], True: []}
+        losses: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(args.pairs):
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                seconds, loss = step(on)
+                times[on].append(seconds)
+                losses[on].append(loss)
+        ratios = [c / e for e, c in zip(times[False], times[True], strict=True)]
+        diff = max(abs(c - e) / abs(e) for e, c in zip(losses[False], losses[True], strict=True))
+        for on, name in ((False, "eager"), (True, "compiled")):
+            print(
+                f"{name:>8}: median {statistics.median(times[on]):.3f} s per step ("
+                + ", ".join(f"{t:.3f}" for t in times[on])
+                + ")"
+            )
+        print(
+            f"compiled / eager time: median {statistics.median(ratios):.3f} (pairs: "
+            + ", ".join(f"{r:.3f}" for r in ratios)
+            + f"); loss relative difference <= {diff:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

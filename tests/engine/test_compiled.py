@@ -1,0 +1,229 @@
+"""The optional compiled kernels (`engine.compiled`, ``$TINKER_SR_COMPILE=1``) against the
+eager engine: same forward values and gradients to float32 rounding, the kernels really ran,
+one compile serves every batch shape, and a failed compile falls back to eager with a warning.
+Skipped where torch.compile cannot build C++ here (no compiler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tinker_sr.engine import compiled, fused
+from tinker_sr.engine.lora import LoraSpec, apply_lora, trainable_parameters
+from tinker_sr.engine.model import BUILTIN_CONFIGS, build_model
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None,
+    reason="torch.compile's CPU backend needs a C++ compiler",
+)
+
+KERNELS = {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul", "swiglu_backward"}
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Names of the compiled kernels that ran (and returned a result)."""
+    names: list[str] = []
+    original = compiled.call
+
+    def call(name: str, *args: Any) -> Any:
+        out = original(name, *args)
+        if out is not None:
+            names.append(name)
+        return out
+
+    monkeypatch.setattr(compiled, "call", call)
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
+    monkeypatch.setattr(compiled, "_failure", None)
+    yield names
+    compiled.enabled.cache_clear()
+
+
+def _switch(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    monkeypatch.setenv(compiled.ENV, "1" if on else "0")
+    compiled.enabled.cache_clear()
+
+
+def _model() -> torch.nn.Module:
+    config = dataclasses.replace(BUILTIN_CONFIGS["tinker-sr/tiny"], qk_norm=True)
+    model = build_model(config)
+    apply_lora(model, LoraSpec(rank=4, seed=0))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainable_parameters(model):
+            if "lora_B" in name:  # B = 0 at init would hide the adapter's gradient paths
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _step(tokens: torch.Tensor) -> list[torch.Tensor]:
+    model = _model()
+    logits = model(tokens)
+    (logits.logsumexp(-1) - logits[..., 3]).sum().backward()
+    return [logits.detach()] + [p.grad for _, p in trainable_parameters(model)]  # type: ignore[misc]
+
+
+def test_a_training_step_matches_the_eager_engine(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+    _switch(monkeypatch, False)
+    want = _step(tokens)
+    assert not ran
+    _switch(monkeypatch, True)
+    got = _step(tokens)
+    assert set(ran) == KERNELS, set(ran) ^ KERNELS
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+    ran.clear()
+    again = _step(tokens)  # the same compiled kernels: bit-identical
+    for a, b in zip(again, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_each_kernel_matches_its_eager_twin(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, 4, 32, generator=gen)
+    w = torch.randn(32, generator=gen)
+    angles = torch.randn(40, 16, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    gate_up = torch.randn(2, 300, 64, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        y = fused.rms_norm(xs, w, 1e-6)
+        z = fused.rope(y.transpose(1, 2), cos, sin)  # a strided view, as in attention
+        g = gate_up.clone().requires_grad_()
+        h = fused.swiglu(*g.chunk(2, -1))
+        (z.square().sum() + (h * h.detach().sin()).sum()).backward()
+        assert xs.grad is not None and g.grad is not None
+        return [y.detach(), z.detach(), h.detach(), xs.grad, g.grad]
+
+    _switch(monkeypatch, False)
+    want = run()
+    _switch(monkeypatch, True)
+    got = run()
+    assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_one_compile_serves_every_batch_shape(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._dynamo.utils import counters
+
+    _switch(monkeypatch, True)
+    w = torch.randn(64)
+    for batch in (1, 2):  # warm: dynamic shapes still specialise a size of 1 (and 0)
+        fused.rms_norm(torch.randn(batch, 40, 64), w, 1e-6)
+    before = counters["stats"]["unique_graphs"]
+    for shape in ((3, 77, 64), (5, 130, 64), (1, 999, 64), (16, 256, 64)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(
+            fused.rms_norm(x, w, 1e-6),
+            x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w,
+        )
+    assert counters["stats"]["unique_graphs"] == before
+    assert ran.count("rms_norm") == 6
+
+
+def test_a_failed_compile_warns_once_and_keeps_eager(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error\nmore lines")
+
+    monkeypatch.setattr(compiled, "_kernels", lambda: dict.fromkeys(KERNELS, broken))
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    _switch(monkeypatch, False)
+    want = _step(tokens)
+    _switch(monkeypatch, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _step(tokens)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "C++ compiler" in messages[0] and compiled.ENV in messages[0]
+    assert "CppCompileError" in (compiled.failure() or "")
+    assert not ran
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)  # the eager path exactly
+
+
+@pytest.mark.parametrize("raw", ["2", "yes please"])
+def test_a_bad_setting_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.ENV, raw)
+    compiled.enabled.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=compiled.ENV):
+            compiled.enabled()
+    finally:
+        monkeypatch.delenv(compiled.ENV)
+        compiled.enabled.cache_clear()
+
+
+def test_off_by_default_and_never_for_small_or_non_float32_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(compiled.ENV, raising=False)
+    compiled.enabled.cache_clear()
+    big = torch.randn(compiled.MIN_ELEMENTS)
+    assert not compiled.use(big)
+    _switch(monkeypatch, True)
+    try:
+        assert compiled.use(big)
+        assert not compiled.use(big[:100])
+        assert not compiled.use(big.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not compiled.use(big)
+        with torch.inference_mode():  # sampling
+            assert not compiled.use(big)
+    finally:
+        compiled.enabled.cache_clear()
+
+
+def test_the_public_client_trains_and_samples_with_compiled_kernels(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``$TINKER_SR_COMPILE=1`` as a user sets it: the embedded engine's training step runs
+    the compiled kernels on its worker thread and gives the eager loss to float32 rounding;
+    a sampler beside it keeps the eager kernels (inference mode)."""
+    from tests.conftest import embedded_client
+    from tinker_sr import types
+
+    rows = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0)).tolist()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * 64},
+        )
+        for r in rows
+    ]
+
+    def run(on: bool, store: str) -> tuple[float, list[str]]:
+        _switch(monkeypatch, on)
+        with embedded_client(tmp_path / store) as service:
+            training = service.create_lora_training_client("tinker-sr/tiny", rank=4, seed=0)
+            out = training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            trained = len(ran)
+            sampler = training.save_weights_and_get_sampling_client()
+            params = types.SamplingParams(max_tokens=8, seed=0)
+            prompt = types.ModelInput.from_ints(rows[0][:40])
+            got = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
+            assert len(ran) == trained  # sampling ran no compiled kernel
+            return float(out.metrics["loss:sum"]), [s.tokens for s in got.sequences]
+
+    want, _ = run(False, "eager")
+    got, tokens = run(True, "compiled")
+    assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
+    assert abs(got - want) <= 1e-5 * abs(want)
+    assert all(len(t) == 8 for t in tokens)
