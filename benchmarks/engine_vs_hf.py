@@ -215,11 +215,11 @@ def _step_floor(model_dir: str, batch: int, seq: int, peak: float) -> dict[str, 
     tokens = batch * seq
     n = 32 << 20  # 128 MiB per side: far beyond the caches
     src, dst = torch.randn(n), torch.empty(n)
-    copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
+    copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(10))
     bandwidth = 2 * 4 * n / copy  # bytes read + written per second
     z = torch.randn(256, config.vocab_size)
     exp_rate = z.numel() / min(
-        _seconds(lambda: torch.exp(z, out=dst[: z.numel()])) for _ in range(5)
+        _seconds(lambda: torch.exp(z, out=dst[: z.numel()].view_as(z))) for _ in range(5)
     )
     head = config.head_dim * config.n_heads
     attn_flops = 7 * 2 * batch * seq * seq * head / 2 * config.n_layers
