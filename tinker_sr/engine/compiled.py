@@ -12,23 +12,28 @@ the machine's C++ compiler):
 
 The matrix products, attention and the loss stay as they are (the products run on oneDNN,
 faster than what inductor would call for them). Measured on the 16 x 256 benchmark step
-(docs/performance.md): ~7 % less time per step, after a one-time compile of ~10-60 s per
-process (inductor caches the generated code on disk, so later processes start faster).
+(docs/performance.md, `benchmarks/compiled.py`): ~5 % less time per step (1-9 % over four
+runs), nothing at 8 x 128, after a one-time compile of ~5-20 s per process (inductor keeps
+the generated code in a disk cache, so later processes compile faster).
 
 Used only where it pays and is safe: float32 CPU tensors of at least `MIN_ELEMENTS`
 elements (training-sized), outside autocast and outside inference mode: the samplers (decode
 and prefill, which run in inference mode on their own worker thread beside training) keep
-the eager kernels, so their many small shapes never trigger a compile. Shapes are compiled dynamic, so an RL loop whose
-batch shape changes every step does not recompile. Results match the eager path to float32
-rounding (the summation order of the norms' means differs), and are bit-identical from run
-to run. If compiling fails (no C++ compiler, an unsupported torch build), the engine warns
-once and keeps the eager path for the rest of the process.
+the eager kernels, so their many small shapes never trigger a compile. Shapes are compiled
+dynamic, so an RL loop whose batch shape changes every step does not recompile per shape.
+Results match the eager path to float32 rounding (the norms' sums run in another order) and
+are bit-identical from run to run. Each kernel's first call compiles it and logs that (INFO,
+logger ``tinker_sr.engine``: the first large step takes seconds longer). If compiling fails
+(no C++ compiler, an unsupported torch build), the engine warns once and keeps the eager
+path for the rest of the process.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +48,8 @@ ENV = "TINKER_SR_COMPILE"
 MIN_ELEMENTS = 1 << 16
 
 _failure: str | None = None
+_compiled: set[str] = set()  # kernels whose first call (the compile) has returned
+log = logging.getLogger("tinker_sr.engine")
 
 
 @functools.cache
@@ -72,7 +79,14 @@ def call(name: str, *args: Any) -> Any | None:
     """Run kernel ``name``; None where compiling failed (the caller runs its eager code)."""
     global _failure
     try:
-        return _kernels()[name](*args)
+        if name in _compiled:
+            return _kernels()[name](*args)
+        log.info("%s=1: compiling the fused kernel %r (first use)", ENV, name)
+        start = time.perf_counter()
+        out = _kernels()[name](*args)
+        _compiled.add(name)
+        log.info("compiled %r in %.1f s", name, time.perf_counter() - start)
+        return out
     except Exception as exc:  # a compile failure: inductor, the C++ compiler, dynamo
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         warnings.warn(
