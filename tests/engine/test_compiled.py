@@ -6,6 +6,7 @@ Skipped where torch.compile cannot build C++ here (no compiler)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tinker_sr.engine import compiled, fused
+from tinker_sr.engine import compiled, fused, native
 from tinker_sr.engine.lora import LoraSpec, apply_lora, trainable_parameters
 from tinker_sr.engine.model import BUILTIN_CONFIGS, build_model
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 KERNELS = {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul", "swiglu_backward"}
+EVERYTHING = KERNELS | {"attention"}
 
 
 @pytest.fixture
@@ -39,6 +41,15 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return out
 
     monkeypatch.setattr(compiled, "call", call)
+    attention = compiled.attention
+
+    def attend(*args: Any) -> Any:
+        out = attention(*args)
+        if out is not None:
+            names.append("attention")
+        return out
+
+    monkeypatch.setattr(compiled, "attention", attend)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
     yield names
@@ -78,7 +89,7 @@ def test_a_training_step_matches_the_eager_engine(
     assert not ran
     _switch(monkeypatch, True)
     got = _step(tokens)
-    assert set(ran) == KERNELS, set(ran) ^ KERNELS
+    assert set(ran) == EVERYTHING, set(ran) ^ EVERYTHING
     for a, b in zip(got, want, strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
     ran.clear()
@@ -143,6 +154,8 @@ def test_a_failed_compile_warns_once_and_keeps_eager(
         raise RuntimeError("InductorError: CppCompileError: C++ compile error\nmore lines")
 
     monkeypatch.setattr(compiled, "_kernels", lambda: dict.fromkeys(KERNELS, broken))
+    monkeypatch.setattr(compiled, "_attention_library", lambda: None)
+    monkeypatch.setattr(native, "failure", lambda name: "RuntimeError: no C compiler on PATH")
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     _switch(monkeypatch, False)
     want = _step(tokens)
@@ -151,7 +164,8 @@ def test_a_failed_compile_warns_once_and_keeps_eager(
         warnings.simplefilter("always")
         got = _step(tokens)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and "C++ compiler" in messages[0] and compiled.ENV in messages[0]
+    assert len(messages) == 1 and compiled.ENV in messages[0], messages
+    assert "C++ compiler" in messages[0] or "C compiler" in messages[0]
     assert "CppCompileError" in (compiled.failure() or "")
     assert not ran
     for a, b in zip(got, want, strict=True):
@@ -227,3 +241,117 @@ def test_the_public_client_trains_and_samples_with_compiled_kernels(
     assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
     assert abs(got - want) <= 1e-5 * abs(want)
     assert all(len(t) == 8 for t in tokens)
+
+
+# ---- the C attention kernel --------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_cache(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fresh kernel cache directory; the C library built into it for this test."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
+    native.load.cache_clear()
+    compiled._attention_library.cache_clear()
+    _switch(monkeypatch, True)
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)
+    monkeypatch.setattr(compiled, "_failure", None)
+    yield tmp_path / "kernels"
+    native.load.cache_clear()
+    compiled._attention_library.cache_clear()
+    compiled.enabled.cache_clear()
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, native_kernel: bool
+) -> list[torch.Tensor]:
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    if native_kernel:
+        assert compiled.use_attention(q, k, v)
+        out = compiled.attention(q, k, v)
+        assert out is not None
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    out.backward(go)
+    return [out.detach(), q.grad, k.grad, v.grad]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "shape",  # B, H, KV, T, D: grouped and plain heads, T off the 64-block, head sizes
+    [
+        (2, 4, 2, 100, 64),
+        (1, 2, 1, 37, 32),
+        (3, 6, 3, 130, 48),
+        (1, 2, 2, 64, 128),
+        (4, 8, 4, 1, 64),
+    ],
+)
+def test_attention_kernel_matches_float64_sdpa(shape: tuple[int, ...], kernel_cache: Any) -> None:
+    b, h, kv, t, d = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(b, n, t, d, generator=gen) for n in (h, kv, kv))
+    go = torch.randn(b, h, t, d, generator=gen)
+    got = _attend(q, k, v, go, native_kernel=True)
+    want = _attend(q.double(), k.double(), v.double(), go.double(), native_kernel=False)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        err = float((a.double() - w).abs().max() / max(float(w.abs().max()), 1.0))
+        assert err < 2e-6, (name, err)
+    assert got[0].transpose(1, 2).is_contiguous()  # [B, T, H, D] underneath: no copy for o_proj
+
+
+def test_attention_kernel_is_bit_identical_whatever_the_thread_count(kernel_cache: Any) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, n, 200, 64, generator=gen) for n in (4, 2, 2))
+    go = torch.randn(3, 4, 200, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(q, k, v, go, native_kernel=True)
+        torch.set_num_threads(max(2, threads))
+        more = _attend(q, k, v, go, native_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, more, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_kernel_library_is_cached_per_cpu(
+    kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = native._compiler()
+    assert compiler is not None
+    assert native.load("causal_attention") is not None
+    built = native.library_path("causal_attention", compiler)
+    assert built.exists() and built.parent == kernel_cache
+    assert [p.name for p in kernel_cache.iterdir()] == [built.name]  # no temporary left over
+    real = native._cpuinfo_field
+    monkeypatch.setattr(
+        native, "_cpuinfo_field", lambda f: "other flags" if f == "flags" else real(f)
+    )
+    assert native.library_path("causal_attention", compiler) != built  # never reused there
+
+
+def test_no_compiler_falls_back_to_torch_attention(
+    kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert compiled.attention(q, q[:, :1], q[:, :1]) is None
+    assert "no C compiler" in (compiled.failure() or "")
+    assert not compiled.use_attention(q, q[:, :1], q[:, :1])  # eager from now on
+    assert not list(kernel_cache.glob("*.so"))
+
+
+def test_attention_scale_and_unsupported_shapes(kernel_cache: Any) -> None:
+    q = torch.randn(1, 2, 64, 24)  # head size not a multiple of 16: torch's kernel
+    assert not compiled.use_attention(q, q, q)
+    q = torch.randn(1, 3, 64, 32)  # 3 query heads over 2 KV heads
+    assert not compiled.use_attention(q, q[:, :2], q[:, :2])
+    q = torch.randn(1, 1, 64, 32)
+    out = compiled.attention(q, q, q)
+    assert out is not None
+    scores = (q @ q.transpose(-1, -2)) / math.sqrt(32)
+    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out, scores.softmax(-1) @ q, rtol=1e-5, atol=1e-5)

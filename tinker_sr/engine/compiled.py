@@ -30,8 +30,10 @@ path for the rest of the process.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import math
 import os
 import time
 import warnings
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "MIN_ELEMENTS", "call", "enabled", "failure", "use"]
+__all__ = ["ENV", "MIN_ELEMENTS", "attention", "call", "enabled", "failure", "use", "use_attention"]
 
 ENV = "TINKER_SR_COMPILE"
 # Below this many elements a kernel's call overhead (guards, dispatch) outweighs the fusion.
@@ -102,6 +104,119 @@ def call(name: str, *args: Any) -> Any | None:
 def failure() -> str | None:
     """Why compiled kernels were switched off in this process, or None."""
     return _failure
+
+
+# ---- causal attention: a C kernel (csrc/causal_attention.c) ---------------------------------
+
+ATTENTION_BLOCK = 64  # the C kernel's block of queries and keys (its padding unit)
+
+
+def use_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Can `attention` take these [B, H, T, D] / [B, KV, T, D] operands? (As `use`, and a
+    head size that is a multiple of 16, whole query groups.)"""
+    return (
+        q.dim() == 4
+        and q.shape[-1] % 16 == 0
+        and q.shape[1] % k.shape[1] == 0
+        and k.shape == v.shape
+        and use(q, k, v)
+    )
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """Causal attention of q [B, H, T, D] over k, v [B, KV, T, D] (H a multiple of KV: grouped
+    queries), scaled by 1/sqrt(D), like ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=True, enable_gqa=True)``; None where the C kernel could not be built (the
+    caller uses torch's). The result is a [B, H, T, D] view of a [B, T, H, D] tensor: the
+    layout the output projection reads, so transposing it back costs no copy."""
+    global _failure
+    lib = _attention_library()
+    if lib is None:
+        from tinker_sr.engine import native
+
+        _failure = native.failure("causal_attention")
+        warnings.warn(
+            f"${ENV}=1: the C attention kernel is unavailable ({_failure}); the engine keeps "
+            f"its eager kernels for the rest of this process. Unset {ENV} to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return _CausalAttention.apply(q, k, v)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _attention_library() -> Any | None:
+    from tinker_sr.engine import native
+
+    lib = native.load("causal_attention")
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.tsr_attention_forward.argtypes = [p] * 5 + [i] * 6 + [ctypes.c_float, i]
+    lib.tsr_attention_forward.restype = None
+    lib.tsr_attention_backward.argtypes = [p] * 12 + [i] * 6 + [ctypes.c_float, i]
+    lib.tsr_attention_backward.restype = None
+    log.info("%s=1: C attention kernel loaded", ENV)
+    return lib
+
+
+def _padded(x: Tensor, tp: int, transpose: bool) -> Tensor:
+    """x [..., T, D] as a zero-padded [..., Tp, D] (or, transposed, [..., D, Tp]) copy."""
+    *lead, t, d = x.shape
+    if transpose:
+        out = x.new_zeros(*lead, d, tp)
+        out[..., :t].copy_(x.transpose(-1, -2))
+    else:
+        out = x.new_zeros(*lead, tp, d)
+        out[..., :t, :].copy_(x)
+    return out
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # type: ignore[override]
+        b, h, t, d = q.shape
+        kv = k.shape[1]
+        tp = -(-t // ATTENTION_BLOCK) * ATTENTION_BLOCK
+        q = q.contiguous()
+        kt, vp = _padded(k, tp, transpose=True), _padded(v, tp, transpose=False)
+        o, lse = q.new_empty(b, t, h, d), q.new_zeros(b, h, tp)
+        scale = 1.0 / math.sqrt(d)
+        lib = _attention_library()
+        assert lib is not None  # `attention` checked
+        lib.tsr_attention_forward(
+            _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
+            b, h, kv, t, tp, d, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(q, kt, vp, o, lse)
+        return o.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        q, kt, vp, o, lse = ctx.saved_tensors
+        b, h, t, d = q.shape
+        kv, tp = kt.shape[1], kt.shape[-1]
+        go = grad.transpose(1, 2).contiguous()  # [B, T, H, D]: no copy for the model's grad
+        qt = _padded(q, tp, transpose=True)
+        got = _padded(grad, tp, transpose=True)
+        kp = kt.transpose(-1, -2).contiguous()
+        dl = q.new_zeros(b, h, tp)
+        dl[..., :t].copy_((go * o).sum(-1).transpose(1, 2))
+        dqt = q.new_zeros(b, h, d, tp)
+        dk, dv = q.new_empty(b, kv, t, d), q.new_empty(b, kv, t, d)
+        lib = _attention_library()
+        assert lib is not None
+        lib.tsr_attention_backward(
+            _ptr(qt), _ptr(q), _ptr(kp), _ptr(vp), _ptr(kt), _ptr(go), _ptr(got),
+            _ptr(lse), _ptr(dl), _ptr(dqt), _ptr(dk), _ptr(dv),
+            b, h, kv, t, tp, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
+        )  # fmt: skip
+        return dqt[..., :t].transpose(-1, -2), dk, dv
 
 
 # ---- the kernels (their eager twins are in fused.py) -----------------------------------------

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tinker_sr.engine import compiled
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.fused import (
     apply_linear,
@@ -245,6 +246,10 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with torch.autocast(kind, enabled=False):
             q, k, v = q.float(), k.float(), v.float()
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if compiled.use_attention(q, k, v):  # $TINKER_SR_COMPILE=1: the C kernel
+        y = compiled.attention(q, k, v)
+        if y is not None:
+            return y
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 

@@ -1,0 +1,222 @@
+/* Causal self-attention (grouped-query heads) in float32 for a CPU, forward and backward,
+   flash-style: scores are formed one [64 x 64] block at a time and never stored whole; the
+   forward keeps a per-row logsumexp, the backward recomputes each block's probabilities.
+
+   Part of tinker_sr (engine/native.py builds it with the machine's C compiler, at first use,
+   with -O3 -march=native -fopenmp). Written with GCC/Clang vector extensions: 16-float vectors
+   that the compiler maps to AVX-512, AVX2 or whatever the CPU has. Every block product goes
+   through one register-blocked kernel (`gemm_nn`: 4 rows x 64 columns of accumulators).
+   Parallel over independent units (forward: a head's block of 64 queries; backward: a batch
+   row's KV head, which owns its keys' and its query heads' gradients), each computed whole
+   by one thread: results do not depend on the thread count or the schedule.
+
+   Layouts (all float32, C-contiguous; Tp = T rounded up to 64, padding zero-filled):
+     q   [B, H, T, D]    kt [B, KV, D, Tp] (K transposed)   vp, kp [B, KV, Tp, D]
+     o   [B, T, H, D]    (the output: heads side by side, as the output projection reads it)
+     lse [B, H, Tp]      logsumexp of each query's scaled scores
+   D must be a multiple of 16 and H a multiple of KV. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int tsr_attention_abi(void) { return 1; }
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define VL 16
+#define BR 64   /* query rows per block */
+#define BC 64   /* key rows per block */
+
+static inline v16 vload(const float *p) { return *(const v16 *)p; }
+static inline void vstore(float *p, v16 x) { *(v16 *)p = x; }
+static inline v16 vset1(float x) { return (v16){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
+
+/* C[m x n] (+)= A[m x k] (lda) * B[k x n] (ldb), C ldc; n % 16 == 0. */
+static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
+                    float *C, int ldc, int accumulate) {
+  for (int j0 = 0; j0 < n; j0 += 64) {
+    int nv = (n - j0) >= 64 ? 4 : (n - j0) / VL;
+    int i = 0;
+    for (; i + 4 <= m; i += 4) {
+      v16 acc[4][4];
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++)
+          acc[r][c] = (accumulate && c < nv) ? vload(C + (size_t)(i + r) * ldc + j0 + c * VL) : vset1(0.f);
+      const float *a0 = A + (size_t)i * lda;
+      if (nv == 4) {
+        for (int p = 0; p < k; p++) {
+          const float *b = B + (size_t)p * ldb + j0;
+          v16 b0 = vload(b), b1 = vload(b + 16), b2 = vload(b + 32), b3 = vload(b + 48);
+          for (int r = 0; r < 4; r++) {
+            v16 a = vset1(a0[(size_t)r * lda + p]);
+            acc[r][0] += a * b0; acc[r][1] += a * b1; acc[r][2] += a * b2; acc[r][3] += a * b3;
+          }
+        }
+      } else {
+        for (int p = 0; p < k; p++) {
+          const float *b = B + (size_t)p * ldb + j0;
+          for (int r = 0; r < 4; r++) {
+            v16 a = vset1(a0[(size_t)r * lda + p]);
+            for (int c = 0; c < nv; c++) acc[r][c] += a * vload(b + c * VL);
+          }
+        }
+      }
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nv; c++) vstore(C + (size_t)(i + r) * ldc + j0 + c * VL, acc[r][c]);
+    }
+    for (; i < m; i++) {
+      v16 acc[4];
+      for (int c = 0; c < nv; c++) acc[c] = accumulate ? vload(C + (size_t)i * ldc + j0 + c * VL) : vset1(0.f);
+      for (int p = 0; p < k; p++) {
+        v16 a = vset1(A[(size_t)i * lda + p]);
+        for (int c = 0; c < nv; c++) acc[c] += a * vload(B + (size_t)p * ldb + j0 + c * VL);
+      }
+      for (int c = 0; c < nv; c++) vstore(C + (size_t)i * ldc + j0 + c * VL, acc[c]);
+    }
+  }
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+static inline v16 vsel(vi16 mask, v16 a, v16 b) { /* mask ? a : b, lane-wise */
+  return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+/* exp for a vector, |rel err| ~ 2e-7 (Cephes expf), exp(x) = 0 for x < -87.3. */
+static inline v16 vexp(v16 x) {
+  const v16 hi = vset1(88.3762626647949f), lo = vset1(-87.3365478515625f);
+  v16 xc = vsel(x > hi, hi, vsel(x < lo, lo, x));
+  v16 fx = xc * vset1(1.44269504088896341f);
+  const v16 magic = vset1(12582912.0f); /* 1.5 * 2^23: round to nearest */
+  v16 n = (fx + magic) - magic;
+  v16 r = xc - n * vset1(0.693359375f) + n * vset1(2.12194440e-4f);
+  v16 y = vset1(1.9875691500E-4f);
+  y = y * r + vset1(1.3981999507E-3f);
+  y = y * r + vset1(8.3334519073E-3f);
+  y = y * r + vset1(4.1665795894E-2f);
+  y = y * r + vset1(1.6666665459E-1f);
+  y = y * r + vset1(5.0000001201E-1f);
+  y = y * r * r + r + vset1(1.0f);
+  vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return vsel(x < lo, vset1(0.f), y * (v16)bits);
+}
+
+/* Forward: q, kt, vp in; o and lse out. */
+void tsr_attention_forward(const float *q, const float *kt, const float *v, float *o, float *lse,
+              int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
+  int nqb = (T + BR - 1) / BR;
+  int units = B * H * nqb;
+  int group = H / KV;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *S = aligned_alloc(64, sizeof(float) * BR * BC);
+    float *O = aligned_alloc(64, sizeof(float) * BR * D);
+    float m[BR], l[BR];
+#pragma omp for schedule(dynamic, 1)
+    for (int u = 0; u < units; u++) {
+      int qb = nqb - 1 - (u % nqb);          /* big (late) blocks first */
+      int bh = u / nqb, b = bh / H, h = bh % H, g = h / group;
+      int i0 = qb * BR, rows = T - i0 < BR ? T - i0 : BR;
+      const float *Q = q + ((size_t)bh * T + i0) * D;
+      const float *Kt = kt + ((size_t)b * KV + g) * D * Tp;
+      const float *V = v + ((size_t)b * KV + g) * Tp * D;
+      for (int r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+      memset(O, 0, sizeof(float) * BR * D);
+      int kend = i0 + rows; /* keys < kend */
+      for (int j0 = 0; j0 < kend; j0 += BC) {
+        int cols = kend - j0 < BC ? kend - j0 : BC;
+        int colsp = (cols + VL - 1) / VL * VL;
+        gemm_nn(rows, colsp, D, Q, D, Kt + j0, Tp, S, BC, 0);
+        const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+        const v16 ninf = vset1(-INFINITY), sc = vset1(scale);
+        for (int r = 0; r < rows; r++) {
+          float *s = S + r * BC;
+          float lim = (float)(i0 + r - j0); /* keys up to column lim (inclusive) */
+          v16 mxv = vset1(m[r]);
+          for (int c = 0; c < colsp; c += VL) {
+            v16 x = vsel(lane + (float)c > vset1(lim), ninf, vload(s + c) * sc);
+            vstore(s + c, x);
+            mxv = vsel(x > mxv, x, mxv);
+          }
+          float mx = mxv[0];
+          for (int t = 1; t < VL; t++) mx = mxv[t] > mx ? mxv[t] : mx;
+          float alpha = expf(m[r] - mx);
+          v16 sum = vset1(0.f), mv = vset1(mx);
+          for (int c = 0; c < colsp; c += VL) { v16 p = vexp(vload(s + c) - mv); vstore(s + c, p); sum += p; }
+          float tot = 0.f; for (int t = 0; t < VL; t++) tot += sum[t];
+          l[r] = l[r] * alpha + tot; m[r] = mx;
+          if (alpha != 1.f) { v16 av = vset1(alpha); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
+        }
+        gemm_nn(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, 1);
+      }
+      for (int r = 0; r < rows; r++) {
+        float inv = 1.f / l[r];
+        float *dst = o + (((size_t)b * T + i0 + r) * H + h) * D;
+        v16 iv = vset1(inv);
+        for (int d = 0; d < D; d += VL) vstore(dst + d, vload(O + r * D + d) * iv);
+        lse[(size_t)bh * Tp + i0 + r] = m[r] + logf(l[r]);
+      }
+    }
+    free(S); free(O);
+  }
+}
+
+/* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
+   transposed): qt [B,H,D,Tp] (q transposed), q, kp, vp, kt as above, go [B,T,H,D] (the
+   output's gradient) and got [B,H,D,Tp] (its transpose), lse and dl [B,H,Tp] (rowsum(go * o)).
+   Out: dqt [B,H,D,Tp] (dq transposed; zeroed by the caller), dk and dv [B,KV,T,D]. */
+void tsr_attention_backward(const float *qt, const float *q, const float *kp, const float *vp, const float *kt,
+              const float *go, const float *got, const float *lse, const float *dlt,
+              float *dqt, float *dk, float *dv,
+              int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
+  int group = H / KV, units = B * KV;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *St = aligned_alloc(64, sizeof(float) * BC * BR);  /* P^T, then dS^T */
+    float *dPt = aligned_alloc(64, sizeof(float) * BC * BR);
+    float *dKb = aligned_alloc(64, sizeof(float) * BC * D);
+    float *dVb = aligned_alloc(64, sizeof(float) * BC * D);
+    const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+#pragma omp for schedule(dynamic, 1)
+    for (int u = 0; u < units; u++) {
+      int b = u / KV, g = u % KV;
+      const float *K = kp + ((size_t)b * KV + g) * Tp * D;
+      const float *V = vp + ((size_t)b * KV + g) * Tp * D;
+      const float *Kt = kt + ((size_t)b * KV + g) * D * Tp;
+      for (int j0 = 0; j0 < T; j0 += BC) {
+        int cols = T - j0 < BC ? T - j0 : BC;
+        memset(dKb, 0, sizeof(float) * BC * D);
+        memset(dVb, 0, sizeof(float) * BC * D);
+        for (int h = g * group; h < (g + 1) * group; h++) {
+          size_t bh = (size_t)b * H + h;
+          const float *Qt = qt + bh * D * Tp, *Q = q + bh * T * D, *Got = got + bh * D * Tp;
+          const float *L = lse + bh * Tp, *Dl = dlt + bh * Tp;
+          float *dQt = dqt + bh * D * Tp;
+          for (int i0 = (j0 / BR) * BR; i0 < T; i0 += BR) {
+            int rows = T - i0 < BR ? T - i0 : BR;
+            int rowsp = (rows + VL - 1) / VL * VL;
+            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qt + i0, Tp, St, BR, 0);
+            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Got + i0, Tp, dPt, BR, 0);
+            for (int c = 0; c < cols; c++) {
+              float *s = St + c * BR, *dp = dPt + c * BR;
+              /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
+              v16 first = vset1((float)(j0 + c - i0)), last = vset1((float)rows);
+              for (int r = 0; r < rowsp; r += VL) {
+                v16 rr = lane + (float)r;
+                v16 p = vexp(vload(s + r) * vset1(scale) - vload(L + i0 + r));
+                p = vsel((rr >= first) & (rr < last), p, vset1(0.f));
+                vstore(s + r, p);
+                vstore(dp + r, p * (vload(dp + r) - vload(Dl + i0 + r)) * vset1(scale));
+              }
+            }
+            gemm_nn(cols, D, rows, St, BR, go + (((size_t)b * T + i0) * H + h) * D, H * D, dVb, D, 1);
+            gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dKb, D, 1);
+            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQt + i0, Tp, 1);
+          }
+        }
+        float *dKo = dk + (((size_t)b * KV + g) * T + j0) * D, *dVo = dv + (((size_t)b * KV + g) * T + j0) * D;
+        memcpy(dKo, dKb, sizeof(float) * cols * D);
+        memcpy(dVo, dVb, sizeof(float) * cols * D);
+      }
+    }
+    free(St); free(dPt); free(dKb); free(dVb);
+  }
+}

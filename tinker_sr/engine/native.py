@@ -1,0 +1,101 @@
+"""The engine's C kernels (``engine/csrc``), built with this machine's C compiler at first use.
+
+Only ``$TINKER_SR_COMPILE=1`` uses them (`engine.compiled`). The source is compiled once per
+machine with ``-O3 -march=native -fopenmp`` into a shared library kept in a cache directory
+(``$TINKER_SR_KERNEL_CACHE``, default ``~/.cache/tinker_sr/kernels``), named by a hash of the
+source, the compiler's version, the flags and this CPU's model and ISA flags (a library built
+for another CPU is never loaded: ``-march=native`` code may not run there). Builds go to a
+temporary file renamed into place, so concurrent processes never load a partial library.
+The OpenMP runtime is the one torch already loaded (the same ``libgomp.so.1``).
+
+`load` returns None (and says why, through `failure`) where there is no compiler, the build
+fails or the library does not load; callers then use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tinker_sr.engine.cpu import _cpuinfo_field
+
+__all__ = ["CACHE_ENV", "cache_dir", "failure", "library_path", "load"]
+
+CACHE_ENV = "TINKER_SR_KERNEL_CACHE"
+SOURCE_DIR = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+_failures: dict[str, str] = {}
+
+
+def failure(name: str) -> str | None:
+    """Why kernel library ``name`` is unavailable in this process, or None."""
+    return _failures.get(name)
+
+
+def cache_dir() -> Path:
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "tinker_sr" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC", "").strip(), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The library built from ``csrc/<name>.c``, or None (see `failure`)."""
+    try:
+        return _build_and_load(name)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        _failures[name] = f"{type(exc).__name__}: {exc}"[:500]
+        return None
+
+
+def library_path(name: str, cc: str) -> Path:
+    """Where the library of ``csrc/<name>.c`` built by ``cc`` for this CPU is cached."""
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    key = hashlib.sha256()
+    for part in (
+        (SOURCE_DIR / f"{name}.c").read_bytes(),
+        version.encode(),
+        " ".join(FLAGS).encode(),
+        platform.machine().encode(),
+        _cpuinfo_field("model name").encode(),
+        _cpuinfo_field("flags").encode(),
+    ):
+        key.update(part + b"\0")
+    return cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
+
+
+def _build_and_load(name: str) -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set $CC)")
+    target = library_path(name, cc)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE_DIR / f"{name}.c"), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
