@@ -158,9 +158,10 @@ def engine_train(
     return result
 
 
-# Profiler op names counted as matrix products, and as torch's fused attention kernels.
+# Profiler op names counted as matrix products, and marks of the fused attention kernels:
+# torch's (SDPA) and tinker_sr's C kernel under TINKER_SR_COMPILE=1 (its autograd nodes).
 _MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-_ATTENTION_MARK = "scaled_dot_product"
+_ATTENTION_MARKS = ("scaled_dot_product", "_CausalAttention")
 
 
 def _profile_step(step: Any) -> dict[str, float]:
@@ -181,7 +182,7 @@ def _profile_step(step: Any) -> dict[str, float]:
                 seconds = ev.self_cpu_time_total / 1e6
                 if ev.key in _MATMUL_OPS:
                     split["matmul"] += seconds
-                elif _ATTENTION_MARK in ev.key:
+                elif any(mark in ev.key for mark in _ATTENTION_MARKS):
                     split["attention"] += seconds
                 else:
                     split["other"] += seconds
