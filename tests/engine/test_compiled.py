@@ -29,8 +29,13 @@ EVERYTHING = KERNELS | {"attention"}
 
 
 @pytest.fixture
-def ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Names of the compiled kernels that ran (and returned a result)."""
+def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
+    """Names of the compiled kernels that ran (and returned a result). The C kernels are
+    built into a kernel cache under ``tmp_path``."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
+    caches = (native.load, compiled._attention_library)  # a test may monkeypatch them
+    for cached in caches:
+        cached.cache_clear()
     names: list[str] = []
     original = compiled.call
 
@@ -54,6 +59,8 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setattr(compiled, "_failure", None)
     yield names
     compiled.enabled.cache_clear()
+    for cached in caches:
+        cached.cache_clear()
 
 
 def _switch(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
