@@ -96,9 +96,11 @@ def call(name: str, *args: Any) -> Any | None:
         log.info("compiled %r in %.1f s", name, time.perf_counter() - start)
         return out
     except Exception as exc:  # a compile failure: inductor, the C++ compiler, dynamo
-        _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        _failure = f"{type(exc).__name__}: {first[:300]}"
+        doing = "running" if name in _compiled else "compiling"
         warnings.warn(
-            f"${ENV}=1: compiling the fused kernel {name!r} failed ({_failure}); the engine "
+            f"${ENV}=1: {doing} the fused kernel {name!r} failed ({_failure}); the engine "
             "keeps its eager kernels for the rest of this process. torch.compile needs a C++ "
             f"compiler on PATH (g++ or clang++); unset {ENV} to silence this.",
             RuntimeWarning,
