@@ -11,8 +11,13 @@ of the loss between the two (float32 rounding: the norms' sums run in another or
 The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; needs the
 ``bench`` extra for transformers); ``--model tinker-sr/small`` needs nothing extra.
 
+``--attention`` times the C attention kernel alone (forward + backward, best of 3) against
+torch's CPU flash attention (``F.scaled_dot_product_attention``) on the step's shape and on
+longer sequences, in the same process.
+
     python benchmarks/compiled.py                       # Qwen3 dir, 16 x 256, 5 pairs
     python benchmarks/compiled.py --model tinker-sr/small --batch 8 --seq 128
+    python benchmarks/compiled.py --attention           # the attention kernel alone
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--attention", action="store_true", help="the attention kernel alone")
     args = parser.parse_args()
+    if args.attention:
+        attention_only()
+        return
 
     import torch
 
@@ -100,6 +109,56 @@ def main() -> None:
             + ", ".join(f"{r:.3f}" for r in ratios)
             + f"); loss relative difference <= {diff:.1e}"
         )
+
+
+# (batch, query heads, KV heads, length, head size): the benchmark step's layer, then longer.
+ATTENTION_SHAPES = ((16, 8, 4, 256, 64), (4, 8, 4, 1024, 64), (1, 16, 8, 2048, 128))
+
+
+def attention_only() -> None:
+    from tinker_sr.engine import compiled
+    from tinker_sr.engine.cpu import describe_machine
+
+    print(describe_machine())
+    os.environ[compiled.ENV] = "1"
+    compiled.enabled.cache_clear()
+    for b, h, kv, t, d in ATTENTION_SHAPES:
+        mine, theirs = _attention_ms(b, h, kv, t, d)
+        print(
+            f"B {b} x H {h} (KV {kv}) x T {t} x D {d}: C kernel forward + backward {mine:.1f} ms, "
+            f"torch flash attention {theirs:.1f} ms, ratio {mine / theirs:.2f}"
+        )
+
+
+def _attention_ms(b: int, h: int, kv: int, t: int, d: int) -> tuple[float, float]:
+    """Best of 3 forward + backward times (ms): the C kernel, torch's flash attention."""
+    import torch
+    import torch.nn.functional as F
+
+    from tinker_sr.engine import compiled
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=gen).requires_grad_() for n in (h, kv, kv))
+    go = torch.randn(b, h, t, d, generator=gen)
+
+    def ours() -> None:
+        out = compiled.attention(q, k, v)
+        assert out is not None, compiled.failure()
+        out.backward(go)
+
+    def torch_flash() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(go)
+
+    best = []
+    for fn in (ours, torch_flash):
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        best.append(min(times) * 1e3)
+    return best[0], best[1]
 
 
 if __name__ == "__main__":
