@@ -121,12 +121,15 @@ ATTENTION_BLOCK = 64  # the C kernel's block of queries and keys (its padding un
 
 def use_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Can `attention` take these [B, H, T, D] / [B, KV, T, D] operands? (As `use`, and a
-    head size that is a multiple of 16, whole query groups.)"""
+    head size that is a multiple of 16, whole query groups, and at least one (batch row, KV
+    head) pair per thread: the kernel's backward runs those pairs in parallel, so with fewer
+    of them some threads would idle and torch's kernel is the better choice.)"""
     return (
         q.dim() == 4
         and q.shape[-1] % 16 == 0
         and q.shape[1] % k.shape[1] == 0
         and k.shape == v.shape
+        and q.shape[0] * k.shape[1] >= torch.get_num_threads()
         and use(q, k, v)
     )
 
