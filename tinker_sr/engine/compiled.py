@@ -22,9 +22,11 @@ process (inductor keeps the generated code in a disk cache and `engine.native` i
 so later processes compile faster).
 
 Used only where it pays and is safe: float32 CPU tensors of at least `MIN_ELEMENTS`
-elements (training-sized), outside autocast and outside inference mode: the samplers (decode
-and prefill, which run in inference mode on their own worker thread beside training) keep
-the eager kernels, so their many small shapes never trigger a compile. Shapes are compiled
+elements (training-sized), outside autocast regions (under bf16 mixed precision the forward
+keeps its eager kernels; its backward, which runs outside autocast, uses these for its
+float32 norms and rotations) and outside inference mode: the samplers (decode and prefill,
+which run in inference mode on their own worker thread beside training) keep the eager
+kernels, so their many small shapes never trigger a compile. Shapes are compiled
 dynamic, so an RL loop whose batch shape changes every step does not recompile per shape.
 Results match the eager path to float32 rounding (the norms' sums run in another order, the
 attention's products and exponentials are its own) and are bit-identical from run to run,
