@@ -254,18 +254,11 @@ def test_the_public_client_trains_and_samples_with_compiled_kernels(
 
 
 @pytest.fixture
-def kernel_cache(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A fresh kernel cache directory; the C library built into it for this test."""
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
-    native.load.cache_clear()
-    compiled._attention_library.cache_clear()
+def kernel_cache(ran: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The kernels switched on, with the fresh kernel cache directory `ran` set up (the C
+    library is built into it for this test)."""
     _switch(monkeypatch, True)
-    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)
-    monkeypatch.setattr(compiled, "_failure", None)
-    yield tmp_path / "kernels"
-    native.load.cache_clear()
-    compiled._attention_library.cache_clear()
-    compiled.enabled.cache_clear()
+    return tmp_path / "kernels"
 
 
 def _attend(

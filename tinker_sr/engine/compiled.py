@@ -51,7 +51,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "MIN_ELEMENTS", "attention", "call", "enabled", "failure", "use", "use_attention"]
+__all__ = [
+    "ENV",
+    "MIN_ELEMENTS",
+    "attention",
+    "call",
+    "enabled",
+    "failure",
+    "run",
+    "use",
+    "use_attention",
+]
 
 ENV = "TINKER_SR_COMPILE"
 # Below this many elements a kernel's call overhead (guards, dispatch) outweighs the fusion.
@@ -83,6 +93,14 @@ def use(*tensors: Tensor) -> bool:
     if tensors[0].numel() < MIN_ELEMENTS:
         return False
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def run(name: str, *args: Any) -> Any | None:
+    """Kernel ``name`` on ``args`` where `use` takes their tensors; None otherwise, or where
+    compiling failed (the caller runs its eager code)."""
+    if not use(*(a for a in args if isinstance(a, Tensor))):
+        return None
+    return call(name, *args)
 
 
 def call(name: str, *args: Any) -> Any | None:

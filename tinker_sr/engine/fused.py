@@ -227,10 +227,9 @@ def _group_grads(
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` with one result buffer (bit-identical to the two-op form)."""
-    if compiled.use(gate, up):
-        fused = compiled.call("silu_mul", gate, up)
-        if fused is not None:
-            return fused  # type: ignore[no-any-return]
+    fused = compiled.run("silu_mul", gate, up)
+    if fused is not None:
+        return fused  # type: ignore[no-any-return]
     h = F.silu(gate)
     return h.mul_(up) if h.dtype == torch.result_type(h, up) else h * up
 
@@ -349,10 +348,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    if compiled.use(x, weight):
-        fused = compiled.call("rms_norm", x, weight, eps)
-        if fused is not None:
-            return fused  # type: ignore[no-any-return]
+    fused = compiled.run("rms_norm", x, weight, eps)
+    if fused is not None:
+        return fused  # type: ignore[no-any-return]
     x32 = x.float()
     r = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     n = (x32 * r).to(x.dtype)
@@ -372,8 +370,8 @@ class _RMSNorm(torch.autograd.Function):
         # out = w * n, n = x r, r = (mean(x^2) + eps)^-1/2:
         # dL/dx = r (g w - n mean(g w n)),  dL/dw = sum over rows of g n.
         x, weight, r = ctx.saved_tensors
-        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1] and compiled.use(g, x, weight):
-            dx = compiled.call("rms_norm_backward", g, x, weight, r)
+        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
+            dx = compiled.run("rms_norm_backward", g, x, weight, r)
             if dx is not None:
                 return dx, None, None
         n = x.float() * r
@@ -398,10 +396,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     """[x1, x2] -> [x1 c - x2 s, x2 c + x1 s] (inverse: the signs of s flipped)."""
-    if compiled.use(x, cos, sin):
-        fused = compiled.call("rope_inverse" if inverse else "rope", x, cos, sin)
-        if fused is not None:
-            return fused  # type: ignore[no-any-return]
+    fused = compiled.run("rope_inverse" if inverse else "rope", x, cos, sin)
+    if fused is not None:
+        return fused  # type: ignore[no-any-return]
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]

@@ -20,8 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-int tsr_attention_abi(void) { return 1; }
-
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define VL 16
 #define BR 64   /* query rows per block */
