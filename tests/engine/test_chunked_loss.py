@@ -74,13 +74,13 @@ def test_positions_without_loss_skip_the_backward_unembedding(
 ) -> None:
     calls: list[int] = []
     head = _head(torch.float64)
-    original = head.forward
+    original = loss_logprobs._lora_logits  # a LoRA head's logits, forward and backward
 
-    def counting(x: torch.Tensor) -> torch.Tensor:
+    def counting(lora: object, x: torch.Tensor, rows: int) -> object:
         calls.append(x.shape[0])
-        return original(x)
+        return original(lora, x, rows)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(head, "forward", counting)
+    monkeypatch.setattr(loss_logprobs, "_lora_logits", counting)
     _, data = random_batch("importance_sampling", seed=7)  # advantages are 0 on 2 rows each
     hidden = [torch.randn(d.target_tokens.shape[0], D, dtype=torch.float64) for d in data]
     result = compute_loss("importance_sampling", hidden, data, {}, unembed=head)
@@ -171,3 +171,44 @@ def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     monkeypatch.setenv(registry.CHECKPOINTING_ENV, "yes")
     with pytest.raises(ValueError, match="TINKER_SR_ACTIVATION_CHECKPOINTING must be"):
         registry.checkpointing_setting()
+
+
+@pytest.mark.parametrize("live_rows", ["all", "some"])
+def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
+    live_rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA head (the SDK's default ``train_unembed=True``) at a size where its products run on
+    the packed oneDNN path: logprobs, dh, dA and dB by hand (`_lora_backward`) against the head's
+    own forward and autograd (`_lora_parts` switched off), float32, several chunks."""
+    d, v, n = 64, 4096, 96
+    gen = torch.Generator().manual_seed(5)
+    base = torch.nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(v, d, generator=gen) * 0.2)
+    base.weight.requires_grad_(False)
+    head = LoraLinear(base, rank=8, alpha=16.0, generator=gen)
+    with torch.no_grad():
+        head.lora_B.weight.copy_(torch.randn(v, 8, generator=gen) * 0.05)
+    h = torch.randn(n, d, generator=gen)
+    cols = torch.randint(0, v, (n, 1), generator=gen)
+    g = torch.randn(n, 1, generator=gen)
+    if live_rows == "some":
+        g[::3] = 0.0
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 40 * v)  # 40 rows per chunk
+    taken: list[int] = []
+    by_hand = loss_logprobs._lora_backward
+    monkeypatch.setattr(loss_logprobs, "_lora_backward", lambda *a: taken.append(1) or by_hand(*a))
+
+    def run() -> list[torch.Tensor]:
+        x = h.clone().requires_grad_()
+        (logp,), _ = loss_logprobs.head_logprobs([x], [cols], head)
+        params = [head.lora_A.weight, head.lora_B.weight]
+        return [logp.detach(), *torch.autograd.grad(logp, [x, *params], g)]
+
+    got = run()
+    assert taken == [1]
+    monkeypatch.setattr(loss_logprobs, "_lora_parts", lambda *a: None)
+    want = run()
+    assert taken == [1]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))

@@ -17,6 +17,7 @@ import torch
 
 from tinker_sr.engine import gemm
 from tinker_sr.engine.fused import frozen_cast
+from tinker_sr.engine.lora import LoraLinear
 
 # Upper bound on the elements of any transient rows x vocab tensor: just under 32 MiB in
 # float32, so that a fresh chunk of logits (the oneDNN GEMM has no ``out=``) comes from the
@@ -246,6 +247,9 @@ def _chunk_logits(
     weight = low
     if weight is None and type(head) is torch.nn.Linear and head.bias is None:
         weight = head.weight
+    lora = _lora_parts(head, hc) if weight is None else None
+    if lora is not None:
+        return _lora_logits(lora, hc, rows)[0]
     if weight is None:  # an adapter on the head, or a bias: its own forward
         return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
     if gemm.uses_onednn(hc, weight):  # a fresh result: see _CHUNK_ELEMENTS
@@ -356,6 +360,9 @@ def _recompute_rows(
     """Backward through the head for rows ``live`` by recomputing their logits; fills their
     rows of ``dh`` and returns the gradients of the head's trainable parameters."""
     params: tuple[torch.Tensor, ...] = ctx.params
+    lora = _lora_parts(ctx.head, h)
+    if lora is not None:
+        return _lora_backward(lora, params, grad, live, h, cols, lse, dh, ctx.chunk)
     dparams = [torch.zeros_like(p) for p in params]
     for a in range(0, live.numel(), ctx.chunk):
         rows = live[a : a + ctx.chunk]
@@ -374,6 +381,80 @@ def _recompute_rows(
             if g_p is not None:
                 acc += g_p
     return dparams
+
+
+# A LoRA head's frozen weight, adapter and scaling: z = h W^T + scaling * (h A^T) B^T.
+_Lora = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+
+def _lora_parts(head: torch.nn.Module, h: torch.Tensor) -> _Lora | None:
+    """(W, A, B, scaling) of a LoRA head (`lora.LoraLinear`: the SDK's default
+    ``train_unembed=True``) whose products this module runs itself: no bias, a frozen base,
+    its adapter the only trainable parameters, and one dtype throughout (no autocast, no
+    low-precision base under a float32 adapter). Else None: the head's own forward and
+    autograd."""
+    if type(head) is not LoraLinear or head.bias is not None or head.weight.requires_grad:
+        return None
+    w, a, b = head.weight, head.lora_A.weight, head.lora_B.weight
+    if torch.is_autocast_enabled(h.device.type) or not (w.dtype == a.dtype == b.dtype == h.dtype):
+        return None
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    if len(trainable) != 2 or not (trainable[0] is a and trainable[1] is b):
+        return None
+    return w, a, b, head.scaling
+
+
+def _lora_logits(lora: _Lora, hc: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``z = hc W^T + u B^T``, ``u = scaling * hc A^T``): the base product on the packed
+    weight (as a frozen head's) and the rank-r update added in place, so no [rows, V]
+    temporary is scaled or added (the head's own forward made three of them per chunk)."""
+    w, a, b, scaling = lora
+    u = gemm.linear(hc, a).mul_(scaling)
+    z = gemm.packed_linear(hc, w, rows=rows) if _packs_head(w) else gemm.linear(hc, w)
+    return z.addmm_(u, b.t()), u
+
+
+def _lora_backward(
+    lora: _Lora,
+    params: tuple[torch.Tensor, ...],
+    grad: torch.Tensor,
+    live: torch.Tensor,
+    h: torch.Tensor,
+    cols: torch.Tensor,
+    lse: torch.Tensor,
+    dh: torch.Tensor | None,
+    chunk: int,
+) -> list[torch.Tensor]:
+    """`_recompute_rows` for a LoRA head, by hand: per chunk of live rows, recompute the logits,
+    turn them in place into dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, then
+    dh = dz W + scaling (dz B) A, dA = scaling (dz B)^T h, dB = dz^T u (u = scaling h A^T).
+    Returns (dA, dB) in the order of ``params``."""
+    w, a, b, scaling = lora
+    da, db_t = torch.zeros_like(a), torch.zeros_like(b.t())
+    for start in range(0, live.numel(), chunk):
+        rows = live[start : start + chunk]
+        g, hc = grad[rows], h[rows].detach()
+        z, u = _lora_logits(lora, hc, chunk)
+        dz = _softmax_times(z, lse[rows], -g.sum(dim=1))
+        dz.scatter_add_(1, cols[rows], g)
+        dzb = gemm.mm(dz, b)  # [n, r]
+        if dh is not None:
+            got = gemm.packed_mm(dz, w, chunk) if _packs_head(w) else gemm.mm(dz, w)
+            dh.index_copy_(0, rows, got.addmm_(dzb, a, alpha=scaling))
+        da.addmm_(dzb.t(), hc, alpha=scaling)
+        db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
+    return [da if p is a else db_t.t().contiguous() for p in params]
+
+
+def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``softmax(z) * scale[:, None]`` in place of the logits ``z`` (rows' logsumexp ``lse``),
+    as one exp: exp(z - lse + log|scale|), then the rows whose scale is negative negated (rows
+    with scale 0 come out exactly 0: exp(-inf))."""
+    z.sub_((lse - scale.abs().log())[:, None]).exp_()
+    flip = torch.nonzero(scale < 0).squeeze(1)
+    if flip.numel():
+        z[flip] = z[flip].neg_()
+    return z
 
 
 def head_logprobs(
