@@ -6,7 +6,10 @@ The remote variant starts a real `tinker-sr serve` subprocess on a free 127.0.0.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +25,12 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 # each spinning two threads on two cores slow torch down by orders of magnitude.
 os.environ.setdefault("TINKER_SR_TORCH_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The engine's C kernels (built at first use) go to a cache of the suite's own, shared by its
+# server subprocesses and removed at exit, not the user's ~/.cache.
+if "TINKER_SR_KERNEL_CACHE" not in os.environ:
+    _kernels = tempfile.mkdtemp(prefix="tinker_sr_kernels_")
+    os.environ["TINKER_SR_KERNEL_CACHE"] = _kernels
+    atexit.register(shutil.rmtree, _kernels, True)
 
 BACKENDS = ["local"]
 try:  # the remote backend joins the matrix once its server fixture exists

@@ -1,7 +1,8 @@
-"""The optional compiled kernels (`engine.compiled`, ``$TINKER_SR_COMPILE=1``) against the
-eager engine: same forward values and gradients to float32 rounding, the kernels really ran,
-one compile serves every batch shape, and a failed compile falls back to eager with a warning.
-Skipped where torch.compile cannot build C++ here (no compiler)."""
+"""The compiled kernels (`engine.compiled`: the C attention kernel, on by default, and the
+opt-in ``$TINKER_SR_COMPILE=1`` inductor loops) against the eager engine: same forward values
+and gradients to float32 rounding, the kernels really ran, one compile serves every batch
+shape, and a failed compile or build falls back to eager. Skipped where torch.compile cannot
+build C++ here (no compiler)."""
 
 from __future__ import annotations
 
@@ -57,15 +58,20 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     monkeypatch.setattr(compiled, "attention", attend)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
+    monkeypatch.setattr(compiled, "_native_failure", None)
     yield names
     compiled.enabled.cache_clear()
+    compiled.native_mode.cache_clear()
     for cached in caches:
         cached.cache_clear()
 
 
 def _switch(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Both kinds of kernels on (the C one required: ``$TINKER_SR_NATIVE=1``) or both off."""
     monkeypatch.setenv(compiled.ENV, "1" if on else "0")
+    monkeypatch.setenv(compiled.NATIVE_ENV, "1" if on else "0")
     compiled.enabled.cache_clear()
+    compiled.native_mode.cache_clear()
 
 
 def _model() -> torch.nn.Module:
@@ -171,33 +177,59 @@ def test_a_failed_compile_warns_once_and_keeps_eager(
         warnings.simplefilter("always")
         got = _step(tokens)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and compiled.ENV in messages[0], messages
-    assert "C++ compiler" in messages[0] or "C compiler" in messages[0]
+    assert len(messages) == 2, messages  # once for each kind of kernel, naming its variable
+    assert f"${compiled.ENV}=1" in messages[0] and "C++ compiler" in messages[0]
+    assert f"${compiled.NATIVE_ENV}=1" in messages[1] and "C compiler" in messages[1]
     assert "CppCompileError" in (compiled.failure() or "")
+    assert "no C compiler" in (compiled.native_failure() or "")
     assert not ran
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)  # the eager path exactly
 
 
 @pytest.mark.parametrize("raw", ["2", "yes please"])
-def test_a_bad_setting_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(compiled.ENV, raw)
-    compiled.enabled.cache_clear()
+@pytest.mark.parametrize("which", ["compile", "native"])
+def test_a_bad_setting_names_the_variable(
+    raw: str, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env, read = {
+        "compile": (compiled.ENV, compiled.enabled),
+        "native": (compiled.NATIVE_ENV, compiled.native_mode),
+    }[which]
+    monkeypatch.setenv(env, raw)
+    read.cache_clear()
     try:
-        with pytest.raises(ValueError, match=compiled.ENV):
-            compiled.enabled()
+        with pytest.raises(ValueError, match=env):
+            read()
     finally:
-        monkeypatch.delenv(compiled.ENV)
-        compiled.enabled.cache_clear()
+        monkeypatch.delenv(env)
+        read.cache_clear()
 
 
 def test_off_by_default_and_never_for_small_or_non_float32_tensors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The inductor loops are opt-in; the C attention is on by default (``auto``) and off with
+    ``$TINKER_SR_NATIVE=0``; neither for small, float64, autocast or inference-mode tensors."""
     monkeypatch.delenv(compiled.ENV, raising=False)
+    monkeypatch.delenv(compiled.NATIVE_ENV, raising=False)
+    monkeypatch.setattr(compiled, "_native_failure", None)
     compiled.enabled.cache_clear()
+    compiled.native_mode.cache_clear()
     big = torch.randn(compiled.MIN_ELEMENTS)
     assert not compiled.use(big)
+    q = torch.randn(2, 4, compiled.MIN_ELEMENTS // 256, 64)
+    assert compiled.native_mode() == "auto" and compiled.use_attention(q, q[:, :2], q[:, :2])
+    for tiny_or_not_float32 in (q[:, :, :4], q.double()):
+        assert not compiled.use_attention(*[tiny_or_not_float32] * 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not compiled.use_attention(q, q, q)
+    with torch.inference_mode():
+        assert not compiled.use_attention(q, q, q)
+    monkeypatch.setenv(compiled.NATIVE_ENV, "0")
+    compiled.native_mode.cache_clear()
+    assert not compiled.use_attention(q, q, q)
+    compiled.native_mode.cache_clear()
     _switch(monkeypatch, True)
     try:
         assert compiled.use(big)
@@ -334,13 +366,31 @@ def test_the_kernel_library_is_cached_per_cpu(
 def test_no_compiler_falls_back_to_torch_attention(
     kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``$TINKER_SR_NATIVE=1`` warns; the default (``auto``) only logs it."""
     monkeypatch.setattr(native, "_compiler", lambda: None)
     q = torch.randn(1, 2, 64, 16)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         assert compiled.attention(q, q[:, :1], q[:, :1]) is None
-    assert "no C compiler" in (compiled.failure() or "")
-    assert not compiled.use_attention(q, q[:, :1], q[:, :1])  # eager from now on
+    assert "no C compiler" in (compiled.native_failure() or "")
+    assert compiled.failure() is None  # the inductor loops are another matter
+    assert not compiled.use_attention(q, q[:, :1], q[:, :1])  # torch's from now on
     assert not list(kernel_cache.glob("*.so"))
+
+
+def test_by_default_a_missing_compiler_only_logs(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(compiled.NATIVE_ENV, raising=False)
+    compiled.native_mode.cache_clear()
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    model = _model()
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        with caplog.at_level("INFO", logger="tinker_sr.engine"):
+            model(tokens).sum().backward()
+    assert "no C compiler" in caplog.text and compiled.NATIVE_ENV in caplog.text
+    assert "no C compiler" in (compiled.native_failure() or "") and not ran
 
 
 def test_attention_scale_and_unsupported_shapes(kernel_cache: Any) -> None:

@@ -246,7 +246,7 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with torch.autocast(kind, enabled=False):
             q, k, v = q.float(), k.float(), v.float()
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if compiled.use_attention(q, k, v):  # $TINKER_SR_COMPILE=1: the C kernel
+    if compiled.use_attention(q, k, v):  # the C kernel (default; $TINKER_SR_NATIVE)
         y = compiled.attention(q, k, v)
         if y is not None:
             return y

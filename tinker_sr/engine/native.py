@@ -1,6 +1,6 @@
 """The engine's C kernels (``engine/csrc``), built with this machine's C compiler at first use.
 
-Only ``$TINKER_SR_COMPILE=1`` uses them (`engine.compiled`). The source is compiled once per
+`engine.compiled` uses them (``$TINKER_SR_NATIVE``). The source is compiled once per
 machine with ``-O3 -march=native -fopenmp`` into a shared library kept in a cache directory
 (``$TINKER_SR_KERNEL_CACHE``, default ``~/.cache/tinker_sr/kernels``), named by a hash of the
 source, the compiler's version, the flags and this CPU's model and ISA flags (a library built
