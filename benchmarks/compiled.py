@@ -1,12 +1,14 @@
-"""The optional compiled kernels (``$TINKER_SR_COMPILE=1``, `tinker_sr/engine/compiled.py`)
-against the eager engine: one LoRA train step, both ways, in one process.
+"""The engine's compiled kernels (`tinker_sr/engine/compiled.py`) against torch's kernels:
+one LoRA train step, each way, in one process.
 
-The same training client runs its step with the compiled kernels switched on and off in
-alternating order (the switch is read per call, so nothing else changes between the two:
-same weights, same batch, same oneDNN products; learning rate 0 so every step sees the same
-weights). Reports the one-time compile cost (the first compiled step minus an eager one),
-per-pair time ratios compiled / eager and their median, and the largest relative difference
-of the loss between the two (float32 rounding: the norms' sums run in another order).
+Three settings of the same training client: ``torch`` (``$TINKER_SR_NATIVE=0``: torch's
+kernels only, the engine before the C kernels), ``default`` (the C attention and row kernels,
+what users get) and ``compile`` (``$TINKER_SR_COMPILE=1``: the inductor loops on top).
+``--compare A,B`` runs A and B in alternating order (the switches are read per call, so nothing
+else changes between the two: same weights, same batch, same oneDNN products; learning rate 0
+so every step sees the same weights). Reports the first step of each (C build or inductor
+compile), per-pair time ratios A / B and their median, and the largest relative difference
+of the loss between the two (float32 rounding: sums run in another order).
 
 The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; needs the
 ``bench`` extra for transformers); ``--model tinker-sr/small`` needs nothing extra.
@@ -15,7 +17,8 @@ The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; 
 torch's CPU flash attention (``F.scaled_dot_product_attention``) on the step's shape and on
 longer sequences, in the same process.
 
-    python benchmarks/compiled.py                       # Qwen3 dir, 16 x 256, 5 pairs
+    python benchmarks/compiled.py                       # default vs torch, Qwen3 dir, 16 x 256
+    python benchmarks/compiled.py --compare compile,default
     python benchmarks/compiled.py --model tinker-sr/small --batch 8 --seq 128
     python benchmarks/compiled.py --attention           # the attention kernel alone
 """
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--compare", default="default,torch", help="A,B of: " + ",".join(SETTINGS))
     parser.add_argument("--attention", action="store_true", help="the attention kernel alone")
     args = parser.parse_args()
     if args.attention:
@@ -75,40 +79,49 @@ def main() -> None:
             .result()
         )
 
-        def step(on: bool) -> tuple[float, float]:
-            os.environ[compiled.ENV] = "1" if on else "0"
+        def step(setting: str) -> tuple[float, float]:
+            inductor, native = SETTINGS[setting]
+            os.environ[compiled.ENV], os.environ[compiled.NATIVE_ENV] = inductor, native
             compiled.enabled.cache_clear()
+            compiled.native_mode.cache_clear()
             start = time.perf_counter()
             out = training.forward_backward(data, "cross_entropy").result()
             training.optim_step(types.AdamParams(learning_rate=0.0)).result()
             return time.perf_counter() - start, out.metrics["loss:sum"]
 
+        a, b = args.compare.split(",")
+        if a not in SETTINGS or b not in SETTINGS:
+            sys.exit(f"--compare: two of {', '.join(SETTINGS)}, e.g. default,torch")
         print(f"model {args.model}, LoRA r8, train step {args.batch} x {args.seq}, fp32")
-        eager_first, _ = step(False)
-        compile_first, _ = step(True)
-        if compiled.failure():
-            sys.exit(f"compiled kernels unavailable here: {compiled.failure()}")
-        print(f"first steps: eager {eager_first:.2f} s, compiled {compile_first:.2f} s (compiles)")
-        times: dict[bool, list[float]] = {False: [], True: []}
-        losses: dict[bool, list[float]] = {False: [], True: []}
+        firsts = {name: step(name)[0] for name in (b, a)}
+        for why in (compiled.failure(), compiled.native_failure()):
+            if why:
+                sys.exit(f"compiled kernels unavailable here: {why}")
+        print(f"first steps (C build / compile): {a} {firsts[a]:.2f} s, {b} {firsts[b]:.2f} s")
+        times: dict[str, list[float]] = {a: [], b: []}
+        losses: dict[str, list[float]] = {a: [], b: []}
         for i in range(args.pairs):
-            for on in (False, True) if i % 2 == 0 else (True, False):
-                seconds, loss = step(on)
-                times[on].append(seconds)
-                losses[on].append(loss)
-        ratios = [c / e for e, c in zip(times[False], times[True], strict=True)]
-        diff = max(abs(c - e) / abs(e) for e, c in zip(losses[False], losses[True], strict=True))
-        for on, name in ((False, "eager"), (True, "compiled")):
+            for name in (b, a) if i % 2 == 0 else (a, b):
+                seconds, loss = step(name)
+                times[name].append(seconds)
+                losses[name].append(loss)
+        ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        diff = max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b], strict=True))
+        for name in (b, a):
             print(
-                f"{name:>8}: median {statistics.median(times[on]):.3f} s per step ("
-                + ", ".join(f"{t:.3f}" for t in times[on])
+                f"{name:>8}: median {statistics.median(times[name]):.3f} s per step ("
+                + ", ".join(f"{t:.3f}" for t in times[name])
                 + ")"
             )
         print(
-            f"compiled / eager time: median {statistics.median(ratios):.3f} (pairs: "
+            f"{a} / {b} time: median {statistics.median(ratios):.3f} (pairs: "
             + ", ".join(f"{r:.3f}" for r in ratios)
             + f"); loss relative difference <= {diff:.1e}"
         )
+
+
+# name: ($TINKER_SR_COMPILE, $TINKER_SR_NATIVE)
+SETTINGS = {"torch": ("0", "0"), "default": ("0", "auto"), "compile": ("1", "auto")}
 
 
 # (batch, query heads, KV heads, length, head size): the benchmark step's layer, then longer.
@@ -116,12 +129,9 @@ ATTENTION_SHAPES = ((16, 8, 4, 256, 64), (4, 8, 4, 1024, 64), (1, 16, 8, 2048, 1
 
 
 def attention_only() -> None:
-    from tinker_sr.engine import compiled
     from tinker_sr.engine.cpu import describe_machine
 
     print(describe_machine())
-    os.environ[compiled.ENV] = "1"
-    compiled.enabled.cache_clear()
     for b, h, kv, t, d in ATTENTION_SHAPES:
         mine, theirs = _attention_ms(b, h, kv, t, d)
         print(
@@ -143,7 +153,7 @@ def _attention_ms(b: int, h: int, kv: int, t: int, d: int) -> tuple[float, float
 
     def ours() -> None:
         out = compiled.attention(q, k, v)
-        assert out is not None, compiled.failure()
+        assert out is not None, compiled.native_failure()
         out.backward(go)
 
     def torch_flash() -> None:

@@ -34,7 +34,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     """Names of the compiled kernels that ran (and returned a result). The C kernels are
     built into a kernel cache under ``tmp_path``."""
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
-    caches = (native.load, compiled._attention_library)  # a test may monkeypatch them
+    caches = (native.load, compiled._attention_library, compiled._rows_library)
     for cached in caches:
         cached.cache_clear()
     names: list[str] = []
@@ -47,6 +47,15 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         return out
 
     monkeypatch.setattr(compiled, "call", call)
+    original_native = compiled.call_native
+
+    def call_native(name: str, *args: Any) -> Any:
+        out = original_native(name, *args)
+        if out is not None:
+            names.append(f"c:{name}")
+        return out
+
+    monkeypatch.setattr(compiled, "call_native", call_native)
     attention = compiled.attention
 
     def attend(*args: Any) -> Any:
@@ -66,9 +75,10 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         cached.cache_clear()
 
 
-def _switch(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    """Both kinds of kernels on (the C one required: ``$TINKER_SR_NATIVE=1``) or both off."""
-    monkeypatch.setenv(compiled.ENV, "1" if on else "0")
+def _switch(monkeypatch: pytest.MonkeyPatch, on: bool, inductor: bool | None = None) -> None:
+    """The C kernels on (required: ``$TINKER_SR_NATIVE=1``) or off, and the inductor loops
+    the same unless ``inductor`` says otherwise."""
+    monkeypatch.setenv(compiled.ENV, "1" if (on if inductor is None else inductor) else "0")
     monkeypatch.setenv(compiled.NATIVE_ENV, "1" if on else "0")
     compiled.enabled.cache_clear()
     compiled.native_mode.cache_clear()
@@ -138,6 +148,79 @@ def test_each_kernel_matches_its_eager_twin(
     assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul", "c:swiglu_backward"}
+
+
+def test_the_c_row_kernels_match_their_eager_twins(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default engine (no inductor): RMSNorm, silu * up and their gradients in C, with row
+    lengths off the vector width (40, 24: scalar tails), chunks of [gate | up] (strided rows),
+    against eager; bit-identical at 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 40, 3, 40, generator=gen) * 3
+    w = torch.randn(40, generator=gen)
+    gate_up = torch.randn(2, 300, 2 * 24, generator=gen) * 4
+    down = torch.randn(24, 8, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        y = fused.rms_norm(xs, w, 1e-6)
+        g = gate_up.clone().requires_grad_()
+        h = fused.swiglu(*g.chunk(2, -1))
+        ((y * y.detach().cos()).sum() + (h @ down).square().sum()).backward()
+        assert xs.grad is not None and g.grad is not None
+        return [y.detach(), h.detach(), xs.grad, g.grad]
+
+    _switch(monkeypatch, False)
+    want = run()
+    assert not ran
+    _switch(monkeypatch, True, inductor=False)
+    got = run()
+    assert {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul"} <= set(ran), ran
+    assert not set(ran) & KERNELS  # no inductor loop ran
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        again = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(again, got, strict=True):
+        assert torch.equal(a, b)
+    # The merged LoRA MLP's backward: both halves of the gate/up gradient from one C loop.
+    gu = gate_up.clone()
+    dh = torch.randn(2, 300, 24, generator=gen)
+    both = compiled.call_native("swiglu_backward", gu, dh)
+    gate, up = gu.chunk(2, -1)
+    sig = torch.sigmoid(gate)
+    torch.testing.assert_close(
+        both, torch.cat([dh * up * sig * (1 + gate * (1 - sig)), gate * sig * dh], -1)
+    )
+    assert compiled.call_native("swiglu_backward", gu.transpose(0, 1), dh) is None  # layout
+
+
+def test_the_default_training_step_runs_every_c_kernel(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$TINKER_SR_NATIVE`` unset (the default), no inductor: the tiny model's LoRA step runs
+    attention and every row kernel in C, within float32 rounding of torch's kernels, and
+    bit-identical when repeated."""
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+    _switch(monkeypatch, False)
+    want = _step(tokens)
+    monkeypatch.delenv(compiled.NATIVE_ENV)
+    compiled.native_mode.cache_clear()
+    got = _step(tokens)
+    assert set(ran) == C_KERNELS | {"attention"}, set(ran)
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+    again = _step(tokens)
+    for a, b in zip(again, got, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_one_compile_serves_every_batch_shape(

@@ -60,8 +60,11 @@ __all__ = [
     "call",
     "enabled",
     "failure",
+    "call_native",
+    "fusable",
     "native_failure",
     "native_mode",
+    "native_ready",
     "run",
     "use",
     "use_attention",
@@ -123,11 +126,26 @@ def _eligible(*tensors: Tensor) -> bool:
 
 
 def run(name: str, *args: Any) -> Any | None:
-    """Kernel ``name`` on ``args`` where `use` takes their tensors; None otherwise, or where
-    compiling failed (the caller runs its eager code)."""
-    if not use(*(a for a in args if isinstance(a, Tensor))):
-        return None
-    return call(name, *args)
+    """Kernel ``name`` on ``args``: the inductor loop where `use` takes their tensors, else its
+    C twin (``csrc/rows.c``) where `native_ready` does and the layout suits it; None otherwise,
+    or where compiling failed (the caller runs its eager code)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if use(*tensors):
+        return call(name, *args)
+    if native_ready(*tensors):
+        return call_native(name, *args)
+    return None
+
+
+def fusable(*tensors: Tensor) -> bool:
+    """Would `run` try a kernel (inductor's or C) for these operands?"""
+    return use(*tensors) or native_ready(*tensors)
+
+
+def native_ready(*tensors: Tensor) -> bool:
+    """Should these operands go through a C kernel? (`native_mode` not off, the C kernels not
+    found unavailable, operands as `use` takes them.)"""
+    return native_mode() != "off" and _native_failure is None and _eligible(*tensors)
 
 
 def call(name: str, *args: Any) -> Any | None:
@@ -183,9 +201,7 @@ def use_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and q.shape[1] % k.shape[1] == 0
         and k.shape == v.shape
         and q.shape[0] * k.shape[1] >= torch.get_num_threads()
-        and native_mode() != "off"
-        and _native_failure is None
-        and _eligible(q, k, v)
+        and native_ready(q, k, v)
     )
 
 
@@ -195,26 +211,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     is_causal=True, enable_gqa=True)``; None where the C kernel could not be built (the
     caller uses torch's). The result is a [B, H, T, D] view of a [B, T, H, D] tensor: the
     layout the output projection reads, so transposing it back costs no copy."""
-    global _native_failure
-    lib = _attention_library()
-    if lib is None:
-        from tinker_sr.engine import native
-
-        _native_failure = native.failure("causal_attention")
-        said = (
-            f"the C attention kernel is unavailable ({_native_failure}); the engine uses "
-            "torch's attention for the rest of this process"
-        )
-        if native_mode() == "on":
-            warnings.warn(
-                f"${NATIVE_ENV}=1: {said}. Unset {NATIVE_ENV} to silence this.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        else:
-            log.info("%s (set %s=0 to skip the build)", said, NATIVE_ENV)
+    if _attention_library() is None:
+        _unavailable("causal_attention")
         return None
     return _CausalAttention.apply(q, k, v)  # type: ignore[no-any-return]
+
+
+def _unavailable(library: str) -> None:
+    """Note (INFO; a warning under ``$TINKER_SR_NATIVE=1``) that a C library did not build: the
+    engine keeps torch's kernels for every C kernel for the rest of the process."""
+    global _native_failure
+    from tinker_sr.engine import native
+
+    _native_failure = native.failure(library)
+    said = (
+        f"the C kernels are unavailable ({_native_failure}); the engine uses torch's kernels "
+        "for the rest of this process"
+    )
+    if native_mode() == "on":
+        warnings.warn(
+            f"${NATIVE_ENV}=1: {said}. Unset {NATIVE_ENV} to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    else:
+        log.info("%s (set %s=0 to skip the build)", said, NATIVE_ENV)
 
 
 @functools.cache
@@ -291,7 +312,110 @@ class _CausalAttention(torch.autograd.Function):
         return dqt[..., :t].transpose(-1, -2), dk, dv
 
 
-# ---- the kernels (their eager twins are in fused.py) -----------------------------------------
+# ---- row kernels in C (csrc/rows.c): the same names as the inductor loops below ------------
+
+
+@functools.cache
+def _rows_library() -> Any | None:
+    from tinker_sr.engine import native
+
+    lib = native.load("rows")
+    if lib is None:
+        return None
+    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.tsr_rms_norm.argtypes = [p, p, p, p, n, i, ctypes.c_float, i]
+    lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, n, i, i]
+    lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
+    lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
+    for f in ("tsr_rms_norm", "tsr_rms_norm_backward", "tsr_silu_mul", "tsr_swiglu_backward"):
+        getattr(lib, f).restype = None
+    return lib
+
+
+def call_native(name: str, *args: Any) -> Any | None:
+    """Run the C twin of kernel ``name``; None where the operands' layout does not suit it or
+    the library is unavailable (the caller runs its eager code)."""
+    lib = _rows_library()
+    if lib is None:
+        _unavailable("rows")
+        return None
+    return _ROW_KERNELS[name](lib, *args)
+
+
+def _as_rows(t: Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of ``t`` seen as [rows, t.shape[-1]] with unit stride inside a row
+    (a contiguous tensor, or a column slice of one such as a chunk of [gate | up]), else None."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        flat = t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dimensions that do not collapse
+        return None
+    return flat.shape[0], flat.stride(0)
+
+
+def _c_rms_norm(lib: Any, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+    if not (x.is_contiguous() and weight.is_contiguous() and weight.shape == x.shape[-1:]):
+        return None
+    n = x.shape[-1]
+    out, r = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
+    lib.tsr_rms_norm(
+        _ptr(x), _ptr(weight), _ptr(out), _ptr(r), x.numel() // n, n, eps, torch.get_num_threads()
+    )
+    return out, r
+
+
+def _c_rms_norm_backward(
+    lib: Any, g: Tensor, x: Tensor, weight: Tensor, r: Tensor
+) -> Tensor | None:
+    if not all(t.is_contiguous() for t in (g, x, weight, r)) or g.shape != x.shape:
+        return None
+    n = x.shape[-1]
+    dx = torch.empty_like(x)
+    lib.tsr_rms_norm_backward(
+        _ptr(g), _ptr(x), _ptr(weight), _ptr(r), _ptr(dx), x.numel() // n, n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return dx
+
+
+def _c_silu_mul(lib: Any, gate: Tensor, up: Tensor) -> Tensor | None:
+    g_rows, u_rows = _as_rows(gate), _as_rows(up)
+    if g_rows is None or u_rows is None or gate.shape != up.shape:
+        return None
+    out = gate.new_empty(gate.shape)
+    lib.tsr_silu_mul(
+        _ptr(gate), g_rows[1], _ptr(up), u_rows[1], _ptr(out), g_rows[0], gate.shape[-1],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor) -> Tensor | None:
+    n = gate_up.shape[-1] // 2
+    if (
+        not (gate_up.is_contiguous() and dh.is_contiguous())
+        or dh.shape[:-1] + (2 * n,) != gate_up.shape
+    ):
+        return None
+    out = torch.empty_like(gate_up)
+    lib.tsr_swiglu_backward(
+        _ptr(gate_up), _ptr(dh), _ptr(out), dh.numel() // n, n, torch.get_num_threads()
+    )
+    return out
+
+
+_ROW_KERNELS: dict[str, Callable[..., Any]] = {
+    "rms_norm": _c_rms_norm,
+    "rms_norm_backward": _c_rms_norm_backward,
+    "silu_mul": _c_silu_mul,
+    "swiglu_backward": _c_swiglu_backward,
+    "rope": lambda lib, *args: None,  # no C twin: a strided rotation is left to torch
+    "rope_inverse": lambda lib, *args: None,
+}
+
+
+# ---- the inductor kernels (their eager twins are in fused.py) ---------------------------------
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

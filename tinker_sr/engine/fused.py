@@ -317,14 +317,14 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         gate_up, w, a, b = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
-        fuse = compiled.use(gate_up, dy)
+        fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)
         h = _silu_mul(gate, up) if silu is None else silu * up  # the forward's value, bitwise
         dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], ctx.scaling, True)
         del h
         assert dh is not None  # a fresh GEMM result: _swiglu_grads may overwrite it
         if silu is None:
-            d_gate_up = compiled.call("swiglu_backward", gate_up, dh)
+            d_gate_up = compiled.run("swiglu_backward", gate_up, dh)
             if d_gate_up is not None:
                 return d_gate_up, None, None, da, db
             silu = F.silu(gate)

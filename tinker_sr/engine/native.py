@@ -3,8 +3,9 @@
 `engine.compiled` uses them (``$TINKER_SR_NATIVE``). The source is compiled once per
 machine with ``-O3 -march=native -fopenmp`` into a shared library kept in a cache directory
 (``$TINKER_SR_KERNEL_CACHE``, default ``~/.cache/tinker_sr/kernels``), named by a hash of the
-source, the compiler's version, the flags and this CPU's model and ISA flags (a library built
-for another CPU is never loaded: ``-march=native`` code may not run there). Builds go to a
+source and the headers beside it, the compiler's version, the flags and this CPU's model and
+ISA flags (a library built for another CPU is never loaded: ``-march=native`` code may not run
+there). Builds go to a
 temporary file renamed into place, so concurrent processes never load a partial library.
 The OpenMP runtime is the one torch already loaded (the same ``libgomp.so.1``).
 
@@ -68,8 +69,10 @@ def library_path(name: str, cc: str) -> Path:
         [cc, "--version"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     key = hashlib.sha256()
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]  # shared by every source
     for part in (
         (SOURCE_DIR / f"{name}.c").read_bytes(),
+        *headers,
         version.encode(),
         " ".join(FLAGS).encode(),
         platform.machine().encode(),
@@ -90,7 +93,7 @@ def _build_and_load(name: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE_DIR / f"{name}.c"), "-lm"]
+            cmd = [cc, *FLAGS, "-I", str(SOURCE_DIR), "-o", tmp, str(SOURCE_DIR / f"{name}.c"), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")

@@ -20,14 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#define VL 16
+#include "vec.h"
+
 #define BR 64   /* query rows per block */
 #define BC 64   /* key rows per block */
-
-static inline v16 vload(const float *p) { return *(const v16 *)p; }
-static inline void vstore(float *p, v16 x) { *(v16 *)p = x; }
-static inline v16 vset1(float x) { return (v16){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
 
 /* C[m x n] (+)= A[m x k] (lda) * B[k x n] (ldb), C ldc; n % 16 == 0. */
 static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
@@ -72,29 +68,6 @@ static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B
       for (int c = 0; c < nv; c++) vstore(C + (size_t)i * ldc + j0 + c * VL, acc[c]);
     }
   }
-}
-
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 vsel(vi16 mask, v16 a, v16 b) { /* mask ? a : b, lane-wise */
-  return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
-}
-/* exp for a vector, |rel err| ~ 2e-7 (Cephes expf), exp(x) = 0 for x < -87.3. */
-static inline v16 vexp(v16 x) {
-  const v16 hi = vset1(88.3762626647949f), lo = vset1(-87.3365478515625f);
-  v16 xc = vsel(x > hi, hi, vsel(x < lo, lo, x));
-  v16 fx = xc * vset1(1.44269504088896341f);
-  const v16 magic = vset1(12582912.0f); /* 1.5 * 2^23: round to nearest */
-  v16 n = (fx + magic) - magic;
-  v16 r = xc - n * vset1(0.693359375f) + n * vset1(2.12194440e-4f);
-  v16 y = vset1(1.9875691500E-4f);
-  y = y * r + vset1(1.3981999507E-3f);
-  y = y * r + vset1(8.3334519073E-3f);
-  y = y * r + vset1(4.1665795894E-2f);
-  y = y * r + vset1(1.6666665459E-1f);
-  y = y * r + vset1(5.0000001201E-1f);
-  y = y * r * r + r + vset1(1.0f);
-  vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return vsel(x < lo, vset1(0.f), y * (v16)bits);
 }
 
 /* Forward: q, kt, vp in; o and lse out. */

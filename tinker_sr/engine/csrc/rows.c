@@ -1,0 +1,104 @@
+/* Row-wise float32 kernels of the training step, each one pass over its tensors where torch's
+   eager ops take three to six: RMSNorm and its input gradient, silu(gate) * up and the SwiGLU
+   gradient. Rows are independent and each is computed whole by one thread (its sums in a fixed
+   order), so results do not depend on the thread count or the schedule.
+
+   Part of tinker_sr (engine/native.py builds it with the machine's C compiler at first use;
+   engine/compiled.py calls it). Rows are `rows` x `n` floats, row i at `p + i * ld` (unit
+   stride inside a row). */
+#include <math.h>
+#include <stdint.h>
+
+#include "vec.h"
+
+static inline float hsum(v16 x) {
+  float s = 0.f;
+  for (int i = 0; i < VL; i++) s += x[i];
+  return s;
+}
+
+/* out = x * r * w, r = 1 / sqrt(mean(x^2) + eps) per row (written to r[i]). */
+void tsr_rms_norm(const float *x, const float *w, float *out, float *r, int64_t rows, int n,
+                  float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = x + i * n;
+    float *oi = out + i * n;
+    v16 acc = vset1(0.f);
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+      v16 v = vload(xi + j);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; j < n; j++) ss += xi[j] * xi[j];
+    float ri = 1.0f / sqrtf(ss / (float)n + eps);
+    r[i] = ri;
+    v16 rv = vset1(ri);
+    for (j = 0; j + VL <= n; j += VL) vstore(oi + j, vload(xi + j) * rv * vload(w + j));
+    for (; j < n; j++) oi[j] = xi[j] * ri * w[j];
+  }
+}
+
+/* dx = r * (g w - x r * mean(g w * x r)) per row: RMSNorm's input gradient. */
+void tsr_rms_norm_backward(const float *g, const float *x, const float *w, const float *r,
+                           float *dx, int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const float *gi = g + i * n, *xi = x + i * n;
+    float *di = dx + i * n;
+    float ri = r[i];
+    v16 rv = vset1(ri), acc = vset1(0.f);
+    int j = 0;
+    for (; j + VL <= n; j += VL) acc += (vload(gi + j) * vload(w + j)) * (vload(xi + j) * rv);
+    float dot = hsum(acc);
+    for (; j < n; j++) dot += (gi[j] * w[j]) * (xi[j] * ri);
+    float mean = dot / (float)n;
+    v16 mv = vset1(mean);
+    for (j = 0; j + VL <= n; j += VL)
+      vstore(di + j, ((vload(gi + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv);
+    for (; j < n; j++) di[j] = ((gi[j] * w[j]) - (xi[j] * ri) * mean) * ri;
+  }
+}
+
+static inline v16 vsigmoid(v16 x) { return vset1(1.f) / (vset1(1.f) + vexp(-x)); }
+static inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* out[i, :] = silu(gate[i, :]) * up[i, :]; out is contiguous [rows, n]. */
+void tsr_silu_mul(const float *gate, int64_t ld_gate, const float *up, int64_t ld_up, float *out,
+                  int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const float *gi = gate + i * ld_gate, *ui = up + i * ld_up;
+    float *oi = out + i * n;
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+      v16 g = vload(gi + j);
+      vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
+    }
+    for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
+  }
+}
+
+/* For h = silu(gate) * up with gate_up = [gate | up] ([rows, 2n], contiguous) and dh [rows, n]:
+   out = [d_gate | d_up], d_up = silu(gate) dh, d_gate = dh up silu'(gate),
+   silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int64_t rows, int n,
+                         int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const float *gi = gate_up + i * 2 * n, *ui = gi + n, *di = dh + i * n;
+    float *og = out + i * 2 * n, *ou = og + n;
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+      v16 g = vload(gi + j), d = vload(di + j), s = vsigmoid(g);
+      vstore(ou + j, g * s * d);
+      vstore(og + j, d * vload(ui + j) * (s * (vset1(1.f) + g * (vset1(1.f) - s))));
+    }
+    for (; j < n; j++) {
+      float g = gi[j], d = di[j], s = sigmoid(g);
+      ou[j] = g * s * d;
+      og[j] = d * ui[j] * (s * (1.f + g * (1.f - s)));
+    }
+  }
+}
