@@ -56,6 +56,15 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         return out
 
     monkeypatch.setattr(compiled, "call_native", call_native)
+    original_norm_rope = compiled.norm_rope
+
+    def norm_rope(*args: Any) -> Any:
+        out = original_norm_rope(*args)
+        if out is not None:
+            names.append("c:norm_rope")
+        return out
+
+    monkeypatch.setattr(compiled, "norm_rope", norm_rope)
     attention = compiled.attention
 
     def attend(*args: Any) -> Any:
@@ -84,8 +93,10 @@ def _switch(monkeypatch: pytest.MonkeyPatch, on: bool, inductor: bool | None = N
     compiled.native_mode.cache_clear()
 
 
-def _model() -> torch.nn.Module:
-    config = dataclasses.replace(BUILTIN_CONFIGS["tinker-sr/tiny"], qk_norm=True)
+def _model(head_dim: int | None = None) -> torch.nn.Module:
+    config = dataclasses.replace(
+        BUILTIN_CONFIGS["tinker-sr/tiny"], qk_norm=True, explicit_head_dim=head_dim
+    )
     model = build_model(config)
     apply_lora(model, LoraSpec(rank=4, seed=0))
     gen = torch.Generator().manual_seed(1)
@@ -96,8 +107,8 @@ def _model() -> torch.nn.Module:
     return model
 
 
-def _step(tokens: torch.Tensor) -> list[torch.Tensor]:
-    model = _model()
+def _step(tokens: torch.Tensor, head_dim: int | None = None) -> list[torch.Tensor]:
+    model = _model(head_dim)
     logits = model(tokens)
     (logits.logsumexp(-1) - logits[..., 3]).sum().backward()
     return [logits.detach()] + [p.grad for _, p in trainable_parameters(model)]  # type: ignore[misc]
@@ -210,17 +221,72 @@ def test_the_default_training_step_runs_every_c_kernel(
     attention and every row kernel in C, within float32 rounding of torch's kernels, and
     bit-identical when repeated."""
     tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
-    _switch(monkeypatch, False)
-    want = _step(tokens)
-    monkeypatch.delenv(compiled.NATIVE_ENV)
-    compiled.native_mode.cache_clear()
-    got = _step(tokens)
-    assert set(ran) == C_KERNELS | {"attention"}, set(ran)
-    for a, b in zip(got, want, strict=True):
-        assert float((a - b).norm() / b.norm()) < 1e-5
-    again = _step(tokens)
-    for a, b in zip(again, got, strict=True):
-        assert torch.equal(a, b)
+    for head_dim in (None, 32):  # 16 (tiny's own): q/k norm and RoPE eager; 32: in C
+        _switch(monkeypatch, False)
+        want = _step(tokens, head_dim)
+        monkeypatch.delenv(compiled.NATIVE_ENV)
+        compiled.native_mode.cache_clear()
+        ran.clear()
+        got = _step(tokens, head_dim)
+        c_ran = C_KERNELS | {"attention"} | ({"c:norm_rope"} if head_dim else set())
+        assert set(ran) == c_ran, set(ran)
+        for a, b in zip(got, want, strict=True):
+            assert float((a - b).norm() / b.norm()) < 1e-5
+        again = _step(tokens, head_dim)
+        for a, b in zip(again, got, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "rope-only"])
+def test_norm_rope_matches_the_eager_nodes(
+    d: int, normed: bool, ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q from a fused q/k/v projection (a strided view), Qwen3's per-head RMSNorm (or none),
+    RoPE, into attention's [B, H, T, D] layout: one C pass each way against fused.rms_norm +
+    fused.rope, forward and input gradient; bit-identical at 1 and 2 threads."""
+    from tinker_sr.engine.model import rope_angles
+
+    b, t, h, kv = 3, 70, 4, 2
+    gen = torch.Generator().manual_seed(d)
+    qkv = torch.randn(b, t, (h + 2 * kv) * d, generator=gen) * 2
+    weight = torch.randn(d, generator=gen) if normed else None
+    cos, sin = rope_angles(torch.rand(d // 2, generator=gen), 5, t, torch.float32, qkv.device)
+    go = torch.randn(b, h, t, d, generator=gen)
+
+    def run(c_kernel: bool) -> list[torch.Tensor]:
+        src = qkv.clone().requires_grad_()
+        x = src[..., : h * d].view(b, t, h, d)  # a strided view, as the model's q
+        if c_kernel:
+            assert compiled.use_norm_rope(x, weight, cos, sin)
+            y = compiled.norm_rope(x, weight, 1e-6, cos, sin)
+            assert y is not None
+        else:
+            n = x if weight is None else fused.rms_norm(x, weight, 1e-6)
+            y = fused.rope(n.transpose(1, 2), cos, sin)
+        y.backward(go)
+        assert y.is_contiguous() and src.grad is not None
+        return [y.detach(), src.grad]
+
+    _switch(monkeypatch, True, inductor=False)
+    want = run(c_kernel=False)
+    got = run(c_kernel=True)
+    assert ran.count("c:norm_rope") == 1
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        again = run(c_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, w in zip(again, got, strict=True):
+        assert torch.equal(a, w)
+    x = qkv[..., : h * d].view(b, t, h, d)
+    assert not compiled.use_norm_rope(x[..., :16], None, cos[:, :16], sin[:, :16])  # D % 32
+    assert not compiled.use_norm_rope(x, None, cos[:-1], sin[:-1])  # tables for other T
+    trainable = torch.ones(d, requires_grad=True)  # a norm weight that trains: eager
+    assert not compiled.use_norm_rope(x, trainable, cos, sin)
 
 
 def test_one_compile_serves_every_batch_shape(

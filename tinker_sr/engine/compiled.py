@@ -65,9 +65,11 @@ __all__ = [
     "native_failure",
     "native_mode",
     "native_ready",
+    "norm_rope",
     "run",
     "use",
     "use_attention",
+    "use_norm_rope",
 ]
 
 ENV = "TINKER_SR_COMPILE"
@@ -327,9 +329,89 @@ def _rows_library() -> Any | None:
     lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, n, i, i]
     lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
-    for f in ("tsr_rms_norm", "tsr_rms_norm_backward", "tsr_silu_mul", "tsr_swiglu_backward"):
+    f32 = ctypes.c_float
+    lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
+    lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, i, i, i, i]
+    for f in (
+        "tsr_rms_norm",
+        "tsr_rms_norm_backward",
+        "tsr_silu_mul",
+        "tsr_swiglu_backward",
+        "tsr_norm_rope",
+        "tsr_norm_rope_backward",
+    ):
         getattr(lib, f).restype = None
     return lib
+
+
+def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:
+    """Can `norm_rope` take x [B, T, H, D] (a view of the q/k/v projection's output: unit
+    stride inside a head, B and T collapsible), a frozen float32 norm weight [D] or None, and
+    cos/sin [T, D]? (D a multiple of 32; operands as `native_ready` takes them.)"""
+    d = x.shape[-1]
+    if x.dim() != 4 or d % 32 or x.stride(-1) != 1 or cos.shape != (x.shape[1], d):
+        return False
+    if not (sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    if weight is not None and (
+        weight.shape != (d,) or not weight.is_contiguous() or weight.requires_grad
+    ):
+        return False
+    try:
+        x.view(-1, x.shape[2], d)
+    except RuntimeError:
+        return False
+    extra = [] if weight is None else [weight]
+    return native_ready(x, cos, sin, *extra)
+
+
+def norm_rope(
+    x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+) -> Tensor | None:
+    """``rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)`` (no norm where ``weight``
+    is None) for x [B, T, H, D] as `use_norm_rope` takes it: one C pass forward and one
+    backward, the result a contiguous [B, H, T, D] tensor (as `fused.rope` returns). None
+    where the C kernels are unavailable (the caller runs the eager ops)."""
+    if _rows_library() is None:
+        _unavailable("rows")
+        return None
+    return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
+
+
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        b, t, h, d = x.shape
+        rows = x.view(-1, h, d)
+        y = x.new_empty(b, h, t, d)
+        r = x.new_empty(b, t, h if weight is not None else 0)
+        lib = _rows_library()
+        assert lib is not None  # `norm_rope` checked
+        lib.tsr_norm_rope(
+            _ptr(x), rows.stride(0), rows.stride(1), None if weight is None else _ptr(weight),
+            eps, _ptr(cos), _ptr(sin), _ptr(y), _ptr(r), b, t, h, d, torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(x if weight is not None else None, weight, r, cos, sin)
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, r, cos, sin = ctx.saved_tensors
+        b, t, h, d = ctx.x_shape
+        g = g.contiguous()
+        dx = g.new_empty(b, t, h, d)
+        ld = (0, 0) if x is None else x.view(-1, h, d).stride()[:2]
+        lib = _rows_library()
+        assert lib is not None
+        lib.tsr_norm_rope_backward(
+            _ptr(g), None if x is None else _ptr(x), ld[0], ld[1],
+            None if weight is None else _ptr(weight), _ptr(r), _ptr(cos), _ptr(sin), _ptr(dx),
+            b, t, h, d, torch.get_num_threads(),
+        )  # fmt: skip
+        return dx, None, None, None, None
 
 
 def call_native(name: str, *args: Any) -> Any | None:

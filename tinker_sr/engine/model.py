@@ -212,10 +212,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = self._norm_rope(q, "q_norm", cos, sin), self._norm_rope(k, "k_norm", cos, sin)
+        v = v.transpose(1, 2)
 
         if cache is None or start_pos == 0:
             # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
@@ -231,6 +229,21 @@ class Attention(nn.Module):
                 mask = torch.arange(start_pos + T, device=x.device)[None, :] <= q_pos
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return linear_group(y.transpose(1, 2).reshape(B, T, -1), (self.o_proj,))[0]
+
+    def _norm_rope(self, x: Tensor, norm_name: str, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (where the model
+        has ``norm_name``), then the rotary embedding; one C pass each way where it applies
+        (`compiled.norm_rope`), else the eager nodes."""
+        found = getattr(self, norm_name, None)
+        norm = found if isinstance(found, RMSNorm) else None
+        weight = None if norm is None else norm.weight
+        if compiled.use_norm_rope(x, weight, cos, sin):
+            y = compiled.norm_rope(x, weight, 0.0 if norm is None else norm.eps, cos, sin)
+            if y is not None:
+                return y
+        if norm is not None:
+            x = norm(x)
+        return rope(x.transpose(1, 2), cos, sin)
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -93,7 +93,16 @@ def _build_and_load(name: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [cc, *FLAGS, "-I", str(SOURCE_DIR), "-o", tmp, str(SOURCE_DIR / f"{name}.c"), "-lm"]
+            cmd = [
+                cc,
+                *FLAGS,
+                "-I",
+                str(SOURCE_DIR),
+                "-o",
+                tmp,
+                str(SOURCE_DIR / f"{name}.c"),
+                "-lm",
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")

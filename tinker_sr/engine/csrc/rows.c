@@ -102,3 +102,72 @@ void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int6
     }
   }
 }
+
+/* Attention's q (or k) from the q/k/v projection, in one pass: for x [B, T, H, D] (row (b, t,
+   h) at x + (b * T + t) * ld_outer + h * ld_inner), optionally RMS-normalised per head
+   (w != NULL: Qwen3's q_norm/k_norm; r[(b * T + t) * H + h] gets the row's scale), then rotated
+   (RoPE, "rotate_half" layout: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] with c, s the first half
+   of cos[t], sin[t]) and written to y [B, H, T, D], the layout attention reads. D % 32 == 0. */
+void tsr_norm_rope(const float *x, int64_t ld_outer, int64_t ld_inner, const float *w, float eps,
+                   const float *cos, const float *sin, float *y, float *r, int64_t B, int T, int H,
+                   int D, int threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < B * T * H; i++) {
+    int64_t o = i / H, b = o / T;
+    int h = (int)(i % H), t = (int)(o % T);
+    const float *xi = x + o * ld_outer + h * ld_inner;
+    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+    float *yi = y + ((b * H + h) * T + t) * D;
+    v16 rv = vset1(1.f);
+    if (w) {
+      v16 acc = vset1(0.f);
+      for (int j = 0; j < D; j += VL) {
+        v16 v = vload(xi + j);
+        acc += v * v;
+      }
+      float ri = 1.0f / sqrtf(hsum(acc) / (float)D + eps);
+      r[i] = ri;
+      rv = vset1(ri);
+    }
+    for (int j = 0; j < half; j += VL) {
+      v16 x1 = vload(xi + j) * rv, x2 = vload(xi + half + j) * rv;
+      if (w) {
+        x1 *= vload(w + j);
+        x2 *= vload(w + half + j);
+      }
+      v16 cj = vload(c + j), sj = vload(s + j);
+      vstore(yi + j, x1 * cj - x2 * sj);
+      vstore(yi + half + j, x2 * cj + x1 * sj);
+    }
+  }
+}
+
+/* The gradient of tsr_norm_rope: g [B, H, T, D] contiguous -> dx [B, T, H, D] contiguous, the
+   inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) then, with w, RMSNorm's input
+   gradient r (u w - n mean(u w n)), n = x r (x, r as the forward read and wrote them). */
+void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, int64_t ld_inner,
+                            const float *w, const float *r, const float *cos, const float *sin,
+                            float *dx, int64_t B, int T, int H, int D, int threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < B * T * H; i++) {
+    int64_t o = i / H, b = o / T;
+    int h = (int)(i % H), t = (int)(o % T);
+    const float *gi = g + ((b * H + h) * T + t) * D;
+    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+    float *di = dx + i * D;
+    for (int j = 0; j < half; j += VL) {
+      v16 g1 = vload(gi + j), g2 = vload(gi + half + j), cj = vload(c + j), sj = vload(s + j);
+      vstore(di + j, g1 * cj + g2 * sj);
+      vstore(di + half + j, g2 * cj - g1 * sj);
+    }
+    if (!w) continue;
+    const float *xi = x + o * ld_outer + h * ld_inner;
+    v16 rv = vset1(r[i]), acc = vset1(0.f);
+    for (int j = 0; j < D; j += VL) acc += (vload(di + j) * vload(w + j)) * (vload(xi + j) * rv);
+    v16 mv = vset1(hsum(acc) / (float)D);
+    for (int j = 0; j < D; j += VL)
+      vstore(di + j, ((vload(di + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv);
+  }
+}
