@@ -205,7 +205,7 @@ def test_the_c_row_kernels_match_their_eager_twins(
     # The merged LoRA MLP's backward: both halves of the gate/up gradient from one C loop.
     gu = gate_up.clone()
     dh = torch.randn(2, 300, 24, generator=gen)
-    both = compiled.call_native("swiglu_backward", gu, dh)
+    both = compiled.call_native("swiglu_backward", gu.clone(), dh)
     gate, up = gu.chunk(2, -1)
     sig = torch.sigmoid(gate)
     torch.testing.assert_close(
@@ -585,3 +585,20 @@ def test_attention_kernel_on_random_shapes_and_strided_inputs(kernel_cache: Any)
             assert err < 2e-6, ((b, h, kv, t, d), err)
         checked += 1
     assert checked >= 8
+
+
+def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C SwiGLU gradient is written over the node's saved [gate | up] (dead after its
+    backward); a second backward through the same graph must fail as autograd does for any
+    in-place change, never read the overwritten values."""
+    monkeypatch.delenv(compiled.NATIVE_ENV, raising=False)
+    compiled.native_mode.cache_clear()
+    model = _model()
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens).logsumexp(-1).sum()
+    loss.backward(retain_graph=True)
+    assert "c:swiglu_backward" in ran
+    with pytest.raises(RuntimeError, match="inplace"):  # autograd's own check
+        loss.backward()

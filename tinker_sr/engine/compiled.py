@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 __all__ = [
     "ENV",
@@ -474,17 +475,22 @@ def _c_silu_mul(lib: Any, gate: Tensor, up: Tensor) -> Tensor | None:
 
 
 def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor) -> Tensor | None:
+    """[d_gate | d_up], written over ``gate_up``: the SwiGLU node's saved activation, dead
+    once its backward has run. Its [rows, 2 x ffn] size is over the heap's 32 MiB cap
+    (`cpu.tune_allocator`) at training sizes, so a fresh output cost a new mapping and its page
+    faults in every layer (~4x the loop's own time). Its version is bumped, so a second
+    backward through the same graph fails with autograd's in-place error, not silently."""
     n = gate_up.shape[-1] // 2
     if (
         not (gate_up.is_contiguous() and dh.is_contiguous())
         or dh.shape[:-1] + (2 * n,) != gate_up.shape
     ):
         return None
-    out = torch.empty_like(gate_up)
     lib.tsr_swiglu_backward(
-        _ptr(gate_up), _ptr(dh), _ptr(out), dh.numel() // n, n, torch.get_num_threads()
+        _ptr(gate_up), _ptr(dh), _ptr(gate_up), dh.numel() // n, n, torch.get_num_threads()
     )
-    return out
+    increment_version(gate_up)
+    return gate_up
 
 
 _ROW_KERNELS: dict[str, Callable[..., Any]] = {

@@ -82,7 +82,8 @@ void tsr_silu_mul(const float *gate, int64_t ld_gate, const float *up, int64_t l
 
 /* For h = silu(gate) * up with gate_up = [gate | up] ([rows, 2n], contiguous) and dh [rows, n]:
    out = [d_gate | d_up], d_up = silu(gate) dh, d_gate = dh up silu'(gate),
-   silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+   silu'(g) = sig(g) (1 + g (1 - sig(g))). `out` may be `gate_up` itself (every element is
+   read before its place is written). */
 void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int64_t rows, int n,
                          int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -91,14 +92,14 @@ void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int6
     float *og = out + i * 2 * n, *ou = og + n;
     int j = 0;
     for (; j + VL <= n; j += VL) {
-      v16 g = vload(gi + j), d = vload(di + j), s = vsigmoid(g);
+      v16 g = vload(gi + j), u = vload(ui + j), d = vload(di + j), s = vsigmoid(g);
+      vstore(og + j, d * u * (s * (vset1(1.f) + g * (vset1(1.f) - s))));
       vstore(ou + j, g * s * d);
-      vstore(og + j, d * vload(ui + j) * (s * (vset1(1.f) + g * (vset1(1.f) - s))));
     }
     for (; j < n; j++) {
-      float g = gi[j], d = di[j], s = sigmoid(g);
+      float g = gi[j], u = ui[j], d = di[j], s = sigmoid(g);
+      og[j] = d * u * (s * (1.f + g * (1.f - s)));
       ou[j] = g * s * d;
-      og[j] = d * ui[j] * (s * (1.f + g * (1.f - s)));
     }
   }
 }
