@@ -602,3 +602,37 @@ def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(
     assert "c:swiglu_backward" in ran
     with pytest.raises(RuntimeError, match="inplace"):  # autograd's own check
         loss.backward()
+
+
+def test_c_softmax_rows_match_torch(ran: list[str]) -> None:
+    """The loss's softmax passes in C (`softmax_rows`: exp(z - max), its sums and the
+    logsumexp, in place; `softmax_scale_rows`: softmax times a per-row scale) against torch,
+    with rows of huge, tiny and -inf logits; shapes they do not take are left to torch."""
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(40, 4096, generator=gen) * 10
+    z[1] = float("-inf")
+    z[1, 7] = 3.0  # one finite logit
+    z[2] += 1e4
+    z[3] *= 1e-3
+    lse = torch.empty(40)
+    e = z.clone()
+    total = compiled.softmax_rows(e, lse)
+    assert total is not None
+    want_lse = torch.logsumexp(z.double(), -1)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    top = z.amax(-1, keepdim=True)
+    torch.testing.assert_close(e, torch.exp(z - top), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        total.double(), torch.exp(z.double() - top).sum(-1), rtol=1e-5, atol=0
+    )
+    scale = torch.randn(40, generator=gen)
+    scale[5] = 0.0
+    got = z.clone()
+    assert compiled.softmax_scale_rows(got, want_lse.float(), scale)
+    want = torch.exp(z - want_lse.float()[:, None]) * scale[:, None]  # torch's float32 ops
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert torch.equal(got[5], torch.zeros(4096))
+    odd = torch.randn(40, 4004, generator=gen)  # V not a multiple of 16
+    assert compiled.softmax_rows(odd, lse) is None
+    assert not compiled.softmax_scale_rows(odd, lse, scale)
+    assert compiled.softmax_rows(z.double(), lse.double()) is None

@@ -68,6 +68,8 @@ __all__ = [
     "native_ready",
     "norm_rope",
     "run",
+    "softmax_rows",
+    "softmax_scale_rows",
     "use",
     "use_attention",
     "use_norm_rope",
@@ -333,7 +335,11 @@ def _rows_library() -> Any | None:
     f32 = ctypes.c_float
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, i, i, i, i]
+    lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
+    lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
     for f in (
+        "tsr_softmax_rows",
+        "tsr_softmax_scale_rows",
         "tsr_rms_norm",
         "tsr_rms_norm_backward",
         "tsr_silu_mul",
@@ -343,6 +349,46 @@ def _rows_library() -> Any | None:
     ):
         getattr(lib, f).restype = None
     return lib
+
+
+def _softmax_ready(z: Tensor, *rows: Tensor) -> bool:
+    """z a contiguous [rows, V] float32 chunk of logits (V a multiple of 16) and ``rows``
+    contiguous float32 [rows] vectors, as `native_ready` takes them."""
+    return (
+        z.dim() == 2
+        and z.shape[1] % 16 == 0
+        and z.is_contiguous()
+        and all(r.shape == z.shape[:1] and r.is_contiguous() for r in rows)
+        and native_ready(z, *rows)
+        and _rows_library() is not None
+    )
+
+
+def softmax_rows(z: Tensor, lse: Tensor) -> Tensor | None:
+    """In place, for logits z [rows, V]: ``z = exp(z - max)`` per row, ``lse`` [rows] written
+    with the rows' logsumexp; returns the rows' sums of ``z``. One C pass for the max and one
+    for exp and sum (torch's amax, sub, exp and sum: four). None where it does not apply (the
+    caller runs torch's ops)."""
+    if not _softmax_ready(z, lse):
+        return None
+    total = lse.new_empty(z.shape[0])
+    lib = _rows_library()
+    lib.tsr_softmax_rows(  # type: ignore[union-attr]
+        _ptr(z), z.shape[0], z.shape[1], _ptr(total), _ptr(lse), torch.get_num_threads()
+    )
+    return total
+
+
+def softmax_scale_rows(z: Tensor, lse: Tensor, scale: Tensor) -> bool:
+    """In place: ``z = exp(z - lse[:, None]) * scale[:, None]`` (softmax of the logits z [rows,
+    V] times a per-row scale) in one C pass; False where it does not apply (z untouched)."""
+    if not _softmax_ready(z, lse, scale):
+        return False
+    lib = _rows_library()
+    lib.tsr_softmax_scale_rows(  # type: ignore[union-attr]
+        _ptr(z), z.shape[0], z.shape[1], _ptr(lse), _ptr(scale), torch.get_num_threads()
+    )
+    return True
 
 
 def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine import gemm
+from tinker_sr.engine import compiled, gemm
 from tinker_sr.engine.fused import frozen_cast
 from tinker_sr.engine.lora import LoraLinear
 
@@ -282,6 +282,9 @@ def _exp_rows(
     memory instead of six passes over a float32 copy (measured 13.0 -> 8.0 ms per 64 MiB
     chunk)."""
     if z.dtype == compute_dtype:
+        total = compiled.softmax_rows(z, lse)  # the same passes in C, where it applies
+        if total is not None:
+            return z, total
         top = z.amax(dim=-1, keepdim=True)
         e = z.sub_(top).exp_()
         total = e.sum(dim=-1)
@@ -450,6 +453,8 @@ def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> t
     """``softmax(z) * scale[:, None]`` in place of the logits ``z`` (rows' logsumexp ``lse``),
     as one exp: exp(z - lse + log|scale|), then the rows whose scale is negative negated (rows
     with scale 0 come out exactly 0: exp(-inf))."""
+    if compiled.softmax_scale_rows(z, lse.contiguous(), scale.contiguous()):
+        return z
     z.sub_((lse - scale.abs().log())[:, None]).exp_()
     flip = torch.nonzero(scale < 0).squeeze(1)
     if flip.numel():

@@ -172,3 +172,49 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
       vstore(di + j, ((vload(di + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv);
   }
 }
+
+/* Softmax statistics of logits z [rows, V] (contiguous), in place: z[i] becomes
+   exp(z[i] - max_i), total[i] its sum and lse[i] = max_i + log(total[i]) (the row's logsumexp):
+   two passes over a row (a max, then exp and sum) where torch runs four. Sums run in 64 lanes
+   (4 vectors), then across them, in a fixed order. V % 16 == 0. */
+void tsr_softmax_rows(float *z, int64_t rows, int64_t V, float *total, float *lse, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    float *zi = z + i * V;
+    v16 m = vload(zi);
+    for (int64_t j = VL; j < V; j += VL) {
+      v16 v = vload(zi + j);
+      m = vsel(v > m, v, m);
+    }
+    float top = m[0];
+    for (int k = 1; k < VL; k++) top = m[k] > top ? m[k] : top;
+    v16 t = vset1(top), acc[4] = {vset1(0.f), vset1(0.f), vset1(0.f), vset1(0.f)};
+    int64_t j = 0;
+    for (; j + 4 * VL <= V; j += 4 * VL)
+      for (int u = 0; u < 4; u++) {
+        v16 e = vexp(vload(zi + j + u * VL) - t);
+        vstore(zi + j + u * VL, e);
+        acc[u] += e;
+      }
+    for (; j < V; j += VL) {
+      v16 e = vexp(vload(zi + j) - t);
+      vstore(zi + j, e);
+      acc[0] += e;
+    }
+    float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    total[i] = sum;
+    lse[i] = top + logf(sum);
+  }
+}
+
+/* z[i] = exp(z[i] - lse[i]) * scale[i] in place: softmax(z) scaled per row (a logit gradient's
+   dense part). V % 16 == 0. */
+void tsr_softmax_scale_rows(float *z, int64_t rows, int64_t V, const float *lse, const float *scale,
+                            int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    float *zi = z + i * V;
+    v16 l = vset1(lse[i]), s = vset1(scale[i]);
+    for (int64_t j = 0; j < V; j += VL) vstore(zi + j, vexp(vload(zi + j) - l) * s);
+  }
+}
