@@ -95,8 +95,7 @@ def main() -> None:
             )
         ratios = [a / b for a, b in zip(times["by hand"], times["autograd"], strict=True)]
         diff = max(
-            abs(a - b) / abs(b)
-            for a, b in zip(losses["by hand"], losses["autograd"], strict=True)
+            abs(a - b) / abs(b) for a, b in zip(losses["by hand"], losses["autograd"], strict=True)
         )
         print(
             "LoRA head by hand / autograd: median "
