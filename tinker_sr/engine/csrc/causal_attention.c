@@ -10,7 +10,9 @@
    row's KV head, which owns its keys' and its query heads' gradients), each computed whole
    by one thread: results do not depend on the thread count or the schedule.
 
-   Layouts (all float32, C-contiguous; Tp = T rounded up to 64, padding zero-filled):
+   Layouts (all float32, C-contiguous; Tp >= T rounded up to 64, padding zero-filled; the
+   caller adds 16 so a transposed row's stride is not a power of two, which mapped every row
+   of a block product's operand to the same few L1 sets):
      q   [B, H, T, D]    kt [B, KV, D, Tp] (K transposed)   vp, kp [B, KV, Tp, D]
      o   [B, T, H, D]    (the output: heads side by side, as the output projection reads it)
      lse [B, H, Tp]      logsumexp of each query's scaled scores
@@ -80,7 +82,7 @@ void tsr_attention_forward(const float *q, const float *kt, const float *v, floa
   {
     float *S = aligned_alloc(64, sizeof(float) * BR * BC);
     float *O = aligned_alloc(64, sizeof(float) * BR * D);
-    float m[BR], l[BR];
+    float m[BR] __attribute__((aligned(64))), l[BR];
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
       int qb = nqb - 1 - (u % nqb);          /* big (late) blocks first */
@@ -98,23 +100,37 @@ void tsr_attention_forward(const float *q, const float *kt, const float *v, floa
         gemm_nn(rows, colsp, D, Q, D, Kt + j0, Tp, S, BC, 0);
         const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
         const v16 ninf = vset1(-INFINITY), sc = vset1(scale);
+        int diagonal = j0 + BC > i0; /* only the block on the diagonal needs the causal mask */
+        float mnew[BR] __attribute__((aligned(64))), alpha[BR] __attribute__((aligned(64)));
         for (int r = 0; r < rows; r++) {
           float *s = S + r * BC;
-          float lim = (float)(i0 + r - j0); /* keys up to column lim (inclusive) */
           v16 mxv = vset1(m[r]);
-          for (int c = 0; c < colsp; c += VL) {
-            v16 x = vsel(lane + (float)c > vset1(lim), ninf, vload(s + c) * sc);
-            vstore(s + c, x);
-            mxv = vsel(x > mxv, x, mxv);
+          if (diagonal) {
+            v16 lim = vset1((float)(i0 + r - j0)); /* keys up to column lim (inclusive) */
+            for (int c = 0; c < colsp; c += VL) {
+              v16 x = vsel(lane + (float)c > lim, ninf, vload(s + c) * sc);
+              vstore(s + c, x);
+              mxv = vsel(x > mxv, x, mxv);
+            }
+          } else {
+            for (int c = 0; c < colsp; c += VL) {
+              v16 x = vload(s + c) * sc;
+              vstore(s + c, x);
+              mxv = vsel(x > mxv, x, mxv);
+            }
           }
-          float mx = mxv[0];
-          for (int t = 1; t < VL; t++) mx = mxv[t] > mx ? mxv[t] : mx;
-          float alpha = expf(m[r] - mx);
-          v16 sum = vset1(0.f), mv = vset1(mx);
+          mnew[r] = vhmax(mxv);
+        }
+        for (int r = 0; r < rows; r += VL) { /* alpha = exp(m_old - m_new), 16 rows at once */
+          v16 mo = vload(m + r), mn = vload(mnew + r);
+          vstore(alpha + r, vexp(mo - mn));
+        }
+        for (int r = 0; r < rows; r++) {
+          float *s = S + r * BC;
+          v16 sum = vset1(0.f), mv = vset1(mnew[r]);
           for (int c = 0; c < colsp; c += VL) { v16 p = vexp(vload(s + c) - mv); vstore(s + c, p); sum += p; }
-          float tot = 0.f; for (int t = 0; t < VL; t++) tot += sum[t];
-          l[r] = l[r] * alpha + tot; m[r] = mx;
-          if (alpha != 1.f) { v16 av = vset1(alpha); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
+          l[r] = l[r] * alpha[r] + vhsum(sum); m[r] = mnew[r];
+          if (alpha[r] != 1.f) { v16 av = vset1(alpha[r]); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
         }
         gemm_nn(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, 1);
       }
