@@ -258,7 +258,7 @@ def _attention_library() -> Any | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.tsr_attention_forward.argtypes = [p] * 5 + [i] * 6 + [ctypes.c_float, i]
     lib.tsr_attention_forward.restype = None
-    lib.tsr_attention_backward.argtypes = [p] * 12 + [i] * 6 + [ctypes.c_float, i]
+    lib.tsr_attention_backward.argtypes = [p] * 9 + [i] * 6 + [ctypes.c_float, i]
     lib.tsr_attention_backward.restype = None
     log.info("C attention kernel loaded (%s)", NATIVE_ENV)
     return lib
@@ -296,30 +296,25 @@ class _CausalAttention(torch.autograd.Function):
             _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
             b, h, kv, t, tp, d, scale, torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(q, kt, vp, o, lse)
+        ctx.save_for_backward(q, k.contiguous(), vp, o, lse)  # k: no copy from norm_rope
         return o.transpose(1, 2)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        q, kt, vp, o, lse = ctx.saved_tensors
+        q, k, vp, o, lse = ctx.saved_tensors
         b, h, t, d = q.shape
-        kv, tp = kt.shape[1], kt.shape[-1]
+        kv, tp = k.shape[1], lse.shape[-1]
         go = grad.transpose(1, 2).contiguous()  # [B, T, H, D]: no copy for the model's grad
-        qt = _padded(q, tp, transpose=True)
-        got = _padded(grad, tp, transpose=True)
-        kp = kt.transpose(-1, -2).contiguous()
-        dl = q.new_zeros(b, h, tp)
-        dl[..., :t].copy_((go * o).sum(-1).transpose(1, 2))
-        dqt = q.new_zeros(b, h, d, tp)
+        dq = q.new_empty(b, h, t, d)
         dk, dv = q.new_empty(b, kv, t, d), q.new_empty(b, kv, t, d)
         lib = _attention_library()
         assert lib is not None
         lib.tsr_attention_backward(
-            _ptr(qt), _ptr(q), _ptr(kp), _ptr(vp), _ptr(kt), _ptr(go), _ptr(got),
-            _ptr(lse), _ptr(dl), _ptr(dqt), _ptr(dk), _ptr(dv),
+            _ptr(q), _ptr(k), _ptr(vp), _ptr(go), _ptr(o), _ptr(lse),
+            _ptr(dq), _ptr(dk), _ptr(dv),
             b, h, kv, t, tp, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
         )  # fmt: skip
-        return dqt[..., :t].transpose(-1, -2), dk, dv
+        return dq, dk, dv
 
 
 # ---- row kernels in C (csrc/rows.c): the same names as the inductor loops below ------------

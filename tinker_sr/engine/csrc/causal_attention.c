@@ -147,41 +147,76 @@ void tsr_attention_forward(const float *q, const float *kt, const float *v, floa
 }
 
 /* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
-   transposed): qt [B,H,D,Tp] (q transposed), q, kp, vp, kt as above, go [B,T,H,D] (the
-   output's gradient) and got [B,H,D,Tp] (its transpose), lse and dl [B,H,Tp] (rowsum(go * o)).
-   Out: dqt [B,H,D,Tp] (dq transposed; zeroed by the caller), dk and dv [B,KV,T,D]. */
-void tsr_attention_backward(const float *qt, const float *q, const float *kp, const float *vp, const float *kt,
-              const float *go, const float *got, const float *lse, const float *dlt,
-              float *dqt, float *dk, float *dv,
+   transposed): q [B,H,T,D], k [B,KV,T,D], vp [B,KV,Tp,D], go and o [B,T,H,D] (the output's
+   gradient and the output), lse [B,H,Tp]. Out: dq [B,H,T,D], dk and dv [B,KV,T,D]. Each unit
+   (a batch row's KV head) first lays out what it reads transposed in buffers of its own (K^T,
+   and for each of its query heads Q^T, dO^T, rowsum(dO * O)), accumulates dQ^T there and
+   writes dq back in [T, D] rows at the end: no layout pass before or after the kernel. */
+static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
+  /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
+  for (int t0 = 0; t0 < T; t0 += 16)
+    for (int d = 0; d < D; d++) {
+      int tn = T - t0 < 16 ? T - t0 : 16;
+      for (int t = 0; t < tn; t++) dst[(size_t)d * Tp + t0 + t] = src[(size_t)(t0 + t) * ld + d];
+    }
+  for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
+}
+
+void tsr_attention_backward(const float *q, const float *k, const float *vp, const float *go,
+              const float *o, const float *lse, float *dq, float *dk, float *dv,
               int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
   int group = H / KV, units = B * KV;
+  size_t plane = (size_t)D * Tp;
 #pragma omp parallel num_threads(nthreads)
   {
     float *St = aligned_alloc(64, sizeof(float) * BC * BR);  /* P^T, then dS^T */
     float *dPt = aligned_alloc(64, sizeof(float) * BC * BR);
     float *dKb = aligned_alloc(64, sizeof(float) * BC * D);
     float *dVb = aligned_alloc(64, sizeof(float) * BC * D);
+    float *Kt = aligned_alloc(64, sizeof(float) * plane);
+    float *Qt = aligned_alloc(64, sizeof(float) * plane * group);
+    float *Got = aligned_alloc(64, sizeof(float) * plane * group);
+    float *dQt = aligned_alloc(64, sizeof(float) * plane * group);
+    float *Dls = aligned_alloc(64, sizeof(float) * Tp * group);
     const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
       int b = u / KV, g = u % KV;
-      const float *K = kp + ((size_t)b * KV + g) * Tp * D;
+      const float *K = k + ((size_t)b * KV + g) * T * D;
       const float *V = vp + ((size_t)b * KV + g) * Tp * D;
-      const float *Kt = kt + ((size_t)b * KV + g) * D * Tp;
+      transpose_into(Kt, Tp, K, D, T, D);
+      for (int hh = 0; hh < group; hh++) {
+        int h = g * group + hh;
+        size_t bh = (size_t)b * H + h;
+        const float *goh = go + ((size_t)b * T * H + h) * D, *oh = o + ((size_t)b * T * H + h) * D;
+        transpose_into(Qt + hh * plane, Tp, q + bh * T * D, D, T, D);
+        transpose_into(Got + hh * plane, Tp, goh, (int64_t)H * D, T, D);
+        memset(dQt + hh * plane, 0, sizeof(float) * plane);
+        float *Dl = Dls + (size_t)hh * Tp;
+        for (int t = 0; t < T; t++) {
+          v16 acc = vset1(0.f);
+          for (int d = 0; d < D; d += VL)
+            acc += vload(goh + (size_t)t * H * D + d) * vload(oh + (size_t)t * H * D + d);
+          Dl[t] = vhsum(acc);
+        }
+        for (int t = T; t < Tp; t++) Dl[t] = 0.f;
+      }
       for (int j0 = 0; j0 < T; j0 += BC) {
         int cols = T - j0 < BC ? T - j0 : BC;
         memset(dKb, 0, sizeof(float) * BC * D);
         memset(dVb, 0, sizeof(float) * BC * D);
-        for (int h = g * group; h < (g + 1) * group; h++) {
+        for (int hh = 0; hh < group; hh++) {
+          int h = g * group + hh;
           size_t bh = (size_t)b * H + h;
-          const float *Qt = qt + bh * D * Tp, *Q = q + bh * T * D, *Got = got + bh * D * Tp;
-          const float *L = lse + bh * Tp, *Dl = dlt + bh * Tp;
-          float *dQt = dqt + bh * D * Tp;
+          const float *Q = q + bh * T * D;
+          const float *Qth = Qt + hh * plane, *Goth = Got + hh * plane;
+          const float *L = lse + bh * Tp, *Dl = Dls + (size_t)hh * Tp;
+          float *dQth = dQt + hh * plane;
           for (int i0 = (j0 / BR) * BR; i0 < T; i0 += BR) {
             int rows = T - i0 < BR ? T - i0 : BR;
             int rowsp = (rows + VL - 1) / VL * VL;
-            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qt + i0, Tp, St, BR, 0);
-            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Got + i0, Tp, dPt, BR, 0);
+            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qth + i0, Tp, St, BR, 0);
+            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Goth + i0, Tp, dPt, BR, 0);
             for (int c = 0; c < cols; c++) {
               float *s = St + c * BR, *dp = dPt + c * BR;
               /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
@@ -196,14 +231,20 @@ void tsr_attention_backward(const float *qt, const float *q, const float *kp, co
             }
             gemm_nn(cols, D, rows, St, BR, go + (((size_t)b * T + i0) * H + h) * D, H * D, dVb, D, 1);
             gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dKb, D, 1);
-            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQt + i0, Tp, 1);
+            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQth + i0, Tp, 1);
           }
         }
         float *dKo = dk + (((size_t)b * KV + g) * T + j0) * D, *dVo = dv + (((size_t)b * KV + g) * T + j0) * D;
         memcpy(dKo, dKb, sizeof(float) * cols * D);
         memcpy(dVo, dVb, sizeof(float) * cols * D);
       }
+      for (int hh = 0; hh < group; hh++) { /* dq rows from dQ^T */
+        float *dst = dq + ((size_t)b * H + g * group + hh) * T * D;
+        const float *src = dQt + hh * plane;
+        for (int t = 0; t < T; t++)
+          for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = src[(size_t)d * Tp + t];
+      }
     }
-    free(St); free(dPt); free(dKb); free(dVb);
+    free(St); free(dPt); free(dKb); free(dVb); free(Kt); free(Qt); free(Got); free(dQt); free(Dls);
   }
 }
