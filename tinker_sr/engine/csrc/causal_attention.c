@@ -5,7 +5,8 @@
    Part of tinker_sr (engine/native.py builds it with the machine's C compiler, at first use,
    with -O3 -march=native -fopenmp). Written with GCC/Clang vector extensions: 16-float vectors
    that the compiler maps to AVX-512, AVX2 or whatever the CPU has. Every block product goes
-   through one register-blocked kernel (`gemm_nn`: 4 rows x 64 columns of accumulators).
+   through one register-blocked kernel (`gemm_nn`: blocks of 6 (then 4) rows x 64 columns of
+   accumulators).
    Parallel over independent units (forward: a head's block of 64 queries; backward: a batch
    row's KV head, which owns its keys' and its query heads' gradients), each computed whole
    by one thread: results do not depend on the thread count or the schedule.
@@ -27,12 +28,48 @@
 #define BR 64   /* query rows per block */
 #define BC 64   /* key rows per block */
 
+/* A 6 x 64 block of C (+)= A B: 24 accumulators in vector registers, 4 for the row of B,
+   A's entries broadcast from memory. ~250 GFLOP/s on one core of the AMD EPYC we measure on
+   (operands in L1), against ~200 for a 4 x 64 block (fewer products per load of B). */
+#define ROW6(M) M(0) M(1) M(2) M(3) M(4) M(5)
+static inline void block_6x64(int k, const float *A, int lda, const float *B, int ldb, float *C,
+                              int ldc, int accumulate) {
+#define DECL(r) v16 c##r##0, c##r##1, c##r##2, c##r##3;
+  ROW6(DECL)
+#undef DECL
+  if (accumulate) {
+#define LOAD(r) c##r##0 = vload(C + (size_t)(r) * ldc); c##r##1 = vload(C + (size_t)(r) * ldc + 16); \
+    c##r##2 = vload(C + (size_t)(r) * ldc + 32); c##r##3 = vload(C + (size_t)(r) * ldc + 48);
+    ROW6(LOAD)
+#undef LOAD
+  } else {
+#define ZERO(r) c##r##0 = c##r##1 = c##r##2 = c##r##3 = vset1(0.f);
+    ROW6(ZERO)
+#undef ZERO
+  }
+  for (int p = 0; p < k; p++) {
+    const float *b = B + (size_t)p * ldb;
+    v16 b0 = vload(b), b1 = vload(b + 16), b2 = vload(b + 32), b3 = vload(b + 48);
+#define FMA(r) { v16 a = vset1(A[(size_t)(r) * lda + p]); \
+    c##r##0 += a * b0; c##r##1 += a * b1; c##r##2 += a * b2; c##r##3 += a * b3; }
+    ROW6(FMA)
+#undef FMA
+  }
+#define STORE(r) vstore(C + (size_t)(r) * ldc, c##r##0); vstore(C + (size_t)(r) * ldc + 16, c##r##1); \
+  vstore(C + (size_t)(r) * ldc + 32, c##r##2); vstore(C + (size_t)(r) * ldc + 48, c##r##3);
+  ROW6(STORE)
+#undef STORE
+}
+
 /* C[m x n] (+)= A[m x k] (lda) * B[k x n] (ldb), C ldc; n % 16 == 0. */
 static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
                     float *C, int ldc, int accumulate) {
   for (int j0 = 0; j0 < n; j0 += 64) {
     int nv = (n - j0) >= 64 ? 4 : (n - j0) / VL;
     int i = 0;
+    if (nv == 4)
+      for (; i + 6 <= m; i += 6)
+        block_6x64(k, A + (size_t)i * lda, lda, B + j0, ldb, C + (size_t)i * ldc + j0, ldc, accumulate);
     for (; i + 4 <= m; i += 4) {
       v16 acc[4][4];
       for (int r = 0; r < 4; r++)
