@@ -33,6 +33,17 @@ PRECOMPUTE_HEAD_GRAD = True
 PACK_HEAD_MAX_BYTES = 256 << 20
 
 
+def _chunk_rows(vocab: int) -> int:
+    """Rows per chunk of logits: at most `_CHUNK_ELEMENTS` elements, rounded down to a multiple
+    of 64 rows where there are that many (16 below): oneDNN runs the unembedding's products
+    ~5-8 % faster on 256 rows than on the 262 that fit at V = 32,000 (a ragged row block)."""
+    rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    for unit in (64, 16):
+        if rows >= unit:
+            return rows // unit * unit
+    return rows
+
+
 class _GatherLogprobs(torch.autograd.Function):
     """log_softmax(z)[row, col] for the rows in ``ranges`` and the columns ``cols[m, :]``.
 
@@ -49,7 +60,7 @@ class _GatherLogprobs(torch.autograd.Function):
         cols: torch.Tensor,
         compute_dtype: torch.dtype,
     ) -> torch.Tensor:
-        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
+        chunk = _chunk_rows(z.shape[1])
         lse = torch.empty(cols.shape[0], dtype=compute_dtype, device=z.device)
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=z.device)
         for sl, a, b in _chunks(ranges, chunk):
@@ -63,7 +74,7 @@ class _GatherLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         z, cols, lse = ctx.saved_tensors
         ranges: list[tuple[int, int]] = ctx.ranges
-        chunk = max(1, _CHUNK_ELEMENTS // max(z.shape[1], 1))
+        chunk = _chunk_rows(z.shape[1])
         grad = grad.to(lse.dtype)
         gsum = grad.sum(dim=1)
 
@@ -185,7 +196,7 @@ class _HeadLogprobs(torch.autograd.Function):
         vocab: int,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        chunk = _chunk_rows(vocab)
         weight = None
         if PRECOMPUTE_HEAD_GRAD and ctx.needs_input_grad[0] and not params:
             weight = _plain_weight(head)
