@@ -257,9 +257,9 @@ def _attention_library() -> Any | None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.tsr_attention_forward.argtypes = [p] * 5 + [i] * 6 + [ctypes.c_float, i]
-    lib.tsr_attention_forward.restype = None
+    lib.tsr_attention_forward.restype = ctypes.c_int
     lib.tsr_attention_backward.argtypes = [p] * 9 + [i] * 6 + [ctypes.c_float, i]
-    lib.tsr_attention_backward.restype = None
+    lib.tsr_attention_backward.restype = ctypes.c_int
     log.info("C attention kernel loaded (%s)", NATIVE_ENV)
     return lib
 
@@ -292,10 +292,11 @@ class _CausalAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d)
         lib = _attention_library()
         assert lib is not None  # `attention` checked
-        lib.tsr_attention_forward(
+        status = lib.tsr_attention_forward(
             _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
             b, h, kv, t, tp, d, scale, torch.get_num_threads(),
         )  # fmt: skip
+        _check(status, "forward", 2 * BLOCK_FLOATS + ATTENTION_BLOCK * d)
         ctx.save_for_backward(q, k.contiguous(), vp, o, lse)  # k: no copy from norm_rope
         return o.transpose(1, 2)
 
@@ -309,12 +310,26 @@ class _CausalAttention(torch.autograd.Function):
         dk, dv = q.new_empty(b, kv, t, d), q.new_empty(b, kv, t, d)
         lib = _attention_library()
         assert lib is not None
-        lib.tsr_attention_backward(
+        status = lib.tsr_attention_backward(
             _ptr(q), _ptr(k), _ptr(vp), _ptr(go), _ptr(o), _ptr(lse),
             _ptr(dq), _ptr(dk), _ptr(dv),
             b, h, kv, t, tp, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
         )  # fmt: skip
+        _check(status, "backward", 4 * d * tp + tp + 2 * BLOCK_FLOATS)
         return dq, dk, dv
+
+
+BLOCK_FLOATS = ATTENTION_BLOCK * ATTENTION_BLOCK
+
+
+def _check(status: int, which: str, floats_per_thread: int) -> None:
+    if status != 0:
+        mib = floats_per_thread * 4 * torch.get_num_threads() / 2**20
+        raise MemoryError(
+            f"the C attention kernel's {which} could not allocate its per-thread buffers "
+            f"(~{mib:.0f} MiB in all): free memory, shorten the sequences or batch, or set "
+            f"{NATIVE_ENV}=0 to use torch's attention"
+        )
 
 
 # ---- row kernels in C (csrc/rows.c): the same names as the inductor loops below ------------

@@ -110,15 +110,22 @@ static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B
 }
 
 /* Forward: q, kt, vp in; o and lse out. */
-void tsr_attention_forward(const float *q, const float *kt, const float *v, float *o, float *lse,
+int tsr_attention_forward(const float *q, const float *kt, const float *v, float *o, float *lse,
               int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
   int nqb = (T + BR - 1) / BR;
   int units = B * H * nqb;
   int group = H / KV;
+  int failed = 0;
 #pragma omp parallel num_threads(nthreads)
   {
     float *S = aligned_alloc(64, sizeof(float) * BR * BC);
     float *O = aligned_alloc(64, sizeof(float) * BR * D);
+    if (!S || !O) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (failed) goto done_forward; /* every thread sees the flag after the barrier */
     float m[BR] __attribute__((aligned(64))), l[BR];
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
@@ -179,16 +186,21 @@ void tsr_attention_forward(const float *q, const float *kt, const float *v, floa
         lse[(size_t)bh * Tp + i0 + r] = m[r] + logf(l[r]);
       }
     }
+  done_forward:
     free(S); free(O);
   }
+  return failed ? -1 : 0; /* -1: out of memory for the per-thread blocks, nothing computed */
 }
 
 /* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
    transposed): q [B,H,T,D], k [B,KV,T,D], vp [B,KV,Tp,D], go and o [B,T,H,D] (the output's
    gradient and the output), lse [B,H,Tp]. Out: dq [B,H,T,D], dk and dv [B,KV,T,D]. Each unit
-   (a batch row's KV head) first lays out what it reads transposed in buffers of its own (K^T,
-   and for each of its query heads Q^T, dO^T, rowsum(dO * O)), accumulates dQ^T there and
-   writes dq back in [T, D] rows at the end: no layout pass before or after the kernel. */
+   (a batch row's KV head) lays out what it reads transposed in buffers of its own (K^T, then
+   for one query head at a time Q^T, dO^T and rowsum(dO * O)), accumulates dQ^T there and
+   writes dq back in [T, D] rows: no layout pass before or after the kernel, and per-thread
+   buffers of 4 x D x Tp floats whatever the number of query heads per KV head. dK and dV
+   accumulate in the output, each key block's sum over (query head, query block) in that
+   order. */
 static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
   /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
   for (int t0 = 0; t0 < T; t0 += 16)
@@ -199,37 +211,43 @@ static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int
   for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
 }
 
-void tsr_attention_backward(const float *q, const float *k, const float *vp, const float *go,
+int tsr_attention_backward(const float *q, const float *k, const float *vp, const float *go,
               const float *o, const float *lse, float *dq, float *dk, float *dv,
               int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
-  int group = H / KV, units = B * KV;
+  int group = H / KV, units = B * KV, failed = 0;
   size_t plane = (size_t)D * Tp;
 #pragma omp parallel num_threads(nthreads)
   {
     float *St = aligned_alloc(64, sizeof(float) * BC * BR);  /* P^T, then dS^T */
     float *dPt = aligned_alloc(64, sizeof(float) * BC * BR);
-    float *dKb = aligned_alloc(64, sizeof(float) * BC * D);
-    float *dVb = aligned_alloc(64, sizeof(float) * BC * D);
     float *Kt = aligned_alloc(64, sizeof(float) * plane);
-    float *Qt = aligned_alloc(64, sizeof(float) * plane * group);
-    float *Got = aligned_alloc(64, sizeof(float) * plane * group);
-    float *dQt = aligned_alloc(64, sizeof(float) * plane * group);
-    float *Dls = aligned_alloc(64, sizeof(float) * Tp * group);
+    float *Qt = aligned_alloc(64, sizeof(float) * plane);
+    float *Got = aligned_alloc(64, sizeof(float) * plane);
+    float *dQt = aligned_alloc(64, sizeof(float) * plane);
+    float *Dl = aligned_alloc(64, sizeof(float) * Tp);
+    if (!St || !dPt || !Kt || !Qt || !Got || !dQt || !Dl) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    if (failed) goto done_backward; /* every thread sees the flag after the barrier */
     const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
       int b = u / KV, g = u % KV;
       const float *K = k + ((size_t)b * KV + g) * T * D;
       const float *V = vp + ((size_t)b * KV + g) * Tp * D;
+      float *dK = dk + ((size_t)b * KV + g) * T * D, *dV = dv + ((size_t)b * KV + g) * T * D;
       transpose_into(Kt, Tp, K, D, T, D);
-      for (int hh = 0; hh < group; hh++) {
-        int h = g * group + hh;
+      memset(dK, 0, sizeof(float) * T * D);
+      memset(dV, 0, sizeof(float) * T * D);
+      for (int h = g * group; h < (g + 1) * group; h++) {
         size_t bh = (size_t)b * H + h;
+        const float *Q = q + bh * T * D, *L = lse + bh * Tp;
         const float *goh = go + ((size_t)b * T * H + h) * D, *oh = o + ((size_t)b * T * H + h) * D;
-        transpose_into(Qt + hh * plane, Tp, q + bh * T * D, D, T, D);
-        transpose_into(Got + hh * plane, Tp, goh, (int64_t)H * D, T, D);
-        memset(dQt + hh * plane, 0, sizeof(float) * plane);
-        float *Dl = Dls + (size_t)hh * Tp;
+        transpose_into(Qt, Tp, Q, D, T, D);
+        transpose_into(Got, Tp, goh, (int64_t)H * D, T, D);
+        memset(dQt, 0, sizeof(float) * plane);
         for (int t = 0; t < T; t++) {
           v16 acc = vset1(0.f);
           for (int d = 0; d < D; d += VL)
@@ -237,23 +255,13 @@ void tsr_attention_backward(const float *q, const float *k, const float *vp, con
           Dl[t] = vhsum(acc);
         }
         for (int t = T; t < Tp; t++) Dl[t] = 0.f;
-      }
-      for (int j0 = 0; j0 < T; j0 += BC) {
-        int cols = T - j0 < BC ? T - j0 : BC;
-        memset(dKb, 0, sizeof(float) * BC * D);
-        memset(dVb, 0, sizeof(float) * BC * D);
-        for (int hh = 0; hh < group; hh++) {
-          int h = g * group + hh;
-          size_t bh = (size_t)b * H + h;
-          const float *Q = q + bh * T * D;
-          const float *Qth = Qt + hh * plane, *Goth = Got + hh * plane;
-          const float *L = lse + bh * Tp, *Dl = Dls + (size_t)hh * Tp;
-          float *dQth = dQt + hh * plane;
+        for (int j0 = 0; j0 < T; j0 += BC) {
+          int cols = T - j0 < BC ? T - j0 : BC;
           for (int i0 = (j0 / BR) * BR; i0 < T; i0 += BR) {
             int rows = T - i0 < BR ? T - i0 : BR;
             int rowsp = (rows + VL - 1) / VL * VL;
-            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qth + i0, Tp, St, BR, 0);
-            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Goth + i0, Tp, dPt, BR, 0);
+            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qt + i0, Tp, St, BR, 0);
+            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Got + i0, Tp, dPt, BR, 0);
             for (int c = 0; c < cols; c++) {
               float *s = St + c * BR, *dp = dPt + c * BR;
               /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
@@ -266,22 +274,18 @@ void tsr_attention_backward(const float *q, const float *k, const float *vp, con
                 vstore(dp + r, p * (vload(dp + r) - vload(Dl + i0 + r)) * vset1(scale));
               }
             }
-            gemm_nn(cols, D, rows, St, BR, go + (((size_t)b * T + i0) * H + h) * D, H * D, dVb, D, 1);
-            gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dKb, D, 1);
-            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQth + i0, Tp, 1);
+            gemm_nn(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D, dV + (size_t)j0 * D, D, 1);
+            gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D, 1);
+            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQt + i0, Tp, 1);
           }
         }
-        float *dKo = dk + (((size_t)b * KV + g) * T + j0) * D, *dVo = dv + (((size_t)b * KV + g) * T + j0) * D;
-        memcpy(dKo, dKb, sizeof(float) * cols * D);
-        memcpy(dVo, dVb, sizeof(float) * cols * D);
-      }
-      for (int hh = 0; hh < group; hh++) { /* dq rows from dQ^T */
-        float *dst = dq + ((size_t)b * H + g * group + hh) * T * D;
-        const float *src = dQt + hh * plane;
+        float *dst = dq + bh * T * D; /* dq rows from dQ^T */
         for (int t = 0; t < T; t++)
-          for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = src[(size_t)d * Tp + t];
+          for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = dQt[(size_t)d * Tp + t];
       }
     }
-    free(St); free(dPt); free(dKb); free(dVb); free(Kt); free(Qt); free(Got); free(dQt); free(Dls);
+  done_backward:
+    free(St); free(dPt); free(Kt); free(Qt); free(Got); free(dQt); free(Dl);
   }
+  return failed ? -1 : 0;
 }
