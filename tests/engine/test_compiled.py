@@ -26,7 +26,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 KERNELS = {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul", "swiglu_backward"}
-EVERYTHING = KERNELS | {"attention"}
 
 
 @pytest.fixture
@@ -123,7 +122,9 @@ def test_a_training_step_matches_the_eager_engine(
     assert not ran
     _switch(monkeypatch, True)
     got = _step(tokens)
-    assert set(ran) == EVERYTHING, set(ran) ^ EVERYTHING
+    # The C kernels first; inductor's loops for what they do not take (the rotations, and the
+    # norms of q/k's strided views at this head size).
+    assert C_KERNELS | {"attention", "rope", "rope_inverse", "rms_norm"} <= set(ran), set(ran)
     for a, b in zip(got, want, strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-5
     ran.clear()
@@ -154,7 +155,7 @@ def test_each_kernel_matches_its_eager_twin(
 
     _switch(monkeypatch, False)
     want = run()
-    _switch(monkeypatch, True)
+    _switch(monkeypatch, False, inductor=True)  # inductor's loops alone
     got = run()
     assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
     for a, b in zip(got, want, strict=True):
@@ -294,7 +295,7 @@ def test_one_compile_serves_every_batch_shape(
 ) -> None:
     from torch._dynamo.utils import counters
 
-    _switch(monkeypatch, True)
+    _switch(monkeypatch, False, inductor=True)
     w = torch.randn(64)
     for batch in (1, 2):  # warm: dynamic shapes still specialise a size of 1 (and 0)
         fused.rms_norm(torch.randn(batch, 40, 64), w, 1e-6)
@@ -317,6 +318,7 @@ def test_a_failed_compile_warns_once_and_keeps_eager(
 
     monkeypatch.setattr(compiled, "_kernels", lambda: dict.fromkeys(KERNELS, broken))
     monkeypatch.setattr(compiled, "_attention_library", lambda: None)
+    monkeypatch.setattr(compiled, "_rows_library", lambda: None)
     monkeypatch.setattr(native, "failure", lambda name: "RuntimeError: no C compiler on PATH")
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     _switch(monkeypatch, False)
@@ -327,8 +329,10 @@ def test_a_failed_compile_warns_once_and_keeps_eager(
         got = _step(tokens)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 2, messages  # once for each kind of kernel, naming its variable
-    assert f"${compiled.ENV}=1" in messages[0] and "C++ compiler" in messages[0]
-    assert f"${compiled.NATIVE_ENV}=1" in messages[1] and "C compiler" in messages[1]
+    inductor = [m for m in messages if f"${compiled.ENV}=1" in m]
+    c_kernels = [m for m in messages if f"${compiled.NATIVE_ENV}=1" in m]
+    assert len(inductor) == len(c_kernels) == 1, messages
+    assert "C++ compiler" in inductor[0] and "C compiler" in c_kernels[0]
     assert "CppCompileError" in (compiled.failure() or "")
     assert "no C compiler" in (compiled.native_failure() or "")
     assert not ran
@@ -395,8 +399,9 @@ def test_off_by_default_and_never_for_small_or_non_float32_tensors(
 def test_the_public_client_trains_and_samples_with_compiled_kernels(
     ran: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """``$TINKER_SR_COMPILE=1`` as a user sets it: the embedded engine's training step runs
-    the compiled kernels on its worker thread and gives the eager loss to float32 rounding;
+    """``$TINKER_SR_COMPILE=1`` and ``$TINKER_SR_NATIVE=1`` as a user sets them: the embedded
+    engine's training step runs the compiled kernels on its worker thread and gives the eager
+    loss to float32 rounding;
     a sampler beside it keeps the eager kernels (inference mode)."""
     from tests.conftest import embedded_client
     from tinker_sr import types
@@ -426,7 +431,8 @@ def test_the_public_client_trains_and_samples_with_compiled_kernels(
 
     want, _ = run(False, "eager")
     got, tokens = run(True, "compiled")
-    assert {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul"} <= set(ran)
+    # The C kernels take the norms and SwiGLU first, inductor the rotations (head size 16).
+    assert C_KERNELS | {"attention", "rope", "rope_inverse"} <= set(ran), set(ran)
     assert abs(got - want) <= 1e-5 * abs(want)
     assert all(len(t) == 8 for t in tokens)
 
