@@ -230,7 +230,7 @@ def test_frozen_head_logprobs_and_gradient_through_packed_weights(
 
     if not pack:
         monkeypatch.setattr(loss_logprobs, "PACK_HEAD_MAX_BYTES", 0)
-    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 96 * 4000)  # chunks of 96 rows
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 128 * 4000)  # chunks of 128 rows
     gen = torch.Generator().manual_seed(8)
     head = torch.nn.Linear(512, 4000, bias=False).requires_grad_(False)
     with torch.no_grad():
@@ -247,4 +247,4 @@ def test_frozen_head_logprobs_and_gradient_through_packed_weights(
     torch.testing.assert_close(logp.double(), want, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(dh.double(), want_dh, rtol=1e-4, atol=2e-5)
     packed = getattr(head.weight, "_tinker_sr_packed", {})
-    assert sorted(packed) == ([(96, False), (96, True)] if pack else [])
+    assert sorted(packed) == ([(128, False), (128, True)] if pack else [])
