@@ -32,14 +32,19 @@ import argparse
 import ctypes
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from tinker_sr.engine.losses import LossDatum, compute_loss
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+from tinker_sr.engine.losses import LossDatum, compute_loss  # noqa: E402
 
 TIME_TARGET = 1.10
 

@@ -36,7 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from tinker_sr.demo import RLConfig, open_service_client, rl_loop
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+from tinker_sr.demo import RLConfig, open_service_client, rl_loop  # noqa: E402
 
 STRESSES = ("none", "stale", "bf16", "both")
 # variant name -> (loss, loss_fn_config)
