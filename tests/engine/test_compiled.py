@@ -643,3 +643,29 @@ def test_c_softmax_rows_match_torch(ran: list[str], monkeypatch: pytest.MonkeyPa
     assert compiled.softmax_rows(odd, lse) is None
     assert not compiled.softmax_scale_rows(odd, lse, scale)
     assert compiled.softmax_rows(z.double(), lse.double()) is None
+
+
+def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``W + s B A`` (a merged LoRA weight) in one C pass against torch's addmm, with a row
+    length off the vector width; bit-identical at 1 and 2 threads; layouts it does not take
+    are refused (the caller keeps addmm)."""
+    _switch(monkeypatch, True, inductor=False)
+    gen = torch.Generator().manual_seed(12)
+    w, b, a = (
+        torch.randn(300, 520, generator=gen),
+        torch.randn(300, 8, generator=gen),
+        torch.randn(8, 520, generator=gen),
+    )
+    out = torch.empty_like(w)
+    assert compiled.lora_merge(w, b, a, 2.5, out)
+    torch.testing.assert_close(out, torch.addmm(w, b, a, alpha=2.5), rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        again = torch.empty_like(w)
+        assert compiled.lora_merge(w, b, a, 2.5, again)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(again, out)
+    assert not compiled.lora_merge(w.t(), b, a, 2.5, out)  # not [N, K] contiguous
+    assert not compiled.lora_merge(w, b.double(), a, 2.5, out)

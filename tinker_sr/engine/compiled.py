@@ -67,6 +67,7 @@ __all__ = [
     "failure",
     "call_native",
     "fusable",
+    "lora_merge",
     "native_failure",
     "native_mode",
     "native_ready",
@@ -359,8 +360,10 @@ def _rows_library() -> Any | None:
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, i, i, i, i]
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
+    lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
     for f in (
+        "tsr_lora_merge",
         "tsr_softmax_rows",
         "tsr_softmax_scale_rows",
         "tsr_rms_norm",
@@ -385,6 +388,27 @@ def _softmax_ready(z: Tensor, *rows: Tensor) -> bool:
         and native_ready(z, *rows)
         and _rows_library() is not None
     )
+
+
+def lora_merge(w: Tensor, b: Tensor, a: Tensor, s: float, out: Tensor) -> bool:
+    """``out = w + s b a`` (w, out [N, K], b [N, r], a [r, K]; float32, contiguous) in one C
+    pass; False where it does not apply (``out`` untouched)."""
+    if not (
+        w.dim() == 2
+        and out.shape == w.shape
+        and b.shape == (w.shape[0], a.shape[0])
+        and a.shape[1] == w.shape[1]
+        and all(t.is_contiguous() for t in (w, b, a, out))
+        and native_ready(w, b, a, out)
+        and _rows_library() is not None
+    ):
+        return False
+    lib = _rows_library()
+    lib.tsr_lora_merge(  # type: ignore[union-attr]
+        _ptr(w), _ptr(b), _ptr(a), s, _ptr(out), w.shape[0], w.shape[1], a.shape[0],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return True
 
 
 def softmax_rows(z: Tensor, lse: Tensor) -> Tensor | None:

@@ -154,7 +154,9 @@ def _merged_weight(
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):
             block = out[row : row + w.shape[0]]
-            if w.dtype == out.dtype:  # one pass: W + s (B A) in the GEMM's epilogue
+            if w.dtype == out.dtype and compiled.lora_merge(w, b_i, a_i, s, block):
+                pass  # one C pass over the weight (float32 CPU, training-sized)
+            elif w.dtype == out.dtype:  # W + s (B A) in the GEMM's epilogue
                 torch.addmm(w, b_i, a_i, alpha=s, out=block)
             else:
                 torch.mm(b_i, a_i, out=block).mul_(s).add_(w)

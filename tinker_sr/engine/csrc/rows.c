@@ -218,3 +218,26 @@ void tsr_softmax_scale_rows(float *z, int64_t rows, int64_t V, const float *lse,
     for (int64_t j = 0; j < V; j += VL) vstore(zi + j, vexp(vload(zi + j) - l) * s);
   }
 }
+
+/* A merged LoRA weight in one pass: out[n, :] = w[n, :] + sum_j (s b[n, j]) a[j, :] for w, out
+   [N, K], b [N, r], a [r, K] (all contiguous): torch's addmm copied w into out and then ran a
+   rank-r GEMM over it (two passes over a weight-sized tensor). */
+void tsr_lora_merge(const float *w, const float *b, const float *a, float s, float *out,
+                    int64_t N, int K, int r, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const float *wn = w + n * K, *bn = b + n * r;
+    float *on = out + n * K;
+    int k = 0;
+    for (; k + VL <= K; k += VL) {
+      v16 acc = vload(wn + k);
+      for (int j = 0; j < r; j++) acc += vset1(s * bn[j]) * vload(a + (int64_t)j * K + k);
+      vstore(on + k, acc);
+    }
+    for (; k < K; k++) {
+      float acc = wn[k];
+      for (int j = 0; j < r; j++) acc += (s * bn[j]) * a[(int64_t)j * K + k];
+      on[k] = acc;
+    }
+  }
+}
