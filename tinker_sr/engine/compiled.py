@@ -63,9 +63,9 @@ __all__ = [
     "NATIVE_ENV",
     "attention",
     "call",
+    "call_native",
     "enabled",
     "failure",
-    "call_native",
     "fusable",
     "lora_merge",
     "native_failure",
@@ -86,7 +86,7 @@ NATIVE_ENV = "TINKER_SR_NATIVE"
 MIN_ELEMENTS = 1 << 16
 
 _failure: str | None = None
-_native_failure: str | None = None  # why the C attention kernel is unavailable
+_native_failure: str | None = None  # why the C kernels are unavailable
 _compiled: set[str] = set()  # kernels whose first call (the compile) has returned
 log = logging.getLogger("tinker_sr.engine")
 
@@ -104,8 +104,8 @@ def enabled() -> bool:
 
 @functools.cache
 def native_mode() -> str:
-    """``$TINKER_SR_NATIVE``: ``auto`` (unset: the C kernel where it builds), ``on`` (the same,
-    warning where it cannot) or ``off``."""
+    """``$TINKER_SR_NATIVE``: ``auto`` (unset: the C kernels where they build), ``on`` (the
+    same, warning where they cannot) or ``off``."""
     raw = os.environ.get(NATIVE_ENV, "").strip().lower()
     if raw in ("", "auto"):
         return "auto"
@@ -114,8 +114,8 @@ def native_mode() -> str:
     if raw in ("0", "false", "no", "off"):
         return "off"
     raise ValueError(
-        f"${NATIVE_ENV}={raw!r}: use auto (the default: the C attention kernel where it "
-        "builds), 1 (the same, warning where it cannot) or 0 (torch's kernel)"
+        f"${NATIVE_ENV}={raw!r}: use auto (the default: the C kernels where they build), "
+        "1 (the same, warning where they cannot) or 0 (torch's kernels)"
     )
 
 
@@ -194,7 +194,7 @@ def failure() -> str | None:
 
 
 def native_failure() -> str | None:
-    """Why the C attention kernel is unavailable in this process, or None."""
+    """Why the C kernels are unavailable in this process, or None."""
     return _native_failure
 
 

@@ -461,9 +461,10 @@ def _lora_backward(
 
 
 def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``softmax(z) * scale[:, None]`` in place of the logits ``z`` (rows' logsumexp ``lse``),
-    as one exp: exp(z - lse + log|scale|), then the rows whose scale is negative negated (rows
-    with scale 0 come out exactly 0: exp(-inf))."""
+    """``softmax(z) * scale[:, None]`` in place of the logits ``z`` (rows' logsumexp ``lse``):
+    one C pass where it applies (`compiled.softmax_scale_rows`), else as one exp,
+    exp(z - lse + log|scale|), then the rows whose scale is negative negated (rows with scale 0
+    come out exactly 0 either way)."""
     if compiled.softmax_scale_rows(z, lse.contiguous(), scale.contiguous()):
         return z
     z.sub_((lse - scale.abs().log())[:, None]).exp_()

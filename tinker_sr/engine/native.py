@@ -5,9 +5,9 @@ machine with ``-O3 -march=native -fopenmp`` into a shared library kept in a cach
 (``$TINKER_SR_KERNEL_CACHE``, default ``~/.cache/tinker_sr/kernels``), named by a hash of the
 source and the headers beside it, the compiler's version, the flags and this CPU's model and
 ISA flags (a library built for another CPU is never loaded: ``-march=native`` code may not run
-there). Builds go to a
-temporary file renamed into place, so concurrent processes never load a partial library.
-The OpenMP runtime is the one torch already loaded (the same ``libgomp.so.1``).
+there). Builds go to a temporary file renamed into place, so concurrent processes never load a
+partial library. The OpenMP runtime is the one torch already loaded (the same
+``libgomp.so.1``).
 
 `load` returns None (and says why, through `failure`) where there is no compiler, the build
 fails or the library does not load; callers then use torch's kernels.
