@@ -1,21 +1,16 @@
 /* Row-wise float32 kernels of the training step, each one pass over its tensors where torch's
-   eager ops take three to six: RMSNorm and its input gradient, silu(gate) * up and the SwiGLU
-   gradient. Rows are independent and each is computed whole by one thread (its sums in a fixed
-   order), so results do not depend on the thread count or the schedule.
+   eager ops take two to six: RMSNorm and its input gradient, silu(gate) * up and the SwiGLU
+   gradient, Qwen3's q/k RMSNorm + RoPE (forward and gradient), the loss's softmax passes, and
+   a merged LoRA weight. Rows are independent and each is computed whole by one thread (its
+   sums in a fixed order), so results do not depend on the thread count or the schedule.
 
    Part of tinker_sr (engine/native.py builds it with the machine's C compiler at first use;
    engine/compiled.py calls it). Rows are `rows` x `n` floats, row i at `p + i * ld` (unit
-   stride inside a row). */
+   stride inside a row) unless a kernel says otherwise. */
 #include <math.h>
 #include <stdint.h>
 
 #include "vec.h"
-
-static inline float hsum(v16 x) {
-  float s = 0.f;
-  for (int i = 0; i < VL; i++) s += x[i];
-  return s;
-}
 
 /* out = x * r * w, r = 1 / sqrt(mean(x^2) + eps) per row (written to r[i]). */
 void tsr_rms_norm(const float *x, const float *w, float *out, float *r, int64_t rows, int n,
@@ -30,7 +25,7 @@ void tsr_rms_norm(const float *x, const float *w, float *out, float *r, int64_t 
       v16 v = vload(xi + j);
       acc += v * v;
     }
-    float ss = hsum(acc);
+    float ss = vhsum(acc);
     for (; j < n; j++) ss += xi[j] * xi[j];
     float ri = 1.0f / sqrtf(ss / (float)n + eps);
     r[i] = ri;
@@ -51,7 +46,7 @@ void tsr_rms_norm_backward(const float *g, const float *x, const float *w, const
     v16 rv = vset1(ri), acc = vset1(0.f);
     int j = 0;
     for (; j + VL <= n; j += VL) acc += (vload(gi + j) * vload(w + j)) * (vload(xi + j) * rv);
-    float dot = hsum(acc);
+    float dot = vhsum(acc);
     for (; j < n; j++) dot += (gi[j] * w[j]) * (xi[j] * ri);
     float mean = dot / (float)n;
     v16 mv = vset1(mean);
@@ -127,7 +122,7 @@ void tsr_norm_rope(const float *x, int64_t ld_outer, int64_t ld_inner, const flo
         v16 v = vload(xi + j);
         acc += v * v;
       }
-      float ri = 1.0f / sqrtf(hsum(acc) / (float)D + eps);
+      float ri = 1.0f / sqrtf(vhsum(acc) / (float)D + eps);
       r[i] = ri;
       rv = vset1(ri);
     }
@@ -167,7 +162,7 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
     const float *xi = x + o * ld_outer + h * ld_inner;
     v16 rv = vset1(r[i]), acc = vset1(0.f);
     for (int j = 0; j < D; j += VL) acc += (vload(di + j) * vload(w + j)) * (vload(xi + j) * rv);
-    v16 mv = vset1(hsum(acc) / (float)D);
+    v16 mv = vset1(vhsum(acc) / (float)D);
     for (int j = 0; j < D; j += VL)
       vstore(di + j, ((vload(di + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv);
   }
@@ -201,7 +196,7 @@ void tsr_softmax_rows(float *z, int64_t rows, int64_t V, float *total, float *ls
       vstore(zi + j, e);
       acc[0] += e;
     }
-    float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    float sum = vhsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
     total[i] = sum;
     lse[i] = top + logf(sum);
   }
