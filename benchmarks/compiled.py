@@ -31,7 +31,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
@@ -50,29 +52,14 @@ def main() -> None:
         attention_only()
         return
 
-    import torch
-
     import tinker_sr as tinker
     from tinker_sr.engine import compiled
     from tinker_sr.engine.cpu import describe_machine
 
     print(describe_machine())
     with tempfile.TemporaryDirectory(prefix="tinker-sr-compiled-") as tmp:
-        os.environ["TINKER_SR_STORE"] = str(Path(tmp) / "store")
-        model = args.model
-        if model == "qwen3-bench":
-            from engine_vs_hf import make_model_dir
-
-            model = str(make_model_dir(Path(tmp) / "qwen3"))
+        model, data = model_and_batch(args.model, args.batch, args.seq, Path(tmp))
         types = tinker.types
-        rows = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator())
-        data = [
-            types.Datum(
-                model_input=types.ModelInput.from_ints(r[:-1]),
-                loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * args.seq},
-            )
-            for r in rows.tolist()
-        ]
         training = (
             tinker.ServiceClient()
             .create_lora_training_client(base_model=model, rank=8, seed=0, train_unembed=False)
@@ -98,26 +85,69 @@ def main() -> None:
             if why:
                 sys.exit(f"compiled kernels unavailable here: {why}")
         print(f"first steps (C build / compile): {a} {firsts[a]:.2f} s, {b} {firsts[b]:.2f} s")
-        times: dict[str, list[float]] = {a: [], b: []}
-        losses: dict[str, list[float]] = {a: [], b: []}
-        for i in range(args.pairs):
-            for name in (b, a) if i % 2 == 0 else (a, b):
-                seconds, loss = step(name)
-                times[name].append(seconds)
-                losses[name].append(loss)
-        ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
-        diff = max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b], strict=True))
-        for name in (b, a):
-            print(
-                f"{name:>8}: median {statistics.median(times[name]):.3f} s per step ("
-                + ", ".join(f"{t:.3f}" for t in times[name])
-                + ")"
-            )
-        print(
-            f"{a} / {b} time: median {statistics.median(ratios):.3f} (pairs: "
-            + ", ".join(f"{r:.3f}" for r in ratios)
-            + f"); loss relative difference <= {diff:.1e}"
+        times, losses = alternate(step, (b, a), args.pairs)
+        report(times, losses, a, b, f"{a} / {b} time")
+
+
+def model_and_batch(model: str, batch: int, seq: int, tmp: Path) -> tuple[str, list[Any]]:
+    """The model to train (``qwen3-bench``: the issue-11 Qwen3 directory, written under
+    ``tmp``; else a name or a directory) and a batch of ``batch`` x ``seq`` random-token
+    cross-entropy datums; the engine's store goes under ``tmp`` too."""
+    import torch
+
+    import tinker_sr as tinker
+
+    os.environ["TINKER_SR_STORE"] = str(tmp / "store")
+    if model == "qwen3-bench":
+        from engine_vs_hf import make_model_dir
+
+        model = str(make_model_dir(tmp / "qwen3"))
+    types = tinker.types
+    rows = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator())
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * seq},
         )
+        for r in rows.tolist()
+    ]
+    return model, data
+
+
+def alternate(
+    step: Callable[[str], tuple[float, float]], names: Sequence[str], pairs: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds and losses of ``step(name)`` for each name, ``pairs`` rounds, the order of the
+    names reversed every other round."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            seconds, loss = step(name)
+            times[name].append(seconds)
+            losses[name].append(loss)
+    return times, losses
+
+
+def report(
+    times: dict[str, list[float]], losses: dict[str, list[float]], a: str, b: str, label: str
+) -> None:
+    """Each setting's median and per-round step times, then the per-pair ratios a / b, their
+    median and the largest relative loss difference between a and b."""
+    width = max(len(n) for n in times)
+    for name, seconds in times.items():
+        print(
+            f"{name:>{width}}: median {statistics.median(seconds):.3f} s per step ("
+            + ", ".join(f"{t:.3f}" for t in seconds)
+            + ")"
+        )
+    ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+    diff = max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b], strict=True))
+    print(
+        f"{label}: median {statistics.median(ratios):.3f} (pairs: "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+        + f"); loss relative difference <= {diff:.1e}"
+    )
 
 
 # name: ($TINKER_SR_COMPILE, $TINKER_SR_NATIVE)

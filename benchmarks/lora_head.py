@@ -16,8 +16,6 @@ largest loss difference between the two head paths (float32 rounding).
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
+
+from compiled import alternate, model_and_batch, report  # noqa: E402 - beside this script
 
 
 def main() -> None:
@@ -35,8 +35,6 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     args = parser.parse_args()
 
-    import torch
-
     import tinker_sr as tinker
     from tinker_sr.engine import loss_logprobs
     from tinker_sr.engine.cpu import describe_machine
@@ -44,21 +42,8 @@ def main() -> None:
     print(describe_machine())
     by_hand = loss_logprobs._lora_parts
     with tempfile.TemporaryDirectory(prefix="tinker-sr-lora-head-") as tmp:
-        os.environ["TINKER_SR_STORE"] = str(Path(tmp) / "store")
-        model = args.model
-        if model == "qwen3-bench":
-            from engine_vs_hf import make_model_dir
-
-            model = str(make_model_dir(Path(tmp) / "qwen3"))
+        model, data = model_and_batch(args.model, args.batch, args.seq, Path(tmp))
         types = tinker.types
-        rows = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator())
-        data = [
-            types.Datum(
-                model_input=types.ModelInput.from_ints(r[:-1]),
-                loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * args.seq},
-            )
-            for r in rows.tolist()
-        ]
         service = tinker.ServiceClient()
         clients = {
             unembed: service.create_lora_training_client(
@@ -79,30 +64,9 @@ def main() -> None:
         print(f"model {args.model}, LoRA r8, train step {args.batch} x {args.seq}, fp32")
         for name in names:
             step(name)  # warm-up
-        times: dict[str, list[float]] = {n: [] for n in names}
-        losses: dict[str, list[float]] = {n: [] for n in names}
-        for i in range(args.pairs):
-            for name in names if i % 2 == 0 else names[::-1]:
-                seconds, loss = step(name)
-                times[name].append(seconds)
-                losses[name].append(loss)
+        times, losses = alternate(step, names, args.pairs)
         loss_logprobs._lora_parts = by_hand
-        for name in names:
-            print(
-                f"{name:>12}: median {statistics.median(times[name]):.3f} s per step ("
-                + ", ".join(f"{t:.3f}" for t in times[name])
-                + ")"
-            )
-        ratios = [a / b for a, b in zip(times["by hand"], times["autograd"], strict=True)]
-        diff = max(
-            abs(a - b) / abs(b) for a, b in zip(losses["by hand"], losses["autograd"], strict=True)
-        )
-        print(
-            "LoRA head by hand / autograd: median "
-            f"{statistics.median(ratios):.3f} (pairs: "
-            + ", ".join(f"{r:.3f}" for r in ratios)
-            + f"); loss relative difference <= {diff:.1e}"
-        )
+        report(times, losses, "by hand", "autograd", "LoRA head by hand / autograd")
 
 
 if __name__ == "__main__":

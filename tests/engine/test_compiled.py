@@ -10,7 +10,7 @@ import dataclasses
 import math
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,42 +37,23 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     for cached in caches:
         cached.cache_clear()
     names: list[str] = []
-    original = compiled.call
 
-    def call(name: str, *args: Any) -> Any:
-        out = original(name, *args)
-        if out is not None:
-            names.append(name)
-        return out
+    def record(attr: str, label: Callable[[tuple[Any, ...]], str]) -> None:
+        """Wrap ``compiled.<attr>`` to note ``label(args)`` each time it returns a result."""
+        original = getattr(compiled, attr)
 
-    monkeypatch.setattr(compiled, "call", call)
-    original_native = compiled.call_native
+        def wrapper(*args: Any) -> Any:
+            out = original(*args)
+            if out is not None:
+                names.append(label(args))
+            return out
 
-    def call_native(name: str, *args: Any) -> Any:
-        out = original_native(name, *args)
-        if out is not None:
-            names.append(f"c:{name}")
-        return out
+        monkeypatch.setattr(compiled, attr, wrapper)
 
-    monkeypatch.setattr(compiled, "call_native", call_native)
-    original_norm_rope = compiled.norm_rope
-
-    def norm_rope(*args: Any) -> Any:
-        out = original_norm_rope(*args)
-        if out is not None:
-            names.append("c:norm_rope")
-        return out
-
-    monkeypatch.setattr(compiled, "norm_rope", norm_rope)
-    attention = compiled.attention
-
-    def attend(*args: Any) -> Any:
-        out = attention(*args)
-        if out is not None:
-            names.append("attention")
-        return out
-
-    monkeypatch.setattr(compiled, "attention", attend)
+    record("call", lambda args: args[0])  # inductor's loops, by kernel name
+    record("call_native", lambda args: f"c:{args[0]}")  # the C row kernels
+    record("norm_rope", lambda args: "c:norm_rope")
+    record("attention", lambda args: "attention")
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
     monkeypatch.setattr(compiled, "_native_failure", None)
