@@ -626,6 +626,35 @@ def test_c_softmax_rows_match_torch(ran: list[str], monkeypatch: pytest.MonkeyPa
     assert compiled.softmax_rows(z.double(), lse.double()) is None
 
 
+def test_c_exp_matches_torch_over_its_range(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernels' vector exp (csrc/vec.h; seen through `softmax_scale_rows` with lse 0 and
+    scale 1, i.e. exp(z)) against torch's over every float32 input: normal results within
+    3e-7 relative, results below FLT_MIN (x < -87.3) tiny or 0, exp(-inf) exactly 0, overflow
+    clamped to a finite value no smaller than exp(88.3), NaN kept NaN (never clamped away);
+    and a NaN logit makes its row's logsumexp NaN."""
+    _switch(monkeypatch, True, inductor=False)
+    z = torch.linspace(-120.0, 88.3, 64 * 1024).view(64, 1024)
+    z[0, :4] = torch.tensor([float("-inf"), float("nan"), float("inf"), 1e30])
+    got = z.clone()
+    assert compiled.softmax_scale_rows(got, torch.zeros(64), torch.ones(64))
+    want = torch.exp(z.double())
+    special = torch.zeros_like(z, dtype=torch.bool)
+    special[0, :4] = True
+    normal = (want > torch.finfo(torch.float32).tiny) & ~special
+    rel = ((got.double() - want).abs() / want)[normal]
+    assert rel.max().item() < 3e-7
+    small = ~normal & ~special
+    assert (got[small] >= 0).all() and (got[small] <= 1.2e-38).all()
+    assert got[0, 0].item() == 0.0
+    assert torch.isnan(got[0, 1])
+    assert torch.isfinite(got[0, 2:4]).all() and (got[0, 2:4] >= math.exp(88.3)).all()
+    logits = torch.randn(16, 1024)
+    logits[3, 100] = float("nan")
+    lse = torch.empty(16)
+    assert compiled.softmax_rows(logits, lse) is not None
+    assert torch.isnan(lse[3]) and torch.isfinite(lse[torch.arange(16) != 3]).all()
+
+
 def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """``W + s B A`` (a merged LoRA weight) in one C pass against torch's addmm, with a row
     length off the vector width; bit-identical at 1 and 2 threads; layouts it does not take
