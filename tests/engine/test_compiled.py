@@ -626,7 +626,9 @@ def test_c_softmax_rows_match_torch(ran: list[str], monkeypatch: pytest.MonkeyPa
     assert compiled.softmax_rows(z.double(), lse.double()) is None
 
 
-def test_c_exp_matches_torch_over_its_range(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_c_exp_matches_torch_over_its_range(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The C kernels' vector exp (csrc/vec.h; seen through `softmax_scale_rows` with lse 0 and
     scale 1, i.e. exp(z)) against torch's over every float32 input: normal results within
     3e-7 relative, results below FLT_MIN (x < -87.3) tiny or 0, exp(-inf) exactly 0, overflow
