@@ -20,7 +20,9 @@ BPE tokenizer) and loaded by both sides. LoRA rank 8 (alpha 32) on q,k,v,o,gate,
   tinker_sr with ``TINKER_SR_TRAIN_DTYPE=bf16``.
 
 Every measurement runs in a fresh process (peak RSS is per process); rounds alternate the
-order of the two sides, and the report gives per-round ratios and their median.
+order of the two sides, and the report gives per-round ratios and their median. Each process
+runs ``--warmup`` untimed steps (default 3) and reports the fastest of ``--reps`` timed ones:
+the steady state of a long run (the first steps fault in memory the allocator then keeps).
 
 ``--breakdown`` profiles one more tinker_sr step per train process (after the timed ones, so
 the figures above are unaffected) and splits its time into matrix products (oneDNN and BLAS
@@ -314,8 +316,16 @@ def hf_sample(model_dir: str, reps: int) -> dict[str, float]:
     return _time(run, reps)
 
 
+# Untimed runs before the timed ones (`--warmup`; set in the child process). The engine's
+# first training steps still fault in memory that the allocator then keeps (measured on the
+# 16 x 256 step: ~350k, ~100k, ~36k and then a handful of page faults in steps 1-4); a long
+# run is in the steady state after them, and both sides get the same warm-up.
+WARMUP = 3
+
+
 def _time(fn: Any, reps: int) -> dict[str, float]:
-    fn()  # warm-up
+    for _ in range(WARMUP):
+        fn()
     times, cpu = [], []
     for _ in range(reps):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -333,10 +343,19 @@ def _time(fn: Any, reps: int) -> dict[str, float]:
 
 
 def child(
-    side: str, work: str, model_dir: str, batch: int, seq: int, reps: int, breakdown: bool
+    side: str,
+    work: str,
+    model_dir: str,
+    batch: int,
+    seq: int,
+    reps: int,
+    breakdown: bool,
+    warmup: int,
 ) -> None:
     import torch
 
+    global WARMUP
+    WARMUP = warmup
     torch.manual_seed(0)
     prompt = seq // 2 if work == "train-prompt" else 0  # no loss on the first half
     if work == "sample":
@@ -354,6 +373,7 @@ def child(
 def run_child(side: str, work: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, work, str(model_dir)]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
+    cmd += ["--warmup", str(args.warmup)]
     cmd += ["--breakdown"] if args.breakdown else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_OFFLINE": "1"}
     env.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter on stderr
@@ -370,6 +390,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--reps", type=int, default=2, help="timed repetitions per process")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP,
+        help=f"untimed runs per process before the timed ones (default {WARMUP}: steady state)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", nargs="*", default=["train", "sample", "train-bf16"])
     parser.add_argument(
@@ -380,7 +406,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*args.child, args.batch, args.seq, args.reps, args.breakdown)
+        child(*args.child, args.batch, args.seq, args.reps, args.breakdown, args.warmup)
         return
 
     from tinker_sr.engine.cpu import describe_machine, has_fast_bf16
