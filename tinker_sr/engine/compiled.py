@@ -269,20 +269,24 @@ def _attention_library() -> Any | None:
     lib.tsr_attention_forward.restype = ctypes.c_int
     lib.tsr_attention_backward.argtypes = [p] * 9 + [i] * 6 + [ctypes.c_float, i]
     lib.tsr_attention_backward.restype = ctypes.c_int
+    lib.tsr_attention_kt.argtypes = [p] * 2 + [i] * 5
+    lib.tsr_attention_kt.restype = None
     log.info("C attention kernel loaded (%s)", NATIVE_ENV)
     return lib
 
 
-def _padded(x: Tensor, tp: int, transpose: bool) -> Tensor:
-    """x [..., T, D] as a zero-padded [..., Tp, D] (or, transposed, [..., D, Tp]) copy."""
-    *lead, t, d = x.shape
-    if transpose:
-        out = x.new_zeros(*lead, d, tp)
-        out[..., :t].copy_(x.transpose(-1, -2))
-    else:
-        out = x.new_zeros(*lead, tp, d)
-        out[..., :t, :].copy_(x)
-    return out
+def _key_operands(lib: Any, k: Tensor, v: Tensor, tp: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(k contiguous, K^T as a zero-padded [B, KV, D, Tp], V as a zero-padded [B, KV, Tp, D])
+    for the forward: K^T in one C pass (16 x 16 blocks in registers; a zero fill and torch's
+    strided copy were two passes), V copied with only its padding rows zeroed."""
+    b, kv, t, d = k.shape
+    k = k.contiguous()
+    kt = k.new_empty(b, kv, d, tp)
+    lib.tsr_attention_kt(_ptr(k), _ptr(kt), b * kv, t, tp, d, torch.get_num_threads())
+    vp = v.new_empty(b, kv, tp, d)
+    vp[:, :, :t].copy_(v)
+    vp[:, :, t:].zero_()
+    return k, kt, vp
 
 
 def _ptr(t: Tensor) -> ctypes.c_void_p:
@@ -296,17 +300,17 @@ class _CausalAttention(torch.autograd.Function):
         kv = k.shape[1]
         tp = -(-t // ATTENTION_BLOCK) * ATTENTION_BLOCK + ATTENTION_SKEW
         q = q.contiguous()
-        kt, vp = _padded(k, tp, transpose=True), _padded(v, tp, transpose=False)
-        o, lse = q.new_empty(b, t, h, d), q.new_zeros(b, h, tp)
-        scale = 1.0 / math.sqrt(d)
         lib = _attention_library()
         assert lib is not None  # `attention` checked
+        k, kt, vp = _key_operands(lib, k, v, tp)
+        o, lse = q.new_empty(b, t, h, d), q.new_zeros(b, h, tp)
+        scale = 1.0 / math.sqrt(d)
         status = lib.tsr_attention_forward(
             _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
             b, h, kv, t, tp, d, scale, torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "forward", 2 * BLOCK_FLOATS + ATTENTION_BLOCK * d)
-        ctx.save_for_backward(q, k.contiguous(), vp, o, lse)  # k: no copy from norm_rope
+        ctx.save_for_backward(q, k, vp, o, lse)  # k: no copy from norm_rope
         return o.transpose(1, 2)
 
     @staticmethod

@@ -192,6 +192,59 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
   return failed ? -1 : 0; /* -1: out of memory for the per-thread blocks, nothing computed */
 }
 
+/* One 16 x 16 block: dst[i * ldd + j] = src[j * lds + i], in registers. Four stages, each
+   exchanging one bit of the row index with the same bit of the column index between row
+   pairs (i, i + b), b = 8, 4, 2, 1: 64 lane shuffles in all instead of 256 scalar moves. */
+#define IDX_LO8 0,1,2,3,4,5,6,7,16,17,18,19,20,21,22,23
+#define IDX_HI8 8,9,10,11,12,13,14,15,24,25,26,27,28,29,30,31
+#define IDX_LO4 0,1,2,3,16,17,18,19,8,9,10,11,24,25,26,27
+#define IDX_HI4 4,5,6,7,20,21,22,23,12,13,14,15,28,29,30,31
+#define IDX_LO2 0,1,16,17,4,5,20,21,8,9,24,25,12,13,28,29
+#define IDX_HI2 2,3,18,19,6,7,22,23,10,11,26,27,14,15,30,31
+#define IDX_LO1 0,16,2,18,4,20,6,22,8,24,10,26,12,28,14,30
+#define IDX_HI1 1,17,3,19,5,21,7,23,9,25,11,27,13,29,15,31
+#define STAGE(b) \
+  for (int i = 0; i < 16; i++) \
+    if (!(i & b)) { \
+      v16 lo = __builtin_shufflevector(r[i], r[i + b], IDX_LO##b); \
+      v16 hi = __builtin_shufflevector(r[i], r[i + b], IDX_HI##b); \
+      r[i] = lo; r[i + b] = hi; \
+    }
+static inline void transpose16(float *dst, int64_t ldd, const float *src, int64_t lds) {
+  v16 r[16];
+  for (int i = 0; i < 16; i++) r[i] = vload(src + i * lds);
+  STAGE(8) STAGE(4) STAGE(2) STAGE(1)
+  for (int i = 0; i < 16; i++) vstore(dst + i * ldd, r[i]);
+}
+
+static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
+  /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
+  int t0 = 0;
+  for (; t0 + 16 <= T; t0 += 16)
+    for (int d0 = 0; d0 < D; d0 += 16)
+      transpose16(dst + (size_t)d0 * Tp + t0, Tp, src + (size_t)t0 * ld + d0, ld);
+  for (; t0 < T; t0++)
+    for (int d = 0; d < D; d++) dst[(size_t)d * Tp + t0] = src[(size_t)t0 * ld + d];
+  for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
+}
+
+static void transpose_from(float *dst, const float *src, int Tp, int T, int D) {
+  /* dst[t * D + d] = src[d * Tp + t] for t < T: the inverse of transpose_into */
+  int t0 = 0;
+  for (; t0 + 16 <= T; t0 += 16)
+    for (int d0 = 0; d0 < D; d0 += 16)
+      transpose16(dst + (size_t)t0 * D + d0, D, src + (size_t)d0 * Tp + t0, Tp);
+  for (; t0 < T; t0++)
+    for (int d = 0; d < D; d++) dst[(size_t)t0 * D + d] = src[(size_t)d * Tp + t0];
+}
+
+/* The forward's K^T operand: kt [N, D, Tp] from k [N, T, D] (N = B x KV), zero-padded. */
+void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int n = 0; n < N; n++)
+    transpose_into(kt + (size_t)n * D * Tp, Tp, k + (size_t)n * T * D, D, T, D);
+}
+
 /* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
    transposed): q [B,H,T,D], k [B,KV,T,D], vp [B,KV,Tp,D], go and o [B,T,H,D] (the output's
    gradient and the output), lse [B,H,Tp]. Out: dq [B,H,T,D], dk and dv [B,KV,T,D]. Each unit
@@ -201,16 +254,6 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
    buffers of 4 x D x Tp floats whatever the number of query heads per KV head. dK and dV
    accumulate in the output, each key block's sum over (query head, query block) in that
    order. */
-static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
-  /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
-  for (int t0 = 0; t0 < T; t0 += 16)
-    for (int d = 0; d < D; d++) {
-      int tn = T - t0 < 16 ? T - t0 : 16;
-      for (int t = 0; t < tn; t++) dst[(size_t)d * Tp + t0 + t] = src[(size_t)(t0 + t) * ld + d];
-    }
-  for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
-}
-
 int tsr_attention_backward(const float *q, const float *k, const float *vp, const float *go,
               const float *o, const float *lse, float *dq, float *dk, float *dv,
               int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
@@ -280,8 +323,7 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
           }
         }
         float *dst = dq + bh * T * D; /* dq rows from dQ^T */
-        for (int t = 0; t < T; t++)
-          for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = dQt[(size_t)d * Tp + t];
+        transpose_from(dst, dQt, Tp, T, D);
       }
     }
   done_backward:
