@@ -53,6 +53,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     record("call", lambda args: args[0])  # inductor's loops, by kernel name
     record("call_native", lambda args: f"c:{args[0]}")  # the C row kernels
     record("norm_rope", lambda args: "c:norm_rope")
+    record("qkv_heads", lambda args: "c:qkv_heads")
     record("attention", lambda args: "attention")
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
@@ -210,13 +211,63 @@ def test_the_default_training_step_runs_every_c_kernel(
         compiled.native_mode.cache_clear()
         ran.clear()
         got = _step(tokens, head_dim)
-        c_ran = C_KERNELS | {"attention"} | ({"c:norm_rope"} if head_dim else set())
+        c_ran = C_KERNELS | {"attention"} | ({"c:qkv_heads"} if head_dim else set())
         assert set(ran) == c_ran, set(ran)
         for a, b in zip(got, want, strict=True):
             assert float((a - b).norm() / b.norm()) < 1e-5
         again = _step(tokens, head_dim)
         for a, b in zip(again, got, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("used", ["qkv", "qk"])
+def test_qkv_heads_matches_the_split_views(
+    normed: bool, used: str, ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compiled.qkv_heads` (one node: q and k through the C norm + RoPE, v a view; backward
+    writing every gradient into its slice of one q/k/v gradient) against splitting the
+    projection output into views and the eager norm and RoPE nodes: q, k, v and the q/k/v
+    gradient, also when v takes no gradient (its slice then zero)."""
+    from tinker_sr.engine.model import rope_angles
+
+    b, t, h, kv, d = 2, 70, 4, 2, 64
+    gen = torch.Generator().manual_seed(31)
+    qkv = torch.randn(b, t, (h + 2 * kv) * d, generator=gen) * 2
+    wq, wk = (torch.randn(d, generator=gen) if normed else None for _ in range(2))
+    cos, sin = rope_angles(torch.rand(d // 2, generator=gen), 5, t, torch.float32, qkv.device)
+    grads = [torch.randn(b, n, t, d, generator=gen) for n in (h, kv, kv)]
+
+    def run(c_kernel: bool) -> list[torch.Tensor]:
+        src = qkv.clone().requires_grad_()
+        if c_kernel:
+            got = compiled.qkv_heads(src, (h, kv, d), wq, wk, 1e-6, cos, sin)
+            assert got is not None
+            q, k, v = got
+        else:
+            xq, xk, xv = src.split([h * d, kv * d, kv * d], dim=-1)
+            parts = []
+            for x, n, w in ((xq, h, wq), (xk, kv, wk)):
+                x = x.view(b, t, n, d)
+                x = x if w is None else fused.rms_norm(x, w, 1e-6)
+                parts.append(fused.rope(x.transpose(1, 2), cos, sin))
+            q, k = parts
+            v = xv.view(b, t, kv, d).transpose(1, 2)
+        outs = [q, k, v] if used == "qkv" else [q, k]
+        torch.autograd.backward(outs, grads[: len(outs)])
+        assert src.grad is not None
+        return [q.detach(), k.detach(), v.detach(), src.grad]
+
+    _switch(monkeypatch, True, inductor=False)
+    want = run(c_kernel=False)
+    got = run(c_kernel=True)
+    assert ran.count("c:qkv_heads") == 1
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    if used == "qk":
+        assert torch.equal(got[3][..., (h + kv) * d :], torch.zeros(b, t, kv * d))
+    bad = qkv[..., :-d]  # not (H + 2 KV) x D wide: refused, the caller splits
+    assert compiled.qkv_heads(bad, (h, kv, d), wq, wk, 1e-6, cos, sin) is None
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
@@ -713,7 +764,8 @@ def test_random_models_match_torch_kernels(ran: list[str], monkeypatch: pytest.M
         got = _fuzz_step(config, case, tokens)
         for a, b in zip(got, want, strict=True):
             assert float((a - b).norm() / b.norm().clamp_min(1e-30)) < 1e-5, (case, config)
-    assert {"attention", "c:rms_norm", "c:silu_mul", "c:norm_rope"} <= set(ran), set(ran)
+    assert {"attention", "c:rms_norm", "c:silu_mul"} <= set(ran), set(ran)
+    assert {"c:norm_rope", "c:qkv_heads"} <= set(ran), set(ran)  # short and long batches
 
 
 def _fuzz_step(config: Any, seed: int, tokens: torch.Tensor) -> list[torch.Tensor]:

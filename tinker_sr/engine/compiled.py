@@ -72,6 +72,7 @@ __all__ = [
     "native_mode",
     "native_ready",
     "norm_rope",
+    "qkv_heads",
     "run",
     "softmax_rows",
     "softmax_scale_rows",
@@ -362,7 +363,7 @@ def _rows_library() -> Any | None:
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
     f32 = ctypes.c_float
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
-    lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, i, i, i, i]
+    lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
@@ -476,21 +477,52 @@ def norm_rope(
     return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
 
 
+def _norm_rope_forward(
+    lib: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(y [B, H, T, D], the norm's per-row scale r [B, T, H] or [B, T, 0]) for x [B, T, H, D]."""
+    b, t, h, d = x.shape
+    rows = x.view(-1, h, d)
+    y = x.new_empty(b, h, t, d)
+    r = x.new_empty(b, t, h if weight is not None else 0)
+    lib.tsr_norm_rope(
+        _ptr(x), rows.stride(0), rows.stride(1), None if weight is None else _ptr(weight),
+        eps, _ptr(cos), _ptr(sin), _ptr(y), _ptr(r), b, t, h, d, torch.get_num_threads(),
+    )  # fmt: skip
+    return y, r
+
+
+def _norm_rope_backward(
+    lib: Any,
+    g: Tensor,
+    x: Tensor | None,
+    weight: Tensor | None,
+    r: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    dx: Tensor,
+) -> None:
+    """Write the gradient for x [B, T, H, D] (``x`` None without a norm) into ``dx`` (the same
+    shape, unit stride inside a head: a fresh tensor or a slice of the q/k/v gradient)."""
+    b, t, h, d = dx.shape
+    g = g.contiguous()
+    ld = (0, 0) if x is None else x.view(-1, h, d).stride()[:2]
+    out = dx.view(-1, h, d).stride()[:2]
+    lib.tsr_norm_rope_backward(
+        _ptr(g), None if x is None else _ptr(x), ld[0], ld[1],
+        None if weight is None else _ptr(weight), _ptr(r), _ptr(cos), _ptr(sin),
+        _ptr(dx), out[0], out[1], b, t, h, d, torch.get_num_threads(),
+    )  # fmt: skip
+
+
 class _NormRope(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
     ) -> Tensor:
-        b, t, h, d = x.shape
-        rows = x.view(-1, h, d)
-        y = x.new_empty(b, h, t, d)
-        r = x.new_empty(b, t, h if weight is not None else 0)
         lib = _rows_library()
         assert lib is not None  # `norm_rope` checked
-        lib.tsr_norm_rope(
-            _ptr(x), rows.stride(0), rows.stride(1), None if weight is None else _ptr(weight),
-            eps, _ptr(cos), _ptr(sin), _ptr(y), _ptr(r), b, t, h, d, torch.get_num_threads(),
-        )  # fmt: skip
+        y, r = _norm_rope_forward(lib, x, weight, eps, cos, sin)
         ctx.save_for_backward(x if weight is not None else None, weight, r, cos, sin)
         ctx.x_shape = x.shape
         return y
@@ -498,18 +530,99 @@ class _NormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, r, cos, sin = ctx.saved_tensors
-        b, t, h, d = ctx.x_shape
-        g = g.contiguous()
-        dx = g.new_empty(b, t, h, d)
-        ld = (0, 0) if x is None else x.view(-1, h, d).stride()[:2]
+        dx = g.new_empty(ctx.x_shape)
         lib = _rows_library()
         assert lib is not None
-        lib.tsr_norm_rope_backward(
-            _ptr(g), None if x is None else _ptr(x), ld[0], ld[1],
-            None if weight is None else _ptr(weight), _ptr(r), _ptr(cos), _ptr(sin), _ptr(dx),
-            b, t, h, d, torch.get_num_threads(),
-        )  # fmt: skip
+        _norm_rope_backward(lib, g, x, weight, r, cos, sin, dx)
         return dx, None, None, None, None
+
+
+def qkv_heads(
+    qkv: Tensor,
+    heads: tuple[int, int, int],
+    q_weight: Tensor | None,
+    k_weight: Tensor | None,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The attention operands from one q/k/v projection output ``qkv`` [B, T, (H + 2 KV) D]
+    (``heads`` = (H, KV, D)): q [B, H, T, D] and k [B, KV, T, D] through `norm_rope` (Qwen3's
+    per-head norm where a weight is given, then RoPE), v the [B, KV, T, D] view of its slice.
+    One autograd node whose backward writes q's and k's gradients straight into their slices
+    of one [B, T, (H + 2 KV) D] gradient and copies v's into the third: splitting ``qkv`` into
+    three views would make autograd concatenate the three gradients again (one more pass over
+    the whole gradient per layer). None where `use_norm_rope` refuses the operands or the C
+    kernels are unavailable (the caller splits and runs the eager nodes)."""
+    h, kv, d = heads
+    b, t, width = qkv.shape
+    if width != (h + 2 * kv) * d or qkv.stride(-1) != 1:
+        return None
+    xq = qkv[..., : h * d].view(b, t, h, d)
+    xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+    if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
+        return None
+    if _rows_library() is None:
+        _unavailable("rows")
+        return None
+    got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
+    return got  # type: ignore[no-any-return]
+
+
+class _QKVHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        qkv: Tensor,
+        heads: tuple[int, int, int],
+        q_weight: Tensor | None,
+        k_weight: Tensor | None,
+        eps: float,
+        cos: Tensor,
+        sin: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        h, kv, d = heads
+        b, t, _ = qkv.shape
+        xq = qkv[..., : h * d].view(b, t, h, d)
+        xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+        lib = _rows_library()
+        assert lib is not None  # `qkv_heads` checked
+        q, rq = _norm_rope_forward(lib, xq, q_weight, eps, cos, sin)
+        k, rk = _norm_rope_forward(lib, xk, k_weight, eps, cos, sin)
+        v = qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2)
+        # qkv itself is kept (both norms read their input again in backward; it is also the
+        # base of v, which attention keeps padded).
+        ctx.save_for_backward(qkv, q_weight, k_weight, rq, rk, cos, sin)
+        ctx.heads = heads
+        return q, k, v
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        qkv, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
+        h, kv, d = ctx.heads
+        b, t, _ = qkv.shape
+        grad = qkv.new_empty(qkv.shape)
+        slices = (
+            (dq, q_weight, rq, slice(0, h * d), h),
+            (dk, k_weight, rk, slice(h * d, (h + kv) * d), kv),
+        )
+        lib = _rows_library()
+        assert lib is not None
+        for g, weight, r, cols, n in slices:
+            out = grad[..., cols].view(b, t, n, d)
+            if g is None:
+                out.zero_()
+                continue
+            x = None if weight is None else qkv[..., cols].view(b, t, n, d)
+            _norm_rope_backward(lib, g, x, weight, r, cos, sin, out)
+        v_grad = grad[..., (h + kv) * d :].view(b, t, kv, d)
+        if dv is None:
+            v_grad.zero_()
+        else:
+            v_grad.copy_(dv.transpose(1, 2))
+        return grad, None, None, None, None, None, None
 
 
 def call_native(name: str, *args: Any) -> Any | None:

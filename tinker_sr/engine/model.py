@@ -208,12 +208,7 @@ class Attention(nn.Module):
         layer: int,
     ) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = self._norm_rope(q, "q_norm", cos, sin), self._norm_rope(k, "k_norm", cos, sin)
-        v = v.transpose(1, 2)
+        q, k, v = self._heads(x, cos, sin)
 
         if cache is None or start_pos == 0:
             # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
@@ -229,6 +224,40 @@ class Attention(nn.Module):
                 mask = torch.arange(start_pos + T, device=x.device)[None, :] <= q_pos
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return linear_group(y.transpose(1, 2).reshape(B, T, -1), (self.o_proj,))[0]
+
+    def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, H, T, D], k and v [B, KV, T, D] from x [B, T, dim]: the q/k/v projections
+        (one merged GEMM where `linear_group` merges them), Qwen3's q/k norms where the model
+        has them, RoPE on q and k. Through one C node (`compiled.qkv_heads`) where the GEMM
+        was merged and the C kernels take the operands, else the views of the split output."""
+        B, T, _ = x.shape
+        qkv = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
+        if isinstance(qkv, Tensor) and qkv.stride(-1) == 1:
+            norms = [getattr(self, name, None) for name in ("q_norm", "k_norm")]
+            q_norm, k_norm = (n if isinstance(n, RMSNorm) else None for n in norms)
+            if (q_norm is None) == (k_norm is None) and (
+                q_norm is None or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
+            ):
+                got = compiled.qkv_heads(
+                    qkv,
+                    (self.n_heads, self.n_kv_heads, self.head_dim),
+                    None if q_norm is None else q_norm.weight,
+                    None if k_norm is None else k_norm.weight,
+                    0.0 if q_norm is None else q_norm.eps,
+                    cos,
+                    sin,
+                )
+                if got is not None:
+                    return got
+        if isinstance(qkv, Tensor):
+            sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+            qkv = list(qkv.split(sizes, dim=-1))
+        q, k, v = qkv
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = self._norm_rope(q, "q_norm", cos, sin), self._norm_rope(k, "k_norm", cos, sin)
+        return q, k, v.transpose(1, 2)
 
     def _norm_rope(self, x: Tensor, norm_name: str, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (where the model

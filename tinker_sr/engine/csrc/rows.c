@@ -139,12 +139,15 @@ void tsr_norm_rope(const float *x, int64_t ld_outer, int64_t ld_inner, const flo
   }
 }
 
-/* The gradient of tsr_norm_rope: g [B, H, T, D] contiguous -> dx [B, T, H, D] contiguous, the
-   inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) then, with w, RMSNorm's input
-   gradient r (u w - n mean(u w n)), n = x r (x, r as the forward read and wrote them). */
+/* The gradient of tsr_norm_rope: g [B, H, T, D] contiguous -> dx [B, T, H, D] (row strides
+   dx_outer per (b, t) and dx_inner per head, unit stride inside a head: a slice of the q/k/v
+   gradient), the inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) then, with w,
+   RMSNorm's input gradient r (u w - n mean(u w n)), n = x r (x, r as the forward read and
+   wrote them). */
 void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, int64_t ld_inner,
                             const float *w, const float *r, const float *cos, const float *sin,
-                            float *dx, int64_t B, int T, int H, int D, int threads) {
+                            float *dx, int64_t dx_outer, int64_t dx_inner, int64_t B, int T,
+                            int H, int D, int threads) {
   const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < B * T * H; i++) {
@@ -152,7 +155,7 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
     int h = (int)(i % H), t = (int)(o % T);
     const float *gi = g + ((b * H + h) * T + t) * D;
     const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-    float *di = dx + i * D;
+    float *di = dx + o * dx_outer + h * dx_inner;
     for (int j = 0; j < half; j += VL) {
       v16 g1 = vload(gi + j), g2 = vload(gi + half + j), cj = vload(c + j), sj = vload(s + j);
       vstore(di + j, g1 * cj + g2 * sj);
