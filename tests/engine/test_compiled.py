@@ -54,6 +54,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     record("call_native", lambda args: f"c:{args[0]}")  # the C row kernels
     record("norm_rope", lambda args: "c:norm_rope")
     record("qkv_heads", lambda args: "c:qkv_heads")
+    record("swiglu_backward_da", lambda args: "c:swiglu_backward_da")
     record("attention", lambda args: "attention")
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
@@ -144,7 +145,9 @@ def test_each_kernel_matches_its_eager_twin(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul", "c:swiglu_backward"}
+# What a LoRA training step runs in C (attention and q/k aside): its SwiGLU gradient is the
+# variant that also returns the down projection's dA.
+C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul", "c:swiglu_backward_da"}
 
 
 def test_the_c_row_kernels_match_their_eager_twins(
@@ -625,6 +628,43 @@ def test_attention_kernel_on_random_shapes_and_strided_inputs(kernel_cache: Any)
     assert checked >= 8
 
 
+def test_c_swiglu_backward_with_the_down_adapters_da(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compiled.swiglu_backward_da`: the SwiGLU gradient written over [gate | up] and
+    dA = yb^T (silu(gate) * up) from the same pass, against torch (rows off the 64-row blocks
+    and the 4-row steps, a width off the vector width); bit-identical at 1 and 2 threads;
+    layouts it does not take are refused."""
+    _switch(monkeypatch, True, inductor=False)
+    gen = torch.Generator().manual_seed(41)
+    gate_up = torch.randn(3, 203, 2 * 40, generator=gen) * 2
+    dh = torch.randn(3, 203, 40, generator=gen)
+    yb = torch.randn(3 * 203, 8, generator=gen)
+    gate, up = gate_up.double().chunk(2, -1)
+    sig = torch.sigmoid(gate)
+    h = gate * sig * up
+    want_dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), gate * sig * dh], -1)
+    want_da = yb.double().t() @ h.reshape(-1, 40)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        got = compiled.swiglu_backward_da(gate_up.clone(), dh, yb)
+        assert got is not None
+        return got
+
+    d_gate_up, da = run()
+    torch.testing.assert_close(d_gate_up.double(), want_dgu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(da.double(), want_da, rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], d_gate_up) and torch.equal(one[1], da)
+    assert compiled.swiglu_backward_da(gate_up.transpose(0, 1), dh, yb) is None  # layout
+    assert compiled.swiglu_backward_da(gate_up.double(), dh.double(), yb.double()) is None
+
+
 def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(
     ran: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -637,7 +677,7 @@ def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(
     tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
     loss = model(tokens).logsumexp(-1).sum()
     loss.backward(retain_graph=True)
-    assert "c:swiglu_backward" in ran
+    assert "c:swiglu_backward_da" in ran
     with pytest.raises(RuntimeError, match="inplace"):  # autograd's own check
         loss.backward()
 

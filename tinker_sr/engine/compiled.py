@@ -76,6 +76,7 @@ __all__ = [
     "run",
     "softmax_rows",
     "softmax_scale_rows",
+    "swiglu_backward_da",
     "use",
     "use_attention",
     "use_norm_rope",
@@ -361,6 +362,7 @@ def _rows_library() -> Any | None:
     lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, n, i, i]
     lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
+    lib.tsr_swiglu_backward_da.argtypes = [p, p, n, i, p, i, p, p, i]
     f32 = ctypes.c_float
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
@@ -375,6 +377,7 @@ def _rows_library() -> Any | None:
         "tsr_rms_norm_backward",
         "tsr_silu_mul",
         "tsr_swiglu_backward",
+        "tsr_swiglu_backward_da",
         "tsr_norm_rope",
         "tsr_norm_rope_backward",
     ):
@@ -701,6 +704,39 @@ def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor) -> Tensor | None:
     )
     increment_version(gate_up)
     return gate_up
+
+
+SWIGLU_BLOCK = 64  # rows per partial sum of dA in csrc/rows.c's tsr_swiglu_backward_da
+
+
+def swiglu_backward_da(gate_up: Tensor, dh: Tensor, yb: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The SwiGLU gradient [d_gate | d_up] written over ``gate_up`` ([rows, 2F]; as
+    `_c_swiglu_backward`, its version bumped) for ``dh`` [rows, F], and the down projection's
+    LoRA gradient dA = yb^T h [r, F] for ``yb`` = s (dy B) [rows, r], with h = silu(gate) * up
+    formed inside the same C pass (bit-identical to the forward's): backward neither recomputes
+    h in memory nor runs a product that reads it. Sums over fixed 64-row blocks, added in
+    order: independent of the thread count. None where the C kernels are off or unavailable
+    or the layouts do not suit (the caller recomputes h)."""
+    if not native_ready(gate_up, dh, yb):
+        return None
+    rows, f = dh.numel() // dh.shape[-1], dh.shape[-1]
+    r = yb.shape[-1]
+    if not (gate_up.is_contiguous() and dh.is_contiguous() and yb.is_contiguous()):
+        return None
+    if gate_up.numel() != rows * 2 * f or yb.numel() != rows * r:
+        return None
+    lib = _rows_library()
+    if lib is None:
+        _unavailable("rows")
+        return None
+    partials = gate_up.new_empty(-(-rows // SWIGLU_BLOCK), r, f)
+    da = gate_up.new_empty(r, f)
+    lib.tsr_swiglu_backward_da(
+        _ptr(gate_up), _ptr(dh), rows, f, _ptr(yb), r, _ptr(partials), _ptr(da),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    increment_version(gate_up)
+    return gate_up, da
 
 
 _ROW_KERNELS: dict[str, Callable[..., Any]] = {

@@ -302,27 +302,46 @@ def swiglu_mlp(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Te
 
 
 class _SwiGLUDown(torch.autograd.Function):
-    """y = down'(silu(gate) * up) for ``gate_up = [gate | up]``, down' = W + s B A frozen W."""
+    """y = down'(silu(gate) * up) for ``gate_up = [gate | up]``, down' = W + s B A frozen W.
+
+    Where the C kernels take ``gate_up``, forward also keeps xa = s h A^T ([M, r]: h =
+    silu(gate) * up, at hand there) and backward gets dA from the SwiGLU gradient's own C pass
+    (`compiled.swiglu_backward_da`), so h is never formed in backward. Elsewhere backward
+    recomputes h and runs `_group_grads` on it."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(  # type: ignore[override]
         ctx: Any, gate_up: Tensor, scaling: float, w: Tensor, a: Tensor, b: Tensor
     ) -> Tensor:
-        ctx.save_for_backward(gate_up, w, a, b)
-        ctx.scaling = scaling
         gate, up = gate_up.chunk(2, dim=-1)
-        return gemm.linear(_silu_mul(gate, up), _merged_weight([w], [a], [b], scaling))
+        h = _silu_mul(gate, up)
+        y = gemm.linear(h, _merged_weight([w], [a], [b], scaling))
+        xa = None
+        if gate_up.is_contiguous() and compiled.native_ready(gate_up, h, a):
+            xa = gemm.mm(h.reshape(-1, h.shape[-1]), a.t()).mul_(scaling)  # s h A^T
+        ctx.save_for_backward(gate_up, w, a, b, xa)
+        ctx.scaling = scaling
+        return y
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        gate_up, w, a, b = ctx.saved_tensors
+        gate_up, w, a, b, xa = ctx.saved_tensors
+        s = ctx.scaling
+        if xa is not None:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dh = gemm.mm(dy2, _merged_weight([w], [a], [b], s))
+            got = compiled.swiglu_backward_da(gate_up, dh, gemm.mm(dy2, b).mul_(s))
+            if got is not None:
+                d_gate_up, da = got
+                db = gemm.mm(xa.t(), dy2).t().to(b.dtype)  # s dy^T (h A^T)
+                return d_gate_up, None, None, da.to(a.dtype), db
         gate, up = gate_up.chunk(2, dim=-1)
         fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)
         h = _silu_mul(gate, up) if silu is None else silu * up  # the forward's value, bitwise
-        dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], ctx.scaling, True)
+        dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], s, True)
         del h
         assert dh is not None  # a fresh GEMM result: _swiglu_grads may overwrite it
         if silu is None:

@@ -1,6 +1,6 @@
 /* Row-wise float32 kernels of the training step, each one pass over its tensors where torch's
    eager ops take two to six: RMSNorm and its input gradient, silu(gate) * up and the SwiGLU
-   gradient, Qwen3's q/k RMSNorm + RoPE (forward and gradient), the loss's softmax passes, and
+   gradient (also with the down projection's LoRA dA accumulated on the way), Qwen3's q/k RMSNorm + RoPE (forward and gradient), the loss's softmax passes, and
    a merged LoRA weight. Rows are independent and each is computed whole by one thread (its
    sums in a fixed order), so results do not depend on the thread count or the schedule.
 
@@ -9,6 +9,7 @@
    stride inside a row) unless a kernel says otherwise. */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec.h"
 
@@ -95,6 +96,64 @@ void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int6
       float g = gi[j], u = ui[j], d = di[j], s = sigmoid(g);
       og[j] = d * u * (s * (1.f + g * (1.f - s)));
       ou[j] = g * s * d;
+    }
+  }
+}
+
+/* tsr_swiglu_backward (in place: out == gate_up) that also returns the down projection's LoRA
+   gradient dA = yb^T h [r, n] for yb = s (dy B) [rows, r], with h = silu(gate) * up formed
+   on the fly (bit-identical to tsr_silu_mul's), so backward needs neither h recomputed in
+   memory nor a product that reads it. Rows go in fixed blocks of SWIGLU_BLOCK, each summing
+   its rows into its own [r, n] slice of `partials` ([ceil(rows / SWIGLU_BLOCK), r, n]), four
+   rows at a time; the slices are then added in block order: the result does not depend on
+   the thread count. */
+#define SWIGLU_BLOCK 64
+void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n, const float *yb,
+                            int r, float *partials, float *da, int threads) {
+  int64_t nblocks = (rows + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      float *acc = partials + blk * (int64_t)r * n;
+      memset(acc, 0, sizeof(float) * (size_t)r * n);
+      int64_t end = (blk + 1) * SWIGLU_BLOCK < rows ? (blk + 1) * SWIGLU_BLOCK : rows;
+      for (int64_t i0 = blk * SWIGLU_BLOCK; i0 < end; i0 += 4) {
+        int nr = end - i0 < 4 ? (int)(end - i0) : 4;
+        int j = 0;
+        for (; j + VL <= n; j += VL) {
+          v16 h[4];
+          for (int q = 0; q < nr; q++) {
+            float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
+            const float *di = dh + (i0 + q) * n;
+            v16 g = vload(gi + j), u = vload(ui + j), d = vload(di + j), sg = vsigmoid(g);
+            v16 gs = g * sg;
+            h[q] = gs * u;
+            vstore(gi + j, d * u * (sg * (vset1(1.f) + g * (vset1(1.f) - sg))));
+            vstore(ui + j, gs * d);
+          }
+          for (int k = 0; k < r; k++) {
+            v16 a = vload(acc + (int64_t)k * n + j);
+            for (int q = 0; q < nr; q++) a += vset1(yb[(i0 + q) * r + k]) * h[q];
+            vstore(acc + (int64_t)k * n + j, a);
+          }
+        }
+        for (; j < n; j++)
+          for (int q = 0; q < nr; q++) {
+            float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
+            float g = gi[j], u = ui[j], d = dh[(i0 + q) * n + j], sg = sigmoid(g), gs = g * sg;
+            float hv = gs * u;
+            gi[j] = d * u * (sg * (1.f + g * (1.f - sg)));
+            ui[j] = gs * d;
+            for (int k = 0; k < r; k++) acc[(int64_t)k * n + j] += yb[(i0 + q) * r + k] * hv;
+          }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t e = 0; e < (int64_t)r * n; e++) {
+      float sum = 0.f;
+      for (int64_t blk = 0; blk < nblocks; blk++) sum += partials[blk * (int64_t)r * n + e];
+      da[e] = sum;
     }
   }
 }
