@@ -331,12 +331,11 @@ class _SwiGLUDown(torch.autograd.Function):
         s = ctx.scaling
         if xa is not None:
             dy2 = dy.reshape(-1, dy.shape[-1])
-            dh = gemm.mm(dy2, _merged_weight([w], [a], [b], s))
-            got = compiled.swiglu_backward_da(gate_up, dh, gemm.mm(dy2, b).mul_(s))
+            dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s))
+            got = compiled.swiglu_backward_da(gate_up, dh_c, gemm.mm(dy2, b).mul_(s))
             if got is not None:
-                d_gate_up, da = got
-                db = gemm.mm(xa.t(), dy2).t().to(b.dtype)  # s dy^T (h A^T)
-                return d_gate_up, None, None, da.to(a.dtype), db
+                db_c = gemm.mm(xa.t(), dy2).t().to(b.dtype)  # s dy^T (h A^T)
+                return got[0], None, None, got[1].to(a.dtype), db_c
         gate, up = gate_up.chunk(2, dim=-1)
         fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)
