@@ -109,6 +109,25 @@ static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B
   }
 }
 
+/* gemm_nn (accumulating) for an A that is zero outside a band: the blocks on the causal
+   diagonal. Strips of 6 rows (gemm_nn's row block) skip the terms whose A entry is zero
+   rather than adding them (c + 0 * b == c), so results are the same bit for bit, with ~45 %
+   fewer multiply-adds on such a block. `lower`: A's row i is zero beyond column i + shift;
+   else zero before column i + shift. */
+static void gemm_nn_band(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
+                         float *C, int ldc, int shift, int lower) {
+  for (int i = 0; i < m; i += 6) {
+    int rows = m - i < 6 ? m - i : 6;
+    int edge = lower ? i + rows + shift : i + shift; /* lower: k end; else: k start */
+    edge = edge < 0 ? 0 : edge > k ? k : edge;
+    if (lower)
+      gemm_nn(rows, n, edge, A + (size_t)i * lda, lda, B, ldb, C + (size_t)i * ldc, ldc, 1);
+    else
+      gemm_nn(rows, n, k - edge, A + (size_t)i * lda + edge, lda, B + (size_t)edge * ldb, ldb,
+              C + (size_t)i * ldc, ldc, 1);
+  }
+}
+
 /* Forward: q, kt, vp in; o and lse out. */
 int tsr_attention_forward(const float *q, const float *kt, const float *v, float *o, float *lse,
               int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
@@ -176,7 +195,10 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
           l[r] = l[r] * alpha[r] + vhsum(sum); m[r] = mnew[r];
           if (alpha[r] != 1.f) { v16 av = vset1(alpha[r]); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
         }
-        gemm_nn(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, 1);
+        if (diagonal) /* P's row r is zero beyond key column i0 + r - j0 */
+          gemm_nn_band(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, i0 - j0, 1);
+        else
+          gemm_nn(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, 1);
       }
       for (int r = 0; r < rows; r++) {
         float inv = 1.f / l[r];
@@ -317,8 +339,15 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
                 vstore(dp + r, p * (vload(dp + r) - vload(Dl + i0 + r)) * vset1(scale));
               }
             }
-            gemm_nn(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D, dV + (size_t)j0 * D, D, 1);
-            gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D, 1);
+            if (j0 + BC > i0) { /* diagonal: P^T's and dS^T's row c are zero before query c + j0 - i0 */
+              gemm_nn_band(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D,
+                           dV + (size_t)j0 * D, D, j0 - i0, 0);
+              gemm_nn_band(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D,
+                           j0 - i0, 0);
+            } else {
+              gemm_nn(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D, dV + (size_t)j0 * D, D, 1);
+              gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D, 1);
+            }
             gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQt + i0, Tp, 1);
           }
         }
