@@ -55,6 +55,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     record("norm_rope", lambda args: "c:norm_rope")
     record("qkv_heads", lambda args: "c:qkv_heads")
     record("swiglu_backward_da", lambda args: "c:swiglu_backward_da")
+    record("silu_mul_xa", lambda args: "c:silu_mul_xa")
     record("attention", lambda args: "attention")
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
@@ -145,9 +146,9 @@ def test_each_kernel_matches_its_eager_twin(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-# What a LoRA training step runs in C (attention and q/k aside): its SwiGLU gradient is the
-# variant that also returns the down projection's dA.
-C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul", "c:swiglu_backward_da"}
+# What a LoRA training step runs in C (attention and q/k aside): its SwiGLU and SwiGLU
+# gradient are the variants that also run the down projection's adapter products.
+C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul_xa", "c:swiglu_backward_da"}
 
 
 def test_the_c_row_kernels_match_their_eager_twins(
@@ -626,6 +627,40 @@ def test_attention_kernel_on_random_shapes_and_strided_inputs(kernel_cache: Any)
             assert err < 2e-6, ((b, h, kv, t, d), err)
         checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("rank", [8, 12])
+def test_c_silu_mul_with_the_down_adapters_xa(
+    rank: int, ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compiled.silu_mul_xa`: h = silu(gate) * up bit-identical to the C `silu_mul`, and
+    xa = h a^T from the same pass against torch (an odd row count, a width off the vector
+    width, ranks in and off groups of 8); bit-identical at 1 and 2 threads; layouts it does
+    not take are refused."""
+    _switch(monkeypatch, True, inductor=False)
+    gen = torch.Generator().manual_seed(43)
+    gate_up = torch.randn(3, 201, 2 * 40, generator=gen) * 2
+    gate, up = gate_up.chunk(2, -1)
+    a = torch.randn(rank, 40, generator=gen)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        got = compiled.silu_mul_xa(gate, up, a)
+        assert got is not None
+        return got
+
+    h, xa = run()
+    assert torch.equal(h, compiled.call_native("silu_mul", gate, up))
+    want = h.double().reshape(-1, 40) @ a.double().t()
+    torch.testing.assert_close(xa.double(), want, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], h) and torch.equal(one[1], xa)
+    assert compiled.silu_mul_xa(gate, up, a.t().contiguous().t()) is None  # a not row-major
+    assert compiled.silu_mul_xa(gate, up, a[:, :32].contiguous()) is None  # a too narrow
 
 
 def test_c_swiglu_backward_with_the_down_adapters_da(

@@ -74,6 +74,7 @@ __all__ = [
     "norm_rope",
     "qkv_heads",
     "run",
+    "silu_mul_xa",
     "softmax_rows",
     "softmax_scale_rows",
     "swiglu_backward_da",
@@ -361,6 +362,7 @@ def _rows_library() -> Any | None:
     lib.tsr_rms_norm.argtypes = [p, p, p, p, n, i, ctypes.c_float, i]
     lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, n, i, i]
     lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
+    lib.tsr_silu_mul_xa.argtypes = [p, n, p, n, p, n, i, p, i, p, i]
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
     lib.tsr_swiglu_backward_da.argtypes = [p, p, n, i, p, i, p, p, i]
     f32 = ctypes.c_float
@@ -376,6 +378,7 @@ def _rows_library() -> Any | None:
         "tsr_rms_norm",
         "tsr_rms_norm_backward",
         "tsr_silu_mul",
+        "tsr_silu_mul_xa",
         "tsr_swiglu_backward",
         "tsr_swiglu_backward_da",
         "tsr_norm_rope",
@@ -704,6 +707,33 @@ def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor) -> Tensor | None:
     )
     increment_version(gate_up)
     return gate_up
+
+
+def silu_mul_xa(gate: Tensor, up: Tensor, a: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(h = silu(gate) * up, bit-identical to the C `silu_mul`; xa = h a^T [rows, r]) in one C
+    pass for gate and up [..., F] (rows of unit stride, e.g. the halves of [gate | up]) and a
+    [r, F] (the down projection's LoRA A, scaled): the forward's adapter product without a
+    GEMM reading h back. None where the C kernels are off or unavailable or the layouts do not
+    suit (the caller runs `silu_mul` and a product)."""
+    g_rows, u_rows = _as_rows(gate), _as_rows(up)
+    if g_rows is None or u_rows is None or gate.shape != up.shape:
+        return None
+    f = gate.shape[-1]
+    if a.dim() != 2 or a.shape[1] != f or not a.is_contiguous():
+        return None
+    if not native_ready(gate, up, a):
+        return None
+    lib = _rows_library()
+    if lib is None:
+        _unavailable("rows")
+        return None
+    h = gate.new_empty(gate.shape)
+    xa = gate.new_empty(g_rows[0], a.shape[0])
+    lib.tsr_silu_mul_xa(
+        _ptr(gate), g_rows[1], _ptr(up), u_rows[1], _ptr(h), g_rows[0], f, _ptr(a), a.shape[0],
+        _ptr(xa), torch.get_num_threads(),
+    )  # fmt: skip
+    return h, xa
 
 
 SWIGLU_BLOCK = 64  # rows per partial sum of dA in csrc/rows.c's tsr_swiglu_backward_da

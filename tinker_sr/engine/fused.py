@@ -306,10 +306,10 @@ def swiglu_mlp(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Te
 class _SwiGLUDown(torch.autograd.Function):
     """y = down'(silu(gate) * up) for ``gate_up = [gate | up]``, down' = W + s B A frozen W.
 
-    Where the C kernels take ``gate_up``, forward also keeps xa = s h A^T ([M, r]: h =
-    silu(gate) * up, at hand there) and backward gets dA from the SwiGLU gradient's own C pass
-    (`compiled.swiglu_backward_da`), so h is never formed in backward. Elsewhere backward
-    recomputes h and runs `_group_grads` on it."""
+    Where the C kernels take ``gate_up``, forward also keeps xa = s h A^T ([M, r]; h =
+    silu(gate) * up and xa from one C pass, `compiled.silu_mul_xa`) and backward gets dA from
+    the SwiGLU gradient's own C pass (`compiled.swiglu_backward_da`), so h is never formed in
+    backward. Elsewhere backward recomputes h and runs `_group_grads` on it."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
@@ -317,11 +317,14 @@ class _SwiGLUDown(torch.autograd.Function):
         ctx: Any, gate_up: Tensor, scaling: float, w: Tensor, a: Tensor, b: Tensor
     ) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        h = _silu_mul(gate, up)
-        y = gemm.linear(h, _merged_weight([w], [a], [b], scaling))
         xa = None
-        if gate_up.is_contiguous() and compiled.native_ready(gate_up, h, a):
-            xa = gemm.mm(h.reshape(-1, h.shape[-1]), (a * scaling).t())  # s h A^T
+        if gate_up.is_contiguous() and compiled.native_ready(gate_up, a):
+            got = compiled.silu_mul_xa(gate, up, (a * scaling).contiguous())  # h, s h A^T
+            if got is not None:
+                h, xa = got
+        if xa is None:
+            h = _silu_mul(gate, up)
+        y = gemm.linear(h, _merged_weight([w], [a], [b], scaling))
         ctx.save_for_backward(gate_up, w, a, b, xa)
         ctx.scaling = scaling
         return y

@@ -1,6 +1,7 @@
 /* Row-wise float32 kernels of the training step, each one pass over its tensors where torch's
    eager ops take two to six: RMSNorm and its input gradient, silu(gate) * up and the SwiGLU
-   gradient (also with the down projection's LoRA dA accumulated on the way), Qwen3's q/k RMSNorm + RoPE (forward and gradient), the loss's softmax passes, and
+   gradient (both also with the down projection's LoRA product on the way: x A^T forward,
+   dA backward), Qwen3's q/k RMSNorm + RoPE (forward and gradient), the loss's softmax passes, and
    a merged LoRA weight. Rows are independent and each is computed whole by one thread (its
    sums in a fixed order), so results do not depend on the thread count or the schedule.
 
@@ -73,6 +74,52 @@ void tsr_silu_mul(const float *gate, int64_t ld_gate, const float *up, int64_t l
       vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
     }
     for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
+  }
+}
+
+/* tsr_silu_mul (the same h, bit for bit) that also returns xa = h a^T [rows, r] for a [r, n]
+   (the down projection's LoRA A, already scaled): the adapter's product from h while each row
+   is in cache, instead of a GEMM that reads h back from memory. Two rows at a time, ranks in
+   groups of 8 (each row's sums in a fixed order: independent of the thread count). */
+void tsr_silu_mul_xa(const float *gate, int64_t ld_gate, const float *up, int64_t ld_up,
+                     float *out, int64_t rows, int n, const float *a, int r, float *xa,
+                     int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i0 = 0; i0 < rows; i0 += 2) {
+    int nr = rows - i0 < 2 ? 1 : 2;
+    for (int q = 0; q < nr; q++) { /* h, as tsr_silu_mul writes it */
+      const float *gi = gate + (i0 + q) * ld_gate, *ui = up + (i0 + q) * ld_up;
+      float *oi = out + (i0 + q) * n;
+      int j = 0;
+      for (; j + VL <= n; j += VL) {
+        v16 g = vload(gi + j);
+        vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
+      }
+      for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
+    }
+    for (int k0 = 0; k0 < r; k0 += 8) {
+      int nk = r - k0 < 8 ? r - k0 : 8;
+      v16 acc[2][8];
+      for (int q = 0; q < 2; q++)
+        for (int k = 0; k < 8; k++) acc[q][k] = vset1(0.f);
+      const float *h0 = out + i0 * n, *h1 = out + (i0 + nr - 1) * n;
+      int j = 0;
+      for (; j + VL <= n; j += VL) {
+        v16 x0 = vload(h0 + j), x1 = vload(h1 + j);
+        for (int k = 0; k < nk; k++) {
+          v16 w = vload(a + (int64_t)(k0 + k) * n + j);
+          acc[0][k] += x0 * w;
+          acc[1][k] += x1 * w;
+        }
+      }
+      for (int q = 0; q < nr; q++)
+        for (int k = 0; k < nk; k++) {
+          const float *hq = out + (i0 + q) * n;
+          float sum = vhsum(acc[q][k]);
+          for (int jj = j; jj < n; jj++) sum += hq[jj] * a[(int64_t)(k0 + k) * n + jj];
+          xa[(i0 + q) * r + k0 + k] = sum;
+        }
+    }
   }
 }
 
