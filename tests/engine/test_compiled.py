@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tinker_sr.engine import compiled, fused, native
+from tinker_sr.engine import attention_inputs, compiled, fused, native
 from tinker_sr.engine.lora import LoraSpec, apply_lora, trainable_parameters
 from tinker_sr.engine.model import BUILTIN_CONFIGS, build_model
 
@@ -38,9 +38,9 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         cached.cache_clear()
     names: list[str] = []
 
-    def record(attr: str, label: Callable[[tuple[Any, ...]], str]) -> None:
-        """Wrap ``compiled.<attr>`` to note ``label(args)`` each time it returns a result."""
-        original = getattr(compiled, attr)
+    def record(attr: str, label: Callable[[tuple[Any, ...]], str], module: Any = compiled) -> None:
+        """Wrap ``module.<attr>`` to note ``label(args)`` each time it returns a result."""
+        original = getattr(module, attr)
 
         def wrapper(*args: Any) -> Any:
             out = original(*args)
@@ -48,12 +48,12 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
                 names.append(label(args))
             return out
 
-        monkeypatch.setattr(compiled, attr, wrapper)
+        monkeypatch.setattr(module, attr, wrapper)
 
     record("call", lambda args: args[0])  # inductor's loops, by kernel name
     record("call_native", lambda args: f"c:{args[0]}")  # the C row kernels
-    record("norm_rope", lambda args: "c:norm_rope")
-    record("qkv_heads", lambda args: "c:qkv_heads")
+    record("norm_rope", lambda args: "c:norm_rope", attention_inputs)
+    record("qkv_heads", lambda args: "c:qkv_heads", attention_inputs)
     record("swiglu_backward_da", lambda args: "c:swiglu_backward_da")
     record("silu_mul_xa", lambda args: "c:silu_mul_xa")
     record("attention", lambda args: "attention")
@@ -229,7 +229,7 @@ def test_the_default_training_step_runs_every_c_kernel(
 def test_qkv_heads_matches_the_split_views(
     normed: bool, used: str, ran: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`compiled.qkv_heads` (one node: q and k through the C norm + RoPE, v a view; backward
+    """`attention_inputs.qkv_heads` (one node: q and k through the C norm + RoPE, v a view; backward
     writing every gradient into its slice of one q/k/v gradient) against splitting the
     projection output into views and the eager norm and RoPE nodes: q, k, v and the q/k/v
     gradient, also when v takes no gradient (its slice then zero)."""
@@ -245,7 +245,7 @@ def test_qkv_heads_matches_the_split_views(
     def run(c_kernel: bool) -> list[torch.Tensor]:
         src = qkv.clone().requires_grad_()
         if c_kernel:
-            got = compiled.qkv_heads(src, (h, kv, d), wq, wk, 1e-6, cos, sin)
+            got = attention_inputs.qkv_heads(src, (h, kv, d), wq, wk, 1e-6, cos, sin)
             assert got is not None
             q, k, v = got
         else:
@@ -271,7 +271,7 @@ def test_qkv_heads_matches_the_split_views(
     if used == "qk":
         assert torch.equal(got[3][..., (h + kv) * d :], torch.zeros(b, t, kv * d))
     bad = qkv[..., :-d]  # not (H + 2 KV) x D wide: refused, the caller splits
-    assert compiled.qkv_heads(bad, (h, kv, d), wq, wk, 1e-6, cos, sin) is None
+    assert attention_inputs.qkv_heads(bad, (h, kv, d), wq, wk, 1e-6, cos, sin) is None
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
@@ -295,8 +295,8 @@ def test_norm_rope_matches_the_eager_nodes(
         src = qkv.clone().requires_grad_()
         x = src[..., : h * d].view(b, t, h, d)  # a strided view, as the model's q
         if c_kernel:
-            assert compiled.use_norm_rope(x, weight, cos, sin)
-            y = compiled.norm_rope(x, weight, 1e-6, cos, sin)
+            assert attention_inputs.use_norm_rope(x, weight, cos, sin)
+            y = attention_inputs.norm_rope(x, weight, 1e-6, cos, sin)
             assert y is not None
         else:
             n = x if weight is None else fused.rms_norm(x, weight, 1e-6)
@@ -320,10 +320,10 @@ def test_norm_rope_matches_the_eager_nodes(
     for a, w in zip(again, got, strict=True):
         assert torch.equal(a, w)
     x = qkv[..., : h * d].view(b, t, h, d)
-    assert not compiled.use_norm_rope(x[..., :16], None, cos[:, :16], sin[:, :16])  # D % 32
-    assert not compiled.use_norm_rope(x, None, cos[:-1], sin[:-1])  # tables for other T
+    assert not attention_inputs.use_norm_rope(x[..., :16], None, cos[:, :16], sin[:, :16])  # D % 32
+    assert not attention_inputs.use_norm_rope(x, None, cos[:-1], sin[:-1])  # tables for other T
     trainable = torch.ones(d, requires_grad=True)  # a norm weight that trains: eager
-    assert not compiled.use_norm_rope(x, trainable, cos, sin)
+    assert not attention_inputs.use_norm_rope(x, trainable, cos, sin)
 
 
 def test_one_compile_serves_every_batch_shape(

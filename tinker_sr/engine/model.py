@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tinker_sr.engine import compiled
+from tinker_sr.engine import attention_inputs, compiled
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.fused import (
     apply_linear,
@@ -228,7 +228,7 @@ class Attention(nn.Module):
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, H, T, D], k and v [B, KV, T, D] from x [B, T, dim]: the q/k/v projections
         (one merged GEMM where `linear_group` merges them), Qwen3's q/k norms where the model
-        has them, RoPE on q and k. Through one C node (`compiled.qkv_heads`) where the GEMM
+        has them, RoPE on q and k. Through one C node (`attention_inputs.qkv_heads`) where the GEMM
         was merged and the C kernels take the operands, else the views of the split output."""
         B, T, _ = x.shape
         qkv = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
@@ -238,7 +238,7 @@ class Attention(nn.Module):
             if (q_norm is None) == (k_norm is None) and (
                 q_norm is None or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
             ):
-                got = compiled.qkv_heads(
+                got = attention_inputs.qkv_heads(
                     qkv,
                     (self.n_heads, self.n_kv_heads, self.head_dim),
                     None if q_norm is None else q_norm.weight,
@@ -262,12 +262,12 @@ class Attention(nn.Module):
     def _norm_rope(self, x: Tensor, norm_name: str, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (where the model
         has ``norm_name``), then the rotary embedding; one C pass each way where it applies
-        (`compiled.norm_rope`), else the eager nodes."""
+        (`attention_inputs.norm_rope`), else the eager nodes."""
         found = getattr(self, norm_name, None)
         norm = found if isinstance(found, RMSNorm) else None
         weight = None if norm is None else norm.weight
-        if compiled.use_norm_rope(x, weight, cos, sin):
-            y = compiled.norm_rope(x, weight, 0.0 if norm is None else norm.eps, cos, sin)
+        if attention_inputs.use_norm_rope(x, weight, cos, sin):
+            y = attention_inputs.norm_rope(x, weight, 0.0 if norm is None else norm.eps, cos, sin)
             if y is not None:
                 return y
         if norm is not None:

@@ -1,0 +1,201 @@
+"""Attention's operands from the q/k/v projection in C (``csrc/rows.c``): Qwen3's per-head
+q/k RMSNorm and RoPE in one pass each way, from the projection's output straight into the
+[B, heads, T, D] layout attention reads (`norm_rope`), and the whole q/k/v split as one node
+whose backward writes every gradient into its slice of one q/k/v gradient (`qkv_heads`).
+Used where `compiled.native_ready` takes the operands (``$TINKER_SR_NATIVE``); elsewhere the
+model runs `fused.rms_norm` and `fused.rope` on views of the split output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tinker_sr.engine import compiled
+from tinker_sr.engine.compiled import _ptr
+
+__all__ = ["norm_rope", "qkv_heads", "use_norm_rope"]
+
+
+def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:
+    """Can `norm_rope` take x [B, T, H, D] (a view of the q/k/v projection's output: unit
+    stride inside a head, B and T collapsible), a frozen float32 norm weight [D] or None, and
+    cos/sin [T, D]? (D a multiple of 32; operands as `native_ready` takes them.)"""
+    d = x.shape[-1]
+    if x.dim() != 4 or d % 32 or x.stride(-1) != 1 or cos.shape != (x.shape[1], d):
+        return False
+    if not (sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    if weight is not None and (
+        weight.shape != (d,) or not weight.is_contiguous() or weight.requires_grad
+    ):
+        return False
+    try:
+        x.view(-1, x.shape[2], d)
+    except RuntimeError:
+        return False
+    extra = [] if weight is None else [weight]
+    return compiled.native_ready(x, cos, sin, *extra)
+
+
+def norm_rope(
+    x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+) -> Tensor | None:
+    """``rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)`` (no norm where ``weight``
+    is None) for x [B, T, H, D] as `use_norm_rope` takes it: one C pass forward and one
+    backward, the result a contiguous [B, H, T, D] tensor (as `fused.rope` returns). None
+    where the C kernels are unavailable (the caller runs the eager ops)."""
+    if compiled._rows_library() is None:
+        compiled._unavailable("rows")
+        return None
+    return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
+
+
+def _norm_rope_forward(
+    lib: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(y [B, H, T, D], the norm's per-row scale r [B, T, H] or [B, T, 0]) for x [B, T, H, D]."""
+    b, t, h, d = x.shape
+    rows = x.view(-1, h, d)
+    y = x.new_empty(b, h, t, d)
+    r = x.new_empty(b, t, h if weight is not None else 0)
+    lib.tsr_norm_rope(
+        _ptr(x), rows.stride(0), rows.stride(1), None if weight is None else _ptr(weight),
+        eps, _ptr(cos), _ptr(sin), _ptr(y), _ptr(r), b, t, h, d, torch.get_num_threads(),
+    )  # fmt: skip
+    return y, r
+
+
+def _norm_rope_backward(
+    lib: Any,
+    g: Tensor,
+    x: Tensor | None,
+    weight: Tensor | None,
+    r: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    dx: Tensor,
+) -> None:
+    """Write the gradient for x [B, T, H, D] (``x`` None without a norm) into ``dx`` (the same
+    shape, unit stride inside a head: a fresh tensor or a slice of the q/k/v gradient)."""
+    b, t, h, d = dx.shape
+    g = g.contiguous()
+    ld = (0, 0) if x is None else x.view(-1, h, d).stride()[:2]
+    out = dx.view(-1, h, d).stride()[:2]
+    lib.tsr_norm_rope_backward(
+        _ptr(g), None if x is None else _ptr(x), ld[0], ld[1],
+        None if weight is None else _ptr(weight), _ptr(r), _ptr(cos), _ptr(sin),
+        _ptr(dx), out[0], out[1], b, t, h, d, torch.get_num_threads(),
+    )  # fmt: skip
+
+
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        lib = compiled._rows_library()
+        assert lib is not None  # `norm_rope` checked
+        y, r = _norm_rope_forward(lib, x, weight, eps, cos, sin)
+        ctx.save_for_backward(x if weight is not None else None, weight, r, cos, sin)
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, r, cos, sin = ctx.saved_tensors
+        dx = g.new_empty(ctx.x_shape)
+        lib = compiled._rows_library()
+        assert lib is not None
+        _norm_rope_backward(lib, g, x, weight, r, cos, sin, dx)
+        return dx, None, None, None, None
+
+
+def qkv_heads(
+    qkv: Tensor,
+    heads: tuple[int, int, int],
+    q_weight: Tensor | None,
+    k_weight: Tensor | None,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The attention operands from one q/k/v projection output ``qkv`` [B, T, (H + 2 KV) D]
+    (``heads`` = (H, KV, D)): q [B, H, T, D] and k [B, KV, T, D] through `norm_rope` (Qwen3's
+    per-head norm where a weight is given, then RoPE), v the [B, KV, T, D] view of its slice.
+    One autograd node whose backward writes q's and k's gradients straight into their slices
+    of one [B, T, (H + 2 KV) D] gradient and copies v's into the third: splitting ``qkv`` into
+    three views would make autograd concatenate the three gradients again (one more pass over
+    the whole gradient per layer). None where `use_norm_rope` refuses the operands or the C
+    kernels are unavailable (the caller splits and runs the eager nodes)."""
+    h, kv, d = heads
+    b, t, width = qkv.shape
+    if width != (h + 2 * kv) * d or qkv.stride(-1) != 1:
+        return None
+    xq = qkv[..., : h * d].view(b, t, h, d)
+    xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+    if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
+        return None
+    if compiled._rows_library() is None:
+        compiled._unavailable("rows")
+        return None
+    got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
+    return got  # type: ignore[no-any-return]
+
+
+class _QKVHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        qkv: Tensor,
+        heads: tuple[int, int, int],
+        q_weight: Tensor | None,
+        k_weight: Tensor | None,
+        eps: float,
+        cos: Tensor,
+        sin: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        h, kv, d = heads
+        b, t, _ = qkv.shape
+        xq = qkv[..., : h * d].view(b, t, h, d)
+        xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+        lib = compiled._rows_library()
+        assert lib is not None  # `qkv_heads` checked
+        q, rq = _norm_rope_forward(lib, xq, q_weight, eps, cos, sin)
+        k, rk = _norm_rope_forward(lib, xk, k_weight, eps, cos, sin)
+        v = qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2)
+        # qkv itself is kept (both norms read their input again in backward; it is also the
+        # base of v, which attention keeps padded).
+        ctx.save_for_backward(qkv, q_weight, k_weight, rq, rk, cos, sin)
+        ctx.heads = heads
+        return q, k, v
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        qkv, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
+        h, kv, d = ctx.heads
+        b, t, _ = qkv.shape
+        grad = qkv.new_empty(qkv.shape)
+        slices = (
+            (dq, q_weight, rq, slice(0, h * d), h),
+            (dk, k_weight, rk, slice(h * d, (h + kv) * d), kv),
+        )
+        lib = compiled._rows_library()
+        assert lib is not None
+        for g, weight, r, cols, n in slices:
+            out = grad[..., cols].view(b, t, n, d)
+            if g is None:
+                out.zero_()
+                continue
+            x = None if weight is None else qkv[..., cols].view(b, t, n, d)
+            _norm_rope_backward(lib, g, x, weight, r, cos, sin, out)
+        v_grad = grad[..., (h + kv) * d :].view(b, t, kv, d)
+        if dv is None:
+            v_grad.zero_()
+        else:
+            v_grad.copy_(dv.transpose(1, 2))
+        return grad, None, None, None, None, None, None
