@@ -67,6 +67,16 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         cached.cache_clear()
 
 
+def _at_threads(n: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with torch on ``n`` threads (the C kernels take torch's count), then back."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _switch(monkeypatch: pytest.MonkeyPatch, on: bool, inductor: bool | None = None) -> None:
     """The C kernels on (required: ``$TINKER_SR_NATIVE=1``) or off, and the inductor loops
     the same unless ``inductor`` says otherwise."""
@@ -181,12 +191,7 @@ def test_the_c_row_kernels_match_their_eager_twins(
     assert not set(ran) & KERNELS  # no inductor loop ran
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        again = run()
-    finally:
-        torch.set_num_threads(threads)
+    again = _at_threads(2, run)
     for a, b in zip(again, got, strict=True):
         assert torch.equal(a, b)
     # The merged LoRA MLP's backward: both halves of the gate/up gradient from one C loop.
@@ -311,12 +316,7 @@ def test_norm_rope_matches_the_eager_nodes(
     assert ran.count("c:norm_rope") == 1
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        again = run(c_kernel=True)
-    finally:
-        torch.set_num_threads(threads)
+    again = _at_threads(2, lambda: run(c_kernel=True))
     for a, w in zip(again, got, strict=True):
         assert torch.equal(a, w)
     x = qkv[..., : h * d].view(b, t, h, d)
@@ -652,12 +652,7 @@ def test_c_silu_mul_with_the_down_adapters_xa(
     assert torch.equal(h, compiled.call_native("silu_mul", gate, up))
     want = h.double().reshape(-1, 40) @ a.double().t()
     torch.testing.assert_close(xa.double(), want, rtol=1e-5, atol=1e-5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-    finally:
-        torch.set_num_threads(threads)
+    one = _at_threads(1, run)
     assert torch.equal(one[0], h) and torch.equal(one[1], xa)
     assert compiled.silu_mul_xa(gate, up, a.t().contiguous().t()) is None  # a not row-major
     assert compiled.silu_mul_xa(gate, up, a[:, :32].contiguous()) is None  # a too narrow
@@ -689,12 +684,7 @@ def test_c_swiglu_backward_with_the_down_adapters_da(
     d_gate_up, da = run()
     torch.testing.assert_close(d_gate_up.double(), want_dgu, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(da.double(), want_da, rtol=1e-5, atol=1e-4)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-    finally:
-        torch.set_num_threads(threads)
+    one = _at_threads(1, run)
     assert torch.equal(one[0], d_gate_up) and torch.equal(one[1], da)
     assert compiled.swiglu_backward_da(gate_up.transpose(0, 1), dh, yb) is None  # layout
     assert compiled.swiglu_backward_da(gate_up.double(), dh.double(), yb.double()) is None
@@ -797,13 +787,8 @@ def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPa
     out = torch.empty_like(w)
     assert compiled.lora_merge(w, b, a, 2.5, out)
     torch.testing.assert_close(out, torch.addmm(w, b, a, alpha=2.5), rtol=1e-5, atol=1e-5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        again = torch.empty_like(w)
-        assert compiled.lora_merge(w, b, a, 2.5, again)
-    finally:
-        torch.set_num_threads(threads)
+    again = torch.empty_like(w)
+    assert _at_threads(2, lambda: compiled.lora_merge(w, b, a, 2.5, again))
     assert torch.equal(again, out)
     assert not compiled.lora_merge(w.t(), b, a, 2.5, out)  # not [N, K] contiguous
     assert not compiled.lora_merge(w, b.double(), a, 2.5, out)

@@ -113,6 +113,18 @@ class _NormRope(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+def _split_heads(x: Tensor, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The q, k and v slices of a [B, T, (H + 2 KV) D] tensor (``heads`` = (H, KV, D)) as
+    [B, T, heads, D] views."""
+    h, kv, d = heads
+    b, t, _ = x.shape
+    return (
+        x[..., : h * d].view(b, t, h, d),
+        x[..., h * d : (h + kv) * d].view(b, t, kv, d),
+        x[..., (h + kv) * d :].view(b, t, kv, d),
+    )
+
+
 def qkv_heads(
     qkv: Tensor,
     heads: tuple[int, int, int],
@@ -131,11 +143,9 @@ def qkv_heads(
     the whole gradient per layer). None where `use_norm_rope` refuses the operands or the C
     kernels are unavailable (the caller splits and runs the eager nodes)."""
     h, kv, d = heads
-    b, t, width = qkv.shape
-    if width != (h + 2 * kv) * d or qkv.stride(-1) != 1:
+    if qkv.dim() != 3 or qkv.shape[-1] != (h + 2 * kv) * d or qkv.stride(-1) != 1:
         return None
-    xq = qkv[..., : h * d].view(b, t, h, d)
-    xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+    xq, xk, _ = _split_heads(qkv, heads)
     if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
         return None
     if compiled._rows_library() is None:
@@ -157,15 +167,12 @@ class _QKVHeads(torch.autograd.Function):
         cos: Tensor,
         sin: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        h, kv, d = heads
-        b, t, _ = qkv.shape
-        xq = qkv[..., : h * d].view(b, t, h, d)
-        xk = qkv[..., h * d : (h + kv) * d].view(b, t, kv, d)
+        xq, xk, xv = _split_heads(qkv, heads)
         lib = compiled._rows_library()
         assert lib is not None  # `qkv_heads` checked
         q, rq = _norm_rope_forward(lib, xq, q_weight, eps, cos, sin)
         k, rk = _norm_rope_forward(lib, xk, k_weight, eps, cos, sin)
-        v = qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2)
+        v = xv.transpose(1, 2)
         # qkv itself is kept (both norms read their input again in backward; it is also the
         # base of v, which attention keeps padded).
         ctx.save_for_backward(qkv, q_weight, k_weight, rq, rk, cos, sin)
@@ -177,23 +184,19 @@ class _QKVHeads(torch.autograd.Function):
         ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         qkv, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
-        h, kv, d = ctx.heads
-        b, t, _ = qkv.shape
         grad = qkv.new_empty(qkv.shape)
-        slices = (
-            (dq, q_weight, rq, slice(0, h * d), h),
-            (dk, k_weight, rk, slice(h * d, (h + kv) * d), kv),
-        )
+        q_grad, k_grad, v_grad = _split_heads(grad, ctx.heads)
+        xq, xk, _ = _split_heads(qkv, ctx.heads)
         lib = compiled._rows_library()
         assert lib is not None
-        for g, weight, r, cols, n in slices:
-            out = grad[..., cols].view(b, t, n, d)
+        for g, weight, r, out, x in (
+            (dq, q_weight, rq, q_grad, xq),
+            (dk, k_weight, rk, k_grad, xk),
+        ):
             if g is None:
                 out.zero_()
-                continue
-            x = None if weight is None else qkv[..., cols].view(b, t, n, d)
-            _norm_rope_backward(lib, g, x, weight, r, cos, sin, out)
-        v_grad = grad[..., (h + kv) * d :].view(b, t, kv, d)
+            else:  # the norm's input is read again only where there is a norm
+                _norm_rope_backward(lib, g, None if weight is None else x, weight, r, cos, sin, out)
         if dv is None:
             v_grad.zero_()
         else:
