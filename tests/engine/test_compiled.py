@@ -796,9 +796,9 @@ def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPa
 
 def test_random_models_match_torch_kernels(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A small fuzzer over model shapes: head sizes (16-128, on and off the C kernels' sizes),
-    query groups, q/k norm or not, odd hidden and MLP widths, batch and length across the
-    attention's 64-blocks; a LoRA step's logits and every gradient with the default C kernels
-    against torch's kernels (``$TINKER_SR_NATIVE=0``), 1e-5 relative."""
+    query groups, q/k norm or not, q/k/v bias or not, odd hidden and MLP widths, batch and
+    length across the attention's 64-blocks; a LoRA step's logits and every gradient with the
+    default C kernels against torch's kernels (``$TINKER_SR_NATIVE=0``), 1e-5 relative."""
     rng = torch.Generator().manual_seed(2026)
 
     def pick(options: tuple[int, ...]) -> int:
@@ -815,6 +815,7 @@ def test_random_models_match_torch_kernels(ran: list[str], monkeypatch: pytest.M
             explicit_head_dim=pick((16, 32, 64, 128)),
             ffn_dim=pick((72, 128, 200)),
             qk_norm=bool(case % 2),
+            attention_bias=case % 3 == 0,  # Qwen2-style q/k/v bias
         )
         tokens = torch.randint(0, 256, (pick((1, 2, 3)), pick((9, 64, 70, 130))), generator=rng)
 
