@@ -47,8 +47,7 @@ def norm_rope(
     is None) for x [B, T, H, D] as `use_norm_rope` takes it: one C pass forward and one
     backward, the result a contiguous [B, H, T, D] tensor (as `fused.rope` returns). None
     where the C kernels are unavailable (the caller runs the eager ops)."""
-    if compiled._rows_library() is None:
-        compiled._unavailable("rows")
+    if compiled.rows_or_note() is None:
         return None
     return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
 
@@ -148,8 +147,7 @@ def qkv_heads(
     xq, xk, _ = _split_heads(qkv, heads)
     if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
         return None
-    if compiled._rows_library() is None:
-        compiled._unavailable("rows")
+    if compiled.rows_or_note() is None:
         return None
     got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
     return got  # type: ignore[no-any-return]

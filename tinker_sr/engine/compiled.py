@@ -74,6 +74,7 @@ __all__ = [
     "native_failure",
     "native_mode",
     "native_ready",
+    "rows_or_note",
     "run",
     "silu_mul_xa",
     "softmax_rows",
@@ -452,11 +453,17 @@ def softmax_scale_rows(z: Tensor, lse: Tensor, scale: Tensor) -> bool:
 def call_native(name: str, *args: Any) -> Any | None:
     """Run the C twin of kernel ``name``; None where the operands' layout does not suit it or
     the library is unavailable (the caller runs its eager code)."""
+    lib = rows_or_note()
+    return None if lib is None else _ROW_KERNELS[name](lib, *args)
+
+
+def rows_or_note() -> Any | None:
+    """The C row-kernel library, or None after noting that it is unavailable (`_unavailable`:
+    torch's kernels for the rest of the process)."""
     lib = _rows_library()
     if lib is None:
         _unavailable("rows")
-        return None
-    return _ROW_KERNELS[name](lib, *args)
+    return lib
 
 
 def _as_rows(t: Tensor) -> tuple[int, int] | None:
@@ -541,9 +548,8 @@ def silu_mul_xa(gate: Tensor, up: Tensor, a: Tensor) -> tuple[Tensor, Tensor] | 
         return None
     if not native_ready(gate, up, a):
         return None
-    lib = _rows_library()
+    lib = rows_or_note()
     if lib is None:
-        _unavailable("rows")
         return None
     h = gate.new_empty(gate.shape)
     xa = gate.new_empty(g_rows[0], a.shape[0])
@@ -573,9 +579,8 @@ def swiglu_backward_da(gate_up: Tensor, dh: Tensor, yb: Tensor) -> tuple[Tensor,
         return None
     if gate_up.numel() != rows * 2 * f or yb.numel() != rows * r:
         return None
-    lib = _rows_library()
+    lib = rows_or_note()
     if lib is None:
-        _unavailable("rows")
         return None
     partials = gate_up.new_empty(-(-rows // SWIGLU_BLOCK), r, f)
     da = gate_up.new_empty(r, f)
