@@ -239,25 +239,25 @@ static inline void transpose16(float *dst, int64_t ldd, const float *src, int64_
   for (int i = 0; i < 16; i++) vstore(dst + i * ldd, r[i]);
 }
 
-static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
-  /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
-  int t0 = 0;
-  for (; t0 + 16 <= T; t0 += 16)
-    for (int d0 = 0; d0 < D; d0 += 16)
-      transpose16(dst + (size_t)d0 * Tp + t0, Tp, src + (size_t)t0 * ld + d0, ld);
-  for (; t0 < T; t0++)
-    for (int d = 0; d < D; d++) dst[(size_t)d * Tp + t0] = src[(size_t)t0 * ld + d];
-  for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: whole 16 x 16 blocks in
+   registers, the edges one float at a time. */
+static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int rows, int cols) {
+  int r0 = 0;
+  for (; r0 + 16 <= rows; r0 += 16) {
+    int c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16)
+      transpose16(dst + (size_t)c0 * ldd + r0, ldd, src + (size_t)r0 * lds + c0, lds);
+    for (int r = r0; r < r0 + 16; r++)
+      for (int c = c0; c < cols; c++) dst[(size_t)c * ldd + r] = src[(size_t)r * lds + c];
+  }
+  for (int r = r0; r < rows; r++)
+    for (int c = 0; c < cols; c++) dst[(size_t)c * ldd + r] = src[(size_t)r * lds + c];
 }
 
-static void transpose_from(float *dst, const float *src, int Tp, int T, int D) {
-  /* dst[t * D + d] = src[d * Tp + t] for t < T: the inverse of transpose_into */
-  int t0 = 0;
-  for (; t0 + 16 <= T; t0 += 16)
-    for (int d0 = 0; d0 < D; d0 += 16)
-      transpose16(dst + (size_t)t0 * D + d0, D, src + (size_t)d0 * Tp + t0, Tp);
-  for (; t0 < T; t0++)
-    for (int d = 0; d < D; d++) dst[(size_t)t0 * D + d] = src[(size_t)d * Tp + t0];
+static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int T, int D) {
+  /* dst[d * Tp + t] = src[t * ld + d] for t < T; dst[d * Tp + t] = 0 for T <= t < Tp */
+  transpose(dst, Tp, src, ld, T, D);
+  for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
 }
 
 /* The forward's K^T operand: kt [N, D, Tp] from k [N, T, D] (N = B x KV), zero-padded. */
@@ -352,7 +352,7 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
           }
         }
         float *dst = dq + bh * T * D; /* dq rows from dQ^T */
-        transpose_from(dst, dQt, Tp, T, D);
+        transpose(dst, D, dQt, Tp, D, T);
       }
     }
   done_backward:

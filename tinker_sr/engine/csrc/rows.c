@@ -61,20 +61,21 @@ void tsr_rms_norm_backward(const float *g, const float *x, const float *w, const
 static inline v16 vsigmoid(v16 x) { return vset1(1.f) / (vset1(1.f) + vexp(-x)); }
 static inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+/* One row of silu(gate) * up (both SwiGLU forward kernels form h through it: the same bits). */
+static inline void silu_mul_row(const float *gi, const float *ui, float *oi, int n) {
+  int j = 0;
+  for (; j + VL <= n; j += VL) {
+    v16 g = vload(gi + j);
+    vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
+  }
+  for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
+}
+
 /* out[i, :] = silu(gate[i, :]) * up[i, :]; out is contiguous [rows, n]. */
 void tsr_silu_mul(const float *gate, int64_t ld_gate, const float *up, int64_t ld_up, float *out,
                   int64_t rows, int n, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows; i++) {
-    const float *gi = gate + i * ld_gate, *ui = up + i * ld_up;
-    float *oi = out + i * n;
-    int j = 0;
-    for (; j + VL <= n; j += VL) {
-      v16 g = vload(gi + j);
-      vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
-    }
-    for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
-  }
+  for (int64_t i = 0; i < rows; i++) silu_mul_row(gate + i * ld_gate, up + i * ld_up, out + i * n, n);
 }
 
 /* tsr_silu_mul (the same h, bit for bit) that also returns xa = h a^T [rows, r] for a [r, n]
@@ -87,16 +88,8 @@ void tsr_silu_mul_xa(const float *gate, int64_t ld_gate, const float *up, int64_
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i0 = 0; i0 < rows; i0 += 2) {
     int nr = rows - i0 < 2 ? 1 : 2;
-    for (int q = 0; q < nr; q++) { /* h, as tsr_silu_mul writes it */
-      const float *gi = gate + (i0 + q) * ld_gate, *ui = up + (i0 + q) * ld_up;
-      float *oi = out + (i0 + q) * n;
-      int j = 0;
-      for (; j + VL <= n; j += VL) {
-        v16 g = vload(gi + j);
-        vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
-      }
-      for (; j < n; j++) oi[j] = gi[j] * sigmoid(gi[j]) * ui[j];
-    }
+    for (int q = 0; q < nr; q++) /* h, as tsr_silu_mul writes it */
+      silu_mul_row(gate + (i0 + q) * ld_gate, up + (i0 + q) * ld_up, out + (i0 + q) * n, n);
     for (int k0 = 0; k0 < r; k0 += 8) {
       int nk = r - k0 < 8 ? r - k0 : 8;
       v16 acc[2][8];
