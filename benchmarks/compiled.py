@@ -39,12 +39,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_args(description: str) -> argparse.ArgumentParser:
+    """A parser with the options this script and lora_head.py share (model, batch, pairs)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="qwen3-bench", help="qwen3-bench, a name or a dir")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=5)
+    return parser
+
+
+def main() -> None:
+    parser = model_args(__doc__.splitlines()[0])
     parser.add_argument("--compare", default="default,torch", help="A,B of: " + ",".join(SETTINGS))
     parser.add_argument("--attention", action="store_true", help="the attention kernel alone")
     args = parser.parse_args()

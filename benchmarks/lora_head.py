@@ -15,7 +15,6 @@ largest loss difference between the two head paths (float32 rounding).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -24,16 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from compiled import alternate, model_and_batch, report  # noqa: E402 - beside this script
+from compiled import alternate, model_and_batch, model_args, report  # noqa: E402 - beside this script
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-bench", help="qwen3-bench, a name or a dir")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--pairs", type=int, default=5)
-    args = parser.parse_args()
+    args = model_args(__doc__.splitlines()[0]).parse_args()
 
     import tinker_sr as tinker
     from tinker_sr.engine import loss_logprobs
