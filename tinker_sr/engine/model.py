@@ -232,23 +232,22 @@ class Attention(nn.Module):
         was merged and the C kernels take the operands, else the views of the split output."""
         B, T, _ = x.shape
         qkv = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
-        if isinstance(qkv, Tensor) and qkv.stride(-1) == 1:
-            norms = [getattr(self, name, None) for name in ("q_norm", "k_norm")]
-            q_norm, k_norm = (n if isinstance(n, RMSNorm) else None for n in norms)
-            if (q_norm is None) == (k_norm is None) and (
-                q_norm is None or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
-            ):
-                got = attention_inputs.qkv_heads(
-                    qkv,
-                    (self.n_heads, self.n_kv_heads, self.head_dim),
-                    None if q_norm is None else q_norm.weight,
-                    None if k_norm is None else k_norm.weight,
-                    0.0 if q_norm is None else q_norm.eps,
-                    cos,
-                    sin,
-                )
-                if got is not None:
-                    return got
+        q_norm, k_norm = self._qk_norm("q_norm"), self._qk_norm("k_norm")
+        same_norms = (q_norm is None and k_norm is None) or (
+            q_norm is not None and k_norm is not None and q_norm.eps == k_norm.eps
+        )
+        if isinstance(qkv, Tensor) and same_norms:
+            got = attention_inputs.qkv_heads(
+                qkv,
+                (self.n_heads, self.n_kv_heads, self.head_dim),
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                0.0 if q_norm is None else q_norm.eps,
+                cos,
+                sin,
+            )
+            if got is not None:
+                return got
         if isinstance(qkv, Tensor):
             sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
             qkv = list(qkv.split(sizes, dim=-1))
@@ -259,12 +258,16 @@ class Attention(nn.Module):
         q, k = self._norm_rope(q, "q_norm", cos, sin), self._norm_rope(k, "k_norm", cos, sin)
         return q, k, v.transpose(1, 2)
 
+    def _qk_norm(self, name: str) -> RMSNorm | None:
+        """Qwen3's per-head q or k norm (``q_norm``/``k_norm``), None where the model has none."""
+        found = getattr(self, name, None)
+        return found if isinstance(found, RMSNorm) else None
+
     def _norm_rope(self, x: Tensor, norm_name: str, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (where the model
         has ``norm_name``), then the rotary embedding; one C pass each way where it applies
         (`attention_inputs.norm_rope`), else the eager nodes."""
-        found = getattr(self, norm_name, None)
-        norm = found if isinstance(found, RMSNorm) else None
+        norm = self._qk_norm(norm_name)
         weight = None if norm is None else norm.weight
         if attention_inputs.use_norm_rope(x, weight, cos, sin):
             y = attention_inputs.norm_rope(x, weight, 0.0 if norm is None else norm.eps, cos, sin)
