@@ -42,8 +42,8 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         """Wrap ``module.<attr>`` to note ``label(args)`` each time it returns a result."""
         original = getattr(module, attr)
 
-        def wrapper(*args: Any) -> Any:
-            out = original(*args)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
             if out is not None:
                 names.append(label(args))
             return out
@@ -57,6 +57,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     record("swiglu_backward_da", lambda args: "c:swiglu_backward_da")
     record("silu_mul_xa", lambda args: "c:silu_mul_xa")
     record("attention", lambda args: "attention")
+    record("lora_grads", lambda args: "c:lora_grads", fused)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
     monkeypatch.setattr(compiled, "_native_failure", None)
@@ -158,7 +159,13 @@ def test_each_kernel_matches_its_eager_twin(
 
 # What a LoRA training step runs in C (attention and q/k aside): its SwiGLU and SwiGLU
 # gradient are the variants that also run the down projection's adapter products.
-C_KERNELS = {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul_xa", "c:swiglu_backward_da"}
+C_KERNELS = {
+    "c:rms_norm",
+    "c:rms_norm_backward",
+    "c:silu_mul_xa",
+    "c:swiglu_backward_da",
+    "c:lora_grads",
+}
 
 
 def test_the_c_row_kernels_match_their_eager_twins(
@@ -688,6 +695,66 @@ def test_c_swiglu_backward_with_the_down_adapters_da(
     assert torch.equal(one[0], d_gate_up) and torch.equal(one[1], da)
     assert compiled.swiglu_backward_da(gate_up.transpose(0, 1), dh, yb) is None  # layout
     assert compiled.swiglu_backward_da(gate_up.double(), dh.double(), yb.double()) is None
+
+
+def _group_products(
+    x: torch.Tensor, dy: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], s: float
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """(s dy B, dB_i, dA_i, s x A^T) of a LoRA group in float64, member by member."""
+    x, dy = x.double(), dy.double()
+    xa = x @ torch.cat(a).double().t() * s
+    r, col, dyb, db, da = b[0].shape[1], 0, [], [], []
+    for i, b_i in enumerate(b):
+        d = dy[:, col : col + b_i.shape[0]]
+        col += b_i.shape[0]
+        dyb.append(d @ b_i.double() * s)
+        db.append(d.t() @ xa[:, i * r : (i + 1) * r])
+        da.append(dyb[-1].t() @ x)
+    return torch.cat(dyb, 1), db, da, xa
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "widths", "rank"),
+    [
+        (203, 80, [64, 32, 32], 8),  # q/k/v-shaped; rows off the 64-row blocks and 3-row steps
+        (130, 48, [48, 48], 16),  # gate/up-shaped; widths off the 32-column tiles
+        (67, 32, [96], 4),  # a rank off the 8-rank steps: padded
+        (1, 16, [16, 16, 16], 12),
+    ],
+)
+def test_c_lora_grads_match_the_group_products(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch, rows: int, k: int, widths: list[int], rank: int
+) -> None:
+    """`fused.lora_grads`: a LoRA group's s dy B, dB_i and dA_i (from x, or from a given s x
+    A^T) in one C pass, each member meeting only its own ranks, against float64 products
+    member by member; bit-identical at 1 and 2 threads; layouts it does not take refused."""
+    _switch(monkeypatch, True, inductor=False)
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1)  # a single row qualifies too
+    gen = torch.Generator().manual_seed(rows + rank)
+    x = torch.randn(rows, k, generator=gen)
+    dy = torch.randn(rows, sum(widths), generator=gen)
+    a = [torch.randn(rank, k, generator=gen) for _ in widths]
+    b = [torch.randn(w, rank, generator=gen) for w in widths]
+    want_dyb, want_db, want_da, xa = _group_products(x, dy, a, b, 0.5)
+
+    def run() -> list[torch.Tensor]:
+        got = fused.lora_grads(dy, b, 0.5, x=x, a=a)
+        given = fused.lora_grads(dy, b, 0.5, xa=xa.float())
+        assert got is not None and got.da is not None and given is not None
+        assert given.da is None and torch.equal(given.dy_b, got.dy_b)
+        return [got.dy_b, *got.db, *got.da, *given.db]
+
+    got = run()
+    want = [want_dyb, *want_db, *want_da, *want_db]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    for one, two in zip(_at_threads(1, run), got, strict=True):
+        assert torch.equal(one, two)
+    assert fused.lora_grads(dy.double(), [t.double() for t in b], 0.5, xa=xa) is None
+    assert fused.lora_grads(dy[:, 1:], [b[0][1:], *b[1:]], 0.5, x=x, a=a) is None  # a width
+    if rows > 1:  # columns of unit stride only
+        assert fused.lora_grads(dy.t().contiguous().t(), b, 0.5, x=x, a=a) is None
 
 
 def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(

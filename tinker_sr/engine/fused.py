@@ -17,6 +17,7 @@ keep the per-layer path, where the weight-sized merge would cost more than it sa
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -209,6 +210,9 @@ def _group_grads(
     dx = None
     if need_dx:
         dx = gemm.mm(dy2, _merged_weight(weights, a, b, s).to(low)).view(x.shape).to(x.dtype)
+    got = lora_grads(dy2, b, s, x=x2, a=a)  # every adapter product in one C pass
+    if got is not None and got.da is not None:
+        return dx, got.da, got.db
     a_cat = torch.cat(list(a))  # [g r, K]
     # The scaling goes on the small adapter operands (no pass over an [M, g r] product).
     xa = gemm.mm(x2, (a_cat * s).t().to(low))  # s x A^T, [M, g r]
@@ -227,6 +231,85 @@ def _group_grads(
         row += b_i.shape[0]
     da = list(gemm.mm(dy_b.t(), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
     return dx, da, db
+
+
+LORA_BLOCK = 64  # rows per partial sum in csrc/rows.c's tsr_lora_grads
+
+
+@dataclass
+class LoraGrads:
+    """`lora_grads`' results: s dy B [M, g r], each member's dB_i [N_i, r], and (given x) each
+    member's dA_i [r, K]."""
+
+    dy_b: Tensor
+    db: list[Tensor]
+    da: list[Tensor] | None
+
+
+def lora_grads(
+    dy: Tensor,
+    b: Sequence[Tensor],
+    s: float,
+    xa: Tensor | None = None,
+    x: Tensor | None = None,
+    a: Sequence[Tensor] | None = None,
+) -> LoraGrads | None:
+    """The adapter gradients of a LoRA group y = x cat_i(W_i + s B_i A_i)^T in one C pass over
+    its output gradient ``dy`` [M, N] (members side by side in N, B_i [N_i, r]) and input
+    ``x`` [M, K] (`tsr_lora_grads`): s dy B, dB_i = s dy_i^T (x A_i^T) and dA_i = s (dy B_i)^T x.
+    Given ``x`` and ``a`` (A_i [r, K]) it forms xa = s x A^T itself; else ``xa`` [M, g r] is
+    given and dA is left to the caller (`_SwiGLUDown`'s comes from its SwiGLU pass). Each member
+    meets only its own ranks (block-diagonal GEMMs multiply by g - 1 zero blocks too, and read dy
+    and x twice each). A rank off the kernel's 8-rank steps runs padded with zero ranks (whose
+    products are zero and dropped). Sums over fixed 64-row blocks added in order: independent of
+    the thread count. None where the C kernels are off or unavailable, a width is not a
+    multiple of 16, or the layouts do not suit (the caller runs the GEMMs)."""
+    r, widths = b[0].shape[1], [b_i.shape[0] for b_i in b]
+    m, n, k = dy.shape[0], sum(widths), (0 if x is None else x.shape[-1])
+    rows, x_rows = compiled._as_rows(dy), (None if x is None else compiled._as_rows(x))
+    if rows is None or dy.dim() != 2 or dy.shape[1] != n:
+        return None
+    if any(w % 16 or b_i.shape[1] != r for w, b_i in zip(widths, b, strict=True)):
+        return None
+    if x is None:
+        if xa is None or xa.shape != (m, len(b) * r) or not xa.is_contiguous():
+            return None
+        operands = [xa]
+    else:
+        if a is None or x_rows is None or x.shape[0] != m or k % 16:
+            return None
+        operands = [x, *a]
+    if not compiled.native_ready(dy, *b, *operands):
+        return None
+    lib = compiled.rows_or_note()
+    if lib is None:
+        return None
+    r8 = -(-r // 8) * 8  # ranks padded to the kernel's 8-rank steps
+    gr = len(b) * r8
+    bt = dy.new_zeros(r8, n + 16)  # the kernel's padded row strides
+    torch.cat([b_i.t() for b_i in b], dim=1, out=bt[:r, :n]).mul_(s)
+    off = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64)
+    sa = da = xa_arg = None
+    if x is not None:
+        sa = dy.new_zeros(len(b), r8, k + 16)
+        torch.stack(operands[1:], out=sa[:, :r, :k]).mul_(s)
+        xa_arg, da = dy.new_empty(m, gr), dy.new_empty(len(b), r8, k)
+    elif r8 == r:
+        xa_arg = operands[0]
+    else:
+        xa_arg = F.pad(operands[0].view(m, len(b), r), (0, r8 - r)).view(m, gr)
+    dyb, dbt = dy.new_empty(m, len(b), r8), dy.new_empty(r8, n)
+    slot = r8 * (n + 16) + (0 if x is None else gr * (k + 16))
+    partials = dy.new_empty(-(-m // LORA_BLOCK), slot)
+    p = compiled._ptr
+    lib.tsr_lora_grads(
+        p(dy), rows[1], m, p(off), len(b), r8, p(bt), None if x is None else p(x),
+        0 if x_rows is None else x_rows[1], k, None if sa is None else p(sa), p(xa_arg),
+        p(dyb), p(partials), p(dbt), None if da is None else p(da), torch.get_num_threads(),
+    )  # fmt: skip
+    db = [part.t() for part in dbt[:r].split(widths, dim=1)]
+    dy_b = dyb.view(m, gr) if r8 == r else dyb[:, :, :r].reshape(m, len(b) * r).contiguous()
+    return LoraGrads(dy_b, db, None if da is None else list(da[:, :r].unbind(0)))
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -337,10 +420,12 @@ class _SwiGLUDown(torch.autograd.Function):
         if xa is not None:
             dy2 = dy.reshape(-1, dy.shape[-1])
             dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s))
-            got = compiled.swiglu_backward_da(gate_up, dh_c, gemm.mm(dy2, b * s))
+            fused = lora_grads(dy2, [b], s, xa=xa)  # s dy B and dB = s dy^T (h A^T), one pass
+            dy_b = gemm.mm(dy2, b * s) if fused is None else fused.dy_b
+            got = compiled.swiglu_backward_da(gate_up, dh_c, dy_b)
             if got is not None:
-                db_c = gemm.mm(xa.t(), dy2).t().to(b.dtype)  # s dy^T (h A^T)
-                return got[0], None, None, got[1].to(a.dtype), db_c
+                db_c = gemm.mm(xa.t(), dy2).t() if fused is None else fused.db[0]
+                return got[0], None, None, got[1].to(a.dtype), db_c.to(b.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)

@@ -140,6 +140,23 @@ void tsr_swiglu_backward(const float *gate_up, const float *dh, float *out, int6
   }
 }
 
+/* out[j] = sum over blocks b (in order) of partials[b * slot + j], j < n: the per-block partial
+   sums of the kernels below, added 16 columns at a time (the same order, so the same bits, as
+   one column at a time). */
+static void sum_blocks(const float *partials, int64_t nblocks, int64_t slot, int64_t n, float *out) {
+  int64_t j = 0;
+  for (; j + VL <= n; j += VL) {
+    v16 sum = vset1(0.f);
+    for (int64_t b = 0; b < nblocks; b++) sum += vload(partials + b * slot + j);
+    vstore(out + j, sum);
+  }
+  for (; j < n; j++) {
+    float sum = 0.f;
+    for (int64_t b = 0; b < nblocks; b++) sum += partials[b * slot + j];
+    out[j] = sum;
+  }
+}
+
 /* tsr_swiglu_backward (in place: out == gate_up) that also returns the down projection's LoRA
    gradient dA = yb^T h [r, n] for yb = s (dy B) [rows, r], with h = silu(gate) * up formed
    on the fly (bit-identical to tsr_silu_mul's), so backward needs neither h recomputed in
@@ -190,11 +207,8 @@ void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n
       }
     }
 #pragma omp for schedule(static)
-    for (int64_t e = 0; e < (int64_t)r * n; e++) {
-      float sum = 0.f;
-      for (int64_t blk = 0; blk < nblocks; blk++) sum += partials[blk * (int64_t)r * n + e];
-      da[e] = sum;
-    }
+    for (int k = 0; k < r; k++)
+      sum_blocks(partials + (int64_t)k * n, nblocks, (int64_t)r * n, n, da + (int64_t)k * n);
   }
 }
 
@@ -343,6 +357,140 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
       float acc = wn[k];
       for (int j = 0; j < r; j++) acc += (s * bn[j]) * a[(int64_t)j * K + k];
       on[k] = acc;
+    }
+  }
+}
+
+/* A LoRA group's adapter gradients, one pass over its output gradient dy and input x. A group is
+   g members side by side in dy's N = off[g] columns (member m: columns off[m]..off[m+1], a
+   multiple of 16 wide), each with rank r (a multiple of 8); bt [r, N] (row stride N + 16) holds
+   the members' (s B_m)^T side by side. With x [rows, K] (K a multiple of 16) and sa [g r, K]
+   (row stride K + 16: the members' s A_m stacked) it computes
+     xa[i, m r + k]  = x[i, :] . sa[m r + k, :]                      (s x A^T, [rows, g r])
+     da[m r + k, :]  = sum over rows i of dyb[i, m r + k] x[i, :]     (dA, [g r, K])
+   and without x (x == NULL) it takes xa as given; either way
+     dyb[i, m r + k] = sum over member m's columns n of dy[i, n] bt[k, n]   (s dy B, [rows, g r])
+     dbt[k, n]       = sum over rows i of xa[i, m(n) r + k] dy[i, n]        (dB_m^T, [r, N])
+   Each member meets only its own ranks (the block-diagonal GEMMs this replaces multiplied by
+   g - 1 zero blocks as well, and read dy and x twice each). Rows go in fixed blocks of
+   LORA_BLOCK: a block's rows are read once from memory by the row products (3 rows at a time,
+   the next 3 prefetched) and again from cache by the sums over rows (32 columns x 8 ranks of
+   accumulators over the block's rows), which land in the block's own slice of `partials`
+   ([blocks, r (N + 16) + g r (K + 16)]; padded rows keep the 8 rank rows off the same cache
+   sets when a width is a multiple of 1024) and are added in block order at the end: results do
+   not depend on the thread count. */
+#define LORA_BLOCK 64
+
+/* out[q ldo + k] = d_q[c0:c1] . bt[k, c0:c1] for nq (1-3) rows d_q, k < 8 (bt row stride ldb);
+   `ahead`: prefetch the line `ahead` floats past each row's. */
+static inline __attribute__((always_inline)) void lora_row_products(
+    int nq, const float *d0, const float *d1, const float *d2, const float *bt, int64_t ldb,
+    int64_t c0, int64_t c1, float *out, int ldo, int64_t ahead) {
+  v16 a0[8], a1[8], a2[8];
+  for (int k = 0; k < 8; k++) a0[k] = a1[k] = a2[k] = vset1(0.f);
+  for (int64_t n = c0; n < c1; n += VL) {
+    v16 x0 = vload(d0 + n), x1 = nq > 1 ? vload(d1 + n) : x0, x2 = nq > 2 ? vload(d2 + n) : x0;
+    if (ahead) {
+      __builtin_prefetch(d0 + ahead + n);
+      __builtin_prefetch(d1 + ahead + n);
+      __builtin_prefetch(d2 + ahead + n);
+    }
+    for (int k = 0; k < 8; k++) {
+      v16 b = vload(bt + k * ldb + n);
+      a0[k] += x0 * b;
+      if (nq > 1) a1[k] += x1 * b;
+      if (nq > 2) a2[k] += x2 * b;
+    }
+  }
+  for (int k = 0; k < 8; k++) {
+    out[k] = vhsum(a0[k]);
+    if (nq > 1) out[ldo + k] = vhsum(a1[k]);
+    if (nq > 2) out[2 * ldo + k] = vhsum(a2[k]);
+  }
+}
+
+/* Rows i0..i1 of d (row stride ldd) times 8 ranks of bt: out[i ldo + k], as above. */
+static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *bt,
+                            int64_t ldb, int64_t c0, int64_t c1, float *out, int ldo) {
+  int64_t i = i0;
+  for (; i + 3 <= i1; i += 3)
+    lora_row_products(3, d + i * ldd, d + (i + 1) * ldd, d + (i + 2) * ldd, bt, ldb, c0, c1,
+                      out + i * ldo, ldo, i + 6 <= i1 ? 3 * ldd : 0);
+  if (i1 - i == 2)
+    lora_row_products(2, d + i * ldd, d + (i + 1) * ldd, d, bt, ldb, c0, c1, out + i * ldo, ldo, 0);
+  else if (i1 - i == 1)
+    lora_row_products(1, d + i * ldd, d, d, bt, ldb, c0, c1, out + i * ldo, ldo, 0);
+}
+
+/* acc[k, n .. n + 16 nv) (+)= sum over rows i0..i1 of xs[i ldx + k] d[i, n ..), k < 8. */
+static inline __attribute__((always_inline)) void lora_sum_tile(
+    int nv, const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *xs, int ldx,
+    float *acc, int64_t lda, int64_t n, int add) {
+  v16 c0[8], c1[8];
+  for (int k = 0; k < 8; k++) {
+    c0[k] = add ? vload(acc + k * lda + n) : vset1(0.f);
+    c1[k] = add && nv > 1 ? vload(acc + k * lda + n + VL) : vset1(0.f);
+  }
+  for (int64_t i = i0; i < i1; i++) {
+    const float *di = d + i * ldd + n, *x = xs + i * ldx;
+    v16 x0 = vload(di), x1 = nv > 1 ? vload(di + VL) : x0;
+    for (int k = 0; k < 8; k++) {
+      v16 s = vset1(x[k]);
+      c0[k] += s * x0;
+      if (nv > 1) c1[k] += s * x1;
+    }
+  }
+  for (int k = 0; k < 8; k++) {
+    vstore(acc + k * lda + n, c0[k]);
+    if (nv > 1) vstore(acc + k * lda + n + VL, c1[k]);
+  }
+}
+
+/* acc[k, c0:c1] = sum over rows i0..i1 of xs[i ldx + k] d[i, c0:c1], k < 8: 8 rows at a time
+   across all columns (a column tile over more rows would meet rows whose stride is a multiple
+   of 4 KiB in the same few L1 sets: 2-3x slower), accumulating in row order either way. */
+static void lora_sum_rows(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *xs,
+                          int ldx, float *acc, int64_t lda, int64_t c0, int64_t c1) {
+  for (int64_t ib = i0; ib < i1; ib += 8) {
+    int64_t ie = ib + 8 < i1 ? ib + 8 : i1, n = c0;
+    int add = ib > i0;
+    for (; n + 2 * VL <= c1; n += 2 * VL) lora_sum_tile(2, d, ldd, ib, ie, xs, ldx, acc, lda, n, add);
+    if (n < c1) lora_sum_tile(1, d, ldd, ib, ie, xs, ldx, acc, lda, n, add);
+  }
+}
+
+void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *off, int g, int r,
+                    const float *bt, const float *x, int64_t ldx, int K, const float *sa,
+                    float *xa, float *dyb, float *partials, float *dbt, float *da, int threads) {
+  const int64_t N = off[g], LD = N + 16, LK = K + 16;
+  const int gr = g * r;
+  const int64_t slot = (int64_t)r * LD + (x ? (int64_t)gr * LK : 0);
+  const int64_t nblocks = (rows + LORA_BLOCK - 1) / LORA_BLOCK;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      float *acc = partials + blk * slot, *acc_a = acc + (int64_t)r * LD;
+      int64_t i0 = blk * LORA_BLOCK, i1 = i0 + LORA_BLOCK < rows ? i0 + LORA_BLOCK : rows;
+      if (x)
+        for (int k0 = 0; k0 < gr; k0 += 8)
+          lora_rows_times(x, ldx, i0, i1, sa + (int64_t)k0 * LK, LK, 0, K, xa + k0, gr);
+      for (int m = 0; m < g; m++)
+        for (int k0 = 0; k0 < r; k0 += 8) {
+          int c = m * r + k0;
+          lora_rows_times(dy, ldy, i0, i1, bt + (int64_t)k0 * LD, LD, off[m], off[m + 1], dyb + c, gr);
+          lora_sum_rows(dy, ldy, i0, i1, xa + c, gr, acc + (int64_t)k0 * LD, LD, off[m], off[m + 1]);
+        }
+      if (x)
+        for (int k0 = 0; k0 < gr; k0 += 8)
+          lora_sum_rows(x, ldx, i0, i1, dyb + k0, gr, acc_a + (int64_t)k0 * LK, LK, 0, K);
+    }
+#pragma omp for schedule(static)
+    for (int k = 0; k < r + (x ? gr : 0); k++) {
+      if (k < r)
+        sum_blocks(partials + (int64_t)k * LD, nblocks, slot, N, dbt + (int64_t)k * N);
+      else
+        sum_blocks(partials + r * LD + (int64_t)(k - r) * LK, nblocks, slot, K, da + (int64_t)(k - r) * K);
     }
   }
 }
