@@ -58,6 +58,36 @@ def test_merged_groups_match_the_per_layer_adapters(
             assert float((a - b).norm() / b.norm()) < 1e-5
 
 
+def test_backward_reuses_the_merged_weights_only_where_they_are_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A merged weight no larger than its node's saved input is kept for backward (one merge
+    per group and step); a larger one is merged again there. Gradients are bit-identical."""
+    merges: list[int] = []
+    original = fused._merged_weight
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        merges.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "_merged_weight", counted)
+    # 512 rows of 64: gate/up's merged [512, 64] weight is as large as its saved input.
+    tokens = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+    kept = _grads(True, tokens, torch.float32, monkeypatch)
+    assert len(merges) == 4 * 2  # q/k/v, o, gate/up and down, once each in each of 2 layers
+    merges.clear()
+    rule = fused._kept
+    monkeypatch.setattr(fused, "_kept", lambda merged, saved: None)
+    again = _grads(True, tokens, torch.float32, monkeypatch)
+    assert len(merges) == 2 * 4 * 2 - 1  # merged again in backward (layer 0's q/k/v needs no dx)
+    for a, b in zip(kept, again, strict=True):
+        assert torch.equal(a, b)
+    # The rule itself: a weight larger than the saved activation is not kept.
+    w = torch.zeros(64, 32)
+    assert rule(w, torch.zeros(64, 32)) is w
+    assert rule(w, torch.zeros(8, 32)) is None
+
+
 def test_small_batches_keep_the_per_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-sized inputs (a few tokens) never pay for a weight-sized merge."""
     model = _model()

@@ -165,6 +165,14 @@ def _merged_weight(
     return out if weights[0].dtype == out.dtype else out.to(weights[0].dtype)
 
 
+def _kept(merged: Tensor, saved: Tensor) -> Tensor | None:
+    """``merged`` if backward should reuse it rather than merge the weights again: when it is no
+    larger than the activation its node saves anyway (at most doubling that; a training batch
+    of a few thousand tokens on a small model: ~0.5 % of the step saved), not for a large model
+    on a short batch, where a weight-sized copy per layer would outweigh the activations."""
+    return merged if merged.numel() <= saved.numel() else None
+
+
 class _MergedLoraGroup(torch.autograd.Function):
     """y = x cat_i(W_i + s B_i A_i)^T for frozen W_i; gradients for x, A_i and B_i."""
 
@@ -174,6 +182,7 @@ class _MergedLoraGroup(torch.autograd.Function):
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
         merged = _merged_weight(weights, a, b, scaling)
         ctx.scaling, ctx.g, ctx.x_dtype = scaling, g, x.dtype
+        ctx.merged = _kept(merged, x) if ctx.needs_input_grad[0] else None
         kind = x.device.type
         if torch.is_autocast_enabled(kind):  # cast once, keep the cast (half the memory)
             x = x.to(torch.get_autocast_dtype(kind))
@@ -186,7 +195,9 @@ class _MergedLoraGroup(torch.autograd.Function):
         x, *tensors = ctx.saved_tensors
         g = ctx.g
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
-        dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, ctx.needs_input_grad[0])
+        merged, ctx.merged = ctx.merged, None  # freed with this node's backward
+        need_dx = ctx.needs_input_grad[0]
+        dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, need_dx, merged)
         dx = None if dx is None else dx.to(ctx.x_dtype)
         return (dx, None, None, *([None] * g), *da, *db)
 
@@ -199,8 +210,10 @@ def _group_grads(
     b: Sequence[Tensor],
     s: float,
     need_dx: bool,
+    merged: Tensor | None = None,
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
-    """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T.
+    """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T (``merged``:
+    W' as the forward formed it, if it kept it; see `_kept`).
 
     The products run in the gradient's dtype (bf16 under mixed precision), with explicit
     casts: a CUDA backward runs outside the forward's autocast.
@@ -209,7 +222,8 @@ def _group_grads(
     x2, dy2 = x.reshape(-1, x.shape[-1]).to(low), dy.reshape(-1, dy.shape[-1])
     dx = None
     if need_dx:
-        dx = gemm.mm(dy2, _merged_weight(weights, a, b, s).to(low)).view(x.shape).to(x.dtype)
+        w = _merged_weight(weights, a, b, s) if merged is None else merged
+        dx = gemm.mm(dy2, w.to(low)).view(x.shape).to(x.dtype)
     got = lora_grads(dy2, b, s, x=x2, a=a)  # every adapter product in one C pass
     if got is not None and got.da is not None:
         return dx, got.da, got.db
@@ -407,7 +421,9 @@ class _SwiGLUDown(torch.autograd.Function):
                 h, xa = got
         if xa is None:
             h = _silu_mul(gate, up)
-        y = gemm.linear(h, _merged_weight([w], [a], [b], scaling))
+        merged = _merged_weight([w], [a], [b], scaling)
+        y = gemm.linear(h, merged)
+        ctx.merged = _kept(merged, gate_up)
         ctx.save_for_backward(gate_up, w, a, b, xa)
         ctx.scaling = scaling
         return y
@@ -417,9 +433,10 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         gate_up, w, a, b, xa = ctx.saved_tensors
         s = ctx.scaling
+        merged, ctx.merged = ctx.merged, None  # freed with this node's backward
         if xa is not None:
             dy2 = dy.reshape(-1, dy.shape[-1])
-            dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s))
+            dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s) if merged is None else merged)
             fused = lora_grads(dy2, [b], s, xa=xa)  # s dy B and dB = s dy^T (h A^T), one pass
             dy_b = gemm.mm(dy2, b * s) if fused is None else fused.dy_b
             got = compiled.swiglu_backward_da(gate_up, dh_c, dy_b)
@@ -430,7 +447,7 @@ class _SwiGLUDown(torch.autograd.Function):
         fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)
         h = _silu_mul(gate, up) if silu is None else silu * up  # the forward's value, bitwise
-        dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], s, True)
+        dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], s, True, merged)
         del h
         assert dh is not None  # a fresh GEMM result: _swiglu_grads may overwrite it
         if silu is None:
