@@ -719,6 +719,7 @@ def _group_products(
         (203, 80, [64, 32, 32], 8),  # q/k/v-shaped; rows off the 64-row blocks and 3-row steps
         (130, 48, [48, 48], 16),  # gate/up-shaped; widths off the 32-column tiles
         (67, 32, [96], 4),  # a rank off the 8-rank steps: padded
+        (70, 272, [320, 16], 8),  # rows and members wider than the kernel's 256-column steps
         (1, 16, [16, 16, 16], 12),
     ],
 )

@@ -374,20 +374,29 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
    Each member meets only its own ranks (the block-diagonal GEMMs this replaces multiplied by
    g - 1 zero blocks as well, and read dy and x twice each). Rows go in fixed blocks of
    LORA_BLOCK: a block's rows are read once from memory by the row products (3 rows at a time,
-   the next 3 prefetched) and again from cache by the sums over rows (32 columns x 8 ranks of
-   accumulators over the block's rows), which land in the block's own slice of `partials`
+   the next 3 prefetched, 256 columns at a time so that bt's columns stay in L1) and again from
+   cache by the sums over rows (48 columns x 8 ranks of accumulators over the block's rows),
+   which land in the block's own slice of `partials`
    ([blocks, r (N + 16) + g r (K + 16)]; padded rows keep the 8 rank rows off the same cache
    sets when a width is a multiple of 1024) and are added in block order at the end: results do
    not depend on the thread count. */
 #define LORA_BLOCK 64
 
-/* out[q ldo + k] = d_q[c0:c1] . bt[k, c0:c1] for nq (1-3) rows d_q, k < 8 (bt row stride ldb);
-   `ahead`: prefetch the line `ahead` floats past each row's. */
+/* Columns per step of the row products below: 8 ranks' 256 columns of bt (8 KiB) stay in L1
+   while a block's rows pass over them (a whole member's width did not fit beside the rows). */
+#define LORA_COLS 256
+
+/* part[q][k] (+)= d_q[c0:c1] * bt[k, c0:c1] lane-wise for nq (1-3) rows d_q, k < 8 (bt row
+   stride ldb); `ahead`: prefetch the line `ahead` floats past each row's. */
 static inline __attribute__((always_inline)) void lora_row_products(
     int nq, const float *d0, const float *d1, const float *d2, const float *bt, int64_t ldb,
-    int64_t c0, int64_t c1, float *out, int ldo, int64_t ahead) {
+    int64_t c0, int64_t c1, v16 *part, int add, int64_t ahead) {
   v16 a0[8], a1[8], a2[8];
-  for (int k = 0; k < 8; k++) a0[k] = a1[k] = a2[k] = vset1(0.f);
+  for (int k = 0; k < 8; k++) {
+    a0[k] = add ? part[k] : vset1(0.f);
+    a1[k] = add && nq > 1 ? part[8 + k] : vset1(0.f);
+    a2[k] = add && nq > 2 ? part[16 + k] : vset1(0.f);
+  }
   for (int64_t n = c0; n < c1; n += VL) {
     v16 x0 = vload(d0 + n), x1 = nq > 1 ? vload(d1 + n) : x0, x2 = nq > 2 ? vload(d2 + n) : x0;
     if (ahead) {
@@ -403,60 +412,66 @@ static inline __attribute__((always_inline)) void lora_row_products(
     }
   }
   for (int k = 0; k < 8; k++) {
-    out[k] = vhsum(a0[k]);
-    if (nq > 1) out[ldo + k] = vhsum(a1[k]);
-    if (nq > 2) out[2 * ldo + k] = vhsum(a2[k]);
+    part[k] = a0[k];
+    if (nq > 1) part[8 + k] = a1[k];
+    if (nq > 2) part[16 + k] = a2[k];
   }
 }
 
-/* Rows i0..i1 of d (row stride ldd) times 8 ranks of bt: out[i ldo + k], as above. */
+/* out[i ldo + k] = d[i, c0:c1] . bt[k, c0:c1] for rows i0..i1 (at most LORA_BLOCK) of d (row
+   stride ldd), k < 8: LORA_COLS columns at a time over all the rows, each lane's sum in column
+   order in `part` (a row's 8 vectors), reduced across lanes at the end. */
 static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *bt,
                             int64_t ldb, int64_t c0, int64_t c1, float *out, int ldo) {
-  int64_t i = i0;
-  for (; i + 3 <= i1; i += 3)
-    lora_row_products(3, d + i * ldd, d + (i + 1) * ldd, d + (i + 2) * ldd, bt, ldb, c0, c1,
-                      out + i * ldo, ldo, i + 6 <= i1 ? 3 * ldd : 0);
-  if (i1 - i == 2)
-    lora_row_products(2, d + i * ldd, d + (i + 1) * ldd, d, bt, ldb, c0, c1, out + i * ldo, ldo, 0);
-  else if (i1 - i == 1)
-    lora_row_products(1, d + i * ldd, d, d, bt, ldb, c0, c1, out + i * ldo, ldo, 0);
+  v16 part[LORA_BLOCK * 8];
+  for (int64_t cc = c0; cc < c1; cc += LORA_COLS) {
+    int64_t ce = cc + LORA_COLS < c1 ? cc + LORA_COLS : c1;
+    int add = cc > c0;
+    int64_t i = i0;
+    for (; i + 3 <= i1; i += 3)
+      lora_row_products(3, d + i * ldd, d + (i + 1) * ldd, d + (i + 2) * ldd, bt, ldb, cc, ce,
+                        part + (i - i0) * 8, add, i + 6 <= i1 ? 3 * ldd : 0);
+    if (i1 - i == 2)
+      lora_row_products(2, d + i * ldd, d + (i + 1) * ldd, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
+    else if (i1 - i == 1)
+      lora_row_products(1, d + i * ldd, d, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
+  }
+  for (int64_t i = i0; i < i1; i++)
+    for (int k = 0; k < 8; k++) out[i * ldo + k] = vhsum(part[(i - i0) * 8 + k]);
 }
 
-/* acc[k, n .. n + 16 nv) (+)= sum over rows i0..i1 of xs[i ldx + k] d[i, n ..), k < 8. */
+/* acc[k, n .. n + 16 nv) = sum over rows i0..i1 of xs[i ldx + k] d[i, n ..), k < 8: 8 ranks x
+   nv vectors of accumulators in registers over all the rows. */
 static inline __attribute__((always_inline)) void lora_sum_tile(
     int nv, const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *xs, int ldx,
-    float *acc, int64_t lda, int64_t n, int add) {
-  v16 c0[8], c1[8];
-  for (int k = 0; k < 8; k++) {
-    c0[k] = add ? vload(acc + k * lda + n) : vset1(0.f);
-    c1[k] = add && nv > 1 ? vload(acc + k * lda + n + VL) : vset1(0.f);
-  }
+    float *acc, int64_t lda, int64_t n) {
+  v16 c0[8], c1[8], c2[8];
+  for (int k = 0; k < 8; k++) c0[k] = c1[k] = c2[k] = vset1(0.f);
   for (int64_t i = i0; i < i1; i++) {
     const float *di = d + i * ldd + n, *x = xs + i * ldx;
-    v16 x0 = vload(di), x1 = nv > 1 ? vload(di + VL) : x0;
+    v16 x0 = vload(di), x1 = nv > 1 ? vload(di + VL) : x0, x2 = nv > 2 ? vload(di + 2 * VL) : x0;
     for (int k = 0; k < 8; k++) {
       v16 s = vset1(x[k]);
       c0[k] += s * x0;
       if (nv > 1) c1[k] += s * x1;
+      if (nv > 2) c2[k] += s * x2;
     }
   }
   for (int k = 0; k < 8; k++) {
     vstore(acc + k * lda + n, c0[k]);
     if (nv > 1) vstore(acc + k * lda + n + VL, c1[k]);
+    if (nv > 2) vstore(acc + k * lda + n + 2 * VL, c2[k]);
   }
 }
 
-/* acc[k, c0:c1] = sum over rows i0..i1 of xs[i ldx + k] d[i, c0:c1], k < 8: 8 rows at a time
-   across all columns (a column tile over more rows would meet rows whose stride is a multiple
-   of 4 KiB in the same few L1 sets: 2-3x slower), accumulating in row order either way. */
+/* acc[k, c0:c1] = sum over rows i0..i1 of xs[i ldx + k] d[i, c0:c1], k < 8 (c1 - c0 a multiple
+   of 16), 48 columns at a time. */
 static void lora_sum_rows(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *xs,
                           int ldx, float *acc, int64_t lda, int64_t c0, int64_t c1) {
-  for (int64_t ib = i0; ib < i1; ib += 8) {
-    int64_t ie = ib + 8 < i1 ? ib + 8 : i1, n = c0;
-    int add = ib > i0;
-    for (; n + 2 * VL <= c1; n += 2 * VL) lora_sum_tile(2, d, ldd, ib, ie, xs, ldx, acc, lda, n, add);
-    if (n < c1) lora_sum_tile(1, d, ldd, ib, ie, xs, ldx, acc, lda, n, add);
-  }
+  int64_t n = c0;
+  for (; n + 3 * VL <= c1; n += 3 * VL) lora_sum_tile(3, d, ldd, i0, i1, xs, ldx, acc, lda, n);
+  if (c1 - n == 2 * VL) lora_sum_tile(2, d, ldd, i0, i1, xs, ldx, acc, lda, n);
+  else if (c1 - n == VL) lora_sum_tile(1, d, ldd, i0, i1, xs, ldx, acc, lda, n);
 }
 
 void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *off, int g, int r,
