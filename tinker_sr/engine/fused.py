@@ -170,7 +170,7 @@ def _kept(merged: Tensor, saved: Tensor) -> Tensor | None:
     larger than the activation its node saves anyway (at most doubling that; a training batch
     of a few thousand tokens on a small model: ~0.5 % of the step saved), not for a large model
     on a short batch, where a weight-sized copy per layer would outweigh the activations."""
-    return merged if merged.numel() <= saved.numel() else None
+    return merged if merged.nbytes <= saved.nbytes else None
 
 
 class _MergedLoraGroup(torch.autograd.Function):
@@ -182,10 +182,10 @@ class _MergedLoraGroup(torch.autograd.Function):
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
         merged = _merged_weight(weights, a, b, scaling)
         ctx.scaling, ctx.g, ctx.x_dtype = scaling, g, x.dtype
-        ctx.merged = _kept(merged, x) if ctx.needs_input_grad[0] else None
         kind = x.device.type
         if torch.is_autocast_enabled(kind):  # cast once, keep the cast (half the memory)
             x = x.to(torch.get_autocast_dtype(kind))
+        ctx.merged = _kept(merged, x) if ctx.needs_input_grad[0] else None
         ctx.save_for_backward(x, *tensors)
         return gemm.linear(x, merged)
 
