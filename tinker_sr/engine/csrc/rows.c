@@ -373,10 +373,10 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
      dbt[k, n]       = sum over rows i of xa[i, m(n) r + k] dy[i, n]        (dB_m^T, [r, N])
    Each member meets only its own ranks (the block-diagonal GEMMs this replaces multiplied by
    g - 1 zero blocks as well, and read dy and x twice each). Rows go in fixed blocks of
-   LORA_BLOCK: a block's rows are read once from memory by the row products (3 rows at a time,
-   the next 3 prefetched, 256 columns at a time so that bt's columns stay in L1) and again from
-   cache by the sums over rows (48 columns x 8 ranks of accumulators over the block's rows),
-   which land in the block's own slice of `partials`
+   LORA_BLOCK, 256 columns at a time: a step's columns of the block's rows are read once from
+   memory by the row products (3 rows at a time, the next 3 prefetched; bt's columns stay in
+   L1) and again from cache by the sums over rows (48 columns x 8 ranks of accumulators over
+   the block's rows), which land in the block's own slice of `partials`
    ([blocks, r (N + 16) + g r (K + 16)]; padded rows keep the 8 rank rows off the same cache
    sets when a width is a multiple of 1024) and are added in block order at the end: results do
    not depend on the thread count. */
@@ -418,28 +418,6 @@ static inline __attribute__((always_inline)) void lora_row_products(
   }
 }
 
-/* out[i ldo + k] = d[i, c0:c1] . bt[k, c0:c1] for rows i0..i1 (at most LORA_BLOCK) of d (row
-   stride ldd), k < 8: LORA_COLS columns at a time over all the rows, each lane's sum in column
-   order in `part` (a row's 8 vectors), reduced across lanes at the end. */
-static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *bt,
-                            int64_t ldb, int64_t c0, int64_t c1, float *out, int ldo) {
-  v16 part[LORA_BLOCK * 8];
-  for (int64_t cc = c0; cc < c1; cc += LORA_COLS) {
-    int64_t ce = cc + LORA_COLS < c1 ? cc + LORA_COLS : c1;
-    int add = cc > c0;
-    int64_t i = i0;
-    for (; i + 3 <= i1; i += 3)
-      lora_row_products(3, d + i * ldd, d + (i + 1) * ldd, d + (i + 2) * ldd, bt, ldb, cc, ce,
-                        part + (i - i0) * 8, add, i + 6 <= i1 ? 3 * ldd : 0);
-    if (i1 - i == 2)
-      lora_row_products(2, d + i * ldd, d + (i + 1) * ldd, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
-    else if (i1 - i == 1)
-      lora_row_products(1, d + i * ldd, d, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
-  }
-  for (int64_t i = i0; i < i1; i++)
-    for (int k = 0; k < 8; k++) out[i * ldo + k] = vhsum(part[(i - i0) * 8 + k]);
-}
-
 /* acc[k, n .. n + 16 nv) = sum over rows i0..i1 of xs[i ldx + k] d[i, n ..), k < 8: 8 ranks x
    nv vectors of accumulators in registers over all the rows. */
 static inline __attribute__((always_inline)) void lora_sum_tile(
@@ -474,6 +452,33 @@ static void lora_sum_rows(const float *d, int64_t ldd, int64_t i0, int64_t i1, c
   else if (c1 - n == VL) lora_sum_tile(1, d, ldd, i0, i1, xs, ldx, acc, lda, n);
 }
 
+/* out[i ldo + k] = d[i, c0:c1] . bt[k, c0:c1] for rows i0..i1 (at most LORA_BLOCK) of d (row
+   stride ldd), k < 8: LORA_COLS columns at a time over all the rows, each lane's sum in column
+   order in `part` (a row's 8 vectors), reduced across lanes at the end. With xs, each column
+   step also adds acc[k, step] = sum over the rows of xs[i ldx + k] d[i, step] (`lora_sum_rows`)
+   while the step's columns of the rows are in cache: d is read from memory once even when a
+   block's rows do not fit in L2 (a vocabulary-wide logit gradient). */
+static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1, const float *bt,
+                            int64_t ldb, int64_t c0, int64_t c1, float *out, int ldo,
+                            const float *xs, int ldx, float *acc, int64_t lda) {
+  v16 part[LORA_BLOCK * 8];
+  for (int64_t cc = c0; cc < c1; cc += LORA_COLS) {
+    int64_t ce = cc + LORA_COLS < c1 ? cc + LORA_COLS : c1;
+    int add = cc > c0;
+    int64_t i = i0;
+    for (; i + 3 <= i1; i += 3)
+      lora_row_products(3, d + i * ldd, d + (i + 1) * ldd, d + (i + 2) * ldd, bt, ldb, cc, ce,
+                        part + (i - i0) * 8, add, i + 6 <= i1 ? 3 * ldd : 0);
+    if (i1 - i == 2)
+      lora_row_products(2, d + i * ldd, d + (i + 1) * ldd, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
+    else if (i1 - i == 1)
+      lora_row_products(1, d + i * ldd, d, d, bt, ldb, cc, ce, part + (i - i0) * 8, add, 0);
+    if (xs) lora_sum_rows(d, ldd, i0, i1, xs, ldx, acc, lda, cc, ce);
+  }
+  for (int64_t i = i0; i < i1; i++)
+    for (int k = 0; k < 8; k++) out[i * ldo + k] = vhsum(part[(i - i0) * 8 + k]);
+}
+
 void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *off, int g, int r,
                     const float *bt, const float *x, int64_t ldx, int K, const float *sa,
                     float *xa, float *dyb, float *partials, float *dbt, float *da, int threads) {
@@ -489,12 +494,13 @@ void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *o
       int64_t i0 = blk * LORA_BLOCK, i1 = i0 + LORA_BLOCK < rows ? i0 + LORA_BLOCK : rows;
       if (x)
         for (int k0 = 0; k0 < gr; k0 += 8)
-          lora_rows_times(x, ldx, i0, i1, sa + (int64_t)k0 * LK, LK, 0, K, xa + k0, gr);
+          lora_rows_times(x, ldx, i0, i1, sa + (int64_t)k0 * LK, LK, 0, K, xa + k0, gr, NULL, 0,
+                          NULL, 0);
       for (int m = 0; m < g; m++)
         for (int k0 = 0; k0 < r; k0 += 8) {
           int c = m * r + k0;
-          lora_rows_times(dy, ldy, i0, i1, bt + (int64_t)k0 * LD, LD, off[m], off[m + 1], dyb + c, gr);
-          lora_sum_rows(dy, ldy, i0, i1, xa + c, gr, acc + (int64_t)k0 * LD, LD, off[m], off[m + 1]);
+          lora_rows_times(dy, ldy, i0, i1, bt + (int64_t)k0 * LD, LD, off[m], off[m + 1], dyb + c,
+                          gr, xa + c, gr, acc + (int64_t)k0 * LD, LD);
         }
       if (x)
         for (int k0 = 0; k0 < gr; k0 += 8)
