@@ -255,7 +255,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = self._norm_rope(q, "q_norm", cos, sin), self._norm_rope(k, "k_norm", cos, sin)
+        q, k = self._norm_rope(q, q_norm, cos, sin), self._norm_rope(k, k_norm, cos, sin)
         return q, k, v.transpose(1, 2)
 
     def _qk_norm(self, name: str) -> RMSNorm | None:
@@ -263,11 +263,11 @@ class Attention(nn.Module):
         found = getattr(self, name, None)
         return found if isinstance(found, RMSNorm) else None
 
-    def _norm_rope(self, x: Tensor, norm_name: str, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (where the model
-        has ``norm_name``), then the rotary embedding; one C pass each way where it applies
-        (`attention_inputs.norm_rope`), else the eager nodes."""
-        norm = self._qk_norm(norm_name)
+    @staticmethod
+    def _norm_rope(x: Tensor, norm: RMSNorm | None, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, T, heads, D] -> [B, heads, T, D]: Qwen3's per-head RMSNorm (``norm``, from
+        `_qk_norm`; None where the model has none), then the rotary embedding; one C pass each
+        way where it applies (`attention_inputs.norm_rope`), else the eager nodes."""
         weight = None if norm is None else norm.weight
         if attention_inputs.use_norm_rope(x, weight, cos, sin):
             y = attention_inputs.norm_rope(x, weight, 0.0 if norm is None else norm.eps, cos, sin)
