@@ -68,6 +68,14 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
         cached.cache_clear()
 
 
+def _close_to(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each result within float32 rounding of its reference: 1e-5 relative, or 1e-5 of the
+    reference's largest magnitude (shapes and dtypes equal)."""
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+
+
 def _at_threads(n: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` with torch on ``n`` threads (the C kernels take torch's count), then back."""
     threads = torch.get_num_threads()
@@ -196,8 +204,7 @@ def test_the_c_row_kernels_match_their_eager_twins(
     got = run()
     assert {"c:rms_norm", "c:rms_norm_backward", "c:silu_mul"} <= set(ran), ran
     assert not set(ran) & KERNELS  # no inductor loop ran
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    _close_to(got, want)
     again = _at_threads(2, run)
     for a, b in zip(again, got, strict=True):
         assert torch.equal(a, b)
@@ -278,8 +285,7 @@ def test_qkv_heads_matches_the_split_views(
     want = run(c_kernel=False)
     got = run(c_kernel=True)
     assert ran.count("c:qkv_heads") == 1
-    for a, w in zip(got, want, strict=True):
-        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    _close_to(got, want)
     if used == "qk":
         assert torch.equal(got[3][..., (h + kv) * d :], torch.zeros(b, t, kv * d))
     bad = qkv[..., :-d]  # not (H + 2 KV) x D wide: refused, the caller splits
@@ -321,8 +327,7 @@ def test_norm_rope_matches_the_eager_nodes(
     want = run(c_kernel=False)
     got = run(c_kernel=True)
     assert ran.count("c:norm_rope") == 1
-    for a, w in zip(got, want, strict=True):
-        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    _close_to(got, want)
     again = _at_threads(2, lambda: run(c_kernel=True))
     for a, w in zip(again, got, strict=True):
         assert torch.equal(a, w)
@@ -747,9 +752,7 @@ def test_c_lora_grads_match_the_group_products(
 
     got = run()
     want = [want_dyb, *want_db, *want_da, *want_db]
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    _close_to([g.double() for g in got], want)
     for one, two in zip(_at_threads(1, run), got, strict=True):
         assert torch.equal(one, two)
     assert fused.lora_grads(dy.double(), [t.double() for t in b], 0.5, xa=xa) is None
