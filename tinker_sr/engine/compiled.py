@@ -360,8 +360,8 @@ def _rows_library() -> Any | None:
     if lib is None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.tsr_rms_norm.argtypes = [p, p, p, p, n, i, ctypes.c_float, i]
-    lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, n, i, i]
+    lib.tsr_rms_norm.argtypes = [p, p, p, p, p, p, n, i, ctypes.c_float, i]
+    lib.tsr_rms_norm_backward.argtypes = [p, p, p, p, p, p, n, i, i]
     lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_silu_mul_xa.argtypes = [p, n, p, n, p, n, i, p, i, p, i]
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
@@ -480,27 +480,39 @@ def _as_rows(t: Tensor) -> tuple[int, int] | None:
     return flat.shape[0], flat.stride(0)
 
 
-def _c_rms_norm(lib: Any, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+def _c_rms_norm(
+    lib: Any, x: Tensor, weight: Tensor, eps: float, y: Tensor | None = None
+) -> tuple[Tensor, ...] | None:
+    """(out, r), or with ``y`` (h = x + y normalised, the residual add in the same pass)
+    (out, r, h)."""
     if not (x.is_contiguous() and weight.is_contiguous() and weight.shape == x.shape[-1:]):
+        return None
+    if y is not None and not (y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype):
         return None
     n = x.shape[-1]
     out, r = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
+    h = None if y is None else torch.empty_like(x)
     lib.tsr_rms_norm(
-        _ptr(x), _ptr(weight), _ptr(out), _ptr(r), x.numel() // n, n, eps, torch.get_num_threads()
-    )
-    return out, r
+        _ptr(x), None if y is None else _ptr(y), _ptr(weight), None if h is None else _ptr(h),
+        _ptr(out), _ptr(r), x.numel() // n, n, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return (out, r) if h is None else (out, r, h)
 
 
 def _c_rms_norm_backward(
-    lib: Any, g: Tensor, x: Tensor, weight: Tensor, r: Tensor
+    lib: Any, g: Tensor, x: Tensor, weight: Tensor, r: Tensor, add: Tensor | None = None
 ) -> Tensor | None:
-    if not all(t.is_contiguous() for t in (g, x, weight, r)) or g.shape != x.shape:
+    """RMSNorm's input gradient; with ``add`` (same shape), that plus ``add`` in the same pass."""
+    given = (g, x, weight, r) if add is None else (g, x, weight, r, add)
+    if not all(t.is_contiguous() for t in given) or g.shape != x.shape:
+        return None
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
         return None
     n = x.shape[-1]
     dx = torch.empty_like(x)
     lib.tsr_rms_norm_backward(
-        _ptr(g), _ptr(x), _ptr(weight), _ptr(r), _ptr(dx), x.numel() // n, n,
-        torch.get_num_threads(),
+        _ptr(g), _ptr(x), _ptr(weight), _ptr(r), None if add is None else _ptr(add), _ptr(dx),
+        x.numel() // n, n, torch.get_num_threads(),
     )  # fmt: skip
     return dx
 

@@ -494,21 +494,88 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        # out = w * n, n = x r, r = (mean(x^2) + eps)^-1/2:
-        # dL/dx = r (g w - n mean(g w n)),  dL/dw = sum over rows of g n.
         x, weight, r = ctx.saved_tensors
-        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
-            dx = compiled.run("rms_norm_backward", g, x, weight, r)
-            if dx is not None:
-                return dx, None, None
-        n = x.float() * r
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (g * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)
-        gn = (g * weight).float()
-        mean = (gn * n).mean(-1, keepdim=True)
-        dx = gn.sub_(n.mul_(mean)).mul_(r).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dx, dw = _rms_norm_grads(g, x, weight, r, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None
+
+
+def _rms_norm_grads(
+    g: Tensor, x: Tensor, weight: Tensor, r: Tensor, need_dx: bool, need_dw: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    # out = w * n, n = x r, r = (mean(x^2) + eps)^-1/2:
+    # dL/dx = r (g w - n mean(g w n)),  dL/dw = sum over rows of g n.
+    if need_dx and not need_dw:
+        dx = compiled.run("rms_norm_backward", g, x, weight, r)
+        if dx is not None:
+            return dx, None
+    n = x.float() * r
+    dw = None
+    if need_dw:
+        dw = (g * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0).to(weight.dtype)
+    gn = (g * weight).float()
+    mean = (gn * n).mean(-1, keepdim=True)
+    dx = gn.sub_(n.mul_(mean)).mul_(r).to(x.dtype) if need_dx else None
+    return dx, dw
+
+
+def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(h, rms_norm(h, weight, eps))`` for the residual stream ``h = x + y`` (``y`` None:
+    h = x): a decoder's residual add and the RMSNorm after it. Where the C kernels take the
+    operands (float32, a frozen gain), one autograd node and one C pass each way: forward
+    adds and normalises, backward adds the residual path's gradient to the norm's input
+    gradient (autograd would sum the two in a pass of its own). Values and gradients are
+    bit-identical to the two-step form, which runs everywhere else."""
+    if y is None:
+        return x, rms_norm(x, weight, eps)
+    tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    if (
+        weight.requires_grad
+        or y.shape != x.shape
+        or y.dtype != x.dtype
+        or not compiled.native_ready(x, y, weight)
+    ):
+        h = x + y
+        return h, rms_norm(h, weight, eps)
+    if tracked:
+        return _AddRMSNorm.apply(x, y, weight, eps)  # type: ignore[no-any-return]
+    out, _, h = _add_rms_norm_forward(x, y, weight, eps)
+    return h, out
+
+
+def _add_rms_norm_forward(
+    x: Tensor, y: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, r, h) with h = x + y; the C pass, else the add and then `_rms_norm_forward`."""
+    got = compiled.call_native("rms_norm", x.contiguous(), weight, eps, y.contiguous())
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    h = x + y
+    return (*_rms_norm_forward(h, weight, eps), h)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, y: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        out, r, h = _add_rms_norm_forward(x, y, weight, eps)
+        ctx.save_for_backward(h, weight, r)
+        ctx.set_materialize_grads(False)  # the last layer's h feeds nothing but its norm
+        return h, out
+
+    @staticmethod
+    def backward(ctx: Any, dh: Tensor | None, dout: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, weight, r = ctx.saved_tensors
+        d = dh
+        if dout is not None:
+            d = None
+            if dh is not None and compiled.native_ready(dout, h, weight, r, dh):
+                d = compiled.call_native("rms_norm_backward", dout, h, weight, r, dh)
+            if d is None:
+                dn = _rms_norm_grads(dout, h, weight, r, True, False)[0]
+                assert dn is not None
+                d = dn if dh is None else dn + dh
+        return d, d, None, None
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -225,17 +225,28 @@ class _HeadLogprobs(torch.autograd.Function):
         h, cols, lse, expected, done = ctx.saved_tensors
         grad = grad.to(lse.dtype)
         live = grad.ne(0).any(dim=1)  # rows that carry a loss
-        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        if dh is not None and expected is not None:
+        dh = None
+        if ctx.needs_input_grad[0] and expected is not None and bool((live & done).all()):
+            dh = _head_grad(grad, ctx.weight[cols], expected).to(h.dtype)  # every row at once
+            live.zero_()
+        elif ctx.needs_input_grad[0]:
+            dh = torch.zeros_like(h)
+        if dh is not None and expected is not None and bool(live.any()):
             rows = torch.nonzero(live & done).squeeze(1)
-            g = grad[rows]
-            picked_w = ctx.weight[cols[rows]].to(g.dtype)  # [n, J, D]
-            got = torch.bmm(g[:, None, :], picked_w).squeeze(1)
-            got -= g.sum(dim=1, keepdim=True) * expected[rows].to(g.dtype)
+            got = _head_grad(grad[rows], ctx.weight[cols[rows]], expected[rows])
             dh.index_copy_(0, rows, got.to(dh.dtype))
             live &= ~done
         dparams = _recompute_rows(ctx, grad, torch.nonzero(live).squeeze(1), h, cols, lse, dh)
         return (dh, None, None, None, None, None, *dparams)
+
+
+def _head_grad(g: torch.Tensor, picked_w: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """dL/dh for rows whose softmax @ W (``expected``) forward kept: g [n, J] the gradients of
+    the picked log-probs, ``picked_w`` [n, J, D] the picked columns' weight rows:
+    sum_j g_j (W[c_j] - softmax @ W)."""
+    got = torch.bmm(g[:, None, :], picked_w.to(g.dtype)).squeeze(1)
+    got -= g.sum(dim=1, keepdim=True) * expected.to(g.dtype)
+    return got
 
 
 def _chunk_logits(
@@ -347,10 +358,10 @@ def _expected_rows(
     ``e = exp(z - max)`` and its row sums ``total`` (the division runs on the [n, D] result).
     ``chunk``: the rows per chunk, for which a packed weight is made."""
     n = e.shape[0]
-    rows = torch.arange(a, a + n, device=e.device)
+    rows: torch.Tensor | slice = slice(a, a + n)  # every row of the chunk: no index tensors
     if hint is not None and not bool(hint[a : a + n].all()):
         keep = hint[a : a + n]
-        rows, e, total = rows[keep], e[keep], total[keep]
+        rows, e, total = torch.arange(a, a + n, device=e.device)[keep], e[keep], total[keep]
     e = e.to(weight.dtype)
     got = gemm.packed_mm(e, weight, chunk) if _packs_head(weight) else gemm.mm(e, weight)
     got = got.to(out.dtype)

@@ -16,9 +16,10 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from tinker_sr.engine import attention_inputs, compiled
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.fused import (
+    add_rms_norm,
     apply_linear,
     bf16_causal_attention,
     linear_group,
@@ -320,8 +322,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int, cache: KVCache | None, layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, m = self.forward_pending(x, None, cos, sin, start_pos, cache, layer)
+        return h + m
+
+    def forward_pending(
+        self,
+        x: Tensor,
+        pending: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        start_pos: int,
+        cache: KVCache | None,
+        layer: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The layer on the residual stream ``x + pending`` (``pending``: the previous layer's
+        MLP output, or None), each residual add folded into the RMSNorm after it
+        (`add_rms_norm`). Returns ``(h, m)``: the layer's output is ``h + m``, left for the next
+        layer's (or the final) norm to add."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, n = add_rms_norm(x, pending, norm1.weight, norm1.eps)
+        a = self.self_attn(n, cos, sin, start_pos, cache, layer)
+        h, n = add_rms_norm(x, a, norm2.weight, norm2.eps)
+        return h, self.mlp(n)
 
 
 class Backbone(nn.Module):
@@ -423,13 +445,16 @@ class Transformer(nn.Module):
             recompute = checkpoint_pays(self.config, tokens.numel(), self.device)
         else:
             recompute = recompute and bool(self.checkpoint_layers)
-        for i, layer in enumerate(self.model.layers):
-            if recompute:
+        norm = self.model.norm
+        if recompute:
+            for i, layer in enumerate(self.model.layers):
                 # Keep only each layer's input; its activations are recomputed in backward.
                 x = checkpoint(layer, x, cos, sin, start_pos, None, i, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, start_pos, cache, i)
-        return self.model.norm(x)
+            return norm(x)  # type: ignore[no-any-return]
+        pending = None  # each layer's last residual add, done by the next norm
+        for i, layer in enumerate(cast(Sequence[DecoderLayer], self.model.layers)):
+            x, pending = layer.forward_pending(x, pending, cos, sin, start_pos, cache, i)
+        return add_rms_norm(x, pending, norm.weight, norm.eps)[1]
 
 
 def activation_bytes(config: ModelConfig, tokens: int) -> int:

@@ -77,15 +77,17 @@ class Adam:
             p.grad = g
 
     def grads_finite(self) -> bool:
-        return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for _, p in self.params)
+        grads = [p.grad for _, p in self.params if p.grad is not None]
+        if not grads:
+            return True
+        # Each gradient's largest |value| (inf for an inf, NaN for a NaN), in one call.
+        return bool(torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all())
 
     def grad_norm(self) -> float:
         grads = [p.grad for _, p in self.params if p.grad is not None]
         if not grads:
             return 0.0
-        return float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        )
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
     @torch.no_grad()
     def step(self, hp: AdamHParams, *, zero_grad: bool = True) -> dict[str, float]:
@@ -108,20 +110,33 @@ class Adam:
         if hp.grad_clip_norm > 0:  # same arithmetic as torch.nn.utils.clip_grad_norm_
             clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
         lr, b1, b2 = hp.learning_rate, hp.beta1, hp.beta2
-        for name, p in self.params:
-            if p.grad is None:
-                continue
-            grad = p.grad if clip == 1.0 else p.grad * clip
-            m, v = self.exp_avg[name], self.exp_avg_sq[name]
-            self.steps[name] += 1
-            t = self.steps[name]
+        live = [(n, p) for n, p in self.params if p.grad is not None]
+        if live:
+            # The per-parameter arithmetic above, one call per op over all parameters (on the
+            # CPU each runs the single-tensor op per parameter: the same bits, far fewer calls).
+            ps: list[Tensor] = [p for _, p in live]
+            grads: list[Tensor] = [p.grad for p in ps if p.grad is not None]
+            if clip != 1.0:
+                grads = list(torch._foreach_mul(grads, clip))
+            ms = [self.exp_avg[n] for n, _ in live]
+            vs = [self.exp_avg_sq[n] for n, _ in live]
+            for n, _ in live:
+                self.steps[n] += 1
+            ts = [self.steps[n] for n, _ in live]
             if hp.weight_decay != 0:
-                p.mul_(1 - lr * hp.weight_decay)
-            m.lerp_(grad, 1 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            step_size = lr / (1 - b1**t)
-            denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(hp.eps)
-            p.addcdiv_(m, denom, value=-step_size)
+                torch._foreach_mul_(ps, 1 - lr * hp.weight_decay)
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+            denom = torch._foreach_sqrt(vs)
+            if len(set(ts)) == 1:  # the usual case: one scalar (a list is wrapped per tensor)
+                torch._foreach_div_(denom, (1 - b2 ** ts[0]) ** 0.5)
+                torch._foreach_add_(denom, hp.eps)
+                torch._foreach_addcdiv_(ps, ms, denom, value=-(lr / (1 - b1 ** ts[0])))
+            else:
+                torch._foreach_div_(denom, [(1 - b2**t) ** 0.5 for t in ts])
+                torch._foreach_add_(denom, hp.eps)
+                torch._foreach_addcdiv_(ps, ms, denom, [-(lr / (1 - b1**t)) for t in ts])
         if zero_grad:
             self.zero_grad()
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}

@@ -12,6 +12,12 @@ static inline v16 vload(const float *p) { return *(const v16 *)p; }
 static inline void vstore(float *p, v16 x) { *(v16 *)p = x; }
 static inline v16 vset1(float x) { return (v16){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
 
+/* x exactly as computed: an empty asm that "may change" x in memory, so the compiler cannot
+   fuse the operation that made x into a later add (GNU C contracts a * b + c into one fused
+   multiply-add, rounded once: a sum that must equal two separate ops needs the barrier). */
+static inline v16 vkeep(v16 x) { __asm__("" : "+m"(x)); return x; }
+static inline float fkeep(float x) { __asm__("" : "+m"(x)); return x; }
+
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 vsel(vi16 mask, v16 a, v16 b) { /* mask ? a : b, lane-wise */
   return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
