@@ -748,6 +748,9 @@ def test_c_lora_grads_match_the_group_products(
         given = fused.lora_grads(dy, b, 0.5, xa=xa.float())
         assert got is not None and got.da is not None and given is not None
         assert given.da is None and torch.equal(given.dy_b, got.dy_b)
+        # Each gradient in its parameter's layout (autograd would copy a strided one).
+        for grad, param in zip([*got.db, *got.da, *given.db], [*b, *a, *b], strict=True):
+            assert grad.shape == param.shape and grad.is_contiguous()
         return [got.dy_b, *got.db, *got.da, *given.db]
 
     got = run()

@@ -199,6 +199,53 @@ def test_rms_norm_gradcheck() -> None:
     )
 
 
+@pytest.mark.parametrize("use_h", [True, False])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, use_h: bool
+) -> None:
+    """The residual add folded into the norm (one C pass each way) against h = x + y and
+    rms_norm(h) with autograd summing h's two gradients: the same bits forward and backward,
+    also when h feeds nothing but the norm (the last layer: no residual gradient)."""
+    gen = torch.Generator().manual_seed(9)
+    x0, y0 = torch.randn(4, 96, 512, generator=gen), torch.randn(4, 96, 512, generator=gen)
+    w = 1 + torch.randn(512, generator=gen) * 0.1
+    g_out, g_h = torch.randn(4, 96, 512, generator=gen), torch.randn(4, 96, 512, generator=gen)
+    calls = []
+    real = fused.compiled.call_native
+    monkeypatch.setattr(
+        fused.compiled, "call_native", lambda name, *a: calls.append(name) or real(name, *a)
+    )
+
+    def two_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + y
+        return h, fused.rms_norm(h, w, 1e-6)
+
+    got, ref = [], []
+    for fn, out in ((lambda a, b: fused.add_rms_norm(a, b, w, 1e-6), got), (two_step, ref)):
+        x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+        h, n = fn(x, y)
+        loss = (n * g_out).sum() + ((h * g_h).sum() if use_h else 0)
+        out += [h.detach(), n.detach(), *torch.autograd.grad(loss, (x, y))]
+    assert calls.count("rms_norm") >= 1 and "rms_norm_backward" in calls  # the C passes ran
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # the no-grad path: the C forward straight away
+        h, n = fused.add_rms_norm(x0, y0, w, 1e-6)
+    assert torch.equal(h, ref[0]) and torch.equal(n, ref[1])
+
+
+def test_add_rms_norm_falls_back_where_the_pass_does_not_apply() -> None:
+    gen = torch.Generator().manual_seed(10)
+    x, y = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 8, 64, generator=gen)
+    w = torch.nn.Parameter(1 + torch.randn(64, generator=gen) * 0.1)  # a trained gain
+    h, n = fused.add_rms_norm(x, y.requires_grad_(), w, 1e-6)
+    assert torch.equal(h, x + y) and torch.equal(n, fused.rms_norm(x + y, w, 1e-6))
+    n.sum().backward()
+    assert w.grad is not None and y.grad is not None
+    h, n = fused.add_rms_norm(x, None, w, 1e-6)  # the first layer: no add
+    assert h is x and torch.equal(n, fused.rms_norm(x, w, 1e-6))
+
+
 def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -16,6 +16,7 @@ keep the per-layer path, where the weight-sized merge would cost more than it sa
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 from collections.abc import Sequence
@@ -300,28 +301,33 @@ def lora_grads(
         return None
     r8 = -(-r // 8) * 8  # ranks padded to the kernel's 8-rank steps
     gr = len(b) * r8
-    bt = dy.new_zeros(r8, n + 16)  # the kernel's padded row strides
-    torch.cat([b_i.t() for b_i in b], dim=1, out=bt[:r, :n]).mul_(s)
-    off = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int64)
-    sa = da = xa_arg = None
+    # The kernel packs s B^T and s A into its padded layouts itself (`lora_pack`): pointers to
+    # the adapters, no torch ops on them here.
+    b = [b_i.contiguous() for b_i in b]
+    members = ctypes.c_void_p * len(b)
+    bs, as_ = members(*[b_i.data_ptr() for b_i in b]), None
+    off = (ctypes.c_int64 * (len(b) + 1))(0, *itertools.accumulate(widths))
+    bt, sa, da, xa_arg = dy.new_empty(r8, n + 16), None, None, None
     if x is not None:
-        sa = dy.new_zeros(len(b), r8, k + 16)
-        torch.stack(operands[1:], out=sa[:, :r, :k]).mul_(s)
+        a = [a_i.contiguous() for a_i in operands[1:]]
+        as_ = members(*[a_i.data_ptr() for a_i in a])
+        sa = dy.new_empty(len(b), r8, k + 16)
         xa_arg, da = dy.new_empty(m, gr), dy.new_empty(len(b), r8, k)
     elif r8 == r:
         xa_arg = operands[0]
     else:
         xa_arg = F.pad(operands[0].view(m, len(b), r), (0, r8 - r)).view(m, gr)
-    dyb, dbt = dy.new_empty(m, len(b), r8), dy.new_empty(r8, n)
+    dyb, dbt, db_all = dy.new_empty(m, len(b), r8), dy.new_empty(r8, n), dy.new_empty(n, r)
     slot = r8 * (n + 16) + (0 if x is None else gr * (k + 16))
     partials = dy.new_empty(-(-m // LORA_BLOCK), slot)
     p = compiled._ptr
     lib.tsr_lora_grads(
-        p(dy), rows[1], m, p(off), len(b), r8, p(bt), None if x is None else p(x),
+        p(dy), rows[1], m, off, len(b), r8, bs, as_, r, s, p(bt), None if x is None else p(x),
         0 if x_rows is None else x_rows[1], k, None if sa is None else p(sa), p(xa_arg),
-        p(dyb), p(partials), p(dbt), None if da is None else p(da), torch.get_num_threads(),
+        p(dyb), p(partials), p(dbt), p(db_all), None if da is None else p(da),
+        torch.get_num_threads(),
     )  # fmt: skip
-    db = [part.t() for part in dbt[:r].split(widths, dim=1)]
+    db = list(db_all.split(widths))  # each contiguous, as its parameter: no layout copy
     dy_b = dyb.view(m, gr) if r8 == r else dyb[:, :, :r].reshape(m, len(b) * r).contiguous()
     return LoraGrads(dy_b, db, None if da is None else list(da[:, :r].unbind(0)))
 

@@ -384,14 +384,17 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
 
 /* A LoRA group's adapter gradients, one pass over its output gradient dy and input x. A group is
    g members side by side in dy's N = off[g] columns (member m: columns off[m]..off[m+1], a
-   multiple of 16 wide), each with rank r (a multiple of 8); bt [r, N] (row stride N + 16) holds
-   the members' (s B_m)^T side by side. With x [rows, K] (K a multiple of 16) and sa [g r, K]
-   (row stride K + 16: the members' s A_m stacked) it computes
+   multiple of 16 wide), each with rank r (a multiple of 8: the adapters' `rank` padded with
+   zero ranks); bt [r, N] (row stride N + 16) receives the members' (s B_m)^T side by side
+   (`lora_pack`, from the pointers bs). With x [rows, K] (K a multiple of 16), sa [g r, K] (row
+   stride K + 16) receives the members' s A_m stacked (from the pointers as) and it computes
      xa[i, m r + k]  = x[i, :] . sa[m r + k, :]                      (s x A^T, [rows, g r])
      da[m r + k, :]  = sum over rows i of dyb[i, m r + k] x[i, :]     (dA, [g r, K])
    and without x (x == NULL) it takes xa as given; either way
      dyb[i, m r + k] = sum over member m's columns n of dy[i, n] bt[k, n]   (s dy B, [rows, g r])
      dbt[k, n]       = sum over rows i of xa[i, m(n) r + k] dy[i, n]        (dB_m^T, [r, N])
+   and db [N, rank], dbt's first `rank` rows transposed: the members' dB_m stacked, each in the
+   [N_m, rank] layout of its parameter.
    Each member meets only its own ranks (the block-diagonal GEMMs this replaces multiplied by
    g - 1 zero blocks as well, and read dy and x twice each). Rows go in fixed blocks of
    LORA_BLOCK, 256 columns at a time: a step's columns of the block's rows are read once from
@@ -500,11 +503,35 @@ static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1,
     for (int k = 0; k < 8; k++) out[i * ldo + k] = vhsum(part[(i - i0) * 8 + k]);
 }
 
+/* The kernel's padded operands from the adapters as they are: bt [r, N + 16] = s B^T (member m's
+   B_m [N_m, rank] in columns off[m]..off[m + 1]) and, with as, sa [g, r, K + 16] = s A_m (A_m
+   [rank, K]); the ranks rank..r and the 16 padding columns zero. */
+static void lora_pack(const float *const *bs, const float *const *as, float s, int g, int rank,
+                      int r, const int64_t *off, int K, float *bt, float *sa) {
+  const int64_t LD = off[g] + 16, LK = K + 16;
+  for (int k = 0; k < r; k++) {
+    float *row = bt + (int64_t)k * LD;
+    for (int m = 0; m < g; m++)
+      for (int64_t c = 0; c < off[m + 1] - off[m]; c++)
+        row[off[m] + c] = k < rank ? bs[m][c * rank + k] * s : 0.f;
+    memset(row + off[g], 0, 16 * sizeof(float));
+  }
+  if (as)
+    for (int m = 0; m < g; m++)
+      for (int k = 0; k < r; k++) {
+        float *row = sa + ((int64_t)m * r + k) * LK;
+        for (int j = 0; j < K; j++) row[j] = k < rank ? as[m][(int64_t)k * K + j] * s : 0.f;
+        memset(row + K, 0, 16 * sizeof(float));
+      }
+}
+
 void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *off, int g, int r,
-                    const float *bt, const float *x, int64_t ldx, int K, const float *sa,
-                    float *xa, float *dyb, float *partials, float *dbt, float *da, int threads) {
+                    const float *const *bs, const float *const *as, int rank, float s, float *bt,
+                    const float *x, int64_t ldx, int K, float *sa, float *xa, float *dyb,
+                    float *partials, float *dbt, float *db, float *da, int threads) {
   const int64_t N = off[g], LD = N + 16, LK = K + 16;
   const int gr = g * r;
+  lora_pack(bs, x ? as : NULL, s, g, rank, r, off, K, bt, sa);
   const int64_t slot = (int64_t)r * LD + (x ? (int64_t)gr * LK : 0);
   const int64_t nblocks = (rows + LORA_BLOCK - 1) / LORA_BLOCK;
 #pragma omp parallel num_threads(threads)
@@ -534,5 +561,8 @@ void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *o
       else
         sum_blocks(partials + r * LD + (int64_t)(k - r) * LK, nblocks, slot, K, da + (int64_t)(k - r) * K);
     }
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < N; c++)  /* db [N, rank]: each member's dB_m in its own layout */
+      for (int k = 0; k < rank; k++) db[c * rank + k] = dbt[(int64_t)k * N + c];
   }
 }
