@@ -372,7 +372,7 @@ def _rows_library() -> Any | None:
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
-    lib.tsr_lora_grads.argtypes = [p, n, n, p, i, i, p, p, i, f32, p, p, n, i, p, p, p, p, p, p, p, i]
+    lib.tsr_lora_grads.argtypes = [p, n, n, p, i, i, p, p, i, f32, *[p, p, n, i], *[p] * 7, i]
     for f in (
         "tsr_lora_merge",
         "tsr_lora_grads",
