@@ -534,6 +534,21 @@ def test_attention_kernel_matches_float64_sdpa(shape: tuple[int, ...], kernel_ca
     assert got[0].transpose(1, 2).is_contiguous()  # [B, T, H, D] underneath: no copy for o_proj
 
 
+def test_attention_reads_a_strided_v_in_place(kernel_cache: Any) -> None:
+    """V as the model passes it (a [B, KV, T, D] view of the q/k/v projection's output, heads
+    strided) gives the same bits as a contiguous copy; T off the 64-row blocks (padding)."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, kv, t, d = 2, 4, 2, 90, 64
+    qkv = torch.randn(b, t, (h + 2 * kv) * d, generator=gen)
+    v = qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2)
+    q, k = (torch.randn(b, n, t, d, generator=gen) for n in (h, kv))
+    go = torch.randn(b, h, t, d, generator=gen)
+    assert not v.is_contiguous()
+    strided = compiled.attention(q, k, v)
+    assert strided is not None
+    assert torch.equal(strided, _attend(q, k, v.contiguous(), go, True)[0])
+
+
 def test_attention_kernel_is_bit_identical_whatever_the_thread_count(kernel_cache: Any) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, n, 200, 64, generator=gen) for n in (4, 2, 2))

@@ -273,7 +273,8 @@ def _attention_library() -> Any | None:
     lib.tsr_attention_forward.restype = ctypes.c_int
     lib.tsr_attention_backward.argtypes = [p] * 9 + [i] * 6 + [ctypes.c_float, i]
     lib.tsr_attention_backward.restype = ctypes.c_int
-    lib.tsr_attention_kt.argtypes = [p] * 2 + [i] * 5
+    n = ctypes.c_int64
+    lib.tsr_attention_kt.argtypes = [p, p, i, i, i, i, p, n, n, n, i, p, i]
     lib.tsr_attention_kt.restype = None
     log.info("C attention kernel loaded (%s)", NATIVE_ENV)
     return lib
@@ -281,15 +282,18 @@ def _attention_library() -> Any | None:
 
 def _key_operands(lib: Any, k: Tensor, v: Tensor, tp: int) -> tuple[Tensor, Tensor, Tensor]:
     """(k contiguous, K^T as a zero-padded [B, KV, D, Tp], V as a zero-padded [B, KV, Tp, D])
-    for the forward: K^T in one C pass (16 x 16 blocks in registers; a zero fill and torch's
-    strided copy were two passes), V copied with only its padding rows zeroed."""
+    for the forward, both padded operands in one C pass (16 x 16 blocks of K in registers; V
+    read in place through its strides, e.g. as a slice of the q/k/v projection's output)."""
     b, kv, t, d = k.shape
     k = k.contiguous()
-    kt = k.new_empty(b, kv, d, tp)
-    lib.tsr_attention_kt(_ptr(k), _ptr(kt), b * kv, t, tp, d, torch.get_num_threads())
-    vp = v.new_empty(b, kv, tp, d)
-    vp[:, :, :t].copy_(v)
-    vp[:, :, t:].zero_()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kt, vp = k.new_empty(b, kv, d, tp), v.new_empty(b, kv, tp, d)
+    sb, sh, st = v.stride()[:3]
+    lib.tsr_attention_kt(
+        _ptr(k), _ptr(kt), b * kv, t, tp, d, _ptr(v), sb, sh, st, kv, _ptr(vp),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return k, kt, vp
 
 

@@ -260,11 +260,19 @@ static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int
   for (int d = 0; d < D; d++) memset(dst + (size_t)d * Tp + T, 0, sizeof(float) * (Tp - T));
 }
 
-/* The forward's K^T operand: kt [N, D, Tp] from k [N, T, D] (N = B x KV), zero-padded. */
-void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, int nthreads) {
+/* The forward's key operands, zero-padded: kt [N, D, Tp] = K^T from k [N, T, D] (N = B x KV)
+   and vp [N, Tp, D] from v, whose element (b, h, t, d) is at v + b sb + h sh + t st + d (any
+   strides: the V slice of the q/k/v projection's output, read in place). */
+void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, const float *v,
+                      int64_t sb, int64_t sh, int64_t st, int KV, float *vp, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int n = 0; n < N; n++)
+  for (int n = 0; n < N; n++) {
     transpose_into(kt + (size_t)n * D * Tp, Tp, k + (size_t)n * T * D, D, T, D);
+    const float *src = v + (int64_t)(n / KV) * sb + (int64_t)(n % KV) * sh;
+    float *dst = vp + (size_t)n * Tp * D;
+    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * D, src + (int64_t)t * st, sizeof(float) * D);
+    memset(dst + (size_t)T * D, 0, sizeof(float) * (size_t)(Tp - T) * D);
+  }
 }
 
 /* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
