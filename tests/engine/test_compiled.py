@@ -58,6 +58,7 @@ def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
     record("silu_mul_xa", lambda args: "c:silu_mul_xa")
     record("attention", lambda args: "attention")
     record("lora_grads", lambda args: "c:lora_grads", fused)
+    record("swiglu_backward_lora", lambda args: "c:swiglu_backward_lora", fused)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1024)  # the tiny model's tensors qualify
     monkeypatch.setattr(compiled, "_failure", None)
     monkeypatch.setattr(compiled, "_native_failure", None)
@@ -166,12 +167,13 @@ def test_each_kernel_matches_its_eager_twin(
 
 
 # What a LoRA training step runs in C (attention and q/k aside): its SwiGLU and SwiGLU
-# gradient are the variants that also run the down projection's adapter products.
+# gradient are the variants that also run the down projection's adapter products, and the
+# SwiGLU gradient's pass also runs the gate/up group's.
 C_KERNELS = {
     "c:rms_norm",
     "c:rms_norm_backward",
     "c:silu_mul_xa",
-    "c:swiglu_backward_da",
+    "c:swiglu_backward_lora",
     "c:lora_grads",
 }
 
@@ -717,6 +719,43 @@ def test_c_swiglu_backward_with_the_down_adapters_da(
     assert compiled.swiglu_backward_da(gate_up.double(), dh.double(), yb.double()) is None
 
 
+@pytest.mark.parametrize("rank", [8, 4])
+def test_c_swiglu_backward_with_the_gate_up_adapters_is_the_two_passes(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """`fused.swiglu_backward_lora` (the gate/up group's adapter products inside the SwiGLU
+    gradient's pass) gives the same bits as `compiled.swiglu_backward_da` followed by
+    `fused.lora_grads` on the gradient it wrote: rows off the 64-row blocks, rank 4 padded to
+    the kernel's 8; 1 and 2 threads alike; a group that is not [gate | up] is refused."""
+    _switch(monkeypatch, True, inductor=False)
+    gen = torch.Generator().manual_seed(43)
+    rows, f, k = 150, 48, 32
+    gate_up = torch.randn(rows, 2 * f, generator=gen) * 2
+    dh, yb = torch.randn(rows, f, generator=gen), torch.randn(rows, 8, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    a = [torch.randn(rank, k, generator=gen) for _ in range(2)]
+    b = [torch.randn(f, rank, generator=gen) for _ in range(2)]
+
+    def two_passes() -> list[torch.Tensor]:
+        got = compiled.swiglu_backward_da(gate_up.clone(), dh, yb)
+        assert got is not None
+        lg = fused.lora_grads(got[0], b, 0.75, x=x, a=a)
+        assert lg is not None and lg.da is not None
+        return [*got, lg.dy_b, *lg.db, *lg.da]
+
+    def one_pass() -> list[torch.Tensor]:
+        got = fused.swiglu_backward_lora(gate_up.clone(), dh, yb, b, 0.75, x, a)
+        assert got is not None and got[2].da is not None
+        return [got[0], got[1], got[2].dy_b, *got[2].db, *got[2].da]
+
+    want = two_passes()
+    for got in (one_pass(), _at_threads(1, one_pass)):
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    uneven = [b[0], torch.randn(f + 16, rank, generator=gen)]  # widths not [F, F]
+    assert fused.swiglu_backward_lora(gate_up.clone(), dh, yb, uneven, 0.75, x, a) is None
+
+
 def _group_products(
     x: torch.Tensor, dy: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], s: float
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -791,7 +830,7 @@ def test_a_second_backward_through_the_c_swiglu_gradient_fails_loudly(
     tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
     loss = model(tokens).logsumexp(-1).sum()
     loss.backward(retain_graph=True)
-    assert "c:swiglu_backward_da" in ran
+    assert "c:swiglu_backward_lora" in ran  # the gate/up group's adapter products in its pass
     with pytest.raises(RuntimeError, match="inplace"):  # autograd's own check
         loss.backward()
 

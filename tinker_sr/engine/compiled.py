@@ -376,10 +376,12 @@ def _rows_library() -> Any | None:
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
-    lib.tsr_lora_grads.argtypes = [p, n, n, p, i, i, p, p, i, f32, *[p, p, n, i], *[p] * 7, i]
+    lib.tsr_lora_grads.argtypes = [p, n, n, p, i]  # the group: adapter_grads._Group
+    lib.tsr_swiglu_backward_lora.argtypes = [p, p, n, i, p, i, p, p, p, i]
     for f in (
         "tsr_lora_merge",
         "tsr_lora_grads",
+        "tsr_swiglu_backward_lora",
         "tsr_softmax_rows",
         "tsr_softmax_scale_rows",
         "tsr_rms_norm",

@@ -16,9 +16,8 @@ keep the per-layer path, where the weight-sized merge would cost more than it sa
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine import compiled, gemm
+from tinker_sr.engine.adapter_grads import LoraGrads, lora_grads, swiglu_backward_lora
 
 # False: always the per-layer path (for A/B benchmarks and the equivalence tests).
 ENABLED = True
@@ -36,12 +36,16 @@ ENABLED = True
 @overload
 def linear_group(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]: ...
 @overload
-def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool) -> Tensor | list[Tensor]: ...
-def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool = True) -> Any:
+def linear_group(
+    x: Tensor, layers: Sequence[nn.Module], split: bool, link: _GateUpLink | None = None
+) -> Tensor | list[Tensor]: ...
+def linear_group(
+    x: Tensor, layers: Sequence[nn.Module], split: bool = True, link: _GateUpLink | None = None
+) -> Any:
     """``[layer(x) for layer in layers]``, through one merged GEMM when every layer is a LoRA
     layer over a frozen base and the batch is large enough for merging to pay. ``split=False``:
     the merged GEMM's output whole (the outputs side by side in its last dimension), or the
-    list where the layers ran one by one."""
+    list where the layers ran one by one. ``link``: see `_GateUpLink`."""
     parts = [_lora_parts(layer) for layer in layers]
     group = [p for p in parts if p is not None]
     if not ENABLED or len(group) < len(parts) or not _merge_pays(x, group):
@@ -52,6 +56,7 @@ def linear_group(x: Tensor, layers: Sequence[nn.Module], split: bool = True) -> 
         x,
         group[0].scaling,
         len(group),
+        link,
         *[p.weight for p in group],
         *[p.a for p in group],
         *[p.b for p in group],
@@ -174,15 +179,33 @@ def _kept(merged: Tensor, saved: Tensor) -> Tensor | None:
     return merged if merged.nbytes <= saved.nbytes else None
 
 
+class _GateUpLink:
+    """Between the gate/up group's node and the `_SwiGLUDown` node that takes its output: the
+    group's node registers its ctx here (weakly: no reference cycle), and the SwiGLU node's
+    backward, which runs first, may form the group's adapter gradients in its own C pass
+    (`swiglu_backward_lora`, reading the group's saved input and adapters from that ctx) and
+    leave them in ``grads`` for the group's backward, which then only runs dx's GEMM."""
+
+    __slots__ = ("ctx", "grads")
+
+    def __init__(self) -> None:
+        self.ctx: weakref.ref[Any] | None = None
+        self.grads: LoraGrads | None = None
+
+
 class _MergedLoraGroup(torch.autograd.Function):
     """y = x cat_i(W_i + s B_i A_i)^T for frozen W_i; gradients for x, A_i and B_i."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx: Any, x: Tensor, scaling: float, g: int, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, scaling: float, g: int, link: _GateUpLink | None, *tensors: Tensor
+    ) -> Tensor:
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
         merged = _merged_weight(weights, a, b, scaling)
-        ctx.scaling, ctx.g, ctx.x_dtype = scaling, g, x.dtype
+        ctx.scaling, ctx.g, ctx.x_dtype, ctx.link = scaling, g, x.dtype, link
+        if link is not None:
+            link.ctx = weakref.ref(ctx)
         kind = x.device.type
         if torch.is_autocast_enabled(kind):  # cast once, keep the cast (half the memory)
             x = x.to(torch.get_autocast_dtype(kind))
@@ -198,9 +221,12 @@ class _MergedLoraGroup(torch.autograd.Function):
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
         merged, ctx.merged = ctx.merged, None  # freed with this node's backward
         need_dx = ctx.needs_input_grad[0]
-        dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, need_dx, merged)
+        done = None
+        if ctx.link is not None:  # formed by the SwiGLU gradient's pass?
+            done, ctx.link.grads = ctx.link.grads, None
+        dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, need_dx, merged, done)
         dx = None if dx is None else dx.to(ctx.x_dtype)
-        return (dx, None, None, *([None] * g), *da, *db)
+        return (dx, None, None, None, *([None] * g), *da, *db)
 
 
 def _group_grads(
@@ -212,9 +238,10 @@ def _group_grads(
     s: float,
     need_dx: bool,
     merged: Tensor | None = None,
+    done: LoraGrads | None = None,
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
     """dx = dy W', dA_i = s (dy B_i)^T x, dB_i = s dy_i^T (x A_i^T) for y = x W'^T (``merged``:
-    W' as the forward formed it, if it kept it; see `_kept`).
+    W' as the forward formed it, if it kept it; see `_kept`; ``done``: dA and dB already formed).
 
     The products run in the gradient's dtype (bf16 under mixed precision), with explicit
     casts: a CUDA backward runs outside the forward's autocast.
@@ -225,7 +252,7 @@ def _group_grads(
     if need_dx:
         w = _merged_weight(weights, a, b, s) if merged is None else merged
         dx = gemm.mm(dy2, w.to(low)).view(x.shape).to(x.dtype)
-    got = lora_grads(dy2, b, s, x=x2, a=a)  # every adapter product in one C pass
+    got = done or lora_grads(dy2, b, s, x=x2, a=a)  # every adapter product in one C pass
     if got is not None and got.da is not None:
         return dx, got.da, got.db
     a_cat = torch.cat(list(a))  # [g r, K]
@@ -246,90 +273,6 @@ def _group_grads(
         row += b_i.shape[0]
     da = list(gemm.mm(dy_b.t(), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
     return dx, da, db
-
-
-LORA_BLOCK = 64  # rows per partial sum in csrc/rows.c's tsr_lora_grads
-
-
-@dataclass
-class LoraGrads:
-    """`lora_grads`' results: s dy B [M, g r], each member's dB_i [N_i, r], and (given x) each
-    member's dA_i [r, K]."""
-
-    dy_b: Tensor
-    db: list[Tensor]
-    da: list[Tensor] | None
-
-
-def lora_grads(
-    dy: Tensor,
-    b: Sequence[Tensor],
-    s: float,
-    xa: Tensor | None = None,
-    x: Tensor | None = None,
-    a: Sequence[Tensor] | None = None,
-) -> LoraGrads | None:
-    """The adapter gradients of a LoRA group y = x cat_i(W_i + s B_i A_i)^T in one C pass over
-    its output gradient ``dy`` [M, N] (members side by side in N, B_i [N_i, r]) and input
-    ``x`` [M, K] (`tsr_lora_grads`): s dy B, dB_i = s dy_i^T (x A_i^T) and dA_i = s (dy B_i)^T x.
-    Given ``x`` and ``a`` (A_i [r, K]) it forms xa = s x A^T itself; else ``xa`` [M, g r] is
-    given and dA is left to the caller (`_SwiGLUDown`'s comes from its SwiGLU pass). Each member
-    meets only its own ranks (block-diagonal GEMMs multiply by g - 1 zero blocks too, and read dy
-    and x twice each). A rank off the kernel's 8-rank steps runs padded with zero ranks (whose
-    products are zero and dropped). Sums over fixed 64-row blocks added in order: independent of
-    the thread count. None where the C kernels are off or unavailable, a width is not a
-    multiple of 16, or the layouts do not suit (the caller runs the GEMMs)."""
-    r, widths = b[0].shape[1], [b_i.shape[0] for b_i in b]
-    m, n, k = dy.shape[0], sum(widths), (0 if x is None else x.shape[-1])
-    rows, x_rows = compiled._as_rows(dy), (None if x is None else compiled._as_rows(x))
-    if rows is None or dy.dim() != 2 or dy.shape[1] != n:
-        return None
-    if any(w % 16 or b_i.shape[1] != r for w, b_i in zip(widths, b, strict=True)):
-        return None
-    if x is None:
-        if xa is None or xa.shape != (m, len(b) * r) or not xa.is_contiguous():
-            return None
-        operands = [xa]
-    else:
-        if a is None or x_rows is None or x.shape[0] != m or k % 16:
-            return None
-        operands = [x, *a]
-    if not compiled.native_ready(dy, *b, *operands):
-        return None
-    lib = compiled.rows_or_note()
-    if lib is None:
-        return None
-    r8 = -(-r // 8) * 8  # ranks padded to the kernel's 8-rank steps
-    gr = len(b) * r8
-    # The kernel packs s B^T and s A into its padded layouts itself (`lora_pack`): pointers to
-    # the adapters, no torch ops on them here.
-    b = [b_i.contiguous() for b_i in b]
-    members = ctypes.c_void_p * len(b)
-    bs, as_ = members(*[b_i.data_ptr() for b_i in b]), None
-    off = (ctypes.c_int64 * (len(b) + 1))(0, *itertools.accumulate(widths))
-    bt, sa, da, xa_arg = dy.new_empty(r8, n + 16), None, None, None
-    if x is not None:
-        a = [a_i.contiguous() for a_i in operands[1:]]
-        as_ = members(*[a_i.data_ptr() for a_i in a])
-        sa = dy.new_empty(len(b), r8, k + 16)
-        xa_arg, da = dy.new_empty(m, gr), dy.new_empty(len(b), r8, k)
-    elif r8 == r:
-        xa_arg = operands[0]
-    else:
-        xa_arg = F.pad(operands[0].view(m, len(b), r), (0, r8 - r)).view(m, gr)
-    dyb, dbt, db_all = dy.new_empty(m, len(b), r8), dy.new_empty(r8, n), dy.new_empty(n, r)
-    slot = r8 * (n + 16) + (0 if x is None else gr * (k + 16))
-    partials = dy.new_empty(-(-m // LORA_BLOCK), slot)
-    p = compiled._ptr
-    lib.tsr_lora_grads(
-        p(dy), rows[1], m, off, len(b), r8, bs, as_, r, s, p(bt), None if x is None else p(x),
-        0 if x_rows is None else x_rows[1], k, None if sa is None else p(sa), p(xa_arg),
-        p(dyb), p(partials), p(dbt), p(db_all), None if da is None else p(da),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    db = list(db_all.split(widths))  # each contiguous, as its parameter: no layout copy
-    dy_b = dyb.view(m, gr) if r8 == r else dyb[:, :, :r].reshape(m, len(b) * r).contiguous()
-    return LoraGrads(dy_b, db, None if da is None else list(da[:, :r].unbind(0)))
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -398,12 +341,13 @@ def swiglu_mlp(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Te
     (a split would concatenate them again in backward: one more [M, 2F] pass per layer)."""
     parts = _lora_parts(down)
     gate_up: Tensor | list[Tensor] | None = None
+    link = _GateUpLink()
     if ENABLED and parts is not None and parts.bias is None and _merge_pays(x, [parts]):
-        gate_up = linear_group(x, (gate, up), split=False)
+        gate_up = linear_group(x, (gate, up), split=False, link=link)
     if parts is None or not isinstance(gate_up, Tensor):
         g, u = gate_up if gate_up is not None else linear_group(x, (gate, up))
         return linear_group(swiglu(g, u), (down,))[0]
-    return _SwiGLUDown.apply(gate_up, parts.scaling, parts.weight, parts.a, parts.b)  # type: ignore[no-any-return]
+    return _SwiGLUDown.apply(gate_up, parts.scaling, parts.weight, parts.a, parts.b, link)  # type: ignore[no-any-return]
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -417,8 +361,15 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(  # type: ignore[override]
-        ctx: Any, gate_up: Tensor, scaling: float, w: Tensor, a: Tensor, b: Tensor
+        ctx: Any,
+        gate_up: Tensor,
+        scaling: float,
+        w: Tensor,
+        a: Tensor,
+        b: Tensor,
+        link: _GateUpLink | None = None,
     ) -> Tensor:
+        ctx.link = link
         gate, up = gate_up.chunk(2, dim=-1)
         xa = None
         if gate_up.is_contiguous() and compiled.native_ready(gate_up, a):
@@ -445,10 +396,10 @@ class _SwiGLUDown(torch.autograd.Function):
             dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s) if merged is None else merged)
             fused = lora_grads(dy2, [b], s, xa=xa)  # s dy B and dB = s dy^T (h A^T), one pass
             dy_b = gemm.mm(dy2, b * s) if fused is None else fused.dy_b
-            got = compiled.swiglu_backward_da(gate_up, dh_c, dy_b)
+            got = _swiglu_grads_c(ctx.link, gate_up, dh_c, dy_b)
             if got is not None:
                 db_c = gemm.mm(xa.t(), dy2).t() if fused is None else fused.db[0]
-                return got[0], None, None, got[1].to(a.dtype), db_c.to(b.dtype)
+                return got[0], None, None, got[1].to(a.dtype), db_c.to(b.dtype), None
         gate, up = gate_up.chunk(2, dim=-1)
         fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
         silu = None if fuse else F.silu(gate)
@@ -459,12 +410,28 @@ class _SwiGLUDown(torch.autograd.Function):
         if silu is None:
             d_gate_up = compiled.run("swiglu_backward", gate_up, dh)
             if d_gate_up is not None:
-                return d_gate_up, None, None, da, db
+                return d_gate_up, None, None, da, db, None
             silu = F.silu(gate)
         d_gate_up = torch.empty_like(gate_up)
         d_gate, d_up = d_gate_up.chunk(2, dim=-1)
         _swiglu_grads(gate, up, dh, silu, out=(d_gate, d_up))
-        return d_gate_up, None, None, da, db
+        return d_gate_up, None, None, da, db, None
+
+
+def _swiglu_grads_c(
+    link: _GateUpLink | None, gate_up: Tensor, dh: Tensor, dy_b: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """(d_gate_up, the down projection's dA) from `compiled.swiglu_backward_da`, or from
+    `swiglu_backward_lora` where the gate/up group's node is linked and alive: that pass also
+    forms the group's adapter gradients, left on the link for the group's backward."""
+    group = None if link is None or link.ctx is None else link.ctx()
+    if group is not None and group.g == 2:
+        x, _, _, a_g, a_u, b_g, b_u = group.saved_tensors
+        both = swiglu_backward_lora(gate_up, dh, dy_b, [b_g, b_u], group.scaling, x, [a_g, a_u])
+        if both is not None:
+            link.grads = both[2]  # type: ignore[union-attr]
+            return both[0], both[1]
+    return compiled.swiglu_backward_da(gate_up, dh, dy_b)  # type: ignore[no-any-return]
 
 
 # ---- RMSNorm and rotary embeddings as single autograd nodes ----------------------------------

@@ -186,6 +186,43 @@ static void sum_blocks(const float *partials, int64_t nblocks, int64_t slot, int
    rows at a time; the slices are then added in block order: the result does not depend on
    the thread count. */
 #define SWIGLU_BLOCK 64
+
+/* Rows i0..end of tsr_swiglu_backward_da (one block), summed into acc [r, n] (zeroed first). */
+static void swiglu_block(float *gate_up, const float *dh, int64_t i0, int64_t end, int n,
+                         const float *yb, int r, float *acc) {
+  memset(acc, 0, sizeof(float) * (size_t)r * n);
+  for (; i0 < end; i0 += 4) {
+    int nr = end - i0 < 4 ? (int)(end - i0) : 4;
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+      v16 h[4];
+      for (int q = 0; q < nr; q++) {
+        float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
+        const float *di = dh + (i0 + q) * n;
+        v16 g = vload(gi + j), u = vload(ui + j), d = vload(di + j), sg = vsigmoid(g);
+        v16 gs = g * sg;
+        h[q] = gs * u;
+        vstore(gi + j, d * u * (sg * (vset1(1.f) + g * (vset1(1.f) - sg))));
+        vstore(ui + j, gs * d);
+      }
+      for (int k = 0; k < r; k++) {
+        v16 a = vload(acc + (int64_t)k * n + j);
+        for (int q = 0; q < nr; q++) a += vset1(yb[(i0 + q) * r + k]) * h[q];
+        vstore(acc + (int64_t)k * n + j, a);
+      }
+    }
+    for (; j < n; j++)
+      for (int q = 0; q < nr; q++) {
+        float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
+        float g = gi[j], u = ui[j], d = dh[(i0 + q) * n + j], sg = sigmoid(g), gs = g * sg;
+        float hv = gs * u;
+        gi[j] = d * u * (sg * (1.f + g * (1.f - sg)));
+        ui[j] = gs * d;
+        for (int k = 0; k < r; k++) acc[(int64_t)k * n + j] += yb[(i0 + q) * r + k] * hv;
+      }
+  }
+}
+
 void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n, const float *yb,
                             int r, float *partials, float *da, int threads) {
   int64_t nblocks = (rows + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
@@ -193,39 +230,8 @@ void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n
   {
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
-      float *acc = partials + blk * (int64_t)r * n;
-      memset(acc, 0, sizeof(float) * (size_t)r * n);
       int64_t end = (blk + 1) * SWIGLU_BLOCK < rows ? (blk + 1) * SWIGLU_BLOCK : rows;
-      for (int64_t i0 = blk * SWIGLU_BLOCK; i0 < end; i0 += 4) {
-        int nr = end - i0 < 4 ? (int)(end - i0) : 4;
-        int j = 0;
-        for (; j + VL <= n; j += VL) {
-          v16 h[4];
-          for (int q = 0; q < nr; q++) {
-            float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
-            const float *di = dh + (i0 + q) * n;
-            v16 g = vload(gi + j), u = vload(ui + j), d = vload(di + j), sg = vsigmoid(g);
-            v16 gs = g * sg;
-            h[q] = gs * u;
-            vstore(gi + j, d * u * (sg * (vset1(1.f) + g * (vset1(1.f) - sg))));
-            vstore(ui + j, gs * d);
-          }
-          for (int k = 0; k < r; k++) {
-            v16 a = vload(acc + (int64_t)k * n + j);
-            for (int q = 0; q < nr; q++) a += vset1(yb[(i0 + q) * r + k]) * h[q];
-            vstore(acc + (int64_t)k * n + j, a);
-          }
-        }
-        for (; j < n; j++)
-          for (int q = 0; q < nr; q++) {
-            float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
-            float g = gi[j], u = ui[j], d = dh[(i0 + q) * n + j], sg = sigmoid(g), gs = g * sg;
-            float hv = gs * u;
-            gi[j] = d * u * (sg * (1.f + g * (1.f - sg)));
-            ui[j] = gs * d;
-            for (int k = 0; k < r; k++) acc[(int64_t)k * n + j] += yb[(i0 + q) * r + k] * hv;
-          }
-      }
+      swiglu_block(gate_up, dh, blk * SWIGLU_BLOCK, end, n, yb, r, partials + blk * (int64_t)r * n);
     }
 #pragma omp for schedule(static)
     for (int k = 0; k < r; k++)
@@ -405,6 +411,7 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
    sets when a width is a multiple of 1024) and are added in block order at the end: results do
    not depend on the thread count. */
 #define LORA_BLOCK 64
+_Static_assert(LORA_BLOCK == SWIGLU_BLOCK, "tsr_swiglu_backward_lora shares the blocks");
 
 /* Columns per step of the row products below: 8 ranks' 256 columns of bt (8 KiB) stay in L1
    while a block's rows pass over them (a whole member's width did not fit beside the rows). */
@@ -525,44 +532,98 @@ static void lora_pack(const float *const *bs, const float *const *as, float s, i
       }
 }
 
-void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const int64_t *off, int g, int r,
-                    const float *const *bs, const float *const *as, int rank, float s, float *bt,
-                    const float *x, int64_t ldx, int K, float *sa, float *xa, float *dyb,
-                    float *partials, float *dbt, float *db, float *da, int threads) {
-  const int64_t N = off[g], LD = N + 16, LK = K + 16;
-  const int gr = g * r;
-  lora_pack(bs, x ? as : NULL, s, g, rank, r, off, K, bt, sa);
-  const int64_t slot = (int64_t)r * LD + (x ? (int64_t)gr * LK : 0);
+/* A LoRA group as tsr_lora_grads takes it (engine/adapter_grads.py mirrors it). */
+struct tsr_lora_group {
+  const int64_t *off;
+  int g, r, rank;
+  float s;
+  const float *const *bs, *const *as;
+  float *bt;
+  const float *x;
+  int64_t ldx;
+  int K;
+  float *sa, *xa, *dyb, *partials, *dbt, *db, *da;
+};
+
+static int64_t lora_slot(const struct tsr_lora_group *G) {
+  return (int64_t)G->r * (G->off[G->g] + 16) + (G->x ? (int64_t)G->g * G->r * (G->K + 16) : 0);
+}
+
+/* One block of rows i0..i1 of tsr_lora_grads, into the block's slice of G->partials. */
+static void lora_block(const float *dy, int64_t ldy, const struct tsr_lora_group *G, int64_t blk,
+                       int64_t i0, int64_t i1) {
+  const int64_t LD = G->off[G->g] + 16, LK = G->K + 16;
+  const int r = G->r, gr = G->g * r;
+  float *acc = G->partials + blk * lora_slot(G), *acc_a = acc + (int64_t)r * LD;
+  if (G->x)
+    for (int k0 = 0; k0 < gr; k0 += 8)
+      lora_rows_times(G->x, G->ldx, i0, i1, G->sa + (int64_t)k0 * LK, LK, 0, G->K, G->xa + k0, gr,
+                      NULL, 0, NULL, 0);
+  for (int m = 0; m < G->g; m++)
+    for (int k0 = 0; k0 < r; k0 += 8) {
+      int c = m * r + k0;
+      lora_rows_times(dy, ldy, i0, i1, G->bt + (int64_t)k0 * LD, LD, G->off[m], G->off[m + 1],
+                      G->dyb + c, gr, G->xa + c, gr, acc + (int64_t)k0 * LD, LD);
+    }
+  if (G->x)
+    for (int k0 = 0; k0 < gr; k0 += 8)
+      lora_sum_rows(G->x, G->ldx, i0, i1, G->dyb + k0, gr, acc_a + (int64_t)k0 * LK, LK, 0, G->K);
+}
+
+/* The blocks' partial sums added in block order into dbt and da, then db; worksharing loops
+   for the threads of the enclosing parallel region. */
+static void lora_finish(const struct tsr_lora_group *G, int64_t nblocks) {
+  const int64_t N = G->off[G->g], LD = N + 16, LK = G->K + 16, slot = lora_slot(G);
+  const int r = G->r, gr = G->g * r;
+#pragma omp for schedule(static)
+  for (int k = 0; k < r + (G->x ? gr : 0); k++) {
+    if (k < r)
+      sum_blocks(G->partials + (int64_t)k * LD, nblocks, slot, N, G->dbt + (int64_t)k * N);
+    else
+      sum_blocks(G->partials + r * LD + (int64_t)(k - r) * LK, nblocks, slot, G->K,
+                 G->da + (int64_t)(k - r) * G->K);
+  }
+#pragma omp for schedule(static)
+  for (int64_t c = 0; c < N; c++) /* db [N, rank]: each member's dB_m in its own layout */
+    for (int k = 0; k < G->rank; k++) G->db[c * G->rank + k] = G->dbt[(int64_t)k * N + c];
+}
+
+void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const struct tsr_lora_group *G,
+                    int threads) {
+  lora_pack(G->bs, G->x ? G->as : NULL, G->s, G->g, G->rank, G->r, G->off, G->K, G->bt, G->sa);
   const int64_t nblocks = (rows + LORA_BLOCK - 1) / LORA_BLOCK;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
-      float *acc = partials + blk * slot, *acc_a = acc + (int64_t)r * LD;
       int64_t i0 = blk * LORA_BLOCK, i1 = i0 + LORA_BLOCK < rows ? i0 + LORA_BLOCK : rows;
-      if (x)
-        for (int k0 = 0; k0 < gr; k0 += 8)
-          lora_rows_times(x, ldx, i0, i1, sa + (int64_t)k0 * LK, LK, 0, K, xa + k0, gr, NULL, 0,
-                          NULL, 0);
-      for (int m = 0; m < g; m++)
-        for (int k0 = 0; k0 < r; k0 += 8) {
-          int c = m * r + k0;
-          lora_rows_times(dy, ldy, i0, i1, bt + (int64_t)k0 * LD, LD, off[m], off[m + 1], dyb + c,
-                          gr, xa + c, gr, acc + (int64_t)k0 * LD, LD);
-        }
-      if (x)
-        for (int k0 = 0; k0 < gr; k0 += 8)
-          lora_sum_rows(x, ldx, i0, i1, dyb + k0, gr, acc_a + (int64_t)k0 * LK, LK, 0, K);
+      lora_block(dy, ldy, G, blk, i0, i1);
+    }
+    lora_finish(G, nblocks);
+  }
+}
+
+/* tsr_swiglu_backward_da and, in the same pass, tsr_lora_grads for the gate/up projections'
+   group G (members gate and up, columns 0..n and n..2n of gate_up): each block's gradient rows
+   [d_gate | d_up], just written over gate_up, go through the group's products while they are
+   in cache, instead of a second pass that reads the [rows, 2n] gradient back from memory. The
+   same blocks, sums and order as the two kernels: the same bits. */
+void tsr_swiglu_backward_lora(float *gate_up, const float *dh, int64_t rows, int n,
+                              const float *yb, int r, float *partials, float *da,
+                              const struct tsr_lora_group *G, int threads) {
+  lora_pack(G->bs, G->x ? G->as : NULL, G->s, G->g, G->rank, G->r, G->off, G->K, G->bt, G->sa);
+  const int64_t nblocks = (rows + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      int64_t i0 = blk * SWIGLU_BLOCK, end = i0 + SWIGLU_BLOCK < rows ? i0 + SWIGLU_BLOCK : rows;
+      swiglu_block(gate_up, dh, i0, end, n, yb, r, partials + blk * (int64_t)r * n);
+      lora_block(gate_up, 2 * (int64_t)n, G, blk, i0, end);
     }
 #pragma omp for schedule(static)
-    for (int k = 0; k < r + (x ? gr : 0); k++) {
-      if (k < r)
-        sum_blocks(partials + (int64_t)k * LD, nblocks, slot, N, dbt + (int64_t)k * N);
-      else
-        sum_blocks(partials + r * LD + (int64_t)(k - r) * LK, nblocks, slot, K, da + (int64_t)(k - r) * K);
-    }
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < N; c++)  /* db [N, rank]: each member's dB_m in its own layout */
-      for (int k = 0; k < rank; k++) db[c * rank + k] = dbt[(int64_t)k * N + c];
+    for (int k = 0; k < r; k++)
+      sum_blocks(partials + (int64_t)k * n, nblocks, (int64_t)r * n, n, da + (int64_t)k * n);
+    lora_finish(G, nblocks);
   }
 }
