@@ -137,6 +137,27 @@ def test_a_training_step_matches_the_eager_engine(
         assert torch.equal(a, b)
 
 
+def test_activation_checkpointing_keeps_the_c_passes_and_their_bits(
+    ran: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With each layer recomputed in backward, the SwiGLU gradient's pass still forms the
+    gate/up group's adapter gradients (reading that node's recomputed saved input) and the
+    fused residual-add norms still run: the same gradients, bit for bit, as keeping every
+    activation."""
+    _switch(monkeypatch, True)
+    tokens = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        ran.clear()
+        model = _model()
+        model.checkpoint_layers = recompute
+        model(tokens).logsumexp(-1).sum().backward()
+        assert {"c:swiglu_backward_lora", "c:rms_norm_backward"} <= set(ran), set(ran)
+        results.append([p.grad for _, p in trainable_parameters(model)])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_each_kernel_matches_its_eager_twin(
     ran: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -184,13 +184,16 @@ class _GateUpLink:
     group's node registers its ctx here (weakly: no reference cycle), and the SwiGLU node's
     backward, which runs first, may form the group's adapter gradients in its own C pass
     (`swiglu_backward_lora`, reading the group's saved input and adapters from that ctx) and
-    leave them in ``grads`` for the group's backward, which then only runs dx's GEMM."""
+    leave them in ``grads`` for the group's backward, which then only runs dx's GEMM. The
+    saved tensors, once unpacked there, are handed over in ``saved``: under activation
+    checkpointing a saved tensor may be unpacked only once."""
 
-    __slots__ = ("ctx", "grads")
+    __slots__ = ("ctx", "grads", "saved")
 
     def __init__(self) -> None:
         self.ctx: weakref.ref[Any] | None = None
         self.grads: LoraGrads | None = None
+        self.saved: tuple[Tensor, ...] | None = None
 
 
 class _MergedLoraGroup(torch.autograd.Function):
@@ -216,14 +219,15 @@ class _MergedLoraGroup(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, *tensors = ctx.saved_tensors
+        link: _GateUpLink | None = ctx.link
+        done = saved = None
+        if link is not None:  # the SwiGLU gradient's pass may have run this group's products
+            done, saved, link.grads, link.saved = link.grads, link.saved, None, None
+        x, *tensors = ctx.saved_tensors if saved is None else saved
         g = ctx.g
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
         merged, ctx.merged = ctx.merged, None  # freed with this node's backward
         need_dx = ctx.needs_input_grad[0]
-        done = None
-        if ctx.link is not None:  # formed by the SwiGLU gradient's pass?
-            done, ctx.link.grads = ctx.link.grads, None
         dx, da, db = _group_grads(x, dy, weights, a, b, ctx.scaling, need_dx, merged, done)
         dx = None if dx is None else dx.to(ctx.x_dtype)
         return (dx, None, None, None, *([None] * g), *da, *db)
@@ -425,11 +429,12 @@ def _swiglu_grads_c(
     `swiglu_backward_lora` where the gate/up group's node is linked and alive: that pass also
     forms the group's adapter gradients, left on the link for the group's backward."""
     group = None if link is None or link.ctx is None else link.ctx()
-    if group is not None and group.g == 2:
-        x, _, _, a_g, a_u, b_g, b_u = group.saved_tensors
+    if link is not None and group is not None and group.g == 2:
+        link.saved = saved = group.saved_tensors  # unpacked once: see `_GateUpLink`
+        x, _, _, a_g, a_u, b_g, b_u = saved
         both = swiglu_backward_lora(gate_up, dh, dy_b, [b_g, b_u], group.scaling, x, [a_g, a_u])
         if both is not None:
-            link.grads = both[2]  # type: ignore[union-attr]
+            link.grads = both[2]
             return both[0], both[1]
     return compiled.swiglu_backward_da(gate_up, dh, dy_b)  # type: ignore[no-any-return]
 
