@@ -191,7 +191,12 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
         for (int r = 0; r < rows; r++) {
           float *s = S + r * BC;
           v16 sum = vset1(0.f), mv = vset1(mnew[r]);
-          for (int c = 0; c < colsp; c += VL) { v16 p = vexp(vload(s + c) - mv); vstore(s + c, p); sum += p; }
+          /* On the diagonal, row r's vectors past its last key are all masked: zeros, no exp
+             (the band product below reads up to its 6-row strip's last key). */
+          int cend = diagonal && (i0 + r - j0) / VL * VL + VL < colsp ? (i0 + r - j0) / VL * VL + VL : colsp;
+          int c = 0;
+          for (; c < cend; c += VL) { v16 p = vexp(vload(s + c) - mv); vstore(s + c, p); sum += p; }
+          for (; c < colsp; c += VL) vstore(s + c, vset1(0.f));
           l[r] = l[r] * alpha[r] + vhsum(sum); m[r] = mnew[r];
           if (alpha[r] != 1.f) { v16 av = vset1(alpha[r]); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
         }
@@ -339,7 +344,14 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
               float *s = St + c * BR, *dp = dPt + c * BR;
               /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
               v16 first = vset1((float)(j0 + c - i0)), last = vset1((float)rows);
-              for (int r = 0; r < rowsp; r += VL) {
+              /* On the diagonal, the vectors of queries before the first that sees key c are all
+                 masked: zeros, no exp (the dQ product below reads them). */
+              int r = j0 + c - i0 > 0 ? (j0 + c - i0) / VL * VL : 0;
+              for (int z = 0; z < r; z += VL) {
+                vstore(s + z, vset1(0.f));
+                vstore(dp + z, vset1(0.f));
+              }
+              for (; r < rowsp; r += VL) {
                 v16 rr = lane + (float)r;
                 v16 p = vexp(vload(s + r) * vset1(scale) - vload(L + i0 + r));
                 p = vsel((rr >= first) & (rr < last), p, vset1(0.f));
