@@ -256,7 +256,7 @@ def _group_grads(
     if need_dx:
         w = _merged_weight(weights, a, b, s) if merged is None else merged
         dx = gemm.mm(dy2, w.to(low)).view(x.shape).to(x.dtype)
-    got = done or lora_grads(dy2, b, s, x=x2, a=a)  # every adapter product in one C pass
+    got = done if done is not None else lora_grads(dy2, b, s, x=x2, a=a)  # one C pass
     if got is not None and got.da is not None:
         return dx, got.da, got.db
     a_cat = torch.cat(list(a))  # [g r, K]
