@@ -189,11 +189,13 @@ def test_each_kernel_matches_its_eager_twin(
 
 # What a LoRA training step runs in C (attention and q/k aside): its SwiGLU and SwiGLU
 # gradient are the variants that also run the down projection's adapter products, and the
-# SwiGLU gradient's pass also runs the gate/up group's.
+# SwiGLU gradient's pass (swiglu_backward_da) also runs the gate/up group's (through
+# swiglu_backward_lora).
 C_KERNELS = {
     "c:rms_norm",
     "c:rms_norm_backward",
     "c:silu_mul_xa",
+    "c:swiglu_backward_da",
     "c:swiglu_backward_lora",
     "c:lora_grads",
 }

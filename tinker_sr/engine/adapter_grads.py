@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.graph import increment_version
 
 from tinker_sr.engine import compiled
 
@@ -180,31 +179,16 @@ def swiglu_backward_lora(
     a: Sequence[Tensor],
 ) -> tuple[Tensor, Tensor, LoraGrads] | None:
     """`compiled.swiglu_backward_da` (the SwiGLU gradient over ``gate_up`` and the down
-    projection's dA) and, in the same C pass, `lora_grads` for the gate/up group that produced
+    projection's dA) with, in the same C pass, `lora_grads` for the gate/up group that produced
     ``gate_up`` (adapters ``a``, ``b`` = [gate's, up's], scaling ``s``, input ``x``): its
     gradient rows go through the group's products while in cache instead of being read back
-    from memory (`tsr_swiglu_backward_lora`; the same bits as the two kernels). Returns
-    (d_gate_up, the down projection's dA, the gate/up group's gradients); None where either
-    kernel would not apply."""
+    from memory (the same bits as the two passes apart). Returns (d_gate_up, the down
+    projection's dA, the gate/up group's gradients); None where either would not apply."""
     rows, f = dh.numel() // dh.shape[-1], dh.shape[-1]
-    if not (gate_up.is_contiguous() and dh.is_contiguous() and yb.is_contiguous()):
+    if len(b) != 2 or not gate_up.is_contiguous() or gate_up.numel() != rows * 2 * f:
         return None
-    if gate_up.numel() != rows * 2 * f or yb.numel() != rows * yb.shape[-1] or len(b) != 2:
+    got = _prepare(gate_up.view(rows, 2 * f), b, s, None, x.reshape(-1, x.shape[-1]), a)
+    if got is None or got.widths != [f, f]:
         return None
-    if not compiled.native_ready(gate_up, dh, yb):
-        return None
-    flat = gate_up.view(rows, 2 * f)
-    got = _prepare(flat, b, s, None, x.reshape(-1, x.shape[-1]), a)
-    lib = None if got is None else compiled.rows_or_note()
-    if got is None or lib is None or got.widths != [f, f]:
-        return None
-    r = yb.shape[-1]
-    partials = gate_up.new_empty(-(-rows // LORA_BLOCK), r, f)
-    da = gate_up.new_empty(r, f)
-    p = compiled._ptr
-    lib.tsr_swiglu_backward_lora(
-        p(gate_up), p(dh), rows, f, p(yb), r, p(partials), p(da), ctypes.byref(got.group),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    increment_version(gate_up)
-    return gate_up, da, got.grads()
+    done = compiled.swiglu_backward_da(gate_up, dh, yb, ctypes.byref(got.group))
+    return None if done is None else (*done, got.grads())

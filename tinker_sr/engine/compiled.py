@@ -369,7 +369,7 @@ def _rows_library() -> Any | None:
     lib.tsr_silu_mul.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_silu_mul_xa.argtypes = [p, n, p, n, p, n, i, p, i, p, i]
     lib.tsr_swiglu_backward.argtypes = [p, p, p, n, i, i]
-    lib.tsr_swiglu_backward_da.argtypes = [p, p, n, i, p, i, p, p, i]
+    lib.tsr_swiglu_backward_da.argtypes = [p, p, n, i, p, i, p, p, p, i]  # p: a group or None
     f32 = ctypes.c_float
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
@@ -377,11 +377,9 @@ def _rows_library() -> Any | None:
     lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_grads.argtypes = [p, n, n, p, i]  # the group: adapter_grads._Group
-    lib.tsr_swiglu_backward_lora.argtypes = [p, p, n, i, p, i, p, p, p, i]
     for f in (
         "tsr_lora_merge",
         "tsr_lora_grads",
-        "tsr_swiglu_backward_lora",
         "tsr_softmax_rows",
         "tsr_softmax_scale_rows",
         "tsr_rms_norm",
@@ -583,13 +581,17 @@ def silu_mul_xa(gate: Tensor, up: Tensor, a: Tensor) -> tuple[Tensor, Tensor] | 
 SWIGLU_BLOCK = 64  # rows per partial sum of dA in csrc/rows.c's tsr_swiglu_backward_da
 
 
-def swiglu_backward_da(gate_up: Tensor, dh: Tensor, yb: Tensor) -> tuple[Tensor, Tensor] | None:
+def swiglu_backward_da(
+    gate_up: Tensor, dh: Tensor, yb: Tensor, group: Any = None
+) -> tuple[Tensor, Tensor] | None:
     """The SwiGLU gradient [d_gate | d_up] written over ``gate_up`` ([rows, 2F]; as
     `_c_swiglu_backward`, its version bumped) for ``dh`` [rows, F], and the down projection's
     LoRA gradient dA = yb^T h [r, F] for ``yb`` = s (dy B) [rows, r], with h = silu(gate) * up
     formed inside the same C pass (bit-identical to the forward's): backward neither recomputes
     h in memory nor runs a product that reads it. Sums over fixed 64-row blocks, added in
-    order: independent of the thread count. None where the C kernels are off or unavailable
+    order: independent of the thread count. ``group``: a pointer to the gate/up group's
+    ``struct tsr_lora_group`` whose adapter products the same pass runs
+    (`adapter_grads.swiglu_backward_lora`). None where the C kernels are off or unavailable
     or the layouts do not suit (the caller recomputes h)."""
     if not native_ready(gate_up, dh, yb):
         return None
@@ -605,7 +607,7 @@ def swiglu_backward_da(gate_up: Tensor, dh: Tensor, yb: Tensor) -> tuple[Tensor,
     partials = gate_up.new_empty(-(-rows // SWIGLU_BLOCK), r, f)
     da = gate_up.new_empty(r, f)
     lib.tsr_swiglu_backward_da(
-        _ptr(gate_up), _ptr(dh), rows, f, _ptr(yb), r, _ptr(partials), _ptr(da),
+        _ptr(gate_up), _ptr(dh), rows, f, _ptr(yb), r, _ptr(partials), _ptr(da), group,
         torch.get_num_threads(),
     )  # fmt: skip
     increment_version(gate_up)

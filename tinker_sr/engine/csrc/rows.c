@@ -178,7 +178,8 @@ static void sum_blocks(const float *partials, int64_t nblocks, int64_t slot, int
   }
 }
 
-/* tsr_swiglu_backward (in place: out == gate_up) that also returns the down projection's LoRA
+/* tsr_swiglu_backward_da (below the LoRA group kernels, which it can run on the way):
+   tsr_swiglu_backward (in place: out == gate_up) that also returns the down projection's LoRA
    gradient dA = yb^T h [r, n] for yb = s (dy B) [rows, r], with h = silu(gate) * up formed
    on the fly (bit-identical to tsr_silu_mul's), so backward needs neither h recomputed in
    memory nor a product that reads it. Rows go in fixed blocks of SWIGLU_BLOCK, each summing
@@ -220,22 +221,6 @@ static void swiglu_block(float *gate_up, const float *dh, int64_t i0, int64_t en
         ui[j] = gs * d;
         for (int k = 0; k < r; k++) acc[(int64_t)k * n + j] += yb[(i0 + q) * r + k] * hv;
       }
-  }
-}
-
-void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n, const float *yb,
-                            int r, float *partials, float *da, int threads) {
-  int64_t nblocks = (rows + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t end = (blk + 1) * SWIGLU_BLOCK < rows ? (blk + 1) * SWIGLU_BLOCK : rows;
-      swiglu_block(gate_up, dh, blk * SWIGLU_BLOCK, end, n, yb, r, partials + blk * (int64_t)r * n);
-    }
-#pragma omp for schedule(static)
-    for (int k = 0; k < r; k++)
-      sum_blocks(partials + (int64_t)k * n, nblocks, (int64_t)r * n, n, da + (int64_t)k * n);
   }
 }
 
@@ -411,7 +396,7 @@ void tsr_lora_merge(const float *w, const float *b, const float *a, float s, flo
    sets when a width is a multiple of 1024) and are added in block order at the end: results do
    not depend on the thread count. */
 #define LORA_BLOCK 64
-_Static_assert(LORA_BLOCK == SWIGLU_BLOCK, "tsr_swiglu_backward_lora shares the blocks");
+_Static_assert(LORA_BLOCK == SWIGLU_BLOCK, "tsr_swiglu_backward_da shares the blocks");
 
 /* Columns per step of the row products below: 8 ranks' 256 columns of bt (8 KiB) stay in L1
    while a block's rows pass over them (a whole member's width did not fit beside the rows). */
@@ -510,28 +495,6 @@ static void lora_rows_times(const float *d, int64_t ldd, int64_t i0, int64_t i1,
     for (int k = 0; k < 8; k++) out[i * ldo + k] = vhsum(part[(i - i0) * 8 + k]);
 }
 
-/* The kernel's padded operands from the adapters as they are: bt [r, N + 16] = s B^T (member m's
-   B_m [N_m, rank] in columns off[m]..off[m + 1]) and, with as, sa [g, r, K + 16] = s A_m (A_m
-   [rank, K]); the ranks rank..r and the 16 padding columns zero. */
-static void lora_pack(const float *const *bs, const float *const *as, float s, int g, int rank,
-                      int r, const int64_t *off, int K, float *bt, float *sa) {
-  const int64_t LD = off[g] + 16, LK = K + 16;
-  for (int k = 0; k < r; k++) {
-    float *row = bt + (int64_t)k * LD;
-    for (int m = 0; m < g; m++)
-      for (int64_t c = 0; c < off[m + 1] - off[m]; c++)
-        row[off[m] + c] = k < rank ? bs[m][c * rank + k] * s : 0.f;
-    memset(row + off[g], 0, 16 * sizeof(float));
-  }
-  if (as)
-    for (int m = 0; m < g; m++)
-      for (int k = 0; k < r; k++) {
-        float *row = sa + ((int64_t)m * r + k) * LK;
-        for (int j = 0; j < K; j++) row[j] = k < rank ? as[m][(int64_t)k * K + j] * s : 0.f;
-        memset(row + K, 0, 16 * sizeof(float));
-      }
-}
-
 /* A LoRA group as tsr_lora_grads takes it (engine/adapter_grads.py mirrors it). */
 struct tsr_lora_group {
   const int64_t *off;
@@ -544,6 +507,29 @@ struct tsr_lora_group {
   int K;
   float *sa, *xa, *dyb, *partials, *dbt, *db, *da;
 };
+
+/* The kernel's padded operands from the adapters as they are: bt [r, N + 16] = s B^T (member m's
+   B_m [N_m, rank] in columns off[m]..off[m + 1]) and, with x, sa [g, r, K + 16] = s A_m (A_m
+   [rank, K]); the ranks rank..r and the 16 padding columns zero. */
+static void lora_pack(const struct tsr_lora_group *G) {
+  const int64_t *off = G->off;
+  const int g = G->g, r = G->r, rank = G->rank, K = G->K;
+  const int64_t LD = off[g] + 16, LK = K + 16;
+  for (int k = 0; k < r; k++) {
+    float *row = G->bt + (int64_t)k * LD;
+    for (int m = 0; m < g; m++)
+      for (int64_t c = 0; c < off[m + 1] - off[m]; c++)
+        row[off[m] + c] = k < rank ? G->bs[m][c * rank + k] * G->s : 0.f;
+    memset(row + off[g], 0, 16 * sizeof(float));
+  }
+  if (G->x)
+    for (int m = 0; m < g; m++)
+      for (int k = 0; k < r; k++) {
+        float *row = G->sa + ((int64_t)m * r + k) * LK;
+        for (int j = 0; j < K; j++) row[j] = k < rank ? G->as[m][(int64_t)k * K + j] * G->s : 0.f;
+        memset(row + K, 0, 16 * sizeof(float));
+      }
+}
 
 static int64_t lora_slot(const struct tsr_lora_group *G) {
   return (int64_t)G->r * (G->off[G->g] + 16) + (G->x ? (int64_t)G->g * G->r * (G->K + 16) : 0);
@@ -590,7 +576,7 @@ static void lora_finish(const struct tsr_lora_group *G, int64_t nblocks) {
 
 void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const struct tsr_lora_group *G,
                     int threads) {
-  lora_pack(G->bs, G->x ? G->as : NULL, G->s, G->g, G->rank, G->r, G->off, G->K, G->bt, G->sa);
+  lora_pack(G);
   const int64_t nblocks = (rows + LORA_BLOCK - 1) / LORA_BLOCK;
 #pragma omp parallel num_threads(threads)
   {
@@ -603,15 +589,16 @@ void tsr_lora_grads(const float *dy, int64_t ldy, int64_t rows, const struct tsr
   }
 }
 
-/* tsr_swiglu_backward_da and, in the same pass, tsr_lora_grads for the gate/up projections'
-   group G (members gate and up, columns 0..n and n..2n of gate_up): each block's gradient rows
-   [d_gate | d_up], just written over gate_up, go through the group's products while they are
-   in cache, instead of a second pass that reads the [rows, 2n] gradient back from memory. The
-   same blocks, sums and order as the two kernels: the same bits. */
-void tsr_swiglu_backward_lora(float *gate_up, const float *dh, int64_t rows, int n,
-                              const float *yb, int r, float *partials, float *da,
-                              const struct tsr_lora_group *G, int threads) {
-  lora_pack(G->bs, G->x ? G->as : NULL, G->s, G->g, G->rank, G->r, G->off, G->K, G->bt, G->sa);
+/* The SwiGLU gradient and dA of the down projection (see SWIGLU_BLOCK), and with G (NULL: none),
+   in the same pass, tsr_lora_grads for the gate/up projections' group G (members gate and up,
+   columns 0..n and n..2n of gate_up): each block's gradient rows [d_gate | d_up], just written
+   over gate_up, go through the group's products while they are in cache, instead of a second
+   pass that reads the [rows, 2n] gradient back from memory. The same blocks, sums and order as
+   the two passes apart: the same bits. */
+void tsr_swiglu_backward_da(float *gate_up, const float *dh, int64_t rows, int n, const float *yb,
+                            int r, float *partials, float *da, const struct tsr_lora_group *G,
+                            int threads) {
+  if (G) lora_pack(G);
   const int64_t nblocks = (rows + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
 #pragma omp parallel num_threads(threads)
   {
@@ -619,11 +606,11 @@ void tsr_swiglu_backward_lora(float *gate_up, const float *dh, int64_t rows, int
     for (int64_t blk = 0; blk < nblocks; blk++) {
       int64_t i0 = blk * SWIGLU_BLOCK, end = i0 + SWIGLU_BLOCK < rows ? i0 + SWIGLU_BLOCK : rows;
       swiglu_block(gate_up, dh, i0, end, n, yb, r, partials + blk * (int64_t)r * n);
-      lora_block(gate_up, 2 * (int64_t)n, G, blk, i0, end);
+      if (G) lora_block(gate_up, 2 * (int64_t)n, G, blk, i0, end);
     }
 #pragma omp for schedule(static)
     for (int k = 0; k < r; k++)
       sum_blocks(partials + (int64_t)k * n, nblocks, (int64_t)r * n, n, da + (int64_t)k * n);
-    lora_finish(G, nblocks);
+    if (G) lora_finish(G, nblocks);
   }
 }
