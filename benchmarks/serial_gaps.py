@@ -44,37 +44,30 @@ def instrument(events: list[tuple[float, float, str, str]]) -> None:
     """Record (start, end, kernel, site) for every C kernel and oneDNN GEMM call."""
     from tinker_sr.engine import compiled, gemm
 
+    def timed(fn: Any, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            site = _site()
+            start = time.perf_counter()
+            out = fn(*args)
+            events.append((start, time.perf_counter(), name, site))
+            return out
+
+        return call
+
     class Timed:
         def __init__(self, lib: Any) -> None:
             self._lib = lib
 
         def __getattr__(self, name: str) -> Any:
             fn = getattr(self._lib, name)
-            if not name.startswith("tsr_"):
-                return fn
-
-            def call(*args: Any) -> Any:
-                site = _site()
-                start = time.perf_counter()
-                out = fn(*args)
-                events.append((start, time.perf_counter(), name[4:], site))
-                return out
-
-            return call
+            return timed(fn, name[4:]) if name.startswith("tsr_") else fn
 
     rows, attention = compiled._rows_library(), compiled._attention_library()
     compiled._rows_library = lambda: Timed(rows)  # type: ignore[assignment]
     compiled._attention_library = lambda: Timed(attention)  # type: ignore[assignment]
     op = gemm._op()
     if op is not None:
-
-        def timed_op(*args: Any) -> Any:
-            site = _site()
-            start = time.perf_counter()
-            out = op(*args)
-            events.append((start, time.perf_counter(), "gemm", site))
-            return out
-
+        timed_op = timed(op, "gemm")
         gemm._op = lambda: timed_op  # type: ignore[assignment]
 
 

@@ -8,7 +8,7 @@ restored optimizer continues bit-identically.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -128,15 +128,15 @@ class Adam:
             torch._foreach_lerp_(ms, grads, 1 - b1)
             torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+            same = len(set(ts)) == 1  # the usual case: one scalar (a list is wrapped per tensor)
+
+            def per_step(f: Callable[[int], float]) -> float | list[float]:
+                return f(ts[0]) if same else [f(t) for t in ts]
+
             denom = torch._foreach_sqrt(vs)
-            if len(set(ts)) == 1:  # the usual case: one scalar (a list is wrapped per tensor)
-                torch._foreach_div_(denom, (1 - b2 ** ts[0]) ** 0.5)
-                torch._foreach_add_(denom, hp.eps)
-                torch._foreach_addcdiv_(ps, ms, denom, value=-(lr / (1 - b1 ** ts[0])))
-            else:
-                torch._foreach_div_(denom, [(1 - b2**t) ** 0.5 for t in ts])
-                torch._foreach_add_(denom, hp.eps)
-                torch._foreach_addcdiv_(ps, ms, denom, [-(lr / (1 - b1**t)) for t in ts])
+            torch._foreach_div_(denom, per_step(lambda t: (1 - b2**t) ** 0.5))
+            torch._foreach_add_(denom, hp.eps)
+            torch._foreach_addcdiv_(ps, ms, denom, per_step(lambda t: -(lr / (1 - b1**t))))
         if zero_grad:
             self.zero_grad()
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
