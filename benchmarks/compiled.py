@@ -136,12 +136,19 @@ def alternate(
 
 
 def report(
-    times: dict[str, list[float]], losses: dict[str, list[float]], a: str, b: str, label: str
+    times: dict[str, list[float]],
+    losses: dict[str, list[float]],
+    a: str,
+    b: str,
+    label: str,
+    *,
+    list_times: bool = True,
 ) -> None:
-    """Each setting's median and per-round step times, then the per-pair ratios a / b, their
-    median and the largest relative loss difference between a and b."""
+    """Each setting's median and per-round step times (unless ``list_times`` is False), then
+    the per-pair ratios a / b, their median and the largest relative loss difference between
+    a and b."""
     width = max(len(n) for n in times)
-    for name, seconds in times.items():
+    for name, seconds in times.items() if list_times else ():
         print(
             f"{name:>{width}}: median {statistics.median(seconds):.3f} s per step ("
             + ", ".join(f"{t:.3f}" for t in seconds)

@@ -69,26 +69,43 @@ def test_chunked_matches_full_logits(
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("known", [True, False], ids=["known-gradient", "recompute"])
 def test_positions_without_loss_skip_the_backward_unembedding(
-    monkeypatch: pytest.MonkeyPatch,
+    known: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[int] = []
+    """A LoRA head multiplies a logit gradient back only for rows that carry a loss: in
+    forward when the loss's gradient is known ahead (importance_sampling; no logits in
+    backward), else in backward, where only those rows' logits are recomputed."""
+    monkeypatch.setattr(loss_logprobs, "PRECOMPUTE_HEAD_GRAD", known)
+    logits_rows: list[int] = []
+    grad_rows: list[int] = []
     head = _head(torch.float64)
-    original = loss_logprobs._lora_logits  # a LoRA head's logits, forward and backward
+    logits = loss_logprobs._lora_logits  # a LoRA head's logits, forward and backward
+    dz_grads = loss_logprobs._lora_dz_grads  # a chunk's products with its logit gradient
 
     def counting(lora: object, x: torch.Tensor, rows: int) -> object:
-        calls.append(x.shape[0])
-        return original(lora, x, rows)  # type: ignore[arg-type]
+        logits_rows.append(x.shape[0])
+        return logits(lora, x, rows)  # type: ignore[arg-type]
+
+    def counting_dz(lora: object, dz: torch.Tensor, *rest: object) -> object:
+        grad_rows.append(dz.shape[0])
+        return dz_grads(lora, dz, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loss_logprobs, "_lora_logits", counting)
+    monkeypatch.setattr(loss_logprobs, "_lora_dz_grads", counting_dz)
     _, data = random_batch("importance_sampling", seed=7)  # advantages are 0 on 2 rows each
     hidden = [torch.randn(d.target_tokens.shape[0], D, dtype=torch.float64) for d in data]
     result = compute_loss("importance_sampling", hidden, data, {}, unembed=head)
-    forward_rows = sum(calls)
-    calls.clear()
+    forward = sum(logits_rows), sum(grad_rows)
+    logits_rows.clear()
+    grad_rows.clear()
     result.loss.backward()
     live = sum(int((d.inputs["advantages"] != 0).sum()) for d in data)
-    assert forward_rows == sum(h.shape[0] for h in hidden) and sum(calls) == live < forward_rows
+    assert forward[0] == sum(h.shape[0] for h in hidden) > live
+    if known:
+        assert forward[1] == live and logits_rows == grad_rows == []
+    else:
+        assert forward[1] == 0 and sum(logits_rows) == sum(grad_rows) == live
     # Only the head's adapter is trainable here (hidden states need no gradient): it gets one.
     assert head.lora_B.weight.grad is not None and head.lora_B.weight.grad.abs().sum() > 0
 

@@ -10,7 +10,7 @@ the gradient is produced for the batch at once instead of one padded copy per da
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,11 @@ import torch
 from tinker_sr.engine import compiled, gemm
 from tinker_sr.engine.fused import frozen_cast
 from tinker_sr.engine.lora import LoraLinear
+
+# (first row, stop row, the rows' log-probs [n, J]) -> the gradient of the loss with respect
+# to those log-probs, as autograd will deliver it to the head (see `head_logprobs`).
+GradOf = Callable[[int, int, torch.Tensor], torch.Tensor]
+
 
 # Upper bound on the elements of any transient rows x vocab tensor: just under 32 MiB in
 # float32, so that a fresh chunk of logits (the oneDNN GEMM has no ``out=``) comes from the
@@ -33,7 +38,7 @@ PRECOMPUTE_HEAD_GRAD = True
 PACK_HEAD_MAX_BYTES = 256 << 20
 
 
-def _chunk_rows(vocab: int) -> int:
+def chunk_rows(vocab: int) -> int:
     """Rows per chunk of logits: at most `_CHUNK_ELEMENTS` elements, rounded down to a multiple
     of 64 rows where there are that many (16 below): oneDNN runs the unembedding's products
     ~5-8 % faster on 256 rows than on the 262 that fit at V = 32,000 (a ragged row block)."""
@@ -60,7 +65,7 @@ class _GatherLogprobs(torch.autograd.Function):
         cols: torch.Tensor,
         compute_dtype: torch.dtype,
     ) -> torch.Tensor:
-        chunk = _chunk_rows(z.shape[1])
+        chunk = chunk_rows(z.shape[1])
         lse = torch.empty(cols.shape[0], dtype=compute_dtype, device=z.device)
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=z.device)
         for sl, a, b in _chunks(ranges, chunk):
@@ -74,7 +79,7 @@ class _GatherLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         z, cols, lse = ctx.saved_tensors
         ranges: list[tuple[int, int]] = ctx.ranges
-        chunk = _chunk_rows(z.shape[1])
+        chunk = chunk_rows(z.shape[1])
         grad = grad.to(lse.dtype)
         gsum = grad.sum(dim=1)
 
@@ -194,12 +199,18 @@ class _HeadLogprobs(torch.autograd.Function):
         head: torch.nn.Module,
         compute_dtype: torch.dtype,
         vocab: int,
+        grad_of: GradOf | None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        chunk = _chunk_rows(vocab)
+        chunk = chunk_rows(vocab)
         weight = None
         if PRECOMPUTE_HEAD_GRAD and ctx.needs_input_grad[0] and not params:
             weight = _plain_weight(head)
+        known = None
+        if PRECOMPUTE_HEAD_GRAD and grad_of is not None and params and any(ctx.needs_input_grad):
+            lora = _lora_parts(head, h)
+            if lora is not None:
+                known = _KnownGrads(lora, h, cols.shape[1], ctx.needs_input_grad[0], chunk)
         lse = torch.empty(h.shape[0], dtype=compute_dtype, device=h.device)
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
         expected = None if weight is None else torch.zeros_like(h)
@@ -209,14 +220,22 @@ class _HeadLogprobs(torch.autograd.Function):
         with torch.no_grad():
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk]
-                z = _chunk_logits(head, low, hc, compute_dtype, buffers, chunk)
+                if known is not None:
+                    z, u = _lora_logits(known.lora, hc, chunk)
+                else:
+                    z = _chunk_logits(head, low, hc, compute_dtype, buffers, chunk)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
                 e, total = _exp_rows(z, compute_dtype, lse[a : a + chunk], buffers)
                 if expected is not None and weight is not None:
                     mm_weight = weight if low is None else low
                     _expected_rows(e, total, mm_weight, hint, a, expected, done, chunk)
+                if known is not None and grad_of is not None:
+                    stop = a + hc.shape[0]
+                    g = grad_of(a, stop, picked[a:stop] - lse[a:stop, None])
+                    known.add_chunk(a, hc, u, e, total, g, cols[a:stop])
         ctx.save_for_backward(h, cols, lse, expected, done)
         ctx.head, ctx.chunk, ctx.params, ctx.weight = head, chunk, params, weight
+        ctx.known = known
         return picked.sub_(lse[:, None])
 
     @staticmethod
@@ -224,6 +243,11 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         h, cols, lse, expected, done = ctx.saved_tensors
         grad = grad.to(lse.dtype)
+        known: _KnownGrads | None = ctx.known
+        ctx.known = None
+        if known is not None and torch.equal(grad, known.g):  # forward formed them all
+            dh = known.dh.to(h.dtype) if known.dh is not None else None
+            return (dh, None, None, None, None, None, None, *known.param_grads(ctx.params))
         live = grad.ne(0).any(dim=1)  # rows that carry a loss
         dh = None
         if ctx.needs_input_grad[0] and expected is not None and bool((live & done).all()):
@@ -237,7 +261,7 @@ class _HeadLogprobs(torch.autograd.Function):
             dh.index_copy_(0, rows, got.to(dh.dtype))
             live &= ~done
         dparams = _recompute_rows(ctx, grad, torch.nonzero(live).squeeze(1), h, cols, lse, dh)
-        return (dh, None, None, None, None, None, *dparams)
+        return (dh, None, None, None, None, None, None, *dparams)
 
 
 def _head_grad(g: torch.Tensor, picked_w: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -454,7 +478,7 @@ def _lora_backward(
     turn them in place into dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, then
     dh = dz W + scaling (dz B) A, dA = scaling (dz B)^T h, dB = dz^T u (u = scaling h A^T).
     Returns (dA, dB) in the order of ``params``."""
-    w, a, b, scaling = lora
+    _, a, b, _ = lora
     da, db_t = torch.zeros_like(a), torch.zeros_like(b.t())
     for start in range(0, live.numel(), chunk):
         rows = live[start : start + chunk]
@@ -462,13 +486,84 @@ def _lora_backward(
         z, u = _lora_logits(lora, hc, chunk)
         dz = _softmax_times(z, lse[rows], -g.sum(dim=1))
         dz.scatter_add_(1, cols[rows], g)
-        dzb = gemm.mm(dz, b)  # [n, r]
-        if dh is not None:
-            got = gemm.packed_mm(dz, w, chunk) if _packs_head(w) else gemm.mm(dz, w)
-            dh.index_copy_(0, rows, got.addmm_(dzb, a, alpha=scaling))
-        da.addmm_(dzb.t(), hc, alpha=scaling)
-        db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
+        got = _lora_dz_grads(lora, dz, hc, u, da, db_t, chunk, dh is not None)
+        if dh is not None and got is not None:
+            dh.index_copy_(0, rows, got)
     return [da if p is a else db_t.t().contiguous() for p in params]
+
+
+def _lora_dz_grads(
+    lora: _Lora,
+    dz: torch.Tensor,
+    hc: torch.Tensor,
+    u: torch.Tensor,
+    da: torch.Tensor,
+    db_t: torch.Tensor,
+    chunk: int,
+    need_dh: bool,
+) -> torch.Tensor | None:
+    """From a chunk's logit gradient ``dz``: dA += scaling (dz B)^T h and dB^T += u^T dz in
+    place; returns the chunk's dh = dz W + scaling (dz B) A (None unless ``need_dh``)."""
+    w, a, b, scaling = lora
+    dzb = gemm.mm(dz, b)  # [n, r]
+    got = None
+    if need_dh:
+        got = gemm.packed_mm(dz, w, chunk) if _packs_head(w) else gemm.mm(dz, w)
+        got.addmm_(dzb, a, alpha=scaling)
+    da.addmm_(dzb.t(), hc, alpha=scaling)
+    db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
+    return got
+
+
+class _KnownGrads:
+    """A LoRA head's backward formed in its forward, chunk by chunk while each chunk's logits
+    are at hand, for a loss that says in advance what gradient it will deliver (``grad_of``):
+    the logits are not recomputed in backward (one unembedding product less per chunk). Used
+    only if the delivered gradient equals ``g`` bit for bit; otherwise backward recomputes
+    as it would have without this."""
+
+    def __init__(self, lora: _Lora, h: torch.Tensor, width: int, need_dh: bool, chunk: int):
+        _, a, b, _ = lora
+        self.lora, self.chunk_rows = lora, chunk
+        self.g = torch.zeros((h.shape[0], width), dtype=h.dtype, device=h.device)
+        self.dh = torch.zeros_like(h) if need_dh else None
+        self.da, self.db_t = torch.zeros_like(a), torch.zeros_like(b.t())
+
+    def add_chunk(
+        self,
+        start: int,
+        hc: torch.Tensor,
+        u: torch.Tensor,
+        e: torch.Tensor,
+        total: torch.Tensor,
+        g: torch.Tensor,
+        cols: torch.Tensor,
+    ) -> None:
+        """Rows ``start:start + n``: ``e = exp(z - max)`` over the chunk's logits (overwritten
+        with dL/dz), ``total`` its row sums, ``g`` the loss's gradient for the rows' log-probs,
+        ``u = scaling hc A^T``."""
+        n = hc.shape[0]
+        self.g[start : start + n] = g
+        live = g.ne(0).any(dim=1)
+        if not bool(live.any()):
+            return  # no loss on these rows: dz = 0
+        dz = e.mul_((-g.sum(dim=1) / total)[:, None]).scatter_add_(1, cols, g)
+        rows = None
+        if not bool(live.all()):  # multiply only the rows that carry a loss
+            rows = torch.nonzero(live).squeeze(1)
+            dz, hc, u = dz[rows], hc[rows], u[rows]
+        got = _lora_dz_grads(
+            self.lora, dz, hc, u, self.da, self.db_t, self.chunk_rows, self.dh is not None
+        )
+        if self.dh is not None and got is not None:
+            if rows is None:
+                self.dh[start : start + n] = got
+            else:
+                self.dh.index_copy_(0, rows + start, got)
+
+    def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        a = self.lora[1]
+        return [self.da if p is a else self.db_t.t().contiguous() for p in params]
 
 
 def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -490,10 +585,16 @@ def head_logprobs(
     cols: list[torch.Tensor],
     head: torch.nn.Module,
     hint: Sequence[torch.Tensor] | None = None,
+    grad_of: GradOf | None = None,
 ) -> tuple[list[torch.Tensor], torch.dtype]:
     """Per datum log_softmax(head(hidden[i]))[:, cols[i]] ([N_i, J_i]), chunked. ``hint[i]``
     (bool [N_i]) marks the positions that may carry a loss (None: any may); it only decides
-    where backward work is done ahead, never the result."""
+    where backward work is done ahead, never the result. ``grad_of(start, stop, logp)``: the
+    gradient autograd will deliver for rows ``start:stop`` of the concatenated datums (padded
+    to the widest J with zeros) given their log-probs, for losses that know it from each
+    row's own log-probs; a LoRA head then forms its whole backward in forward (see
+    `_KnownGrads`). Like ``hint`` it never changes a result's meaning: a delivered gradient
+    that differs is handled by recomputing."""
     compute_dtype = torch.float64 if hidden[0].dtype == torch.float64 else torch.float32
     j_max = max(c.shape[1] for c in cols)
     h = torch.cat(list(hidden))
@@ -502,7 +603,7 @@ def head_logprobs(
     vocab = int(getattr(head, "out_features", 0))
     params = [p for p in head.parameters() if p.requires_grad]
     logp = _HeadLogprobs.apply(
-        h, padded.to(h.device), flat_hint, head, compute_dtype, vocab, *params
+        h, padded.to(h.device), flat_hint, head, compute_dtype, vocab, grad_of, *params
     )
     out, m = [], 0
     for x, c in zip(hidden, cols, strict=True):

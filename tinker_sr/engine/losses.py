@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tinker_sr.engine.loss_checks import LOSS_NAMES, validate_request
+from tinker_sr.engine.loss_grads import clip_bounds, known_grads, sampled_positions
+from tinker_sr.engine.loss_grads import ratio as ratio_of
 from tinker_sr.engine.loss_logprobs import gather_logprobs, head_logprobs
 
 __all__ = [
@@ -96,23 +98,6 @@ class LossResult:
 # Losses (flat over all positions of the request)
 
 
-def _clip_bounds(
-    data: Sequence[LossDatum], cfg: Mapping[str, float], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lo: list[torch.Tensor] = []
-    hi: list[torch.Tensor] = []
-    for d in data:
-        n = d.target_tokens.shape[0]
-        for key, acc in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
-            per_pos = d.inputs.get(key)
-            acc.append(
-                per_pos.to(dtype)
-                if per_pos is not None
-                else torch.full((n,), cfg[key], dtype=dtype)
-            )
-    return torch.cat(lo), torch.cat(hi)
-
-
 def _trust_region(
     ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +132,7 @@ def compute_loss(
     no [N, V] tensor is ever allocated, and the backward pass skips positions without loss.
     """
     cfg = _check_request(loss_fn, logits, data, config, unembed)
-    logp, cd = _learner_logprobs(loss_fn, logits, data, unembed)
+    logp, cd = _learner_logprobs(loss_fn, logits, data, unembed, cfg)
     outputs = [
         {"logprobs": (lp[:, 0] if d.target_tokens.dim() == 1 else lp).detach().float()}
         for lp, d in zip(logp, data, strict=True)
@@ -188,6 +173,7 @@ def _learner_logprobs(
     logits: Sequence[torch.Tensor],
     data: Sequence[LossDatum],
     unembed: torch.nn.Module | None,
+    cfg: Mapping[str, float],
 ) -> tuple[list[torch.Tensor], torch.dtype]:
     """Per datum [N_i, J_i] log-probs of its target columns (then its draws, for
     stable_reinforce), and the compute dtype."""
@@ -200,7 +186,10 @@ def _learner_logprobs(
             tt = torch.cat([tt, d.draws.to(device=device, dtype=torch.long).clamp_min(0)], 1)
         cols.append(tt)
     if unembed is not None:
-        return head_logprobs(logits, cols, unembed, _may_carry_loss(loss_fn, data))
+        cd = torch.float64 if logits[0].dtype == torch.float64 else torch.float32
+        width = max(c.shape[1] for c in cols)
+        grad_of = known_grads(loss_fn, data, cfg, width, device, cd)
+        return head_logprobs(logits, cols, unembed, _may_carry_loss(loss_fn, data), grad_of)
     return gather_logprobs(logits, cols)
 
 
@@ -254,18 +243,10 @@ def _flatten(logp: Sequence[torch.Tensor], data: Sequence[LossDatum], cd: torch.
     lx = torch.cat([lp[:, 0] for lp in logp])
     lq = cat("logprobs")
     adv = cat("advantages")
-    diag_parts = []
-    for d in data:
-        if d.sampled_mask is not None:
-            diag_parts.append(d.sampled_mask.to(device))
-        else:
-            part = (d.inputs["advantages"] != 0) | (d.inputs["logprobs"] != 0)
-            diag_parts.append(part.to(device))
+    diag_parts = [sampled_positions(d).to(device) for d in data]
     diag = torch.cat(diag_parts).to(device)
-    # Where A = 0 a position contributes nothing; keep its ratio at 1 there so an extreme sampler
-    # log-prob cannot overflow to inf and turn the batch's gradient into NaN (inf * 0).
     active = adv != 0
-    ratio = torch.exp(torch.where(active, lx - lq, torch.zeros_like(lx)))
+    ratio = ratio_of(lx, lq, active)  # 1 where A = 0: see `loss_grads.ratio`
     return _Flat(lx, lq, adv, diag_parts, diag, active, ratio)
 
 
@@ -300,11 +281,11 @@ def _token_loss(
     if loss_fn == "importance_sampling":
         return -ratio * adv, None
     if loss_fn == "ppo":
-        lo, hi = _clip_bounds(data, cfg, cd)
+        lo, hi = clip_bounds(data, cfg, cd)
         surrogate, clipped = _trust_region(ratio, adv, lo.to(device), hi.to(device))
         return -surrogate, clipped
     if loss_fn == "cispo":
-        lo, hi = _clip_bounds(data, cfg, cd)
+        lo, hi = clip_bounds(data, cfg, cd)
         lo, hi = lo.to(device), hi.to(device)
         r = ratio.detach()
         clipped = (r < lo) | (r > hi)
@@ -319,7 +300,7 @@ def _gspo(
     f: _Flat, data: Sequence[LossDatum], cfg: Mapping[str, float], cd: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     device, lx, lq = f.lx.device, f.lx, f.lq
-    lo, hi = _clip_bounds(data, cfg, cd)
+    lo, hi = clip_bounds(data, cfg, cd)
     sizes = [d.target_tokens.shape[0] for d in data]
     seg = torch.repeat_interleave(
         torch.arange(len(data), device=device), torch.tensor(sizes, device=device)
