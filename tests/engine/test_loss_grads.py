@@ -234,3 +234,55 @@ def test_importance_sampling_beyond_torchs_parallel_grain_keeps_the_known_path(
     compute_loss("importance_sampling", hidden, data, {}, unembed=head).loss.backward()
     assert recomputed == []
     assert head.lora_A.weight.grad is not None and head.lora_A.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["known-gradient", "recompute"])
+def test_lora_head_under_bf16_autocast_multiplies_in_bf16_within_its_rounding(
+    known: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 autocast (``TINKER_SR_TRAIN_DTYPE=bf16``) the by-hand LoRA head runs its two
+    unembedding products in bf16, as a frozen head does, and the adapter's and the softmax in
+    float32 (it had fallen back to its own forward and autograd, ~1.45x the step): loss and
+    gradients within bf16 rounding of float32, the known-gradient path still taken."""
+    monkeypatch.setattr(loss_logprobs, "PRECOMPUTE_HEAD_GRAD", known)
+    recomputed: list[int] = []
+    by_hand = loss_logprobs._lora_backward
+    monkeypatch.setattr(
+        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a)
+    )
+    low_products: list[torch.dtype] = []
+    for name in ("base_logits", "base_grad"):
+        real = getattr(loss_logprobs._Lora, name)
+
+        def counting(self: object, x: torch.Tensor, rows: int, real: object = real) -> object:
+            low = getattr(self, "low", None)
+            low_products.append(torch.float32 if low is None else low.dtype)
+            return real(self, x, rows)  # type: ignore[operator]
+
+        monkeypatch.setattr(loss_logprobs._Lora, name, counting)
+    data = _batch("importance_sampling")
+    gen = torch.Generator().manual_seed(3)
+    hidden0 = [torch.randn(d.target_tokens.shape[0], D, generator=gen) for d in data]
+
+    def run(autocast: bool) -> list[torch.Tensor]:
+        hidden = [h.clone().requires_grad_() for h in hidden0]
+        head = _head(torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            result = compute_loss("importance_sampling", hidden, data, {}, unembed=head)
+        result.loss.backward()
+        return [result.loss.detach(), torch.cat([h.grad for h in hidden])] + [
+            head.lora_A.weight.grad,
+            head.lora_B.weight.grad,
+        ]  # type: ignore[list-item]
+
+    got = run(True)
+    # forward: the logits (and, known, dz W); recompute: the logits again and dz W in backward
+    assert set(low_products) == {torch.bfloat16} and len(low_products) == (2 if known else 3)
+    assert len(recomputed) == (0 if known else 1)
+    low_products.clear()
+    want = run(False)
+    assert set(low_products) == {torch.float32}
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float32
+        err = float((a - b).norm() / b.norm())
+        assert 0 < err < 2e-2, err  # bf16 products: not the float32 bits, within their rounding

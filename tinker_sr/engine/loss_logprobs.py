@@ -11,6 +11,7 @@ the gradient is produced for the batch at once instead of one padded copy per da
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -432,35 +433,62 @@ def _recompute_rows(
     return dparams
 
 
-# A LoRA head's frozen weight, adapter and scaling: z = h W^T + scaling * (h A^T) B^T.
-_Lora = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
+@dataclass(frozen=True)
+class _Lora:
+    """A LoRA head's frozen weight, adapter and scaling: z = h W^T + scaling (h A^T) B^T.
+    ``low``: under autocast, W in the autocast dtype (`fused.frozen_cast`, kept): the two
+    unembedding products (logits and dz W) then run in it, as a frozen head's do under
+    autocast, rounded to that precision and widened; everything else stays float32."""
+
+    w: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    low: torch.Tensor | None = None
+
+    def base_logits(self, hc: torch.Tensor, rows: int) -> torch.Tensor:
+        """hc W^T (float32: on the packed weight, or in ``low``'s dtype and widened)."""
+        if self.low is not None:
+            return torch.mm(hc.to(self.low.dtype), self.low.t()).to(hc.dtype)
+        w = self.w
+        return gemm.packed_linear(hc, w, rows=rows) if _packs_head(w) else gemm.linear(hc, w)
+
+    def base_grad(self, dz: torch.Tensor, rows: int) -> torch.Tensor:
+        """dz W, as `base_logits` runs its product."""
+        if self.low is not None:
+            return torch.mm(dz.to(self.low.dtype), self.low).to(dz.dtype)
+        w = self.w
+        return gemm.packed_mm(dz, w, rows) if _packs_head(w) else gemm.mm(dz, w)
 
 
 def _lora_parts(head: torch.nn.Module, h: torch.Tensor) -> _Lora | None:
-    """(W, A, B, scaling) of a LoRA head (`lora.LoraLinear`: the SDK's default
-    ``train_unembed=True``) whose products this module runs itself: no bias, a frozen base,
-    its adapter the only trainable parameters, and one dtype throughout (no autocast, no
-    low-precision base under a float32 adapter). Else None: the head's own forward and
-    autograd."""
+    """A LoRA head (`lora.LoraLinear`: the SDK's default ``train_unembed=True``) whose
+    products this module runs itself: no bias, a frozen base, its adapter the only trainable
+    parameters, and one dtype throughout (hidden states, base and adapter; under autocast the
+    base's products run in the autocast dtype, see `_Lora`). Else None: the head's own
+    forward and autograd."""
     if type(head) is not LoraLinear or head.bias is not None or head.weight.requires_grad:
         return None
     w, a, b = head.weight, head.lora_A.weight, head.lora_B.weight
-    if torch.is_autocast_enabled(h.device.type) or not (w.dtype == a.dtype == b.dtype == h.dtype):
+    if not (w.dtype == a.dtype == b.dtype == h.dtype):
         return None
     trainable = [p for p in head.parameters() if p.requires_grad]
     if len(trainable) != 2 or not (trainable[0] is a and trainable[1] is b):
         return None
-    return w, a, b, head.scaling
+    kind = h.device.type
+    low = None
+    if torch.is_autocast_enabled(kind):
+        low = frozen_cast(w, torch.get_autocast_dtype(kind))
+    return _Lora(w, a, b, head.scaling, low)
 
 
 def _lora_logits(lora: _Lora, hc: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``z = hc W^T + u B^T``, ``u = scaling * hc A^T``): the base product on the packed
     weight (as a frozen head's) and the rank-r update added in place, so no [rows, V]
     temporary is scaled or added (the head's own forward made three of them per chunk)."""
-    w, a, b, scaling = lora
-    u = gemm.linear(hc, a).mul_(scaling)
-    z = gemm.packed_linear(hc, w, rows=rows) if _packs_head(w) else gemm.linear(hc, w)
-    return z.addmm_(u, b.t()), u
+    with torch.autocast(hc.device.type, enabled=False):
+        u = gemm.linear(hc, lora.a).mul_(lora.scaling)
+        return lora.base_logits(hc, rows).addmm_(u, lora.b.t()), u
 
 
 def _lora_backward(
@@ -478,8 +506,8 @@ def _lora_backward(
     turn them in place into dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, then
     dh = dz W + scaling (dz B) A, dA = scaling (dz B)^T h, dB = dz^T u (u = scaling h A^T).
     Returns (dA, dB) in the order of ``params``."""
-    _, a, b, _ = lora
-    da, db_t = torch.zeros_like(a), torch.zeros_like(b.t())
+    a = lora.a
+    da, db_t = torch.zeros_like(a), torch.zeros_like(lora.b.t())
     for start in range(0, live.numel(), chunk):
         rows = live[start : start + chunk]
         g, hc = grad[rows], h[rows].detach()
@@ -504,14 +532,12 @@ def _lora_dz_grads(
 ) -> torch.Tensor | None:
     """From a chunk's logit gradient ``dz``: dA += scaling (dz B)^T h and dB^T += u^T dz in
     place; returns the chunk's dh = dz W + scaling (dz B) A (None unless ``need_dh``)."""
-    w, a, b, scaling = lora
-    dzb = gemm.mm(dz, b)  # [n, r]
-    got = None
-    if need_dh:
-        got = gemm.packed_mm(dz, w, chunk) if _packs_head(w) else gemm.mm(dz, w)
-        got.addmm_(dzb, a, alpha=scaling)
-    da.addmm_(dzb.t(), hc, alpha=scaling)
-    db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
+    a, b, scaling = lora.a, lora.b, lora.scaling
+    with torch.autocast(dz.device.type, enabled=False):
+        dzb = gemm.mm(dz, b)  # [n, r]
+        got = lora.base_grad(dz, chunk).addmm_(dzb, a, alpha=scaling) if need_dh else None
+        da.addmm_(dzb.t(), hc, alpha=scaling)
+        db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
     return got
 
 
@@ -523,11 +549,10 @@ class _KnownGrads:
     as it would have without this."""
 
     def __init__(self, lora: _Lora, h: torch.Tensor, width: int, need_dh: bool, chunk: int):
-        _, a, b, _ = lora
         self.lora, self.chunk_rows = lora, chunk
         self.g = torch.zeros((h.shape[0], width), dtype=h.dtype, device=h.device)
         self.dh = torch.zeros_like(h) if need_dh else None
-        self.da, self.db_t = torch.zeros_like(a), torch.zeros_like(b.t())
+        self.da, self.db_t = torch.zeros_like(lora.a), torch.zeros_like(lora.b.t())
 
     def add_chunk(
         self,
@@ -562,7 +587,7 @@ class _KnownGrads:
                 self.dh.index_copy_(0, rows + start, got)
 
     def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        a = self.lora[1]
+        a = self.lora.a
         return [self.da if p is a else self.db_t.t().contiguous() for p in params]
 
 
