@@ -16,6 +16,7 @@ prompt of a quarter of its positions (advantage 0: no gradient there).
 
     python benchmarks/lora_head.py                      # issue-11 Qwen3 dir, 16 x 256
     python benchmarks/lora_head.py --loss importance_sampling
+    TINKER_SR_TRAIN_DTYPE=bf16 python benchmarks/lora_head.py   # bf16 mixed precision
     python benchmarks/lora_head.py --model tinker-sr/small --batch 8 --seq 128
 """
 
@@ -41,6 +42,7 @@ def main() -> None:
     import tinker_sr as tinker
     from tinker_sr.engine import loss_logprobs
     from tinker_sr.engine.cpu import describe_machine
+    from tinker_sr.engine.registry import train_autocast_dtype
 
     print(describe_machine())
     by_hand = loss_logprobs._lora_parts
@@ -67,9 +69,9 @@ def main() -> None:
             return time.perf_counter() - start, out.metrics["loss:sum"]
 
         names = ("known gradient", "recompute", "autograd", "frozen head")
-        print(
-            f"model {args.model}, LoRA r8, train step {args.batch} x {args.seq}, fp32, {args.loss}"
-        )
+        precision = "bf16 autocast" if train_autocast_dtype() is not None else "fp32"
+        shape = f"train step {args.batch} x {args.seq}, {precision}, {args.loss}"
+        print(f"model {args.model}, LoRA r8, {shape}")
         for name in names:
             step(name)  # warm-up
         times, losses = alternate(step, names, args.pairs)
