@@ -186,9 +186,11 @@ def _learner_logprobs(
             tt = torch.cat([tt, d.draws.to(device=device, dtype=torch.long).clamp_min(0)], 1)
         cols.append(tt)
     if unembed is not None:
-        cd = torch.float64 if logits[0].dtype == torch.float64 else torch.float32
-        width = max(c.shape[1] for c in cols)
-        grad_of = known_grads(loss_fn, data, cfg, width, device, cd)
+        grad_of = None
+        if torch.is_grad_enabled() and any(p.requires_grad for p in unembed.parameters()):
+            cd = torch.float64 if logits[0].dtype == torch.float64 else torch.float32
+            width = max(c.shape[1] for c in cols)
+            grad_of = known_grads(loss_fn, data, cfg, width, device, cd)  # a LoRA head's
         return head_logprobs(logits, cols, unembed, _may_carry_loss(loss_fn, data), grad_of)
     return gather_logprobs(logits, cols)
 
