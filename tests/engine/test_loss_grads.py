@@ -17,7 +17,7 @@ from tinker_sr.engine.loss_grads import known_grads
 from tinker_sr.engine.losses import LOSS_NAMES, LossDatum, compute_loss
 
 D, V = 8, 37
-KNOWN = ("cross_entropy", "importance_sampling", "ppo", "cispo", "stable_reinforce")
+KNOWN = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
 
 
 def _head(dtype: torch.dtype) -> LoraLinear:

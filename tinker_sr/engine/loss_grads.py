@@ -12,11 +12,12 @@ and recomputes if not, so a mismatch costs time, never correctness):
 * ``importance_sampling``  g = -A r where A != 0, r = exp(l - lq); else 0;
 * ``ppo``                  the same where the unclipped branch is taken, else 0;
 * ``cispo``                g = -clip(r, lo, hi) A;
+* ``dro``                  g = -A + beta (l - lq);
 * ``stable_reinforce``     on sampled positions: -A - kl_coeff for the target's column,
                            A / n * valid for each of the n valid draws' columns; else 0.
 
-gspo (its ratio is a mean over the datum) and dro (a quadratic term) return None: the head
-keeps its recompute path for them. The ratio losses and these functions compute r with the
+gspo (its ratio is a mean over the whole datum, which a chunk of rows may split) returns
+None: the head keeps its recompute path for it. The ratio losses and these functions compute r with the
 same `ratio`, the loss over the whole request and these chunk by chunk: torch's exp gives an
 element the same bits either way on the builds we pin (checked by the tests, which would
 see the recompute path taken otherwise).
@@ -59,6 +60,8 @@ def known_grads(
         return _ratio_loss(loss_fn, req, cfg)
     if loss_fn == "stable_reinforce":
         return _stable_reinforce(req, cfg["kl_coeff"])
+    if loss_fn == "dro":
+        return _dro(req, cfg["beta"])
     return None
 
 
@@ -156,3 +159,16 @@ def _stable_reinforce(req: _Request, kl_coeff: float) -> GradOf:
             g[rows : rows + n, 1 : 1 + valid.shape[1]] = per_row[:, None] * valid
         rows += n
     return lambda start, stop, logp: g[start:stop]
+
+
+def _dro(req: _Request, beta: float) -> GradOf:
+    """-A + (beta / 2) * 2 (l - lq), in the order the loss's autograd multiplies."""
+    adv, lq = req.flat("advantages"), req.flat("logprobs")
+    half_beta = torch.tensor(0.5 * beta, dtype=req.cd, device=req.device)
+
+    def grad_of(start: int, stop: int, logp: torch.Tensor) -> torch.Tensor:
+        g = req.zeros(stop - start)
+        g[:, 0] = -adv[start:stop] + half_beta * (2.0 * (logp[:, 0] - lq[start:stop]))
+        return g
+
+    return grad_of
