@@ -149,7 +149,7 @@ def _stable_reinforce(req: _Request, kl_coeff: float) -> GradOf:
     sampled = torch.cat([sampled_positions(d) for d in data]).to(device)
     m = torch.where(sampled, 1.0, 0.0).to(cd)  # the loss's where(), as its gradient
     g = req.zeros(adv.shape[0])
-    g[:, 0] = m * -adv + -(m * torch.tensor(kl_coeff, dtype=cd))
+    g[:, 0] = m * -adv + -(m * torch.tensor(kl_coeff, dtype=cd, device=device))
     rows = 0
     for d in data:
         n = d.target_tokens.shape[0]
