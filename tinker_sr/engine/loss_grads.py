@@ -17,10 +17,10 @@ and recomputes if not, so a mismatch costs time, never correctness):
                            A / n * valid for each of the n valid draws' columns; else 0.
 
 gspo (its ratio is a mean over the whole datum, which a chunk of rows may split) returns
-None: the head keeps its recompute path for it. The ratio losses and these functions compute r with the
-same `ratio`, the loss over the whole request and these chunk by chunk: torch's exp gives an
-element the same bits either way on the builds we pin (checked by the tests, which would
-see the recompute path taken otherwise).
+None: the head keeps its recompute path for it. The ratio losses and these functions compute
+r with the same `ratio`, the loss over the whole request and these chunk by chunk: torch's
+exp gives an element the same bits either way on the builds we pin (checked by the tests,
+which would see the recompute path taken otherwise).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def ratio(lx: torch.Tensor, lq: torch.Tensor, active: torch.Tensor) -> torch.Ten
 def _ratio_loss(loss_fn: str, req: _Request, cfg: Mapping[str, float]) -> GradOf:
     adv, lq = req.flat("advantages"), req.flat("logprobs")
     active = adv != 0
-    lo = hi = adv
+    lo = hi = adv  # not read by importance_sampling
     if loss_fn != "importance_sampling":
         lo, hi = (x.to(req.device) for x in clip_bounds(req.data, cfg, req.cd))
 
