@@ -138,12 +138,17 @@ def _row_source(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return base, row
 
 
+def compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """The dtype log-probs and their gradients are computed in for inputs of ``dtype``:
+    float64 stays float64, everything else (float32, bf16 autocast) float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def gather_logprobs(
     logits: Sequence[torch.Tensor], cols: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], torch.dtype]:
     """Return per datum log_softmax(logits[i])[:, cols[i]] ([N_i, J_i], compute dtype)."""
-    dtype = logits[0].dtype
-    compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    compute_dtype = compute_dtype_of(logits[0].dtype)
     # Group datums by the tensor whose rows they read, so a padded batch is handled in one call.
     groups: dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]] = {}
     for i, t in enumerate(logits):
@@ -211,7 +216,8 @@ class _HeadLogprobs(torch.autograd.Function):
         if PRECOMPUTE_HEAD_GRAD and grad_of is not None and params and any(ctx.needs_input_grad):
             lora = _lora_parts(head, h)
             if lora is not None:
-                known = _KnownGrads(lora, h, cols.shape[1], ctx.needs_input_grad[0], chunk)
+                width, need_dh = cols.shape[1], ctx.needs_input_grad[0]
+                known = _KnownGrads(lora, h, width, need_dh, chunk, compute_dtype)
         lse = torch.empty(h.shape[0], dtype=compute_dtype, device=h.device)
         picked = torch.empty(cols.shape, dtype=compute_dtype, device=h.device)
         expected = None if weight is None else torch.zeros_like(h)
@@ -548,9 +554,18 @@ class _KnownGrads:
     only if the delivered gradient equals ``g`` bit for bit; otherwise backward recomputes
     as it would have without this."""
 
-    def __init__(self, lora: _Lora, h: torch.Tensor, width: int, need_dh: bool, chunk: int):
+    def __init__(
+        self,
+        lora: _Lora,
+        h: torch.Tensor,
+        width: int,
+        need_dh: bool,
+        chunk: int,
+        compute_dtype: torch.dtype,
+    ):
         self.lora, self.chunk_rows = lora, chunk
-        self.g = torch.zeros((h.shape[0], width), dtype=h.dtype, device=h.device)
+        # The promise, in the dtype backward compares the delivered gradient in.
+        self.g = torch.zeros((h.shape[0], width), dtype=compute_dtype, device=h.device)
         self.dh = torch.zeros_like(h) if need_dh else None
         self.da, self.db_t = torch.zeros_like(lora.a), torch.zeros_like(lora.b.t())
 
@@ -620,7 +635,7 @@ def head_logprobs(
     row's own log-probs; a LoRA head then forms its whole backward in forward (see
     `_KnownGrads`). Like ``hint`` it never changes a result's meaning: a delivered gradient
     that differs is handled by recomputing."""
-    compute_dtype = torch.float64 if hidden[0].dtype == torch.float64 else torch.float32
+    compute_dtype = compute_dtype_of(hidden[0].dtype)
     j_max = max(c.shape[1] for c in cols)
     h = torch.cat(list(hidden))
     padded = torch.cat([torch.nn.functional.pad(c, (0, j_max - c.shape[1])) for c in cols])

@@ -61,7 +61,7 @@ import torch
 from tinker_sr.engine.loss_checks import LOSS_NAMES, validate_request
 from tinker_sr.engine.loss_grads import clip_bounds, known_grads, sampled_positions
 from tinker_sr.engine.loss_grads import ratio as ratio_of
-from tinker_sr.engine.loss_logprobs import gather_logprobs, head_logprobs
+from tinker_sr.engine.loss_logprobs import compute_dtype_of, gather_logprobs, head_logprobs
 
 __all__ = [
     "LOSS_NAMES",
@@ -188,7 +188,7 @@ def _learner_logprobs(
     if unembed is not None:
         grad_of = None
         if torch.is_grad_enabled() and any(p.requires_grad for p in unembed.parameters()):
-            cd = torch.float64 if logits[0].dtype == torch.float64 else torch.float32
+            cd = compute_dtype_of(logits[0].dtype)
             width = max(c.shape[1] for c in cols)
             grad_of = known_grads(loss_fn, data, cfg, width, device, cd)  # a LoRA head's
         return head_logprobs(logits, cols, unembed, _may_carry_loss(loss_fn, data), grad_of)
