@@ -109,3 +109,37 @@ def test_bad_hparams_and_nan_grads_change_nothing() -> None:
     assert all(v == 0 for v in opt.steps.values())
     # Non-finite gradients are discarded, so the next forward_backward + step work (issue 10).
     assert all(p.grad is None for _, p in params)
+
+
+def test_sqrt_all_equals_foreach_sqrt_bit_for_bit() -> None:
+    """The update's sqrt over all tensors at once (one parallel region instead of one per
+    tensor) gives torch._foreach_sqrt's bits: sizes past the vector-math parallel threshold,
+    odd sizes, a non-contiguous tensor, and mixed dtypes (which take foreach itself)."""
+    from tinker_sr.engine.optim import _sqrt_all
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 1536), (512, 8), (4097,), (3, 5), (1,)]
+    ts = [
+        torch.rand(s, generator=gen) * 10.0 ** torch.randint(-30, 30, s, generator=gen)
+        for s in shapes
+    ]
+    ts.append(torch.rand(16, 24, generator=gen).t())  # non-contiguous
+    for got, want in zip(_sqrt_all(ts), torch._foreach_sqrt(ts), strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
+    mixed = [ts[0], ts[1].double()]
+    for got, want in zip(_sqrt_all(mixed), torch._foreach_sqrt(mixed), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_grads_finite_is_what_step_accepts() -> None:
+    """A NaN, an inf, or finite values whose norm overflows float32 (which `step` would refuse
+    with every gradient accumulated so far) all count as not finite."""
+    for bad in (float("nan"), float("inf"), 1e30):
+        params = make_params()
+        opt = Adam(params)
+        set_grads(params, 0)
+        assert opt.grads_finite()
+        params[1][1].grad[3] = bad  # type: ignore[index]
+        assert not opt.grads_finite()
+        with pytest.raises(EngineUserError, match="not finite"):
+            opt.step(AdamHParams())

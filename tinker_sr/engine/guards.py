@@ -41,7 +41,14 @@ def checked_backward(
     result.loss.backward()
     if not optim.grads_finite():
         optim.restore_grads(before)
-        raise _refusal("the gradient is not finite", loss_fn, logits, data, config, unembed)
+        raise _refusal(
+            "the gradient is not finite (or its norm overflows float32)",
+            loss_fn,
+            logits,
+            data,
+            config,
+            unembed,
+        )
 
 
 def nonfinite_datum(

@@ -77,11 +77,10 @@ class Adam:
             p.grad = g
 
     def grads_finite(self) -> bool:
-        grads = [p.grad for _, p in self.params if p.grad is not None]
-        if not grads:
-            return True
-        # Each gradient's largest |value| (inf for an inf, NaN for a NaN), in one call.
-        return bool(torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all())
+        # Exactly what `step` accepts: a NaN or inf anywhere, or a norm past float's range,
+        # makes the global norm non-finite (and one call per tensor is ~10x faster than a
+        # largest-|value| pass, whose many small reductions each wake the other threads).
+        return math.isfinite(self.grad_norm())
 
     def grad_norm(self) -> float:
         grads = [p.grad for _, p in self.params if p.grad is not None]
@@ -133,7 +132,7 @@ class Adam:
             def per_step(f: Callable[[int], float]) -> float | list[float]:
                 return f(ts[0]) if same else [f(t) for t in ts]
 
-            denom = torch._foreach_sqrt(vs)
+            denom = _sqrt_all(vs)
             torch._foreach_div_(denom, per_step(lambda t: (1 - b2**t) ** 0.5))
             torch._foreach_add_(denom, hp.eps)
             torch._foreach_addcdiv_(ps, ms, denom, per_step(lambda t: -(lr / (1 - b1**t))))
@@ -168,3 +167,16 @@ class Adam:
             self.exp_avg[name].copy_(sd[f"{name}.exp_avg"])
             self.exp_avg_sq[name].copy_(sd[f"{name}.exp_avg_sq"])
             self.steps[name] = int(sd[f"{name}.step"])
+
+
+def _sqrt_all(tensors: list[Tensor]) -> list[Tensor]:
+    """``torch._foreach_sqrt(tensors)`` as one op over their concatenation (views of it
+    returned). torch's float sqrt is correctly rounded (IEEE), so the bits are the same; but
+    its vector-math kernel goes parallel from 4,096 elements, and one such region per small
+    tensor of a LoRA adapter (each waking the other threads, ~40 us with passive waits) made
+    this 5-7 ms of a ~10 ms step for ~100 tensors instead of ~0.5."""
+    if len({(t.dtype, t.device) for t in tensors}) != 1:
+        return list(torch._foreach_sqrt(tensors))
+    flat = torch.cat([t.reshape(-1) for t in tensors]).sqrt_()
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
