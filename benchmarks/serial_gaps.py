@@ -113,6 +113,16 @@ def main() -> None:
         f"({inside / per_step:.1%}), between them {between * 1e3:.0f} ms "
         f"({between / per_step:.1%}; the step boundary included)"
     )
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for begin, end, name, _ in events:
+        kernels[name].append(end - begin)
+    print("time inside each kernel, a step:")
+    for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        print(
+            f"  {sum(times) / args.steps * 1e3:7.1f} ms {len(times) / args.steps:4.0f} x "
+            f"{statistics.median(times) * 1e6:6.0f} us  {name}"
+        )
+    print("largest gaps between calls, a step:")
     ranked = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[: args.top]
     for (a, b), times in ranked:
         print(

@@ -395,8 +395,11 @@ def _expected_rows(
         rows, e, total = torch.arange(a, a + n, device=e.device)[keep], e[keep], total[keep]
     e = e.to(weight.dtype)
     got = gemm.packed_mm(e, weight, chunk) if _packs_head(weight) else gemm.mm(e, weight)
-    got = got.to(out.dtype)
-    out[rows] = got.div_(total[:, None].to(out.dtype))
+    got, total = got.to(out.dtype), total[:, None].to(out.dtype)
+    if isinstance(rows, slice):  # straight into the output: no copy of the [n, D] result
+        torch.div(got, total, out=out[rows])
+    else:
+        out[rows] = got.div_(total)
     done[rows] = True
 
 
