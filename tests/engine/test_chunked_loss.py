@@ -9,7 +9,7 @@ import torch
 from tests.test_losses import random_batch
 from tinker_sr.engine import loss_logprobs
 from tinker_sr.engine.lora import LoraLinear
-from tinker_sr.engine.losses import LOSS_NAMES, compute_loss
+from tinker_sr.engine.losses import LOSS_NAMES, LossDatum, compute_loss
 
 D, V = 6, 11
 
@@ -229,3 +229,45 @@ def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
     assert taken == [1]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_unbound_rows_of_one_batch_join_as_a_view_with_the_same_results(adapter: bool) -> None:
+    """Datums that are the whole rows of one [B, T, D] tensor (training's unbind, no padding)
+    reach the head as a view of it: no copy forward, no stack in backward; the loss, outputs
+    and gradient equal those of the concatenated copies. Padded rows are concatenated."""
+    torch.manual_seed(0)
+    b, t = 3, 5
+    gen = torch.Generator().manual_seed(5)
+    base_data = [
+        LossDatum(
+            torch.randint(0, V, (t,), generator=gen), {"weights": torch.rand(t, generator=gen)}
+        )
+        for _ in range(b)
+    ]
+    head = _head(torch.float64, adapter)
+
+    def run(joined: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(b, t, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        hidden = (x * 2).unbind(0) if joined else [(x * 2)[i].clone() for i in range(b)]
+        res = compute_loss("cross_entropy", list(hidden), base_data, None, unembed=head)
+        res.loss.backward()
+        assert x.grad is not None
+        return res.loss.detach(), [o["logprobs"] for o in res.outputs], x.grad
+
+    rows = torch.randn(b, t, D, dtype=torch.float64).unbind(0)
+    assert loss_logprobs._joined(rows).data_ptr() == rows[0].data_ptr()  # a view: no copy
+    padded = [rows[0], rows[1][:3], rows[2]]
+    assert loss_logprobs._joined(padded).shape == (t + 3 + t, D)
+    assert loss_logprobs._joined(list(reversed(rows))).data_ptr() != rows[0].data_ptr()
+    (la, outs_a, ga), (lb, outs_b, gb) = run(True), run(False)
+    assert torch.equal(la, lb) and torch.equal(ga, gb)
+    for p, q in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_rows_of_weight_equals_advanced_indexing() -> None:
+    w = torch.randn(50, 7)
+    cols = torch.randint(0, 50, (9, 3))
+    assert torch.equal(loss_logprobs._rows_of(w, cols), w[cols])
