@@ -58,6 +58,20 @@ def test_merged_groups_match_the_per_layer_adapters(
             assert float((a - b).norm() / b.norm()) < 1e-5
 
 
+def test_a_one_member_group_is_its_merged_output_unsplit() -> None:
+    """The output projection alone: its merged GEMM's result itself, not a one-piece split of
+    it (whose backward would copy the whole gradient to concatenate that one piece)."""
+    model = _model()
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(4, 64, attn.o_proj.in_features, requires_grad=True)
+    (y,) = fused.linear_group(x, [attn.o_proj])
+    assert type(y.grad_fn).__name__ == "_MergedLoraGroupBackward"
+    q, k, v = fused.linear_group(
+        x[..., : attn.q_proj.in_features], [attn.q_proj, attn.k_proj, attn.v_proj]
+    )
+    assert type(q.grad_fn).__name__ == "SplitWithSizesBackward0"  # a real split stays one
+
+
 def test_backward_reuses_the_merged_weights_only_where_they_are_small(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
