@@ -311,7 +311,8 @@ class _CausalAttention(torch.autograd.Function):
         lib = _attention_library()
         assert lib is not None  # `attention` checked
         k, kt, vp = _key_operands(lib, k, v, tp)
-        o, lse = q.new_empty(b, t, h, d), q.new_zeros(b, h, tp)
+        o, lse = q.new_empty(b, t, h, d), q.new_empty(b, h, tp)
+        lse[..., t:] = 0  # the kernel writes the rest (a whole zero fill: ~70 us a layer)
         scale = 1.0 / math.sqrt(d)
         status = lib.tsr_attention_forward(
             _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
