@@ -681,6 +681,27 @@ def test_attention_kernel_on_random_shapes_and_strided_inputs(kernel_cache: Any)
     assert checked >= 8
 
 
+@pytest.mark.parametrize("t", [48, 128, 130])
+def test_attention_reads_v_in_place_where_no_row_past_t_is_read(t: int, kernel_cache: Any) -> None:
+    """V as the strided slice of a fused q/k/v output: read in place (not copied, and that
+    view is what backward keeps) where T % 16 == 0, a zero-padded copy otherwise; results
+    within float32 rounding of float64 either way."""
+    rng = torch.Generator().manual_seed(t)
+    b, h, kv, d = 2, 4, 2, 32
+    qkv = torch.randn(b, t, h + 2 * kv, d, generator=rng)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([h, kv, kv], dim=2))
+    go = torch.randn(b, h, t, d, generator=rng)
+    got = _attend(q, k, v, go, native_kernel=True)
+    want = _attend(q.double(), k.double(), v.double(), go.double(), native_kernel=False)
+    for a, w in zip(got, want, strict=True):
+        assert float((a.double() - w).abs().max() / max(float(w.abs().max()), 1.0)) < 2e-6
+    v = v.detach().requires_grad_()
+    out = compiled.attention(q.detach().requires_grad_(), k.detach().requires_grad_(), v)
+    assert out is not None and out.grad_fn is not None
+    kept = out.grad_fn.saved_tensors[2]
+    assert (kept.data_ptr() == v.data_ptr()) == (t % 16 == 0)
+
+
 @pytest.mark.parametrize("rank", [8, 12])
 def test_c_silu_mul_with_the_down_adapters_xa(
     rank: int, ran: list[str], monkeypatch: pytest.MonkeyPatch

@@ -269,11 +269,13 @@ def _attention_library() -> Any | None:
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.tsr_attention_forward.argtypes = [p] * 5 + [i] * 6 + [ctypes.c_float, i]
-    lib.tsr_attention_forward.restype = ctypes.c_int
-    lib.tsr_attention_backward.argtypes = [p] * 9 + [i] * 6 + [ctypes.c_float, i]
-    lib.tsr_attention_backward.restype = ctypes.c_int
     n = ctypes.c_int64
+    lib.tsr_attention_forward.argtypes = [p] * 3 + [n] * 3 + [p] * 2 + [i] * 6 + [ctypes.c_float, i]
+    lib.tsr_attention_forward.restype = ctypes.c_int
+    lib.tsr_attention_backward.argtypes = (
+        [p] * 3 + [n] * 3 + [p] * 6 + [i] * 6 + [ctypes.c_float, i]
+    )
+    lib.tsr_attention_backward.restype = ctypes.c_int
     lib.tsr_attention_kt.argtypes = [p, p, i, i, i, i, p, n, n, n, i, p, i]
     lib.tsr_attention_kt.restype = None
     log.info("C attention kernel loaded (%s)", NATIVE_ENV)
@@ -281,20 +283,29 @@ def _attention_library() -> Any | None:
 
 
 def _key_operands(lib: Any, k: Tensor, v: Tensor, tp: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(k contiguous, K^T as a zero-padded [B, KV, D, Tp], V as a zero-padded [B, KV, Tp, D])
-    for the forward, both padded operands in one C pass (16 x 16 blocks of K in registers; V
-    read in place through its strides, e.g. as a slice of the q/k/v projection's output)."""
+    """(k contiguous, K^T as a zero-padded [B, KV, D, Tp], V as the kernel reads it): K^T in
+    one C pass (16 x 16 blocks of K in registers). V is read in place through its strides
+    (e.g. as a slice of the q/k/v projection's output: no copy, and nothing more saved for
+    backward) where T % 16 == 0, so that no product reads a row past T; else the same pass
+    copies it into a zero-padded [B, KV, Tp, D]."""
     b, kv, t, d = k.shape
     k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    kt, vp = k.new_empty(b, kv, d, tp), v.new_empty(b, kv, tp, d)
+    padded = t % 16 != 0
+    kt = k.new_empty(b, kv, d, tp)
+    vp = v.new_empty(b, kv, tp, d) if padded else None
     sb, sh, st = v.stride()[:3]
     lib.tsr_attention_kt(
-        _ptr(k), _ptr(kt), b * kv, t, tp, d, _ptr(v), sb, sh, st, kv, _ptr(vp),
-        torch.get_num_threads(),
+        _ptr(k), _ptr(kt), b * kv, t, tp, d, _ptr(v), sb, sh, st, kv,
+        None if vp is None else _ptr(vp), torch.get_num_threads(),
     )  # fmt: skip
-    return k, kt, vp
+    return k, kt, v if vp is None else vp
+
+
+def _v_strides(v: Tensor) -> tuple[int, int, int]:
+    """V's batch, head and row strides as the kernels take them."""
+    return v.stride(0), v.stride(1), v.stride(2)
 
 
 def _ptr(t: Tensor) -> ctypes.c_void_p:
@@ -315,7 +326,7 @@ class _CausalAttention(torch.autograd.Function):
         lse[..., t:] = 0  # the kernel writes the rest (a whole zero fill: ~70 us a layer)
         scale = 1.0 / math.sqrt(d)
         status = lib.tsr_attention_forward(
-            _ptr(q), _ptr(kt), _ptr(vp), _ptr(o), _ptr(lse),
+            _ptr(q), _ptr(kt), _ptr(vp), *_v_strides(vp), _ptr(o), _ptr(lse),
             b, h, kv, t, tp, d, scale, torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "forward", 2 * BLOCK_FLOATS + ATTENTION_BLOCK * d)
@@ -333,7 +344,7 @@ class _CausalAttention(torch.autograd.Function):
         lib = _attention_library()
         assert lib is not None
         status = lib.tsr_attention_backward(
-            _ptr(q), _ptr(k), _ptr(vp), _ptr(go), _ptr(o), _ptr(lse),
+            _ptr(q), _ptr(k), _ptr(vp), *_v_strides(vp), _ptr(go), _ptr(o), _ptr(lse),
             _ptr(dq), _ptr(dk), _ptr(dv),
             b, h, kv, t, tp, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
         )  # fmt: skip

@@ -14,7 +14,10 @@
    Layouts (all float32, C-contiguous; Tp >= T rounded up to 64, padding zero-filled; the
    caller adds 16 so a transposed row's stride is not a power of two, which mapped every row
    of a block product's operand to the same few L1 sets):
-     q   [B, H, T, D]    kt [B, KV, D, Tp] (K transposed)   vp, kp [B, KV, Tp, D]
+     q   [B, H, T, D]    kt [B, KV, D, Tp] (K transposed)
+     v   (b, g) rows at v + b vb + g vh, row stride vt: the V slice of the q/k/v projection's
+         output read in place where T % 16 == 0 (no product then reads a row past T), else a
+         zero-padded copy vp [B, KV, Tp, D] (`tsr_attention_kt`)
      o   [B, T, H, D]    (the output: heads side by side, as the output projection reads it)
      lse [B, H, Tp]      logsumexp of each query's scaled scores
    D must be a multiple of 16 and H a multiple of KV. */
@@ -128,9 +131,10 @@ static void gemm_nn_band(int m, int n, int k, const float *A, int lda, const flo
   }
 }
 
-/* Forward: q, kt, vp in; o and lse out. */
-int tsr_attention_forward(const float *q, const float *kt, const float *v, float *o, float *lse,
-              int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
+/* Forward: q, kt, v in; o and lse out. */
+int tsr_attention_forward(const float *q, const float *kt, const float *v, int64_t vb, int64_t vh,
+              int64_t vt, float *o, float *lse, int B, int H, int KV, int T, int Tp, int D,
+              float scale, int nthreads) {
   int nqb = (T + BR - 1) / BR;
   int units = B * H * nqb;
   int group = H / KV;
@@ -153,7 +157,7 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
       int i0 = qb * BR, rows = T - i0 < BR ? T - i0 : BR;
       const float *Q = q + ((size_t)bh * T + i0) * D;
       const float *Kt = kt + ((size_t)b * KV + g) * D * Tp;
-      const float *V = v + ((size_t)b * KV + g) * Tp * D;
+      const float *V = v + (int64_t)b * vb + (int64_t)g * vh;
       for (int r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.f; }
       memset(O, 0, sizeof(float) * BR * D);
       int kend = i0 + rows; /* keys < kend */
@@ -201,9 +205,9 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, float
           if (alpha[r] != 1.f) { v16 av = vset1(alpha[r]); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
         }
         if (diagonal) /* P's row r is zero beyond key column i0 + r - j0 */
-          gemm_nn_band(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, i0 - j0, 1);
+          gemm_nn_band(rows, D, colsp, S, BC, V + (int64_t)j0 * vt, (int)vt, O, D, i0 - j0, 1);
         else
-          gemm_nn(rows, D, colsp, S, BC, V + (size_t)j0 * D, D, O, D, 1);
+          gemm_nn(rows, D, colsp, S, BC, V + (int64_t)j0 * vt, (int)vt, O, D, 1);
       }
       for (int r = 0; r < rows; r++) {
         float inv = 1.f / l[r];
@@ -266,13 +270,15 @@ static void transpose_into(float *dst, int Tp, const float *src, int64_t ld, int
 }
 
 /* The forward's key operands, zero-padded: kt [N, D, Tp] = K^T from k [N, T, D] (N = B x KV)
-   and vp [N, Tp, D] from v, whose element (b, h, t, d) is at v + b sb + h sh + t st + d (any
-   strides: the V slice of the q/k/v projection's output, read in place). */
+   and, unless vp is NULL (V read in place), vp [N, Tp, D] from v, whose element (b, h, t, d)
+   is at v + b sb + h sh + t st + d (any strides: the V slice of the q/k/v projection's
+   output, read in place). */
 void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, const float *v,
                       int64_t sb, int64_t sh, int64_t st, int KV, float *vp, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int n = 0; n < N; n++) {
     transpose_into(kt + (size_t)n * D * Tp, Tp, k + (size_t)n * T * D, D, T, D);
+    if (!vp) continue;
     const float *src = v + (int64_t)(n / KV) * sb + (int64_t)(n % KV) * sh;
     float *dst = vp + (size_t)n * Tp * D;
     for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * D, src + (int64_t)t * st, sizeof(float) * D);
@@ -281,7 +287,7 @@ void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, co
 }
 
 /* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
-   transposed): q [B,H,T,D], k [B,KV,T,D], vp [B,KV,Tp,D], go and o [B,T,H,D] (the output's
+   transposed): q [B,H,T,D], k [B,KV,T,D], v as in the forward, go and o [B,T,H,D] (the output's
    gradient and the output), lse [B,H,Tp]. Out: dq [B,H,T,D], dk and dv [B,KV,T,D]. Each unit
    (a batch row's KV head) lays out what it reads transposed in buffers of its own (K^T, then
    for one query head at a time Q^T, dO^T and rowsum(dO * O)), accumulates dQ^T there and
@@ -289,9 +295,10 @@ void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, co
    buffers of 4 x D x Tp floats whatever the number of query heads per KV head. dK and dV
    accumulate in the output, each key block's sum over (query head, query block) in that
    order. */
-int tsr_attention_backward(const float *q, const float *k, const float *vp, const float *go,
-              const float *o, const float *lse, float *dq, float *dk, float *dv,
-              int B, int H, int KV, int T, int Tp, int D, float scale, int nthreads) {
+int tsr_attention_backward(const float *q, const float *k, const float *v, int64_t vb,
+              int64_t vh, int64_t vt, const float *go, const float *o, const float *lse,
+              float *dq, float *dk, float *dv, int B, int H, int KV, int T, int Tp, int D,
+              float scale, int nthreads) {
   int group = H / KV, units = B * KV, failed = 0;
   size_t plane = (size_t)D * Tp;
 #pragma omp parallel num_threads(nthreads)
@@ -314,7 +321,7 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
     for (int u = 0; u < units; u++) {
       int b = u / KV, g = u % KV;
       const float *K = k + ((size_t)b * KV + g) * T * D;
-      const float *V = vp + ((size_t)b * KV + g) * Tp * D;
+      const float *V = v + (int64_t)b * vb + (int64_t)g * vh; /* rows < T only, below */
       float *dK = dk + ((size_t)b * KV + g) * T * D, *dV = dv + ((size_t)b * KV + g) * T * D;
       transpose_into(Kt, Tp, K, D, T, D);
       memset(dK, 0, sizeof(float) * T * D);
@@ -339,7 +346,7 @@ int tsr_attention_backward(const float *q, const float *k, const float *vp, cons
             int rows = T - i0 < BR ? T - i0 : BR;
             int rowsp = (rows + VL - 1) / VL * VL;
             gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qt + i0, Tp, St, BR, 0);
-            gemm_nn(cols, rowsp, D, V + (size_t)j0 * D, D, Got + i0, Tp, dPt, BR, 0);
+            gemm_nn(cols, rowsp, D, V + (int64_t)j0 * vt, (int)vt, Got + i0, Tp, dPt, BR, 0);
             for (int c = 0; c < cols; c++) {
               float *s = St + c * BR, *dp = dPt + c * BR;
               /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
