@@ -106,9 +106,12 @@ print(tuned, *faults)
 
 
 def _faults(mode: str, **env: str) -> tuple[str, list[int]]:
+    # A clean environment: only what finds Python and the package (the suite's own settings,
+    # e.g. its thread counts, are not what this measures).
+    keep = ("PATH", "HOME", "PYTHONPATH", "LANG", "TMPDIR")
     done = subprocess.run(
         [sys.executable, "-c", _FAULTS_AFTER_REUSE, mode],
-        env={**os.environ, **env},
+        env={**{k: os.environ[k] for k in keep if k in os.environ}, **env},
         capture_output=True,
         text=True,
     )
