@@ -106,8 +106,9 @@ print(tuned, *faults)
 
 
 def _faults(mode: str, **env: str) -> tuple[str, list[int]]:
-    # A clean environment: only what finds Python and the package (the suite's own settings,
-    # e.g. its thread counts, are not what this measures).
+    # A clean environment: only what finds Python and the package. Inheriting the suite's
+    # (its thread counts, kernel cache, ...) the tuned rounds faulted like untuned ones in two
+    # full-suite CI runs on 2026-12-01 (never alone): not what this measures.
     keep = ("PATH", "HOME", "PYTHONPATH", "LANG", "TMPDIR")
     done = subprocess.run(
         [sys.executable, "-c", _FAULTS_AFTER_REUSE, mode],
@@ -127,12 +128,6 @@ def test_tuned_allocator_reuses_a_steps_memory_without_page_faults() -> None:
     again and again (measured here, rounds 4-6: ~75 % of the first round's faults in all;
     tuned: none)."""
     tuned, faults = _faults("tune")
-    if sum(faults[3:]) > 0.02 * faults[0]:
-        # Measured once more: a host may reclaim idle memory behind the process's back (this
-        # kind of VM runs a DAMON "pageout" scheme), which faults a retained block in again now
-        # and then (once in a full suite on 2026-12-01; 0 of 40 runs alone). A tuning that does
-        # not work fails both.
-        tuned, faults = _faults("tune")
     off, off_faults = _faults("tune", TINKER_SR_MALLOC_TUNING="0")
     assert (tuned, off) == ("True", "False")
     assert faults[0] > 30_000  # 160 MiB of 4 KiB pages, touched
