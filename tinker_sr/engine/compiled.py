@@ -348,7 +348,7 @@ class _CausalAttention(torch.autograd.Function):
             _ptr(dq), _ptr(dk), _ptr(dv),
             b, h, kv, t, tp, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
         )  # fmt: skip
-        _check(status, "backward", 4 * d * tp + tp + 2 * BLOCK_FLOATS)
+        _check(status, "backward", 2 * d * tp + tp + 2 * BLOCK_FLOATS)
         return dq, dk, dv
 
 

@@ -6,7 +6,7 @@
    with -O3 -march=native -fopenmp). Written with GCC/Clang vector extensions: 16-float vectors
    that the compiler maps to AVX-512, AVX2 or whatever the CPU has. Every block product goes
    through one register-blocked kernel (`gemm_nn`: blocks of 6 (then 4) rows x 64 columns of
-   accumulators).
+   accumulators; `gemm_tn_from` for a transposed left operand, read in place).
    Parallel over independent units (forward: a head's block of 64 queries; backward: a batch
    row's KV head, which owns its keys' and its query heads' gradients), each computed whole
    by one thread: results do not depend on the thread count or the schedule.
@@ -286,15 +286,92 @@ void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, co
   }
 }
 
-/* Backward, in transposed score space (each block's P^T and dS^T, so no block is ever
-   transposed): q [B,H,T,D], k [B,KV,T,D], v as in the forward, go and o [B,T,H,D] (the output's
-   gradient and the output), lse [B,H,Tp]. Out: dq [B,H,T,D], dk and dv [B,KV,T,D]. Each unit
-   (a batch row's KV head) lays out what it reads transposed in buffers of its own (K^T, then
-   for one query head at a time Q^T, dO^T and rowsum(dO * O)), accumulates dQ^T there and
-   writes dq back in [T, D] rows: no layout pass before or after the kernel, and per-thread
-   buffers of 4 x D x Tp floats whatever the number of query heads per KV head. dK and dV
-   accumulate in the output, each key block's sum over (query head, query block) in that
-   order. */
+/* C[m x n] (+)= A^T B for A stored [k x m] (lda): entry (i, p) of the product's left operand
+   is A[p * lda + i], so a block's 6 broadcasts per p come from one row of A. The same chain of
+   fused multiply-adds over p per entry as gemm_nn. n % 16 == 0. */
+static inline __attribute__((always_inline)) void block_tn(int R, int nv, int k, const float *A,
+                                                           int lda, const float *B, int ldb,
+                                                           float *C, int ldc) {
+  v16 c[6][4];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < nv; j++) c[r][j] = vload(C + (size_t)r * ldc + j * VL);
+  for (int p = 0; p < k; p++) {
+    const float *b = B + (size_t)p * ldb, *a = A + (size_t)p * lda;
+    v16 bv[4];
+    for (int j = 0; j < nv; j++) bv[j] = vload(b + j * VL);
+    for (int r = 0; r < R; r++) {
+      v16 av = vset1(a[r]);
+      for (int j = 0; j < nv; j++) c[r][j] += av * bv[j];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < nv; j++) vstore(C + (size_t)r * ldc + j * VL, c[r][j]);
+}
+
+#define TN_NV(R) \
+  switch (nv) { \
+    case 4: block_tn(R, 4, kk, a, lda, bj, ldb, c, ldc); break; \
+    case 3: block_tn(R, 3, kk, a, lda, bj, ldb, c, ldc); break; \
+    case 2: block_tn(R, 2, kk, a, lda, bj, ldb, c, ldc); break; \
+    default: block_tn(R, 1, kk, a, lda, bj, ldb, c, ldc); break; \
+  }
+
+/* C += A^T B (accumulating) where A^T's row i is zero before column i + shift (P and dS on the
+   diagonal, as seen from the keys; a shift <= -m: no zeros): each 6-row strip starts its sum
+   at the strip's first nonzero column (c + 0 * b == c: the same bits as the whole sum). */
+static void gemm_tn_from(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
+                         float *C, int ldc, int shift) {
+  for (int i = 0; i < m; i += 6) {
+    int R = m - i < 6 ? m - i : 6;
+    int p0 = i + shift;
+    p0 = p0 < 0 ? 0 : p0 > k ? k : p0;
+    int kk = k - p0;
+    const float *a = A + (size_t)p0 * lda + i, *b = B + (size_t)p0 * ldb;
+    for (int j0 = 0; j0 < n; j0 += 64) {
+      int nv = (n - j0) >= 64 ? 4 : (n - j0) / VL;
+      const float *bj = b + j0;
+      float *c = C + (size_t)i * ldc + j0;
+      switch (R) {
+        case 6: TN_NV(6) break;
+        case 5: TN_NV(5) break;
+        case 4: TN_NV(4) break;
+        case 3: TN_NV(3) break;
+        case 2: TN_NV(2) break;
+        default: TN_NV(1) break;
+      }
+    }
+  }
+}
+
+/* One query's row of a block in backward: P = exp(S scale - lse) over the keys it sees
+   (columns c <= lim, c < cols) and dS = P (dP - rowsum(dO * O)) scale, in place of S and dP;
+   zeros elsewhere (vectors wholly past lim on the diagonal: no exp). */
+static inline void score_grads_row(float *s, float *dp, int lim, int cols, int colsp,
+                                   int diagonal, float lse, float dl, float scale) {
+  const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+  v16 last = vset1((float)(lim < cols - 1 ? lim : cols - 1));
+  v16 lr = vset1(lse), dlv = vset1(dl), sc = vset1(scale);
+  int cend = diagonal && lim / VL * VL + VL < colsp ? lim / VL * VL + VL : colsp;
+  int c = 0;
+  for (; c < cend; c += VL) {
+    v16 p = vexp(vload(s + c) * sc - lr);
+    p = vsel(lane + (float)c <= last, p, vset1(0.f));
+    vstore(s + c, p);
+    vstore(dp + c, p * (vload(dp + c) - dlv) * sc);
+  }
+  for (; c < colsp; c += VL) {
+    vstore(s + c, vset1(0.f));
+    vstore(dp + c, vset1(0.f));
+  }
+}
+
+/* Backward, in score space: each unit (a batch row's KV head) lays out K^T and V^T once in
+   buffers of its own (shared by its query heads); per query head and block pair it forms
+   S = Q K^T and dP = dO V^T ([queries x keys]), then P and dS in place, and accumulates
+   dV += P^T dO, dK += dS^T Q (products with a transposed left operand: no block is ever
+   transposed) and dQ += dS K straight into dq's rows. q [B,H,T,D], k [B,KV,T,D], v as in the
+   forward, go and o [B,T,H,D] (the output's gradient and the output), lse [B,H,Tp]. Out: dq
+   [B,H,T,D], dk and dv [B,KV,T,D], each sum over (query head, block) in a fixed order. */
 int tsr_attention_backward(const float *q, const float *k, const float *v, int64_t vb,
               int64_t vh, int64_t vt, const float *go, const float *o, const float *lse,
               float *dq, float *dk, float *dv, int B, int H, int KV, int T, int Tp, int D,
@@ -303,87 +380,69 @@ int tsr_attention_backward(const float *q, const float *k, const float *v, int64
   size_t plane = (size_t)D * Tp;
 #pragma omp parallel num_threads(nthreads)
   {
-    float *St = aligned_alloc(64, sizeof(float) * BC * BR);  /* P^T, then dS^T */
-    float *dPt = aligned_alloc(64, sizeof(float) * BC * BR);
+    float *S = aligned_alloc(64, sizeof(float) * BR * BC);  /* S, then P */
+    float *dP = aligned_alloc(64, sizeof(float) * BR * BC); /* dP, then dS */
     float *Kt = aligned_alloc(64, sizeof(float) * plane);
-    float *Qt = aligned_alloc(64, sizeof(float) * plane);
-    float *Got = aligned_alloc(64, sizeof(float) * plane);
-    float *dQt = aligned_alloc(64, sizeof(float) * plane);
+    float *Vt = aligned_alloc(64, sizeof(float) * plane);
     float *Dl = aligned_alloc(64, sizeof(float) * Tp);
-    if (!St || !dPt || !Kt || !Qt || !Got || !dQt || !Dl) {
+    if (!S || !dP || !Kt || !Vt || !Dl) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp barrier
     if (failed) goto done_backward; /* every thread sees the flag after the barrier */
-    const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
       int b = u / KV, g = u % KV;
       const float *K = k + ((size_t)b * KV + g) * T * D;
-      const float *V = v + (int64_t)b * vb + (int64_t)g * vh; /* rows < T only, below */
+      const float *V = v + (int64_t)b * vb + (int64_t)g * vh; /* rows < T only */
       float *dK = dk + ((size_t)b * KV + g) * T * D, *dV = dv + ((size_t)b * KV + g) * T * D;
       transpose_into(Kt, Tp, K, D, T, D);
+      transpose_into(Vt, Tp, V, vt, T, D);
       memset(dK, 0, sizeof(float) * T * D);
       memset(dV, 0, sizeof(float) * T * D);
       for (int h = g * group; h < (g + 1) * group; h++) {
         size_t bh = (size_t)b * H + h;
         const float *Q = q + bh * T * D, *L = lse + bh * Tp;
         const float *goh = go + ((size_t)b * T * H + h) * D, *oh = o + ((size_t)b * T * H + h) * D;
-        transpose_into(Qt, Tp, Q, D, T, D);
-        transpose_into(Got, Tp, goh, (int64_t)H * D, T, D);
-        memset(dQt, 0, sizeof(float) * plane);
+        const int64_t ldo = (int64_t)H * D;
+        float *dQ = dq + bh * T * D;
+        memset(dQ, 0, sizeof(float) * T * D);
         for (int t = 0; t < T; t++) {
           v16 acc = vset1(0.f);
           for (int d = 0; d < D; d += VL)
-            acc += vload(goh + (size_t)t * H * D + d) * vload(oh + (size_t)t * H * D + d);
+            acc += vload(goh + (size_t)t * ldo + d) * vload(oh + (size_t)t * ldo + d);
           Dl[t] = vhsum(acc);
         }
-        for (int t = T; t < Tp; t++) Dl[t] = 0.f;
         for (int j0 = 0; j0 < T; j0 += BC) {
           int cols = T - j0 < BC ? T - j0 : BC;
+          int colsp = (cols + VL - 1) / VL * VL;
           for (int i0 = (j0 / BR) * BR; i0 < T; i0 += BR) {
             int rows = T - i0 < BR ? T - i0 : BR;
-            int rowsp = (rows + VL - 1) / VL * VL;
-            gemm_nn(cols, rowsp, D, K + (size_t)j0 * D, D, Qt + i0, Tp, St, BR, 0);
-            gemm_nn(cols, rowsp, D, V + (int64_t)j0 * vt, (int)vt, Got + i0, Tp, dPt, BR, 0);
-            for (int c = 0; c < cols; c++) {
-              float *s = St + c * BR, *dp = dPt + c * BR;
-              /* query i0 + r sees key j0 + c iff j0 + c <= i0 + r, r < rows */
-              v16 first = vset1((float)(j0 + c - i0)), last = vset1((float)rows);
-              /* On the diagonal, the vectors of queries before the first that sees key c are all
-                 masked: zeros, no exp (the dQ product below reads them). */
-              int r = j0 + c - i0 > 0 ? (j0 + c - i0) / VL * VL : 0;
-              for (int z = 0; z < r; z += VL) {
-                vstore(s + z, vset1(0.f));
-                vstore(dp + z, vset1(0.f));
-              }
-              for (; r < rowsp; r += VL) {
-                v16 rr = lane + (float)r;
-                v16 p = vexp(vload(s + r) * vset1(scale) - vload(L + i0 + r));
-                p = vsel((rr >= first) & (rr < last), p, vset1(0.f));
-                vstore(s + r, p);
-                vstore(dp + r, p * (vload(dp + r) - vload(Dl + i0 + r)) * vset1(scale));
-              }
-            }
-            if (j0 + BC > i0) { /* diagonal: P^T's and dS^T's row c are zero before query c + j0 - i0 */
-              gemm_nn_band(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D,
-                           dV + (size_t)j0 * D, D, j0 - i0, 0);
-              gemm_nn_band(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D,
-                           j0 - i0, 0);
-            } else {
-              gemm_nn(cols, D, rows, St, BR, goh + (size_t)i0 * H * D, H * D, dV + (size_t)j0 * D, D, 1);
-              gemm_nn(cols, D, rows, dPt, BR, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D, 1);
-            }
-            gemm_nn(D, rowsp, cols, Kt + j0, Tp, dPt, BR, dQt + i0, Tp, 1);
+            gemm_nn(rows, colsp, D, Q + (size_t)i0 * D, D, Kt + j0, Tp, S, BC, 0);
+            gemm_nn(rows, colsp, D, goh + (size_t)i0 * ldo, (int)ldo, Vt + j0, Tp, dP, BC, 0);
+            int diagonal = j0 + BC > i0;
+            for (int r = 0; r < rows; r++) /* query i0 + r sees keys up to j0 + lim */
+              score_grads_row(S + r * BC, dP + r * BC, i0 + r - j0, cols, colsp, diagonal,
+                              L[i0 + r], Dl[i0 + r], scale);
+            /* dV += P^T dO, dK += dS^T Q: on the diagonal, P's and dS's column c is zero
+               before query c + j0 - i0. */
+            gemm_tn_from(cols, D, rows, S, BC, goh + (size_t)i0 * ldo, (int)ldo,
+                         dV + (size_t)j0 * D, D, diagonal ? j0 - i0 : -BR);
+            gemm_tn_from(cols, D, rows, dP, BC, Q + (size_t)i0 * D, D, dK + (size_t)j0 * D, D,
+                         diagonal ? j0 - i0 : -BR);
+            /* dQ += dS K; on the diagonal dS's row r is zero beyond key r + i0 - j0. */
+            if (diagonal)
+              gemm_nn_band(rows, D, cols, dP, BC, K + (size_t)j0 * D, D, dQ + (size_t)i0 * D, D,
+                           i0 - j0, 1);
+            else
+              gemm_nn(rows, D, cols, dP, BC, K + (size_t)j0 * D, D, dQ + (size_t)i0 * D, D, 1);
           }
         }
-        float *dst = dq + bh * T * D; /* dq rows from dQ^T */
-        transpose(dst, D, dQt, Tp, D, T);
       }
     }
   done_backward:
-    free(St); free(dPt); free(Kt); free(Qt); free(Got); free(dQt); free(Dl);
+    free(S); free(dP); free(Kt); free(Vt); free(Dl);
   }
   return failed ? -1 : 0;
 }
