@@ -261,6 +261,8 @@ def test_unbound_rows_of_one_batch_join_as_a_view_with_the_same_results(adapter:
     padded = [rows[0], rows[1][:3], rows[2]]
     assert loss_logprobs._joined(padded).shape == (t + 3 + t, D)
     assert loss_logprobs._joined(list(reversed(rows))).data_ptr() != rows[0].data_ptr()
+    tail = loss_logprobs._joined(list(rows[1:]))  # not from the base's first row: a copy
+    assert tail.shape == ((b - 1) * t, D) and tail.data_ptr() != rows[1].data_ptr()
     (la, outs_a, ga), (lb, outs_b, gb) = run(True), run(False)
     assert torch.equal(la, lb) and torch.equal(ga, gb)
     for p, q in zip(outs_a, outs_b, strict=True):

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # Losses whose known gradient is a function of the ratio r (`ratio`).
 RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")
 
-__all__ = ["clip_bounds", "known_grads", "ratio", "sampled_positions"]
+__all__ = ["clip_bounds", "flat_input", "known_grads", "ratio", "sampled_positions"]
 
 
 def known_grads(
@@ -80,10 +80,17 @@ class _Request:
         return torch.nn.functional.pad(x, (0, self.width - x.shape[1]))
 
     def flat(self, key: str) -> torch.Tensor:
-        return torch.cat([d.inputs[key] for d in self.data]).to(device=self.device, dtype=self.cd)
+        return flat_input(self.data, key, self.device, self.cd)
 
     def zeros(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, self.width), dtype=self.cd, device=self.device)
+
+
+def flat_input(
+    data: Sequence[LossDatum], key: str, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The datums' per-position input ``key`` laid end to end, on ``device`` in ``dtype``."""
+    return torch.cat([d.inputs[key] for d in data]).to(device=device, dtype=dtype)
 
 
 def clip_bounds(

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinker_sr.engine.loss_checks import LOSS_NAMES, validate_request
-from tinker_sr.engine.loss_grads import clip_bounds, known_grads, sampled_positions
+from tinker_sr.engine.loss_grads import clip_bounds, flat_input, known_grads, sampled_positions
 from tinker_sr.engine.loss_grads import ratio as ratio_of
 from tinker_sr.engine.loss_logprobs import compute_dtype_of, gather_logprobs, head_logprobs
 
@@ -238,13 +238,9 @@ class _Flat:
 
 def _flatten(logp: Sequence[torch.Tensor], data: Sequence[LossDatum], cd: torch.dtype) -> _Flat:
     device = logp[0].device
-
-    def cat(key: str) -> torch.Tensor:
-        return torch.cat([d.inputs[key] for d in data]).to(device=device, dtype=cd)
-
     lx = torch.cat([lp[:, 0] for lp in logp])
-    lq = cat("logprobs")
-    adv = cat("advantages")
+    lq = flat_input(data, "logprobs", device, cd)
+    adv = flat_input(data, "advantages", device, cd)
     diag_parts = [sampled_positions(d).to(device) for d in data]
     diag = torch.cat(diag_parts).to(device)
     active = adv != 0
