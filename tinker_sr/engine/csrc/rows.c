@@ -224,6 +224,13 @@ static void swiglu_block(float *gate_up, const float *dh, int64_t i0, int64_t en
   }
 }
 
+/* The kernels below read (and write) one (batch, position)'s heads at a time: a slice of a
+   q/k/v projection row, whose rows lie 4 KB or more apart, so every row starts a new page
+   and the hardware's stream prefetch, which stays inside a page, found nothing to follow:
+   they ran at ~22 GB/s. Each row's slice is prefetched ROW_AHEAD rows before it is used
+   (measured, 16 x 256 x 8 heads of 64: forward ~650 -> ~300 us, backward ~1060 -> ~650 us). */
+#define ROW_AHEAD 2
+
 /* Attention's q (or k) from the q/k/v projection, in one pass: for x [B, T, H, D] (row (b, t,
    h) at x + (b * T + t) * ld_outer + h * ld_inner), optionally RMS-normalised per head
    (w != NULL: Qwen3's q_norm/k_norm; r[(b * T + t) * H + h] gets the row's scale), then rotated
@@ -240,6 +247,8 @@ void tsr_norm_rope(const float *x, int64_t ld_outer, int64_t ld_inner, const flo
     const float *xi = x + o * ld_outer + h * ld_inner;
     const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
     float *yi = y + ((b * H + h) * T + t) * D;
+    if (h == 0 && o + ROW_AHEAD < B * T) /* see ROW_AHEAD */
+      for (int j = 0; j < H * D; j += VL) __builtin_prefetch(xi + ROW_AHEAD * ld_outer + j, 0, 3);
     v16 rv = vset1(1.f);
     if (w) {
       v16 acc = vset1(0.f);
@@ -281,6 +290,12 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
     const float *gi = g + ((b * H + h) * T + t) * D;
     const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
     float *di = dx + o * dx_outer + h * dx_inner;
+    if (h == 0 && o + ROW_AHEAD < B * T) { /* see ROW_AHEAD */
+      for (int j = 0; j < H * D; j += VL) __builtin_prefetch(di + ROW_AHEAD * dx_outer + j, 1, 3);
+      if (w)
+        for (int j = 0; j < H * D; j += VL)
+          __builtin_prefetch(x + (o + ROW_AHEAD) * ld_outer + j, 0, 3);
+    }
     for (int j = 0; j < half; j += VL) {
       v16 g1 = vload(gi + j), g2 = vload(gi + half + j), cj = vload(c + j), sj = vload(s + j);
       vstore(di + j, g1 * cj + g2 * sj);
