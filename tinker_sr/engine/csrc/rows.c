@@ -79,6 +79,12 @@ void tsr_rms_norm_backward(const float *g, const float *x, const float *w, const
   }
 }
 
+/* The SwiGLU kernels read two or three rows side by side, each a few KB of a [gate | up] row
+   whose halves lie 6 KB apart: the hardware's stream prefetch stops at every page boundary.
+   Each stream is prefetched PF_DIST floats (1 KB) ahead (measured on 4096 x 1536 halves:
+   silu_mul_xa ~2.9 -> ~2.6 ms, swiglu_backward_da ~2.5 -> ~2.2 ms from a cold cache). */
+#define PF_DIST 256
+
 static inline v16 vsigmoid(v16 x) { return vset1(1.f) / (vset1(1.f) + vexp(-x)); }
 static inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -86,6 +92,10 @@ static inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 static inline void silu_mul_row(const float *gi, const float *ui, float *oi, int n) {
   int j = 0;
   for (; j + VL <= n; j += VL) {
+    if (j + PF_DIST < n) { /* see PF_DIST */
+      __builtin_prefetch(gi + j + PF_DIST, 0, 3);
+      __builtin_prefetch(ui + j + PF_DIST, 0, 3);
+    }
     v16 g = vload(gi + j);
     vstore(oi + j, g * vsigmoid(g) * vload(ui + j));
   }
@@ -200,6 +210,11 @@ static void swiglu_block(float *gate_up, const float *dh, int64_t i0, int64_t en
       for (int q = 0; q < nr; q++) {
         float *gi = gate_up + (i0 + q) * 2 * n, *ui = gi + n;
         const float *di = dh + (i0 + q) * n;
+        if (j + PF_DIST < n) { /* see PF_DIST */
+          __builtin_prefetch(gi + j + PF_DIST, 1, 3);
+          __builtin_prefetch(ui + j + PF_DIST, 1, 3);
+          __builtin_prefetch(di + j + PF_DIST, 0, 3);
+        }
         v16 g = vload(gi + j), u = vload(ui + j), d = vload(di + j), sg = vsigmoid(g);
         v16 gs = g * sg;
         h[q] = gs * u;
