@@ -96,7 +96,11 @@ def make_model_dir(path: Path) -> Path:
 def matmul_peak_flops(n: int = 1024, reps: int = 10) -> dict[str, float]:
     """The fp32 matmul rate of torch's BLAS (``a @ b``: MKL on x86) and of oneDNN (inside the
     same torch build; tinker_sr's engine uses it where available, see engine/gemm.py), as
-    FLOP/s; "peak" is the faster of the two: the most this machine's torch reaches."""
+    FLOP/s; "peak" is the faster of the two: the most this machine's torch reaches with a
+    matmul call. Also, reported beside it and not part of the peak, oneDNN's rate with ``b``
+    reordered once beforehand into its blocked layout ("onednn_packed"): that skips the
+    reorder every plain call does, which only a weight that does not change between calls
+    allows (the engine does it for a frozen unembedding, `gemm.packed_weight`)."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -106,6 +110,10 @@ def matmul_peak_flops(n: int = 1024, reps: int = 10) -> dict[str, float]:
         bt = b.t()
         rates["onednn"] = _rate(lambda: op(a, bt, None, "none", [], ""), n, reps)
     rates["peak"] = max(rates.values())
+    reorder = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
+    if op is not None and reorder is not None and "onednn" in rates:
+        packed = reorder(bt.contiguous(), n)
+        rates["onednn_packed"] = _rate(lambda: op(a, packed, None, "none", [], ""), n, reps)
     return rates
 
 
@@ -465,13 +473,23 @@ def _report(
                 )
                 rate = {
                     k: statistics.median(r[idx]["matmul_flops"].get(k, 0.0) for r in rounds) / 1e9
-                    for k in ("peak", "blas", "onednn")
+                    for k in ("peak", "blas", "onednn", "onednn_packed")
                 }
                 line += (
                     f", {share:.1%} of the fp32 matmul peak ({rate['peak']:.0f} GFLOP/s here: "
                     f"the faster of torch's BLAS {rate['blas']:.0f} and oneDNN "
                     f"{rate['onednn']:.0f})"
                 )
+                if rate["onednn_packed"]:  # disclosed, not the peak: see matmul_peak_flops
+                    packed_share = statistics.median(
+                        4 * n_params * n_tok / r[idx]["seconds"]
+                        / max(r[idx]["matmul_flops"].get("onednn_packed", 0.0), 1.0)
+                        for r in rounds
+                    )  # fmt: skip
+                    line += (
+                        f"; {packed_share:.1%} of oneDNN's rate with a pre-packed weight "
+                        f"({rate['onednn_packed']:.0f})"
+                    )
             print(line)
         splits = [e["breakdown"] for e, _ in rounds if "breakdown" in e]
         if splits:
