@@ -307,6 +307,10 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
     float *di = dx + o * dx_outer + h * dx_inner;
     if (h == 0 && o + ROW_AHEAD < B * T) { /* see ROW_AHEAD */
       for (int j = 0; j < H * D; j += VL) __builtin_prefetch(di + ROW_AHEAD * dx_outer + j, 1, 3);
+      if (t + ROW_AHEAD < T) /* g's H streams (one per head), too many for the hardware */
+        for (int hh = 0; hh < H; hh++)
+          for (int j = 0; j < D; j += VL)
+            __builtin_prefetch(g + ((b * H + hh) * T + t + ROW_AHEAD) * D + j, 0, 3);
       if (w)
         for (int j = 0; j < H * D; j += VL)
           __builtin_prefetch(x + (o + ROW_AHEAD) * ld_outer + j, 0, 3);
