@@ -16,8 +16,10 @@ bit-identical tokens, logprobs and draws alone or beside any others.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,6 +36,8 @@ MAX_ROWS_ENV, DEFAULT_MAX_ROWS = "TINKER_SR_MAX_DECODE_ROWS", 256
 # positions per row, and decoding requests together multiplies that memory.
 CACHE_BUDGET_ENV, DEFAULT_CACHE_MB = "TINKER_SR_DECODE_CACHE_MB", 2048
 STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
+# At interpreter exit, how long to wait for a sampling thread to finish its current step.
+EXIT_JOIN_SECONDS = 10.0
 
 Finish = Callable[[list[SampleOutput]], Any]
 # A request's first half, run on the worker: checks and prompt work, then the rows to decode
@@ -91,10 +95,12 @@ class DecodeScheduler:
         # Checked requests waiting for KV-cache room, in arrival order, ahead of the queue.
         self._ready: deque[_Active] = deque()
         self._closing = False
+        self._abandoned = False  # interpreter exit: stop after the current step
         # Rows decoded by each step, newest last (for tests and benchmarks).
         self.rows_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
         self._thread = threading.Thread(target=self._loop, name="tinker-sr-sampling", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, begin: Begin, rows: int) -> Future[Any]:
         """Queue a request of ``rows`` rows (its num_samples); FIFO admission."""
@@ -124,6 +130,19 @@ class DecodeScheduler:
         if wait:
             self._thread.join()
 
+    def abandon(self, timeout: float = EXIT_JOIN_SECONDS) -> None:
+        """At interpreter exit: stop after the current step, leaving queued and running
+        requests unanswered, and wait (up to ``timeout``) for the thread to end. A daemon
+        thread still inside torch when the interpreter finalizes is killed as it retakes the
+        GIL, and that kill, unwinding through torch's C++ frames, aborted the process
+        (``terminate called without an active exception``, exit status 134) about every
+        other time a script exited without closing its clients."""
+        with self._cond:
+            self._closing = self._abandoned = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     # ---- the thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)
@@ -132,7 +151,9 @@ class DecodeScheduler:
                 with self._cond:
                     while not (self._queue or self._active or self._ready or self._closing):
                         self._cond.wait()
-                    if self._closing and not (self._queue or self._active or self._ready):
+                    if self._abandoned or (
+                        self._closing and not (self._queue or self._active or self._ready)
+                    ):
                         return
                     admitted = [] if self._ready else self._admissible()
                 self._admit_ready()
@@ -210,3 +231,13 @@ class DecodeScheduler:
                 a.future.set_result(a.finish(a.group.outputs()))
             except Exception as e:
                 a.future.set_exception(e)
+
+
+_live: weakref.WeakSet[DecodeScheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _abandon_at_exit() -> None:
+    """Stop every live sampling thread before the interpreter finalizes (see `abandon`)."""
+    for scheduler in list(_live):
+        scheduler.abandon()
