@@ -150,6 +150,37 @@ def test_auto_mode_probes_once_and_runs_natively_here(
     assert not plan.keep and plan.topk == 0
 
 
+class _Holder:
+    backend = object()  # declares nothing
+
+
+def test_the_embedded_engine_needs_no_client_records_from_the_start(tmp_path: Path) -> None:
+    """The embedded engine implements stable_reinforce and records its own draws: in auto
+    mode a recording sampler's requests ask for no extra top-k and keep nothing client-side,
+    before any training call (they cost ~5 % of an RL sampling run), and the first
+    stable_reinforce call runs natively without a probe."""
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker.ServiceClient(backend=backend)  # auto mode
+    try:
+        state = sr_lowering.session_of(client.holder)
+        assert state.options.mode == "auto"
+        assert state.caps.native is True and state.caps.native_confirmed is True
+        plan = state.plan_sample(True, types.SamplingParams(max_tokens=4, temperature=1.0), 0)
+        assert not plan.keep and plan.topk == 0 and plan.head_k == 0
+        tc = client.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        data = _data(sc)
+        assert not state.records._records  # nothing kept client-side
+        tc.forward(data, "stable_reinforce", KL).result()
+        assert client.stable_reinforce_path == "native"
+        # A backend that does not declare it (a remote service) still starts unknown.
+        other = sr_lowering.configure(_Holder(), None)
+        assert other.caps.native is None and not other.caps.native_confirmed
+    finally:
+        client.close().result()
+        backend.close()
+
+
 def test_client_side_provenance_validation(embedded: tuple[tinker.ServiceClient, Path]) -> None:
     client, _ = embedded
     sr_lowering.session_of(client.holder).options = LoweringOptions(mode="always")

@@ -88,6 +88,10 @@ def _torch_threads(torch_threads: int | None) -> int:
 class LocalBackend:
     """Runs the embedded PyTorch engine in-process. One instance can serve many sessions."""
 
+    # The engine implements loss_fn="stable_reinforce" and records its own stability draws,
+    # so a client's StableReinforce lowering has nothing to probe or keep (sr_lowering).
+    native_stable_reinforce = True
+
     def __init__(
         self,
         store_dir: str | Path | None = None,

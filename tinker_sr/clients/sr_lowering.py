@@ -16,8 +16,9 @@ returned k (``top_k <= k``, or fewer than k tokens left after top-p); otherwise 
 from the renormalised head and the missing tail mass is reported per step
 (``draw_tail_mass:{mean,max}``).
 
-Capabilities are learned per session from the service's answers, once, and the path taken is
-logged once. This module uses numpy only (no torch, no engine).
+Capabilities are learned per session from the service's answers, once (a backend that declares
+``native_stable_reinforce``, the embedded engine, starts with them known), and the path taken
+is logged once. This module uses numpy only (no torch, no engine).
 """
 
 from __future__ import annotations
@@ -565,9 +566,20 @@ _sessions: weakref.WeakKeyDictionary[Any, SessionLowering] = weakref.WeakKeyDict
 _sessions_lock = threading.Lock()
 
 
+def _new_state(holder: Any, options: LoweringOptions | str | None) -> SessionLowering:
+    """A session's lowering state. A backend that declares ``native_stable_reinforce`` (the
+    embedded engine: it implements the loss and records its own draws) starts with those
+    capabilities known, so samples taken before the first training call are not kept, nor
+    asked for an extra top-k, client-side (they cost ~5 % of an RL sampling run there)."""
+    state = SessionLowering(options=LoweringOptions.parse(options))
+    if getattr(getattr(holder, "backend", None), "native_stable_reinforce", False) is True:
+        state.caps.native = state.caps.native_confirmed = True
+    return state
+
+
 def configure(holder: Any, options: LoweringOptions | str | None) -> SessionLowering:
     """Set the lowering options of ``holder``'s session (a ServiceClient's)."""
-    state = SessionLowering(options=LoweringOptions.parse(options))
+    state = _new_state(holder, options)
     with _sessions_lock:
         _sessions[holder] = state
     return state
@@ -578,6 +590,6 @@ def session_of(holder: Any) -> SessionLowering:
     with _sessions_lock:
         state = _sessions.get(holder)
         if state is None:
-            state = SessionLowering(options=LoweringOptions.parse(None))
+            state = _new_state(holder, None)
             _sessions[holder] = state
         return state
