@@ -4,8 +4,8 @@ Every C kernel (csrc/) and every oneDNN GEMM of the engine runs as a parallel re
 cores; between two of them one thread runs Python, torch's dispatch and small ops while the
 others wait. This script wraps each kernel and GEMM call with a clock, runs LoRA train steps
 (the issue-11 benchmark model and batch by default) and reports, per step, the time inside the
-calls, the time between them and the transitions (call site -> call site) with the largest
-gaps. A gap includes torch's own parallel ops between two calls (a residual add, a copy) and
+calls (per kernel, and per GEMM shape with its rate), the time between them and the
+transitions (call site -> call site) with the largest gaps. A gap includes torch's own parallel ops between two calls (a residual add, a copy) and
 this script's bookkeeping (a few microseconds a call), so it is an upper bound on the
 single-threaded time; the first step after the model is built is left out.
 
@@ -40,8 +40,12 @@ def _site(skip: int = 2) -> str:
     return " < ".join(found)
 
 
-def instrument(events: list[tuple[float, float, str, str]]) -> None:
-    """Record (start, end, kernel, site) for every C kernel and oneDNN GEMM call."""
+def instrument(
+    events: list[tuple[float, float, str, str]],
+    shapes: list[tuple[float, int, int, int, str]] | None = None,
+) -> None:
+    """Record (start, end, kernel, site) for every C kernel and oneDNN GEMM call, and with
+    ``shapes`` (seconds, M, N, K, weight layout) for every GEMM."""
     from tinker_sr.engine import compiled, gemm
 
     def timed(fn: Any, name: str) -> Any:
@@ -68,7 +72,17 @@ def instrument(events: list[tuple[float, float, str, str]]) -> None:
     op = gemm._op()
     if op is not None:
         timed_op = timed(op, "gemm")
-        gemm._op = lambda: timed_op  # type: ignore[assignment]
+
+        def shaped(x: Any, w: Any, *rest: Any) -> Any:
+            start = time.perf_counter()
+            y = timed_op(x, w, *rest)
+            if shapes is not None:
+                kind = "packed" if w.is_mkldnn else ("" if w.is_contiguous() else "w^T")
+                m, k = x.numel() // x.shape[-1], x.shape[-1]
+                shapes.append((time.perf_counter() - start, m, y.shape[-1], k, kind))
+            return y
+
+        gemm._op = lambda: shaped  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -95,9 +109,11 @@ def main() -> None:
 
         step()  # builds the C kernels, faults in the step's memory
         events: list[tuple[float, float, str, str]] = []
-        instrument(events)
+        shapes: list[tuple[float, int, int, int, str]] = []
+        instrument(events, shapes)
         step()
         events.clear()
+        shapes.clear()
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
@@ -121,6 +137,16 @@ def main() -> None:
         print(
             f"  {sum(times) / args.steps * 1e3:7.1f} ms {len(times) / args.steps:4.0f} x "
             f"{statistics.median(times) * 1e6:6.0f} us  {name}"
+        )
+    by_shape: dict[tuple[int, int, int, str], list[float]] = collections.defaultdict(list)
+    for seconds, m, n, k, kind in shapes:
+        by_shape[(m, n, k, kind)].append(seconds)
+    print("GEMMs by shape (M x N x K, weight layout), a step:")
+    for (m, n, k, kind), times in sorted(by_shape.items(), key=lambda kv: -sum(kv[1])):
+        rate = 2 * m * n * k * len(times) / sum(times) / 1e9
+        print(
+            f"  {sum(times) / args.steps * 1e3:7.1f} ms {len(times) / args.steps:4.0f} x "
+            f"{m} x {n} x {k} {kind:6s} {rate:5.0f} GFLOP/s"
         )
     print("largest gaps between calls, a step:")
     ranked = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[: args.top]
