@@ -120,20 +120,24 @@ static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B
   }
 }
 
-/* One R x (16 nv) block of C = A B (not accumulated), A's entries broadcast: block_6x64's
-   chain of fused multiply-adds over p per entry, for R <= 6 rows and nv <= 4 vectors. */
-static inline __attribute__((always_inline)) void block_nn(int R, int nv, int k, const float *A,
-                                                           int lda, const float *B, int ldb,
-                                                           float *C, int ldc) {
+/* One R x (16 nv) block of C (+)= A B, R <= 6 rows and nv <= 4 vectors, the left operand's
+   entry (r, p) at A[r ar + p ap] and broadcast: block_6x64's chain of fused multiply-adds over
+   p per entry. ar = lda, ap = 1: A as stored; ar = 1, ap = lda: A stored transposed ([k x m]),
+   so a block's broadcasts for one p come from one row of it. `accumulate`: C's values first. */
+static inline __attribute__((always_inline)) void block_rk(int R, int nv, int k, const float *A,
+                                                           size_t ar, size_t ap, const float *B,
+                                                           int ldb, float *C, int ldc,
+                                                           int accumulate) {
   v16 c[6][4];
   for (int r = 0; r < R; r++)
-    for (int j = 0; j < nv; j++) c[r][j] = vset1(0.f);
+    for (int j = 0; j < nv; j++)
+      c[r][j] = accumulate ? vload(C + (size_t)r * ldc + j * VL) : vset1(0.f);
   for (int p = 0; p < k; p++) {
     const float *b = B + (size_t)p * ldb;
     v16 bv[4];
     for (int j = 0; j < nv; j++) bv[j] = vload(b + j * VL);
     for (int r = 0; r < R; r++) {
-      v16 av = vset1(A[(size_t)r * lda + p]);
+      v16 av = vset1(A[r * ar + p * ap]);
       for (int j = 0; j < nv; j++) c[r][j] += av * bv[j];
     }
   }
@@ -141,12 +145,23 @@ static inline __attribute__((always_inline)) void block_nn(int R, int nv, int k,
     for (int j = 0; j < nv; j++) vstore(C + (size_t)r * ldc + j * VL, c[r][j]);
 }
 
-#define NN_NV(R) \
+/* block_rk(R, nv, ...) for R and nv known only at run time (variables of those names): one
+   copy specialised per pair. */
+#define BLOCK_RK_NV(RR, ...) \
   switch (nv) { \
-    case 4: block_nn(R, 4, k, a, lda, B, ldb, c, ldc); break; \
-    case 3: block_nn(R, 3, k, a, lda, B, ldb, c, ldc); break; \
-    case 2: block_nn(R, 2, k, a, lda, B, ldb, c, ldc); break; \
-    default: block_nn(R, 1, k, a, lda, B, ldb, c, ldc); break; \
+    case 4: block_rk(RR, 4, __VA_ARGS__); break; \
+    case 3: block_rk(RR, 3, __VA_ARGS__); break; \
+    case 2: block_rk(RR, 2, __VA_ARGS__); break; \
+    default: block_rk(RR, 1, __VA_ARGS__); break; \
+  }
+#define BLOCK_RK(...) \
+  switch (R) { \
+    case 6: BLOCK_RK_NV(6, __VA_ARGS__) break; \
+    case 5: BLOCK_RK_NV(5, __VA_ARGS__) break; \
+    case 4: BLOCK_RK_NV(4, __VA_ARGS__) break; \
+    case 3: BLOCK_RK_NV(3, __VA_ARGS__) break; \
+    case 2: BLOCK_RK_NV(2, __VA_ARGS__) break; \
+    default: BLOCK_RK_NV(1, __VA_ARGS__) break; \
   }
 
 /* C = A B (n <= 64, n % 16 == 0) where only C's entries (i, j) with j <= i + shift are wanted
@@ -165,14 +180,7 @@ static void gemm_nn_lower(int m, int n, int k, const float *A, int lda, const fl
     float *c = C + (size_t)i * ldc;
     for (int r = i + 6; r < i + 12 && r < m; r++) /* the next strip's rows of A, as gemm_nn */
       for (int p = 0; p < k; p += 16) __builtin_prefetch(A + (size_t)r * lda + p, 0, 3);
-    switch (R) {
-      case 6: NN_NV(6) break;
-      case 5: NN_NV(5) break;
-      case 4: NN_NV(4) break;
-      case 3: NN_NV(3) break;
-      case 2: NN_NV(2) break;
-      default: NN_NV(1) break;
-    }
+    BLOCK_RK(k, a, (size_t)lda, 1, B, ldb, c, ldc, 0)
   }
 }
 
@@ -354,39 +362,10 @@ void tsr_attention_kt(const float *k, float *kt, int N, int T, int Tp, int D, co
   }
 }
 
-/* C[m x n] (+)= A^T B for A stored [k x m] (lda): entry (i, p) of the product's left operand
-   is A[p * lda + i], so a block's 6 broadcasts per p come from one row of A. The same chain of
-   fused multiply-adds over p per entry as gemm_nn. n % 16 == 0. */
-static inline __attribute__((always_inline)) void block_tn(int R, int nv, int k, const float *A,
-                                                           int lda, const float *B, int ldb,
-                                                           float *C, int ldc) {
-  v16 c[6][4];
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < nv; j++) c[r][j] = vload(C + (size_t)r * ldc + j * VL);
-  for (int p = 0; p < k; p++) {
-    const float *b = B + (size_t)p * ldb, *a = A + (size_t)p * lda;
-    v16 bv[4];
-    for (int j = 0; j < nv; j++) bv[j] = vload(b + j * VL);
-    for (int r = 0; r < R; r++) {
-      v16 av = vset1(a[r]);
-      for (int j = 0; j < nv; j++) c[r][j] += av * bv[j];
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < nv; j++) vstore(C + (size_t)r * ldc + j * VL, c[r][j]);
-}
-
-#define TN_NV(R) \
-  switch (nv) { \
-    case 4: block_tn(R, 4, kk, a, lda, bj, ldb, c, ldc); break; \
-    case 3: block_tn(R, 3, kk, a, lda, bj, ldb, c, ldc); break; \
-    case 2: block_tn(R, 2, kk, a, lda, bj, ldb, c, ldc); break; \
-    default: block_tn(R, 1, kk, a, lda, bj, ldb, c, ldc); break; \
-  }
-
-/* C += A^T B (accumulating) where A^T's row i is zero before column i + shift (P and dS on the
-   diagonal, as seen from the keys; a shift <= -m: no zeros): each 6-row strip starts its sum
-   at the strip's first nonzero column (c + 0 * b == c: the same bits as the whole sum). */
+/* C += A^T B (accumulating; A stored [k x m], lda) where A^T's row i is zero before column
+   i + shift (P and dS on the diagonal, as seen from the keys; a shift <= -m: no zeros): each
+   6-row strip starts its sum at the strip's first nonzero column (c + 0 * b == c: the same
+   bits as the whole sum). n % 16 == 0. */
 static void gemm_tn_from(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
                          float *C, int ldc, int shift) {
   for (int i = 0; i < m; i += 6) {
@@ -399,14 +378,7 @@ static void gemm_tn_from(int m, int n, int k, const float *A, int lda, const flo
       int nv = (n - j0) >= 64 ? 4 : (n - j0) / VL;
       const float *bj = b + j0;
       float *c = C + (size_t)i * ldc + j0;
-      switch (R) {
-        case 6: TN_NV(6) break;
-        case 5: TN_NV(5) break;
-        case 4: TN_NV(4) break;
-        case 3: TN_NV(3) break;
-        case 2: TN_NV(2) break;
-        default: TN_NV(1) break;
-      }
+      BLOCK_RK(kk, a, 1, (size_t)lda, bj, ldb, c, ldc, 1) /* A^T: the transposed block_rk */
     }
   }
 }
