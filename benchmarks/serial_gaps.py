@@ -5,9 +5,10 @@ cores; between two of them one thread runs Python, torch's dispatch and small op
 others wait. This script wraps each kernel and GEMM call with a clock, runs LoRA train steps
 (the issue-11 benchmark model and batch by default) and reports, per step, the time inside the
 calls (per kernel, and per GEMM shape with its rate), the time between them and the
-transitions (call site -> call site) with the largest gaps. A gap includes torch's own parallel ops between two calls (a residual add, a copy) and
-this script's bookkeeping (a few microseconds a call), so it is an upper bound on the
-single-threaded time; the first step after the model is built is left out.
+transitions (call site -> call site) with the largest gaps. A gap includes torch's own
+parallel ops between two calls (a residual add, a copy) and this script's bookkeeping (a few
+microseconds a call), so it is an upper bound on the single-threaded time; the first step
+after the model is built is left out.
 
     python benchmarks/serial_gaps.py                     # qwen3-bench, 16 x 256, 3 steps
     python benchmarks/serial_gaps.py --model tinker-sr/small --batch 8 --seq 128 --top 10
@@ -74,12 +75,12 @@ def instrument(
         timed_op = timed(op, "gemm")
 
         def shaped(x: Any, w: Any, *rest: Any) -> Any:
-            start = time.perf_counter()
             y = timed_op(x, w, *rest)
-            if shapes is not None:
+            if shapes is not None:  # the call's own clock: the event `timed_op` just recorded
+                begin, end = events[-1][:2]
                 kind = "packed" if w.is_mkldnn else ("" if w.is_contiguous() else "w^T")
                 m, k = x.numel() // x.shape[-1], x.shape[-1]
-                shapes.append((time.perf_counter() - start, m, y.shape[-1], k, kind))
+                shapes.append((end - begin, m, y.shape[-1], k, kind))
             return y
 
         gemm._op = lambda: shaped  # type: ignore[assignment]

@@ -295,9 +295,8 @@ def _key_operands(lib: Any, k: Tensor, v: Tensor, tp: int) -> tuple[Tensor, Tens
     padded = t % 16 != 0
     kt = k.new_empty(b, kv, d, tp)
     vp = v.new_empty(b, kv, tp, d) if padded else None
-    sb, sh, st = v.stride()[:3]
     lib.tsr_attention_kt(
-        _ptr(k), _ptr(kt), b * kv, t, tp, d, _ptr(v), sb, sh, st, kv,
+        _ptr(k), _ptr(kt), b * kv, t, tp, d, _ptr(v), *_v_strides(v), kv,
         None if vp is None else _ptr(vp), torch.get_num_threads(),
     )  # fmt: skip
     return k, kt, v if vp is None else vp

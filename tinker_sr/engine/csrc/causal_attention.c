@@ -68,6 +68,13 @@ static inline void block_6x64(int k, const float *A, int lda, const float *B, in
 #undef STORE
 }
 
+/* Rows r0..min(r1, m) of A (k floats each) toward the cache: the next 6-row strip's left
+   operand (see the top of the file). */
+static inline void prefetch_rows(const float *A, int lda, int r0, int r1, int m, int k) {
+  for (int r = r0; r < r1 && r < m; r++)
+    for (int p = 0; p < k; p += 16) __builtin_prefetch(A + (size_t)r * lda + p, 0, 3);
+}
+
 /* C[m x n] (+)= A[m x k] (lda) * B[k x n] (ldb), C ldc; n % 16 == 0. */
 static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
                     float *C, int ldc, int accumulate) {
@@ -76,9 +83,7 @@ static void gemm_nn(int m, int n, int k, const float *A, int lda, const float *B
     int i = 0;
     if (nv == 4)
       for (; i + 6 <= m; i += 6) {
-        if (j0 == 0) /* the next strip's rows of A (see the top of the file) */
-          for (int r = i + 6; r < i + 12 && r < m; r++)
-            for (int p = 0; p < k; p += 16) __builtin_prefetch(A + (size_t)r * lda + p, 0, 3);
+        if (j0 == 0) prefetch_rows(A, lda, i + 6, i + 12, m, k);
         block_6x64(k, A + (size_t)i * lda, lda, B + j0, ldb, C + (size_t)i * ldc + j0, ldc, accumulate);
       }
     for (; i + 4 <= m; i += 4) {
@@ -178,28 +183,22 @@ static void gemm_nn_lower(int m, int n, int k, const float *A, int lda, const fl
     if (nv <= 0) continue;
     const float *a = A + (size_t)i * lda;
     float *c = C + (size_t)i * ldc;
-    for (int r = i + 6; r < i + 12 && r < m; r++) /* the next strip's rows of A, as gemm_nn */
-      for (int p = 0; p < k; p += 16) __builtin_prefetch(A + (size_t)r * lda + p, 0, 3);
+    prefetch_rows(A, lda, i + 6, i + 12, m, k);
     BLOCK_RK(k, a, (size_t)lda, 1, B, ldb, c, ldc, 0)
   }
 }
 
-/* gemm_nn (accumulating) for an A that is zero outside a band: the blocks on the causal
-   diagonal. Strips of 6 rows (gemm_nn's row block) skip the terms whose A entry is zero
-   rather than adding them (c + 0 * b == c), so results are the same bit for bit, with ~45 %
-   fewer multiply-adds on such a block. `lower`: A's row i is zero beyond column i + shift;
-   else zero before column i + shift. */
+/* gemm_nn (accumulating) for an A whose row i is zero beyond column i + shift: the blocks on
+   the causal diagonal. Strips of 6 rows (gemm_nn's row block) stop their sums at the strip's
+   last nonzero column rather than adding the zero terms (c + 0 * b == c), so results are the
+   same bit for bit, with ~45 % fewer multiply-adds on such a block. */
 static void gemm_nn_band(int m, int n, int k, const float *A, int lda, const float *B, int ldb,
-                         float *C, int ldc, int shift, int lower) {
+                         float *C, int ldc, int shift) {
   for (int i = 0; i < m; i += 6) {
     int rows = m - i < 6 ? m - i : 6;
-    int edge = lower ? i + rows + shift : i + shift; /* lower: k end; else: k start */
-    edge = edge < 0 ? 0 : edge > k ? k : edge;
-    if (lower)
-      gemm_nn(rows, n, edge, A + (size_t)i * lda, lda, B, ldb, C + (size_t)i * ldc, ldc, 1);
-    else
-      gemm_nn(rows, n, k - edge, A + (size_t)i * lda + edge, lda, B + (size_t)edge * ldb, ldb,
-              C + (size_t)i * ldc, ldc, 1);
+    int end = i + rows + shift;
+    end = end < 0 ? 0 : end > k ? k : end;
+    gemm_nn(rows, n, end, A + (size_t)i * lda, lda, B, ldb, C + (size_t)i * ldc, ldc, 1);
   }
 }
 
@@ -237,13 +236,13 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, int64
       for (int j0 = 0; j0 < kend; j0 += BC) {
         int cols = kend - j0 < BC ? kend - j0 : BC;
         int colsp = (cols + VL - 1) / VL * VL;
-        if (j0 + BC > i0) /* the diagonal block: the scores past each strip's last key unformed */
+        int diagonal = j0 + BC > i0; /* only the block on the diagonal needs the causal mask */
+        if (diagonal) /* the scores past each strip's last key are left unformed */
           gemm_nn_lower(rows, colsp, D, Q, D, Kt + j0, Tp, S, BC, i0 - j0);
         else
           gemm_nn(rows, colsp, D, Q, D, Kt + j0, Tp, S, BC, 0);
         const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
         const v16 ninf = vset1(-INFINITY), sc = vset1(scale);
-        int diagonal = j0 + BC > i0; /* only the block on the diagonal needs the causal mask */
         float mnew[BR] __attribute__((aligned(64))), alpha[BR] __attribute__((aligned(64)));
         for (int r = 0; r < rows; r++) {
           float *s = S + r * BC;
@@ -281,7 +280,7 @@ int tsr_attention_forward(const float *q, const float *kt, const float *v, int64
           if (alpha[r] != 1.f) { v16 av = vset1(alpha[r]); for (int d = 0; d < D; d += VL) vstore(O + r * D + d, vload(O + r * D + d) * av); }
         }
         if (diagonal) /* P's row r is zero beyond key column i0 + r - j0 */
-          gemm_nn_band(rows, D, colsp, S, BC, V + (int64_t)j0 * vt, (int)vt, O, D, i0 - j0, 1);
+          gemm_nn_band(rows, D, colsp, S, BC, V + (int64_t)j0 * vt, (int)vt, O, D, i0 - j0);
         else
           gemm_nn(rows, D, colsp, S, BC, V + (int64_t)j0 * vt, (int)vt, O, D, 1);
       }
@@ -480,7 +479,7 @@ int tsr_attention_backward(const float *q, const float *k, const float *v, int64
             /* dQ += dS K; on the diagonal dS's row r is zero beyond key r + i0 - j0. */
             if (diagonal)
               gemm_nn_band(rows, D, cols, dP, BC, K + (size_t)j0 * D, D, dQ + (size_t)i0 * D, D,
-                           i0 - j0, 1);
+                           i0 - j0);
             else
               gemm_nn(rows, D, cols, dP, BC, K + (size_t)j0 * D, D, dQ + (size_t)i0 * D, D, 1);
           }
