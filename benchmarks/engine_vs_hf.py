@@ -220,7 +220,8 @@ def _step_floor(model_dir: str, batch: int, seq: int, peak: float) -> dict[str, 
     norms' and the loss's other passes, and all per-op overhead)."""
     import torch
 
-    from tinker_sr.engine.model import activation_bytes, config_from_hf
+    from tinker_sr.engine.hf_config import config_from_hf
+    from tinker_sr.engine.model import activation_bytes
 
     config = config_from_hf(json.loads((Path(model_dir) / "config.json").read_text()), "bench")
     tokens = batch * seq

@@ -51,9 +51,11 @@ def _hf_logits(model: Any) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("m") / "tiny-qwen3")
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """Qwen3, and Qwen2 with its q/k/v biases (LoRA on a biased projection, both exports)."""
+    root = tmp_path_factory.mktemp("m") / f"tiny-{request.param}"
+    return make_tiny_hf_model_dir(root, family=request.param)
 
 
 def test_merged_and_peft_exports_reproduce_the_logits(tmp_path: Path, model_dir: Path) -> None:

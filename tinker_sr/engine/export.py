@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.checkpoints import save_tensors
+from tinker_sr.engine.hf_config import config_to_hf
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
-from tinker_sr.engine.model import Transformer, config_to_hf
+from tinker_sr.engine.model import Transformer
 from tinker_sr.hf_files import read_json
 from tinker_sr.user_errors import EngineUserError
 

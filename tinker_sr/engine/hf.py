@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine.model import Transformer, _empty_model, config_from_hf
+from tinker_sr.engine.hf_config import config_from_hf
+from tinker_sr.engine.model import Transformer, _empty_model
 from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -30,6 +31,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
+# Tensors a checkpoint may hold that carry nothing the model computes: old exports' rotary
+# frequency buffers (recomputed from config.json).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -90,11 +94,13 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
 def load_model_dir(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, name: str | None = None
 ) -> Transformer:
-    """Load a Llama / Qwen3 HF directory into a Transformer.
+    """Load a Llama / Mistral / Qwen2 / Qwen3 HF directory into a Transformer.
 
     ``dtype=None`` keeps the checkpoint's dtype; tensors stored in another dtype (e.g. float32
     norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
-    the model plus one tensor. Rotary ``inv_freq`` buffers of old exports are ignored.
+    the model plus one tensor. Every tensor must land in the model (rotary ``inv_freq``
+    buffers of old exports excepted): a tensor without a place, e.g. a bias config.json does not
+    declare, is an error rather than a silently different model.
     """
     root = Path(path)
     if not is_model_dir(root):
@@ -109,9 +115,12 @@ def load_model_dir(
     model = _empty_model(config, target)
     own = model.state_dict()
     loaded: set[str] = set()
+    unused: list[str] = []
     with torch.no_grad():
         for f, key, sl in _tensors(files):
             if key not in own:
+                if not key.endswith(IGNORED_SUFFIXES):
+                    unused.append(key)
                 continue
             if tuple(own[key].shape) != tuple(sl.get_shape()):
                 raise EngineUserError(
@@ -120,6 +129,13 @@ def load_model_dir(
                 )
             own[key].copy_(sl[:])
             loaded.add(key)
+    if unused:
+        raise EngineUserError(
+            f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
+            f"has no place for, e.g. {sorted(unused)[:3]}; ignoring them would compute another "
+            "model. Check config.json (architectures, attention_bias, mlp_bias, "
+            "num_hidden_layers) against the checkpoint"
+        )
     missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_embeddings else set())
     if missing:
         raise EngineUserError(

@@ -1,9 +1,10 @@
-"""Decoder-only transformer of the Llama / Qwen3 family, in one file.
+"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 family, in one file.
 
 RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU feed-forward, optional tied embeddings and optional
-per-head q/k RMSNorm (Qwen3). Submodules carry Hugging Face names, so a real checkpoint's
-state dict loads by name (`load_pretrained`).
+`F.scaled_dot_product_attention`, SwiGLU feed-forward, optional tied embeddings, optional
+per-head q/k RMSNorm (Qwen3) and attention projection biases (Qwen2: q/k/v; Llama: all four).
+Submodules carry Hugging Face names, so a real checkpoint's state dict loads by name
+(`load_pretrained`).
 
 Two call shapes:
 - training / scoring: `model(tokens[B, T], attn_mask=valid[B, T])` on a right-padded batch;
@@ -60,7 +61,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     # Qwen3 sets the head width independently of dim / n_heads; None means dim // n_heads.
     explicit_head_dim: int | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2; Llama/Qwen3 attention_bias)
+    attention_out_bias: bool = False  # o_proj bias (Llama/Qwen3 attention_bias, not Qwen2)
     # Llama 3.x "llama3" RoPE scaling as sorted (key, value) pairs; None = plain RoPE.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
 
@@ -195,7 +197,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
@@ -536,80 +538,11 @@ def build_model(
 
 # --- Hugging Face directories -------------------------------------------------------------
 
-_ARCHS = {"LlamaForCausalLM": False, "Qwen3ForCausalLM": True}  # → qk_norm
-
-
-def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
-    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in _ARCHS:
-        raise EngineUserError(
-            f"{name}: config.json architecture {arch!r} is not supported; "
-            f"supported: {sorted(_ARCHS)}"
-        )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-
-    def first(x: Any) -> int | None:
-        return x[0] if isinstance(x, list) else x
-
-    n_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
-    return ModelConfig(
-        name=name,
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(rope_theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=_ARCHS[arch],
-        bos_token_id=first(hf.get("bos_token_id")),
-        eos_token_id=first(hf.get("eos_token_id")),
-        pad_token_id=first(hf.get("pad_token_id")),
-        explicit_head_dim=head_dim
-        if head_dim and head_dim != hf["hidden_size"] // n_heads
-        else None,
-        attention_bias=bool(hf.get("attention_bias", False)),
-        rope_scaling=None if kind == "default" else tuple(sorted(scaling.items())),
-    )
-
-
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    hf: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if config.qk_norm else "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.ffn_dim,
-        "max_position_embeddings": config.max_seq_len,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.attention_bias,
-        "hidden_act": "silu",
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-        "torch_dtype": "float32",
-    }
-    if config.rope_scaling:
-        hf["rope_scaling"] = dict(config.rope_scaling)
-    return hf
-
 
 def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     """Write config.json + model.safetensors in the Hugging Face layout."""
     from tinker_sr.engine.checkpoints import save_tensors
+    from tinker_sr.engine.hf_config import config_to_hf
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -625,8 +558,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
 def load_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = torch.float32
 ) -> Transformer:
-    """Load a local HF directory (config.json + *.safetensors, LlamaForCausalLM or
-    Qwen3ForCausalLM) into a Transformer in `dtype` (None: the checkpoint's own dtype).
+    """Load a local HF directory (config.json + *.safetensors; the architectures of
+    `tinker_sr.engine.hf_config`) into a Transformer in `dtype` (None: the checkpoint's own dtype).
     See `tinker_sr.engine.hf.load_model_dir`."""
     from tinker_sr.engine.hf import load_model_dir
 

@@ -5,7 +5,9 @@ real (non-byte) BPE tokenizer, made offline in about a second.
 `AutoTokenizer.from_pretrained(path)` load offline:
 
 - config.json + safetensors weights (one file, or several with ``sharded=True``) of a randomly
-  initialised Qwen3ForCausalLM or LlamaForCausalLM, saved in the requested dtype;
+  initialised Qwen3ForCausalLM, Qwen2ForCausalLM (q/k/v biases), LlamaForCausalLM or
+  MistralForCausalLM (a 4,096-token sliding window), saved in the requested dtype; biases are
+  drawn like the weights (transformers would zero them, hiding a bias that is not applied);
 - tokenizer.json: a byte-level BPE trained by the `tokenizers` library on a small built-in
   English/number corpus, so ids are *not* bytes (``"hello"`` is not ``[104, 101, ...]``); the
   special tokens come after the trained vocabulary, so every special id (EOS included) is
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["qwen3", "llama"]
+Family = Literal["qwen3", "qwen2", "llama", "mistral"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -75,6 +77,11 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
+def _qwen(family: Family) -> bool:
+    """Qwen's tokenizer layout (no BOS, <|endoftext|>), else Llama 3's (BOS prepended)."""
+    return family.startswith("qwen")
+
+
 def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -91,10 +98,10 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     # Specials after training: their ids follow the learned vocabulary (all >= 259).
     specials = [ENDOFTEXT, IM_START, IM_END]
-    if family == "llama":
+    if not _qwen(family):
         specials = [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
     tok.add_special_tokens(specials)
-    if family == "llama":  # Llama prepends <|begin_of_text|> when special tokens are on
+    if not _qwen(family):  # Llama prepends <|begin_of_text|> when special tokens are on
         bos_id = tok.token_to_id(LLAMA_BOS)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{LLAMA_BOS} $A",
@@ -105,7 +112,7 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
 
 
 def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> Any:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -128,6 +135,35 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
             eos_token_id=ids[IM_END],
             pad_token_id=ids[ENDOFTEXT],
             architectures=["Qwen3ForCausalLM"],
+        )
+    if family == "qwen2":
+        # Like Qwen2.5-0.5B-Instruct: q/k/v biases, tied embeddings, the window switched off.
+        common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
+        return Qwen2Config(
+            **common,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=32768,
+            max_window_layers=layers,
+            bos_token_id=ids[ENDOFTEXT],
+            eos_token_id=ids[IM_END],
+            pad_token_id=ids[ENDOFTEXT],
+            architectures=["Qwen2ForCausalLM"],
+        )
+    if family == "mistral":
+        # Like Mistral-7B-v0.1: a 4,096-token sliding window in a 32,768-token context.
+        return MistralConfig(
+            **common,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            sliding_window=4096,
+            tie_word_embeddings=False,
+            bos_token_id=ids[LLAMA_BOS],
+            eos_token_id=ids[LLAMA_EOS],
+            pad_token_id=ids[LLAMA_EOS],
+            architectures=["MistralForCausalLM"],
         )
     # Like Llama-3.2-Instruct: llama3 RoPE scaling, a list of EOS ids in config.json.
     rope = {
@@ -155,9 +191,7 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     (chat template inline, PreTrainedTokenizerFast) that transformers 4.x and 5.x both load."""
     tok.save(str(out / "tokenizer.json"))
     specials = (
-        [ENDOFTEXT, IM_START, IM_END]
-        if family == "qwen3"
-        else [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
+        [ENDOFTEXT, IM_START, IM_END] if _qwen(family) else [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
     )
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
@@ -167,9 +201,9 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "bos_token": None if family == "qwen3" else LLAMA_BOS,
+        "bos_token": None if _qwen(family) else LLAMA_BOS,
         "eos_token": IM_END,
-        "pad_token": ENDOFTEXT if family == "qwen3" else LLAMA_EOS,
+        "pad_token": ENDOFTEXT if _qwen(family) else LLAMA_EOS,
         "additional_special_tokens": [IM_START, IM_END],
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 131072,
@@ -212,10 +246,14 @@ def make_tiny_hf_model_dir(
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.02)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "50GB")
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    extra = ids[ENDOFTEXT] if family == "qwen3" else ids[LLAMA_EOS]
+    extra = ids[ENDOFTEXT] if _qwen(family) else ids[LLAMA_EOS]
     gen_eos = eos + ([extra] if extra not in eos else [])
     GenerationConfig(
         bos_token_id=config.bos_token_id,

@@ -1,0 +1,204 @@
+"""The Hugging Face architectures users bring beyond Llama and Qwen3 (Qwen2 with its q/k/v biases,
+Mistral with its sliding window, Llama with attention biases), each checked against
+transformers on the same directory; and the config fields or tensors the engine cannot compute,
+refused by name instead of silently computing another model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.engine.hf import load_model_dir  # noqa: E402
+from tinker_sr.engine.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from tinker_sr.engine.model import BUILTIN_CONFIGS, build_model, save_pretrained  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+from tinker_sr.user_errors import EngineUserError  # noqa: E402
+
+IDS = [1, 5, 100, 200, 300, 400, 450, 33, 7]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("arch")
+    out = {f: make_tiny_hf_model_dir(root / f, family=f) for f in ("qwen2", "mistral")}  # type: ignore[arg-type]
+    # Llama with attention_bias=true: biases on q, k, v *and* o (one the engine once dropped).
+    llama = root / "llama-bias"
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.05)
+    model.save_pretrained(llama)
+    out["llama-bias"] = llama
+    return out
+
+
+def _hf_logits(root: Path, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(root)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits.float()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias"])
+def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
+    ours = load_model_dir(dirs[family])
+    with torch.no_grad():
+        mine = ours(torch.tensor([IDS]))
+    torch.testing.assert_close(mine, _hf_logits(dirs[family], IDS), rtol=0, atol=1e-5)
+    if family != "mistral":
+        assert all(
+            getattr(ours.model.layers[0].self_attn, f"{p}_proj").bias is not None
+            for p in ("q", "k", "v")
+        )
+    o_bias = ours.model.layers[0].self_attn.o_proj.bias
+    assert (o_bias is not None) == (family == "llama-bias")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_sample_and_train_through_the_api(
+    tmp_path: Path, dirs: dict[str, Path], family: str
+) -> None:
+    """Sampled tokens' logprobs equal transformers' on the same sequence (KV-cached decode with
+    the biases), and a LoRA on every projection learns."""
+    root = dirs[family]
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(base_model=str(root), rank=4, seed=1).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = IDS[:5]
+    params = types.SamplingParams(max_tokens=10, stop=[], seed=4)
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    for s in seqs:
+        full = prompt + list(s.tokens)
+        ref = torch.log_softmax(_hf_logits(root, full)[0], dim=-1)
+        expected = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(s.tokens)]
+        assert s.logprobs is not None
+        assert max(abs(a - b) for a, b in zip(s.logprobs, expected, strict=True)) < 1e-4
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(IDS[:-1]),
+        loss_fn_inputs={"target_tokens": IDS[1:], "weights": [1.0] * (len(IDS) - 1)},
+    )
+    losses = []
+    for _ in range(4):
+        out = training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < 0.9 * losses[0]
+    client.close().result()
+    backend.close()
+
+
+def test_sliding_window_caps_the_context(tmp_path: Path, dirs: dict[str, Path]) -> None:
+    """Mistral's 4,096-token window: within it the model is exact (above), beyond it a request
+    fails with the context error instead of attending past the window."""
+    assert load_model_dir(dirs["mistral"]).config.max_seq_len == 4096
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    sampler = client.create_sampling_client(base_model=str(dirs["mistral"])).result()
+    prompt = types.ModelInput.from_ints([5] * 4090)
+    with pytest.raises(tinker_sr.RequestFailedError, match="context length 4096"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10)).result()
+    client.close().result()
+    backend.close()
+
+
+def _qwen3(**over: Any) -> dict[str, Any]:
+    hf: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "max_position_embeddings": 40960,
+    }  # fmt: skip
+    return {**hf, **over}
+
+
+def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> None:
+    window = {"use_sliding_window": True, "sliding_window": 1024}
+    assert config_from_hf(_qwen3(), "m").max_seq_len == 40960
+    assert config_from_hf(_qwen3(sliding_window=1024), "m").max_seq_len == 40960  # off
+    assert config_from_hf(_qwen3(**window, max_window_layers=2), "m").max_seq_len == 1024
+    assert config_from_hf(_qwen3(**window, max_window_layers=4), "m").max_seq_len == 40960
+    full = ["full_attention"] * 4
+    assert config_from_hf(_qwen3(**window, layer_types=full), "m").max_seq_len == 40960
+    mixed = ["full_attention", "sliding_attention"] * 2
+    assert config_from_hf(_qwen3(**window, layer_types=mixed), "m").max_seq_len == 1024
+    mistral = _qwen3(architectures=["MistralForCausalLM"])
+    assert config_from_hf(mistral, "m").max_seq_len == 4096  # transformers' default window
+    assert config_from_hf({**mistral, "sliding_window": None}, "m").max_seq_len == 40960
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\(fp8\\)"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM'"),
+    ],
+)
+def test_fields_the_engine_cannot_compute_are_refused(over: dict[str, Any], field: str) -> None:
+    with pytest.raises(EngineUserError, match=field):
+        config_from_hf(_qwen3(**over), "m")
+
+
+def test_a_tensor_without_a_place_is_refused(tmp_path: Path, dirs: dict[str, Path]) -> None:
+    """A Llama checkpoint with attention biases whose config.json lost attention_bias: before,
+    the biases were skipped and the model loaded as another one."""
+    root = tmp_path / "lost-bias"
+    root.mkdir()
+    src = dirs["llama-bias"]
+    config = json.loads((src / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "attention_bias": False}))
+    save_file(load_file(src / "model.safetensors"), root / "model.safetensors")
+    with pytest.raises(EngineUserError, match=r"8 tensors .* no place for.*bias"):
+        load_model_dir(root)
+    # Old exports' rotary buffers carry nothing and still load.
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, src.parent / "inv-freq.safetensors")
+    old = tmp_path / "old-export"
+    old.mkdir()
+    (old / "config.json").write_text((src / "config.json").read_text())
+    (src.parent / "inv-freq.safetensors").rename(old / "model.safetensors")
+    assert load_model_dir(old).config.attention_out_bias
+
+
+def test_save_pretrained_names_the_architecture_transformers_computes(tmp_path: Path) -> None:
+    """q/k/v-only biases are written as Qwen2 (a Llama config would add an o_proj bias)."""
+    import dataclasses
+
+    config = dataclasses.replace(BUILTIN_CONFIGS["tinker-sr/tiny"], attention_bias=True)
+    model = build_model(config, seed=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    save_pretrained(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [
+        "Qwen2ForCausalLM"
+    ]
+    ids = [i % config.vocab_size for i in IDS]
+    with torch.no_grad():
+        mine = model(torch.tensor([ids]))
+    torch.testing.assert_close(mine, _hf_logits(tmp_path / "m", ids), rtol=0, atol=1e-5)
+    qk = dataclasses.replace(config, qk_norm=True)
+    with pytest.raises(EngineUserError, match="no Hugging Face architecture"):
+        config_to_hf(qk)
