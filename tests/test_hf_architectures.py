@@ -202,3 +202,31 @@ def test_save_pretrained_names_the_architecture_transformers_computes(tmp_path: 
     qk = dataclasses.replace(config, qk_norm=True)
     with pytest.raises(EngineUserError, match="no Hugging Face architecture"):
         config_to_hf(qk)
+
+
+def _copy_dir(src: Path, dst: Path, **config_over: Any) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **config_over}))
+    return dst
+
+
+def test_broken_directories_fail_with_the_file_or_field(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    src = dirs["qwen2"]
+    cut = _copy_dir(src, tmp_path / "cut")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineUserError, match="model.safetensors: not a readable safetensors"):
+        load_model_dir(cut)
+    # A typo'd size fails on the headers' shapes, before allocating 1e6 x 1e6 floats.
+    huge = _copy_dir(src, tmp_path / "huge", intermediate_size=1_000_000, hidden_size=1_000_000)
+    with pytest.raises(EngineUserError, match=r"has shape .* config.json implies"):
+        load_model_dir(huge)
+    with pytest.raises(EngineUserError, match="tie_word_embeddings='false' must be true or false"):
+        load_model_dir(_copy_dir(src, tmp_path / "s", tie_word_embeddings="false"))
+    with pytest.raises(EngineUserError, match="lacks 'num_hidden_layers'"):
+        load_model_dir(_copy_dir(src, tmp_path / "n", num_hidden_layers=None))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.hf_config import config_from_hf
-from tinker_sr.engine.model import Transformer, _empty_model
+from tinker_sr.engine.model import ModelConfig, Transformer, _empty_model
 from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -57,10 +57,18 @@ def weight_files(root: Path) -> list[Path]:
 
 def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, Any]]:
     """(file, name, lazy slice) for every stored tensor, one file open at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        try:
+            opened = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise EngineUserError(
+                f"{f}: not a readable safetensors file ({e}); the file is truncated or "
+                "corrupt: copy or download it again, or re-save the model with transformers' "
+                "save_pretrained()"
+            ) from e
+        with opened as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield f, key, handle.get_slice(key)
 
@@ -91,6 +99,36 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     return DTYPES[name]
 
 
+def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> None:
+    """The checkpoint's tensors (names and shapes from the safetensors headers) against the
+    model `config` describes: each must have a place of its shape, and each place a tensor."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+    unused: list[str] = []
+    for f, key, sl in _tensors(files):
+        if key not in shapes:
+            if not key.endswith(IGNORED_SUFFIXES):
+                unused.append(key)
+        elif (expected := shapes.pop(key)) != tuple(sl.get_shape()):
+            raise EngineUserError(
+                f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
+                f"{expected}"
+            )
+    if unused:
+        raise EngineUserError(
+            f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
+            f"has no place for, e.g. {sorted(unused)[:3]}; ignoring them would compute another "
+            "model. Check config.json (architectures, attention_bias, mlp_bias, "
+            "num_hidden_layers) against the checkpoint"
+        )
+    if config.tie_embeddings:
+        shapes.pop("lm_head.weight", None)
+    if shapes:
+        raise EngineUserError(
+            f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
+        )
+
+
 def load_model_dir(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, name: str | None = None
 ) -> Transformer:
@@ -111,34 +149,11 @@ def load_model_dir(
     files = weight_files(root)
     hf = read_json(root / "config.json")
     config = config_from_hf(hf, name=name or str(root))
-    target = dtype or checkpoint_dtype(root, hf)
-    model = _empty_model(config, target)
+    _check_tensors(root, files, config)  # before allocating: a wrong config fails fast
+    model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
     own = model.state_dict()
-    loaded: set[str] = set()
-    unused: list[str] = []
     with torch.no_grad():
-        for f, key, sl in _tensors(files):
-            if key not in own:
-                if not key.endswith(IGNORED_SUFFIXES):
-                    unused.append(key)
-                continue
-            if tuple(own[key].shape) != tuple(sl.get_shape()):
-                raise EngineUserError(
-                    f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
-                    f"{tuple(own[key].shape)}"
-                )
-            own[key].copy_(sl[:])
-            loaded.add(key)
-    if unused:
-        raise EngineUserError(
-            f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
-            f"has no place for, e.g. {sorted(unused)[:3]}; ignoring them would compute another "
-            "model. Check config.json (architectures, attention_bias, mlp_bias, "
-            "num_hidden_layers) against the checkpoint"
-        )
-    missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_embeddings else set())
-    if missing:
-        raise EngineUserError(
-            f"{root}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
+        for _, key, sl in _tensors(files):
+            if key in own:
+                own[key].copy_(sl[:])
     return model

@@ -21,15 +21,21 @@ longer sequences fail with the usual context-length error instead of being compu
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from tinker_sr.engine.model import ModelConfig
+import torch
+
+from tinker_sr.engine.model import ModelConfig, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError
 
 log = logging.getLogger("tinker_sr.engine")
 
-MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
+MISTRAL_DEFAULT_WINDOW = 4096
+MAX_SIZE = (
+    2**24
+)  # any size or count in config.json: far above real models, far below overflow  # transformers' MistralConfig default when the key is absent
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ ARCHITECTURES: dict[str, _Arch] = {
 def _refuse_unsupported(hf: dict[str, Any], name: str, arch: str) -> None:
     """Fields whose non-default values the engine would otherwise ignore."""
     quant = hf.get("quantization_config")
-    if quant:
+    if quant is not None and quant is not False:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise EngineUserError(
             f"{name}: config.json quantization_config ({method}) is not supported: the "
@@ -64,54 +70,146 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch: str) -> None:
             f"{name}: config.json hidden_act {act!r} is not supported (the engine's "
             f"feed-forward is SwiGLU with silu, as {arch} uses by default)"
         )
-    if hf.get("mlp_bias"):
+    if _flag(hf, "mlp_bias", name):
         raise EngineUserError(
             f"{name}: config.json mlp_bias=true is not supported (feed-forward projections "
             "without bias only)"
         )
 
 
-def _window(hf: dict[str, Any], arch: _Arch, n_layers: int) -> int | None:
+def _number(
+    hf: dict[str, Any], key: str, name: str, default: float | None = None, what: str = "number"
+) -> float:
+    """config.json's `key` (absent or null: `default`; no default: an error) as a positive
+    number, else `EngineUserError` naming the field."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise EngineUserError(f"{name}: config.json lacks {key!r}, which this model needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise EngineUserError(
+            f"{name}: config.json {key}={value!r} must be a positive {what}; fix config.json"
+        )
+    return value
+
+
+def _count(hf: dict[str, Any], key: str, name: str, default: int | None = None) -> int:
+    value = _number(hf, key, name, default, what="integer")
+    if not isinstance(value, int) or value > MAX_SIZE:
+        raise EngineUserError(
+            f"{name}: config.json {key}={value!r} must be a positive integer up to "
+            f"{MAX_SIZE:,}; fix config.json"
+        )
+    return value
+
+
+def _rope_scaling(rope: Any, name: str) -> tuple[tuple[str, Any], ...] | None:
+    """The RoPE scaling pairs the engine computes (default, llama3), else `EngineUserError`."""
+    if not isinstance(rope, dict):
+        raise EngineUserError(
+            f"{name}: config.json rope_scaling / rope_parameters {rope!r} must be an object"
+        )
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise EngineUserError(
+            f"{name}: config.json rope type {kind!r} is not supported (supported: default, "
+            "llama3); the positions would be encoded differently from the checkpoint's training"
+        )
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        _number(scaling, key, f"{name}: rope_scaling")
+    _count(scaling, "original_max_position_embeddings", f"{name}: rope_scaling")
+    if scaling["high_freq_factor"] == scaling["low_freq_factor"]:
+        raise EngineUserError(
+            f"{name}: config.json llama3 rope_scaling needs high_freq_factor != low_freq_factor"
+        )
+    return tuple(sorted(scaling.items()))
+
+
+def _flag(hf: dict[str, Any], key: str, name: str) -> bool:
+    value = hf.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise EngineUserError(f"{name}: config.json {key}={value!r} must be true or false")
+    return bool(value)
+
+
+def _token_id(hf: dict[str, Any], key: str, name: str) -> int | None:
+    """A special token id (an int, a list of them: the first, or null)."""
+    value = hf.get(key)
+    if value is None or value == []:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise EngineUserError(
+            f"{name}: config.json {key}={value!r} must be a token id, a list of them, or null"
+        )
+    return int(ids[0])
+
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+
+
+def _architecture(hf: dict[str, Any], name: str) -> str:
+    """config.json's ``architectures[0]``; without it, the one ``model_type`` names (Llama when
+    neither is there, as the engine always assumed)."""
+    archs = hf.get("architectures")
+    if archs is None or archs == []:
+        model_type = hf.get("model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise EngineUserError(
+                f"{name}: config.json model_type {model_type!r} is not supported; supported: "
+                f"{sorted(MODEL_TYPES)}"
+            )
+        return MODEL_TYPES[model_type]
+    if not isinstance(archs, list) or archs[0] not in ARCHITECTURES:
+        shown = archs[0] if isinstance(archs, list) else archs
+        raise EngineUserError(
+            f"{name}: config.json architecture {shown!r} is not supported; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    return str(archs[0])
+
+
+def _window(hf: dict[str, Any], arch: _Arch, n_layers: int, name: str) -> int | None:
     """The sliding window some layer applies, or None when every layer attends causally."""
     if arch.window == "always":
-        value = hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
-    elif arch.window == "qwen" and hf.get("use_sliding_window"):
-        value = hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
-        types = hf.get("layer_types")
-        if types is not None:
-            if "sliding_attention" not in types:
-                return None
-        elif int(hf.get("max_window_layers", 28)) >= n_layers:
-            return None  # transformers: layers from max_window_layers on slide
-    else:
+        if "sliding_window" in hf and hf["sliding_window"] is None:
+            return None
+        return _count(hf, "sliding_window", name, MISTRAL_DEFAULT_WINDOW)
+    if arch.window != "qwen" or not _flag(hf, "use_sliding_window", name):
         return None
-    return None if value is None else int(value)
+    if hf.get("sliding_window") is None:
+        return None  # transformers: no window, every layer full
+    types = hf.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list):
+            raise EngineUserError(f"{name}: config.json layer_types={types!r} must be a list")
+        if "sliding_attention" not in types:
+            return None
+    elif _count(hf, "max_window_layers", name, 28) >= n_layers:
+        return None  # transformers: layers from max_window_layers on slide
+    return _count(hf, "sliding_window", name)
 
 
 def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     """`ModelConfig` of a checkpoint's config.json; `EngineUserError` naming the field for
     anything the engine cannot compute exactly."""
-    arch_name = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch_name not in ARCHITECTURES:
-        raise EngineUserError(
-            f"{name}: config.json architecture {arch_name!r} is not supported; "
-            f"supported: {sorted(ARCHITECTURES)}"
-        )
+    arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
     _refuse_unsupported(hf, name, arch_name)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-
-    def first(x: Any) -> int | None:
-        return x[0] if isinstance(x, list) else x
-
-    n_heads, n_layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-    head_dim = hf.get("head_dim")
-    bias = bool(hf.get("attention_bias", False))
-    context = int(hf.get("max_position_embeddings", 2048))
-    window = _window(hf, arch, n_layers)
+    scaling = _rope_scaling(rope, name)
+    rope_theta = _number(hf, "rope_theta", name, rope.get("rope_theta") or 10000.0)
+    dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
+    n_layers = _count(hf, "num_hidden_layers", name)
+    head_dim = _count(hf, "head_dim", name) if hf.get("head_dim") is not None else None
+    bias = _flag(hf, "attention_bias", name)
+    context = _count(hf, "max_position_embeddings", name, 2048)
+    window = _window(hf, arch, n_layers, name)
     if window is not None and window < context:
         log.info(
             "%s: sliding-window attention (window %d): context capped at %d tokens, "
@@ -121,29 +219,34 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
             window,
         )
         context = window
-    return ModelConfig(
+    config = ModelConfig(
         name=name,
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
+        vocab_size=_count(hf, "vocab_size", name),
+        dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        ffn_dim=hf["intermediate_size"],
+        n_kv_heads=_count(hf, "num_key_value_heads", name, n_heads),
+        ffn_dim=_count(hf, "intermediate_size", name),
         max_seq_len=context,
         rope_theta=float(rope_theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(_number(hf, "rms_norm_eps", name, 1e-6)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", name),
         qk_norm=arch.qk_norm,
-        bos_token_id=first(hf.get("bos_token_id")),
-        eos_token_id=first(hf.get("eos_token_id")),
-        pad_token_id=first(hf.get("pad_token_id")),
-        explicit_head_dim=head_dim
-        if head_dim and head_dim != hf["hidden_size"] // n_heads
-        else None,
+        bos_token_id=_token_id(hf, "bos_token_id", name),
+        eos_token_id=_token_id(hf, "eos_token_id", name),
+        pad_token_id=_token_id(hf, "pad_token_id", name),
+        explicit_head_dim=head_dim if head_dim and head_dim != dim // n_heads else None,
         attention_bias=bias if arch.qkv_bias is None else arch.qkv_bias,
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
-        rope_scaling=None if kind == "default" else tuple(sorted(scaling.items())),
+        rope_scaling=scaling,
     )
+    inv_freq = rope_inv_freq(config)
+    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
+        raise EngineUserError(
+            f"{name}: config.json rope_theta={rope_theta!r} with rope scaling {scaling} gives "
+            "rotary frequencies that are not finite and positive; fix config.json"
+        )
+    return config
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:

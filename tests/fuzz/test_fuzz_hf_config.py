@@ -1,0 +1,110 @@
+"""Fuzz a Hugging Face config.json: whatever a user's (or a broken download's) config holds, the
+engine either builds the model it describes or refuses with `EngineUserError`; never a
+`KeyError`, `TypeError`, `ZeroDivisionError` or an allocation the size of a typo."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.fuzz.conftest import FUZZ
+from tinker_sr.engine.hf_config import ARCHITECTURES, MODEL_TYPES, config_from_hf
+from tinker_sr.engine.model import Transformer, rope_inv_freq
+from tinker_sr.user_errors import EngineUserError
+
+BASE: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "sliding_window": 1024,
+    "use_sliding_window": False,
+    "max_window_layers": 1,
+}
+KEYS = [
+    *BASE,
+    "attention_bias",
+    "rope_scaling",
+    "rope_parameters",
+    "hidden_act",
+    "mlp_bias",
+    "quantization_config",
+    "layer_types",
+]
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+EDGES: list[Any] = [None, True, False, 0, -1, 1, 3, 2**62, 10**30, 0.5, 1e-300, math.inf,
+                    -math.inf, math.nan, "", "2", "silu", [], [1], {}, {"rope_type": "yarn"}]  # fmt: skip
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 100),
+    st.sampled_from(EDGES),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.sampled_from(["silu", "gelu", "llama3", "yarn", "sliding_attention"]),
+)
+values = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=4),
+    st.sampled_from([LLAMA3, {**LLAMA3, "factor": "x"}, {"rope_type": "dynamic"}, {}]),
+    st.sampled_from([["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen3ForCausalLM"], []]),
+    st.dictionaries(st.sampled_from(["rope_type", "type", "factor", "quant_method"]), scalars),
+)
+
+
+def _check(hf: dict[str, Any]) -> None:
+    try:
+        config = config_from_hf(hf, "fuzz")
+        inv_freq = rope_inv_freq(config)
+    except EngineUserError as e:
+        assert "fuzz" in str(e)
+        return
+    arch = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", "llama"))]
+    assert config.qk_norm == ARCHITECTURES[arch[0]].qk_norm
+    for n in (config.vocab_size, config.dim, config.n_layers, config.n_heads, config.n_kv_heads):
+        assert isinstance(n, int) and not isinstance(n, bool) and n > 0
+    assert config.max_seq_len > 0 and 0 < config.norm_eps < math.inf
+    assert 0 < config.rope_theta < math.inf
+    assert bool(torch.isfinite(inv_freq).all())
+    for i in (config.bos_token_id, config.eos_token_id, config.pad_token_id):
+        assert i is None or (isinstance(i, int) and i >= 0)
+    for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        assert hf.get(flag) in (None, True, False)  # "false" is not read as true
+    assert config.tie_embeddings == bool(hf.get("tie_word_embeddings"))
+    with torch.device("meta"):  # shapes only: a typo'd size must not allocate here
+        Transformer(config)
+
+
+def test_every_field_at_every_edge_value() -> None:
+    """Exhaustive over one field at a time: each key set to each edge value, or dropped."""
+    for key in [*KEYS, "model_type", "bos_token_id", "eos_token_id", "pad_token_id"]:
+        for value in EDGES:
+            _check({**BASE, key: value})
+        _check({k: v for k, v in BASE.items() if k != key})
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(KEYS), values, max_size=4), st.sets(st.sampled_from(KEYS)))
+def test_any_config_builds_or_is_refused_by_name(over: dict[str, Any], dropped: set[str]) -> None:
+    """Several fields at once, from a wider range of values."""
+    _check({k: v for k, v in {**BASE, **over}.items() if k not in dropped})
