@@ -230,3 +230,34 @@ def test_broken_directories_fail_with_the_file_or_field(
         load_model_dir(_copy_dir(src, tmp_path / "s", tie_word_embeddings="false"))
     with pytest.raises(EngineUserError, match="lacks 'num_hidden_layers'"):
         load_model_dir(_copy_dir(src, tmp_path / "n", num_hidden_layers=None))
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "message"),
+    [
+        ("tokenizer.json", lambda old: {}, r"tokenizer.json: cannot be read as a tokenizer"),
+        (
+            "tokenizer.json",
+            lambda old: {**old, "added_tokens": [{"content": "x"}]},
+            r"added tokens .* malformed",
+        ),
+        ("generation_config.json", lambda old: {"eos_token_id": "abc"}, r"generation_config.json"),
+        ("generation_config.json", lambda old: {"eos_token_id": [10**9]}, r"outside the model's"),
+    ],
+)
+def test_broken_tokenizer_files_fail_with_the_file(
+    tmp_path: Path, dirs: dict[str, Path], file: str, edit: Any, message: str
+) -> None:
+    """Sampling with a string stop reads the EOS ids and the token bytes from these files."""
+    root = _copy_dir(dirs["qwen2"], tmp_path / "m")
+    (root / file).write_text(json.dumps(edit(json.loads((root / file).read_text()))))
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    try:
+        with pytest.raises(tinker_sr.RequestFailedError, match=message):
+            sampler = client.create_sampling_client(base_model=str(root)).result()
+            params = types.SamplingParams(max_tokens=4, stop=["\n"])
+            sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, params).result()
+    finally:
+        client.close().result()
+        backend.close()

@@ -102,7 +102,12 @@ def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ..
         f = root / fname
         value = read_json(f).get("eos_token_id") if f.is_file() else None
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in out:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise EngineUserError(
+                    f"{f}: eos_token_id={value!r} must be a token id or a list of them; fix "
+                    f"{fname}"
+                )
+            if v is not None and v not in out:
                 out.append(v)
     if tokenizer_eos is not None and tokenizer_eos not in out:
         out.append(tokenizer_eos)

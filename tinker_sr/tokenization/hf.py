@@ -120,12 +120,25 @@ class ModelTokenizer:
         cfg_file = root / "tokenizer_config.json"
         config = read_json(cfg_file) if cfg_file.is_file() else {}
         eos = _special_token_content(config.get("eos_token"))
-        ids = _special_token_ids(root, config)
+        try:
+            ids = _special_token_ids(root, config)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EngineUserError(
+                f"{root}: the added tokens of tokenizer.json / tokenizer_config.json are "
+                f"malformed ({type(e).__name__}: {e}); re-save the tokenizer with transformers"
+            ) from e
         self.eos_token_ids = eos_token_ids(root, ids.get(eos) if eos else None)
         if not self.eos_token_ids:
             raise EngineUserError(
                 f"{root}: no EOS token id in config.json, generation_config.json or "
                 "tokenizer_config.json; set eos_token_id in config.json"
+            )
+        outside = [i for i in self.eos_token_ids if i >= self.vocab_size]
+        if outside:
+            raise EngineUserError(
+                f"{root}: EOS token ids {outside} (config.json / generation_config.json / "
+                f"tokenizer_config.json eos) are outside the model's vocabulary "
+                f"[0, {self.vocab_size}); fix eos_token_id there"
             )
 
     @functools.cached_property
@@ -136,7 +149,17 @@ class ModelTokenizer:
                 f"{self.root}: stop strings need the model's tokenizer.json (a fast tokenizer; "
                 "transformers writes it with tokenizer.save_pretrained); use token-id stops"
             )
-        return token_bytes_table(read_json(self.root / "tokenizer.json"), self.vocab_size)
+        spec = read_json(self.root / "tokenizer.json")
+        try:
+            return token_bytes_table(spec, self.vocab_size)
+        except EngineUserError:
+            raise
+        except Exception as e:  # the `tokenizers` library raises plain Exception
+            raise EngineUserError(
+                f"{self.root}/tokenizer.json: cannot be read as a tokenizer "
+                f"({type(e).__name__}: {e}); re-save it with transformers' "
+                "tokenizer.save_pretrained, or use token-id stops"
+            ) from e
 
     @functools.cached_property
     def hf(self) -> Any:
