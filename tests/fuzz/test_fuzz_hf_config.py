@@ -52,7 +52,8 @@ LLAMA3 = {
 }
 
 EDGES: list[Any] = [None, True, False, 0, -1, 1, 3, 2**62, 10**30, 0.5, 1e-300, math.inf,
-                    -math.inf, math.nan, "", "2", "silu", [], [1], {}, {"rope_type": "yarn"}]  # fmt: skip
+                    -math.inf, math.nan, "", "2", "silu", [], [1], {}, {"rope_type": "yarn"},
+                    {"rope_theta": "x"}, {"rope_theta": 0}]  # fmt: skip
 
 scalars = st.one_of(
     st.none(),
@@ -68,7 +69,9 @@ values = st.one_of(
     st.lists(scalars, max_size=4),
     st.sampled_from([LLAMA3, {**LLAMA3, "factor": "x"}, {"rope_type": "dynamic"}, {}]),
     st.sampled_from([["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen3ForCausalLM"], []]),
-    st.dictionaries(st.sampled_from(["rope_type", "type", "factor", "quant_method"]), scalars),
+    st.dictionaries(
+        st.sampled_from(["rope_type", "type", "factor", "rope_theta", "quant_method"]), scalars
+    ),
 )
 
 

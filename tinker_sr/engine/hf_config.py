@@ -32,10 +32,8 @@ from tinker_sr.user_errors import EngineUserError
 
 log = logging.getLogger("tinker_sr.engine")
 
-MISTRAL_DEFAULT_WINDOW = 4096
-MAX_SIZE = (
-    2**24
-)  # any size or count in config.json: far above real models, far below overflow  # transformers' MistralConfig default when the key is absent
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
+MAX_SIZE = 2**24  # any size or count in config.json: far above real models, far below overflow
 
 
 @dataclass(frozen=True)
@@ -203,7 +201,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     _refuse_unsupported(hf, name, arch_name)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     scaling = _rope_scaling(rope, name)
-    rope_theta = _number(hf, "rope_theta", name, rope.get("rope_theta") or 10000.0)
+    # transformers 5 keeps rope_theta inside rope_parameters; 4.x beside it.
+    rope_theta = _number(hf if "rope_theta" in hf else rope, "rope_theta", name, 10000.0)
     dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
     n_layers = _count(hf, "num_hidden_layers", name)
     head_dim = _count(hf, "head_dim", name) if hf.get("head_dim") is not None else None

@@ -1,0 +1,123 @@
+"""SentencePiece-style tokenizers (Llama 2, Mistral: "▁" for spaces, <0xNN> byte-fallback pieces,
+EOS id 2): the bytes each token contributes, which incremental stop strings match on, agree with
+the `tokenizers` library's decoding, and a string stop ends a Mistral directory's sample."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+import tinker_sr  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+from tinker_sr.tokenization.hf import token_bytes_table  # noqa: E402
+
+SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama 2 / Mistral
+TEXTS = [
+    "Hello world, 123 + 456 = 579.",
+    "  two leading spaces and a tab\there",
+    "User: what é ü 😀 Ω?\n\nAssistant: ok",
+    "日本語のテキスト and ŝôme áccents",
+]
+
+
+def sentencepiece_tokenizer_json(n_merges: int = 300) -> dict[str, Any]:
+    """A Llama-2-layout tokenizer.json: BPE over "▁"-joined words with byte fallback, the 256
+    <0xNN> pieces at ids 3-258, the learned pieces after them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    words = "the a and of to is what how many plus equals user assistant hello world".split()
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(300)]
+    trainer = trainers.BpeTrainer(vocab_size=n_merges, min_frequency=2, show_progress=False)
+    tok.train_from_iterator([*corpus, *TEXTS[:1]], trainer=trainer)
+    spec = json.loads(tok.to_str())
+    learned = [p for p, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    pieces = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + learned
+    spec["model"].update(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<unk>",
+                         byte_fallback=True, fuse_unk=True)  # fmt: skip
+    spec["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, t in enumerate(SPECIALS)
+    ]  # fmt: skip
+    spec["decoder"] = json.loads(
+        decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+             decoders.Strip(" ", 1, 0)]
+        ).__getstate__()
+    )  # fmt: skip
+    return spec
+
+
+def test_token_bytes_agree_with_the_library_decoding() -> None:
+    from tokenizers import Tokenizer
+
+    spec = sentencepiece_tokenizer_json()
+    tok = Tokenizer.from_str(json.dumps(spec))
+    table = token_bytes_table(spec, tok.get_vocab_size() + 5)  # padded rows decode to nothing
+    assert table[2] == b"" and table[3] == b"\x00" and table[-1] == b""
+    for text in TEXTS:
+        ids = tok.encode(text).ids
+        assert any(3 <= i < 259 for i in ids) or text.isascii()  # byte pieces were used
+        joined = b"".join(table[i] for i in ids)
+        # The decoder strips the one space Metaspace prepends; the bytes keep it.
+        assert joined == b" " + tok.decode(ids).encode()
+
+
+def test_string_stop_ends_a_sample_on_a_sentencepiece_model(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    root = make_tiny_hf_model_dir(tmp_path / "mistral", family="mistral")
+    spec = sentencepiece_tokenizer_json()
+    (root / "special_tokens_map.json").unlink()  # the fixture's Llama 3 names
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "clean_up_tokenization_spaces": False,
+    }))  # fmt: skip
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((root / name).read_text())
+        config.update(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+        (root / name).write_text(json.dumps(config))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    assert tok.get_vocab_size() <= json.loads((root / "config.json").read_text())["vocab_size"]
+
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    sampler = client.create_sampling_client(base_model=str(root)).result()
+    prompt = types.ModelInput.from_ints(tok.encode("hello world").ids)
+
+    def clean(ids: list[int]) -> bool:  # no half characters, no EOS
+        return 2 not in ids and "\ufffd" not in tok.decode(ids)
+
+    # A stop: the text two sampled pieces make, in a row whose text is clean up to there.
+    for seed in range(10):
+        params = types.SamplingParams(max_tokens=40, stop=[], seed=seed)
+        free = sampler.sample(prompt, 4, params).result().sequences
+        found = [
+            (r, tok.decode(f.tokens[a : a + 2]).strip())
+            for a in range(3, 30)
+            for r, f in enumerate(free)
+            if clean(f.tokens[: a + 2]) and len(tok.decode(f.tokens[a : a + 2]).strip()) >= 2
+        ]
+        if found:
+            break
+    else:
+        pytest.fail("no clean two-piece text in 10 seeds")
+    row, text = found[0]
+    params = types.SamplingParams(max_tokens=40, stop=[text], seed=seed)
+    s, f = sampler.sample(prompt, 4, params).result().sequences[row], free[row]
+    assert s.tokens == f.tokens[: len(s.tokens)] and s.stop_reason == "stop"
+    assert text in tok.decode(s.tokens) and text not in tok.decode(s.tokens[:-1])
+    assert sampler.get_tokenizer().eos_token_id == 2
+    client.close().result()
+    backend.close()
