@@ -104,8 +104,7 @@ def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ..
         for v in value if isinstance(value, list) else [value]:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise EngineUserError(
-                    f"{f}: eos_token_id={value!r} must be a token id or a list of them; fix "
-                    f"{fname}"
+                    f"{f}: eos_token_id={value!r} must be a token id or a list of them; fix {fname}"
                 )
             if v is not None and v not in out:
                 out.append(v)
