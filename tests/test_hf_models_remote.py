@@ -1,9 +1,10 @@
 """A Hugging Face model directory served by `tinker-sr serve`: the tinker_sr client and the
 unmodified official SDK both get the model's own tokenizer and sample with its EOS and string
-stops."""
+stops; the official SDK trains a Qwen2 directory and hears a refused one's field by name."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,13 +39,31 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path
 
 
 @pytest.fixture(scope="module")
+def qwen2_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A Qwen2 directory, and a copy whose config.json declares AWQ quantization."""
+    root = tmp_path_factory.mktemp("qwen2")
+    good = make_tiny_hf_model_dir(root / "tiny-qwen2", family="qwen2")
+    bad = root / "tiny-qwen2-awq"
+    shutil.copytree(good, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(config))
+    return good, bad
+
+
+@pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, hub_cache: Path, model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    hub_cache: Path,
+    model_dir: Path,
+    qwen2_dirs: tuple[Path, Path],
 ) -> Iterator[ServerProcess]:
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     # A server loads only the model directories its operator names (issue 10, item 12);
     # Hub names in its cache need no flag.
     flags = ["--model-dir", str(model_dir)]
+    for d in qwen2_dirs:
+        flags += ["--model-dir", str(d)]
     with running_server(tmp_path_factory.mktemp("store"), env=env, extra_args=flags) as srv:
         yield srv
 
@@ -130,3 +149,32 @@ def test_hub_cache_name_served_and_tokenized_offline(
     ).result()
     assert len(out.sequences) == 2
     (service.close() if sdk_name == "tinker_sr" else service.close("success")).result()
+
+
+def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
+    server: ServerProcess, qwen2_dirs: tuple[Path, Path]
+) -> None:
+    good, bad = qwen2_dirs
+    types = tinker.types
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    training = service.create_lora_training_client(base_model=str(good), rank=4).result()
+    ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    losses = []
+    for _ in range(3):
+        out = training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < losses[0]
+    sampler = training.save_weights_and_get_sampling_client()
+    params = types.SamplingParams(max_tokens=6, seed=1)
+    assert (
+        len(sampler.sample(types.ModelInput.from_ints(ids[:5]), 2, params).result().sequences) == 2
+    )
+    refused = service.create_sampling_client(base_model=str(bad))
+    with pytest.raises(tinker.BadRequestError, match="quantization_config \\(awq\\)"):
+        refused.sample(types.ModelInput.from_ints([1, 2]), 1, params).result()
+    service.close("success").result()
