@@ -124,32 +124,28 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
         head_dim=16,
         rms_norm_eps=1e-6,
     )
+    qwen: dict[str, Any] = dict(  # Qwen's specials, tied embeddings, RoPE theta 1e6
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True,
+        bos_token_id=ids.get(ENDOFTEXT),
+        eos_token_id=ids.get(IM_END),
+        pad_token_id=ids.get(ENDOFTEXT),
+    )
     if family == "qwen3":
-        # Like Qwen3-0.6B: tied embeddings, a 40,960-token context, EOS = <|im_end|>.
+        # Like Qwen3-0.6B: a 40,960-token context, EOS = <|im_end|>.
         return Qwen3Config(
-            **common,
-            max_position_embeddings=40960,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            tie_word_embeddings=True,
-            bos_token_id=ids[ENDOFTEXT],
-            eos_token_id=ids[IM_END],
-            pad_token_id=ids[ENDOFTEXT],
-            architectures=["Qwen3ForCausalLM"],
+            **common, **qwen, max_position_embeddings=40960, architectures=["Qwen3ForCausalLM"]
         )
     if family == "qwen2":
-        # Like Qwen2.5-0.5B-Instruct: q/k/v biases, tied embeddings, the window switched off.
+        # Like Qwen2.5-0.5B-Instruct: q/k/v biases, the window switched off.
         common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
         return Qwen2Config(
             **common,
+            **qwen,
             max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            tie_word_embeddings=True,
             use_sliding_window=False,
             sliding_window=32768,
             max_window_layers=layers,
-            bos_token_id=ids[ENDOFTEXT],
-            eos_token_id=ids[IM_END],
-            pad_token_id=ids[ENDOFTEXT],
             architectures=["Qwen2ForCausalLM"],
         )
     if family == "mistral":
