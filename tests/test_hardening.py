@@ -478,12 +478,20 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
 
     d = tmp_path / "my-model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    config = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
     args = build_parser().parse_args(["serve", "--model-dir", str(d), "--model-alias", "a=b"])
     aliases = model_aliases_from_args(args)
     assert aliases["my-model"] == aliases[str(d)] == str(d) and aliases["a"] == "b"
     with pytest.raises(SystemExit, match="no config.json"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(tmp_path)]))
+    # A config the engine would refuse at first use is refused at start, by field.
+    (d / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(SystemExit, match="--model-dir .*my-model: config.json hidden_act 'gel"):
+        model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(d)]))
+    with pytest.raises(SystemExit, match="--model-alias m=.*my-model: config.json hidden_act"):
+        model_aliases_from_args(build_parser().parse_args(["serve", "--model-alias", f"m={d}"]))
 
 
 # ---- 14. embedded bad input is the caller's error ------------------------------------------

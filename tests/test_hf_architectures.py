@@ -261,3 +261,22 @@ def test_broken_tokenizer_files_fail_with_the_file(
     finally:
         client.close().result()
         backend.close()
+
+
+def test_capabilities_list_the_served_directories_with_their_context(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    """`get_server_capabilities` names every model a request may use, aliased directories
+    included, with each one's context (Mistral's capped at its window); a directory whose
+    config would be refused is left out, not listed as servable."""
+    broken = _copy_dir(dirs["qwen2"], tmp_path / "broken", hidden_act="gelu")
+    aliases = {"my-qwen2": str(dirs["qwen2"]), "my-mistral": str(dirs["mistral"]),
+               "broken": str(broken)}  # fmt: skip
+    backend = LocalBackend(tmp_path / "store", model_aliases=aliases)
+    client = tinker_sr.ServiceClient(backend=backend)
+    caps = client.create_rest_client().get_server_capabilities().result()
+    contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
+    assert contexts == {"tinker-sr/small": 1024, "tinker-sr/tiny": 512, "my-qwen2": 32768,
+                        "my-mistral": 4096}  # fmt: skip
+    client.close().result()
+    backend.close()

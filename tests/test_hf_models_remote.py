@@ -40,14 +40,12 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path
 
 @pytest.fixture(scope="module")
 def qwen2_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A Qwen2 directory, and a copy whose config.json declares AWQ quantization."""
+    """A Qwen2 directory and a copy (which a test turns into a refused one after the server
+    started: a `--model-dir` the engine would refuse stops `tinker-sr serve` at start)."""
     root = tmp_path_factory.mktemp("qwen2")
     good = make_tiny_hf_model_dir(root / "tiny-qwen2", family="qwen2")
     bad = root / "tiny-qwen2-awq"
     shutil.copytree(good, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    (bad / "config.json").write_text(json.dumps(config))
     return good, bad
 
 
@@ -155,8 +153,14 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
     server: ServerProcess, qwen2_dirs: tuple[Path, Path]
 ) -> None:
     good, bad = qwen2_dirs
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(config))  # replaced under the running server
     types = tinker.types
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    caps = service.create_rest_client().get_server_capabilities().result()
+    contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
+    assert contexts[good.name] == contexts[str(good)] == 32768 and bad.name not in contexts
     training = service.create_lora_training_client(base_model=str(good), rank=4).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
     datum = types.Datum(

@@ -187,6 +187,18 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         raise SystemExit(f"tinker-sr serve: {e}") from None
 
 
+def _check_model_config(option: str, flag: str, path: str) -> None:
+    """Refuse at start a directory whose config.json the engine would refuse at first use."""
+    from tinker_sr.engine.hf_config import config_from_hf
+    from tinker_sr.hf_files import read_json
+    from tinker_sr.user_errors import EngineUserError
+
+    try:
+        config_from_hf(read_json(Path(path) / "config.json"), flag)
+    except EngineUserError as e:
+        raise SystemExit(f"tinker-sr serve: {option} {e}") from None
+
+
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.registry import parse_aliases
 
@@ -195,12 +207,17 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
         path = os.path.abspath(d)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"tinker-sr serve: --model-dir {d}: no config.json in {path}")
+        _check_model_config("--model-dir", d, path)
         for name in (d, path, os.path.basename(path.rstrip(os.sep))):
             aliases[name] = path
     try:
-        aliases.update(parse_aliases(",".join(args.model_alias)))
+        named = parse_aliases(",".join(args.model_alias))
     except ValueError as e:
         raise SystemExit(f"tinker-sr serve: --model-alias: {e}") from None
+    for name, target in named.items():
+        if os.path.isfile(os.path.join(target, "config.json")):  # a directory, not a Hub name
+            _check_model_config("--model-alias", f"{name}={target}", target)
+    aliases.update(named)
     return aliases
 
 

@@ -45,7 +45,6 @@ from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.hf import parse_dtype
-from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
@@ -272,12 +271,9 @@ class LocalBackend:
     async def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         models = [
             types.SupportedModel(
-                model_name=name,
-                max_context_length=cfg.max_seq_len,
-                trainable=True,
-                sampleable=True,
+                model_name=name, max_context_length=context, trainable=True, sampleable=True
             )
-            for name, cfg in sorted(BUILTIN_CONFIGS.items())
+            for name, context in self.models.context_lengths().items()
         ]
         return types.GetServerCapabilitiesResponse(supported_models=models)
 

@@ -46,6 +46,7 @@ from tinker_sr.engine import gemm
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.device import fast_bf16
 from tinker_sr.engine.hf import load_model_dir
+from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.lora import (
     LoraLinear,
     LoraSpec,
@@ -58,7 +59,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
-from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir
+from tinker_sr.hf_files import cached_hub_model, not_found_hint, read_json, resolve_model_dir
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -250,6 +251,22 @@ class ModelRegistry:
     # ---- base models ------------------------------------------------------------------
     def available_models(self) -> list[str]:
         return sorted(BUILTIN_CONFIGS) + sorted(k for k in self.aliases if k != "*")
+
+    def context_lengths(self) -> dict[str, int]:
+        """Every name `available_models` lists whose config reads, with its context length
+        (from config.json alone: nothing is loaded). A name whose directory is gone or whose
+        config the engine refuses is left out; a request for it says why."""
+        out: dict[str, int] = {}
+        for name in self.available_models():
+            try:
+                resolved = self.resolve_model(name)
+                config = BUILTIN_CONFIGS.get(resolved) or config_from_hf(
+                    read_json(Path(resolved) / "config.json"), resolved
+                )
+            except (EngineUserError, OSError):
+                continue
+            out[name] = config.max_seq_len
+        return out
 
     def resolve_model(self, name: str) -> str:
         """Map a requested base model name to a built-in name or a local directory (a path, or
