@@ -264,19 +264,43 @@ def test_broken_tokenizer_files_fail_with_the_file(
 
 
 def test_capabilities_list_the_served_directories_with_their_context(
-    tmp_path: Path, dirs: dict[str, Path]
+    tmp_path: Path, dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`get_server_capabilities` names every model a request may use, aliased directories
     included, with each one's context (Mistral's capped at its window); a directory whose
     config would be refused is left out, not listed as servable."""
     broken = _copy_dir(dirs["qwen2"], tmp_path / "broken", hidden_act="gelu")
-    aliases = {"my-qwen2": str(dirs["qwen2"]), "my-mistral": str(dirs["mistral"]),
-               "broken": str(broken)}  # fmt: skip
-    backend = LocalBackend(tmp_path / "store", model_aliases=aliases)
-    client = tinker_sr.ServiceClient(backend=backend)
-    caps = client.create_rest_client().get_server_capabilities().result()
+    aliases = f"my-qwen2={dirs['qwen2']},my-mistral={dirs['mistral']},broken={broken}"
+    monkeypatch.setenv("TINKER_SR_MODEL_ALIASES", aliases)
+    monkeypatch.setenv("TINKER_SR_STORE", str(tmp_path / "store"))
+    caps = tinker_sr.RestClient().get_server_capabilities().result()
     contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
     assert contexts == {"tinker-sr/small": 1024, "tinker-sr/tiny": 512, "my-qwen2": 32768,
                         "my-mistral": 4096}  # fmt: skip
-    client.close().result()
-    backend.close()
+
+
+def test_a_large_checkpoint_shows_its_loading(
+    dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From PROGRESS_MIN_BYTES on (512 MiB; 0 here): a byte progress bar on a terminal and a
+    log line with the size and time."""
+    import io
+    import logging
+
+    import tinker_sr.engine.hf as hf
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(hf, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("sys.stderr", term)
+    with caplog.at_level(logging.INFO, logger="tinker_sr.engine"):
+        load_model_dir(dirs["qwen2"])
+    assert "loading qwen2" in term.getvalue() and "100%" in term.getvalue()
+    assert any("loaded" in r.getMessage() and "tensors" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(hf, "PROGRESS_MIN_BYTES", 2**40)  # small checkpoints: silent
+    term.seek(0), term.truncate()
+    load_model_dir(dirs["qwen2"])
+    assert term.getvalue() == ""

@@ -158,7 +158,8 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
     (bad / "config.json").write_text(json.dumps(config))  # replaced under the running server
     types = tinker.types
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
-    caps = service.create_rest_client().get_server_capabilities().result()
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test")
+    caps = rest.get_server_capabilities().result()
     contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
     assert contexts[good.name] == contexts[str(good)] == 32768 and bad.name not in contexts
     training = service.create_lora_training_client(base_model=str(good), rank=4).result()
@@ -173,12 +174,11 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(out.metrics["loss:sum"])
     assert losses[-1] < losses[0]
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=6, seed=1)
-    assert (
-        len(sampler.sample(types.ModelInput.from_ints(ids[:5]), 2, params).result().sequences) == 2
-    )
-    refused = service.create_sampling_client(base_model=str(bad))
+    prompt = types.ModelInput.from_ints(ids[:5])
+    assert len(sampler.sample(prompt, 2, params).result().sequences) == 2
     with pytest.raises(tinker.BadRequestError, match="quantization_config \\(awq\\)"):
-        refused.sample(types.ModelInput.from_ints([1, 2]), 1, params).result()
+        refused = service.create_sampling_client(base_model=str(bad)).result()
+        refused.sample(prompt, 1, params).result()
     service.close("success").result()

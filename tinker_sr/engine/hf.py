@@ -13,7 +13,10 @@ returned logits in float32 (see `tinker_sr.engine.model`).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
+PROGRESS_MIN_BYTES = 512 * 2**20  # a progress bar and a log line from this checkpoint size
+log = logging.getLogger("tinker_sr.engine")
 # Tensors a checkpoint may hold that carry nothing the model computes: old exports' rotary
 # frequency buffers (recomputed from config.json).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -99,17 +104,21 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     return DTYPES[name]
 
 
-def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> None:
+def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> list[str]:
     """The checkpoint's tensors (names and shapes from the safetensors headers) against the
-    model `config` describes: each must have a place of its shape, and each place a tensor."""
+    model `config` describes: each must have a place of its shape, and each place a tensor.
+    Returns the names of the tensors that will load."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
+    placed: list[str] = []
     for f, key, sl in _tensors(files):
         if key not in shapes:
             if not key.endswith(IGNORED_SUFFIXES):
                 unused.append(key)
-        elif (expected := shapes.pop(key)) != tuple(sl.get_shape()):
+            continue
+        placed.append(key)
+        if (expected := shapes.pop(key)) != tuple(sl.get_shape()):
             raise EngineUserError(
                 f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
                 f"{expected}"
@@ -127,6 +136,7 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> None:
         raise EngineUserError(
             f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
         )
+    return placed
 
 
 def load_model_dir(
@@ -149,11 +159,28 @@ def load_model_dir(
     files = weight_files(root)
     hf = read_json(root / "config.json")
     config = config_from_hf(hf, name=name or str(root))
-    _check_tensors(root, files, config)  # before allocating: a wrong config fails fast
+    placed = _check_tensors(root, files, config)  # before allocating: fails fast
     model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
     own = model.state_dict()
-    with torch.no_grad():
+    total = sum(own[k].numel() * own[k].element_size() for k in placed)
+    start = time.perf_counter()
+    with _progress(root, total) as bar, torch.no_grad():
         for _, key, sl in _tensors(files):
             if key in own:
                 own[key].copy_(sl[:])
+                bar.update(own[key].numel() * own[key].element_size())
+    if total >= PROGRESS_MIN_BYTES:
+        log.info(
+            "loaded %s: %d tensors, %.2f GiB in %.1f s",
+            root, len(placed), total / 2**30, time.perf_counter() - start,
+        )  # fmt: skip
     return model
+
+
+def _progress(root: Path, total: int) -> Any:
+    """A bytes progress bar on a terminal for checkpoints of PROGRESS_MIN_BYTES or more (a
+    multi-GB model takes a while to read); otherwise nothing."""
+    from tqdm import tqdm
+
+    quiet = total < PROGRESS_MIN_BYTES or not sys.stderr.isatty()
+    return tqdm(desc=f"loading {root.name}", total=total, unit="B", unit_scale=True, disable=quiet)
