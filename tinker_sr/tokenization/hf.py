@@ -133,7 +133,7 @@ class ModelTokenizer:
                 f"{root}: no EOS token id in config.json, generation_config.json or "
                 "tokenizer_config.json; set eos_token_id in config.json"
             )
-        outside = [i for i in self.eos_token_ids if i >= self.vocab_size]
+        outside = [i for i in self.eos_token_ids if not 0 <= i < self.vocab_size]
         if outside:
             raise EngineUserError(
                 f"{root}: EOS token ids {outside} (config.json / generation_config.json / "
