@@ -72,7 +72,7 @@ def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     assert (o_bias is not None) == (family == "llama-bias")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias"])
 def test_sample_and_train_through_the_api(
     tmp_path: Path, dirs: dict[str, Path], family: str
 ) -> None:
@@ -150,8 +150,15 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
     [
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\(fp8\\)"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
         ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM'"),
+        ({"architectures": [{}]}, "architectures=\\[{}\\] must be a list of class names"),
+        ({"model_type": "mistral"}, "model_type 'mistral' .* contradicts architectures"),
+        ({"model_type": []}, "model_type \\[\\] is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "\\['full_attention'\\]"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"head_dim": 15}, "head_dim 15 must be even"),
     ],
 )
 def test_fields_the_engine_cannot_compute_are_refused(over: dict[str, Any], field: str) -> None:
@@ -275,8 +282,9 @@ def test_capabilities_list_the_served_directories_with_their_context(
     monkeypatch.setenv("TINKER_SR_STORE", str(tmp_path / "store"))
     caps = tinker_sr.RestClient().get_server_capabilities().result()
     contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
-    assert contexts == {"tinker-sr/small": 1024, "tinker-sr/tiny": 512, "my-qwen2": 32768,
-                        "my-mistral": 4096}  # fmt: skip
+    assert contexts["my-qwen2"] == 32768 and contexts["my-mistral"] == 4096
+    assert "broken" not in contexts
+    assert {n: c.max_seq_len for n, c in BUILTIN_CONFIGS.items()}.items() <= contexts.items()
 
 
 def test_a_large_checkpoint_shows_its_loading(
@@ -304,3 +312,84 @@ def test_a_large_checkpoint_shows_its_loading(
     term.seek(0), term.truncate()
     load_model_dir(dirs["qwen2"])
     assert term.getvalue() == ""
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+_SIZES = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+          "num_attention_heads": 4}  # fmt: skip
+_WIDE = {"hidden_size": 1024, "num_attention_heads": 32}  # room for Qwen's 32 KV-head default
+# Fields of real checkpoints' config.json (sizes shrunk), then the corner cases of how
+# transformers reads them: absent fields, rope_theta in two places, rope_scaling beside
+# rope_parameters, a llama3 scaling without its original context.
+REAL_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen2.5-0.5B-Instruct": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+        "num_key_value_heads": 2, "max_position_embeddings": 32768, "max_window_layers": 2,
+        "rope_theta": 1e6, "sliding_window": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": True, "rope_scaling": None, "bos_token_id": 151643,
+        "eos_token_id": 151645, "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    "DeepSeek-R1-Distill-Qwen-1.5B": {"model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2,
+        "max_position_embeddings": 131072, "max_window_layers": 2, "rope_theta": 1e4,
+        "sliding_window": 4096, "use_sliding_window": False, "tie_word_embeddings": False},
+    "Llama-3.2-1B-Instruct": {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 131072,
+        "rope_theta": 5e5, "rope_scaling": _LLAMA3, "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+        "eos_token_id": [128001, 128008, 128009]},
+    "Mistral-7B-v0.1": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+        "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1e4,
+        "sliding_window": 4096},
+    "Mistral-7B-Instruct-v0.3": {"model_type": "mistral",
+        "architectures": ["MistralForCausalLM"], "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None},
+    "TinyLlama-1.1B": {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "num_key_value_heads": 2, "max_position_embeddings": 2048, "pad_token_id": -1 + 0,
+        "rope_scaling": None},
+    "Qwen3-0.6B": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "sliding_window": None, "use_sliding_window": False,
+        "max_window_layers": 4, "tie_word_embeddings": True, "attention_bias": False},
+    "theta in both places": {"model_type": "llama", "rope_theta": 1e4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    "theta null beside parameters": {"model_type": "qwen3", "rope_theta": None, **_WIDE,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    "scaling beside parameters": {"model_type": "llama", "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": _LLAMA3},
+    "llama3 without original context": {"model_type": "llama", "max_position_embeddings": 8192,
+        "rope_scaling": {k: v for k, v in _LLAMA3.items()
+                         if k != "original_max_position_embeddings"}},
+    "qwen3 defaults": {"model_type": "qwen3", **_WIDE},
+    "mistral defaults": {"model_type": "mistral", "num_attention_heads": 8},
+    "qwen2 window on": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256,
+        "max_window_layers": 2, **_WIDE},
+    "swish": {"model_type": "llama", "hidden_act": "swish"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REAL_CONFIGS))
+def test_configs_read_as_transformers_reads_them(case: str) -> None:
+    """Differential: the engine's reading of a config.json against transformers' own config
+    class on the same dict (head width, KV heads, RoPE theta and scaling, context, window,
+    tying, biases)."""
+    from transformers import CONFIG_MAPPING
+
+    hf = {**_SIZES, **REAL_CONFIGS[case]}
+    ours = config_from_hf(hf, case)
+    theirs = CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
+    rope = theirs.rope_parameters
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    assert ours.head_dim == head_dim
+    assert ours.n_kv_heads == theirs.num_key_value_heads
+    assert ours.rope_theta == rope["rope_theta"]
+    scaling = dict(ours.rope_scaling or ())
+    assert scaling.get("rope_type", "default") == rope["rope_type"]
+    for key in ("factor", "original_max_position_embeddings"):
+        assert scaling.get(key) == rope.get(key)
+    window = getattr(theirs, "sliding_window", None)
+    if "sliding_attention" not in (getattr(theirs, "layer_types", None) or ["sliding_attention"]):
+        window = None
+    expected = theirs.max_position_embeddings
+    assert ours.max_seq_len == (expected if window is None else min(expected, window))
+    assert ours.tie_embeddings == theirs.tie_word_embeddings
+    assert ours.attention_bias == (hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")))

@@ -42,6 +42,8 @@ KEYS = [
     "mlp_bias",
     "quantization_config",
     "layer_types",
+    "model_type",
+    "partial_rotary_factor",
 ]
 LLAMA3 = {
     "rope_type": "llama3",
@@ -53,7 +55,8 @@ LLAMA3 = {
 
 EDGES: list[Any] = [None, True, False, 0, -1, 1, 3, 2**62, 10**30, 0.5, 1e-300, math.inf,
                     -math.inf, math.nan, "", "2", "silu", [], [1], {}, {"rope_type": "yarn"},
-                    {"rope_theta": "x"}, {"rope_theta": 0}]  # fmt: skip
+                    {"rope_theta": "x"}, {"rope_theta": 0}, [{}], "qwen3", "mistral",
+                    ["MistralForCausalLM"], {"rope_type": "default", "mrope": 1}]  # fmt: skip
 
 scalars = st.one_of(
     st.none(),
@@ -82,8 +85,12 @@ def _check(hf: dict[str, Any]) -> None:
     except EngineUserError as e:
         assert "fuzz" in str(e)
         return
-    arch = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", "llama"))]
-    assert config.qk_norm == ARCHITECTURES[arch[0]].qk_norm
+    if hf.get("model_type") is not None:  # what transformers' AutoModel builds
+        arch = MODEL_TYPES[hf["model_type"]]
+        assert (hf.get("architectures") or [arch])[0] == arch  # a contradiction is refused
+    else:
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    assert config.qk_norm == ARCHITECTURES[arch].qk_norm
     for n in (config.vocab_size, config.dim, config.n_layers, config.n_heads, config.n_kv_heads):
         assert isinstance(n, int) and not isinstance(n, bool) and n > 0
     assert config.max_seq_len > 0 and 0 < config.norm_eps < math.inf
@@ -91,8 +98,9 @@ def _check(hf: dict[str, Any]) -> None:
     assert bool(torch.isfinite(inv_freq).all())
     for i in (config.bos_token_id, config.eos_token_id, config.pad_token_id):
         assert i is None or (isinstance(i, int) and i >= 0)
-    for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-        assert hf.get(flag) in (None, True, False)  # "false" is not read as true
+    flags = ["tie_word_embeddings", "attention_bias", "use_sliding_window"]
+    for flag in flags + (["mlp_bias"] if ARCHITECTURES[arch].mlp_bias else []):
+        assert hf.get(flag) is None or type(hf.get(flag)) is bool  # "false", 0 are not flags
     assert config.tie_embeddings == bool(hf.get("tie_word_embeddings"))
     with torch.device("meta"):  # shapes only: a typo'd size must not allocate here
         Transformer(config)

@@ -117,7 +117,8 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> list[s
             if not key.endswith(IGNORED_SUFFIXES):
                 unused.append(key)
             continue
-        placed.append(key)
+        if not (config.tie_embeddings and key == "lm_head.weight"):
+            placed.append(key)  # a tied head stored anyway: the embedding wins, as in HF
         if (expected := shapes.pop(key)) != tuple(sl.get_shape()):
             raise EngineUserError(
                 f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
@@ -159,14 +160,22 @@ def load_model_dir(
     files = weight_files(root)
     hf = read_json(root / "config.json")
     config = config_from_hf(hf, name=name or str(root))
+    declared = hf.get("max_position_embeddings")
+    if isinstance(declared, int) and config.max_seq_len < declared:
+        log.info(
+            "%s: sliding-window attention: context capped at its window, %d of %d tokens "
+            "(within the window sliding-window and causal attention agree)",
+            root, config.max_seq_len, declared,
+        )  # fmt: skip
     placed = _check_tensors(root, files, config)  # before allocating: fails fast
     model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
     own = model.state_dict()
     total = sum(own[k].numel() * own[k].element_size() for k in placed)
     start = time.perf_counter()
+    wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
         for _, key, sl in _tensors(files):
-            if key in own:
+            if key in wanted:
                 own[key].copy_(sl[:])
                 bar.update(own[key].numel() * own[key].element_size())
     if total >= PROGRESS_MIN_BYTES:

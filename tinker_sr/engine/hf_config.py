@@ -20,7 +20,6 @@ longer sequences fail with the usual context-length error instead of being compu
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,29 +29,42 @@ import torch
 from tinker_sr.engine.model import ModelConfig, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError
 
-log = logging.getLogger("tinker_sr.engine")
-
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
 MAX_SIZE = 2**24  # any size or count in config.json: far above real models, far below overflow
 
 
 @dataclass(frozen=True)
 class _Arch:
+    """What an architecture computes and transformers 5's defaults for fields config.json may
+    leave out (a checkpoint must load as the model transformers would build from it)."""
+
     qk_norm: bool
     qkv_bias: bool | None  # None: config.json's attention_bias
     out_bias: bool | None  # None: config.json's attention_bias
     window: str  # "none", "always" (Mistral), "qwen" (use_sliding_window + layer_types)
+    context: int  # max_position_embeddings when absent
+    kv_heads: int | None  # num_key_value_heads when absent (None: num_attention_heads)
+    head_dim: int | None  # head_dim when absent (None: hidden_size // num_attention_heads)
+    mlp_bias: bool  # does the architecture read mlp_bias (else it is ignored, as there)
 
 
 ARCHITECTURES: dict[str, _Arch] = {
-    "LlamaForCausalLM": _Arch(qk_norm=False, qkv_bias=None, out_bias=None, window="none"),
-    "MistralForCausalLM": _Arch(qk_norm=False, qkv_bias=False, out_bias=False, window="always"),
-    "Qwen2ForCausalLM": _Arch(qk_norm=False, qkv_bias=True, out_bias=False, window="qwen"),
-    "Qwen3ForCausalLM": _Arch(qk_norm=True, qkv_bias=None, out_bias=None, window="qwen"),
+    "LlamaForCausalLM": _Arch(False, None, None, "none", 2048, None, None, mlp_bias=True),
+    "MistralForCausalLM": _Arch(False, False, False, "always", 131072, 8, None, mlp_bias=False),
+    "Qwen2ForCausalLM": _Arch(False, True, False, "qwen", 32768, 32, None, mlp_bias=False),
+    "Qwen3ForCausalLM": _Arch(True, None, None, "qwen", 32768, 32, 128, mlp_bias=False),
 }
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# RoPE keys the engine computes, per rope type (anything else would be ignored: refused).
+ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
+               "high_freq_factor", "original_max_position_embeddings"},
+}  # fmt: skip
 
 
-def _refuse_unsupported(hf: dict[str, Any], name: str, arch: str) -> None:
+def _refuse_unsupported(hf: dict[str, Any], name: str, arch_name: str) -> None:
     """Fields whose non-default values the engine would otherwise ignore."""
     quant = hf.get("quantization_config")
     if quant is not None and quant is not False:
@@ -63,15 +75,21 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch: str) -> None:
             "(bfloat16/float32) checkpoint of this model instead"
         )
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers maps both to SiLU
         raise EngineUserError(
             f"{name}: config.json hidden_act {act!r} is not supported (the engine's "
-            f"feed-forward is SwiGLU with silu, as {arch} uses by default)"
+            f"feed-forward is SwiGLU with silu, as {arch_name} uses by default)"
         )
-    if _flag(hf, "mlp_bias", name):
+    if ARCHITECTURES[arch_name].mlp_bias and _flag(hf, "mlp_bias", name):
         raise EngineUserError(
             f"{name}: config.json mlp_bias=true is not supported (feed-forward projections "
             "without bias only)"
+        )
+    partial = hf.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise EngineUserError(
+            f"{name}: config.json partial_rotary_factor={partial!r} is not supported (RoPE "
+            "over the whole head only)"
         )
 
 
@@ -92,7 +110,11 @@ def _number(
     return value
 
 
-def _count(hf: dict[str, Any], key: str, name: str, default: int | None = None) -> int:
+def _count(
+    hf: dict[str, Any], key: str, name: str, default: int | None = None, minimum: int = 1
+) -> int:
+    if minimum == 0 and hf.get(key) == 0 and not isinstance(hf.get(key), bool | float):
+        return 0
     value = _number(hf, key, name, default, what="integer")
     if not isinstance(value, int) or value > MAX_SIZE:
         raise EngineUserError(
@@ -102,21 +124,34 @@ def _count(hf: dict[str, Any], key: str, name: str, default: int | None = None) 
     return value
 
 
-def _rope_scaling(rope: Any, name: str) -> tuple[tuple[str, Any], ...] | None:
-    """The RoPE scaling pairs the engine computes (default, llama3), else `EngineUserError`."""
+def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
+    """(rope_theta, scaling pairs or None) as transformers 5 reads them: ``rope_scaling`` (4.x's
+    key) over ``rope_parameters``, theta inside them over the top-level ``rope_theta``."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise EngineUserError(
             f"{name}: config.json rope_scaling / rope_parameters {rope!r} must be an object"
         )
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_KEYS:
         raise EngineUserError(
-            f"{name}: config.json rope type {kind!r} is not supported (supported: default, "
-            "llama3); the positions would be encoded differently from the checkpoint's training"
+            f"{name}: config.json rope type {kind!r} is not supported (supported: "
+            f"{', '.join(ROPE_KEYS)}); the positions would be encoded differently from the "
+            "checkpoint's training"
         )
+    unknown = sorted(str(k) for k in set(rope) - ROPE_KEYS[kind])
+    if unknown:
+        raise EngineUserError(
+            f"{name}: config.json rope parameters {unknown} are not supported for rope type "
+            f"{kind!r}; the engine would ignore them"
+        )
+    theta = rope.get("rope_theta")
+    theta = hf.get("rope_theta") if theta is None else theta
+    rope_theta = _number({"rope_theta": theta}, "rope_theta", name, 10000.0)
+    if kind == "default":
+        return rope_theta, None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling.setdefault("original_max_position_embeddings", context)  # as transformers
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         _number(scaling, key, f"{name}: rope_scaling")
     _count(scaling, "original_max_position_embeddings", f"{name}: rope_scaling")
@@ -124,7 +159,7 @@ def _rope_scaling(rope: Any, name: str) -> tuple[tuple[str, Any], ...] | None:
         raise EngineUserError(
             f"{name}: config.json llama3 rope_scaling needs high_freq_factor != low_freq_factor"
         )
-    return tuple(sorted(scaling.items()))
+    return rope_theta, tuple(sorted(scaling.items()))
 
 
 def _flag(hf: dict[str, Any], key: str, name: str) -> bool:
@@ -135,9 +170,10 @@ def _flag(hf: dict[str, Any], key: str, name: str) -> bool:
 
 
 def _token_id(hf: dict[str, Any], key: str, name: str) -> int | None:
-    """A special token id (an int, a list of them: the first, or null)."""
+    """A special token id (an int, a list of them: the first, or null). A negative pad id
+    (old Llama conversions' -1) means none, as the model never reads it."""
     value = hf.get(key)
-    if value is None or value == []:
+    if value is None or value == [] or (key == "pad_token_id" and value == -1):
         return None
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -147,29 +183,35 @@ def _token_id(hf: dict[str, Any], key: str, name: str) -> int | None:
     return int(ids[0])
 
 
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
-
-
 def _architecture(hf: dict[str, Any], name: str) -> str:
-    """config.json's ``architectures[0]``; without it, the one ``model_type`` names (Llama when
-    neither is there, as the engine always assumed)."""
-    archs = hf.get("architectures")
-    if archs is None or archs == []:
-        model_type = hf.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
+    """The architecture transformers' AutoModelForCausalLM would build: ``model_type``'s, which
+    ``architectures[0]`` must not contradict; ``architectures[0]`` alone when there is no
+    ``model_type``; Llama when neither is there (as the engine always assumed)."""
+    archs, model_type = hf.get("architectures"), hf.get("model_type")
+    if archs is not None and archs != []:
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise EngineUserError(
-                f"{name}: config.json model_type {model_type!r} is not supported; supported: "
-                f"{sorted(MODEL_TYPES)}"
+                f"{name}: config.json architectures={archs!r} must be a list of class names"
             )
-        return MODEL_TYPES[model_type]
-    if not isinstance(archs, list) or archs[0] not in ARCHITECTURES:
-        shown = archs[0] if isinstance(archs, list) else archs
+        if archs[0] not in ARCHITECTURES:
+            raise EngineUserError(
+                f"{name}: config.json architecture {archs[0]!r} is not supported; "
+                f"supported: {sorted(ARCHITECTURES)}"
+            )
+    if model_type is None:
+        return str(archs[0]) if archs else "LlamaForCausalLM"
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise EngineUserError(
-            f"{name}: config.json architecture {shown!r} is not supported; "
-            f"supported: {sorted(ARCHITECTURES)}"
+            f"{name}: config.json model_type {model_type!r} is not supported; supported: "
+            f"{sorted(MODEL_TYPES)}"
         )
-    return str(archs[0])
+    arch_name = MODEL_TYPES[model_type]
+    if archs and archs[0] != arch_name:
+        raise EngineUserError(
+            f"{name}: config.json model_type {model_type!r} (which transformers builds as "
+            f"{arch_name}) contradicts architectures {archs!r}; make them agree"
+        )
+    return arch_name
 
 
 def _window(hf: dict[str, Any], arch: _Arch, n_layers: int, name: str) -> int | None:
@@ -188,45 +230,37 @@ def _window(hf: dict[str, Any], arch: _Arch, n_layers: int, name: str) -> int | 
             raise EngineUserError(f"{name}: config.json layer_types={types!r} must be a list")
         if "sliding_attention" not in types:
             return None
-    elif _count(hf, "max_window_layers", name, 28) >= n_layers:
+    elif _count(hf, "max_window_layers", name, 28, minimum=0) >= n_layers:
         return None  # transformers: layers from max_window_layers on slide
     return _count(hf, "sliding_window", name)
 
 
 def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
-    """`ModelConfig` of a checkpoint's config.json; `EngineUserError` naming the field for
-    anything the engine cannot compute exactly."""
+    """`ModelConfig` of a checkpoint's config.json, as transformers 5 would build the model
+    (its defaults for absent fields); `EngineUserError` naming the field for anything the
+    engine cannot compute exactly."""
     arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
     _refuse_unsupported(hf, name, arch_name)
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    scaling = _rope_scaling(rope, name)
-    # transformers 5 keeps rope_theta inside rope_parameters; 4.x beside it.
-    rope_theta = _number(hf if "rope_theta" in hf else rope, "rope_theta", name, 10000.0)
     dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
     n_layers = _count(hf, "num_hidden_layers", name)
-    head_dim = _count(hf, "head_dim", name) if hf.get("head_dim") is not None else None
+    head_dim = _count(hf, "head_dim", name, arch.head_dim or dim // n_heads)
+    if head_dim % 2:
+        raise EngineUserError(f"{name}: config.json head_dim {head_dim} must be even (RoPE)")
+    n_kv = hf.get("num_key_value_heads", arch.kv_heads)  # present but null: n_heads
     bias = _flag(hf, "attention_bias", name)
-    context = _count(hf, "max_position_embeddings", name, 2048)
+    context = _count(hf, "max_position_embeddings", name, arch.context)
+    rope_theta, scaling = _rope(hf, name, context)
     window = _window(hf, arch, n_layers, name)
-    if window is not None and window < context:
-        log.info(
-            "%s: sliding-window attention (window %d): context capped at %d tokens, "
-            "where sliding-window and causal attention agree",
-            name,
-            window,
-            window,
-        )
-        context = window
     config = ModelConfig(
         name=name,
         vocab_size=_count(hf, "vocab_size", name),
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=_count(hf, "num_key_value_heads", name, n_heads),
+        n_kv_heads=_count({"n": n_kv}, "n", name, n_heads) if n_kv is not None else n_heads,
         ffn_dim=_count(hf, "intermediate_size", name),
-        max_seq_len=context,
+        max_seq_len=context if window is None else min(context, window),
         rope_theta=float(rope_theta),
         norm_eps=float(_number(hf, "rms_norm_eps", name, 1e-6)),
         tie_embeddings=_flag(hf, "tie_word_embeddings", name),
@@ -234,7 +268,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         bos_token_id=_token_id(hf, "bos_token_id", name),
         eos_token_id=_token_id(hf, "eos_token_id", name),
         pad_token_id=_token_id(hf, "pad_token_id", name),
-        explicit_head_dim=head_dim if head_dim and head_dim != dim // n_heads else None,
+        explicit_head_dim=head_dim if head_dim != dim // n_heads else None,
         attention_bias=bias if arch.qkv_bias is None else arch.qkv_bias,
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
         rope_scaling=scaling,

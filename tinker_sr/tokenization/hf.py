@@ -55,11 +55,11 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
     if "ByteLevel" in kinds:
         back = {c: b for b, c in _bytes_to_unicode().items()}
         for tok, i in vocab.items():
-            if i < vocab_size:
+            if 0 <= i < vocab_size:
                 table[i] = bytes(back[c] for c in tok if c in back)
     elif kinds & {"Metaspace", "SentencePieceSpace", "ByteFallback"}:
         for tok, i in vocab.items():
-            if i < vocab_size:
+            if 0 <= i < vocab_size:
                 m = _BYTE_PIECE.match(tok)
                 table[i] = (
                     bytes([int(m.group(1), 16)]) if m else tok.replace(_SP_SPACE, " ").encode()
@@ -68,7 +68,7 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
         table = _decode_each(spec, vocab_size)
     for added in spec.get("added_tokens") or []:
         i = int(added["id"])
-        if i < vocab_size:
+        if 0 <= i < vocab_size:
             table[i] = b"" if added.get("special") else str(added["content"]).encode()
     return table
 
