@@ -393,3 +393,24 @@ def test_configs_read_as_transformers_reads_them(case: str) -> None:
     assert ours.max_seq_len == (expected if window is None else min(expected, window))
     assert ours.tie_embeddings == theirs.tie_word_embeddings
     assert ours.attention_bias == (hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")))
+
+
+def test_a_tied_head_stored_anyway_loads_as_transformers_loads_it(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    """Qwen2 ties its head. A checkpoint that also stores lm_head.weight: equal to the
+    embedding, it stays tied; different, both load untied (transformers 5 does the same, with
+    a warning) and the logits match transformers'."""
+    root = _copy_dir(dirs["qwen2"], tmp_path / "m")
+    tensors = load_file(root / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, root / "model.safetensors")
+    assert load_model_dir(root).config.tie_embeddings
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, root / "model.safetensors")
+    ours = load_model_dir(root)
+    assert not ours.config.tie_embeddings
+    assert torch.equal(ours.lm_head.weight, tensors["lm_head.weight"])
+    with torch.no_grad():
+        mine = ours(torch.tensor([IDS]))
+    torch.testing.assert_close(mine, _hf_logits(root, IDS), rtol=0, atol=1e-5)

@@ -13,6 +13,7 @@ returned logits in float32 (see `tinker_sr.engine.model`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ log = logging.getLogger("tinker_sr.engine")
 # Tensors a checkpoint may hold that carry nothing the model computes: old exports' rotary
 # frequency buffers (recomputed from config.json).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+EMBED = "model.embed_tokens.weight"
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -117,8 +119,7 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> list[s
             if not key.endswith(IGNORED_SUFFIXES):
                 unused.append(key)
             continue
-        if not (config.tie_embeddings and key == "lm_head.weight"):
-            placed.append(key)  # a tied head stored anyway: the embedding wins, as in HF
+        placed.append(key)
         if (expected := shapes.pop(key)) != tuple(sl.get_shape()):
             raise EngineUserError(
                 f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
@@ -168,6 +169,10 @@ def load_model_dir(
             root, config.max_seq_len, declared,
         )  # fmt: skip
     placed = _check_tensors(root, files, config)  # before allocating: fails fast
+    if config.tie_embeddings and "lm_head.weight" in placed:
+        config = _tie_or_untie(root, files, config)
+        if config.tie_embeddings:
+            placed.remove("lm_head.weight")
     model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
     own = model.state_dict()
     total = sum(own[k].numel() * own[k].element_size() for k in placed)
@@ -184,6 +189,21 @@ def load_model_dir(
             root, len(placed), total / 2**30, time.perf_counter() - start,
         )  # fmt: skip
     return model
+
+
+def _tie_or_untie(root: Path, files: list[Path], config: ModelConfig) -> ModelConfig:
+    """A tied model whose checkpoint stores lm_head.weight too: tied when the two tensors are
+    equal, else untied with both loaded (what transformers 5 does, with a warning)."""
+    stored = {k: sl[:] for _, k, sl in _tensors(files) if k in ("lm_head.weight", EMBED)}
+    if torch.equal(stored["lm_head.weight"], stored[EMBED]):
+        return config
+    log.warning(
+        "%s: config.json ties the embeddings but the checkpoint stores a different "
+        "lm_head.weight: loading them untied, as transformers does (set "
+        "tie_word_embeddings=false in config.json to say so)",
+        root,
+    )
+    return dataclasses.replace(config, tie_embeddings=False)
 
 
 def _progress(root: Path, total: int) -> Any:
