@@ -258,7 +258,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=_count({"n": n_kv}, "n", name, n_heads) if n_kv is not None else n_heads,
+        n_kv_heads=_count({"num_key_value_heads": n_kv}, "num_key_value_heads", name, n_heads),
         ffn_dim=_count(hf, "intermediate_size", name),
         max_seq_len=context if window is None else min(context, window),
         rope_theta=float(rope_theta),
