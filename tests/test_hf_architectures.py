@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import tinker_sr  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
@@ -93,15 +94,7 @@ def test_sample_and_train_through_the_api(
         assert s.logprobs is not None
         assert max(abs(a - b) for a, b in zip(s.logprobs, expected, strict=True)) < 1e-4
 
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(IDS[:-1]),
-        loss_fn_inputs={"target_tokens": IDS[1:], "weights": [1.0] * (len(IDS) - 1)},
-    )
-    losses = []
-    for _ in range(4):
-        out = training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        losses.append(out.metrics["loss:sum"])
+    losses = cross_entropy_steps(training, types, IDS, steps=4, lr=2e-2)
     assert losses[-1] < 0.9 * losses[0]
     client.close().result()
     backend.close()

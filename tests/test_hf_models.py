@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import tinker_sr  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.clients.tokenizers import load_tokenizer  # noqa: E402
@@ -243,15 +244,7 @@ def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
     client = tinker_sr.ServiceClient(backend=backend)
     training = client.create_lora_training_client(base_model=str(root), rank=4, seed=1).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-    )
-    losses = []
-    for _ in range(4):
-        out = training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        losses.append(out.metrics["loss:sum"])
+    losses = cross_entropy_steps(training, types, ids, steps=4, lr=1e-2)
     assert losses[3] < 0.9 * losses[0]
     model = backend.models.trainer(training.model_id).model
     params = dict(model.named_parameters())

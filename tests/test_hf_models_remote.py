@@ -16,6 +16,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
 from tinker_sr.tokenization.byte import ByteTokenizer  # noqa: E402
 
@@ -164,15 +165,7 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
     assert contexts[good.name] == contexts[str(good)] == 32768 and bad.name not in contexts
     training = service.create_lora_training_client(base_model=str(good), rank=4).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-    )
-    losses = []
-    for _ in range(3):
-        out = training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        losses.append(out.metrics["loss:sum"])
+    losses = cross_entropy_steps(training, types, ids, steps=3, lr=1e-2)
     assert losses[-1] < losses[0]
     sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=6, seed=1)
