@@ -49,6 +49,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     p.normal_(0.0, 0.05)
     model.save_pretrained(llama)
     out["llama-bias"] = llama
+    # Linear RoPE scaling (Llama 2 long-context finetunes), no biases.
+    linear = root / "llama-linear"
+    config.attention_bias = False
+    config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        AutoModelForCausalLM.from_config(config).save_pretrained(linear)
+    out["llama-linear"] = linear
     return out
 
 
@@ -58,13 +66,13 @@ def _hf_logits(root: Path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits.float()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias", "llama-linear"])
 def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     ours = load_model_dir(dirs[family])
     with torch.no_grad():
         mine = ours(torch.tensor([IDS]))
     torch.testing.assert_close(mine, _hf_logits(dirs[family], IDS), rtol=0, atol=1e-5)
-    if family != "mistral":
+    if family in ("qwen2", "llama-bias"):
         assert all(
             getattr(ours.model.layers[0].self_attn, f"{p}_proj").bias is not None
             for p in ("q", "k", "v")
@@ -150,7 +158,8 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         ({"model_type": []}, "model_type \\[\\] is not supported"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "\\['full_attention'\\]"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "x": 1}}, "\\['x'\\]"),
         ({"head_dim": 15}, "head_dim 15 must be even"),
     ],
 )
@@ -357,6 +366,8 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2 window on": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256,
         "max_window_layers": 2, **_WIDE},
     "swish": {"model_type": "llama", "hidden_act": "swish"},
+    "linear scaling": {"model_type": "llama", "rope_theta": 1e4,
+        "rope_scaling": {"type": "linear", "factor": 4.0}},
 }  # fmt: skip
 
 

@@ -59,6 +59,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 # RoPE keys the engine computes, per rope type (anything else would be ignored: refused).
 ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
+    "linear": {"rope_type", "type", "rope_theta", "factor"},
     "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings"},
 }  # fmt: skip
@@ -150,7 +151,11 @@ def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
     rope_theta = _number({"rope_theta": theta}, "rope_theta", name, 10000.0)
     if kind == "default":
         return rope_theta, None
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = kind  # transformers 4.x wrote "type"
+    if kind == "linear":
+        _number(scaling, "factor", f"{name}: rope_scaling")
+        return rope_theta, tuple(sorted(scaling.items()))
     scaling.setdefault("original_max_position_embeddings", context)  # as transformers
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         _number(scaling, key, f"{name}: rope_scaling")

@@ -63,7 +63,7 @@ class ModelConfig:
     explicit_head_dim: int | None = None
     attention_bias: bool = False  # q/k/v projection biases (Qwen2; Llama/Qwen3 attention_bias)
     attention_out_bias: bool = False  # o_proj bias (Llama/Qwen3 attention_bias, not Qwen2)
-    # Llama 3.x "llama3" RoPE scaling as sorted (key, value) pairs; None = plain RoPE.
+    # "linear" or Llama 3.x "llama3" RoPE scaling as sorted (key, value) pairs; None = plain.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
 
     @property
@@ -170,10 +170,12 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "linear":  # positions divided by the factor (Llama 2 long-context finetunes)
+        inv_freq = inv_freq / float(scaling["factor"])
     elif kind != "default":
         raise EngineUserError(
             f"model config {config.name!r}: rope_scaling type {kind!r} is not supported "
-            "(supported: default, llama3)"
+            "(supported: default, linear, llama3)"
         )
     return inv_freq
 
