@@ -51,10 +51,13 @@ def _hf_logits(model: Any) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama-bias"])
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """Qwen3, and Qwen2 with its q/k/v biases (LoRA on a biased projection, both exports)."""
+    """Qwen3; Qwen2 with its q/k/v biases and Llama with attention_bias (biases on q, k, v and
+    o): LoRA on biased projections, both exports."""
     root = tmp_path_factory.mktemp("m") / f"tiny-{request.param}"
+    if request.param == "llama-bias":
+        return make_tiny_hf_model_dir(root, family="llama", attention_bias=True)
     return make_tiny_hf_model_dir(root, family=request.param)
 
 

@@ -220,13 +220,15 @@ def make_tiny_hf_model_dir(
     n_layers: int = 2,
     n_merges: int = 400,
     pad_vocab_to_multiple: int = 1,
+    attention_bias: bool = False,
 ) -> Path:
     """Write a tiny random HF causal LM + BPE tokenizer into `path` (created) and return it.
 
     ``sharded=True`` splits the weights over several safetensors files with an index (as
     `save_pretrained(max_shard_size=...)` does for big checkpoints). ``pad_vocab_to_multiple``
     pads the model's embedding rows past the tokenizer's length (Qwen pads to 151,936 rows);
-    the default 1 keeps them equal. See `tiny_model_info` for the ids.
+    the default 1 keeps them equal. ``attention_bias=True`` (Llama, Qwen3) sets config.json's
+    ``attention_bias``: biases on q, k, v and o. See `tiny_model_info` for the ids.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -239,6 +241,10 @@ def make_tiny_hf_model_dir(
     ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS)}
     ids = {k: v for k, v in ids.items() if v is not None}
     config = _hf_config(family, vocab, ids, n_layers)
+    if attention_bias:
+        if family not in ("llama", "qwen3"):
+            raise ValueError(f"attention_bias: {family} has fixed attention biases")
+        config.attention_bias = True
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
