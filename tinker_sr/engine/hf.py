@@ -175,14 +175,14 @@ def load_model_dir(
             placed.remove("lm_head.weight")
     model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
     own = model.state_dict()
-    total = sum(own[k].numel() * own[k].element_size() for k in placed)
+    total = sum(own[k].nbytes for k in placed)
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
         for _, key, sl in _tensors(files):
             if key in wanted:
                 own[key].copy_(sl[:])
-                bar.update(own[key].numel() * own[key].element_size())
+                bar.update(own[key].nbytes)
     if total >= PROGRESS_MIN_BYTES:
         log.info(
             "loaded %s: %d tensors, %.2f GiB in %.1f s",

@@ -153,11 +153,11 @@ def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
         return rope_theta, None
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = kind  # transformers 4.x wrote "type"
+    _number(scaling, "factor", f"{name}: rope_scaling")
     if kind == "linear":
-        _number(scaling, "factor", f"{name}: rope_scaling")
         return rope_theta, tuple(sorted(scaling.items()))
     scaling.setdefault("original_max_position_embeddings", context)  # as transformers
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+    for key in ("low_freq_factor", "high_freq_factor"):
         _number(scaling, key, f"{name}: rope_scaling")
     _count(scaling, "original_max_position_embeddings", f"{name}: rope_scaling")
     if scaling["high_freq_factor"] == scaling["low_freq_factor"]:
