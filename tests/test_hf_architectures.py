@@ -171,22 +171,15 @@ def test_fields_the_engine_cannot_compute_are_refused(over: dict[str, Any], fiel
 def test_a_tensor_without_a_place_is_refused(tmp_path: Path, dirs: dict[str, Path]) -> None:
     """A Llama checkpoint with attention biases whose config.json lost attention_bias: before,
     the biases were skipped and the model loaded as another one."""
-    root = tmp_path / "lost-bias"
-    root.mkdir()
     src = dirs["llama-bias"]
-    config = json.loads((src / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**config, "attention_bias": False}))
-    save_file(load_file(src / "model.safetensors"), root / "model.safetensors")
+    root = _copy_dir(src, tmp_path / "lost-bias", attention_bias=False)
     with pytest.raises(EngineUserError, match=r"8 tensors .* no place for.*bias"):
         load_model_dir(root)
     # Old exports' rotary buffers carry nothing and still load.
-    tensors = load_file(src / "model.safetensors")
+    old = _copy_dir(src, tmp_path / "old-export")
+    tensors = load_file(old / "model.safetensors")
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    save_file(tensors, src.parent / "inv-freq.safetensors")
-    old = tmp_path / "old-export"
-    old.mkdir()
-    (old / "config.json").write_text((src / "config.json").read_text())
-    (src.parent / "inv-freq.safetensors").rename(old / "model.safetensors")
+    save_file(tensors, old / "model.safetensors")
     assert load_model_dir(old).config.attention_out_bias
 
 
