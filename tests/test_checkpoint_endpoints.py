@@ -265,14 +265,11 @@ def test_checkpoint_ttl_and_rest_coroutine_twins(service: Any) -> None:
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
-def test_external_weights_urls_are_unsupported(service: Any) -> None:
+def test_external_weights_urls_of_a_missing_export(service: Any) -> None:
     tc = service.create_lora_training_client(MODEL, rank=2).result()
     rest = _rest(service)
     path = f"tinker://{tc.model_id}/external_weights/hf"
-    # NotImplementedError on the embedded engine, a 400 naming the reason from a server.
-    with pytest.raises(
-        (NotImplementedError, tinker.BadRequestError), match="save_weights_external"
-    ):
+    with pytest.raises(NOT_FOUND, match="does not exist"):
         rest.get_external_weights_urls(path).result()
     with pytest.raises(ValueError, match="only accepts external weights"):
         rest.get_external_weights_urls(f"tinker://{tc.model_id}/sampler_weights/x")
@@ -394,7 +391,7 @@ def test_server_publish_and_external_urls_bad_input(
 
     urls = f"/training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls"
     resp = me.http.get(urls)
-    assert resp.status_code == 400 and "save_weights_external" in _detail(resp)
+    assert resp.status_code == 404 and "does not exist" in _detail(resp)
     resp = me.http.get(urls.replace("external_weights/", "weights/", 1))
     assert resp.status_code == 400 and "only for external_weights" in _detail(resp)
     assert someone.http.get(urls).status_code == 404

@@ -89,12 +89,11 @@ DELIBERATE_EXTRA_PARAMS: dict[str, set[str]] = {
 
 KNOWN_GAPS: dict[str, str] = {}
 
-# Methods whose signature matches the SDK but which tinker_sr does not support: each raises
-# `NotImplementedError` naming the reason (checked in test_unsupported_methods_say_why).
-UNSUPPORTED_METHODS: dict[str, str] = {
-    "TrainingClient.save_weights_external": "the engine does not export Hugging Face weights",
-    "RestClient.get_external_weights_urls": "no external weights exist (see above)",
-}
+# Methods whose signature matches the SDK but which tinker_sr does not support would be listed
+# here, each raising `NotImplementedError` naming the reason. There are none: the last two
+# (save_weights_external, get_external_weights_urls) work since the fifteenth session
+# (tests/test_external_weights.py).
+UNSUPPORTED_METHODS: dict[str, str] = {}
 
 CLASSES = [
     "ServiceClient",
@@ -370,32 +369,8 @@ def test_get_telemetry_is_none_everywhere(tmp_path: Any) -> None:
         backend.close()
 
 
-def test_unsupported_methods_say_why(tmp_path: Any) -> None:
-    import asyncio
-
-    from tinker_sr.backend.local import LocalBackend
-
-    assert set(UNSUPPORTED_METHODS) == {
-        "TrainingClient.save_weights_external",
-        "RestClient.get_external_weights_urls",
-    }
-    backend = LocalBackend(tmp_path / "store")
-    service = tinker_sr.ServiceClient(backend=backend)
-    try:
-        training = service.create_lora_training_client("tinker-sr/tiny", rank=2).result()
-        with pytest.raises(NotImplementedError, match="save_weights_external"):
-            training.save_weights_external("x")
-        with pytest.warns(FutureWarning), pytest.raises(NotImplementedError):
-            asyncio.run(training.save_weights_external_async("x"))
-        rest = tinker_sr.RestClient(service.holder)
-        path = f"tinker://{training.model_id}/external_weights/x"
-        with pytest.raises(NotImplementedError, match="save_weights_external is not supported"):
-            rest.get_external_weights_urls(path).result()
-        with pytest.raises(ValueError, match="only accepts external weights"):
-            rest.get_external_weights_urls(f"tinker://{training.model_id}/weights/x")
-    finally:
-        service.close().result()
-        backend.close()
+def test_every_sdk_method_is_supported() -> None:
+    assert UNSUPPORTED_METHODS == {}
 
 
 def test_service_client_needs_no_key_for_a_server_on_this_machine(

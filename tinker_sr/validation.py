@@ -35,6 +35,50 @@ def expiry(ttl_seconds: int | None) -> float | None:
     return None if ttl_seconds is None else time.time() + ttl_seconds
 
 
+EXTERNAL_URL_TTL_S = 3600
+"""How long a download URL of an external-weights file is valid (ask for new ones after)."""
+MAX_AGE_RECIPIENTS = 10
+"""``save_weights_external`` encrypts to at most this many age recipients (as the SDK says)."""
+
+
+def age_recipients(recipients: Any) -> list[Any]:
+    """Parse ``age_encryption_recipients`` (``None``: no encryption) into pyrage recipients:
+    native ``age1...`` X25519 keys or SSH public keys (``ssh-ed25519 ...``, ``ssh-rsa ...``),
+    1 to `MAX_AGE_RECIPIENTS` of them. Each failure names the entry and the fix."""
+    field = "age_encryption_recipients"
+    if recipients is None:
+        return []
+    if not isinstance(recipients, list | tuple) or not recipients:
+        raise EngineUserError(
+            f"{field}: expected a non-empty list of age recipients (age1... keys or SSH public "
+            f"keys), or None for no encryption; got {recipients!r:.80}"
+        )
+    if len(recipients) > MAX_AGE_RECIPIENTS:
+        raise EngineUserError(
+            f"{field}: at most {MAX_AGE_RECIPIENTS} recipients, got {len(recipients)}"
+        )
+    try:
+        import pyrage
+    except ImportError as e:
+        raise EngineUserError(
+            f"{field}: encrypting an export needs the pyrage package, which is not installed "
+            "here: pip install pyrage (or pip install 'tinker-sr[export]')"
+        ) from e
+    parsed = []
+    for i, text in enumerate(recipients):
+        kind = pyrage.ssh if isinstance(text, str) and text.startswith("ssh-") else pyrage.x25519
+        try:
+            if not isinstance(text, str):
+                raise TypeError(f"expected a string, got {type(text).__name__}")
+            parsed.append(kind.Recipient.from_str(text.strip()))
+        except Exception as e:  # pyrage raises RecipientError, ValueError, TypeError...
+            raise EngineUserError(
+                f"{field}[{i}]: {text!r:.80} is not an age recipient ({e}); pass the public key "
+                "printed by `age-keygen` (age1...) or an SSH public key (ssh-ed25519 AAAA...)"
+            ) from e
+    return parsed
+
+
 def check_model_seq_id(model_seq_id: int, what: str) -> None:
     if model_seq_id < 0:
         raise EngineUserError(f"{what}: model_seq_id must be >= 0, got {model_seq_id}")

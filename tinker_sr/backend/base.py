@@ -20,8 +20,7 @@ locally and over the wire:
 Errors: a caller mistake surfaces as ``RequestFailedError(category=User)`` from the awaited
 call (or, for plain calls like `get_info`, an `APIStatusError` subclass in the remote case);
 `TinkerError` subclasses are the only exceptions a backend raises, except
-`NotImplementedError` for a feature the backend does not have (`get_external_weights_urls`
-on the embedded engine).
+`NotImplementedError` for a feature the backend does not have.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
         OptimStepResponse,
         SampleResponse,
         SamplingParams,
+        SaveWeightsExternalResponse,
         SaveWeightsForSamplerResponseInternal,
         SaveWeightsResponse,
         TensorData,
@@ -242,8 +242,21 @@ class Backend(Protocol):
         """
         ...
 
+    async def save_weights_external(
+        self,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> SaveWeightsExternalResponse:
+        """Export the current adapters as ``tinker://<run>/external_weights/<name>`` (files
+        for other tools; encrypted to the age recipients if any)."""
+        ...
+
     async def get_external_weights_urls(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
-        """Signed download URLs of an ``external_weights`` checkpoint."""
+        """Download URLs of an ``external_weights`` checkpoint's files, by file name."""
         ...
 
     async def aclose(self) -> None:

@@ -33,6 +33,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,8 +45,9 @@ from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
+from tinker_sr.engine.external_weights import write_external
 from tinker_sr.engine.hf import parse_dtype
-from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
+from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases, snapshot
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
@@ -646,13 +648,46 @@ class LocalBackend:
 
         return await self._run(work)
 
+    async def save_weights_external(
+        self,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> types.SaveWeightsExternalResponse:
+        """The current adapters as ``tinker://<run>/external_weights/<name>``: files in the
+        layout Tinker exports for other tools (`engine.external_weights`)."""
+
+        def work(t: Trainer) -> types.SaveWeightsExternalResponse:
+            recipients = validation.age_recipients(age_encryption_recipients)
+            adapters = snapshot(t.model)
+            path = self.checkpoints.write_dir(
+                t.model_id,
+                "external_weights",
+                name,
+                lambda out: write_external(out, adapters, t.lora, t.base_model, recipients),
+                ttl_seconds=ttl_seconds,
+                user_metadata=None,
+            )
+            return types.SaveWeightsExternalResponse(path=path, type="save_weights_external")
+
+        return await self._trainer_work(model_id, seq_id, work)
+
+    async def external_weights_files(self, tinker_path: str) -> dict[str, Path]:
+        """The files of an external weights checkpoint (the server signs URLs to them)."""
+        return await self._run(lambda: self.checkpoints.files(tinker_path))
+
     async def get_external_weights_urls(
         self, tinker_path: str
     ) -> types.ExternalWeightsUrlsResponse:
-        raise NotImplementedError(
-            f"get_external_weights_urls({tinker_path!r}): the tinker_sr engine produces no "
-            "external (Hugging Face) weights, because save_weights_external is not supported; "
-            "save with save_state or save_weights_for_sampler and load those paths instead"
+        """``file://`` URLs: the embedded engine's files are on this machine. They do not
+        expire; ``expires`` says an hour, as signed URLs of a server do."""
+        files = await self.external_weights_files(tinker_path)
+        return types.ExternalWeightsUrlsResponse(
+            urls={name: f.resolve().as_uri() for name, f in files.items()},
+            expires=datetime.now(UTC) + timedelta(seconds=validation.EXTERNAL_URL_TTL_S),
         )
 
     async def aclose(self) -> None:

@@ -246,6 +246,31 @@ class RemoteBackend(WireTransport):
             types.SaveWeightsForSamplerResponseInternal,
         )
 
+    async def save_weights_external(
+        self,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> types.SaveWeightsExternalResponse:
+        req = m.SaveWeightsExternalRequest(
+            model_id=model_id,
+            path=name,
+            seq_id=seq_id,
+            ttl_seconds=ttl_seconds,
+            age_encryption_recipients=None
+            if age_encryption_recipients is None
+            else list(age_encryption_recipients),
+        )
+        return await self._future_json(
+            "/api/v1/save_weights_external",
+            m.to_json(req),
+            "SaveWeightsExternal",
+            types.SaveWeightsExternalResponse,
+        )
+
     async def load_state(
         self, model_id: str, seq_id: int, path: str, *, with_optimizer: bool
     ) -> types.LoadWeightsResponse:

@@ -342,10 +342,26 @@ class TrainingClient:
         ttl_seconds: int | None = None,
         age_encryption_recipients: list[str] | None = None,
     ) -> APIFuture[types.SaveWeightsExternalResponse]:
-        raise NotImplementedError(
-            "save_weights_external (Hugging Face export) is not supported by tinker_sr yet; "
-            "use save_state or save_weights_for_sampler"
-        )
+        """The current LoRA adapter, exported for other tools →
+        ``tinker://<run>/external_weights/<name>``: ``adapter_model.safetensors`` +
+        ``adapter_config.json`` in Tinker's layout, which tinker-cookbook's
+        ``weights.download`` / ``weights.build_hf_model`` and ``tinker checkpoint download``
+        read. ``ttl_seconds``: 3600 to 10 years (``None`` = never expires).
+        ``age_encryption_recipients``: up to 10 age (``age1...``) or SSH public keys; every file
+        is then encrypted to them and named ``<file>.age`` (needs the ``pyrage`` package).
+        Download the files from `RestClient.get_external_weights_urls` (docs/models.md)."""
+        backend = self.holder.backend
+
+        async def body(s: list[int]) -> types.SaveWeightsExternalResponse:
+            return await backend.save_weights_external(
+                self.model_id,
+                s[0],
+                name,
+                ttl_seconds=ttl_seconds,
+                age_encryption_recipients=age_encryption_recipients,
+            )
+
+        return self._api(1, body)
 
     def save_weights_and_get_sampling_client(
         self,
@@ -536,8 +552,7 @@ class TrainingClient:
         ttl_seconds: int | None = None,
         age_encryption_recipients: list[str] | None = None,
     ) -> APIFuture[types.SaveWeightsExternalResponse]:
-        """Deprecated: use `save_weights_external` (not supported by tinker_sr: raises
-        `NotImplementedError`)."""
+        """Deprecated: use `save_weights_external` and await its future."""
         warn_deprecated("save_weights_external_async is deprecated; use save_weights_external()")
         return self.save_weights_external(
             name, ttl_seconds=ttl_seconds, age_encryption_recipients=age_encryption_recipients

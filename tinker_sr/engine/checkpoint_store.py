@@ -2,7 +2,9 @@
 REST views of training runs.
 
 Files live at ``<root>/checkpoints/<run>/<segment>/<name>.safetensors`` (written atomically by
-`engine.checkpoints`); their metadata (``tinker://`` path, type, size, expiry, public flag)
+`engine.checkpoints`); an external-weights export is a directory
+``<root>/checkpoints/<run>/external_weights/<name>/`` of files for other tools
+(`engine.external_weights`), moved into place complete. Their metadata (``tinker://`` path, type, size, expiry, public flag)
 lives in the `Store`. One lookup (`CheckpointStore.live`) decides whether a path exists, so
 load, TTL, info, publish and copy give the same not-found message.
 """
@@ -13,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,7 @@ def parse_path(path: str) -> types.ParsedCheckpointTinkerPath:
         return types.ParsedCheckpointTinkerPath.from_tinker_path(path)
     except ValueError as e:
         raise EngineUserError(
-            f"{e}; expected tinker://<run_id>/<weights|sampler_weights>/<name>"
+            f"{e}; expected tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>"
         ) from e
 
 
@@ -115,6 +117,71 @@ class CheckpointStore:
         )
         return tinker_path
 
+    def write_dir(
+        self,
+        run_id: str,
+        segment: str,
+        name: str,
+        fill: Callable[[Path], None],
+        *,
+        ttl_seconds: int | None,
+        user_metadata: Mapping[str, str] | None,
+    ) -> str:
+        """A directory checkpoint ``tinker://<run_id>/<segment>/<name>``: `fill` writes its
+        files into a fresh private directory, which then replaces the final one in one rename
+        (a reader sees all of the files or none). Names are never reused while live."""
+        check_name(name)
+        expires_at = expiry(ttl_seconds)
+        tinker_path = f"tinker://{run_id}/{segment}/{name}"
+        if self.store.get_checkpoint(tinker_path) is not None:
+            raise EngineUserError(
+                f"checkpoint {tinker_path} already exists; pick another name (or delete it "
+                "first with RestClient.delete_checkpoint_from_tinker_path)"
+            )
+        final = self.directory(run_id, segment, name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = final.with_name(f".{name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fill(staging)
+            size = sum(f.stat().st_size for f in staging.iterdir())
+            ckpt_io.fsync_dir(staging)
+            if final.exists():  # left by an expired checkpoint of the same name
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        ckpt_io.fsync_dir(final.parent)
+        self.store.put_checkpoint(
+            CheckpointRow(
+                run_id=run_id,
+                checkpoint_id=f"{segment}/{name}",
+                checkpoint_type=SEGMENTS[segment],
+                tinker_path=tinker_path,
+                file_path=str(final),
+                created_at=time.time(),
+                size_bytes=size,
+                user_metadata=dict(user_metadata) if user_metadata else None,
+                expires_at=expires_at,
+            )
+        )
+        return tinker_path
+
+    def directory(self, run_id: str, segment: str, name: str) -> Path:
+        return self.file(run_id, segment, name).with_suffix("")
+
+    def files(self, path: str) -> dict[str, Path]:
+        """The files of external-weights checkpoint ``path``, by name."""
+        if parse_path(path).checkpoint_type != "external":
+            raise EngineUserError(
+                f"{path} is not an external weights checkpoint; download URLs exist only for "
+                "tinker://<run_id>/external_weights/<name> (written by save_weights_external)"
+            )
+        root = Path(self.live(path).file_path)
+        if not root.is_dir():
+            raise EngineNotFoundError(f"the files of checkpoint {path} are missing from the store")
+        return {f.name: f for f in sorted(root.iterdir()) if f.is_file()}
+
     def live(self, path: str) -> CheckpointRow:
         """The checkpoint at ``path``; not-found (the same message everywhere) if it does not
         exist or has expired."""
@@ -137,6 +204,12 @@ class CheckpointStore:
     def load(self, path: str, *, expect: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Tensors and metadata of ``path``; ``expect="training"`` refuses sampler weights."""
         parsed = parse_path(path)
+        if parsed.checkpoint_type == "external":
+            raise EngineUserError(
+                f"{path} is an external weights export (files for other tools, read with "
+                "RestClient.get_external_weights_urls); load or sample from "
+                "tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name> instead"
+            )
         if expect == "training" and parsed.checkpoint_type != "training":
             raise EngineUserError(
                 f"{path} is a {parsed.checkpoint_type} checkpoint; training state loads only from "
@@ -224,7 +297,10 @@ class CheckpointStore:
         row = self.store.delete_checkpoint(path)
         if row is None:
             raise EngineNotFoundError(f"checkpoint {path} does not exist")
-        Path(row.file_path).unlink(missing_ok=True)
+        if Path(row.file_path).is_dir():
+            shutil.rmtree(row.file_path, ignore_errors=True)
+        else:
+            Path(row.file_path).unlink(missing_ok=True)
 
     def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
         parse_path(path)
@@ -249,6 +325,11 @@ class CheckpointStore:
 
         The copy's file is a hard link to the source's where the file system allows (no bytes
         duplicated; deleting either leaves the other intact), else a byte copy."""
+        if row.checkpoint_type == "external":
+            raise EngineUserError(
+                f"copy_weights: {row.tinker_path} is an external weights export, which is not "
+                "copied; copy the training checkpoint (tinker://<run>/weights/<name>) instead"
+            )
         segment, name = row.checkpoint_id.split("/", 1)
         target = self.file(run_id, segment, name)
         target.parent.mkdir(parents=True, exist_ok=True)

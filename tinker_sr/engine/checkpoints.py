@@ -56,12 +56,17 @@ def save_tensors(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
+    fsync_dir(target.parent)
+    return len(blob)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in directory `path` durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return len(blob)
 
 
 def load_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

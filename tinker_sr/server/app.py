@@ -31,7 +31,7 @@ from tinker_sr.backend.base import Backend
 from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
-from . import http
+from . import downloads, http
 from .features import ServerFeatures
 from .futures import Background, Futures
 from .handlers import rest, sampling, session, training
@@ -106,6 +106,7 @@ class TinkerServer:
         self.seqs = SeqWatcher(self.state, backend, self.background, seq_gap_grace_s)
         self.sessions = Sessions(self.state, backend, session_timeout_s)
         self.tokenizers = TokenizerIds(backend, store_dir)
+        self.signer = downloads.UrlSigner(downloads.load_key(store_dir))
 
     @property
     def _pending_samples(self) -> set[str]:
@@ -186,6 +187,7 @@ class TinkerServer:
                 e(training.save_weights_for_sampler),
                 methods=post,
             ),
+            Route(v + "/save_weights_external", e(training.save_weights_external), methods=post),
             Route(v + "/load_weights", e(training.load_weights), methods=post),
             Route(
                 v + "/create_sampling_session",
@@ -210,6 +212,11 @@ class TinkerServer:
             Route(ckpt + "/ttl", e(rest.set_checkpoint_ttl), methods=["PUT"]),
             Route(ckpt + "/publish", e(rest.publish), methods=["POST", "DELETE"]),
             Route(ckpt + "/external_weights_urls", e(rest.external_weights_urls), methods=["GET"]),
+            Route(
+                downloads.ROUTE + "/{run_id}/{name}/{file}",
+                e(rest.external_weights_file, auth=False),
+                methods=["GET"],
+            ),
             Route(v + "/{rest:path}", e(rest.unsupported), methods=any_method),
         ]
 

@@ -100,7 +100,7 @@ class SaveWeightsForSamplerRequest(StrictBase):
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
-class SaveWeightsExternalRequest(BaseModel):
+class SaveWeightsExternalRequest(StrictBase):
     model_id: str
     path: str
     seq_id: int | None = None

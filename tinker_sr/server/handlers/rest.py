@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 
 from tinker_sr import validation
 from tinker_sr.types import CopyWeightsRequest, ParsedCheckpointTinkerPath
@@ -26,7 +26,6 @@ _UNSUPPORTED = {
     "join_sampling_session": "sample_join_sampling_session is false",
     "create_custom_loss": "server-side custom losses are disabled (custom_loss_server_side: "
     "false); forward_backward_custom runs the loss client-side",
-    "save_weights_external": "external weights are not supported",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
     "sessions": "session listing and search are not supported",
@@ -185,9 +184,11 @@ async def _copy(srv: TinkerServer, req: CopyWeightsRequest, owner: str) -> tuple
 
 def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[str, str]:
     run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
-    if kind not in ("weights", "sampler_weights"):
+    if kind not in ("weights", "sampler_weights", "external_weights"):
         raise HTTPError(
-            404, f"unknown checkpoint kind {kind!r}; expected weights or sampler_weights"
+            404,
+            f"unknown checkpoint kind {kind!r}; expected weights, sampler_weights or "
+            "external_weights",
         )
     srv.sessions.run_owned(run_id, owner)
     return run_id, f"{kind}/{name}"
@@ -210,6 +211,12 @@ async def publish(srv: TinkerServer, request: Request, owner: str) -> Response:
     """POST publishes, DELETE unpublishes. Setting the flag a checkpoint already has
     succeeds (the hosted service answers 409, which the SDK retries for minutes)."""
     run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    if checkpoint_id.startswith("external_weights/"):
+        raise HTTPError(
+            400,
+            "external_weights checkpoints are not published; publish the training or sampler "
+            "checkpoint instead",
+        )
     await srv.body(request)  # no body expected; any is ignored
     await srv.backend.set_checkpoint_public(
         f"tinker://{run_id}/{checkpoint_id}", request.method == "POST"
@@ -226,8 +233,28 @@ async def external_weights_urls(srv: TinkerServer, request: Request, owner: str)
             f"(tinker://<run_id>/external_weights/<name>), got kind {kind!r}",
         )
     srv.sessions.run_owned(run_id, owner)
-    out = await srv.backend.get_external_weights_urls(f"tinker://{run_id}/{kind}/{name}")
-    return json_reply(out.model_dump(mode="json", exclude_none=True))
+    path = f"tinker://{run_id}/{kind}/{name}"
+    files = getattr(srv.backend, "external_weights_files", None)
+    if files is None:  # a backend that is itself remote signs its own URLs
+        out = await srv.backend.get_external_weights_urls(path)
+        return json_reply(out.model_dump(mode="json", exclude_none=True))
+    names = sorted(await files(path))
+    urls, expires = srv.signer.sign(str(request.base_url), run_id, name, names)
+    return json_reply({"urls": urls, "expires": expires.isoformat()})
+
+
+async def external_weights_file(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """One file of an export, for whoever holds a URL signed by `external_weights_urls` (no
+    API key: the signature is the grant)."""
+    run_id, name, file = (request.path_params[k] for k in ("run_id", "name", "file"))
+    query = request.query_params
+    srv.signer.check(run_id, name, file, query.get("expires"), query.get("sig"))
+    files = await srv.backend.external_weights_files(  # type: ignore[attr-defined]
+        f"tinker://{run_id}/external_weights/{name}"
+    )
+    if file not in files:
+        raise HTTPError(404, f"checkpoint tinker://{run_id}/external_weights/{name} has no {file}")
+    return FileResponse(files[file], media_type="application/octet-stream")
 
 
 async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Response:

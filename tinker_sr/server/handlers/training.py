@@ -252,6 +252,31 @@ async def save_weights_for_sampler(srv: TinkerServer, request: Request, owner: s
     )
 
 
+async def save_weights_external(srv: TinkerServer, request: Request, owner: str) -> Response:
+    body, req, session, seq_id = await _training_request(
+        srv, request, m.SaveWeightsExternalRequest, "save_weights_external", owner
+    )
+    try:  # refused before the future exists (the backend checks the name and TTL in order)
+        validation.age_recipients(req.age_encryption_recipients)
+    except EngineUserError as e:
+        srv.seqs.reject(req.model_id, seq_id)
+        raise HTTPError(400, str(e)) from None
+
+    async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
+        out = await srv.backend.save_weights_external(
+            req.model_id,
+            seq_id,
+            req.path,
+            ttl_seconds=req.ttl_seconds,
+            age_encryption_recipients=req.age_encryption_recipients,
+        )
+        return "json", m.dumps({"path": out.path, "type": "save_weights_external"})
+
+    return _submit_training(
+        srv, "SaveWeightsExternal", owner, session, req.model_id, seq_id, body, work
+    )
+
+
 async def load_weights(srv: TinkerServer, request: Request, owner: str) -> Response:
     body = await srv.body(request)
     raw = m.parse_json(body, "load_weights")

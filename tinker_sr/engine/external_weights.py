@@ -1,0 +1,99 @@
+"""External weights (`TrainingClient.save_weights_external`): a LoRA adapter in the layout
+Tinker exports for other tools, so the tools users already have read tinker_sr checkpoints:
+tinker-cookbook's ``weights.download`` / ``weights.build_hf_model`` /
+``weights.build_lora_adapter`` and the official SDK's ``tinker checkpoint download``.
+
+An export is a directory of two files:
+
+- ``adapter_model.safetensors`` (float32): ``base_model.model.<module>.lora_A.weight`` and
+  ``.lora_B.weight`` for every adapted module, e.g.
+  ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; the unembedding's adapter
+  under Tinker's name ``base_model.model.model.unembed_tokens`` (the cookbook maps it to
+  ``lm_head``, or to ``embed_tokens`` when the base ties its embeddings). ``lora_B`` is stored
+  unscaled: the update is ``(lora_alpha / r) · B A``.
+- ``adapter_config.json``: ``r`` and ``lora_alpha`` (what the cookbook reads), the base model
+  name and PEFT's other LoRA fields.
+
+With age recipients (`tinker_sr.validation.age_recipients`) every file is encrypted to all of
+them and stored as ``<file>.age``; nothing is written in the clear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_sr.engine.lora import LoraSpec
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+AGE_SUFFIX = ".age"
+PREFIX = "base_model.model."
+UNEMBED = "model.unembed_tokens"
+"""Tinker's name for the unembedding (``lm_head``) in an external adapter."""
+
+
+def external_name(key: str) -> str:
+    """``model.layers.0.mlp.up_proj.lora_A.weight`` → its name in an external adapter."""
+    if key.startswith("lm_head."):
+        key = UNEMBED + key.removeprefix("lm_head")
+    return PREFIX + key
+
+
+def external_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        external_name(k): v.detach().to(torch.float32, copy=True).contiguous()
+        for k, v in sorted(adapters.items())
+    }
+
+
+def adapter_config(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], base_model: str) -> dict:
+    modules = sorted({k.split(".")[-3] for k in adapters})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["unembed_tokens" if m == "lm_head" else m for m in modules],
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+
+
+def write_external(
+    out: Path,
+    adapters: Mapping[str, torch.Tensor],
+    spec: LoraSpec,
+    base_model: str,
+    recipients: Sequence[Any] = (),
+) -> None:
+    """Write the export's files into the (new) directory `out`; with `recipients` (parsed age
+    recipients) each file is encrypted in memory, so no clear copy ever reaches the disk."""
+    from safetensors.torch import save as serialize
+
+    files = {
+        ADAPTER_FILE: serialize(external_tensors(adapters), metadata={"format": "pt"}),
+        CONFIG_FILE: (
+            json.dumps(adapter_config(spec, adapters, base_model), indent=2) + "\n"
+        ).encode(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        if recipients:
+            import pyrage  # importable: validation.age_recipients parsed the recipients with it
+
+            name, data = name + AGE_SUFFIX, pyrage.encrypt(data, list(recipients))
+        with open(out / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
