@@ -45,9 +45,9 @@ from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
-from tinker_sr.engine.external_weights import write_external
+from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import parse_dtype
-from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases, snapshot
+from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
@@ -661,16 +661,7 @@ class LocalBackend:
         layout Tinker exports for other tools (`engine.external_weights`)."""
 
         def work(t: Trainer) -> types.SaveWeightsExternalResponse:
-            recipients = validation.age_recipients(age_encryption_recipients)
-            adapters = snapshot(t.model)
-            path = self.checkpoints.write_dir(
-                t.model_id,
-                "external_weights",
-                name,
-                lambda out: write_external(out, adapters, t.lora, t.base_model, recipients),
-                ttl_seconds=ttl_seconds,
-                user_metadata=None,
-            )
+            path = save_external(self.checkpoints, t, name, ttl_seconds, age_encryption_recipients)
             return types.SaveWeightsExternalResponse(path=path, type="save_weights_external")
 
         return await self._trainer_work(model_id, seq_id, work)

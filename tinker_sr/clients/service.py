@@ -231,7 +231,8 @@ class ServiceClient:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         if parsed.checkpoint_type != "training":
             raise ValueError(
-                f"{path} is a {parsed.checkpoint_type} checkpoint; training clients load from "
+                f"{path} is not a training checkpoint ({parsed.checkpoint_type}); training "
+                "clients load from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )
         backend = self.holder.backend

@@ -21,6 +21,7 @@ them and stored as ``<file>.age``; nothing is written in the clear.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +29,10 @@ from typing import Any
 
 import torch
 
+from tinker_sr import validation
+from tinker_sr.engine.checkpoint_store import CheckpointStore
 from tinker_sr.engine.lora import LoraSpec
+from tinker_sr.engine.registry import Trainer, snapshot
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -36,6 +40,26 @@ AGE_SUFFIX = ".age"
 PREFIX = "base_model.model."
 UNEMBED = "model.unembed_tokens"
 """Tinker's name for the unembedding (``lm_head``) in an external adapter."""
+
+
+log = logging.getLogger("tinker_sr.engine")
+
+
+def warn_if_tied_unembed(tied: bool, adapters: Mapping[str, torch.Tensor], path: str) -> None:
+    """A tied base plus an unembedding adapter cannot be merged exactly by name: tinker-cookbook
+    folds the unembedding's update into the shared embedding matrix (which changes the input
+    embeddings too), so its merged model is not the trained one. Say so where it is made."""
+    if tied and any(k.startswith("lm_head.") for k in adapters):
+        log.warning(
+            "%s: the base model ties its input and output embeddings and this adapter trains "
+            "the unembedding (train_unembed=True). Tools that merge the export by name "
+            "(tinker-cookbook's weights.build_hf_model / build_lora_adapter) fold that update "
+            "into the shared embedding, changing the input embeddings as well, so the merged "
+            "model differs from the trained one. For an exact merge use `tinker-sr export "
+            "--merge` on the sampler or training checkpoint (it unties the output layer), or "
+            "train with train_unembed=False.",
+            path,
+        )
 
 
 def external_name(key: str) -> str:
@@ -97,3 +121,25 @@ def write_external(
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+
+def save_external(
+    checkpoints: CheckpointStore,
+    t: Trainer,
+    name: str,
+    ttl_seconds: int | None,
+    age_encryption_recipients: Sequence[str] | None,
+) -> str:
+    """Export trainer `t`'s current adapters as ``tinker://<run>/external_weights/<name>``."""
+    recipients = validation.age_recipients(age_encryption_recipients)
+    adapters = snapshot(t.model)
+    path = checkpoints.write_dir(
+        t.model_id,
+        "external_weights",
+        name,
+        lambda out: write_external(out, adapters, t.lora, t.base_model, recipients),
+        ttl_seconds=ttl_seconds,
+        user_metadata=None,
+    )
+    warn_if_tied_unembed(t.model.config.tie_embeddings, adapters, path)
+    return path
