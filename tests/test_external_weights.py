@@ -294,6 +294,23 @@ def test_cookbook_download_runs_unchanged_under_tinker_sr_run(
     assert export.keys() == state.keys() and all(torch.equal(export[k], state[k]) for k in state)
 
 
+def test_cookbook_download_under_mock_tinker(tmp_path: Path) -> None:
+    """In the offline mock (no socket), the official SDK gets file:// URLs it can read."""
+    tinker = pytest.importorskip("tinker")
+    from tinker_cookbook import weights
+
+    from tinker_sr.testing import mock_tinker
+
+    with mock_tinker(store=tmp_path / "store"):
+        service = tinker.ServiceClient()
+        tc = service.create_lora_training_client("Qwen/Qwen3-8B", rank=2).result()
+        state = tc.save_state("state").result().path
+        out = Path(weights.download(tinker_path=state, output_dir=str(tmp_path / "adapter")))
+        service.holder.close()
+    tensors, config = _adapter(out)
+    assert config["r"] == 2 and tensors and all(k.startswith("base_model.model.") for k in tensors)
+
+
 # ---- a server, the official SDK, the cookbook and the SDK's CLI ------------------------------
 
 

@@ -197,3 +197,19 @@ def test_trace_is_jsonl_on_disk(clients: Clients, mock: MockTinker) -> None:
     on_disk = read_trace(mock.trace.path)
     assert 0 < len(on_disk) <= len(mock.trace)
     assert on_disk.calls("forward_backward")[-1]["request"]["loss_fn"] == "cross_entropy"
+
+
+def test_sdk_rest_clients_made_in_a_mock_do_not_outlive_it(tmp_path: Path) -> None:
+    """The official SDK caches ``RestClient()``'s connections by its arguments, not by the
+    ``$TINKER_BASE_URL`` it read: without `fresh_sdk_rest_clients`, the next fixture's
+    ``RestClient()`` would still talk to this mock's URL (tinker_sr/testing/sdk_state.py)."""
+    tinker = pytest.importorskip("tinker")
+    from tinker_sr.testing import mock_tinker
+
+    with mock_tinker(store=tmp_path / "a"):
+        inside = tinker.RestClient()
+        assert inside.list_user_checkpoints().result().checkpoints == []
+        assert tinker.RestClient().holder is inside.holder  # the SDK's sharing, within a block
+    from tinker.lib.internal_client_holder import sessionless_holder_cache
+
+    assert inside.holder not in sessionless_holder_cache._holders.values()

@@ -88,8 +88,10 @@ class TinkerServer:
         max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
         session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
         features: ServerFeatures | None = None,
+        file_download_urls: bool = False,
     ) -> None:
         self.backend = backend
+        self.file_download_urls = file_download_urls
         self.features = features or ServerFeatures()
         self.store_dir = store_dir
         self.api_keys = [k.encode() for k in api_keys or () if k]
@@ -237,6 +239,7 @@ def create_app(
     max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
     session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
     features: ServerFeatures | None = None,
+    file_download_urls: bool = False,
 ) -> Starlette:
     """The ASGI app serving ``backend`` over the Tinker wire protocol.
 
@@ -249,6 +252,9 @@ def create_app(
     answers 429 with ``Retry-After: 1``. ``session_timeout_s``: finish (as "interrupted") a
     session with no heartbeat or request for this long; ``None`` never expires sessions.
     ``features``: switch StableReinforce support off to play another engine (`ServerFeatures`).
+    ``file_download_urls``: answer ``get_external_weights_urls`` with ``file://`` URLs into the
+    store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
+    whose host no plain HTTP GET can reach).
     """
     if max_pending_samples < 1:
         raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
@@ -269,6 +275,7 @@ def create_app(
         max_pending_samples=max_pending_samples,
         session_timeout_s=session_timeout_s,
         features=features,
+        file_download_urls=file_download_urls,
     )
 
     @contextlib.asynccontextmanager

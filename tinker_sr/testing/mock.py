@@ -36,6 +36,7 @@ import httpx
 
 from tinker_sr.backend.transport import DEFAULT_BASE_URL as PRODUCTION_BASE_URL
 from tinker_sr.testing.offline_model import hub_names_resolve_to, offline_model_dir
+from tinker_sr.testing.sdk_state import fresh_sdk_rest_clients
 from tinker_sr.testing.wire import (
     API_PREFIX,
     FaultPlan,
@@ -75,7 +76,9 @@ class MockTinker:
         self.trace = Trace(trace_path if trace_path is not None else store / "trace.jsonl")
         aliases = {"*": str(self.model_dir), **dict(model_aliases or {})}
         self.backend = LocalBackend(store, model_aliases=aliases)
-        self.app = create_app(self.backend, store_dir=store, close_backend=True, **app_options)
+        # Download URLs of exports are file:// URLs into the store: no HTTP GET reaches a mock.
+        options = {"file_download_urls": True, **app_options}
+        self.app = create_app(self.backend, store_dir=store, close_backend=True, **options)
         self._asgi = WireMiddleware(
             self.app, self.faults, self.trace, in_process=True, server=self.server
         )
@@ -269,7 +272,12 @@ def mock_tinker(
                    "TINKER_SR_BACKEND": None}  # fmt: skip
         mock.start()
         try:
-            with router, _env(env), hub_names_resolve_to(mock.model_dir, model_aliases):
+            with (
+                router,
+                _env(env),
+                hub_names_resolve_to(mock.model_dir, model_aliases),
+                fresh_sdk_rest_clients(),
+            ):
                 yield mock
         finally:
             with contextlib.suppress(Exception):

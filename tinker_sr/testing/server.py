@@ -220,9 +220,10 @@ def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]
     runs, ``AutoTokenizer.from_pretrained(<hub name>)`` in this process loads the offline
     model's tokenizer (the official SDK's ``SamplingClient.get_tokenizer()`` does that)."""
     from tinker_sr.testing.offline_model import MODEL_DIR_NAME, hub_names_resolve_to
+    from tinker_sr.testing.sdk_state import fresh_sdk_rest_clients
 
     with running_server(store, testing=True, **kwargs) as srv:
-        with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME):
+        with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME), fresh_sdk_rest_clients():
             yield srv
 
 

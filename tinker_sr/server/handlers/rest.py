@@ -235,7 +235,9 @@ async def external_weights_urls(srv: TinkerServer, request: Request, owner: str)
     srv.sessions.run_owned(run_id, owner)
     path = f"tinker://{run_id}/{kind}/{name}"
     files = getattr(srv.backend, "external_weights_files", None)
-    if files is None:  # a backend that is itself remote signs its own URLs
+    if files is None or srv.file_download_urls:
+        # A remote backend signs its own URLs; inside the client's process (mock_tinker) the
+        # embedded engine's file:// URLs are the ones a plain GET can reach.
         out = await srv.backend.get_external_weights_urls(path)
         return json_reply(out.model_dump(mode="json", exclude_none=True))
     names = sorted(await files(path))
