@@ -216,7 +216,7 @@ def test_bad_export_requests_name_the_field(
     service: Any, kwargs: dict[str, Any], message: str
 ) -> None:
     tc = service.create_lora_training_client("tinker-sr/tiny", rank=2).result()
-    with pytest.raises(tinker_sr.RequestFailedError, match=message):
+    with pytest.raises((tinker_sr.RequestFailedError, ValueError), match=message):
         tc.save_weights_external("x", **kwargs).result()
     assert (
         tinker_sr.RestClient(service.holder).list_checkpoints(tc.model_id).result().checkpoints
@@ -311,6 +311,29 @@ def test_cookbook_download_under_mock_tinker(tmp_path: Path) -> None:
     assert config["r"] == 2 and tensors and all(k.startswith("base_model.model.") for k in tensors)
 
 
+def test_refused_exports_free_their_seq_id(tmp_path: Path) -> None:
+    """A refused export, from either client, holds no later request: with the server's wait
+    for a missing seq_id at 10 minutes, a leaked one would hang this test."""
+    tinker = pytest.importorskip("tinker")
+    from tinker_sr.testing import mock_tinker
+
+    with mock_tinker(store=tmp_path / "store", seq_gap_grace_s=600.0):
+        sdk = tinker.ServiceClient()
+        tc = sdk.create_lora_training_client("Qwen/Qwen3-8B", rank=2).result()
+        with pytest.raises(tinker.BadRequestError, match=r"age_encryption_recipients\[0\]"):
+            tc.save_weights_external("x", age_encryption_recipients=["age1nope"]).result()
+        tc.save_weights_external("x").result()  # refused at the server's door: seq freed
+        sdk.holder.close()
+
+        ours = tinker_sr.ServiceClient()  # tinker_sr's remote client, to the same mock
+        tc2 = ours.create_lora_training_client("Qwen/Qwen3-8B", rank=2).result()
+        for bad, message in (([1], r"\[0\]: expected a string"), ("age1x", "non-empty list")):
+            with pytest.raises(ValueError, match=message):
+                tc2.save_weights_external("y", age_encryption_recipients=bad)  # type: ignore[arg-type]
+        tc2.save_weights_external("y").result()  # refused before numbering: nothing to free
+        ours.close().result()
+
+
 # ---- a server, the official SDK, the cookbook and the SDK's CLI ------------------------------
 
 
@@ -397,9 +420,11 @@ def test_signed_urls_grant_one_file_until_deleted(
     urls = rest.get_external_weights_urls(path).result().urls
     good = urls["adapter_config.json"]
     assert _status(good) == 200
+    flipped = good[:-1] + ("0" if good[-1] != "0" else "1")
     other = urls["adapter_model.safetensors"].split("?")[0] + "?" + good.split("?")[1]
-    for bad in (good[:-4] + "0000", good.split("?")[0], other, good.replace("signed", "x", 1)):
+    for bad in (flipped, good.split("?")[0], other, good.replace("signed", "x", 1)):
         assert _status(bad) == 403, bad
+    assert _status(good.split("&sig=")[0] + "&sig=%C3%A9") == 403  # not hex: refused, no 500
     with pytest.raises(tinker.BadRequestError, match="not published"):
         rest.publish_checkpoint_from_tinker_path(path).result()
     # Another user can neither sign URLs for it nor delete it.
@@ -412,8 +437,12 @@ def test_signed_urls_grant_one_file_until_deleted(
         assert tinker_sr.RestClient(mine.holder).get_external_weights_urls(path).result().urls.keys() == urls.keys()  # fmt: skip
     finally:
         mine.close().result()
+    # Deleted, then saved again under the same name: the old URL reads neither.
     rest.delete_checkpoint_from_tinker_path(path).result()
-    assert _status(good) == 404
+    assert _status(good) == 403
+    tc.save_weights_external("signed").result()
+    assert _status(good) == 403
+    assert _status(rest.get_external_weights_urls(path).result().urls["adapter_config.json"]) == 200
 
 
 def test_url_signatures_expire_and_survive_a_restart(tmp_path: Path) -> None:
@@ -422,17 +451,23 @@ def test_url_signatures_expire_and_survive_a_restart(tmp_path: Path) -> None:
 
     signer = UrlSigner(load_key(tmp_path))
     assert (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600
-    urls, expires = signer.sign("http://h", "run:train:0", "na me", ["f.json"], now=1000.0)
+    urls, expires = signer.sign("http://h", "run:train:0", "na me", "v1", ["f.json"], now=1000.0)
     assert expires.timestamp() == 1000 + 3600
     query = dict(kv.split("=") for kv in urls["f.json"].split("?")[1].split("&"))
     assert urls["f.json"].startswith(
         "http://h/api/v1/external_weights_files/run%3Atrain%3A0/na%20me/"
     )
     again = UrlSigner(load_key(tmp_path))  # a restarted server reads the same key
-    again.check("run:train:0", "na me", "f.json", query["expires"], query["sig"], now=4599.0)
+    args = ("run:train:0", "na me", "v1", "f.json", query["expires"])
+    again.check(*args, query["sig"], now=4599.0)
     with pytest.raises(HTTPError, match="expired at"):
-        again.check("run:train:0", "na me", "f.json", query["expires"], query["sig"], now=4600.0)
+        again.check(*args, query["sig"], now=4600.0)
+    for sig in ("", "é" * 64, query["sig"].upper(), query["sig"] + "0"):
+        with pytest.raises(HTTPError, match="not signed"):
+            again.check(*args, sig, now=0.0)
     with pytest.raises(HTTPError, match="not signed"):
-        again.check("run:train:0", "na me", "f.json", "9" * 40, query["sig"], now=0.0)
-    with pytest.raises(HTTPError, match="does not match"):
-        UrlSigner(load_key(None)).check("run:train:0", "na me", "f.json", query["expires"], query["sig"], now=0.0)  # fmt: skip
+        again.check(*args[:4], "9" * 40, query["sig"], now=0.0)
+    with pytest.raises(HTTPError, match="saved again"):  # another version of the checkpoint
+        again.check("run:train:0", "na me", "v2", *args[3:], query["sig"], now=0.0)
+    with pytest.raises(HTTPError, match="does not match"):  # another server's key
+        UrlSigner(load_key(None)).check(*args, query["sig"], now=0.0)

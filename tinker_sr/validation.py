@@ -41,13 +41,12 @@ MAX_AGE_RECIPIENTS = 10
 """``save_weights_external`` encrypts to at most this many age recipients (as the SDK says)."""
 
 
-def age_recipients(recipients: Any) -> list[Any]:
-    """Parse ``age_encryption_recipients`` (``None``: no encryption) into pyrage recipients:
-    native ``age1...`` X25519 keys or SSH public keys (``ssh-ed25519 ...``, ``ssh-rsa ...``),
-    1 to `MAX_AGE_RECIPIENTS` of them. Each failure names the entry and the fix."""
+def check_age_recipients_shape(recipients: Any) -> None:
+    """``age_encryption_recipients`` is ``None`` or a list of 1 to `MAX_AGE_RECIPIENTS`
+    strings (checked by clients before a request is numbered; the keys by `age_recipients`)."""
     field = "age_encryption_recipients"
     if recipients is None:
-        return []
+        return
     if not isinstance(recipients, list | tuple) or not recipients:
         raise EngineUserError(
             f"{field}: expected a non-empty list of age recipients (age1... keys or SSH public "
@@ -57,6 +56,22 @@ def age_recipients(recipients: Any) -> list[Any]:
         raise EngineUserError(
             f"{field}: at most {MAX_AGE_RECIPIENTS} recipients, got {len(recipients)}"
         )
+    for i, text in enumerate(recipients):
+        if not isinstance(text, str):
+            raise EngineUserError(
+                f"{field}[{i}]: expected a string (an age1... key or an SSH public key), got "
+                f"{type(text).__name__}"
+            )
+
+
+def age_recipients(recipients: Any) -> list[Any]:
+    """Parse ``age_encryption_recipients`` (``None``: no encryption) into pyrage recipients:
+    native ``age1...`` X25519 keys or SSH public keys (``ssh-ed25519 ...``, ``ssh-rsa ...``),
+    1 to `MAX_AGE_RECIPIENTS` of them. Each failure names the entry and the fix."""
+    field = "age_encryption_recipients"
+    check_age_recipients_shape(recipients)
+    if recipients is None:
+        return []
     try:
         import pyrage
     except ImportError as e:
@@ -66,10 +81,8 @@ def age_recipients(recipients: Any) -> list[Any]:
         ) from e
     parsed = []
     for i, text in enumerate(recipients):
-        kind = pyrage.ssh if isinstance(text, str) and text.startswith("ssh-") else pyrage.x25519
+        kind = pyrage.ssh if text.startswith("ssh-") else pyrage.x25519
         try:
-            if not isinstance(text, str):
-                raise TypeError(f"expected a string, got {type(text).__name__}")
             parsed.append(kind.Recipient.from_str(text.strip()))
         except Exception as e:  # pyrage raises RecipientError, ValueError, TypeError...
             raise EngineUserError(

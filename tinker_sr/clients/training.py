@@ -350,6 +350,7 @@ class TrainingClient:
         ``age_encryption_recipients``: up to 10 age (``age1...``) or SSH public keys; every file
         is then encrypted to them and named ``<file>.age`` (needs the ``pyrage`` package).
         Download the files from `RestClient.get_external_weights_urls` (docs/models.md)."""
+        validation.check_age_recipients_shape(age_encryption_recipients)
         backend = self.holder.backend
 
         async def body(s: list[int]) -> types.SaveWeightsExternalResponse:

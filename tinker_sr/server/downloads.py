@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import math
 import os
+import re
 import secrets
 import time
 from datetime import UTC, datetime
@@ -28,6 +29,11 @@ from .http import HTTPError
 
 ROUTE = "/api/v1/external_weights_files"
 KEY_FILE = "url_signing.key"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_digits(text: str | None, max_len: int) -> bool:
+    return text is not None and 0 < len(text) <= max_len and text.isascii() and text.isdigit()
 
 
 def load_key(store_dir: Path | None) -> bytes:
@@ -58,20 +64,28 @@ class UrlSigner:
         self._key = key
         self.ttl_s = ttl_s
 
-    def _mac(self, run_id: str, name: str, file: str, expires: int) -> str:
-        message = "\n".join((run_id, name, file, str(expires))).encode()
+    def _mac(self, run_id: str, name: str, version: str, file: str, expires: int) -> str:
+        message = "\n".join((run_id, name, version, file, str(expires))).encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
     def sign(
-        self, base_url: str, run_id: str, name: str, files: list[str], now: float | None = None
+        self,
+        base_url: str,
+        run_id: str,
+        name: str,
+        version: str,
+        files: list[str],
+        now: float | None = None,
     ) -> tuple[dict[str, str], datetime]:
         """One URL per file of checkpoint ``tinker://<run_id>/external_weights/<name>``, under
-        `base_url` (scheme and host the client reached this server at), and their expiry."""
+        `base_url` (scheme and host the client reached this server at), and their expiry.
+        `version` (the checkpoint's creation time) ties them to this export: a later one saved
+        under the same name is not readable with them."""
         expires = math.ceil((time.time() if now is None else now) + self.ttl_s)
         root = f"{base_url.rstrip('/')}{ROUTE}/{quote(run_id, safe='')}/{quote(name, safe='')}"
         urls = {
             file: f"{root}/{quote(file, safe='')}?expires={expires}"
-            f"&sig={self._mac(run_id, name, file, expires)}"
+            f"&sig={self._mac(run_id, name, version, file, expires)}"
             for file in files
         }
         return urls, datetime.fromtimestamp(expires, tz=UTC)
@@ -80,21 +94,25 @@ class UrlSigner:
         self,
         run_id: str,
         name: str,
+        version: str,
         file: str,
         expires: str | None,
         sig: str | None,
         now: float | None = None,
     ) -> None:
-        """Accept a URL this server signed and that has not expired; 403 otherwise."""
+        """Accept a URL this server signed for this version of the checkpoint and that has not
+        expired; 403 otherwise."""
         renew = "ask for new URLs with RestClient.get_external_weights_urls"
-        if not (expires and sig and expires.isascii() and expires.isdigit() and len(expires) < 16):
+        if not (_is_digits(expires, 15) and sig is not None and _HEX64.fullmatch(sig)):
             raise HTTPError(403, f"download URL is not signed (expires and sig); {renew}")
-        good = self._mac(run_id, name, file, int(expires))
-        if not hmac.compare_digest(good, sig):
+        assert expires is not None
+        good = self._mac(run_id, name, version, file, int(expires))
+        if not hmac.compare_digest(good.encode(), sig.encode()):
             raise HTTPError(
                 403,
-                "download URL signature does not match (altered, or signed with a key this "
-                f"server no longer has); {renew}",
+                "download URL signature does not match (altered, for an export since deleted or "
+                "saved again under this name, or signed with a key this server no longer has); "
+                f"{renew}",
             )
         if int(expires) <= (time.time() if now is None else now):
             stamp = datetime.fromtimestamp(int(expires), tz=UTC).isoformat()

@@ -3,13 +3,17 @@ delete, TTL, publish), and the endpoints this server deliberately does not offer
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response, StreamingResponse
 
 from tinker_sr import validation
+from tinker_sr.errors import TinkerError
 from tinker_sr.types import CopyWeightsRequest, ParsedCheckpointTinkerPath
+from tinker_sr.user_errors import EngineUserError
 from tinker_sr.wire import messages as m
 
 from ..http import HTTPError, body_hash, json_reply
@@ -240,23 +244,38 @@ async def external_weights_urls(srv: TinkerServer, request: Request, owner: str)
         # embedded engine's file:// URLs are the ones a plain GET can reach.
         out = await srv.backend.get_external_weights_urls(path)
         return json_reply(out.model_dump(mode="json", exclude_none=True))
+    version = (await srv.backend.get_checkpoint(path)).time.isoformat()
     names = sorted(await files(path))
-    urls, expires = srv.signer.sign(str(request.base_url), run_id, name, names)
+    urls, expires = srv.signer.sign(str(request.base_url), run_id, name, version, names)
     return json_reply({"urls": urls, "expires": expires.isoformat()})
 
 
 async def external_weights_file(srv: TinkerServer, request: Request, owner: str) -> Response:
     """One file of an export, for whoever holds a URL signed by `external_weights_urls` (no
-    API key: the signature is the grant)."""
+    API key: the signature is the grant). The file is opened here and streamed from the open
+    handle, so a delete racing the download cannot fail it half-way."""
     run_id, name, file = (request.path_params[k] for k in ("run_id", "name", "file"))
+    path = f"tinker://{run_id}/external_weights/{name}"
+    try:
+        version = (await srv.backend.get_checkpoint(path)).time.isoformat()
+        files = await srv.backend.external_weights_files(path)  # type: ignore[attr-defined]
+    except (EngineUserError, TinkerError):  # not (any more) here: answered like a bad signature
+        version, files = "", {}
     query = request.query_params
-    srv.signer.check(run_id, name, file, query.get("expires"), query.get("sig"))
-    files = await srv.backend.external_weights_files(  # type: ignore[attr-defined]
-        f"tinker://{run_id}/external_weights/{name}"
-    )
-    if file not in files:
-        raise HTTPError(404, f"checkpoint tinker://{run_id}/external_weights/{name} has no {file}")
-    return FileResponse(files[file], media_type="application/octet-stream")
+    srv.signer.check(run_id, name, version, file, query.get("expires"), query.get("sig"))
+    try:
+        handle = open(files[file], "rb")  # noqa: SIM115 (closed by the stream)
+    except (KeyError, FileNotFoundError):
+        raise HTTPError(404, f"checkpoint {path} has no file {file!r} any more") from None
+    size = os.fstat(handle.fileno()).st_size
+
+    def chunks() -> Iterator[bytes]:
+        with handle:
+            while block := handle.read(1 << 20):
+                yield block
+
+    headers = {"Content-Length": str(size)}
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
 
 async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Response:
