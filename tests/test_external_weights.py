@@ -312,8 +312,9 @@ def test_cookbook_download_under_mock_tinker(tmp_path: Path) -> None:
 
 
 def test_refused_exports_free_their_seq_id(tmp_path: Path) -> None:
-    """A refused export, from either client, holds no later request: with the server's wait
-    for a missing seq_id at 10 minutes, a leaked one would hang this test."""
+    """A refused export (or a name the wire cannot carry), from either client, holds no later
+    request: with the server's wait for a missing seq_id at 10 minutes, a leaked one would
+    hang this test."""
     tinker = pytest.importorskip("tinker")
     from tinker_sr.testing import mock_tinker
 
@@ -330,6 +331,9 @@ def test_refused_exports_free_their_seq_id(tmp_path: Path) -> None:
         for bad, message in (([1], r"\[0\]: expected a string"), ("age1x", "non-empty list")):
             with pytest.raises(ValueError, match=message):
                 tc2.save_weights_external("y", age_encryption_recipients=bad)  # type: ignore[arg-type]
+        for save in (tc2.save_state, tc2.save_weights_for_sampler, tc2.save_weights_external):
+            with pytest.raises(ValueError, match="checkpoint name"):
+                save("\ud800")  # a lone surrogate: no UTF-8 to put on the wire
         tc2.save_weights_external("y").result()  # refused before numbering: nothing to free
         ours.close().result()
 

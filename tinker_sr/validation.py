@@ -92,6 +92,30 @@ def age_recipients(recipients: Any) -> list[Any]:
     return parsed
 
 
+MAX_NAME_BYTES = 200
+"""A checkpoint name is a file name (plus ``.safetensors``): file systems allow 255 bytes."""
+
+
+def check_checkpoint_name(name: str) -> None:
+    """1 to MAX_NAME_BYTES bytes of UTF-8 text, no separators, control characters (NUL) or
+    dot-only names: a name is a file name on the server, and must stay one file name."""
+    try:
+        size = len(name.encode("utf-8"))
+    except (UnicodeEncodeError, AttributeError):
+        size = -1
+    bad = (
+        size < 1
+        or size > MAX_NAME_BYTES
+        or name in (".", "..")
+        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+    )
+    if bad:
+        raise EngineUserError(
+            f"checkpoint name {name!r:.60} is invalid: use 1-{MAX_NAME_BYTES} bytes of UTF-8 "
+            "text without '/', '\\' or control characters (such as NUL), not '.' or '..'"
+        )
+
+
 def check_model_seq_id(model_seq_id: int, what: str) -> None:
     if model_seq_id < 0:
         raise EngineUserError(f"{what}: model_seq_id must be >= 0, got {model_seq_id}")

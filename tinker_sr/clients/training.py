@@ -305,6 +305,7 @@ class TrainingClient:
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state → ``tinker://<run>/weights/<name>``."""
+        _check_name_encodes(name)
         backend = self.holder.backend
         return self._api(
             1,
@@ -325,6 +326,7 @@ class TrainingClient:
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         """Weights only → ``tinker://<run>/sampler_weights/<name>``."""
+        _check_name_encodes(name)
         backend = self.holder.backend
 
         async def body(s: list[int]) -> types.SaveWeightsForSamplerResponse:
@@ -350,6 +352,7 @@ class TrainingClient:
         ``age_encryption_recipients``: up to 10 age (``age1...``) or SSH public keys; every file
         is then encrypted to them and named ``<file>.age`` (needs the ``pyrage`` package).
         Download the files from `RestClient.get_external_weights_urls` (docs/models.md)."""
+        _check_name_encodes(name)
         validation.check_age_recipients_shape(age_encryption_recipients)
         backend = self.holder.backend
 
@@ -645,3 +648,13 @@ def _custom_backward_data(
         _ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
     ]
     return float(loss.detach()), user_metrics, bwd_data
+
+
+def _check_name_encodes(name: str) -> None:
+    """A name the wire cannot carry (not a str, or a lone surrogate that UTF-8 cannot encode)
+    is refused before the request is numbered; a remote request that failed to encode would
+    leave a gap in the model's seq_ids. Every other name rule is the backend's, as before."""
+    try:
+        name.encode("utf-8")
+    except (UnicodeEncodeError, AttributeError):
+        validation.check_checkpoint_name(name)

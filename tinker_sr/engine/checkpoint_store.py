@@ -26,33 +26,10 @@ from tinker_sr import types
 from tinker_sr.engine import checkpoints as ckpt_io
 from tinker_sr.engine.store import CheckpointRow, RunRow, Store
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+from tinker_sr.validation import check_checkpoint_name as check_name
 from tinker_sr.validation import expiry
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-
-
-MAX_NAME_BYTES = 200
-"""A checkpoint name is a file name (plus ``.safetensors``): file systems allow 255 bytes."""
-
-
-def check_name(name: str) -> None:
-    """1 to MAX_NAME_BYTES bytes of UTF-8 text, no separators, control characters (NUL) or
-    dot-only names: a name is a file name on the server, and must stay one file name."""
-    try:
-        size = len(name.encode("utf-8"))
-    except (UnicodeEncodeError, AttributeError):
-        size = -1
-    bad = (
-        size < 1
-        or size > MAX_NAME_BYTES
-        or name in (".", "..")
-        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
-    )
-    if bad:
-        raise EngineUserError(
-            f"checkpoint name {name!r:.60} is invalid: use 1-{MAX_NAME_BYTES} bytes of UTF-8 "
-            "text without '/', '\\' or control characters (such as NUL), not '.' or '..'"
-        )
 
 
 def parse_path(path: str) -> types.ParsedCheckpointTinkerPath:
