@@ -79,19 +79,7 @@ class CheckpointStore:
             )
         file_path = self.file(run_id, segment, name)
         size = ckpt_io.save_tensors(file_path, tensors, meta)
-        self.store.put_checkpoint(
-            CheckpointRow(
-                run_id=run_id,
-                checkpoint_id=f"{segment}/{name}",
-                checkpoint_type=SEGMENTS[segment],
-                tinker_path=tinker_path,
-                file_path=str(file_path),
-                created_at=time.time(),
-                size_bytes=size,
-                user_metadata=dict(user_metadata) if user_metadata else None,
-                expires_at=expires_at,
-            )
-        )
+        self._record(run_id, segment, name, file_path, size, user_metadata, expires_at)
         return tinker_path
 
     def write_dir(
@@ -129,20 +117,32 @@ class CheckpointStore:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         ckpt_io.fsync_dir(final.parent)
+        self._record(run_id, segment, name, final, size, user_metadata, expires_at)
+        return tinker_path
+
+    def _record(  # noqa: PLR0913 (the row's fields)
+        self,
+        run_id: str,
+        segment: str,
+        name: str,
+        file_path: Path,
+        size: int,
+        user_metadata: Mapping[str, str] | None,
+        expires_at: float | None,
+    ) -> None:
         self.store.put_checkpoint(
             CheckpointRow(
                 run_id=run_id,
                 checkpoint_id=f"{segment}/{name}",
                 checkpoint_type=SEGMENTS[segment],
-                tinker_path=tinker_path,
-                file_path=str(final),
+                tinker_path=f"tinker://{run_id}/{segment}/{name}",
+                file_path=str(file_path),
                 created_at=time.time(),
                 size_bytes=size,
                 user_metadata=dict(user_metadata) if user_metadata else None,
                 expires_at=expires_at,
             )
         )
-        return tinker_path
 
     def directory(self, run_id: str, segment: str, name: str) -> Path:
         return self.file(run_id, segment, name).with_suffix("")
