@@ -4,9 +4,10 @@ REST views of training runs.
 Files live at ``<root>/checkpoints/<run>/<segment>/<name>.safetensors`` (written atomically by
 `engine.checkpoints`); an external-weights export is a directory
 ``<root>/checkpoints/<run>/external_weights/<name>/`` of files for other tools
-(`engine.external_weights`), moved into place complete. Their metadata (``tinker://`` path, type, size, expiry, public flag)
-lives in the `Store`. One lookup (`CheckpointStore.live`) decides whether a path exists, so
-load, TTL, info, publish and copy give the same not-found message.
+(`engine.external_weights`), moved into place complete. Their metadata (``tinker://`` path,
+type, size, expiry, public flag) lives in the `Store`. One lookup (`CheckpointStore.live`)
+decides whether a path exists, so load, TTL, info, publish and copy give the same not-found
+message.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 ``RestClient.get_external_weights_urls`` answers one URL per file, to be fetched with a plain
 HTTP GET and no API key (``urllib.request.urlretrieve``, as tinker-cookbook and ``tinker
 checkpoint download`` do). A URL names the checkpoint and the file and carries its expiry and
-an HMAC-SHA256 of all three under the server's signing key, so it grants exactly that file
-until then: ``/api/v1/external_weights_files/<run_id>/<name>/<file>?expires=<unix s>&sig=<hex>``.
+an HMAC-SHA256, under the server's signing key, of those and of the checkpoint's creation time,
+so it grants exactly that file of that export until then:
+``/api/v1/external_weights_files/<run_id>/<name>/<file>?expires=<unix s>&sig=<hex>``.
 
 The key lives in ``<store>/url_signing.key`` (created with mode 0600), so URLs survive a server
 restart; without a store it is per process. Delete the file to revoke every URL at once.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import os
 import re
@@ -65,7 +67,7 @@ class UrlSigner:
         self.ttl_s = ttl_s
 
     def _mac(self, run_id: str, name: str, version: str, file: str, expires: int) -> str:
-        message = "\n".join((run_id, name, version, file, str(expires))).encode()
+        message = json.dumps([run_id, name, version, file, expires]).encode()  # unambiguous
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
     def sign(
