@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-JOBS = ("rl_is", "rl_ppo", "rl_gspo", "rl_async_sr", "rl_resume", "sl", "dpo")
+JOBS = ("rl_is", "rl_ppo", "rl_gspo", "rl_async_sr", "rl_resume", "sl", "dpo", "distill")
 RENDERER = "role_colon"
 
 
@@ -254,6 +254,36 @@ def run_dpo(model: str, log: Path) -> dict[str, Any]:
     return {}
 
 
+def run_distill(model: str, log: Path) -> dict[str, Any]:
+    """On-policy distillation (``distillation.train_on_policy``): the student samples, the
+    teacher scores the samples with ``compute_logprobs``, the advantage is the negative
+    reverse KL. The teacher is the base model itself, so at step 0 (student = teacher) the KL
+    is zero up to rounding; the student then moves away from it."""
+    from tinker_cookbook.distillation import train_on_policy as distill
+    from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
+
+    config = distill.Config(
+        learning_rate=1e-2,
+        dataset_configs=[
+            DistillationDatasetConfig(
+                dataset_builder=digits_builder(model, 2),
+                teacher_config=TeacherConfig(base_model=model),
+                groups_per_batch=2,
+            )
+        ],
+        model_name=model,
+        recipe_name="tinker_sr_test_distill",
+        renderer_name=RENDERER,
+        max_tokens=12,
+        lora_rank=4,
+        log_path=str(log),
+        eval_every=0,
+        save_every=0,
+    )
+    asyncio.run(distill.main(config))
+    return {}
+
+
 def checkpoints(log: Path) -> list[dict[str, Any]]:
     path = log / "checkpoints.jsonl"
     if not path.exists():
@@ -274,6 +304,8 @@ def main(argv: list[str]) -> int:
         summary = run_rl(job, model, log)
     elif job == "sl":
         summary = run_sl(model, log)
+    elif job == "distill":
+        summary = run_distill(model, log)
     else:
         summary = run_dpo(model, log)
     import tinker

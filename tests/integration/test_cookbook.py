@@ -248,3 +248,17 @@ def test_dpo_through_forward_backward_custom(
     # chosen completions (the right sums) gained on the rejected ones.
     assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert rows[1]["margin"] > rows[0]["margin"]
+
+
+def test_on_policy_distillation_from_the_base_model(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    log = run_job(way, "distill", model, tmp_path, maybe_server)
+    rows = check_steps(log, 2, ("teacher_kl", "optim/kl_sample_train_v1"))
+    # Step 0: the student is the teacher (both the base model), so the reverse KL between the
+    # sampled tokens' log-probabilities and the teacher's is zero up to float32 rounding...
+    assert abs(rows[0]["teacher_kl"]) < 1e-5, rows[0]["teacher_kl"]
+    check_on_policy_numerics(rows)
+    # ...and after one update the student has moved away from its teacher.
+    assert abs(rows[1]["teacher_kl"]) > 1e-4, rows[1]["teacher_kl"]
+    check_rl_sampling(log, model)
