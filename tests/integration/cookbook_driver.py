@@ -23,7 +23,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-JOBS = ("rl_is", "rl_ppo", "rl_gspo", "rl_async_sr", "rl_resume", "sl", "dpo", "distill")
+JOBS = (
+    "rl_is",
+    "rl_ppo",
+    "rl_gspo",
+    "rl_async_sr",
+    "rl_resume",
+    "sl",
+    "dpo",
+    "distill",
+    "rl_kl_stream",
+)
 RENDERER = "role_colon"
 
 
@@ -146,6 +156,15 @@ def rl_config(job: str, model: str, log: Path) -> Any:
     extra: dict[str, Any] = {}
     if job == "rl_async_sr":
         extra["async_config"] = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
+    if job == "rl_kl_stream":  # KL penalty against the base, post-update KL, streamed halves
+        extra.update(
+            kl_penalty_coef=0.1,
+            kl_reference_config=train.KLReferenceConfig(base_model=model),
+            compute_post_kl=True,
+            stream_minibatch_config=train.StreamMinibatchConfig(
+                groups_per_batch=2, num_minibatches=2
+            ),
+        )
     loss = {"rl_is": "importance_sampling", "rl_ppo": "ppo", "rl_gspo": "gspo"}.get(job)
     return train.Config(
         learning_rate=1e-3,

@@ -262,3 +262,18 @@ def test_on_policy_distillation_from_the_base_model(
     # ...and after one update the student has moved away from its teacher.
     assert abs(rows[1]["teacher_kl"]) > 1e-4, rows[1]["teacher_kl"]
     check_rl_sampling(log, model)
+
+
+def test_rl_kl_penalty_post_kl_and_streamed_minibatches(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    """``rl.train`` with a KL penalty against the base model (a second sampling client's
+    ``compute_logprobs``), post-update KL, and each batch streamed as two minibatches (two
+    ``forward_backward`` calls per ``optim_step``)."""
+    log = run_job(way, "rl_kl_stream", model, tmp_path, maybe_server)
+    rows = check_steps(log, 2, ("kl_policy_base", "kl_pre_post_v1", "optim/kl_sample_train_v1"))
+    # Step 0 samples from the untrained policy, which is the base: their KL is rounding.
+    assert abs(rows[0]["kl_policy_base"]) < 1e-5, rows[0]["kl_policy_base"]
+    assert all(r["kl_pre_post_v2"] > 0 for r in rows)  # every update moved the policy
+    check_on_policy_numerics(rows)  # both minibatches trained on the weights they sampled
+    check_rl_sampling(log, model)
