@@ -548,3 +548,21 @@ def test_stores_without_the_public_column_still_open(tmp_path: Path) -> None:
         )
     ]
     assert columns.count("public") == 1
+
+
+def test_get_sampler_names_the_base_model_and_checkpoint(service: Any) -> None:
+    tc = service.create_lora_training_client(MODEL, rank=2).result()
+    path = tc.save_weights_for_sampler("for-get-sampler").result().path
+    rest = _rest(service)
+    from_path = service.create_sampling_client(model_path=path).result()
+    info = rest.get_sampler(from_path.sampler_id).result()
+    assert (info.sampler_id, info.base_model, info.model_path) == (
+        from_path.sampler_id,
+        MODEL,
+        path,
+    )
+    from_base = service.create_sampling_client(base_model=MODEL).result()
+    info = rest.get_sampler(from_base.sampler_id).result()
+    assert (info.base_model, info.model_path) == (MODEL, None)
+    with pytest.raises(NOT_FOUND, match="unknown sampl"):
+        rest.get_sampler("sess-nope:sample:0").result()

@@ -71,8 +71,6 @@ DELIBERATE: dict[str, str] = {
             "export_session_trace_async",
             "search_sessions",
             "whoami",
-            "get_sampler",
-            "get_sampler_async",
         )
     },
 }

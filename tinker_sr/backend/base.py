@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         ExternalWeightsUrlsResponse,
         ForwardBackwardOutput,
         GetInfoResponse,
+        GetSamplerResponse,
         GetServerCapabilitiesResponse,
         LoadWeightsResponse,
         LoraConfig,
@@ -171,6 +172,10 @@ class Backend(Protocol):
         ...
 
     async def get_sampler_base_model(self, sampler_id: str) -> str: ...
+
+    async def get_sampler(self, sampler_id: str) -> GetSamplerResponse:
+        """A sampling session's base model and checkpoint path (if any)."""
+        ...
 
     async def sample(
         self,

@@ -520,7 +520,13 @@ class LocalBackend:
         return await self._run(work)
 
     async def get_sampler_base_model(self, sampler_id: str) -> str:
-        return await self._run(lambda: self.models.sampler(sampler_id).base_model)
+        return (await self.get_sampler(sampler_id)).base_model
+
+    async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
+        s = await self._run(lambda: self.models.sampler(sampler_id))
+        return types.GetSamplerResponse(
+            sampler_id=sampler_id, base_model=s.base_model, model_path=s.model_path
+        )
 
     async def sample(
         self,

@@ -306,13 +306,16 @@ class RemoteBackend(WireTransport):
         return sampler_id
 
     async def get_sampler_base_model(self, sampler_id: str) -> str:
+        return (await self.get_sampler(sampler_id)).base_model
+
+    async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
         resp, body = await self._get(f"/api/v1/samplers/{sampler_id}")
-        base = body.get("base_model") if isinstance(body, dict) else None
-        if not isinstance(base, str):
+        try:
+            return types.GetSamplerResponse.model_validate(body)
+        except pydantic.ValidationError as e:
             raise APIResponseValidationError(
-                resp, body, "samplers/{id} must return a string base_model"
-            )
-        return base
+                resp, body, f"samplers/{{id}} must return a sampler_id and a base_model: {e}"
+            ) from None
 
     async def sample(
         self,

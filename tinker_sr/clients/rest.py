@@ -54,6 +54,11 @@ class RestClient:
     ) -> APIFuture[types.TrainingRun]:
         return self._f(self._b.get_training_run(training_run_id))
 
+    def get_sampler(self, sampler_id: str) -> APIFuture[types.GetSamplerResponse]:
+        """A sampling session's base model and, if it was created from a checkpoint, that
+        checkpoint's path (``SamplingClient.sampler_id`` names it)."""
+        return self._f(self._b.get_sampler(sampler_id))
+
     def get_training_run_by_tinker_path(
         self, tinker_path: str, access_scope: AccessScope = "owned"
     ) -> APIFuture[types.TrainingRun]:
@@ -171,6 +176,10 @@ class RestClient:
         return self._f(self._b.get_checkpoint(tinker_path))
 
     # ---- deprecated coroutine twins ----------------------------------------------------------
+    async def get_sampler_async(self, sampler_id: str) -> types.GetSamplerResponse:
+        warn_deprecated("get_sampler_async is deprecated; await get_sampler()")
+        return await self.get_sampler(sampler_id)
+
     async def get_training_run_async(
         self, training_run_id: str, access_scope: AccessScope = "owned"
     ) -> types.TrainingRun:
