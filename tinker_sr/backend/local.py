@@ -672,8 +672,8 @@ class LocalBackend:
 
         return await self._trainer_work(model_id, seq_id, work)
 
-    async def external_weights_files(self, tinker_path: str) -> dict[str, Path]:
-        """The files of an external weights checkpoint (the server signs URLs to them)."""
+    async def external_weights_files(self, tinker_path: str) -> tuple[str, dict[str, Path]]:
+        """An export's version and files (the server signs URLs to them)."""
         return await self._run(lambda: self.checkpoints.files(tinker_path))
 
     async def get_external_weights_urls(
@@ -681,7 +681,7 @@ class LocalBackend:
     ) -> types.ExternalWeightsUrlsResponse:
         """``file://`` URLs: the embedded engine's files are on this machine. They do not
         expire; ``expires`` says an hour, as signed URLs of a server do."""
-        files = await self.external_weights_files(tinker_path)
+        _, files = await self.external_weights_files(tinker_path)
         return types.ExternalWeightsUrlsResponse(
             urls={name: f.resolve().as_uri() for name, f in files.items()},
             expires=datetime.now(UTC) + timedelta(seconds=validation.EXTERNAL_URL_TTL_S),

@@ -148,17 +148,20 @@ class CheckpointStore:
     def directory(self, run_id: str, segment: str, name: str) -> Path:
         return self.file(run_id, segment, name).with_suffix("")
 
-    def files(self, path: str) -> dict[str, Path]:
-        """The files of external-weights checkpoint ``path``, by name."""
+    def files(self, path: str) -> tuple[str, dict[str, Path]]:
+        """The files of external-weights checkpoint ``path``, by name, and the export's
+        version (its creation time: a later export under the same name has another), from one
+        lookup."""
         if parse_path(path).checkpoint_type != "external":
             raise EngineUserError(
                 f"{path} is not an external weights checkpoint; download URLs exist only for "
                 "tinker://<run_id>/external_weights/<name> (written by save_weights_external)"
             )
-        root = Path(self.live(path).file_path)
+        row = self.live(path)
+        root = Path(row.file_path)
         if not root.is_dir():
             raise EngineNotFoundError(f"the files of checkpoint {path} are missing from the store")
-        return {f.name: f for f in sorted(root.iterdir()) if f.is_file()}
+        return repr(row.created_at), {f.name: f for f in sorted(root.iterdir()) if f.is_file()}
 
     def live(self, path: str) -> CheckpointRow:
         """The checkpoint at ``path``; not-found (the same message everywhere) if it does not

@@ -244,9 +244,8 @@ async def external_weights_urls(srv: TinkerServer, request: Request, owner: str)
         # embedded engine's file:// URLs are the ones a plain GET can reach.
         out = await srv.backend.get_external_weights_urls(path)
         return json_reply(out.model_dump(mode="json", exclude_none=True))
-    version = (await srv.backend.get_checkpoint(path)).time.isoformat()
-    names = sorted(await files(path))
-    urls, expires = srv.signer.sign(str(request.base_url), run_id, name, version, names)
+    version, found = await files(path)
+    urls, expires = srv.signer.sign(str(request.base_url), run_id, name, version, sorted(found))
     return json_reply({"urls": urls, "expires": expires.isoformat()})
 
 
@@ -257,8 +256,7 @@ async def external_weights_file(srv: TinkerServer, request: Request, owner: str)
     run_id, name, file = (request.path_params[k] for k in ("run_id", "name", "file"))
     path = f"tinker://{run_id}/external_weights/{name}"
     try:
-        version = (await srv.backend.get_checkpoint(path)).time.isoformat()
-        files = await srv.backend.external_weights_files(path)  # type: ignore[attr-defined]
+        version, files = await srv.backend.external_weights_files(path)  # type: ignore[attr-defined]
     except (EngineUserError, TinkerError):  # not (any more) here: answered like a bad signature
         version, files = "", {}
     query = request.query_params
