@@ -33,6 +33,7 @@ JOBS = (
     "dpo",
     "distill",
     "rl_kl_stream",
+    "rl_turns_sr",
 )
 RENDERER = "role_colon"
 
@@ -100,6 +101,26 @@ def record_samples(path: Path) -> None:
     tinker.SamplingClient.sample = sample  # type: ignore[method-assign]
 
 
+def record_training(path: Path) -> None:
+    """Wrap `tinker.TrainingClient.forward_backward` to log each call's loss and, per datum, the
+    sequence ids its provenance names (the sampled spans of the targets)."""
+    import tinker
+
+    original = tinker.TrainingClient.forward_backward
+
+    def forward_backward(self: Any, data: Any, loss_fn: Any, *a: Any, **k: Any) -> Any:
+        rows = []
+        for datum in data:
+            spans = datum.loss_fn_input_spans or []
+            sampled = [s for s in spans if isinstance(s, tinker.SampledProvenanceSpan)]
+            rows.append({"sampled_ids": [s.sequence_id for s in sampled], "spans": len(spans)})
+        with path.open("a") as f:
+            f.write(json.dumps({"loss_fn": loss_fn, "datums": rows}) + "\n")
+        return original(self, data, loss_fn, *a, **k)
+
+    tinker.TrainingClient.forward_backward = forward_backward  # type: ignore[method-assign]
+
+
 def no_pricing_download() -> None:
     from tinker_cookbook.utils import cost_estimation
 
@@ -149,10 +170,72 @@ def digits_builder(model: str, n_batches: int) -> Any:
     )
 
 
+def turns_builder(model: str, n_batches: int, turns: int = 3) -> Any:
+    """A multi-turn env whose every observation extends the last one token for token (the
+    previous observation, the sampled action, then a user turn): the cookbook merges such a
+    rollout into one datum whose provenance names every turn's sequence. Each turn is scored by
+    the share of digits in it."""
+    import chz
+    import tinker
+    from tinker_cookbook import renderers
+    from tinker_cookbook.rl import types
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    class TurnsEnv(types.Env):
+        def __init__(self, renderer: Any, question: str) -> None:
+            self.renderer, self.turn = renderer, 0
+            self.ob = renderer.build_generation_prompt([{"role": "user", "content": question}])
+            nudge = "\n\nUser: Digits only, please.\n\nAssistant:"
+            self.user_turn = renderer.tokenizer.encode(nudge, add_special_tokens=False)
+
+        async def initial_observation(self) -> Any:
+            return self.ob, self.renderer.get_stop_sequences()
+
+        async def step(self, action: Any, *, extra: Any = None) -> Any:
+            self.turn += 1
+            text = self.renderer.tokenizer.decode(action)
+            reward = sum(c.isdigit() for c in text) / max(1, len(text))
+            self.ob = self.ob.append(tinker.EncodedTextChunk(tokens=[*action, *self.user_turn]))
+            return types.StepResult(
+                reward=reward,
+                episode_done=self.turn >= turns,
+                next_observation=self.ob,
+                next_stop_condition=self.renderer.get_stop_sequences(),
+            )
+
+    class TurnsGroup(types.EnvGroupBuilder):
+        def __init__(self, renderer: Any, question: str) -> None:
+            self.renderer, self.question = renderer, question
+
+        async def make_envs(self) -> list[Any]:
+            return [TurnsEnv(self.renderer, self.question) for _ in range(4)]
+
+    class TurnsDataset(types.RLDataset):
+        def __init__(self, renderer: Any) -> None:
+            self.renderer = renderer
+
+        def get_batch(self, index: int) -> list[Any]:
+            return [TurnsGroup(self.renderer, f"What is {index} + {i}?") for i in range(2)]
+
+        def __len__(self) -> int:
+            return n_batches
+
+    @chz.chz
+    class TurnsBuilder(types.RLDatasetBuilder):
+        async def __call__(self) -> tuple[Any, None]:
+            renderer = renderers.get_renderer(RENDERER, tokenizer=get_tokenizer(model))
+            return TurnsDataset(renderer), None
+
+    return TurnsBuilder()
+
+
 def rl_config(job: str, model: str, log: Path) -> Any:
     from tinker_cookbook.rl import train
 
-    builder = digits_builder(model, 3 if job in ("rl_async_sr", "rl_resume") else 2)
+    if job == "rl_turns_sr":
+        builder = turns_builder(model, 2)
+    else:
+        builder = digits_builder(model, 3 if job in ("rl_async_sr", "rl_resume") else 2)
     extra: dict[str, Any] = {}
     if job == "rl_async_sr":
         extra["async_config"] = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
@@ -165,7 +248,12 @@ def rl_config(job: str, model: str, log: Path) -> Any:
                 groups_per_batch=2, num_minibatches=2
             ),
         )
-    loss = {"rl_is": "importance_sampling", "rl_ppo": "ppo", "rl_gspo": "gspo"}.get(job)
+    loss = {
+        "rl_is": "importance_sampling",
+        "rl_ppo": "ppo",
+        "rl_gspo": "gspo",
+        "rl_turns_sr": "stable_reinforce",
+    }.get(job)
     return train.Config(
         learning_rate=1e-3,
         dataset_builder=builder,
@@ -319,6 +407,7 @@ def main(argv: list[str]) -> int:
     forbid_network()
     no_pricing_download()
     record_samples(log / "samples.jsonl")
+    record_training(log / "training.jsonl")
     if job.startswith("rl_"):
         summary = run_rl(job, model, log)
     elif job == "sl":

@@ -277,3 +277,27 @@ def test_rl_kl_penalty_post_kl_and_streamed_minibatches(
     assert all(r["kl_pre_post_v2"] > 0 for r in rows)  # every update moved the policy
     check_on_policy_numerics(rows)  # both minibatches trained on the weights they sampled
     check_rl_sampling(log, model)
+
+
+def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    """A three-turn env whose observations extend each other token for token: the cookbook
+    merges each rollout into one datum whose provenance names three sampled sequences (one per
+    turn, each turn's prompt the whole conversation so far), and ``stable_reinforce`` trains on
+    it; every turn's sampled log-probabilities match the learner's."""
+    log = run_job(way, "rl_turns_sr", model, tmp_path, maybe_server)
+    rows = check_steps(log, 2, ("optim/lr", "env/all/turns_per_episode"))
+    assert all(r["env/all/turns_per_episode"] == 3 and r["tokens/trained"] > 0 for r in rows)
+    calls = jsonl(log / "training.jsonl")
+    assert len(calls) == 2 and all(c["loss_fn"] == "stable_reinforce" for c in calls), calls
+    seen: set[str] = set()
+    for call in calls:
+        assert len(call["datums"]) == 8  # 2 groups x 4 rollouts, one datum each
+        for datum in call["datums"]:
+            ids = datum["sampled_ids"]
+            assert len(set(ids)) == 3 and datum["spans"] == 6, datum  # prompt + sample per turn
+            assert not seen & set(ids), "a sequence id named by two datums"
+            seen.update(ids)
+    check_on_policy_numerics(rows)
+    check_rl_sampling(log, model)
