@@ -481,17 +481,52 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
     config = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
               "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
     (d / "config.json").write_text(json.dumps(config))
-    args = build_parser().parse_args(["serve", "--model-dir", str(d), "--model-alias", "a=b"])
-    aliases = model_aliases_from_args(args)
-    assert aliases["my-model"] == aliases[str(d)] == str(d) and aliases["a"] == "b"
+    args = ["serve", "--model-dir", str(d), "--model-alias", "a=tinker-sr/tiny"]
+    aliases = model_aliases_from_args(build_parser().parse_args(args))
+    assert aliases["my-model"] == aliases[str(d)] == str(d) and aliases["a"] == "tinker-sr/tiny"
     with pytest.raises(SystemExit, match="no config.json"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(tmp_path)]))
+    # An alias whose target is nothing the server can load is refused at start, not at the
+    # first request for it.
+    with pytest.raises(SystemExit, match="--model-alias a=b: no config.json .* Hugging Face cache"):
+        model_aliases_from_args(build_parser().parse_args(["serve", "--model-alias", "a=b"]))
     # A config the engine would refuse at first use is refused at start, by field.
     (d / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(SystemExit, match="--model-dir .*my-model: config.json hidden_act 'gel"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(d)]))
     with pytest.raises(SystemExit, match="--model-alias m=.*my-model: config.json hidden_act"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-alias", f"m={d}"]))
+
+
+def test_12_model_dir_flag_serves_a_hub_name_from_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model-dir Qwen/Qwen3-0.6B`` (no such directory) serves the model the local Hugging
+    Face cache holds under that name, checked at start like a directory; an uncached name is
+    refused at start, saying where it looked."""
+    from tinker_sr.cli import build_parser, model_aliases_from_args
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    parse = build_parser().parse_args
+    with pytest.raises(SystemExit, match=r"--model-dir org/m: no config.json .*models--org--m"):
+        model_aliases_from_args(parse(["serve", "--model-dir", "org/m"]))
+    snap = tmp_path / "hub" / "models--org--m" / "snapshots" / ("c" * 40)
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("c" * 40)
+    config = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
+    (snap / "config.json").write_text(json.dumps(config))
+    aliases = model_aliases_from_args(parse(["serve", "--model-dir", "org/m"]))
+    assert aliases == {"org/m": str(snap)}  # not the snapshot's folder name (a commit hash)
+    aliases = model_aliases_from_args(parse(["serve", "--model-alias", "Qwen/Qwen3-8B=org/m"]))
+    assert aliases == {"Qwen/Qwen3-8B": "org/m"}
+    (snap / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(SystemExit, match="--model-dir org/m: config.json hidden_act 'gelu'"):
+        model_aliases_from_args(parse(["serve", "--model-dir", "org/m"]))
+    with pytest.raises(SystemExit, match="--model-alias Qwen/Qwen3-8B=org/m: config.json hidden"):
+        model_aliases_from_args(parse(["serve", "--model-alias", "Qwen/Qwen3-8B=org/m"]))
 
 
 # ---- 14. embedded bad input is the caller's error ------------------------------------------

@@ -115,15 +115,17 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help="serve this local Hugging Face model directory, as base_model DIR or its folder "
-        "name (repeatable). Requests cannot name directories themselves",
+        "name, or a Hub name found in the local Hugging Face cache (e.g. Qwen/Qwen3-0.6B, "
+        "served under that name; nothing is downloaded) (repeatable). Requests cannot name "
+        "directories themselves",
     )
     s.add_argument(
         "--model-alias",
         action="append",
         default=[],
         metavar="NAME=TARGET",
-        help="serve base_model NAME as TARGET, a built-in model or a local directory "
-        "(repeatable; also $TINKER_SR_MODEL_ALIASES)",
+        help="serve base_model NAME as TARGET, a built-in model, a local directory or a Hub "
+        "name in the local Hugging Face cache (repeatable; also $TINKER_SR_MODEL_ALIASES)",
     )
     for limit in fields(Limits):  # one flag per limit: tinker_sr/limits.py is the one place
         default = getattr(DEFAULT_LIMITS, limit.name)
@@ -199,24 +201,45 @@ def _check_model_config(option: str, flag: str, path: str) -> None:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
 
 
+def _model_dir(option: str, value: str, label: str | None = None) -> str:
+    """The directory a served name stands for: `value` itself when it holds config.json, else
+    the snapshot of Hub name `value` in the local Hugging Face cache (nothing is downloaded)."""
+    from tinker_sr.hf_files import cached_hub_model, not_found_hint
+
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    cached = cached_hub_model(value)
+    if cached is None:
+        raise SystemExit(
+            f"tinker-sr serve: {option} {label or value}: no config.json in {path}; as a Hub name: "
+            f"{not_found_hint(value)}"
+        )
+    return str(cached)
+
+
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
+    from tinker_sr.engine.model import BUILTIN_CONFIGS
     from tinker_sr.engine.registry import parse_aliases
 
     aliases: dict[str, str] = {}
     for d in args.model_dir:
-        path = os.path.abspath(d)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(f"tinker-sr serve: --model-dir {d}: no config.json in {path}")
+        path = _model_dir("--model-dir", d)
         _check_model_config("--model-dir", d, path)
-        for name in (d, path, os.path.basename(path.rstrip(os.sep))):
+        if os.path.isfile(os.path.join(d, "config.json")):  # a directory: its path and folder too
+            names: tuple[str, ...] = (d, path, os.path.basename(path.rstrip(os.sep)))
+        else:  # a cached Hub name: served under that name only (the folder is a commit hash)
+            names = (d,)
+        for name in names:
             aliases[name] = path
     try:
         named = parse_aliases(",".join(args.model_alias))
     except ValueError as e:
         raise SystemExit(f"tinker-sr serve: --model-alias: {e}") from None
     for name, target in named.items():
-        if os.path.isfile(os.path.join(target, "config.json")):  # a directory, not a Hub name
-            _check_model_config("--model-alias", f"{name}={target}", target)
+        if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
+            path = _model_dir("--model-alias", target, label=f"{name}={target}")
+            _check_model_config("--model-alias", f"{name}={target}", path)
     aliases.update(named)
     return aliases
 

@@ -38,6 +38,16 @@ JOBS = (
 RENDERER = "role_colon"
 
 
+def renderer_for(model: str) -> str:
+    """``role_colon`` for a directory; for a Hub name (found in the local HF cache), the renderer
+    the cookbook recommends for it, as a user's config would pick."""
+    if Path(model).is_dir():
+        return RENDERER
+    from tinker_cookbook import model_info
+
+    return model_info.get_recommended_renderer_name(model)
+
+
 def forbid_network() -> None:
     real_connect = socket.socket.connect
 
@@ -164,7 +174,7 @@ def digits_builder(model: str, n_batches: int) -> Any:
     return DigitsBuilder(
         batch_size=2,
         model_name_for_tokenizer=model,
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         n_batches=n_batches,
         group_size=4,
     )
@@ -223,7 +233,7 @@ def turns_builder(model: str, n_batches: int, turns: int = 3) -> Any:
     @chz.chz
     class TurnsBuilder(types.RLDatasetBuilder):
         async def __call__(self) -> tuple[Any, None]:
-            renderer = renderers.get_renderer(RENDERER, tokenizer=get_tokenizer(model))
+            renderer = renderers.get_renderer(renderer_for(model), tokenizer=get_tokenizer(model))
             return TurnsDataset(renderer), None
 
     return TurnsBuilder()
@@ -263,7 +273,7 @@ def rl_config(job: str, model: str, log: Path) -> Any:
         log_path=str(log),
         eval_every=0,
         save_every=1 if job == "rl_resume" else 0,
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         lora_rank=4,
         loss_fn=loss or "importance_sampling",
         num_groups_to_log=0,
@@ -297,7 +307,7 @@ def run_sl(model: str, log: Path) -> dict[str, Any]:
     data = importlib.resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
     common = ChatDatasetBuilderCommonConfig(
         model_name_for_tokenizer=model,
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         max_length=192,
         batch_size=4,
         train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES,
@@ -306,7 +316,7 @@ def run_sl(model: str, log: Path) -> dict[str, Any]:
         log_path=str(log),
         model_name=model,
         recipe_name="tinker_sr_test_sl",
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         dataset_builder=FromConversationFileBuilder(common_config=common, file_path=str(data)),
         learning_rate=1e-3,
         lora_rank=4,
@@ -340,13 +350,16 @@ def run_dpo(model: str, log: Path) -> dict[str, Any]:
         )
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ChatDatasetBuilderCommonConfig(
-        model_name_for_tokenizer=model, renderer_name=RENDERER, max_length=64, batch_size=2
+        model_name_for_tokenizer=model,
+        renderer_name=renderer_for(model),
+        max_length=64,
+        batch_size=2,
     )
     config = train_dpo.Config(
         log_path=str(log),
         model_name=model,
         recipe_name="tinker_sr_test_dpo",
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         dataset_builder=DPODatasetBuilderFromComparisons(
             common_config=common,
             comparison_builder=ComparisonBuilderFromJsonl(train_path=str(pairs)),
@@ -380,7 +393,7 @@ def run_distill(model: str, log: Path) -> dict[str, Any]:
         ],
         model_name=model,
         recipe_name="tinker_sr_test_distill",
-        renderer_name=RENDERER,
+        renderer_name=renderer_for(model),
         max_tokens=12,
         lora_rank=4,
         log_path=str(log),

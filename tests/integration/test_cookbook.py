@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,10 +41,13 @@ WAYS = ("embedded", "sdk")
 _JOB_LIMIT_S = 420
 
 
-def offline_env(tmp: Path) -> dict[str, str]:
+HUB_NAME = "Qwen/Qwen3-8B"  # the tiny model, as a user's HF cache would hold a real one
+
+
+def offline_env(tmp: Path, hf_home: Path | None = None) -> dict[str, str]:
     env = {
         **os.environ,
-        "HF_HOME": str(tmp / "hf_home"),
+        "HF_HOME": str(hf_home or tmp / "hf_home"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -58,6 +62,7 @@ def offline_env(tmp: Path) -> dict[str, str]:
         "TINKER_API_KEY",
         "TINKER_SR_BACKEND",
         "TINKER_SR_MODEL_ALIASES",
+        "HF_HUB_CACHE",
     ):
         env.pop(name, None)
     return env
@@ -88,19 +93,45 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model: Any) -> Iterator[ServerProcess]:
+def hf_home(tmp_path_factory: pytest.TempPathFactory, model: Any) -> Path:
+    """An HF_HOME whose hub cache holds the model as `HUB_NAME` (refs/main -> a snapshot), as
+    ``huggingface-cli download`` leaves a real one."""
+    home = tmp_path_factory.mktemp("hf_home")
+    repo, rev = home / "hub" / ("models--" + HUB_NAME.replace("/", "--")), "b" * 40
+    shutil.copytree(model.path, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return home
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, model: Any, hf_home: Path
+) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("cookbook_server")
-    # A server loads only the model directories its operator names (issue 10, item 12).
-    flags = ["--model-dir", str(model.path)]
-    with running_server(tmp / "store", env=offline_env(tmp), extra_args=flags) as srv:
+    # A server loads only the models its operator names (issue 10, item 12): a directory, and
+    # a Hub name found in the server's HF cache.
+    flags = ["--model-dir", str(model.path), "--model-dir", HUB_NAME]
+    with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
         yield srv
 
 
-def run_job(way: str, job: str, model: Any, tmp: Path, server: ServerProcess | None) -> Path:
+def run_job(
+    way: str,
+    job: str,
+    model: Any,
+    tmp: Path,
+    server: ServerProcess | None,
+    *,
+    name: str | None = None,
+    hf_home: Path | None = None,
+) -> Path:
+    """Run `job` on the model, named by its directory or (`name`, with `hf_home`) by a Hub
+    name found in the HF cache."""
     log = tmp / f"{way}-{job}"
-    env = offline_env(tmp)
+    env = offline_env(tmp, hf_home)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    args = [str(DRIVER), job, str(model.path), str(log)]
+    args = [str(DRIVER), job, name or str(model.path), str(log)]
     if way == "embedded":
         env["TINKER_SR_STORE"] = str(tmp / "store")
         cmd = [sys.executable, "-m", "tinker_sr", "run", *args]
@@ -123,9 +154,9 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def check_rl_sampling(log: Path, model: Any) -> dict[str, int]:
-    """Every rollout sample used the renderer's string stop and ended on it, on the model's EOS
-    or at max_tokens; return how many sequences ended which way."""
+def check_rl_sampling(log: Path, model: Any, stop: list[Any] | None = None) -> dict[str, int]:
+    """Every rollout sample used the renderer's stop (default: ``role_colon``'s string) and
+    ended on it, on the model's EOS or at max_tokens; return how many ended which way."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model.path)
@@ -134,7 +165,7 @@ def check_rl_sampling(log: Path, model: Any) -> dict[str, int]:
     rollouts = [c for c in jsonl(log / "samples.jsonl") if c["stop"] is not None]
     assert rollouts, "no rollout sampling was recorded"
     for call in rollouts:
-        assert call["stop"] == [STOP], call["stop"]  # strings, not token ids
+        assert call["stop"] == (stop or [STOP]), call["stop"]
         for seq in call["sequences"]:
             tokens, reason = seq["tokens"], seq["stop_reason"]
             assert not eos & set(tokens[:-1]), f"sampling ran past EOS: {tokens}"
@@ -301,3 +332,18 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
             seen.update(ids)
     check_on_policy_numerics(rows)
     check_rl_sampling(log, model)
+
+
+def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None, hf_home: Path
+) -> None:
+    """What a user's config says: ``model_name="Qwen/Qwen3-8B"``, found offline in the local HF
+    cache (the engine's, the server's and the cookbook's tokenizer alike), and the renderer the
+    cookbook recommends for it (``qwen3``: chat special tokens, stop on the ``<|im_end|>`` id)."""
+    log = run_job(way, "rl_is", model, tmp_path, maybe_server, name=HUB_NAME, hf_home=hf_home)
+    rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
+    assert all(r["tokens/trained"] > 0 for r in rows)
+    check_on_policy_numerics(rows)
+    im_end = model.special_ids["<|im_end|>"]
+    ends = check_rl_sampling(log, model, stop=[im_end])  # token ids, not strings
+    assert ends["stop_string"] == 0, ends
