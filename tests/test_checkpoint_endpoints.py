@@ -566,3 +566,31 @@ def test_get_sampler_names_the_base_model_and_checkpoint(service: Any) -> None:
     assert (info.base_model, info.model_path) == (MODEL, None)
     with pytest.raises(NOT_FOUND, match="unknown sampl"):
         rest.get_sampler("sess-nope:sample:0").result()
+
+
+def test_list_and_get_sessions(service: Any) -> None:
+    """``RestClient.list_sessions`` (newest first, paged) and ``get_session`` (training runs,
+    samplers, metadata, display name), as the SDK has them; unknown ids are not found and a bad
+    page is refused by field."""
+    mine = tinker.ServiceClient(
+        {"exp": "sessions"}, display_name="nightly", backend=service.holder.backend
+    )
+    tc = mine.create_lora_training_client(MODEL, rank=2).result()
+    sid = tc.model_id.split(":")[0]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    from_base = mine.create_sampling_client(base_model=MODEL).result()
+    rest = _rest(service)
+    assert rest.list_sessions(limit=1).result().sessions == [sid]  # the newest
+    older = rest.list_sessions(limit=3, offset=1).result().sessions
+    assert sid not in older and len(older) <= 3
+    info = rest.get_session(sid).result()
+    assert info.training_run_ids == [tc.model_id]
+    assert info.sampler_ids == [sampler.sampler_id, from_base.sampler_id]
+    assert (info.user_metadata, info.display_name) == ({"exp": "sessions"}, "nightly")
+    with pytest.warns(FutureWarning):
+        assert asyncio.run(rest.get_session_async(sid)) == info
+    with pytest.raises(NOT_FOUND, match="unknown session"):
+        rest.get_session("sess-nope").result()
+    with pytest.raises((tinker.BadRequestError, ValueError), match="limit must be"):
+        rest.list_sessions(limit=-1).result()
+    mine.close().result()

@@ -154,6 +154,30 @@ def test_official_get_tokenizer_works_offline(server: ServerProcess) -> None:
     service.close("success").result()
 
 
+def test_official_sdk_lists_and_reads_its_sessions(server: ServerProcess) -> None:
+    """The SDK's ``RestClient.list_sessions`` / ``get_session`` on our server; another key sees
+    none of them (not even as "forbidden")."""
+    service = tinker.ServiceClient(
+        {"exp": "sdk"}, display_name="sdk-run", base_url=server.base_url, api_key="tml-test"
+    )
+    training = service.create_lora_training_client(base_model=MODEL, rank=2).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sid = training.model_id.split(":")[0]
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test")
+    assert rest.list_sessions(limit=1).result().sessions == [sid]
+    info = rest.get_session(sid).result()
+    assert info.training_run_ids == [training.model_id]
+    assert info.sampler_ids == [sampler._sampling_session_id]  # the SDK keeps it private
+    assert (info.user_metadata, info.display_name) == ({"exp": "sdk"}, "sdk-run")
+    with pytest.raises(tinker.BadRequestError, match="access_scope must be"):
+        rest.list_sessions(access_scope="everyone").result()  # type: ignore[arg-type]
+    stranger = tinker.RestClient(base_url=server.base_url, api_key="tml-stranger")
+    assert sid not in stranger.list_sessions(limit=1000).result().sessions
+    with pytest.raises(tinker.NotFoundError, match="unknown session_id"):
+        stranger.get_session(sid).result()
+    service.close("success").result()
+
+
 def test_official_sdk_sees_our_errors_as_its_exceptions(server: ServerProcess) -> None:
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
     with pytest.raises(tinker.RequestFailedError, match="rank must be >= 1") as bad_rank:

@@ -61,10 +61,6 @@ DELIBERATE: dict[str, str] = {
     **{
         f"RestClient.{m}": "session/account endpoint our server does not offer"
         for m in (
-            "get_session",
-            "get_session_async",
-            "list_sessions",
-            "list_sessions_async",
             "assign_session_project",
             "assign_session_project_async",
             "export_session_trace",

@@ -155,6 +155,16 @@ def check_copy_weights(
     check_ttl(ttl_seconds)
 
 
+def check_paging(limit: object, offset: object, what: str = "list") -> None:
+    """``limit`` and ``offset`` of a listing: integers from 0 to 2**31 - 1 (SQLite takes a
+    negative LIMIT as "no limit"; a server's query parameters stop below 10**9)."""
+    for name, value in (("limit", limit), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise EngineUserError(
+                f"{what}: {name} must be an integer from 0 to 2147483647, got {value!r:.40}"
+            )
+
+
 def check_num_samples(num_samples: int, limits: Limits = DEFAULT_LIMITS) -> None:
     """1 to ``limits.max_num_samples`` (the server checks it before it lists sequence ids)."""
     limits.check_num_samples(num_samples)

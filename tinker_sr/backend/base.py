@@ -39,6 +39,8 @@ if TYPE_CHECKING:
         GetInfoResponse,
         GetSamplerResponse,
         GetServerCapabilitiesResponse,
+        GetSessionResponse,
+        ListSessionsResponse,
         LoadWeightsResponse,
         LoraConfig,
         ModelInput,
@@ -77,6 +79,14 @@ class Backend(Protocol):
     async def close_session(
         self, session_id: str, status: CloseStatus, detail: str | None = None
     ) -> None: ...
+
+    async def list_sessions(self, *, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
+        """This caller's session ids, newest first."""
+        ...
+
+    async def get_session(self, session_id: str) -> GetSessionResponse:
+        """A session's training runs, sampling sessions, metadata and display name."""
+        ...
 
     async def get_server_capabilities(self) -> GetServerCapabilitiesResponse: ...
 

@@ -33,13 +33,13 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from tinker_sr import types, validation
+from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
@@ -86,7 +86,7 @@ def _torch_threads(torch_threads: int | None) -> int:
     return default_torch_threads()
 
 
-class LocalBackend:
+class LocalBackend(LocalRestQueries):
     """Runs the embedded PyTorch engine in-process. One instance can serve many sessions."""
 
     # The engine implements loss_fn="stable_reinforce" and records its own stability draws,
@@ -575,44 +575,7 @@ class LocalBackend:
         rows = num_samples if isinstance(num_samples, int) else 1
         return await self._on_sampler(self._scheduler.submit(begin, rows))
 
-    # ---- REST -------------------------------------------------------------------------
-    async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
-        return await self._run(lambda: self.checkpoints.list_run(training_run_id))
-
-    async def list_user_checkpoints(
-        self, *, limit: int = 100, offset: int = 0
-    ) -> types.CheckpointsListResponse:
-        return await self._run(lambda: self.checkpoints.list_all(limit=limit, offset=offset))
-
-    async def get_training_run(self, training_run_id: str) -> types.TrainingRun:
-        return await self._run(lambda: self.checkpoints.training_run(training_run_id))
-
-    async def list_training_runs(
-        self, *, limit: int = 20, offset: int = 0
-    ) -> types.TrainingRunsResponse:
-        return await self._run(lambda: self.checkpoints.training_runs(limit=limit, offset=offset))
-
-    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
-        await self._run(lambda: self.checkpoints.delete(training_run_id, checkpoint_id))
-
-    async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
-        await self._run(lambda: self.checkpoints.set_ttl(tinker_path, ttl_seconds))
-
-    async def get_checkpoint(self, tinker_path: str) -> types.Checkpoint:
-        return await self._run(
-            lambda: self.checkpoints.checkpoint(self.checkpoints.live(tinker_path))
-        )
-
-    def checkpoint_info(self, tinker_path: str) -> dict[str, Any]:
-        """Base model and LoRA config of a checkpoint (for ``weights_info``)."""
-        return self.checkpoints.info(tinker_path)
-
-    async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
-        return await self._run(lambda: self.checkpoints.weights_info(tinker_path))
-
-    async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
-        await self._run(lambda: self.checkpoints.set_public(tinker_path, public))
-
+    # ---- REST (the queries are in `LocalRestQueries`) ---------------------------------
     async def copy_weights(
         self,
         source_path: str,
@@ -671,21 +634,6 @@ class LocalBackend:
             return types.SaveWeightsExternalResponse(path=path, type="save_weights_external")
 
         return await self._trainer_work(model_id, seq_id, work)
-
-    async def external_weights_files(self, tinker_path: str) -> tuple[str, dict[str, Path]]:
-        """An export's version and files (the server signs URLs to them)."""
-        return await self._run(lambda: self.checkpoints.files(tinker_path))
-
-    async def get_external_weights_urls(
-        self, tinker_path: str
-    ) -> types.ExternalWeightsUrlsResponse:
-        """``file://`` URLs: the embedded engine's files are on this machine. They do not
-        expire; ``expires`` says an hour, as signed URLs of a server do."""
-        _, files = await self.external_weights_files(tinker_path)
-        return types.ExternalWeightsUrlsResponse(
-            urls={name: f.resolve().as_uri() for name, f in files.items()},
-            expires=datetime.now(UTC) + timedelta(seconds=validation.EXTERNAL_URL_TTL_S),
-        )
 
     async def aclose(self) -> None:
         self.close()

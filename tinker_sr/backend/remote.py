@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import pydantic
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.backend.base import CloseStatus
 from tinker_sr.backend.transport import DEFAULT_BASE_URL, PROTOBUF, WireTransport, log
 from tinker_sr.errors import (
@@ -392,6 +392,19 @@ class RemoteBackend(WireTransport):
             f"/api/v1/training_runs/{training_run_id}", {"access_scope": "owned"}
         )
         return self._validate(types.TrainingRun, resp, body)
+
+    async def list_sessions(
+        self, *, limit: int = 20, offset: int = 0
+    ) -> types.ListSessionsResponse:
+        validation.check_paging(limit, offset, "list_sessions")
+        resp, body = await self._get(
+            "/api/v1/sessions", {"limit": limit, "offset": offset, "access_scope": "owned"}
+        )
+        return self._validate(types.ListSessionsResponse, resp, body)
+
+    async def get_session(self, session_id: str) -> types.GetSessionResponse:
+        resp, body = await self._get(f"/api/v1/sessions/{session_id}", {"access_scope": "owned"})
+        return self._validate(types.GetSessionResponse, resp, body)
 
     async def list_training_runs(
         self, *, limit: int = 20, offset: int = 0

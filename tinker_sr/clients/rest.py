@@ -74,6 +74,20 @@ class RestClient:
     ) -> APIFuture[types.TrainingRunsResponse]:
         return self._f(self._b.list_training_runs(limit=limit, offset=offset))
 
+    # ---- sessions ------------------------------------------------------------------------------
+    def list_sessions(
+        self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+    ) -> APIFuture[types.ListSessionsResponse]:
+        """This caller's session ids, newest first, ``limit`` from ``offset``."""
+        return self._f(self._b.list_sessions(limit=limit, offset=offset))
+
+    def get_session(
+        self, session_id: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[types.GetSessionResponse]:
+        """A session's training run ids, sampler ids, ``user_metadata`` and ``display_name``
+        (ids as `list_sessions` gives them)."""
+        return self._f(self._b.get_session(session_id))
+
     # ---- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
         return self._f(self._b.list_checkpoints(training_run_id))
@@ -179,6 +193,18 @@ class RestClient:
     async def get_sampler_async(self, sampler_id: str) -> types.GetSamplerResponse:
         warn_deprecated("get_sampler_async is deprecated; await get_sampler()")
         return await self.get_sampler(sampler_id)
+
+    async def list_sessions_async(
+        self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+    ) -> types.ListSessionsResponse:
+        warn_deprecated("list_sessions_async is deprecated; await list_sessions()")
+        return await self.list_sessions(limit, offset, access_scope)
+
+    async def get_session_async(
+        self, session_id: str, access_scope: AccessScope = "owned"
+    ) -> types.GetSessionResponse:
+        warn_deprecated("get_session_async is deprecated; await get_session()")
+        return await self.get_session(session_id, access_scope)
 
     async def get_training_run_async(
         self, training_run_id: str, access_scope: AccessScope = "owned"

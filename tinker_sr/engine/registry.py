@@ -95,6 +95,11 @@ def parse_aliases(spec: str | None) -> dict[str, str]:
     return out
 
 
+def _seq_of(sampler_id: str) -> int:
+    """The ``sampling_session_seq_id`` in ``<session>:sample:<seq>``."""
+    return int(sampler_id.rsplit(":", 1)[1])
+
+
 def snapshot(model: Transformer) -> dict[str, torch.Tensor]:
     """A detached copy of ``model``'s LoRA adapters."""
     return {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
@@ -427,6 +432,12 @@ class ModelRegistry:
             )
         self._samplers[sampler_id] = s
         return s
+
+    @_locked
+    def sampler_ids(self, session_id: str) -> list[str]:
+        """The live sampling sessions of `session_id`, in creation order."""
+        found = [s for s in self._samplers.values() if s.session_id == session_id]
+        return [s.sampler_id for s in sorted(found, key=lambda s: _seq_of(s.sampler_id))]
 
     @_locked
     def new_sampler_id(self, session_id: str, seq: int) -> str:

@@ -94,6 +94,13 @@ class RunRow:
 
 
 @dataclass(frozen=True)
+class SessionInfo:
+    user_metadata: dict[str, str] | None
+    display_name: str | None
+    run_ids: list[str]
+
+
+@dataclass(frozen=True)
 class CheckpointRow:
     run_id: str
     checkpoint_id: str  # "<segment>/<name>", e.g. "weights/step-3"
@@ -192,6 +199,31 @@ class Store:
                 "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
             ).fetchone()
         return row is not None
+
+    def list_sessions(self, *, limit: int, offset: int) -> list[str]:
+        """Session ids, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions ORDER BY created_at DESC, rowid DESC"
+                " LIMIT ? OFFSET ?",
+                (limit, offset),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """A session's metadata and training runs (oldest first); None: no such session."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT user_metadata, display_name FROM sessions WHERE session_id=?",
+                (session_id,),
+            ).fetchone()
+            runs = self._db.execute(
+                "SELECT run_id FROM training_runs WHERE session_id=? ORDER BY created_at, run_id",
+                (session_id,),
+            ).fetchall()
+        if row is None:
+            return None
+        return SessionInfo(_unjson(row[0]), row[1], [r[0] for r in runs])
 
     def close_session(self, session_id: str, status: str) -> None:
         with self._lock:

@@ -178,6 +178,8 @@ class TinkerServer:
             Route(v + "/create_session", e(session.create_session), methods=post),
             Route(v + "/session_heartbeat", e(session.heartbeat), methods=post),
             Route(v + "/sessions/{session_id}/finish", e(session.finish_session), methods=post),
+            Route(v + "/sessions", e(session.list_sessions), methods=["GET"]),
+            Route(v + "/sessions/{session_id}", e(session.get_session), methods=["GET"]),
             Route(v + "/telemetry", e(session.telemetry), methods=post),
             Route(v + "/create_model", e(training.create_model), methods=post),
             Route(v + "/get_info", e(training.get_info), methods=post),

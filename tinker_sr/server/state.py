@@ -172,6 +172,24 @@ class ServerState:
         )
         return SessionRow(*row) if row else None
 
+    def session_ids_of(self, owner: str, *, limit: int, offset: int) -> list[str]:
+        """``owner``'s session ids, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions WHERE owner=? "
+                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                (owner, limit, offset),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def sampler_ids_of(self, session_id: str) -> list[str]:
+        """The sampling sessions created in ``session_id``, in creation order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY rowid", (session_id,)
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def heartbeat(self, session_id: str) -> None:
         self._exec(
             "UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id)

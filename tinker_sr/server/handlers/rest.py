@@ -32,7 +32,7 @@ _UNSUPPORTED = {
     "false); forward_backward_custom runs the loss client-side",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
-    "sessions": "session listing and search are not supported",
+    "sessions": "session search, projects and trace export are not supported",
     "billing": "there is no billing",
 }
 
@@ -53,7 +53,7 @@ async def list_checkpoints(srv: TinkerServer, request: Request, owner: str) -> R
     return json_reply(out.model_dump(mode="json", exclude_none=True))
 
 
-def _paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[int, int]:
+def paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[int, int]:
     extra = set(request.query_params) - allowed
     if extra:
         raise HTTPError(400, f"unsupported query parameter(s): {', '.join(sorted(extra))}")
@@ -71,7 +71,7 @@ def _paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[in
     return out[0], out[1]
 
 
-def _access_scope(request: Request) -> None:
+def access_scope(request: Request) -> None:
     scope = request.query_params.get("access_scope", "owned")
     if scope not in ("owned", "accessible"):
         raise HTTPError(400, f"access_scope must be 'owned' or 'accessible', got {scope!r}")
@@ -88,7 +88,7 @@ def _page(key: str, items: list[Any], limit: int, offset: int) -> Response:
 
 
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
-    limit, offset = _paging(request, 100, {"limit", "offset"})
+    limit, offset = paging(request, 100, {"limit", "offset"})
     # The backend lists every owner's checkpoints; keep this key's and page here.
     everything = await srv.backend.list_user_checkpoints(limit=1 << 30, offset=0)
     mine_runs = srv.state.model_ids_of(owner)
@@ -101,8 +101,8 @@ async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str)
 
 
 async def get_training_run(srv: TinkerServer, request: Request, owner: str) -> Response:
-    _paging(request, 0, {"access_scope"})
-    _access_scope(request)
+    paging(request, 0, {"access_scope"})
+    access_scope(request)
     run_id = request.path_params["run_id"]
     srv.sessions.run_owned(run_id, owner)
     run = await srv.backend.get_training_run(run_id)
@@ -112,8 +112,8 @@ async def get_training_run(srv: TinkerServer, request: Request, owner: str) -> R
 async def list_training_runs(srv: TinkerServer, request: Request, owner: str) -> Response:
     if "project_id" in request.query_params:
         raise HTTPError(400, "filtering training runs by project_id is not supported")
-    limit, offset = _paging(request, 20, {"limit", "offset", "access_scope"})
-    _access_scope(request)
+    limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
+    access_scope(request)
     everything = await srv.backend.list_training_runs(limit=1 << 30, offset=0)
     mine_runs = srv.state.model_ids_of(owner)
     mine = [r for r in everything.training_runs if r.training_run_id in mine_runs]

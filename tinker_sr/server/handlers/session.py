@@ -9,7 +9,8 @@ from starlette.responses import Response
 
 from tinker_sr.wire import messages as m
 
-from ..http import body_hash, error, json_reply
+from ..http import HTTPError, body_hash, error, json_reply
+from .rest import access_scope, paging
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
@@ -76,3 +77,25 @@ async def retrieve_future(srv: TinkerServer, request: Request, owner: str) -> Re
     if row.session_id in srv.sessions.last_seen:
         srv.sessions.touch(row.session_id)
     return await srv.futures.answer(row)
+
+
+async def list_sessions(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """``GET /sessions``: this key's session ids, newest first."""
+    limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
+    access_scope(request)
+    return json_reply({"sessions": srv.state.session_ids_of(owner, limit=limit, offset=offset)})
+
+
+async def get_session(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """``GET /sessions/{id}``: its training runs, sampling sessions, metadata and name. Reading
+    a session does not count as its heartbeat."""
+    paging(request, 0, {"access_scope"})
+    access_scope(request)
+    session_id = request.path_params["session_id"]
+    row = srv.state.session(session_id)
+    if row is None or row.owner != owner:
+        raise HTTPError(404, f"unknown session_id {session_id!r}")
+    info = await srv.backend.get_session(session_id)
+    # The server's record of its samplers (kept across restarts), not the engine's live ones.
+    info = info.model_copy(update={"sampler_ids": srv.state.sampler_ids_of(session_id)})
+    return json_reply(info.model_dump(mode="json", exclude_none=True))

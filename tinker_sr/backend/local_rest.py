@@ -1,0 +1,109 @@
+"""The embedded engine's REST queries: checkpoints, training runs and sessions (what
+`RestClient` reads), as a mixin of `LocalBackend`, which supplies the store, the checkpoint store,
+the model registry and `_run` (work on the engine's worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tinker_sr import types, validation
+from tinker_sr.user_errors import EngineNotFoundError
+
+if TYPE_CHECKING:
+    from tinker_sr.engine.checkpoint_store import CheckpointStore
+    from tinker_sr.engine.registry import ModelRegistry
+    from tinker_sr.engine.store import Store
+
+T = TypeVar("T")
+
+
+class LocalRestQueries:
+    store: Store
+    checkpoints: CheckpointStore
+    models: ModelRegistry
+
+    async def _run(self, fn: Callable[[], T]) -> T:  # LocalBackend's
+        raise NotImplementedError
+
+    # ---- sessions -----------------------------------------------------------------------
+    async def list_sessions(
+        self, *, limit: int = 20, offset: int = 0
+    ) -> types.ListSessionsResponse:
+        """Session ids, newest first."""
+        validation.check_paging(limit, offset, "list_sessions")
+        ids = await self._run(lambda: self.store.list_sessions(limit=limit, offset=offset))
+        return types.ListSessionsResponse(sessions=ids)
+
+    async def get_session(self, session_id: str) -> types.GetSessionResponse:
+        """A session's training runs, its live sampling sessions and what it was created with."""
+
+        def work() -> types.GetSessionResponse:
+            info = self.store.session_info(session_id)
+            if info is None:
+                raise EngineNotFoundError(f"unknown session {session_id!r}")
+            return types.GetSessionResponse(
+                training_run_ids=info.run_ids,
+                sampler_ids=self.models.sampler_ids(session_id),
+                user_metadata=info.user_metadata,
+                display_name=info.display_name,
+            )
+
+        return await self._run(work)
+
+    # ---- checkpoints and training runs ----------------------------------------------------
+    async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
+        return await self._run(lambda: self.checkpoints.list_run(training_run_id))
+
+    async def list_user_checkpoints(
+        self, *, limit: int = 100, offset: int = 0
+    ) -> types.CheckpointsListResponse:
+        validation.check_paging(limit, offset, "list_user_checkpoints")
+        return await self._run(lambda: self.checkpoints.list_all(limit=limit, offset=offset))
+
+    async def get_training_run(self, training_run_id: str) -> types.TrainingRun:
+        return await self._run(lambda: self.checkpoints.training_run(training_run_id))
+
+    async def list_training_runs(
+        self, *, limit: int = 20, offset: int = 0
+    ) -> types.TrainingRunsResponse:
+        validation.check_paging(limit, offset, "list_training_runs")
+        return await self._run(lambda: self.checkpoints.training_runs(limit=limit, offset=offset))
+
+    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
+        await self._run(lambda: self.checkpoints.delete(training_run_id, checkpoint_id))
+
+    async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        await self._run(lambda: self.checkpoints.set_ttl(tinker_path, ttl_seconds))
+
+    async def get_checkpoint(self, tinker_path: str) -> types.Checkpoint:
+        return await self._run(
+            lambda: self.checkpoints.checkpoint(self.checkpoints.live(tinker_path))
+        )
+
+    def checkpoint_info(self, tinker_path: str) -> dict[str, Any]:
+        """Base model and LoRA config of a checkpoint (for ``weights_info``)."""
+        return self.checkpoints.info(tinker_path)
+
+    async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
+        return await self._run(lambda: self.checkpoints.weights_info(tinker_path))
+
+    async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        await self._run(lambda: self.checkpoints.set_public(tinker_path, public))
+
+    async def external_weights_files(self, tinker_path: str) -> tuple[str, dict[str, Path]]:
+        """An export's version and files (the server signs URLs to them)."""
+        return await self._run(lambda: self.checkpoints.files(tinker_path))
+
+    async def get_external_weights_urls(
+        self, tinker_path: str
+    ) -> types.ExternalWeightsUrlsResponse:
+        """``file://`` URLs: the embedded engine's files are on this machine. They do not
+        expire; ``expires`` says an hour, as signed URLs of a server do."""
+        _, files = await self.external_weights_files(tinker_path)
+        return types.ExternalWeightsUrlsResponse(
+            urls={name: f.resolve().as_uri() for name, f in files.items()},
+            expires=datetime.now(UTC) + timedelta(seconds=validation.EXTERNAL_URL_TTL_S),
+        )
