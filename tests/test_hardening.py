@@ -8,6 +8,7 @@ those of a twin that never saw the bad request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -139,6 +140,50 @@ def test_05_lone_surrogate_in_a_json_string_is_a_400(wire: Wire, session_id: str
         "session_heartbeat", json.dumps({"session_id": session_id + "\U0001f600"}).encode()
     )
     assert ok.status_code == 404
+
+
+@pytest.mark.parametrize("way", ["embedded", "remote"])
+def test_05_clients_refuse_text_utf8_cannot_carry_before_numbering(
+    way: str, tmp_path: Path
+) -> None:
+    """A lone surrogate in any string a client sends (metadata, a loss config or datum key, a
+    stop string) is a ValueError naming the field, raised before the request is numbered: the
+    remote client would otherwise fail to encode a numbered request and leave a gap that holds
+    the model's next request for the server's grace period (600 s here, so a gap would hang)."""
+    from tinker_sr.testing import mock_tinker
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
+    odd_key = types.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "w\udc80": np.zeros(3, dtype=np.float32)},
+    )
+    with contextlib.ExitStack() as stack:
+        if way == "remote":
+            stack.enter_context(mock_tinker(store=tmp_path / "store", seq_gap_grace_s=600.0))
+            service = tinker.ServiceClient()
+        else:
+            service = tinker.ServiceClient(backend=LocalBackend(tmp_path / "store"))
+        with pytest.raises(ValueError, match=r"ServiceClient: display_name = .* lone surrogate"):
+            tinker.ServiceClient(display_name="run\ud800", backend=service.holder.backend)
+        with pytest.raises(ValueError, match=r"user_metadata\['a'\] .* lone surrogate"):
+            service.create_lora_training_client(MODEL, rank=2, user_metadata={"a": "\ud800"})
+        tc = service.create_lora_training_client(MODEL, rank=2).result()
+        for call, field in (
+            (lambda: tc.forward_backward([datum], "cross_entropy", {"\ud800": 1.0}), "loss_fn_config"),
+            (lambda: tc.forward([odd_key], "cross_entropy"), r"data\[0\].loss_fn_inputs key"),
+            (lambda: tc.save_state("s", user_metadata={"k": "\udfff"}), "save_state: user_metadata"),
+        ):  # fmt: skip
+            with pytest.raises(ValueError, match=field):
+                call()
+        tc.forward_backward([datum], "cross_entropy").result(timeout=60)  # no gap to wait out
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=2, stop=["ok", "x\ud800"])
+        with pytest.raises(ValueError, match=r"sampling_params.stop\[1\]"):
+            sampler.sample(datum.model_input, 1, params)
+        service.close().result()
 
 
 # ---- 6. int64 infinity / overflow ----------------------------------------------------------

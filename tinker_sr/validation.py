@@ -231,6 +231,32 @@ def adam_values(p: Any) -> dict[str, float]:
     return vals
 
 
+def check_text(value: object, field: str) -> None:
+    """Every string in ``value`` (itself, or the keys, values and items of the dicts, lists
+    and tuples in it) is text UTF-8 can carry: a lone surrogate (e.g. from a bad
+    ``surrogateescape`` decode) cannot be sent or stored. Clients check before a request is
+    numbered, so a refused one leaves no gap in the model's seq_ids."""
+    stack: list[tuple[str, object]] = [(field, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if v.isascii():
+                continue
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = e.object[e.start : e.end]
+                raise EngineUserError(
+                    f"{where} = {v!r:.60} holds {bad!r}, a lone surrogate that UTF-8 cannot "
+                    "encode; pass valid text (decode bytes with errors='replace')"
+                ) from None
+        elif isinstance(v, dict):
+            stack.extend((f"{where} key {k!r:.40}", k) for k in v)
+            stack.extend((f"{where}[{k!r:.40}]", x) for k, x in v.items())
+        elif isinstance(v, list | tuple):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+
+
 def check_user_metadata(metadata: object, what: str) -> None:
     """``user_metadata`` is a str -> str mapping, as the official SDK types it everywhere it is
     read back (runs, checkpoints, sessions): anything else would break those listings."""
@@ -246,6 +272,7 @@ def check_user_metadata(metadata: object, what: str) -> None:
                 f"{what}: user_metadata[{key!r}] = {value!r:.40}: keys and values must be "
                 "strings; convert them, e.g. with str() or json.dumps()"
             )
+    check_text(metadata, f"{what}: user_metadata")
 
 
 def check_tags(tags: object) -> list[str]:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.futures import BackcompatConcurrentFuture
@@ -81,6 +81,7 @@ class SamplingClient:
             num_samples=num_samples, prompt=prompt, sampling_params=sampling_params
         )
         num_samples, prompt, sampling_params = req.num_samples, req.prompt, req.sampling_params
+        validation.check_text(sampling_params.stop, "sampling_params.stop")
         if target_prompt_logprobs is not None:
             if target_prompt_logprobs.dtype != "int64":
                 raise ValueError("target_prompt_logprobs must have dtype int64")

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.backend.base import Backend
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.creation import (
@@ -90,6 +90,12 @@ class ServiceClient:
             warn_deprecated(
                 f"ServiceClient ignores unknown arguments: {sorted(kwargs)}", stacklevel=2
             )
+        for field, value in (
+            ("user_metadata", user_metadata),
+            ("project_id", project_id),
+            ("display_name", display_name),
+        ):
+            validation.check_text(value, f"ServiceClient: {field}")
         remote = wants_remote(backend, base_url)
         if remote:
             api_key = default_api_key(api_key, resolve_base_url(base_url))
@@ -182,6 +188,7 @@ class ServiceClient:
             "At least one of train_mlp, train_attn, or train_unembed must be True"
         )
         self.holder.check_open()
+        validation.check_text(user_metadata, "create_lora_training_client: user_metadata")
         lora = types.LoraConfig(
             rank=rank,
             seed=seed,
@@ -228,6 +235,7 @@ class ServiceClient:
         optimizer: types.OptimizerConfig | None,
     ) -> BackcompatTrainingClientFuture:
         self.holder.check_open()
+        validation.check_text(user_metadata, "create_training_client_from_state: user_metadata")
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         if parsed.checkpoint_type != "training":
             raise ValueError(
