@@ -186,6 +186,17 @@ def test_05_clients_refuse_text_utf8_cannot_carry_before_numbering(
         service.close().result()
 
 
+def test_05_check_text_walks_nested_and_self_holding_values() -> None:
+    from tinker_sr import validation
+
+    loop: list[object] = ["fine", "é 😀"]
+    loop.append(loop)  # a list that holds itself is walked once
+    validation.check_text({"a": loop, "b": ("x", {"k": "v"})}, "cfg")
+    loop.append({"deep": ["ok", "bad\udfff"]})
+    with pytest.raises(ValueError, match=r"cfg\[3\]\['deep'\]\[1\] = 'bad\\udfff'"):
+        validation.check_text(loop, "cfg")
+
+
 # ---- 6. int64 infinity / overflow ----------------------------------------------------------
 
 

@@ -201,21 +201,22 @@ def _check_model_config(option: str, flag: str, path: str) -> None:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
 
 
-def _model_dir(option: str, value: str, label: str | None = None) -> str:
-    """The directory a served name stands for: `value` itself when it holds config.json, else
-    the snapshot of Hub name `value` in the local Hugging Face cache (nothing is downloaded)."""
+def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, bool]:
+    """The directory a served name stands for, and whether it came from the HF cache: `value`
+    itself when it holds config.json, else the snapshot of Hub name `value` in the local
+    Hugging Face cache (nothing is downloaded)."""
     from tinker_sr.hf_files import cached_hub_model, not_found_hint
 
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+        return path, False
     cached = cached_hub_model(value)
     if cached is None:
         raise SystemExit(
             f"tinker-sr serve: {option} {label or value}: no config.json in {path}; as a Hub name: "
             f"{not_found_hint(value)}"
         )
-    return str(cached)
+    return str(cached), True
 
 
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
@@ -224,12 +225,11 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
 
     aliases: dict[str, str] = {}
     for d in args.model_dir:
-        path = _model_dir("--model-dir", d)
+        path, from_cache = _model_dir("--model-dir", d)
         _check_model_config("--model-dir", d, path)
-        if os.path.isfile(os.path.join(d, "config.json")):  # a directory: its path and folder too
-            names: tuple[str, ...] = (d, path, os.path.basename(path.rstrip(os.sep)))
-        else:  # a cached Hub name: served under that name only (the folder is a commit hash)
-            names = (d,)
+        # A directory is served under its path and folder name too; a cached Hub name under
+        # that name only (its folder is a commit hash).
+        names = (d,) if from_cache else (d, path, os.path.basename(path.rstrip(os.sep)))
         for name in names:
             aliases[name] = path
     try:
@@ -238,7 +238,7 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
         raise SystemExit(f"tinker-sr serve: --model-alias: {e}") from None
     for name, target in named.items():
         if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
-            path = _model_dir("--model-alias", target, label=f"{name}={target}")
+            path, _ = _model_dir("--model-alias", target, label=f"{name}={target}")
             _check_model_config("--model-alias", f"{name}={target}", path)
     aliases.update(named)
     return aliases

@@ -237,8 +237,13 @@ def check_text(value: object, field: str) -> None:
     ``surrogateescape`` decode) cannot be sent or stored. Clients check before a request is
     numbered, so a refused one leaves no gap in the model's seq_ids."""
     stack: list[tuple[str, object]] = [(field, value)]
+    seen: set[int] = set()  # containers already walked (a list may hold itself)
     while stack:
         where, v = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
         if isinstance(v, str):
             if v.isascii():
                 continue

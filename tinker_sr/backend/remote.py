@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from urllib.parse import quote
 
 import pydantic
 
@@ -403,7 +404,8 @@ class RemoteBackend(WireTransport):
         return self._validate(types.ListSessionsResponse, resp, body)
 
     async def get_session(self, session_id: str) -> types.GetSessionResponse:
-        resp, body = await self._get(f"/api/v1/sessions/{session_id}", {"access_scope": "owned"})
+        path = f"/api/v1/sessions/{quote(session_id, safe='')}"
+        resp, body = await self._get(path, {"access_scope": "owned"})
         return self._validate(types.GetSessionResponse, resp, body)
 
     async def list_training_runs(
