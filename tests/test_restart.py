@@ -14,6 +14,7 @@ from tinker_sr import errors, types
 from tinker_sr.backend.remote import RemoteBackend
 from tinker_sr.provenance import build_datum
 from tinker_sr.wire import proto
+from tinker_sr.wire import tinker_public_pb2 as pb
 
 MODEL = "tinker-sr/tiny"
 PROMPT = [7, 8, 9]
@@ -115,25 +116,19 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
     await backend.aclose()
 
 
-def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path / "store")
-    srv.start()
-    try:
-        before = asyncio.run(_before_crash(srv.base_url))
-        rid, result = _raw_forward(srv.base_url, before["model"], 7)
-        # A request that may still be running when the process dies.
-        http = httpx.Client(
-            base_url=f"{srv.base_url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60
-        )
-        sampler = http.post(
-            "/create_sampling_session",
-            json={
-                "session_id": before["session"],
-                "sampling_session_seq_id": 3,
-                "model_path": before["named"],
-            },
-        ).json()["sampling_session_id"]
-        inflight = http.post(
+def _sample_in_flight(url: str, before: dict[str, Any]) -> str:
+    """Start a sample of 4 x 400 tokens on the named weights; its request id."""
+    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+    sampler = http.post(
+        "/create_sampling_session",
+        json={
+            "session_id": before["session"],
+            "sampling_session_seq_id": 3,
+            "model_path": before["named"],
+        },
+    ).json()["sampling_session_id"]
+    return str(
+        http.post(
             "/asample",
             json={
                 "num_samples": 4,
@@ -143,6 +138,17 @@ def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
                 "seq_id": 0,
             },
         ).json()["request_id"]
+    )
+
+
+def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "store")
+    srv.start()
+    try:
+        before = asyncio.run(_before_crash(srv.base_url))
+        rid, result = _raw_forward(srv.base_url, before["model"], 7)
+        # A request that may still be running when the process dies.
+        inflight = _sample_in_flight(srv.base_url, before)
 
         srv.kill()
         srv.start()
@@ -157,3 +163,40 @@ def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
         asyncio.run(_after_restart(srv.base_url, before))
     finally:
         srv.stop()
+
+
+def test_a_second_server_on_a_live_store_is_refused(tmp_path: Path) -> None:
+    """A second server's start-up would fail the first one's pending requests as left over
+    from a crash while the first is still running them (and a client's resubmitted optim_step
+    would then run twice), so it is refused, naming the server that holds the store."""
+    import subprocess
+    import sys
+
+    from tinker_sr.server.state import ServerState
+    from tinker_sr.server.store_lock import StoreInUseError
+
+    srv = ServerProcess(tmp_path / "store")
+    srv.start()
+    try:
+        before = asyncio.run(_before_crash(srv.base_url))
+        inflight = _sample_in_flight(srv.base_url, before)
+        second = subprocess.run(
+            [sys.executable, "-m", "tinker_sr", "serve", "--store", str(srv.store), "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode != 0, second.stdout + second.stderr
+        assert srv.proc is not None
+        assert f"in use by another tinker-sr server (pid {srv.proc.pid}" in second.stderr
+        assert "--store DIR" in second.stderr and "Traceback" not in second.stderr
+        with pytest.raises(StoreInUseError, match=f"pid {srv.proc.pid}"):
+            ServerState(srv.store / "server.sqlite")
+        # The first server's request was not failed as an orphan: it runs to its result.
+        resp = _retrieve_once_done(srv.base_url, inflight)
+        assert "json" not in resp.headers["content-type"], resp.text  # a result, not a failure
+        assert len(pb.SampleResponse.FromString(resp.content).sequences) == 4
+    finally:
+        srv.stop()
+    # Stopped, it no longer holds the store.
+    ServerState(srv.store / "server.sqlite").close()

@@ -15,26 +15,30 @@ from tinker_sr.limits import DEFAULT_LIMITS, Limits
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.server import serve
     from tinker_sr.server.features import ServerFeatures
+    from tinker_sr.server.store_lock import StoreInUseError
 
     keys = [k for k in (args.api_key or []) if k]
     keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
-    serve(
-        host=args.host,
-        port=args.port,
-        store=args.store,
-        api_keys=keys or None,
-        log_level=args.log_level,
-        long_poll_s=args.long_poll_s,
-        features=ServerFeatures(
-            stable_reinforce=not args.without_stable_reinforce,
-            record_stability_info=not args.ignore_stability_info,
-            two_d_targets=not args.only_1d_targets,
-            sample_topk=not args.ignore_topk_sample_logprobs,
-        ),
-        limits=limits_from_args(args),
-        model_aliases=model_aliases_from_args(args),
-        device=device_from_args(args),
-    )
+    try:
+        serve(
+            host=args.host,
+            port=args.port,
+            store=args.store,
+            api_keys=keys or None,
+            log_level=args.log_level,
+            long_poll_s=args.long_poll_s,
+            features=ServerFeatures(
+                stable_reinforce=not args.without_stable_reinforce,
+                record_stability_info=not args.ignore_stability_info,
+                two_d_targets=not args.only_1d_targets,
+                sample_topk=not args.ignore_topk_sample_logprobs,
+            ),
+            limits=limits_from_args(args),
+            model_aliases=model_aliases_from_args(args),
+            device=device_from_args(args),
+        )
+    except StoreInUseError as e:  # another live server on this store
+        raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 
 

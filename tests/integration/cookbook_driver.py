@@ -34,6 +34,7 @@ JOBS = (
     "distill",
     "rl_kl_stream",
     "rl_turns_sr",
+    "rl_capture",
 )
 RENDERER = "role_colon"
 
@@ -277,6 +278,7 @@ def rl_config(job: str, model: str, log: Path) -> Any:
         lora_rank=4,
         loss_fn=loss or "importance_sampling",
         num_groups_to_log=0,
+        enable_trace=job == "rl_capture",
         **extra,
     )
 
@@ -286,6 +288,8 @@ def run_rl(job: str, model: str, log: Path) -> dict[str, Any]:
     from tinker_cookbook.rl import train
 
     config = rl_config(job, model, log)
+    if job == "rl_capture":
+        return run_captured(config, log)
     if job != "rl_resume":
         asyncio.run(train.main(config))
         return {}
@@ -294,6 +298,32 @@ def run_rl(job: str, model: str, log: Path) -> dict[str, Any]:
     first = checkpoints(log)
     asyncio.run(train.main(chz.replace(config, max_steps=3)))
     return {"checkpoints_after_first_run": first}
+
+
+def run_captured(config: Any, log: Path) -> dict[str, Any]:
+    """The cookbook's debugging tools as a user wires them: ``enable_trace`` (its tracer wraps
+    the clients' methods) and token-level capture (``capture.instrument_tinker`` patches
+    ``SamplingClient.sample`` and the training ops) into ``LOG_DIR/capture/*.jsonl``."""
+    from tinker_cookbook.capture import (
+        CaptureExporter,
+        JsonlFileSink,
+        capture,
+        instrument_tinker,
+        uninstrument_tinker,
+    )
+    from tinker_cookbook.rl import train
+    from tinker_cookbook.stores.storage import LocalStorage
+
+    exporter = CaptureExporter(JsonlFileSink(LocalStorage(str(log))))
+    instrument_tinker(exporter)
+    try:
+        with capture(run_id="tinker_sr_test"):
+            asyncio.run(train.main(config))
+    finally:
+        uninstrument_tinker()
+        exporter.wait_pending(timeout=30.0)
+        exporter.shutdown()
+    return {}
 
 
 def run_sl(model: str, log: Path) -> dict[str, Any]:

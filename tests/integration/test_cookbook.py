@@ -18,6 +18,7 @@ Needs ``tinker-cookbook==0.6.1`` (installed by .ci/run with ``--no-deps``; see d
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -347,3 +348,32 @@ def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     im_end = model.special_ids["<|im_end|>"]
     ends = check_rl_sampling(log, model, stop=[im_end])  # token ids, not strings
     assert ends["stop_string"] == 0, ends
+
+
+def test_the_cookbooks_trace_and_capture_record_the_run(
+    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+) -> None:
+    """``enable_trace=True`` and ``capture.instrument_tinker`` patch the clients' methods (the
+    sampler's id read from the SDK's private ``_sampling_session_id``): every sample call and
+    training op lands in the capture files with its tokens, logprobs and metrics."""
+    log = run_job(way, "rl_capture", model, tmp_path, maybe_server)
+    check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
+    samples = jsonl(log / "capture" / "sample.jsonl")
+    recorded = [s for c in jsonl(log / "samples.jsonl") for s in c["sequences"]]
+    assert len(samples) == 16 and sum(len(r["samples"]) for r in samples) == len(recorded)
+    assert {r["status"] for r in samples} == {"ok"}
+    # One sampler per step, each named on every call it answered.
+    ids = [r["sampling_session_id"] for r in samples]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 2, ids
+    captured = sorted(json.dumps(s["tokens"]) for r in samples for s in r["samples"])
+    assert captured == sorted(json.dumps(s["tokens"]) for s in recorded)
+    for row in samples:
+        for s in row["samples"]:
+            assert len(s["logprobs"]) == len(s["tokens"]) and all(lp <= 0 for lp in s["logprobs"])
+    ops = jsonl(log / "capture" / "train_op.jsonl")
+    by_op = collections.Counter(r["op"] for r in ops if r["status"] == "ok")
+    assert by_op["forward_backward"] == 2 and by_op["optim_step"] == 2, by_op
+    fb = [r for r in ops if r["op"] == "forward_backward"]
+    assert all(r["num_data"] == 8 and math.isfinite(r["metrics"]["loss:sum"]) for r in fb), fb
+    traced = {e["name"] for e in jsonl(log / "trace_events.jsonl")}
+    assert {"forward_backward", "optim_step", "sample"} <= traced, sorted(traced)

@@ -54,6 +54,12 @@ class SamplingClient:
         self._seq = itertools.count(seq_base)
         self._lock = threading.Lock()
 
+    @property
+    def _sampling_session_id(self) -> str:
+        """The SDK keeps the sampler's id under this private name, and tools built on the SDK
+        read it (tinker-cookbook's ``capture`` tags every recorded sample with it)."""
+        return self.sampler_id
+
     def __repr__(self) -> str:
         return (
             f"SamplingClient(sampler_id={self.sampler_id!r}, base_model={self._base_model!r}, "

@@ -65,15 +65,19 @@ def serve(
         request_model_paths=False,
         device=device,
     )
-    app = create_app(
-        backend,
-        api_keys=keys,
-        max_body_bytes=limits.max_body_bytes,
-        store_dir=store_dir,
-        long_poll_s=long_poll_s,
-        close_backend=True,
-        features=features,
-    )
+    try:  # StoreInUseError: another live server holds store_dir
+        app = create_app(
+            backend,
+            api_keys=keys,
+            max_body_bytes=limits.max_body_bytes,
+            store_dir=store_dir,
+            long_poll_s=long_poll_s,
+            close_backend=True,
+            features=features,
+        )
+    except BaseException:
+        backend.close()
+        raise
     auth = f"{len(keys)} configured API key(s)" if keys else "any API key starting with 'tml-'"
     if features is not None and features.reduced:
         auth += f"; {features.describe()}"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .store_lock import StoreLock
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
@@ -96,10 +98,11 @@ class SessionRow:
 
 class ServerState:
     def __init__(self, path: Path | None) -> None:
-        """``path=None`` keeps everything in memory (a server without a store)."""
+        """``path=None`` keeps everything in memory (a server without a store). A store is
+        this server's alone while it runs: `StoreInUseError` if another server holds it
+        (`tinker_sr.server.store_lock`)."""
         self._lock = threading.Lock()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        self._store_lock = StoreLock(path.parent) if path is not None else None
         self._db = sqlite3.connect(
             str(path) if path is not None else ":memory:",
             check_same_thread=False,
@@ -114,6 +117,8 @@ class ServerState:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._store_lock is not None:
+            self._store_lock.release()
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
         with self._lock:
