@@ -179,3 +179,36 @@ def test_a_script_that_never_closes_its_clients_exits_cleanly(tmp_path: Path) ->
         )
         assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
         assert done.stdout.strip() == "16"
+
+
+def test_a_group_of_requests_for_one_prompt_prefills_it_once(
+    service: tinker.ServiceClient,
+    backend_kind: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tinker-cookbook's rollouts: one ``sample(num_samples=1)`` per group member, all on one
+    prompt, in flight together. The prompt is prefilled once; the others report it as
+    ``prompt_cache_hit_tokens`` (across the wire too) and sample what a prefill of their own
+    gives, bit for bit (against an engine with the cache off)."""
+    sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+    prompt = types.ModelInput.from_ints([7 + (i * 37) % 240 for i in range(61)])  # this test's
+    params = [types.SamplingParams(max_tokens=8, seed=s, stop=[]) for s in range(4)]
+    group = [f.result() for f in [sc.sample(prompt, 1, p) for p in params]]
+    assert sorted(r.prompt_cache_hit_tokens for r in group) == [0, 61, 61, 61]
+    again = [sc.sample(prompt, 1, p).result() for p in params]
+    assert [r.prompt_cache_hit_tokens for r in again] == [61] * 4
+    assert [summary(r) for r in again] == [summary(r) for r in group]
+    if backend_kind != "local":
+        return
+    monkeypatch.setenv("TINKER_SR_PROMPT_CACHE_MB", "0")
+    backend = LocalBackend(tmp_path / "off")
+    off = tinker.ServiceClient(backend=backend)
+    try:
+        plain = off.create_sampling_client(base_model="tinker-sr/tiny").result()
+        alone = [plain.sample(prompt, 1, p).result() for p in params]
+        assert [r.prompt_cache_hit_tokens for r in alone] == [0] * 4
+        assert [summary(r) for r in alone] == [summary(r) for r in group]
+    finally:
+        off.close().result()
+        backend.close()

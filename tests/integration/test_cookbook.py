@@ -225,6 +225,9 @@ def test_rl_train(
     assert all(r["tokens/trained"] > 0 for r in rows)
     # Rewards differ within groups, so advantages (and gradients) are not all zero.
     assert any(r["env/all/by_group/frac_mixed"] > 0 for r in rows)
+    # Each group member samples with a request of its own on the group's prompt: the engine
+    # prefills it once and reports the other three as cache hits, which the cookbook counts.
+    assert all(r["tokens/prefill_cached"] == 3 * r["tokens/prefill_uncached"] > 0 for r in rows)
     check_on_policy_numerics(rows)
     check_rl_sampling(log, model)
 

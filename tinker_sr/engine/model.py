@@ -400,6 +400,12 @@ class Transformer(nn.Module):
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
         return apply_linear(self.lm_head, x).float()
 
+    def last_logits(self, tokens: Tensor, *, cache: KVCache | None = None) -> Tensor:
+        """tokens [B, T] → float32 logits [B, V] after the last token: a prefill unembeds only
+        that position (the others' [T - 1, V] logits would be computed and thrown away)."""
+        x = self.hidden_states(tokens, cache=cache)[:, -1:]
+        return apply_linear(self.lm_head, x).float()[:, -1]
+
     def hidden_states(
         self,
         tokens: Tensor,

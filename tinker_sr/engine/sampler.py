@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tinker_sr.engine.batching import decode_step
 from tinker_sr.engine.model import KVCache, Transformer, _stable_seed
+from tinker_sr.engine.prompt_cache import PromptCache
 from tinker_sr.engine.stops import StopStrings
 from tinker_sr.user_errors import EngineUserError
 
@@ -236,6 +237,7 @@ class DecodeGroup:
         self.t = 0  # index of the next token to sample
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
         self.finished = False
+        self.cache_hit_tokens = 0  # prompt tokens `prefill` copied from a PromptCache
         self._active = torch.arange(n)
         self._fed = torch.zeros(n, dtype=torch.long)
 
@@ -263,11 +265,25 @@ class DecodeGroup:
         return self._fed
 
     @torch.inference_mode()
-    def prefill(self) -> None:
+    def prefill(self, prompt_cache: PromptCache | None = None) -> None:
         """Allocate the KV cache, run the prompt once into every row's cache and sample the
-        first token."""
-        self.cache = self.model.new_cache(self.rows, len(self.prompt) + self.max_tokens)
-        last = self.model(torch.tensor([self.prompt]), cache=self.cache)[:, -1]
+        first token. With ``prompt_cache``, a prompt this model prefilled recently is copied
+        from it instead (the same tensors: bit-identical results; `engine.prompt_cache`), and
+        a new one is added to it; `cache_hit_tokens` counts the prompt tokens not computed."""
+        P = len(self.prompt)
+        self.cache = self.model.new_cache(self.rows, P + self.max_tokens)
+        hit = prompt_cache.get(self.model, self.prompt) if prompt_cache is not None else None
+        if hit is not None:
+            for layer, (k, v) in enumerate(zip(hit.k, hit.v, strict=True)):
+                self.cache.update(layer, 0, k, v)
+            last = hit.logits
+            self.cache_hit_tokens = P
+        else:
+            last = self.model.last_logits(torch.tensor([self.prompt]), cache=self.cache)
+            if prompt_cache is not None:
+                keys = [k[:1, :, :P] for k in self.cache.k]  # every row holds the same prompt
+                values = [v[:1, :, :P] for v in self.cache.v]
+                prompt_cache.put(self.model, self.prompt, keys, values, last)
         self.logits.copy_(last.expand_as(self.logits))
         self._sample()
 

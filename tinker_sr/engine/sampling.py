@@ -161,6 +161,7 @@ def begin(
             topk_prompt_logprobs_np=topk_prompt,
             target_prompt_logprobs=target_out,
             prompt_alt_tokens=alt,
+            prompt_cache_hit_tokens=group.cache_hit_tokens,
         )
 
     return Started(group, finish)

@@ -2,7 +2,7 @@
 (continuous batching, issue 11 goal 4).
 
 Each loop: admit queued requests in arrival order (check them, compute their prompt extras,
-prefill; FIFO, while the active rows stay within ``max_rows`` and their KV caches within
+prefill, or copy the prefill of the same prompt on the same model from `engine.prompt_cache`; FIFO, while the active rows stay within ``max_rows`` and their KV caches within
 ``$TINKER_SR_DECODE_CACHE_MB``), then one decode step per
 model for all active requests of that model (`engine.batching.decode_step`: rows of many
 requests in one step), then retire finished requests (record, respond). A row that stops
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.batching import decode_step
+from tinker_sr.engine.prompt_cache import PromptCache
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
 
 MAX_ROWS_ENV, DEFAULT_MAX_ROWS = "TINKER_SR_MAX_DECODE_ROWS", 256
@@ -88,6 +89,8 @@ class DecodeScheduler:
         decoding at once (default `max_decode_rows`)."""
         self.max_rows = max_decode_rows() if max_rows is None else max_rows
         self.cache_budget = decode_cache_budget()
+        # Prefill results of recent prompts: a group of requests for one prompt prefills once.
+        self.prompt_cache = PromptCache()
         self.threads = threads
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
@@ -202,7 +205,7 @@ class DecodeScheduler:
                 return
             self._ready.popleft()
             try:
-                a.group.prefill()
+                a.group.prefill(self.prompt_cache)
             except Exception as e:
                 a.future.set_exception(e)
                 continue

@@ -1,0 +1,116 @@
+"""`engine.prompt_cache`: a prompt prefilled once serves every later request for it, with the
+results of a prefill of its own, bit for bit."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tinker_sr.engine.batching import decode_step
+from tinker_sr.engine.model import Transformer, build_model
+from tinker_sr.engine.prompt_cache import BUDGET_ENV, PromptCache, budget_from_env
+from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
+
+PROMPT = list(range(40, 140))
+OPTIONS: dict[str, Any] = dict(
+    num_samples=3, max_tokens=12, top_p=0.9, stability_k=4, top_k_logprobs=3, seed=5
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return build_model("tinker-sr/tiny", seed=3).eval()
+
+
+def decode(
+    model: Transformer, cache: PromptCache | None, prompt: list[int] = PROMPT, **options: Any
+) -> tuple[list[SampleOutput], int]:
+    group = DecodeGroup(model, prompt, **{**OPTIONS, **options})
+    group.prefill(cache)
+    with torch.inference_mode():
+        while not group.finished:
+            group.receive(decode_step(model, [group])[0])
+    return group.outputs(), group.cache_hit_tokens
+
+
+def same(a: list[SampleOutput], b: list[SampleOutput]) -> bool:
+    return all(
+        x.tokens == y.tokens
+        and np.array_equal(np.asarray(x.logprobs), np.asarray(y.logprobs))
+        and np.array_equal(np.asarray(x.draws), np.asarray(y.draws))
+        and np.array_equal(np.asarray(x.topk_token_ids), np.asarray(y.topk_token_ids))
+        and np.array_equal(np.asarray(x.topk_logprobs), np.asarray(y.topk_logprobs))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_hit_gives_a_misses_tokens_logprobs_draws_and_top_k(model: Transformer) -> None:
+    alone, hit_tokens = decode(model, None)
+    cache = PromptCache(64 << 20)
+    miss, miss_tokens = decode(model, cache)
+    hit, hit_tokens = decode(model, cache)
+    assert (miss_tokens, hit_tokens) == (0, len(PROMPT))
+    assert same(alone, miss) and same(alone, hit)
+    assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+    # Another seed on the cached prompt: its own rows, still as if prefilled alone.
+    other, n = decode(model, cache, seed=6)
+    assert n == len(PROMPT) and same(other, decode(model, None, seed=6)[0])
+    assert not same(other, alone)
+
+
+def test_prefill_logits_are_the_forwards_last_position(model: Transformer) -> None:
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        full = model(tokens)[:, -1]
+        last = model.last_logits(tokens)
+    assert last.shape == full.shape and last.dtype == torch.float32
+    torch.testing.assert_close(last, full, atol=1e-5, rtol=1e-5)
+
+
+def test_entries_belong_to_one_model_and_die_with_it(model: Transformer) -> None:
+    cache = PromptCache(64 << 20)
+    other = build_model("tinker-sr/tiny", seed=4).eval()
+    decode(other, cache)
+    assert decode(model, cache)[1] == 0  # same prompt, another model: a miss
+    assert decode(other, cache)[1] == len(PROMPT)
+    before = cache.nbytes
+    del other
+    gc.collect()
+    decode(model, cache, prompt=PROMPT[:50])  # a put drops the dead model's entries
+    assert len(cache) == 2 and cache.nbytes < before  # the dead model's entry is gone
+
+
+def test_budget_evicts_least_recently_used_and_skips_huge_prompts(model: Transformer) -> None:
+    one = PromptCache(64 << 20)
+    decode(model, one)
+    size = one.nbytes
+    cache = PromptCache(4 * size + 1)  # room for four prompts like PROMPT
+    prompts = [[p + i for p in PROMPT] for i in range(5)]
+    for p in prompts[:4]:
+        decode(model, cache, prompt=p)
+    decode(model, cache, prompt=prompts[0])  # used again: now the most recent
+    decode(model, cache, prompt=prompts[4])  # evicts prompts[1], the least recent
+    assert len(cache) == 4 and cache.nbytes <= cache.budget
+    assert decode(model, cache, prompt=prompts[0])[1] == len(PROMPT)
+    assert decode(model, cache, prompt=prompts[1])[1] == 0
+    small = PromptCache(4 * size - 4)  # a prompt of more than a quarter is not kept
+    decode(model, small)
+    assert len(small) == 0 and decode(model, small)[1] == 0
+    off = PromptCache(0)
+    decode(model, off)
+    assert len(off) == 0 and decode(model, off)[1] == 0
+
+
+def test_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    assert budget_from_env() == 256 << 20
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    assert budget_from_env() == 0
+    for bad in ("-1", "lots", "1.5"):
+        monkeypatch.setenv(BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=BUDGET_ENV):
+            budget_from_env()
