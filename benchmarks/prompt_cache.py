@@ -42,18 +42,20 @@ from engine_vs_hf import RANK, make_model_dir  # noqa: E402
 class Side:
     """A LoRA sampler on its own ServiceClient, made with the prompt cache on or off."""
 
-    def __init__(self, model_dir: Path, cache: bool) -> None:
+    def __init__(self, model_dir: Path, store: Path, cache: bool) -> None:
         import tinker_sr as tinker
+        from tinker_sr.backend.local import LocalBackend
 
         before = os.environ.get("TINKER_SR_PROMPT_CACHE_MB")
         if not cache:
             os.environ["TINKER_SR_PROMPT_CACHE_MB"] = "0"
-        try:
-            self.service = tinker.ServiceClient()
+        try:  # the engine reads it when it starts
+            self.backend = LocalBackend(store)
         finally:
             os.environ.pop("TINKER_SR_PROMPT_CACHE_MB", None)
             if before is not None:
                 os.environ["TINKER_SR_PROMPT_CACHE_MB"] = before
+        self.service = tinker.ServiceClient(backend=self.backend)
         self.types = tinker.types
         training = self.service.create_lora_training_client(
             base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False
@@ -128,15 +130,18 @@ def main() -> None:
     print(f"groups: B={B} x G={G} requests x 1 sample, P={P} prompt tokens, N={N} new tokens")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model")
-        on, off = Side(model_dir, cache=True), Side(model_dir, cache=False)
+        on = Side(model_dir, Path(tmp) / "on", cache=True)
+        off = Side(model_dir, Path(tmp) / "off", cache=False)
         # Warm-up, and the outputs compared bit for bit.
         a, b = on.groups(prompts, G, N), off.groups(prompts, G, N)
         for ra, rb in zip(a, b, strict=True):
             assert ra.sequences[0].tokens == rb.sequences[0].tokens
             assert ra.sequences[0].logprobs == rb.sequences[0].logprobs
-        hits = sum(r.prompt_cache_hit_tokens for r in a)
+        hits = [sum(r.prompt_cache_hit_tokens for r in x) for x in (a, b)]
+        assert hits[1] == 0, f"the cache was not off: {hits[1]} hit tokens"
         print(
-            f"outputs equal with and without the cache; prompt_cache_hit_tokens {hits} of {B * G * P}"
+            f"outputs equal with and without the cache; prompt_cache_hit_tokens {hits[0]} "
+            f"of {B * G * P} (cache off: {hits[1]})"
         )
         ratios, per_request = [], []
         for r in range(args.rounds):
