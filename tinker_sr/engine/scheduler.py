@@ -2,9 +2,10 @@
 (continuous batching, issue 11 goal 4).
 
 Each loop: admit queued requests in arrival order (check them, compute their prompt extras,
-prefill, or copy the prefill of the same prompt on the same model from `engine.prompt_cache`; FIFO, while the active rows stay within ``max_rows`` and their KV caches within
-``$TINKER_SR_DECODE_CACHE_MB``), then one decode step per
-model for all active requests of that model (`engine.batching.decode_step`: rows of many
+prefill, or copy the prefill of the same prompt on the same model from `engine.prompt_cache`;
+FIFO, while the active rows stay within ``max_rows`` and their KV caches within
+``$TINKER_SR_DECODE_CACHE_MB``), then one decode step per model for all active requests of
+that model (`engine.batching.decode_step`: rows of many
 requests in one step), then retire finished requests (record, respond). A row that stops
 leaves the batch at the next step; a new request joins at the next step after its prefill.
 Rows share a step only when they decode the same model object (a sampler's merged weights,
