@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinker_sr.engine.fused import rope as apply_rope
+from tinker_sr.engine.fused import rotate_eager
 from tinker_sr.engine.gemm import packed_linear
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.model import (
@@ -150,7 +150,7 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
     padded = torch.zeros(padded_rows(m), dtype=torch.long, device=model.device)
     padded[:m] = tokens
     x = model.model.embed_tokens(padded)
-    ropes = [rope_angles(model.inv_freq, g.pos, 1, x.dtype, x.device) for g in groups]
+    ropes = _row_angles(model, groups, x.dtype, x.device)
     layers = cast(Sequence[DecoderLayer], model.model.layers)
     for i, layer in enumerate(layers):
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
@@ -167,34 +167,52 @@ def _attention(
     attn: Attention,
     h: Tensor,
     groups: Sequence[DecodeRows],
-    ropes: Sequence[tuple[Tensor, Tensor]],
+    ropes: tuple[Tensor, Tensor],
     layer: int,
 ) -> Tensor:
-    """Batched q/k/v and o projections; RoPE, cache update and SDPA per group."""
+    """Batched q/k/v and o projections and RoPE (each row at its request's position: an
+    elementwise rotation, `fused.rotate_eager`, so a row's values do not depend on the others);
+    cache update and SDPA per group."""
     rows = h.shape[0]
     q = linear_rows(attn.q_proj, h).view(rows, attn.n_heads, attn.head_dim)
     k = linear_rows(attn.k_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
     v = linear_rows(attn.v_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = ropes
+    m = cos.shape[0]
+    q, k = rotate_eager(q[:m], cos, sin), rotate_eager(k[:m], cos, sin)
     y = torch.zeros(rows, attn.n_heads * attn.head_dim, dtype=h.dtype, device=h.device)
     start = 0
-    for g, rope in zip(groups, ropes, strict=True):
+    for g in groups:
         end = start + len(g.active)
-        y[start:end] = _group_attention(g, q[start:end], k[start:end], v[start:end], rope, layer)
+        y[start:end] = _group_attention(g, q[start:end], k[start:end], v[start:end], layer)
         start = end
     return linear_rows(attn.o_proj, y)
 
 
-def _group_attention(
-    g: DecodeRows, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor], layer: int
-) -> Tensor:
-    """One request's attention for its active rows. Runs on all of the request's rows
-    (finished ones fed zeros), so its shapes never depend on anything but the request."""
+def _row_angles(
+    model: Transformer, groups: Sequence[DecodeRows], dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos, sin [active rows, 1, head_dim]: each group's angles at its position, per row."""
+    by_pos: dict[int, tuple[Tensor, Tensor]] = {}
+    cos, sin = [], []
+    for g in groups:
+        if g.pos not in by_pos:
+            by_pos[g.pos] = rope_angles(model.inv_freq, g.pos, 1, dtype, device)
+        c, s = by_pos[g.pos]
+        n = len(g.active)
+        cos.append(c.expand(n, -1))
+        sin.append(s.expand(n, -1))
+    return torch.cat(cos)[:, None], torch.cat(sin)[:, None]
+
+
+def _group_attention(g: DecodeRows, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+    """One request's attention for its active rows (q and k rotated). Runs on all of the
+    request's rows (finished ones fed zeros), so its shapes never depend on anything but the
+    request."""
     n = g.cache.batch_size
     qf, kf, vf = (_all_rows(t, g.active, n) for t in (q, k, v))  # [n, heads, 1, head_dim]
-    cos, sin = rope
-    qf, kf = apply_rope(qf, cos, sin), apply_rope(kf, cos, sin)
     keys, values = g.cache.update(layer, g.pos, kf, vf)
     y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
     y = y.reshape(n, -1)

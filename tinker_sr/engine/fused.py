@@ -575,6 +575,13 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     fused = compiled.run("rope_inverse" if inverse else "rope", x, cos, sin)
     if fused is not None:
         return fused  # type: ignore[no-any-return]
+    return rotate_eager(x, cos, sin, inverse)
+
+
+def rotate_eager(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """`_rotate` in torch's elementwise ops only: each element is the same few correctly
+    rounded products and sums whatever the tensor's shape, so a row's result does not depend
+    on the rows beside it (decode rotates the rows of many requests at once)."""
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]
