@@ -43,6 +43,8 @@ _JOB_LIMIT_S = 420
 
 
 HUB_NAME = "Qwen/Qwen3-8B"  # the tiny model, as a user's HF cache would hold a real one
+LLAMA_HUB = "meta-llama/Llama-3.1-8B-Instruct"  # the tiny Llama 3 chat model, likewise
+LLAMA_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
 
 
 def offline_env(tmp: Path, hf_home: Path | None = None) -> dict[str, str]:
@@ -71,15 +73,16 @@ def offline_env(tmp: Path, hf_home: Path | None = None) -> dict[str, str]:
 
 def raise_eos_logit(model_dir: Path, eos_id: int) -> None:
     """Make EOS a likely next token everywhere (~20 % per step with these numbers): every
-    embedding gets a shared component along one axis and EOS a larger one, so the (tied) output
-    layer scores EOS above the rest. Measured with transformers on the seed-0 model."""
+    embedding gets a shared component along one axis and EOS's output row a larger one, so the
+    output layer (tied, or Llama's own) scores EOS above the rest. Measured with transformers on
+    the seed-0 model."""
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
     weights = load_file(path)
     emb = weights["model.embed_tokens.weight"]
     emb[:, 0] += 0.3
-    emb[eos_id, 0] = 1.3
+    weights.get("lm_head.weight", emb)[eos_id, 0] = 1.3
     save_file(weights, path, metadata={"format": "pt"})
 
 
@@ -94,14 +97,30 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_home(tmp_path_factory: pytest.TempPathFactory, model: Any) -> Path:
-    """An HF_HOME whose hub cache holds the model as `HUB_NAME` (refs/main -> a snapshot), as
-    ``huggingface-cli download`` leaves a real one."""
+def llama3_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Llama with Llama 3's chat tokens (the cookbook's ``llama3`` renderer stops on
+    ``<|eot_id|>``, which config.json lists as an EOS beside ``<|end_of_text|>``)."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama3", "llama3")
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.special_ids["<|eot_id|>"])
+    return info
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory: pytest.TempPathFactory, model: Any, llama3_model: Any) -> Path:
+    """An HF_HOME whose hub cache holds the models as `HUB_NAME` and `LLAMA_HUB`, and the
+    tokenizer repo the cookbook reads for Llama 3 (refs/main -> a snapshot), as
+    ``huggingface-cli download`` leaves real ones."""
     home = tmp_path_factory.mktemp("hf_home")
-    repo, rev = home / "hub" / ("models--" + HUB_NAME.replace("/", "--")), "b" * 40
-    shutil.copytree(model.path, repo / "snapshots" / rev)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(rev)
+    # The cookbook loads every meta-llama/Llama-3* tokenizer from an ungated copy of its own.
+    cached = ((HUB_NAME, model), (LLAMA_HUB, llama3_model), (LLAMA_TOKENIZER, llama3_model))
+    for name, info in cached:
+        repo, rev = home / "hub" / ("models--" + name.replace("/", "--")), "b" * 40
+        shutil.copytree(info.path, repo / "snapshots" / rev)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(rev)
     return home
 
 
@@ -112,7 +131,7 @@ def server(
     tmp = tmp_path_factory.mktemp("cookbook_server")
     # A server loads only the models its operator names (issue 10, item 12): a directory, and
     # a Hub name found in the server's HF cache.
-    flags = ["--model-dir", str(model.path), "--model-dir", HUB_NAME]
+    flags = ["--model-dir", str(model.path), "--model-dir", HUB_NAME, "--model-dir", LLAMA_HUB]
     with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
         yield srv
 
@@ -338,18 +357,27 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
+@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None, hf_home: Path
+    way: str,
+    hub: str,
+    tmp_path: Path,
+    maybe_server: ServerProcess | None,
+    hf_home: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
-    """What a user's config says: ``model_name="Qwen/Qwen3-8B"``, found offline in the local HF
-    cache (the engine's, the server's and the cookbook's tokenizer alike), and the renderer the
-    cookbook recommends for it (``qwen3``: chat special tokens, stop on the ``<|im_end|>`` id)."""
-    log = run_job(way, "rl_is", model, tmp_path, maybe_server, name=HUB_NAME, hf_home=hf_home)
+    """What a user's config says: ``model_name="Qwen/Qwen3-8B"`` or
+    ``"meta-llama/Llama-3.1-8B-Instruct"``, found offline in the local HF cache (the engine's,
+    the server's and the cookbook's tokenizer alike), and the renderer the cookbook recommends
+    for it (``qwen3``: stop on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the
+    ``<|eot_id|>`` id)."""
+    model = request.getfixturevalue("model" if hub == HUB_NAME else "llama3_model")
+    log = run_job(way, "rl_is", model, tmp_path, maybe_server, name=hub, hf_home=hf_home)
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     assert all(r["tokens/trained"] > 0 for r in rows)
     check_on_policy_numerics(rows)
-    im_end = model.special_ids["<|im_end|>"]
-    ends = check_rl_sampling(log, model, stop=[im_end])  # token ids, not strings
+    end = model.special_ids["<|im_end|>" if hub == HUB_NAME else "<|eot_id|>"]
+    ends = check_rl_sampling(log, model, stop=[end])  # token ids, not strings
     assert ends["stop_string"] == 0, ends
 
 

@@ -27,11 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["qwen3", "qwen2", "llama", "mistral"]
+# "llama3": the Llama architecture with Llama 3's chat tokens (<|start_header_id|>,
+# <|end_header_id|>, <|eot_id|>: the cookbook's llama3 renderer); "llama" uses Qwen's.
+Family = Literal["qwen3", "qwen2", "llama", "llama3", "mistral"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 
 # Qwen's template without tools/thinking: role header, content, <|im_end|>, newline.
 CHAT_TEMPLATE = (
@@ -39,6 +42,15 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama 3's layout: BOS, then per message a role header, a blank line, content, <|eot_id|>.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
 _WORDS = (
@@ -82,6 +94,15 @@ def _qwen(family: Family) -> bool:
     return family.startswith("qwen")
 
 
+def _specials(family: Family) -> list[str]:
+    """The special tokens, in id order after the learned vocabulary."""
+    if _qwen(family):
+        return [ENDOFTEXT, IM_START, IM_END]
+    if family == "llama3":
+        return [LLAMA_BOS, LLAMA_EOS, START_HEADER, END_HEADER, EOT]
+    return [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
+
+
 def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -97,10 +118,7 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     # Specials after training: their ids follow the learned vocabulary (all >= 259).
-    specials = [ENDOFTEXT, IM_START, IM_END]
-    if not _qwen(family):
-        specials = [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(_specials(family))
     if not _qwen(family):  # Llama prepends <|begin_of_text|> when special tokens are on
         bos_id = tok.token_to_id(LLAMA_BOS)
         tok.post_processor = processors.TemplateProcessing(
@@ -176,7 +194,7 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
         rope_parameters=rope,
         tie_word_embeddings=False,
         bos_token_id=ids[LLAMA_BOS],
-        eos_token_id=[ids[LLAMA_EOS], ids[IM_END]],
+        eos_token_id=[ids[LLAMA_EOS], ids[EOT if family == "llama3" else IM_END]],
         pad_token_id=ids[LLAMA_EOS],
         architectures=["LlamaForCausalLM"],
     )
@@ -186,9 +204,8 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     """tokenizer.json plus a hand-written tokenizer_config.json in the long-standing layout
     (chat template inline, PreTrainedTokenizerFast) that transformers 4.x and 5.x both load."""
     tok.save(str(out / "tokenizer.json"))
-    specials = (
-        [ENDOFTEXT, IM_START, IM_END] if _qwen(family) else [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
-    )
+    specials = _specials(family)
+    llama3 = family == "llama3"
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
                                   "rstrip": False, "single_word": False, "special": True}
@@ -198,10 +215,12 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "bos_token": None if _qwen(family) else LLAMA_BOS,
-        "eos_token": IM_END,
+        "eos_token": EOT if llama3 else IM_END,
         "pad_token": ENDOFTEXT if _qwen(family) else LLAMA_EOS,
-        "additional_special_tokens": [IM_START, IM_END],
-        "chat_template": CHAT_TEMPLATE,
+        "additional_special_tokens": [START_HEADER, END_HEADER, EOT]
+        if llama3
+        else [IM_START, IM_END],
+        "chat_template": LLAMA3_CHAT_TEMPLATE if llama3 else CHAT_TEMPLATE,
         "model_max_length": 131072,
         "clean_up_tokenization_spaces": False,
     }
@@ -238,11 +257,11 @@ def make_tiny_hf_model_dir(
     tok = _train_tokenizer(family, seed, n_merges)
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     vocab = -(-n_tok // pad_vocab_to_multiple) * pad_vocab_to_multiple
-    ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS)}
+    ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS, EOT)}
     ids = {k: v for k, v in ids.items() if v is not None}
     config = _hf_config(family, vocab, ids, n_layers)
     if attention_bias:
-        if family not in ("llama", "qwen3"):
+        if family not in ("llama", "llama3", "qwen3"):
             raise ValueError(f"attention_bias: {family} has fixed attention biases")
         config.attention_bias = True
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
