@@ -143,13 +143,12 @@ def main() -> None:
             f"outputs equal with and without the cache; prompt_cache_hit_tokens {hits[0]} "
             f"of {B * G * P} (cache off: {hits[1]})"
         )
-        ratios, per_request = [], []
+        ratios = []
         for r in range(args.rounds):
             order = [(on, "on"), (off, "off")] if r % 2 == 0 else [(off, "off"), (on, "on")]
             t = {name: _seconds(lambda s=side: s.groups(prompts, G, N)) for side, name in order}
             single = _seconds(lambda: on.one_request_per_group(prompts, G, N))
             ratios.append(t["off"] / t["on"])
-            per_request.append(single / t["on"])
             print(
                 f"round {r}: cache on {t['on']:.2f} s, off {t['off']:.2f} s -> {ratios[-1]:.2f}x; "
                 f"one request of {G} samples per group {single:.2f} s "

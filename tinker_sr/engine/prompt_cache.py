@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,20 +52,20 @@ def budget_from_env() -> int:
     return mb << 20
 
 
+def _bytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass(frozen=True)
 class CachedPrompt:
     """What a prefill of one prompt left: keys and values [1, H, P, D] per layer, and the
-    float32 logits [1, V] after the last prompt token."""
+    float32 logits [1, V] after the last prompt token; ``nbytes``, what they take."""
 
     model: weakref.ref[torch.nn.Module]
     k: list[Tensor]
     v: list[Tensor]
     logits: Tensor
-
-    @property
-    def nbytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-        return kv + self.logits.numel() * self.logits.element_size()
+    nbytes: int
 
 
 class PromptCache:
@@ -112,11 +112,15 @@ class PromptCache:
         """Keep copies of a prefill's results (the tensors given are not held)."""
         if self.budget <= 0:
             return
-        size = sum(t.numel() * t.element_size() for t in (*k, *v, logits))
+        size = _bytes((*k, *v, logits))
         if size > self.budget // 4:
             return
         entry = CachedPrompt(
-            weakref.ref(model), [t.clone() for t in k], [t.clone() for t in v], logits.clone()
+            weakref.ref(model),
+            [t.clone() for t in k],
+            [t.clone() for t in v],
+            logits.clone(),
+            size,
         )
         key = (id(model), tuple(prompt))
         with self._lock:
@@ -128,11 +132,6 @@ class PromptCache:
                 self._drop(next(iter(self._entries)))
             self._entries[key] = entry
             self._bytes += size
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
 
     def _drop(self, key: tuple[int, tuple[int, ...]]) -> None:
         self._bytes -= self._entries.pop(key).nbytes
