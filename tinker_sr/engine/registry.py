@@ -128,6 +128,9 @@ ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
 # a sampler every step (and never says when it drops one) would otherwise fill memory, then
 # the spill directory, without bound. Base-model samplers cost nothing and are never evicted.
 SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION = "TINKER_SR_SAMPLERS_PER_SESSION", 64
+# Samplers that decode through their adapters (merged weights over budget): the most recent
+# ones keep their built model (adapters only; the base is shared).
+UNMERGED_KEPT = 4
 CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
 TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
 
@@ -252,6 +255,9 @@ class ModelRegistry:
         self._spill_dir: Path | None = None
         # Merged sampling weights, LRU order, with their size in bytes.
         self._merged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
+        # Adapters-on-the-shared-base sampling models (merged would not fit), LRU order, with
+        # their adapters' bytes: built once per sampler, not per request.
+        self._unmerged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
 
     # ---- base models ------------------------------------------------------------------
     def available_models(self) -> list[str]:
@@ -493,6 +499,7 @@ class ModelRegistry:
             s.registry = None
         self._adapters.pop(sampler_id, None)
         self._merged.pop(sampler_id, None)
+        self._unmerged.pop(sampler_id, None)
         spill = self._spilled.pop(sampler_id, None)
         if spill is not None:
             spill.unlink(missing_ok=True)
@@ -503,27 +510,38 @@ class ModelRegistry:
     def sampling_model(self, s: Sampler) -> Transformer:
         """The network ``s`` samples with: the shared base, its merged weights (cached, LRU
         under ``merged_budget``), or its adapters on the shared base when merged weights would
-        not fit the budget."""
-        if s.lora is None:
-            return self.base(s.resolved, self.sampler_dtype)  # None: as loaded
-        hit = self._merged.get(s.sampler_id)
-        if hit is not None:
-            self._merged.move_to_end(s.sampler_id)
-            return hit[0]
+        not fit the budget (the last `UNMERGED_KEPT` such kept)."""
+        for cache in (self._merged, self._unmerged):
+            hit = cache.get(s.sampler_id)
+            if hit is not None:
+                cache.move_to_end(s.sampler_id)
+                return hit[0]
+        # What is built here outlives this call, so never as inference tensors (the scheduler
+        # asks for an evicted sampler's model inside inference mode): those have no version
+        # counter, which `gemm.packed_weight` needs to know its packed copy is current.
+        with torch.inference_mode(False):
+            if s.lora is None:
+                return self.base(s.resolved, self.sampler_dtype)  # None: as loaded
+            return self._build_sampling_model(s, s.lora)
+
+    def _build_sampling_model(self, s: Sampler, spec: LoraSpec) -> Transformer:
         # Merge on the base as loaded (as the trainer would), then cast; only the fallback
         # runs on a base already in the sampler dtype.
-        adapted = self._adapted(s.resolved, s.lora)
+        adapted = self._adapted(s.resolved, spec)
         load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
         adapted.requires_grad_(False)
         dtype = self.sampler_dtype or adapted.dtype
         size = _merged_bytes(adapted, dtype)
         budget = MERGED_DEFAULT_COPIES * size if self.merged_budget is None else self.merged_budget
         if size > budget:
-            if dtype == adapted.dtype:
-                return adapted
-            low = self._adapted(s.resolved, s.lora, dtype)
-            load_lora_state_dict(low, self._sampler_adapters(s.sampler_id))
-            return low.requires_grad_(False)
+            if dtype != adapted.dtype:
+                adapted = self._adapted(s.resolved, spec, dtype)
+                load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
+                adapted.requires_grad_(False)
+            self._unmerged[s.sampler_id] = (adapted, _nbytes(lora_state_dict(adapted)))
+            while len(self._unmerged) > UNMERGED_KEPT:
+                self._unmerged.popitem(last=False)
+            return adapted
         if self._merged and sum(b for _, b in self._merged.values()) + size > budget:
             while self._merged and sum(b for _, b in self._merged.values()) + size > budget:
                 self._merged.popitem(last=False)
@@ -579,6 +597,8 @@ class ModelRegistry:
             "adapters_spilled": len(self._spilled),
             "merged": len(self._merged),
             "merged_bytes": sum(b for _, b in self._merged.values()),
+            "unmerged": len(self._unmerged),
+            "unmerged_bytes": sum(b for _, b in self._unmerged.values()),
         }
 
 

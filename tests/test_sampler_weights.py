@@ -1,0 +1,85 @@
+"""Where a LoRA sampler's weights live, seen through the public API: merged copies (an LRU of
+two), or adapters on the shared base when merged copies would not fit their budget. A sampler
+must sample the same whichever it gets, however many newer samplers came after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tinker_sr as tinker
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+
+# Large enough that decode multiplies by oneDNN-packed weights (`gemm.packed_linear`).
+MODEL = "tinker-sr/small"
+PARAMS = types.SamplingParams(max_tokens=8, temperature=1.0, seed=11, stop=[])
+
+
+def _three_samplers(service: Any) -> tuple[list[Any], types.ModelInput]:
+    """Three sampling clients of one trainer, one per optimizer step (distinct weights)."""
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
+    prompt = types.ModelInput.from_ints(list(b"older samplers: "))
+    tokens = prompt.to_ints()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    samplers = []
+    for _ in range(3):
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        samplers.append(trainer.save_weights_and_get_sampling_client().result())
+    return samplers, prompt
+
+
+def _tokens(sampler: Any, prompt: types.ModelInput) -> list[list[int]]:
+    res = sampler.sample(prompt, num_samples=3, sampling_params=PARAMS).result()
+    return [s.tokens for s in res.sequences]
+
+
+def test_an_older_sampler_samples_after_newer_ones_displaced_its_merged_weights(
+    service: Any,
+) -> None:
+    """An async loop samples from a sampler a few steps old. Its merged copy was evicted (two
+    are kept), so the sampling thread rebuilds it, in inference mode: built there as inference
+    tensors, its weights had no version for the packed-weight cache and every such request
+    failed with "Inference tensors do not track version counter"."""
+    samplers, prompt = _three_samplers(service)
+    first = [_tokens(s, prompt) for s in samplers]  # each sampled while its copy is newest
+    assert first[0] != first[2]  # the steps changed the weights
+    again = [_tokens(s, prompt) for s in samplers]  # oldest first: each one rebuilt
+    assert again == first
+
+
+def test_adapters_on_the_base_are_built_once_per_sampler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no room for a merged copy (``$TINKER_SR_MERGED_CACHE_MB=0``) samplers decode
+    through their adapters on the shared base: the same tokens as merged weights, and one model
+    per sampler (not one per request), so a sampler's concurrent requests share it."""
+    results: dict[str, list[list[list[int]]]] = {}
+    for budget in ("", "0"):
+        monkeypatch.setenv("TINKER_SR_MERGED_CACHE_MB", budget)
+        backend = LocalBackend(tmp_path / f"store{budget}")
+        service = tinker.ServiceClient(backend=backend)
+        try:
+            samplers, prompt = _three_samplers(service)
+            results[budget] = [_tokens(s, prompt) for s in samplers + samplers]
+            stats = backend.models.stats()
+            if budget == "0":
+                assert stats["merged"] == 0 and stats["unmerged"] == 3
+                models = backend.models._unmerged
+                ids = [s.sampler_id for s in samplers]
+                model = models[ids[0]][0]
+                assert backend.models.sampler(ids[0]).model is model  # built once, then kept
+                assert stats["unmerged_bytes"] > 0
+            else:
+                assert stats["merged"] == 2 and stats["unmerged"] == 0
+        finally:
+            service.close().result()
+            backend.close()
+    assert results["0"] == results[""]
+    assert results[""][:3] == results[""][3:]
