@@ -964,6 +964,19 @@ def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPa
     assert torch.equal(again, out)
     assert not compiled.lora_merge(w.t(), b, a, 2.5, out)  # not [N, K] contiguous
     assert not compiled.lora_merge(w, b.double(), a, 2.5, out)
+    # A bfloat16 weight: accumulated in float32 and rounded once to nearest even (vector body
+    # and tail: 520 = 32 x 16 + 8). Against addmm's float32 rounded by torch: within half a
+    # bfloat16 step but for float32's own rounding (another summation order), equal but for a
+    # few near-ties; NaN stays NaN.
+    wh = w.bfloat16()
+    wh[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    outh = torch.empty_like(wh)
+    assert compiled.lora_merge(wh, b, a, 2.5, outh)
+    want = torch.addmm(wh.float(), b, a, alpha=2.5)
+    assert outh.dtype == torch.bfloat16 and outh[0, 0].isnan() and outh[0, 1] == float("inf")
+    torch.testing.assert_close(outh[:, 2:].float(), want[:, 2:], rtol=1.01 * 2**-8, atol=1e-5)
+    assert (outh[:, 2:] == want[:, 2:].bfloat16()).float().mean() > 0.999
+    assert not compiled.lora_merge(wh, b, a, 2.5, out)  # out must be in w's dtype
 
 
 def test_random_models_match_torch_kernels(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

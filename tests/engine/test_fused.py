@@ -78,13 +78,13 @@ def test_backward_reuses_the_merged_weights_only_where_they_are_small(
     """A merged weight no larger than its node's saved input is kept for backward (one merge
     per group and step); a larger one is merged again there. Gradients are bit-identical."""
     merges: list[int] = []
-    original = fused._merged_weight
+    original = fused.merged_weight
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         merges.append(1)
         return original(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fused, "_merged_weight", counted)
+    monkeypatch.setattr(fused, "merged_weight", counted)
     # 512 rows of 64: gate/up's merged [512, 64] weight is as large as its saved input.
     tokens = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
     kept = _grads(True, tokens, torch.float32, monkeypatch)

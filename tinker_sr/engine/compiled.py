@@ -129,14 +129,14 @@ def use(*tensors: Tensor) -> bool:
     return enabled() and _failure is None and _eligible(*tensors)
 
 
-def _eligible(*tensors: Tensor) -> bool:
+def _eligible(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     if torch.is_autocast_enabled("cpu"):
         return False
     if torch.is_inference_mode_enabled():
         return False
     if tensors[0].numel() < MIN_ELEMENTS:
         return False
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype in dtypes and t.device.type == "cpu" for t in tensors)
 
 
 def run(name: str, *args: Any) -> Any | None:
@@ -160,10 +160,10 @@ def fusable(*tensors: Tensor) -> bool:
     return use(*tensors) or native_ready(*tensors)
 
 
-def native_ready(*tensors: Tensor) -> bool:
+def native_ready(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Should these operands go through a C kernel? (`native_mode` not off, the C kernels not
-    found unavailable, operands as `use` takes them.)"""
-    return native_mode() != "off" and _native_failure is None and _eligible(*tensors)
+    found unavailable, operands as `use` takes them, of ``dtypes``.)"""
+    return native_mode() != "off" and _native_failure is None and _eligible(*tensors, dtypes=dtypes)
 
 
 def call(name: str, *args: Any) -> Any | None:
@@ -385,7 +385,7 @@ def _rows_library() -> Any | None:
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
-    lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i]
+    lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_grads.argtypes = [p, n, n, p, i]  # the group: adapter_grads._Group
     for f in (
@@ -420,22 +420,25 @@ def _softmax_ready(z: Tensor, *rows: Tensor) -> bool:
 
 
 def lora_merge(w: Tensor, b: Tensor, a: Tensor, s: float, out: Tensor) -> bool:
-    """``out = w + s b a`` (w, out [N, K], b [N, r], a [r, K]; float32, contiguous) in one C
-    pass; False where it does not apply (``out`` untouched)."""
+    """``out = w + s b a`` (w, out [N, K], b [N, r], a [r, K]; contiguous; b, a float32; w, out
+    both float32 or both bfloat16, accumulated in float32 and rounded once) in one C pass;
+    False where it does not apply (``out`` untouched)."""
     if not (
         w.dim() == 2
         and out.shape == w.shape
+        and out.dtype == w.dtype
         and b.shape == (w.shape[0], a.shape[0])
         and a.shape[1] == w.shape[1]
         and all(t.is_contiguous() for t in (w, b, a, out))
-        and native_ready(w, b, a, out)
+        and native_ready(w, b, a, out, dtypes=(torch.float32, torch.bfloat16))
+        and b.dtype == a.dtype == torch.float32
         and _rows_library() is not None
     ):
         return False
     lib = _rows_library()
     lib.tsr_lora_merge(  # type: ignore[union-attr]
         _ptr(w), _ptr(b), _ptr(a), s, _ptr(out), w.shape[0], w.shape[1], a.shape[0],
-        torch.get_num_threads(),
+        w.dtype == torch.bfloat16, torch.get_num_threads(),
     )  # fmt: skip
     return True
 

@@ -9,7 +9,7 @@ small products in backward:
     dx = dy W',   dB = s dy^T (x A^T),   dA = s (dy B)^T x
 
 ``W'`` is rebuilt in backward rather than kept (memory for a weight-sized pass). The merged
-weight is formed exactly as `LoraLinear.merged_weight` does (``W + (B A) s``), so this path
+weight comes from `merged_weight`, which `LoraLinear.merged_weight` calls too, so this path
 computes what a sampler on merged weights computes. Small batches (decode, short requests)
 keep the per-layer path, where the weight-sized merge would cost more than it saves.
 """
@@ -150,29 +150,31 @@ def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
     return m * (3 * n + 2 * k) >= 4 * n * k
 
 
-def _merged_weight(
+def merged_weight(
     weights: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], s: float
 ) -> Tensor:
-    """cat_i(W_i + s B_i A_i) in the adapters' dtype (float32), then the base's dtype.
+    """cat_i(W_i + s B_i A_i) in the base's dtype: accumulated in float32 (the adapters' dtype)
+    and rounded once. The engine's one merge: training's merged groups and the samplers' merged
+    copies (`lora.LoraLinear.merged_weight`) compute the same weights.
 
     Formed outside autocast: it is weight-sized arithmetic on the float32 master adapters
     (autocast would also refuse the ``out=`` products or make them slow); a caller under
     autocast then casts the result once, as for any weight.
     """
     n = sum(w.shape[0] for w in weights)
-    out = torch.empty(n, weights[0].shape[1], dtype=a[0].dtype, device=weights[0].device)
+    out = torch.empty(n, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
     row = 0
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):
             block = out[row : row + w.shape[0]]
-            if w.dtype == out.dtype and compiled.lora_merge(w, b_i, a_i, s, block):
-                pass  # one C pass over the weight (float32 CPU, training-sized)
-            elif w.dtype == out.dtype:  # W + s (B A) in the GEMM's epilogue
+            if compiled.lora_merge(w, b_i, a_i, s, block):
+                pass  # one C pass over the weight (float32 or bfloat16 on a CPU)
+            elif w.dtype == a_i.dtype:  # W + s (B A) in the GEMM's epilogue
                 torch.addmm(w, b_i, a_i, alpha=s, out=block)
             else:
-                torch.mm(b_i, a_i, out=block).mul_(s).add_(w)
+                block.copy_(torch.mm(b_i, a_i).mul_(s).add_(w))
             row += w.shape[0]
-    return out if weights[0].dtype == out.dtype else out.to(weights[0].dtype)
+    return out
 
 
 def _kept(merged: Tensor, saved: Tensor) -> Tensor | None:
@@ -209,7 +211,7 @@ class _MergedLoraGroup(torch.autograd.Function):
         ctx: Any, x: Tensor, scaling: float, g: int, link: _GateUpLink | None, *tensors: Tensor
     ) -> Tensor:
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
-        merged = _merged_weight(weights, a, b, scaling)
+        merged = merged_weight(weights, a, b, scaling)
         ctx.scaling, ctx.g, ctx.x_dtype, ctx.link = scaling, g, x.dtype, link
         if link is not None:
             link.ctx = weakref.ref(ctx)
@@ -258,7 +260,7 @@ def _group_grads(
     x2, dy2 = x.reshape(-1, x.shape[-1]).to(low), dy.reshape(-1, dy.shape[-1])
     dx = None
     if need_dx:
-        w = _merged_weight(weights, a, b, s) if merged is None else merged
+        w = merged_weight(weights, a, b, s) if merged is None else merged
         dx = gemm.mm(dy2, w.to(low)).view(x.shape).to(x.dtype)
     got = done if done is not None else lora_grads(dy2, b, s, x=x2, a=a)  # one C pass
     if got is not None and got.da is not None:
@@ -386,7 +388,7 @@ class _SwiGLUDown(torch.autograd.Function):
                 h, xa = got
         if xa is None:
             h = _silu_mul(gate, up)
-        merged = _merged_weight([w], [a], [b], scaling)
+        merged = merged_weight([w], [a], [b], scaling)
         y = gemm.linear(h, merged)
         ctx.merged = _kept(merged, gate_up)
         ctx.save_for_backward(gate_up, w, a, b, xa)
@@ -401,7 +403,7 @@ class _SwiGLUDown(torch.autograd.Function):
         merged, ctx.merged = ctx.merged, None  # freed with this node's backward
         if xa is not None:
             dy2 = dy.reshape(-1, dy.shape[-1])
-            dh_c = gemm.mm(dy2, _merged_weight([w], [a], [b], s) if merged is None else merged)
+            dh_c = gemm.mm(dy2, merged_weight([w], [a], [b], s) if merged is None else merged)
             fused = lora_grads(dy2, [b], s, xa=xa)  # s dy B and dB = s dy^T (h A^T), one pass
             dy_b = gemm.mm(dy2, b * s) if fused is None else fused.dy_b
             got = _swiglu_grads_c(ctx.link, gate_up, dh_c, dy_b)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinker_sr.engine.fused import frozen_linear
+from tinker_sr.engine.fused import frozen_linear, merged_weight
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError, check_same_names
 
@@ -71,8 +71,10 @@ class LoraLinear(nn.Linear):
         return linear(x, self.weight, self.bias) + delta.to(x.dtype)
 
     def merged_weight(self) -> Tensor:
-        delta = (self.lora_B.weight @ self.lora_A.weight) * self.scaling
-        return self.weight + delta.to(self.weight.dtype)
+        """W + s B A in W's dtype (`fused.merged_weight`: what training's merged groups use)."""
+        return merged_weight(
+            [self.weight], [self.lora_A.weight], [self.lora_B.weight], self.scaling
+        )
 
 
 def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:

@@ -384,25 +384,60 @@ void tsr_softmax_scale_rows(float *z, int64_t rows, int64_t V, const float *lse,
   }
 }
 
+/* bfloat16 <-> float: a bfloat16 is the upper half of a float. Rounding to nearest even, and
+   NaN to 0x7FC0, as torch's conversion (c10::BFloat16). */
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
+static inline v16 vload_bf16(const uint16_t *p) {
+  return (v16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
+}
+static inline void vstore_bf16(uint16_t *p, v16 x) {
+  vu16 u = (vu16)x, nan = (vu16)(x != x);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  *(vh16 *)p = __builtin_convertvector((u & ~nan) | (0x7FC0u & nan), vh16);
+}
+static inline float bf16_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t float_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* A merged LoRA weight in one pass: out[n, :] = w[n, :] + sum_j (s b[n, j]) a[j, :] for w, out
-   [N, K], b [N, r], a [r, K] (all contiguous): torch's addmm copied w into out and then ran a
-   rank-r GEMM over it (two passes over a weight-sized tensor). */
-void tsr_lora_merge(const float *w, const float *b, const float *a, float s, float *out,
-                    int64_t N, int K, int r, int threads) {
+   [N, K], b [N, r], a [r, K] (all contiguous; b, a float32; w, out float32, or with bf16 both
+   bfloat16: accumulated in float32 and rounded once). torch's addmm copied w into out and then
+   ran a rank-r GEMM over it (two passes over a weight-sized tensor); in bfloat16, a float32
+   product, its scaling, the add and the conversion were four. */
+void tsr_lora_merge(const void *w, const float *b, const float *a, float s, void *out,
+                    int64_t N, int K, int r, int bf16, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const float *wn = w + n * K, *bn = b + n * r;
-    float *on = out + n * K;
+    const float *bn = b + n * r;
+    const float *wf = (const float *)w + n * K;
+    const uint16_t *wh = (const uint16_t *)w + n * K;
+    float *of = (float *)out + n * K;
+    uint16_t *oh = (uint16_t *)out + n * K;
     int k = 0;
     for (; k + VL <= K; k += VL) {
-      v16 acc = vload(wn + k);
+      v16 acc = bf16 ? vload_bf16(wh + k) : vload(wf + k);
       for (int j = 0; j < r; j++) acc += vset1(s * bn[j]) * vload(a + (int64_t)j * K + k);
-      vstore(on + k, acc);
+      if (bf16)
+        vstore_bf16(oh + k, acc);
+      else
+        vstore(of + k, acc);
     }
     for (; k < K; k++) {
-      float acc = wn[k];
+      float acc = bf16 ? bf16_float(wh[k]) : wf[k];
       for (int j = 0; j < r; j++) acc += (s * bn[j]) * a[(int64_t)j * K + k];
-      on[k] = acc;
+      if (bf16)
+        oh[k] = float_bf16(acc);
+      else
+        of[k] = acc;
     }
   }
 }
