@@ -1,0 +1,140 @@
+"""Property: any sequence of the calls an RL script makes (train steps, new sampling clients,
+samples and logprobs from any client made so far, forward passes) either succeeds or fails
+with a clear error, never an internal one; and a sampling client answers the same request the
+same way whatever happened in between (evictions of its merged weights, newer clients,
+training). A stateful fuzzer (hypothesis' rule-based state machine) on the embedded engine.
+
+`tinker-sr/small` is large enough for decode's oneDNN-packed products, and the session keeps
+3 LoRA samplers (``$TINKER_SR_SAMPLERS_PER_SESSION``) so that the runs also reach released
+ones. This found samplers whose evicted merged weights were rebuilt as inference tensors
+("Inference tensors do not track version counter": every sample from a sampler three
+clients old failed).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import tinker_sr as tinker
+from tests.fuzz.conftest import FUZZ
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.errors import RequestFailedError
+
+MODEL = "tinker-sr/small"
+KEPT = 3  # LoRA samplers a session keeps
+PROMPTS = [list(b"fuzz: "), list(b"a longer prompt for the sampler: ")]
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints(list(b"abcdefgh")),
+    loss_fn_inputs={"target_tokens": list(b"bcdefghi"), "weights": [1.0] * 8},
+)
+
+
+class ClientSequences(RuleBasedStateMachine):
+    """One trainer; the sampling clients it made, in order; what each answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.TemporaryDirectory()
+        self.backend = LocalBackend(self.dir.name)
+        self.service = tinker.ServiceClient(backend=self.backend)
+        self.trainer: Any = None
+        self.samplers: list[Any] = []
+        self.live: list[int] = []  # the samplers the session keeps, least recently used first
+        self.answers: dict[tuple[Any, ...], Any] = {}
+        self.steps = 0
+
+    @initialize()
+    def make_trainer(self) -> None:
+        self.trainer = self.service.create_lora_training_client(
+            base_model=MODEL, rank=4, seed=0
+        ).result()
+        self.new_sampler()
+
+    def teardown(self) -> None:
+        self.service.close().result()
+        self.backend.close()
+        self.dir.cleanup()
+
+    def _same_as_before(self, key: tuple[Any, ...], answer: Any) -> None:
+        first = self.answers.setdefault(key, answer)
+        assert answer == first, f"{key}: {answer} != {first} the first time"
+
+    def _sampler(self, which: int) -> tuple[int, Any, bool]:
+        """(index, client, whether the session still keeps it) for ``which`` counted back
+        from the newest client; a kept one becomes the most recently used."""
+        index = max(0, len(self.samplers) - 1 - which)
+        kept = index in self.live
+        if kept:
+            self.live.remove(index)
+            self.live.append(index)
+        return index, self.samplers[index], kept
+
+    @rule()
+    def train_step(self) -> None:
+        fb = self.trainer.forward_backward([DATUM], "cross_entropy")
+        op = self.trainer.optim_step(types.AdamParams(learning_rate=0.02))
+        fb.result(), op.result()
+        self.steps += 1
+
+    @rule()
+    def new_sampler(self) -> None:
+        self.samplers.append(self.trainer.save_weights_and_get_sampling_client().result())
+        self.live = [*self.live, len(self.samplers) - 1][-KEPT:]
+
+    @rule(
+        which=st.integers(0, 5),
+        prompt=st.sampled_from(range(len(PROMPTS))),
+        seed=st.integers(0, 2),
+        n=st.sampled_from([1, 3]),
+    )
+    def sample(self, which: int, prompt: int, seed: int, n: int) -> None:
+        index, client, kept = self._sampler(which)
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
+        future = client.sample(types.ModelInput.from_ints(PROMPTS[prompt]), n, params)
+        try:
+            res = future.result()
+        except RequestFailedError as e:
+            assert not kept and "most recently used" in str(e), str(e)
+            return
+        assert kept, f"sampler {index} (kept: {self.live}) should have been released"
+        tokens = [(s.tokens, s.logprobs) for s in res.sequences]
+        self._same_as_before(("sample", index, prompt, seed, n), tokens)
+
+    @rule(which=st.integers(0, 5), prompt=st.sampled_from(range(len(PROMPTS))))
+    def compute_logprobs(self, which: int, prompt: int) -> None:
+        index, client, kept = self._sampler(which)
+        try:
+            got = client.compute_logprobs(types.ModelInput.from_ints(PROMPTS[prompt])).result()
+        except RequestFailedError as e:
+            assert not kept and "most recently used" in str(e), str(e)
+            return
+        assert kept, f"sampler {index} (kept: {self.live}) should have been released"
+        self._same_as_before(("logprobs", index, prompt), got)
+
+    @rule()
+    def forward(self) -> None:
+        out = self.trainer.forward([DATUM], "cross_entropy").result()
+        logprobs = out.loss_fn_outputs[0]["logprobs"].tolist()
+        self._same_as_before(("forward", self.steps), logprobs)
+
+    @precondition(lambda self: self.trainer is not None)
+    @invariant()
+    def memory_stays_bounded(self) -> None:
+        stats = self.backend.models.stats()
+        assert stats["samplers"] <= KEPT and stats["merged"] <= 2
+
+
+@pytest.fixture(autouse=True)
+def _keep_three(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_SR_SAMPLERS_PER_SESSION", str(KEPT))
+
+
+TestClientSequences = ClientSequences.TestCase
+TestClientSequences.settings = settings(FUZZ, max_examples=15, stateful_step_count=14)
