@@ -56,7 +56,7 @@ class ClientSequences(RuleBasedStateMachine):
         self.trainer = self.service.create_lora_training_client(
             base_model=MODEL, rank=4, seed=0
         ).result()
-        self.base = self.service.create_sampling_client(base_model=MODEL)
+        self.base = self.service.create_sampling_client(base_model=MODEL).result()
         self.new_sampler()
 
     def teardown(self) -> None:
