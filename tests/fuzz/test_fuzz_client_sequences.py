@@ -2,7 +2,8 @@
 samples and logprobs from any client made so far, forward passes) either succeeds or fails
 with a clear error, never an internal one; and a sampling client answers the same request the
 same way whatever happened in between (evictions of its merged weights, newer clients,
-training). A stateful fuzzer (hypothesis' rule-based state machine) on the embedded engine.
+training). A stateful fuzzer (hypothesis' rule-based state machine) on the embedded engine, and
+from the official SDK against a real server.
 
 `tinker-sr/small` is large enough for decode's oneDNN-packed products, and the session keeps
 3 LoRA samplers (``$TINKER_SR_SAMPLERS_PER_SESSION``) so that the runs also reach released
@@ -14,6 +15,7 @@ version counter": every sample from a sampler three clients old failed).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,24 +28,33 @@ from tests.fuzz.conftest import FUZZ
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.errors import RequestFailedError
+from tinker_sr.testing.server import running_server
 
 MODEL = "tinker-sr/small"
 KEPT = 3  # LoRA samplers a session keeps
 PROMPTS = [list(b"fuzz: "), list(b"a longer prompt for the sampler: ")]
-DATUM = types.Datum(
-    model_input=types.ModelInput.from_ints(list(b"abcdefgh")),
-    loss_fn_inputs={"target_tokens": list(b"bcdefghi"), "weights": [1.0] * 8},
-)
+
+
+def _datum(t: Any) -> Any:
+    """A cross-entropy datum in ``t`` (tinker_sr's or the SDK's types)."""
+    return t.Datum(
+        model_input=t.ModelInput.from_ints(list(b"abcdefgh")),
+        loss_fn_inputs={"target_tokens": list(b"bcdefghi"), "weights": [1.0] * 8},
+    )
 
 
 class ClientSequences(RuleBasedStateMachine):
     """One trainer; the sampling clients it made, in order; what each answered."""
 
+    # What a released sampler's requests raise (with the "most recently used" message).
+    released_errors: tuple[type[Exception], ...] = (RequestFailedError,)
+    t: Any = types
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
-        self.backend = LocalBackend(self.dir.name)
-        self.service = tinker.ServiceClient(backend=self.backend)
+        self.backend: LocalBackend | None = LocalBackend(self.dir.name)
+        self.service: Any = tinker.ServiceClient(backend=self.backend)
         self.trainer: Any = None
         self.base: Any = None  # a base-model sampling client (a KL reference): never released
         self.samplers: list[Any] = []
@@ -60,8 +71,9 @@ class ClientSequences(RuleBasedStateMachine):
         self.new_sampler()
 
     def teardown(self) -> None:
-        self.service.close().result()
-        self.backend.close()
+        if self.backend is not None:
+            self.service.close().result()
+            self.backend.close()
         self.dir.cleanup()
 
     def _same_as_before(self, key: tuple[Any, ...], answer: Any) -> None:
@@ -80,8 +92,8 @@ class ClientSequences(RuleBasedStateMachine):
 
     @rule()
     def train_step(self) -> None:
-        fb = self.trainer.forward_backward([DATUM], "cross_entropy")
-        op = self.trainer.optim_step(types.AdamParams(learning_rate=0.02))
+        fb = self.trainer.forward_backward([_datum(self.t)], "cross_entropy")
+        op = self.trainer.optim_step(self.t.AdamParams(learning_rate=0.02))
         fb.result(), op.result()
         self.steps += 1
 
@@ -98,11 +110,11 @@ class ClientSequences(RuleBasedStateMachine):
     )
     def sample(self, which: int, prompt: int, seed: int, n: int) -> None:
         index, client, kept = self._sampler(which)
-        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
-        future = client.sample(types.ModelInput.from_ints(PROMPTS[prompt]), n, params)
+        params = self.t.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
+        future = client.sample(self.t.ModelInput.from_ints(PROMPTS[prompt]), n, params)
         try:
             res = future.result()
-        except RequestFailedError as e:
+        except self.released_errors as e:
             assert not kept and "most recently used" in str(e), str(e)
             return
         assert kept, f"sampler {index} (kept: {self.live}) should have been released"
@@ -113,8 +125,8 @@ class ClientSequences(RuleBasedStateMachine):
     def compute_logprobs(self, which: int, prompt: int) -> None:
         index, client, kept = self._sampler(which)
         try:
-            got = client.compute_logprobs(types.ModelInput.from_ints(PROMPTS[prompt])).result()
-        except RequestFailedError as e:
+            got = client.compute_logprobs(self.t.ModelInput.from_ints(PROMPTS[prompt])).result()
+        except self.released_errors as e:
             assert not kept and "most recently used" in str(e), str(e)
             return
         assert kept, f"sampler {index} (kept: {self.live}) should have been released"
@@ -122,8 +134,8 @@ class ClientSequences(RuleBasedStateMachine):
 
     @rule(prompt=st.sampled_from(range(len(PROMPTS))), seed=st.integers(0, 2))
     def base_model(self, prompt: int, seed: int) -> None:
-        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
-        model_input = types.ModelInput.from_ints(PROMPTS[prompt])
+        params = self.t.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
+        model_input = self.t.ModelInput.from_ints(PROMPTS[prompt])
         res = self.base.sample(model_input, 2, params).result()
         logprobs = self.base.compute_logprobs(model_input).result()
         answer = ([(s.tokens, s.logprobs) for s in res.sequences], logprobs)
@@ -131,13 +143,14 @@ class ClientSequences(RuleBasedStateMachine):
 
     @rule()
     def forward(self) -> None:
-        out = self.trainer.forward([DATUM], "cross_entropy").result()
+        out = self.trainer.forward([_datum(self.t)], "cross_entropy").result()
         logprobs = out.loss_fn_outputs[0]["logprobs"].tolist()
         self._same_as_before(("forward", self.steps), logprobs)
 
-    @precondition(lambda self: self.trainer is not None)
+    @precondition(lambda self: self.trainer is not None and self.backend is not None)
     @invariant()
     def memory_stays_bounded(self) -> None:
+        assert self.backend is not None
         lora = [s for s in self.backend.models._samplers.values() if s.lora is not None]
         assert len(lora) <= KEPT and self.backend.models.stats()["merged"] <= 2
 
@@ -147,5 +160,34 @@ def _keep_three(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_SR_SAMPLERS_PER_SESSION", str(KEPT))
 
 
+class SDKClientSequences(ClientSequences):
+    """The same sequences from the official SDK against a real `tinker-sr serve` (one server
+    for the module, which keeps 3 LoRA samplers per session; a new session per run)."""
+
+    base_url = ""
+
+    def __init__(self) -> None:
+        import tinker as sdk
+
+        RuleBasedStateMachine.__init__(self)
+        self.released_errors = (sdk.RequestFailedError, sdk.APIStatusError)
+        self.t = sdk.types
+        self.dir = tempfile.TemporaryDirectory()
+        self.backend = None
+        self.service = sdk.ServiceClient(base_url=self.base_url, api_key="tml-fuzz")
+        self.trainer, self.base = None, None
+        self.samplers, self.live, self.answers, self.steps = [], [], {}, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    env = {"TINKER_SR_SAMPLERS_PER_SESSION": str(KEPT)}
+    with running_server(tmp_path_factory.mktemp("fuzz_server"), env=env) as srv:
+        SDKClientSequences.base_url = srv.base_url
+        yield
+
+
 TestClientSequences = ClientSequences.TestCase
 TestClientSequences.settings = settings(FUZZ, max_examples=15, stateful_step_count=14)
+TestSDKClientSequences = SDKClientSequences.TestCase
+TestSDKClientSequences.settings = settings(FUZZ, max_examples=12, stateful_step_count=14)
