@@ -13,6 +13,11 @@ with concurrent batched sampling and a busy machine).
     python benchmarks/user_trial.py                       # 300 steps, tiny qwen3 BPE dir
     python benchmarks/user_trial.py --steps 800 --busy    # long, beside busy processes
     python benchmarks/user_trial.py --model-dir DIR       # your own HF directory
+    python benchmarks/user_trial.py --real-size --steps 4 # Qwen3-0.6B's shapes, random bf16
+
+``--real-size`` builds (in a temp dir, ~1 min) a random model of Qwen3-0.6B's shapes (596M
+parameters, vocabulary 151,936, tied embedding) saved in bfloat16 as the Hub's checkpoints
+are, with the tiny directory's BPE tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import argparse
 import hashlib
 import multiprocessing
 import os
+import resource
+import shutil
 import struct
 import sys
 import tempfile
@@ -31,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 from memory import MIB, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
+
+from tinker_sr.hf_files import read_json  # noqa: E402
 
 PROMPTS = ["User: count to five\n\nAssistant:", "User: name a colour\n\nAssistant:"]
 
@@ -76,15 +85,42 @@ def trial(model_dir: str, steps: int) -> None:
                 f"loss {out.metrics['loss:sum']:+.6f}",
                 flush=True,
             )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     print(
-        f"{steps} steps in {time.perf_counter() - start:.0f} s; loss digest {digest.hexdigest()[:16]}"
+        f"{steps} steps in {time.perf_counter() - start:.0f} s; peak RSS {peak / MIB:.0f} MiB; "
+        f"loss digest {digest.hexdigest()[:16]}"
     )
+
+
+def real_size_dir(path: Path) -> Path:
+    """A random bfloat16 model of Qwen3-0.6B's config beside the tiny directory's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    tiny = make_tiny_hf_model_dir(path / "tiny", "qwen3")
+    ids = {k: v for k, v in read_json(tiny / "config.json").items() if k.endswith("token_id")}
+    config = Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40_960, rope_theta=1_000_000, rms_norm_eps=1e-6, **ids,
+    )  # fmt: skip
+    out = path / "qwen3-0.6b-shapes"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--model-dir", help="a local HF directory (default: a tiny qwen3 + BPE)")
+    parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")
     parser.add_argument("--busy", action="store_true", help="one busy process per usable CPU")
     args = parser.parse_args()
     from tinker_sr.engine.cpu import available_cpus, describe_machine
@@ -93,7 +129,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tinker-sr-trial-") as tmp:
         os.environ.setdefault("TINKER_SR_STORE", str(Path(tmp) / "store"))
         model_dir = args.model_dir
-        if model_dir is None:
+        if args.real_size:
+            model_dir = str(real_size_dir(Path(tmp)))
+        elif model_dir is None:
             from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
             model_dir = str(make_tiny_hf_model_dir(Path(tmp) / "model", "qwen3"))

@@ -71,8 +71,8 @@ class ClientSequences(RuleBasedStateMachine):
         self.new_sampler()
 
     def teardown(self) -> None:
+        self.service.close("success").result()  # ends the session (and the SDK's heartbeat)
         if self.backend is not None:
-            self.service.close().result()
             self.backend.close()
         self.dir.cleanup()
 
