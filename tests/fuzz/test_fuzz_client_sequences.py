@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import tinker as sdk
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -53,14 +54,18 @@ class ClientSequences(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
-        self.backend: LocalBackend | None = LocalBackend(self.dir.name)
-        self.service: Any = tinker.ServiceClient(backend=self.backend)
+        self.backend, self.service = self.connect()
         self.trainer: Any = None
         self.base: Any = None  # a base-model sampling client (a KL reference): never released
         self.samplers: list[Any] = []
         self.live: list[int] = []  # the samplers the session keeps, least recently used first
         self.answers: dict[tuple[Any, ...], Any] = {}
         self.steps = 0
+
+    def connect(self) -> tuple[LocalBackend | None, Any]:
+        """(the embedded engine, if any; a ServiceClient on it or on a server)."""
+        backend = LocalBackend(self.dir.name)
+        return backend, tinker.ServiceClient(backend=backend)
 
     @initialize()
     def make_trainer(self) -> None:
@@ -165,18 +170,11 @@ class SDKClientSequences(ClientSequences):
     for the module, which keeps 3 LoRA samplers per session; a new session per run)."""
 
     base_url = ""
+    released_errors = (sdk.RequestFailedError, sdk.APIStatusError)
+    t = sdk.types
 
-    def __init__(self) -> None:
-        import tinker as sdk
-
-        RuleBasedStateMachine.__init__(self)
-        self.released_errors = (sdk.RequestFailedError, sdk.APIStatusError)
-        self.t = sdk.types
-        self.dir = tempfile.TemporaryDirectory()
-        self.backend = None
-        self.service = sdk.ServiceClient(base_url=self.base_url, api_key="tml-fuzz")
-        self.trainer, self.base = None, None
-        self.samplers, self.live, self.answers, self.steps = [], [], {}, 0
+    def connect(self) -> tuple[LocalBackend | None, Any]:
+        return None, sdk.ServiceClient(base_url=self.base_url, api_key="tml-fuzz")
 
 
 @pytest.fixture(scope="module", autouse=True)
