@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import multiprocessing
 import os
-import resource
 import shutil
 import struct
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from memory import MIB, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
+from memory import MIB, peak_rss_bytes, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
 
 from tinker_sr.hf_files import read_json  # noqa: E402
 
@@ -85,9 +84,8 @@ def trial(model_dir: str, steps: int) -> None:
                 f"loss {out.metrics['loss:sum']:+.6f}",
                 flush=True,
             )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     print(
-        f"{steps} steps in {time.perf_counter() - start:.0f} s; peak RSS {peak / MIB:.0f} MiB; "
+        f"{steps} steps in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_bytes() / MIB:.0f} MiB; "
         f"loss digest {digest.hexdigest()[:16]}"
     )
 
