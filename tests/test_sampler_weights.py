@@ -83,3 +83,51 @@ def test_adapters_on_the_base_are_built_once_per_sampler(
             backend.close()
     assert results["0"] == results[""]
     assert results[""][:3] == results[""][3:]
+
+
+def test_without_a_budget_merged_copies_leave_memory_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ``$TINKER_SR_MERGED_CACHE_MB``: two merged copies where memory allows, fewer where the
+    free memory (copies held count as free) would keep less than the headroom after one more,
+    and none, decoding through the adapters with one warning, where even one would not fit. A
+    laptop with a checkpoint of several GB would otherwise build two copies of it and be
+    killed by the OOM killer. The tokens are the same in every case."""
+    from tinker_sr.engine import registry as registry_mod
+
+    monkeypatch.delenv("TINKER_SR_MERGED_CACHE_MB", raising=False)
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(registry_mod, "free_memory", lambda _device: free["bytes"])
+    monkeypatch.setattr(registry_mod, "MERGED_HEADROOM", 0)  # sizes below in copies
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker.ServiceClient(backend=backend)
+    try:
+        samplers, prompt = _three_samplers(service)
+        models = backend.models
+        one = models.stats()["merged_bytes"] // 2  # ample memory: two copies held
+        assert models.stats()["merged"] == 2 and models.stats()["unmerged_low_memory"] == 0
+        want = [_tokens(s, prompt) for s in samplers]
+        # A quarter copy free: the two held and it leave room for one copy and its headroom
+        # (half a copy), so both held copies go and the rebuilt one is the only one.
+        free["bytes"] = one // 4
+        with caplog.at_level("WARNING", logger="tinker_sr.engine"):
+            assert _tokens(samplers[0], prompt) == want[0]
+            assert models.stats()["merged"] == 1 and models.stats()["unmerged"] == 0
+            assert not caplog.records
+            free["bytes"] = 0  # no room for a copy and its headroom: adapters on the base
+            got = [_tokens(s, prompt) for s in samplers[1:]]
+        assert got == want[1:]
+        stats = models.stats()
+        assert stats["merged"] == 0 and stats["unmerged"] == 2  # the held copy went too
+        assert stats["unmerged_low_memory"] == 2
+        (warning,) = caplog.records  # once, naming the knob
+        assert "low memory" in warning.getMessage()
+        assert "TINKER_SR_MERGED_CACHE_MB" in warning.getMessage()
+        # An explicit budget is obeyed whatever the free memory says.
+        monkeypatch.setattr(models, "merged_budget", 2 * one)
+        models._unmerged.clear()
+        assert _tokens(samplers[1], prompt) == want[1]
+        assert models.stats()["merged"] == 1
+    finally:
+        service.close().result()
+        backend.close()

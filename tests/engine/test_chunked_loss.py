@@ -167,18 +167,18 @@ def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     need = model_mod.activation_bytes(config, 4096)
     # 4096 tokens x 8 layers x 7,424 floats per token and layer (hidden 512, FFN 1408 here).
     assert need == 4 * 4096 * 8 * (4 * 512 + 3 * 512 + 3 * 256 + 2 * 1408)
-    monkeypatch.setattr(model_mod, "available_memory", lambda: 100 * need)
+    monkeypatch.setattr(model_mod, "free_memory", lambda _device: 100 * need)
     assert not model_mod.checkpoint_pays(config, 4096)
-    monkeypatch.setattr(model_mod, "available_memory", lambda: 3 * need)
+    monkeypatch.setattr(model_mod, "free_memory", lambda _device: 3 * need)
     assert model_mod.checkpoint_pays(config, 4096)
-    monkeypatch.setattr(model_mod, "available_memory", lambda: None)
+    monkeypatch.setattr(model_mod, "free_memory", lambda _device: None)
     assert not model_mod.checkpoint_pays(config, 4096)
 
     used: list[int] = []
     monkeypatch.setattr(model_mod, "checkpoint", lambda *a, **k: used.append(1) or a[0](*a[1:]))
     model = model_mod.build_model("tinker-sr/tiny")
     model.checkpoint_layers = None  # automatic
-    monkeypatch.setattr(model_mod, "available_memory", lambda: 0)
+    monkeypatch.setattr(model_mod, "free_memory", lambda _device: 0)
     model(torch.zeros((1, 4), dtype=torch.long)).sum().backward()
     assert len(used) == model.config.n_layers
 

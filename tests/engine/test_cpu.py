@@ -43,16 +43,6 @@ def test_available_cpus_follows_the_affinity_mask() -> None:
     assert _run(code) == "1"
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"), [("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000", 1)]
-)
-def test_cgroup_quota(tmp_path: Path, text: str, expected: int | None) -> None:
-    f = tmp_path / "cpu.max"
-    f.write_text(text)
-    assert cpu._cgroup_quota_cpus(f) == expected
-    assert cpu._cgroup_quota_cpus(tmp_path / "absent") is None
-
-
 def test_default_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu.THREADS_ENV, "3")
     assert cpu.default_torch_threads() == 3
@@ -71,19 +61,21 @@ def test_machine_facts() -> None:
     assert line.startswith("CPU: ") and "usable CPUs: " in line
 
 
-def test_available_memory_is_meminfo_capped_by_the_cgroup_limit(tmp_path: Path) -> None:
+def test_available_memory_is_meminfo_capped_by_the_cgroup_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
-    cgroup = tmp_path / "cgroup"
-    cgroup.mkdir()
-    assert cpu.available_memory(meminfo, cgroup) == 4000000 * 1024  # no cgroup files
-    (cgroup / "memory.max").write_text("max\n")
-    (cgroup / "memory.current").write_text("100\n")
-    assert cpu.available_memory(meminfo, cgroup) == 4000000 * 1024  # unlimited
-    (cgroup / "memory.max").write_text(f"{3 << 30}\n")
-    (cgroup / "memory.current").write_text(f"{1 << 30}\n")
-    assert cpu.available_memory(meminfo, cgroup) == 2 << 30  # the cgroup leaves less
-    assert cpu.available_memory(tmp_path / "none", tmp_path / "none") is None
+    room: dict[str, int | None] = {"bytes": None}
+    monkeypatch.setattr(cpu.cgroups, "memory_room", lambda: room["bytes"])
+    assert cpu.available_memory(meminfo) == 4000000 * 1024  # no cgroup limit
+    room["bytes"] = 2 << 30
+    assert cpu.available_memory(meminfo) == 2 << 30  # the cgroup leaves less
+    room["bytes"] = 8 << 30
+    assert cpu.available_memory(meminfo) == 4000000 * 1024  # the machine has less
+    assert cpu.available_memory(tmp_path / "none") == 8 << 30
+    room["bytes"] = None
+    assert cpu.available_memory(tmp_path / "none") is None
 
 
 _FAULTS_AFTER_REUSE = """

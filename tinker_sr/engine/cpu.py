@@ -19,11 +19,12 @@ a training script beside a browser, CI runners sharing cores):
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from tinker_sr.engine import cgroups
 
 __all__ = [
     "available_cpus",
@@ -41,32 +42,20 @@ __all__ = [
 THREADS_ENV = "TINKER_SR_TORCH_THREADS"
 
 
-def _cgroup_quota_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
-    """CPUs allowed by a cgroup v2 quota ("max 100000" = unlimited), rounded up; None if none."""
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    return max(1, math.ceil(int(quota) / int(period)))
-
-
 def available_cpus() -> int:
     """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    quota = _cgroup_quota_cpus()
+    quota = cgroups.cpu_quota()
     return max(1, min(cpus, quota) if quota else cpus)
 
 
-def available_memory(
-    meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
-) -> int | None:
-    """Bytes this process could still allocate: MemAvailable, capped by the room left under a
-    cgroup v2 memory limit; None where neither can be read."""
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes this process could still allocate: MemAvailable, capped by the room left under
+    any cgroup memory limit over it (`cgroups.memory_room`, v1 or v2); None where neither can
+    be read."""
     found: list[int] = []
     try:
         for line in meminfo.read_text().splitlines():
@@ -74,12 +63,9 @@ def available_memory(
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
+    room = cgroups.memory_room()
+    if room is not None:
+        found.append(room)
     return max(0, min(found)) if found else None
 
 

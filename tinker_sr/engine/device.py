@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from tinker_sr.engine.cpu import has_fast_bf16
+from tinker_sr.engine.cpu import available_memory, has_fast_bf16
 
 DEVICE_ENV = "TINKER_SR_DEVICE"
 CHOICES = ("cpu", "cuda", "auto")
@@ -68,3 +68,11 @@ def fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return bool(torch.cuda.is_bf16_supported())
     return has_fast_bf16()
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes still allocatable on ``device``: the GPU's free memory for CUDA, else the host's
+    (`cpu.available_memory`: MemAvailable, capped by a cgroup limit); None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory()

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine import attention_inputs, compiled
-from tinker_sr.engine.cpu import available_memory
+from tinker_sr.engine.device import free_memory
 from tinker_sr.engine.fused import (
     add_rms_norm,
     apply_linear,
@@ -483,10 +483,7 @@ def checkpoint_pays(
     """The automatic activation-checkpointing policy: on when the estimated activations (x2
     for backward's transients) would take more than half of the memory still available on
     ``device`` (host memory for the CPU, the GPU's free memory for CUDA)."""
-    if device.type == "cuda":
-        room: int | None = int(torch.cuda.mem_get_info(device)[0])
-    else:
-        room = available_memory()
+    room = free_memory(device)
     return room is not None and 2 * activation_bytes(config, tokens) > room // 2
 
 

@@ -28,6 +28,7 @@ The registry is in-memory only; persistence (runs, checkpoints, recorded sequenc
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -44,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine import gemm
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
-from tinker_sr.engine.device import fast_bf16
+from tinker_sr.engine.device import fast_bf16, free_memory
 from tinker_sr.engine.hf import load_model_dir
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.lora import (
@@ -63,6 +64,7 @@ from tinker_sr.hf_files import cached_hub_model, not_found_hint, read_json, reso
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
+log = logging.getLogger("tinker_sr.engine")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -121,8 +123,11 @@ class Trainer:
 
 # The two sampler budgets, overridable per process by environment (MiB). The merged cache
 # defaults to room for MERGED_DEFAULT_COPIES merged models (a loop that makes a new sampler
-# every step only samples the newest one or two).
+# every step only samples the newest one or two), and to what the device's free memory allows:
+# a merged copy is built only while at least MERGED_HEADROOM (or half the copy, if more) would
+# stay free after it; otherwise the sampler decodes through its adapters (no copy, slower).
 MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
+MERGED_HEADROOM = 1 << 30
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
 # A session keeps the adapters of its most recently used samplers only: an RL loop that makes
 # a sampler every step (and never says when it drops one) would otherwise fill memory, then
@@ -258,6 +263,9 @@ class ModelRegistry:
         # Adapters-on-the-shared-base sampling models (merged would not fit), LRU order, with
         # their adapters' bytes: built once per sampler, not per request.
         self._unmerged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
+        # Samplers built on their adapters because free memory had no room for a merged copy.
+        self._low_memory_fallbacks = 0
+        self._low_memory_noted = False
 
     # ---- base models ------------------------------------------------------------------
     def available_models(self) -> list[str]:
@@ -532,7 +540,8 @@ class ModelRegistry:
         adapted.requires_grad_(False)
         dtype = self.sampler_dtype or adapted.dtype
         size = _merged_bytes(adapted, dtype)
-        budget = MERGED_DEFAULT_COPIES * size if self.merged_budget is None else self.merged_budget
+        budget = self._merged_budget_for(size)
+        self._trim_merged(budget - size if size <= budget else budget)
         if size > budget:
             if dtype != adapted.dtype:
                 adapted = self._adapted(s.resolved, spec, dtype)
@@ -542,13 +551,42 @@ class ModelRegistry:
             while len(self._unmerged) > UNMERGED_KEPT:
                 self._unmerged.popitem(last=False)
             return adapted
-        if self._merged and sum(b for _, b in self._merged.values()) + size > budget:
-            while self._merged and sum(b for _, b in self._merged.values()) + size > budget:
-                self._merged.popitem(last=False)
-            return_freed_memory()
         merged = clone_for_sampling(adapted, dtype=dtype)
         self._merged[s.sampler_id] = (merged, size)
         return merged
+
+    def _trim_merged(self, keep_bytes: int) -> None:
+        """Evict the least recently used merged copies until at most ``keep_bytes`` remain."""
+        if sum(b for _, b in self._merged.values()) <= keep_bytes:
+            return
+        while self._merged and sum(b for _, b in self._merged.values()) > keep_bytes:
+            self._merged.popitem(last=False)
+        return_freed_memory()
+
+    def _merged_budget_for(self, size: int) -> int:
+        """The merged cache's budget when adding a copy of ``size`` bytes: the configured one,
+        else `MERGED_DEFAULT_COPIES` copies, fewer where the device's free memory (counting
+        the copies held, which eviction frees) would keep less than the headroom after it."""
+        if self.merged_budget is not None:
+            return self.merged_budget
+        budget = MERGED_DEFAULT_COPIES * size
+        room = free_memory(self.device)
+        if room is None:
+            return budget
+        held = sum(b for _, b in self._merged.values())
+        headroom = max(MERGED_HEADROOM, size // 2)
+        allowed = max(0, held + room - headroom)
+        if allowed < size and not self._low_memory_noted:
+            self._low_memory_noted = True
+            log.warning(
+                "low memory: samplers decode through their LoRA adapters (slower) instead of "
+                "merged weights. A merged copy takes %d MiB; with %d MiB free on %s it would "
+                "leave less than %d MiB. Free memory, or set %s (MiB) to fix the budget.",
+                size >> 20, room >> 20, self.device, headroom >> 20, MERGED_BUDGET_ENV,
+            )  # fmt: skip
+        if allowed < size:
+            self._low_memory_fallbacks += 1
+        return min(budget, allowed)
 
     def _sampler_adapters(self, sampler_id: str) -> dict[str, torch.Tensor]:
         adapters = self._adapters.get(sampler_id)
@@ -599,6 +637,7 @@ class ModelRegistry:
             "merged_bytes": sum(b for _, b in self._merged.values()),
             "unmerged": len(self._unmerged),
             "unmerged_bytes": sum(b for _, b in self._unmerged.values()),
+            "unmerged_low_memory": self._low_memory_fallbacks,
         }
 
 
