@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests._cgroups import real_v1_group_pair
 from tinker_sr.engine import cgroups
 
 GIB = 1 << 30
@@ -96,33 +96,9 @@ def test_no_or_odd_cgroup_information_means_no_limit(tmp_path: Path, text: str) 
     assert cgroups.cpu_quota(tmp_path / "absent", tmp_path / "absent") is None
 
 
-def _real_v1_groups() -> Iterator[tuple[Path, Path]]:
-    """A fresh memory group and cpu group under this process's own v1 groups, removed after;
-    skipped where the host has no writable v1 hierarchy (not root, v2 only, read-only)."""
-    groups = cgroups._membership(cgroups.PROC_CGROUP)
-    made: list[Path] = []
-    try:
-        for name in ("memory", "cpu"):
-            own = cgroups.group_dirs(name)[0] if (cgroups.ROOT / name).is_dir() else None
-            if own is None or name not in groups:
-                pytest.skip(f"no cgroup v1 {name} hierarchy here")
-            group = own / f"tinker-sr-test-{uuid.uuid4().hex[:8]}"
-            group.mkdir()
-            made.append(group)
-        yield made[0], made[1]
-    except OSError as e:
-        pytest.skip(f"cannot make a cgroup here: {e}")
-    finally:
-        for group in made:
-            try:
-                group.rmdir()
-            except OSError:
-                pass
-
-
 @pytest.fixture
 def real_v1_groups() -> Iterator[tuple[Path, Path]]:
-    yield from _real_v1_groups()
+    yield from real_v1_group_pair()
 
 
 def test_a_real_v1_group_limits_threads_and_memory(real_v1_groups: tuple[Path, Path]) -> None:

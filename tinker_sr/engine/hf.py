@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.model import ModelConfig, Transformer, _empty_model
 from tinker_sr.hf_files import is_model_dir, read_json
@@ -36,6 +37,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 INDEX_FILE = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 512 * 2**20  # a progress bar and a log line from this checkpoint size
+# A model is loaded only where its weights and LOAD_HEADROOM fit in the free memory (a load
+# that cannot fit would end the process, a server with every session in it, by the OOM killer).
+LOAD_HEADROOM = 512 * 2**20
+MEMORY_CHECK_ENV = "TINKER_SR_LOAD_MEMORY_CHECK"
 log = logging.getLogger("tinker_sr.engine")
 # Tensors a checkpoint may hold that carry nothing the model computes: old exports' rotary
 # frequency buffers (recomputed from config.json).
@@ -173,7 +178,9 @@ def load_model_dir(
         config = _tie_or_untie(root, files, config)
         if config.tie_embeddings:
             placed.remove("lm_head.weight")
-    model = _empty_model(config, dtype or checkpoint_dtype(root, hf))
+    dtype = dtype or checkpoint_dtype(root, hf)
+    check_room(root, _model_bytes(config, dtype))
+    model = _empty_model(config, dtype)
     own = model.state_dict()
     total = sum(own[k].nbytes for k in placed)
     start = time.perf_counter()
@@ -189,6 +196,38 @@ def load_model_dir(
             root, len(placed), total / 2**30, time.perf_counter() - start,
         )  # fmt: skip
     return model
+
+
+def _model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the loaded model's parameters take in ``dtype`` (a tied embedding once)."""
+    with torch.device("meta"):
+        meta = Transformer(config)
+    params = {id(p): p for p in meta.parameters()}.values()
+    return sum(p.numel() for p in params) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_room(root: Path, need: int) -> None:
+    """Refuse, before allocating, a model of ``need`` bytes that would not fit in the free
+    memory (`cpu.available_memory`: MemAvailable capped by any cgroup limit) with
+    `LOAD_HEADROOM` to spare. ``$TINKER_SR_LOAD_MEMORY_CHECK=0`` skips the check (e.g. where
+    swap is meant to take the rest)."""
+    if os.environ.get(MEMORY_CHECK_ENV, "").strip() == "0":
+        return
+    room = available_memory()
+    if room is None or need + LOAD_HEADROOM <= room:
+        return
+    raise EngineUserError(
+        f"base_model {str(root)!r}: its weights take {_size(need)} and this machine has "
+        f"{_size(room)} of memory free (MemAvailable, or the room left under a "
+        f"cgroup/container limit), short of the weights plus {LOAD_HEADROOM >> 20} MiB. Use a "
+        "smaller model or a lower-precision dtype (a bfloat16 checkpoint loads in bfloat16 "
+        f"unless a dtype is set), free memory or raise the limit; {MEMORY_CHECK_ENV}=0 skips "
+        "this check"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _tie_or_untie(root: Path, files: list[Path], config: ModelConfig) -> ModelConfig:
