@@ -96,12 +96,7 @@ def main() -> None:
         )
         peak, kills = group_report(group)
     finally:
-        for _ in range(50):  # the kernel lets go of an emptied group shortly after
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        cgroups.remove_group(group)
     killed = " (killed by the OOM killer)" if kills else ""
     print(
         f"limit {args.limit_mib} MiB: exit {done.returncode}{killed} after "

@@ -3,7 +3,6 @@ v1 groups and removed after; the test is skipped where that is not allowed."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +30,7 @@ def real_v1_group_pair() -> Iterator[tuple[Path, Path]]:
         yield made[0], made[1]
     finally:
         for group in made:
-            for _ in range(50):  # the kernel lets go of an emptied group shortly after
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            cgroups.remove_group(group)
 
 
 def limit_memory(group: Path, limit: int) -> None:

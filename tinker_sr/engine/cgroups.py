@@ -140,3 +140,19 @@ def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> int | None:
     """The fewest CPUs any quota over this process allows, None without one."""
     quotas = [q for d in group_dirs("cpu", proc_cgroup, root) if (q := _cpu_quota(d)) is not None]
     return min(quotas) if quotas else None
+
+
+def remove_group(group: Path, wait_s: float = 5.0) -> bool:
+    """Remove an emptied cgroup directory (benchmarks/memory_limit.py and the tests make them),
+    retrying while the kernel lets go of its last process; whether it went."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            group.rmdir()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
