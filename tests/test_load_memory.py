@@ -68,6 +68,9 @@ def test_the_check_can_be_skipped(
     monkeypatch.setenv(hf.MEMORY_CHECK_ENV, "0")
     model = hf.load_model_dir(model_dir)
     assert sum(p.numel() for p in model.parameters()) > 0
+    monkeypatch.setenv(hf.MEMORY_CHECK_ENV, "off")
+    with pytest.raises(ValueError, match="TINKER_SR_LOAD_MEMORY_CHECK must be 0 .* got 'off'"):
+        hf.load_model_dir(model_dir)
     monkeypatch.setattr(hf, "available_memory", lambda: None)  # unknown: no check
     monkeypatch.delenv(hf.MEMORY_CHECK_ENV)
     hf.load_model_dir(model_dir)

@@ -211,7 +211,10 @@ def check_room(root: Path, need: int) -> None:
     memory (`cpu.available_memory`: MemAvailable capped by any cgroup limit) with
     `LOAD_HEADROOM` to spare. ``$TINKER_SR_LOAD_MEMORY_CHECK=0`` skips the check (e.g. where
     swap is meant to take the rest)."""
-    if os.environ.get(MEMORY_CHECK_ENV, "").strip() == "0":
+    setting = os.environ.get(MEMORY_CHECK_ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{MEMORY_CHECK_ENV} must be 0 (skip) or 1 (check), got {setting!r}")
+    if setting == "0":
         return
     room = available_memory()
     if room is None or need + LOAD_HEADROOM <= room:
