@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,80 @@ def test_local_backend_tunes_the_allocator() -> None:
         "LocalBackend(persistent=False).close(); print(cpu._allocator_tuned)"
     )
     assert _run(code) == ("True" if sys.platform.startswith("linux") else "False")
+
+
+_LEAN_WHEN_SHORT = """
+from tinker_sr.engine import cpu
+assert cpu.tune_allocator()
+import torch
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+def step():  # allocate and touch 8 x 20 MiB, then free it all
+    blocks = [torch.ones(20 << 18) for _ in range(8)]
+    del blocks
+base = rss()
+step()
+kept = rss() - base  # tuned: the step's memory stays for the next one
+assert not cpu.fit_allocator_to_memory(cpu.LEAN_BELOW + 1)
+assert cpu.fit_allocator_to_memory(cpu.LEAN_BELOW - 1)  # short: what was kept goes back
+trimmed = rss() - base
+step()
+lean_kept = rss() - base
+assert cpu.fit_allocator_to_memory(2 * cpu.LEAN_BELOW - 1)  # no flapping at the edge
+assert not cpu.fit_allocator_to_memory(2 * cpu.LEAN_BELOW)
+step()
+print(kept, trimmed, lean_kept, rss() - base)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_short_of_memory_the_allocator_hands_freed_memory_back() -> None:
+    """A cgroup counts the memory glibc keeps for the next step as used: in a 2 GiB container a
+    Qwen3-0.6B-shaped model's first step was OOM-killed for it. Short of memory the tuned
+    allocator goes lean (freed blocks go back at once), and tuned again when room returns."""
+    keep = ("PATH", "HOME", "PYTHONPATH", "LANG", "TMPDIR")
+    done = subprocess.run(
+        [sys.executable, "-c", _LEAN_WHEN_SHORT],
+        env={k: os.environ[k] for k in keep if k in os.environ},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    kept, trimmed, lean_kept, tuned_again = (int(x) for x in done.stdout.split())
+    assert kept >= 150, done.stdout  # 160 MiB kept by the tuned heap
+    assert trimmed <= 20 and lean_kept <= 20, done.stdout
+    assert tuned_again >= 150, done.stdout  # kept again once memory is ample
+
+
+def test_each_training_step_fits_the_allocator_to_the_free_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import contextlib
+
+    import tinker_sr as tinker
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.engine import training
+
+    seen: list[int | None] = []
+
+    @contextlib.contextmanager
+    def record(room: int | None) -> Iterator[bool]:
+        seen.append(room)
+        yield False
+
+    monkeypatch.setattr(training, "available_memory", lambda: 12345)
+    monkeypatch.setattr(training, "allocator_fitted_to", record)
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker.ServiceClient(backend=backend)
+    try:
+        trainer = service.create_lora_training_client(base_model="tinker-sr/tiny", rank=2)
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
+        trainer.result().forward_backward([datum], "cross_entropy").result()
+        trainer.result().forward([datum], "cross_entropy").result()
+    finally:
+        service.close().result()
+        backend.close()
+    assert seen == [12345, 12345]

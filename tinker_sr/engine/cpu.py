@@ -18,9 +18,11 @@ a training script beside a browser, CI runners sharing cores):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,12 @@ from tinker_sr.engine import cgroups
 
 __all__ = [
     "available_cpus",
+    "allocator_fitted_to",
     "available_memory",
     "cpu_model",
     "default_torch_threads",
     "describe_machine",
+    "fit_allocator_to_memory",
     "has_fast_bf16",
     "isa_flags",
     "prefer_passive_waits",
@@ -145,6 +149,14 @@ _ALLOCATOR_SETTINGS = (
     (_M_TOP_PAD, 64 << 20),  # grow the heap in 64 MiB steps
 )
 _allocator_tuned: bool | None = None
+# Where memory is short, the memory a step freed and the allocator keeps is what gets the
+# process OOM-killed (a cgroup counts it as used). Below LEAN_BELOW of free memory the tuned
+# allocator hands big blocks back at once instead: each block over 1 MiB is its own mapping,
+# unmapped when freed, and freed heap past 16 MiB is trimmed. Back to the tuned settings from
+# twice that (no switching back and forth at the edge).
+LEAN_BELOW = 2 << 30
+_LEAN_SETTINGS = ((_M_MMAP_THRESHOLD, 1 << 20), (_M_TRIM_THRESHOLD, 16 << 20), (_M_TOP_PAD, 0))
+_allocator_lean = False
 
 
 def tune_allocator() -> bool:
@@ -171,6 +183,38 @@ def tune_allocator() -> bool:
         return False
     _allocator_tuned = all(libc.mallopt(k, v) == 1 for k, v in _ALLOCATOR_SETTINGS)
     return _allocator_tuned
+
+
+def fit_allocator_to_memory(room: int | None) -> bool:
+    """Where `tune_allocator` tuned glibc: lean settings (`LEAN_BELOW`) while ``room``, the
+    free memory in bytes, is short, the tuned ones again once it is not; returns whether the
+    allocator is lean. The engine calls it before each training step on the CPU. Values
+    computed do not depend on it; only page faults (time) and memory kept do."""
+    global _allocator_lean
+    if not _allocator_tuned or room is None:
+        return _allocator_lean
+    lean = room < (2 * LEAN_BELOW if _allocator_lean else LEAN_BELOW)
+    libc = _glibc()
+    if lean != _allocator_lean and libc is not None:
+        for key, value in _LEAN_SETTINGS if lean else _ALLOCATOR_SETTINGS[1:]:
+            libc.mallopt(key, value)
+        if lean:
+            libc.malloc_trim(0)  # what the tuned settings kept
+        _allocator_lean = lean
+    return lean
+
+
+@contextlib.contextmanager
+def allocator_fitted_to(room: int | None) -> Iterator[bool]:
+    """`fit_allocator_to_memory` for one step of work; lean, the memory the step freed goes
+    back to the OS after it (freed heap pages below the top stay resident otherwise, and a
+    heap grown while the allocator was tuned has many)."""
+    lean = fit_allocator_to_memory(room)
+    try:
+        yield lean
+    finally:
+        if lean:
+            return_freed_memory()
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import torch
 
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
+from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
 from tinker_sr.engine.guards import checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import Transformer
@@ -65,7 +66,9 @@ def forward_backward(
         tokens[i, : lengths[i]] = torch.from_numpy(a.tokens)
     device = t.model.device
     tokens = tokens.to(device)
-    with torch.set_grad_enabled(not forward_only):
+    # Short of memory, the allocator hands what the step frees back at once (`cpu`).
+    room = available_memory() if device.type == "cpu" else None
+    with allocator_fitted_to(room), torch.set_grad_enabled(not forward_only):
         mask = (
             torch.arange(tokens.shape[1], device=device)[None, :]
             < torch.tensor(lengths, device=device)[:, None]
