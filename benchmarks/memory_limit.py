@@ -30,17 +30,25 @@ MIB = 1 << 20
 
 
 def make_group(limit: int) -> Path:
-    """A new memory-limited cgroup under this process's own (v1 or v2), without swap."""
+    """A new memory-limited cgroup under this process's own (v1 or v2), without swap; removed
+    again if it cannot be limited."""
     own = cgroups.group_dirs("memory")
     if not own:
         raise OSError("no cgroup memory hierarchy is mounted under /sys/fs/cgroup")
+    v2 = own[0] == cgroups.ROOT or cgroups.ROOT in own[0].parents
+    v2 = v2 and not (cgroups.ROOT / "memory").is_dir()
     group = own[0] / f"tinker-sr-limit-{os.getpid()}"
     group.mkdir()
-    v2 = (group / "memory.max").exists()
-    (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
-    swap = group / ("memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
-    if swap.exists():
-        swap.write_text("0" if v2 else str(limit))
+    try:
+        if v2 and not (group / "memory.max").exists():
+            raise OSError(f"the memory controller is not delegated to {own[0]} (cgroup v2)")
+        (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        swap = group / ("memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
+        if swap.exists():
+            swap.write_text("0" if v2 else str(limit))
+    except OSError:
+        cgroups.remove_group(group)
+        raise
     return group
 
 
@@ -96,7 +104,8 @@ def main() -> None:
         )
         peak, kills = group_report(group)
     finally:
-        cgroups.remove_group(group)
+        if not cgroups.remove_group(group):
+            print(f"could not remove {group} (a process of the command still in it?)")
     killed = " (killed by the OOM killer)" if kills else ""
     print(
         f"limit {args.limit_mib} MiB: exit {done.returncode}{killed} after "

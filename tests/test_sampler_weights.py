@@ -96,29 +96,39 @@ def test_without_a_budget_merged_copies_leave_memory_free(
     from tinker_sr.engine import registry as registry_mod
 
     monkeypatch.delenv("TINKER_SR_MERGED_CACHE_MB", raising=False)
-    free = {"bytes": 1 << 40}
-    monkeypatch.setattr(registry_mod, "free_memory", lambda _device: free["bytes"])
-    monkeypatch.setattr(registry_mod, "MERGED_HEADROOM", 0)  # sizes below in copies
+    # The machine's free memory: `pool` less the merged copies held (evicting one frees it),
+    # unless `frees` is off (an evicted copy that a decode still holds frees nothing yet).
+    memory = {"pool": 1 << 40, "frees": True}
     backend = LocalBackend(tmp_path / "store")
+    models = backend.models
+
+    def free(_device: object) -> int:
+        held = models.stats()["merged_bytes"] if memory["frees"] else 0
+        return max(0, memory["pool"] - held)
+
+    monkeypatch.setattr(registry_mod, "free_memory", free)
+    monkeypatch.setattr(registry_mod, "MERGED_HEADROOM", 0)  # the headroom is half a copy
     service = tinker.ServiceClient(backend=backend)
     try:
         samplers, prompt = _three_samplers(service)
-        models = backend.models
         one = models.stats()["merged_bytes"] // 2  # ample memory: two copies held
         assert models.stats()["merged"] == 2 and models.stats()["unmerged_low_memory"] == 0
         want = [_tokens(s, prompt) for s in samplers]
-        # A quarter copy free: the two held and it leave room for one copy and its headroom
-        # (half a copy), so both held copies go and the rebuilt one is the only one.
-        free["bytes"] = one // 4
         with caplog.at_level("WARNING", logger="tinker_sr.engine"):
+            # Room for one copy and its headroom: both held copies go, the rebuilt one stays.
+            memory["pool"] = one + one * 3 // 4
             assert _tokens(samplers[0], prompt) == want[0]
             assert models.stats()["merged"] == 1 and models.stats()["unmerged"] == 0
             assert not caplog.records
-            free["bytes"] = 0  # no room for a copy and its headroom: adapters on the base
-            got = [_tokens(s, prompt) for s in samplers[1:]]
-        assert got == want[1:]
+            # Evicting the held copy would make room, but a decode still holds it: after the
+            # eviction the room is measured again, and the sampler decodes on its adapters.
+            memory.update(pool=one, frees=False)
+            assert _tokens(samplers[1], prompt) == want[1]
+            assert models.stats()["merged"] == 0 and models.stats()["unmerged"] == 1
+            memory.update(pool=0, frees=True)  # no room at all
+            assert _tokens(samplers[2], prompt) == want[2]
         stats = models.stats()
-        assert stats["merged"] == 0 and stats["unmerged"] == 2  # the held copy went too
+        assert stats["merged"] == 0 and stats["unmerged"] == 2
         assert stats["unmerged_low_memory"] == 2
         (warning,) = caplog.records  # once, naming the knob
         assert "low memory" in warning.getMessage()

@@ -101,7 +101,9 @@ def real_v1_groups() -> Iterator[tuple[Path, Path]]:
     yield from real_v1_group_pair()
 
 
-def test_a_real_v1_group_limits_threads_and_memory(real_v1_groups: tuple[Path, Path]) -> None:
+def test_a_real_v1_group_limits_threads_and_memory(
+    real_v1_groups: tuple[Path, Path], tmp_path: Path
+) -> None:
     """A process inside a real group of 3 GiB and half a CPU: the engine sizes its threads and
     its memory by the group, not by the machine."""
     memory, cpu_group = real_v1_groups
@@ -113,20 +115,41 @@ def test_a_real_v1_group_limits_threads_and_memory(real_v1_groups: tuple[Path, P
         pytest.skip(f"cannot set cgroup limits here: {e}")
     code = (
         "import os, sys\n"
-        "for g in sys.argv[1:]: open(os.path.join(g, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
+        "for g in sys.argv[1:3]: open(os.path.join(g, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
         "from tinker_sr.engine import cpu\n"
         "from tinker_sr.backend.local import LocalBackend\n"
-        "import tempfile\n"
-        "b = LocalBackend(tempfile.mkdtemp())\n"
+        "b = LocalBackend(sys.argv[-1], persistent=False)\n"
         "print(cpu.available_cpus(), cpu.available_memory(), b._torch_threads)\n"
         "b.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TINKER_SR_TORCH_THREADS"}
     done = subprocess.run(
-        [sys.executable, "-c", code, str(memory), str(cpu_group)],
+        [sys.executable, "-c", code, str(memory), str(cpu_group), str(tmp_path / "store")],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     cpus, room, threads = (int(x) for x in done.stdout.split())
     assert cpus == 1 and threads == 1
     assert 0 < room <= 3 * GIB
+
+
+def test_unreadable_cgroup_directories_mean_no_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A confined process (AppArmor, a sandbox) may not stat /sys/fs/cgroup: no limit, not a
+    crash at start-up (Path.is_dir raises PermissionError on Python 3.11)."""
+    root = tmp_path / "fs"
+    _write(root / "memory" / "memory.limit_in_bytes", f"{GIB}\n")
+    _write(root / "memory" / "memory.usage_in_bytes", "0\n")
+    proc = _proc(tmp_path, "4:memory:/\n1:cpu:/\n")
+    assert cgroups.memory_room(proc, root) == GIB
+    real_stat = os.stat
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(root)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert cgroups.memory_room(proc, root) is None
+    assert cgroups.cpu_quota(proc, root) is None

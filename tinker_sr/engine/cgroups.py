@@ -18,6 +18,7 @@ mount: a limit on any of them applies. v2 keeps ``memory.max``/``cpu.max`` in on
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
@@ -46,11 +47,13 @@ def _membership(proc_cgroup: Path) -> dict[str, str]:
 def _own_and_ancestors(mount: Path, path: str) -> list[Path]:
     """The deepest existing directory for ``path`` under ``mount`` (dropping leading parts the
     mount does not show), then its ancestors up to ``mount`` itself."""
-    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    parts = [p for p in path.split("/") if p and p != "."]
     own = mount
+    if ".." in parts:  # a group outside this cgroup namespace: only the mount is ours
+        parts = []
     for start in range(len(parts) + 1):
         candidate = mount.joinpath(*parts[start:])
-        if candidate.is_dir():
+        if _isdir(candidate):
             own = candidate
             break
     dirs = [own]
@@ -59,15 +62,25 @@ def _own_and_ancestors(mount: Path, path: str) -> list[Path]:
     return dirs
 
 
+def _isdir(path: Path) -> bool:
+    return os.path.isdir(path)  # False on any OSError (Path.is_dir raises EACCES on 3.11)
+
+
+def _isfile(path: Path) -> bool:
+    return os.path.isfile(path)
+
+
 def group_dirs(controller: str, proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> list[Path]:
     """The directories whose ``controller`` ("memory", "cpu") limits apply to this process,
-    innermost first: its v1 group of that controller and its ancestors, and its v2 group and
-    its ancestors (a hybrid system has both mounts; each file says which version it is)."""
+    innermost first: its v1 group of that controller and its ancestors (under
+    ``/sys/fs/cgroup/<controller>``), or its v2 group and its ancestors where
+    ``/sys/fs/cgroup`` is a v2 mount. (A hybrid host's v2 tree at ``unified`` holds no
+    controllers, so it is not read.)"""
     groups = _membership(proc_cgroup)
     dirs: list[Path] = []
-    if (root / controller).is_dir():
+    if _isdir(root / controller):
         dirs += _own_and_ancestors(root / controller, groups.get(controller, "/"))
-    if (root / "cgroup.controllers").is_file():  # a v2 mount, not v1's tmpfs of mounts
+    if _isfile(root / "cgroup.controllers"):  # a v2 mount, not v1's tmpfs of mounts
         dirs += _own_and_ancestors(root, groups.get("", "/"))
     return list(dict.fromkeys(dirs))
 
@@ -95,7 +108,7 @@ def _memory_room(group: Path) -> int | None:
     """Bytes left under ``group``'s memory limit, None where it has none. Inactive page cache
     counts as free (the kernel reclaims it before it kills anything), as ``docker stats``
     and the kubelet count a group's working set."""
-    if (group / "memory.max").is_file():  # v2: "max" is none
+    if _isfile(group / "memory.max"):  # v2: "max" is none
         limit = _read_int(group / "memory.max")
         usage = _read_int(group / "memory.current")
         inactive = _stat_field(group / "memory.stat", "inactive_file")
@@ -121,7 +134,7 @@ def memory_room(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> int | Non
 def _cpu_quota(group: Path) -> int | None:
     """CPUs ``group``'s quota allows (rounded up, at least 1), None where it has none."""
     try:
-        if (group / "cpu.max").is_file():  # v2: "max 100000" or "150000 100000"
+        if _isfile(group / "cpu.max"):  # v2: "max 100000" or "150000 100000"
             quota, period = (group / "cpu.max").read_text().split()[:2]
             if quota == "max":
                 return None

@@ -263,7 +263,8 @@ class ModelRegistry:
         # Adapters-on-the-shared-base sampling models (merged would not fit), LRU order, with
         # their adapters' bytes: built once per sampler, not per request.
         self._unmerged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
-        # Samplers built on their adapters because free memory had no room for a merged copy.
+        # Sampling models built on adapters because free memory had no room for a merged copy
+        # (a sampler rebuilt after leaving the kept ones counts again).
         self._low_memory_fallbacks = 0
         self._low_memory_noted = False
 
@@ -541,7 +542,9 @@ class ModelRegistry:
         dtype = self.sampler_dtype or adapted.dtype
         size = _merged_bytes(adapted, dtype)
         budget = self._merged_budget_for(size)
-        self._trim_merged(budget - size if size <= budget else budget)
+        evicted = self._trim_merged(budget - size if size <= budget else budget)
+        if evicted and size <= budget and not self._room_after_eviction(size):
+            budget = 0  # an evicted copy still decodes somewhere: its memory is not back yet
         if size > budget:
             if dtype != adapted.dtype:
                 adapted = self._adapted(s.resolved, spec, dtype)
@@ -555,13 +558,28 @@ class ModelRegistry:
         self._merged[s.sampler_id] = (merged, size)
         return merged
 
-    def _trim_merged(self, keep_bytes: int) -> None:
-        """Evict the least recently used merged copies until at most ``keep_bytes`` remain."""
+    def _trim_merged(self, keep_bytes: int) -> bool:
+        """Evict the least recently used merged copies until at most ``keep_bytes`` remain;
+        whether any went."""
         if sum(b for _, b in self._merged.values()) <= keep_bytes:
-            return
+            return False
         while self._merged and sum(b for _, b in self._merged.values()) > keep_bytes:
             self._merged.popitem(last=False)
         return_freed_memory()
+        return True
+
+    def _room_after_eviction(self, size: int) -> bool:
+        """After evicting for a copy of ``size`` bytes on the memory-derived budget: is the
+        room really there? `_merged_budget_for` counted the evicted copies as freed, but one
+        a decode still holds (or whose packed weights were never built) frees less."""
+        if self.merged_budget is not None:
+            return True
+        room = free_memory(self.device)
+        headroom = max(MERGED_HEADROOM, size // 2)
+        if room is None or room - headroom >= size:
+            return True
+        self._note_low_memory(size, room, headroom)
+        return False
 
     def _merged_budget_for(self, size: int) -> int:
         """The merged cache's budget when adding a copy of ``size`` bytes: the configured one,
@@ -576,7 +594,14 @@ class ModelRegistry:
         held = sum(b for _, b in self._merged.values())
         headroom = max(MERGED_HEADROOM, size // 2)
         allowed = max(0, held + room - headroom)
-        if allowed < size and not self._low_memory_noted:
+        if allowed < size:
+            self._note_low_memory(size, room, headroom)
+        return min(budget, allowed)
+
+    def _note_low_memory(self, size: int, room: int, headroom: int) -> None:
+        """A sampler built on its adapters for want of memory: counted, and said once."""
+        self._low_memory_fallbacks += 1
+        if not self._low_memory_noted:
             self._low_memory_noted = True
             log.warning(
                 "low memory: samplers decode through their LoRA adapters (slower) instead of "
@@ -584,9 +609,6 @@ class ModelRegistry:
                 "leave less than %d MiB. Free memory, or set %s (MiB) to fix the budget.",
                 size >> 20, room >> 20, self.device, headroom >> 20, MERGED_BUDGET_ENV,
             )  # fmt: skip
-        if allowed < size:
-            self._low_memory_fallbacks += 1
-        return min(budget, allowed)
 
     def _sampler_adapters(self, sampler_id: str) -> dict[str, torch.Tensor]:
         adapters = self._adapters.get(sampler_id)
