@@ -90,6 +90,7 @@ def test_a_server_in_a_container_refuses_what_would_not_fit_and_stays_up(
         flags = ["--model-dir", str(model_dir)]
         with running_server(tmp_path / "store", extra_args=flags) as srv:
             assert srv.proc is not None
+            assert "usable CPUs, free memory: " in srv.log()  # its start-up line
             move(srv.proc.pid, memory)  # what it allocates from here on counts in the group
             service = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-test")
             with pytest.raises(tinker.RequestFailedError, match="MiB of memory free"):

@@ -120,6 +120,7 @@ def test_a_real_v1_group_limits_threads_and_memory(
         "from tinker_sr.backend.local import LocalBackend\n"
         "b = LocalBackend(sys.argv[-1], persistent=False)\n"
         "print(cpu.available_cpus(), cpu.available_memory(), b._torch_threads)\n"
+        "print(cpu.describe_free_memory())\n"
         "b.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TINKER_SR_TORCH_THREADS"}
@@ -128,7 +129,9 @@ def test_a_real_v1_group_limits_threads_and_memory(
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    cpus, room, threads = (int(x) for x in done.stdout.split())
+    numbers, described = done.stdout.strip().splitlines()
+    cpus, room, threads = (int(x) for x in numbers.split())
+    assert described.endswith("GiB (cgroup limit)"), described
     assert cpus == 1 and threads == 1
     assert 0 < room <= 3 * GIB
 

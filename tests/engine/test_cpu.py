@@ -212,3 +212,16 @@ def test_each_training_step_fits_the_allocator_to_the_free_memory(
         service.close().result()
         backend.close()
     assert seen == [12345, 12345]
+
+
+def test_free_memory_is_described_with_where_its_limit_comes_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu, "available_memory", lambda: 3 << 30)
+    monkeypatch.setattr(cpu.cgroups, "memory_room", lambda: 3 << 30)
+    assert cpu.describe_free_memory() == "free memory: 3.0 GiB (cgroup limit)"
+    assert "| free memory: 3.0 GiB (cgroup limit) |" in cpu.describe_machine()
+    monkeypatch.setattr(cpu.cgroups, "memory_room", lambda: None)
+    assert cpu.describe_free_memory() == "free memory: 3.0 GiB"
+    monkeypatch.setattr(cpu, "available_memory", lambda: None)
+    assert cpu.describe_free_memory() == "free memory: unknown"

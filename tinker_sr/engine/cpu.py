@@ -34,6 +34,7 @@ __all__ = [
     "available_memory",
     "cpu_model",
     "default_torch_threads",
+    "describe_free_memory",
     "describe_machine",
     "fit_allocator_to_memory",
     "has_fast_bf16",
@@ -128,15 +129,28 @@ def has_fast_bf16() -> bool:
 
 
 def describe_machine() -> str:
-    """One line for benchmark reports: CPU model, ISA flags, usable CPUs, torch version."""
+    """One line for benchmark reports: CPU model, ISA flags, usable CPUs, free memory (both
+    within any cgroup limits), torch version."""
     import torch
 
     return (
         f"CPU: {cpu_model()} | flags: {' '.join(isa_flags()) or '-'} | usable CPUs: "
-        f"{available_cpus()} | load avg: {os.getloadavg()[0]:.2f} | torch {torch.__version__} "
+        f"{available_cpus()} | {describe_free_memory()} | load avg: {os.getloadavg()[0]:.2f} | "
+        f"torch {torch.__version__} "
         f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
+
+
+def describe_free_memory() -> str:
+    """``free memory: 21.9 GiB`` (`available_memory`), ``... (cgroup limit)`` where a cgroup
+    leaves less than the machine has; ``free memory: unknown`` where neither can be read."""
+    room = available_memory()
+    if room is None:
+        return "free memory: unknown"
+    limited = cgroups.memory_room()
+    where = " (cgroup limit)" if limited is not None and limited <= room else ""
+    return f"free memory: {room / 2**30:.1f} GiB{where}"
 
 
 ALLOCATOR_ENV = "TINKER_SR_MALLOC_TUNING"

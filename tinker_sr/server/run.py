@@ -7,6 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tinker_sr.engine.cpu import available_cpus, describe_free_memory
 from tinker_sr.limits import Limits
 
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
@@ -82,7 +83,8 @@ def serve(
     if features is not None and features.reduced:
         auth += f"; {features.describe()}"
     print(
-        f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth})",
+        f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
+        f"{available_cpus()} usable CPUs, {describe_free_memory()})",
         file=sys.stderr,
         flush=True,
     )
