@@ -35,8 +35,7 @@ def make_group(limit: int) -> Path:
     own = cgroups.group_dirs("memory")
     if not own:
         raise OSError("no cgroup memory hierarchy is mounted under /sys/fs/cgroup")
-    v2 = own[0] == cgroups.ROOT or cgroups.ROOT in own[0].parents
-    v2 = v2 and not (cgroups.ROOT / "memory").is_dir()
+    v2 = not (cgroups.ROOT / "memory").is_dir()  # group_dirs found the v2 tree, not v1's
     group = own[0] / f"tinker-sr-limit-{os.getpid()}"
     group.mkdir()
     try:
@@ -52,17 +51,6 @@ def make_group(limit: int) -> Path:
     return group
 
 
-def _counter(path: Path, name: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == name:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def group_report(group: Path) -> tuple[int, int]:
     """(peak bytes, OOM kills) of ``group`` (v1 or v2 files)."""
     for name in ("memory.max_usage_in_bytes", "memory.peak"):
@@ -71,9 +59,8 @@ def group_report(group: Path) -> tuple[int, int]:
             break
         except (OSError, ValueError, IndexError):
             peak = 0
-    kills = _counter(group / "memory.oom_control", "oom_kill") + _counter(
-        group / "memory.events", "oom_kill"
-    )
+    kills = cgroups.stat_field(group / "memory.oom_control", "oom_kill")
+    kills += cgroups.stat_field(group / "memory.events", "oom_kill")
     return peak, kills
 
 

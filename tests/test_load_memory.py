@@ -17,8 +17,6 @@ from tests._server import running_server  # noqa: E402
 from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine import hf  # noqa: E402
-from tinker_sr.engine.hf_config import config_from_hf  # noqa: E402
-from tinker_sr.hf_files import read_json  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 
 
@@ -28,10 +26,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _need(model_dir: Path) -> int:
-    import torch
-
-    config = config_from_hf(read_json(model_dir / "config.json"), name="m")
-    return hf._model_bytes(config, torch.float32)
+    """The bytes of the model's parameters as loaded (a tied embedding once)."""
+    params = {id(p): p for p in hf.load_model_dir(model_dir).parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(

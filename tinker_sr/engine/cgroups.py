@@ -92,8 +92,9 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _stat_field(path: Path, *names: str) -> int:
-    """The first of ``names`` found in a memory.stat file, else 0."""
+def stat_field(path: Path, *names: str) -> int:
+    """The first of ``names`` found in a ``key value`` file (memory.stat, memory.events,
+    memory.oom_control), else 0."""
     try:
         fields = dict(line.split(None, 1) for line in path.read_text().splitlines() if " " in line)
     except (OSError, ValueError):
@@ -111,13 +112,13 @@ def _memory_room(group: Path) -> int | None:
     if _isfile(group / "memory.max"):  # v2: "max" is none
         limit = _read_int(group / "memory.max")
         usage = _read_int(group / "memory.current")
-        inactive = _stat_field(group / "memory.stat", "inactive_file")
+        inactive = stat_field(group / "memory.stat", "inactive_file")
     else:  # v1
         limit = _read_int(group / "memory.limit_in_bytes")
         if limit is not None and limit >= _V1_UNLIMITED:
             limit = None
         usage = _read_int(group / "memory.usage_in_bytes")
-        inactive = _stat_field(group / "memory.stat", "total_inactive_file", "inactive_file")
+        inactive = stat_field(group / "memory.stat", "total_inactive_file", "inactive_file")
     if limit is None or usage is None:
         return None
     return max(0, limit - max(0, usage - inactive))

@@ -57,20 +57,26 @@ def available_cpus() -> int:
     return max(1, min(cpus, quota) if quota else cpus)
 
 
+def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's MemAvailable in bytes, None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """Bytes this process could still allocate: MemAvailable, capped by the room left under
     any cgroup memory limit over it (`cgroups.memory_room`, v1 or v2); None where neither can
     be read."""
-    found: list[int] = []
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    room = cgroups.memory_room()
-    if room is not None:
-        found.append(room)
+    return _least(_mem_available(meminfo), cgroups.memory_room())
+
+
+def _least(machine: int | None, limited: int | None) -> int | None:
+    found = [x for x in (machine, limited) if x is not None]
     return max(0, min(found)) if found else None
 
 
@@ -145,10 +151,10 @@ def describe_machine() -> str:
 def describe_free_memory() -> str:
     """``free memory: 21.9 GiB`` (`available_memory`), ``... (cgroup limit)`` where a cgroup
     leaves less than the machine has; ``free memory: unknown`` where neither can be read."""
-    room = available_memory()
+    limited = cgroups.memory_room()
+    room = _least(_mem_available(), limited)
     if room is None:
         return "free memory: unknown"
-    limited = cgroups.memory_room()
     where = " (cgroup limit)" if limited is not None and limited <= room else ""
     return f"free memory: {room / 2**30:.1f} GiB{where}"
 
@@ -156,11 +162,15 @@ def describe_free_memory() -> str:
 ALLOCATOR_ENV = "TINKER_SR_MALLOC_TUNING"
 # glibc mallopt parameters (malloc.h) and the values the engine sets.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
-_ALLOCATOR_SETTINGS = (
-    (_M_ARENA_MAX, 1),  # every thread allocates from the main (sbrk) heap: no 64 MiB arena cap
+# What `fit_allocator_to_memory` switches between the lean settings and back.
+_TUNED_SETTINGS = (
     (_M_MMAP_THRESHOLD, 32 << 20),  # glibc's maximum: blocks below it come from the heap
     (_M_TRIM_THRESHOLD, 1 << 30),  # keep up to 1 GiB of freed heap for the next step
     (_M_TOP_PAD, 64 << 20),  # grow the heap in 64 MiB steps
+)
+_ALLOCATOR_SETTINGS = (
+    (_M_ARENA_MAX, 1),  # every thread allocates from the main (sbrk) heap: no 64 MiB arena cap
+    *_TUNED_SETTINGS,
 )
 _allocator_tuned: bool | None = None
 # Where memory is short, the memory a step freed and the allocator keeps is what gets the
@@ -210,7 +220,7 @@ def fit_allocator_to_memory(room: int | None) -> bool:
     lean = room < (2 * LEAN_BELOW if _allocator_lean else LEAN_BELOW)
     libc = _glibc()
     if lean != _allocator_lean and libc is not None:
-        for key, value in _LEAN_SETTINGS if lean else _ALLOCATOR_SETTINGS[1:]:
+        for key, value in _LEAN_SETTINGS if lean else _TUNED_SETTINGS:
             libc.mallopt(key, value)
         if lean:
             libc.malloc_trim(0)  # what the tuned settings kept

@@ -74,7 +74,7 @@ def free_memory(device: torch.device) -> int | None:
     """Bytes still allocatable on ``device``: for CUDA the GPU's free memory plus what torch's
     caching allocator holds unused, else the host's (`cpu.available_memory`: MemAvailable,
     capped by a cgroup limit); None where unknown."""
-    if device.type == "cuda":  # free, plus what torch's caching allocator holds unused
+    if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
     return available_memory()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -111,20 +112,20 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     return DTYPES[name]
 
 
-def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> list[str]:
+def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[str, int]:
     """The checkpoint's tensors (names and shapes from the safetensors headers) against the
     model `config` describes: each must have a place of its shape, and each place a tensor.
-    Returns the names of the tensors that will load."""
+    Returns the tensors that will load, each with its number of elements."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
-    placed: list[str] = []
+    placed: dict[str, int] = {}
     for f, key, sl in _tensors(files):
         if key not in shapes:
             if not key.endswith(IGNORED_SUFFIXES):
                 unused.append(key)
             continue
-        placed.append(key)
+        placed[key] = math.prod(sl.get_shape())
         if (expected := shapes.pop(key)) != tuple(sl.get_shape()):
             raise EngineUserError(
                 f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
@@ -177,12 +178,12 @@ def load_model_dir(
     if config.tie_embeddings and "lm_head.weight" in placed:
         config = _tie_or_untie(root, files, config)
         if config.tie_embeddings:
-            placed.remove("lm_head.weight")
+            del placed["lm_head.weight"]
     dtype = dtype or checkpoint_dtype(root, hf)
-    check_room(root, _model_bytes(config, dtype))
+    total = sum(placed.values()) * torch.empty((), dtype=dtype).element_size()
+    check_room(root, total)
     model = _empty_model(config, dtype)
     own = model.state_dict()
-    total = sum(own[k].nbytes for k in placed)
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
@@ -196,14 +197,6 @@ def load_model_dir(
             root, len(placed), total / 2**30, time.perf_counter() - start,
         )  # fmt: skip
     return model
-
-
-def _model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the loaded model's parameters take in ``dtype`` (a tied embedding once)."""
-    with torch.device("meta"):
-        meta = Transformer(config)
-    params = {id(p): p for p in meta.parameters()}.values()
-    return sum(p.numel() for p in params) * torch.empty((), dtype=dtype).element_size()
 
 
 def check_room(root: Path, need: int) -> None:

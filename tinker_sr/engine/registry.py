@@ -558,12 +558,16 @@ class ModelRegistry:
         self._merged[s.sampler_id] = (merged, size)
         return merged
 
+    def _merged_held(self) -> int:
+        """Bytes of the merged copies held."""
+        return sum(b for _, b in self._merged.values())
+
     def _trim_merged(self, keep_bytes: int) -> bool:
         """Evict the least recently used merged copies until at most ``keep_bytes`` remain;
         whether any went."""
-        if sum(b for _, b in self._merged.values()) <= keep_bytes:
+        if self._merged_held() <= keep_bytes:
             return False
-        while self._merged and sum(b for _, b in self._merged.values()) > keep_bytes:
+        while self._merged and self._merged_held() > keep_bytes:
             self._merged.popitem(last=False)
         return_freed_memory()
         return True
@@ -575,7 +579,7 @@ class ModelRegistry:
         if self.merged_budget is not None:
             return True
         room = free_memory(self.device)
-        headroom = max(MERGED_HEADROOM, size // 2)
+        headroom = _merged_headroom(size)
         if room is None or room - headroom >= size:
             return True
         self._note_low_memory(size, room, headroom)
@@ -591,8 +595,8 @@ class ModelRegistry:
         room = free_memory(self.device)
         if room is None:
             return budget
-        held = sum(b for _, b in self._merged.values())
-        headroom = max(MERGED_HEADROOM, size // 2)
+        held = self._merged_held()
+        headroom = _merged_headroom(size)
         allowed = max(0, held + room - headroom)
         if allowed < size:
             self._note_low_memory(size, room, headroom)
@@ -656,11 +660,16 @@ class ModelRegistry:
             "adapters_in_memory_bytes": sum(_nbytes(a) for a in self._adapters.values()),
             "adapters_spilled": len(self._spilled),
             "merged": len(self._merged),
-            "merged_bytes": sum(b for _, b in self._merged.values()),
+            "merged_bytes": self._merged_held(),
             "unmerged": len(self._unmerged),
             "unmerged_bytes": sum(b for _, b in self._unmerged.values()),
             "unmerged_low_memory": self._low_memory_fallbacks,
         }
+
+
+def _merged_headroom(size: int) -> int:
+    """Free memory a merged copy of ``size`` bytes must leave (`MERGED_HEADROOM`)."""
+    return max(MERGED_HEADROOM, size // 2)
 
 
 def _merged_bytes(adapted: Transformer, dtype: torch.dtype) -> int:
