@@ -1,6 +1,7 @@
 """tinker-cookbook 0.6.1 recipes run unchanged on tinker_sr, both ways, on a BPE model.
 
-Each recipe runs a few steps in a subprocess (tests/integration/cookbook_driver.py):
+Each recipe runs a few steps in a subprocess (tests/integration/cookbook_driver.py), two at a
+time ahead of the tests that check them (`jobs`):
 
 * ``embedded``: ``tinker-sr run cookbook_driver.py ...``: ``import tinker`` is tinker_sr, the
   embedded engine does the work;
@@ -26,6 +27,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -230,16 +232,76 @@ def way(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def maybe_server(way: str, request: pytest.FixtureRequest) -> ServerProcess | None:
-    return request.getfixturevalue("server") if way == "sdk" else None
+# The recipe each test runs, when not a parameter of its own (`test_rl_train`'s ``job``).
+_JOB_OF = {
+    "test_rl_train_async_off_policy_stable_reinforce": "rl_async_sr",
+    "test_rl_train_resumes_from_its_checkpoint": "rl_resume",
+    "test_supervised_train": "sl",
+    "test_dpo_through_forward_backward_custom": "dpo",
+    "test_on_policy_distillation_from_the_base_model": "distill",
+    "test_rl_kl_penalty_post_kl_and_streamed_minibatches": "rl_kl_stream",
+    "test_multi_turn_stable_reinforce_one_datum_names_every_turn": "rl_turns_sr",
+    "test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer": "rl_is",
+    "test_the_cookbooks_trace_and_capture_record_the_run": "rl_capture",
+}
+JobKey = tuple[str, str, str | None]  # (way, job, Hub name or None: the model's directory)
+# Jobs at once. Each is a subprocess of its own (one torch thread; the sdk way's server
+# serves each job's client), so running two side by side changes no job's inputs, and on two
+# cores it nearly halves the module's time, most of which is each subprocess importing the
+# cookbook, transformers and torch.
+_PARALLEL_JOBS = 2
+
+
+def _job_key(item: pytest.Item) -> JobKey | None:
+    name = getattr(item, "originalname", item.name)
+    params: dict[str, Any] = getattr(getattr(item, "callspec", None), "params", {})
+    job = params.get("job", _JOB_OF.get(name))
+    return None if job is None else (params["way"], job, params.get("hub"))
+
+
+class Jobs:
+    """The selected tests' jobs, started in the tests' order `_PARALLEL_JOBS` at a time,
+    ahead of the tests that check them; `log` waits for one (its failure fails that test)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool, self.futures = pool, dict[JobKey, "Future[Path]"]()
+
+    def log(self, key: JobKey) -> Path:
+        assert key in self.futures, f"{key} was not started: is its test in _JOB_OF?"
+        return self.futures[key].result()
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Jobs]:
+    here = Path(__file__)
+    keys = [k for it in request.session.items if it.path == here and (k := _job_key(it))]
+    # Fixtures resolve here, on the test thread; the pool's threads only run subprocesses.
+    models = {None: request.getfixturevalue("model")}
+    if any(hub for _, _, hub in keys):
+        models |= {HUB_NAME: models[None], LLAMA_HUB: request.getfixturevalue("llama3_model")}
+    home = request.getfixturevalue("hf_home") if len(models) > 1 else None
+    srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
+    with ThreadPoolExecutor(_PARALLEL_JOBS, thread_name_prefix="cookbook-job") as pool:
+        pending = Jobs(pool)
+        for key in dict.fromkeys(keys):
+            way, job, hub = key
+            tmp = tmp_path_factory.mktemp(f"{way}-{job}")
+            server = srv if way == "sdk" else None
+            pending.futures[key] = pool.submit(
+                run_job, way, job, models[hub], tmp, server, name=hub, hf_home=home if hub else None
+            )
+        try:
+            yield pending
+        finally:  # a stopped session leaves no job running against a closing server
+            for future in pending.futures.values():
+                future.cancel()
 
 
 @pytest.mark.parametrize("job", ["rl_is", "rl_ppo", "rl_gspo"])
-def test_rl_train(
-    way: str, job: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, job, model, tmp_path, maybe_server)
+def test_rl_train(way: str, job: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, job, None))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     assert all(r["tokens/trained"] > 0 for r in rows)
     # Rewards differ within groups, so advantages (and gradients) are not all zero.
@@ -251,10 +313,8 @@ def test_rl_train(
     check_rl_sampling(log, model)
 
 
-def test_rl_train_async_off_policy_stable_reinforce(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, "rl_async_sr", model, tmp_path, maybe_server)
+def test_rl_train_async_off_policy_stable_reinforce(way: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, "rl_async_sr", None))
     rows = check_steps(log, 3, ("optim/lr",))
     assert all(r["tokens/trained"] > 0 for r in rows)
     # The first groups_per_batch * (max_steps_off_policy + 1) = 4 rollouts all start on the
@@ -266,10 +326,8 @@ def test_rl_train_async_off_policy_stable_reinforce(
     check_rl_sampling(log, model)
 
 
-def test_rl_train_resumes_from_its_checkpoint(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, "rl_resume", model, tmp_path, maybe_server)
+def test_rl_train_resumes_from_its_checkpoint(way: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, "rl_resume", None))
     summary = json.loads((log / "driver.json").read_text())
     first = summary["checkpoints_after_first_run"]
     assert [c["batch"] for c in first if c["name"] != "final"] == [1], first
@@ -283,20 +341,16 @@ def test_rl_train_resumes_from_its_checkpoint(
     assert trained == sorted(trained) and trained[0] > 0
 
 
-def test_supervised_train(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, "sl", model, tmp_path, maybe_server)
+def test_supervised_train(way: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, "sl", None))
     rows = check_steps(log, 3, ("train_mean_nll", "num_loss_tokens"))
     assert all(r["num_loss_tokens"] > 0 for r in rows)
     final = json.loads((log / "driver.json").read_text())["checkpoints"][-1]
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://")
 
 
-def test_dpo_through_forward_backward_custom(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, "dpo", model, tmp_path, maybe_server)
+def test_dpo_through_forward_backward_custom(way: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, "dpo", None))
     rows = check_steps(log, 2, ("dpo_loss", "accuracy", "chosen_reward", "rejected_reward"))
     # Step 0: the policy is the reference, so the DPO loss is log 2; after one update the
     # chosen completions (the right sums) gained on the rejected ones.
@@ -304,10 +358,8 @@ def test_dpo_through_forward_backward_custom(
     assert rows[1]["margin"] > rows[0]["margin"]
 
 
-def test_on_policy_distillation_from_the_base_model(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
-    log = run_job(way, "distill", model, tmp_path, maybe_server)
+def test_on_policy_distillation_from_the_base_model(way: str, model: Any, jobs: Jobs) -> None:
+    log = jobs.log((way, "distill", None))
     rows = check_steps(log, 2, ("teacher_kl", "optim/kl_sample_train_v1"))
     # Step 0: the student is the teacher (both the base model), so the reverse KL between the
     # sampled tokens' log-probabilities and the teacher's is zero up to float32 rounding...
@@ -318,13 +370,11 @@ def test_on_policy_distillation_from_the_base_model(
     check_rl_sampling(log, model)
 
 
-def test_rl_kl_penalty_post_kl_and_streamed_minibatches(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
+def test_rl_kl_penalty_post_kl_and_streamed_minibatches(way: str, model: Any, jobs: Jobs) -> None:
     """``rl.train`` with a KL penalty against the base model (a second sampling client's
     ``compute_logprobs``), post-update KL, and each batch streamed as two minibatches (two
     ``forward_backward`` calls per ``optim_step``)."""
-    log = run_job(way, "rl_kl_stream", model, tmp_path, maybe_server)
+    log = jobs.log((way, "rl_kl_stream", None))
     rows = check_steps(log, 2, ("kl_policy_base", "kl_pre_post_v1", "optim/kl_sample_train_v1"))
     # Step 0 samples from the untrained policy, which is the base: their KL is rounding.
     assert abs(rows[0]["kl_policy_base"]) < 1e-5, rows[0]["kl_policy_base"]
@@ -334,13 +384,13 @@ def test_rl_kl_penalty_post_kl_and_streamed_minibatches(
 
 
 def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
+    way: str, model: Any, jobs: Jobs
 ) -> None:
     """A three-turn env whose observations extend each other token for token: the cookbook
     merges each rollout into one datum whose provenance names three sampled sequences (one per
     turn, each turn's prompt the whole conversation so far), and ``stable_reinforce`` trains on
     it; every turn's sampled log-probabilities match the learner's."""
-    log = run_job(way, "rl_turns_sr", model, tmp_path, maybe_server)
+    log = jobs.log((way, "rl_turns_sr", None))
     rows = check_steps(log, 2, ("optim/lr", "env/all/turns_per_episode"))
     assert all(r["env/all/turns_per_episode"] == 3 and r["tokens/trained"] > 0 for r in rows)
     calls = jsonl(log / "training.jsonl")
@@ -359,12 +409,7 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
 
 @pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
-    way: str,
-    hub: str,
-    tmp_path: Path,
-    maybe_server: ServerProcess | None,
-    hf_home: Path,
-    request: pytest.FixtureRequest,
+    way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
     """What a user's config says: ``model_name="Qwen/Qwen3-8B"`` or
     ``"meta-llama/Llama-3.1-8B-Instruct"``, found offline in the local HF cache (the engine's,
@@ -372,7 +417,7 @@ def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     for it (``qwen3``: stop on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the
     ``<|eot_id|>`` id)."""
     model = request.getfixturevalue("model" if hub == HUB_NAME else "llama3_model")
-    log = run_job(way, "rl_is", model, tmp_path, maybe_server, name=hub, hf_home=hf_home)
+    log = jobs.log((way, "rl_is", hub))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     assert all(r["tokens/trained"] > 0 for r in rows)
     check_on_policy_numerics(rows)
@@ -381,13 +426,11 @@ def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     assert ends["stop_string"] == 0, ends
 
 
-def test_the_cookbooks_trace_and_capture_record_the_run(
-    way: str, model: Any, tmp_path: Path, maybe_server: ServerProcess | None
-) -> None:
+def test_the_cookbooks_trace_and_capture_record_the_run(way: str, model: Any, jobs: Jobs) -> None:
     """``enable_trace=True`` and ``capture.instrument_tinker`` patch the clients' methods (the
     sampler's id read from the SDK's private ``_sampling_session_id``): every sample call and
     training op lands in the capture files with its tokens, logprobs and metrics."""
-    log = run_job(way, "rl_capture", model, tmp_path, maybe_server)
+    log = jobs.log((way, "rl_capture", None))
     check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     samples = jsonl(log / "capture" / "sample.jsonl")
     recorded = [s for c in jsonl(log / "samples.jsonl") for s in c["sequences"]]
