@@ -1,5 +1,5 @@
 """The Hugging Face architectures users bring beyond Llama and Qwen3 (Qwen2 with its q/k/v biases,
-Mistral with its sliding window, Llama with attention biases), each checked against
+Mistral with its sliding window, Llama with attention biases, Qwen3-MoE), each checked against
 transformers on the same directory; and the config fields or tensors the engine cannot compute,
 refused by name instead of silently computing another model."""
 
@@ -32,7 +32,8 @@ IDS = [1, 5, 100, 200, 300, 400, 450, 33, 7]
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("arch")
-    out = {f: make_tiny_hf_model_dir(root / f, family=f) for f in ("qwen2", "mistral")}  # type: ignore[arg-type]
+    families = ("qwen2", "mistral", "qwen3_moe")
+    out = {f: make_tiny_hf_model_dir(root / f, family=f) for f in families}  # type: ignore[arg-type]
     # Llama with attention_bias=true: biases on q, k, v *and* o (one the engine once dropped).
     llama = root / "llama-bias"
     config = LlamaConfig(
@@ -66,7 +67,7 @@ def _hf_logits(root: Path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits.float()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias", "llama-linear"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias", "llama-linear", "qwen3_moe"])
 def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     ours = load_model_dir(dirs[family])
     with torch.no_grad():
@@ -81,7 +82,7 @@ def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     assert (o_bias is not None) == (family == "llama-bias")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias", "qwen3_moe"])
 def test_sample_and_train_through_the_api(
     tmp_path: Path, dirs: dict[str, Path], family: str
 ) -> None:
@@ -120,6 +121,9 @@ def test_sliding_window_caps_the_context(tmp_path: Path, dirs: dict[str, Path]) 
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10)).result()
     client.close().result()
     backend.close()
+
+
+_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
 
 
 def _qwen3(**over: Any) -> dict[str, Any]:
@@ -161,6 +165,12 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "x": 1}}, "\\['x'\\]"),
         ({"head_dim": 15}, "head_dim 15 must be even"),
+        (_MOE | {"num_experts": 4, "num_local_experts": 8}, "num_experts and num_local_experts"),
+        (_MOE | {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_experts=8"),
+        (_MOE | {"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be a positive integer"),
+        (_MOE | {"mlp_only_layers": "0"}, "mlp_only_layers='0' must be a list"),
+        (_MOE | {"norm_topk_prob": 1}, "norm_topk_prob=1 must be true or false"),
+        (_MOE | {"moe_intermediate_size": -1}, "moe_intermediate_size=-1"),
     ],
 )
 def test_fields_the_engine_cannot_compute_are_refused(over: dict[str, Any], field: str) -> None:
@@ -184,7 +194,8 @@ def test_a_tensor_without_a_place_is_refused(tmp_path: Path, dirs: dict[str, Pat
 
 
 def test_save_pretrained_names_the_architecture_transformers_computes(tmp_path: Path) -> None:
-    """q/k/v-only biases are written as Qwen2 (a Llama config would add an o_proj bias)."""
+    """q/k/v-only biases are written as Qwen2 (a Llama config would add an o_proj bias);
+    mixture-of-experts layers as Qwen3-MoE."""
     import dataclasses
 
     config = dataclasses.replace(BUILTIN_CONFIGS["tinker-sr/tiny"], attention_bias=True)
@@ -204,6 +215,20 @@ def test_save_pretrained_names_the_architecture_transformers_computes(tmp_path: 
     qk = dataclasses.replace(config, qk_norm=True)
     with pytest.raises(EngineUserError, match="no Hugging Face architecture"):
         config_to_hf(qk)
+    # Mixture-of-experts layers (here the second of two) are written as Qwen3-MoE.
+    moe = dataclasses.replace(
+        BUILTIN_CONFIGS["tinker-sr/tiny"], n_experts=4, experts_per_token=2, moe_ffn_dim=32,
+        moe_layers=(1,), qk_norm=True,
+    )  # fmt: skip
+    save_pretrained(build_model(moe, seed=2), tmp_path / "moe")
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["architectures"] == [
+        "Qwen3MoeForCausalLM"
+    ]
+    with torch.no_grad():
+        mine = load_model_dir(tmp_path / "moe")(torch.tensor([ids]))
+    torch.testing.assert_close(mine, _hf_logits(tmp_path / "moe", ids), rtol=0, atol=1e-5)
+    with pytest.raises(EngineUserError, match="mixture-of-experts layers need q/k norms"):
+        config_to_hf(dataclasses.replace(moe, qk_norm=False))
 
 
 def _copy_dir(src: Path, dst: Path, **config_over: Any) -> Path:
@@ -359,6 +384,19 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2 window on": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256,
         "max_window_layers": 2, **_WIDE},
     "swish": {"model_type": "llama", "hidden_act": "swish"},
+    "Qwen3-30B-A3B": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "sliding_window": None, "use_sliding_window": False,
+        "max_window_layers": 4, "tie_word_embeddings": False, "attention_bias": False,
+        "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "qwen3_moe as transformers 5 writes it": {"model_type": "qwen3_moe", "head_dim": 16,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+    "qwen3_moe defaults": {"model_type": "qwen3_moe", "num_key_value_heads": 2},
+    "qwen3_moe window on": {"model_type": "qwen3_moe", "num_key_value_heads": 2,
+        "use_sliding_window": True, "sliding_window": 256, "max_window_layers": 28},
     "linear scaling": {"model_type": "llama", "rope_theta": 1e4,
         "rope_scaling": {"type": "linear", "factor": 4.0}},
 }  # fmt: skip
@@ -390,6 +428,15 @@ def test_configs_read_as_transformers_reads_them(case: str) -> None:
     assert ours.max_seq_len == (expected if window is None else min(expected, window))
     assert ours.tie_embeddings == theirs.tie_word_embeddings
     assert ours.attention_bias == (hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")))
+    if hf["model_type"] == "qwen3_moe":  # which layers are sparse, as transformers decides
+        sparse = tuple(
+            i for i in range(theirs.num_hidden_layers)
+            if i not in theirs.mlp_only_layers and (i + 1) % theirs.decoder_sparse_step == 0
+        )  # fmt: skip
+        assert ours.moe_layers == sparse and ours.n_experts == theirs.num_experts
+        assert ours.experts_per_token == theirs.num_experts_per_tok
+        assert ours.moe_ffn_dim == theirs.moe_intermediate_size
+        assert ours.norm_topk_prob == theirs.norm_topk_prob
 
 
 def test_a_tied_head_stored_anyway_loads_as_transformers_loads_it(

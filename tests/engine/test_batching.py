@@ -3,6 +3,7 @@ bit-identical alone or decoded beside any other requests, on either GEMM path.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from tinker_sr.engine import batching
 from tinker_sr.engine.batching import CHUNK, decode_step, gemm_is_row_invariant, padded_rows
-from tinker_sr.engine.model import Transformer, build_model
+from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput, generate
 from tinker_sr.tokenization.hf import byte_token_table
 
@@ -20,6 +21,18 @@ from tinker_sr.tokenization.hf import byte_token_table
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     return build_model("tinker-sr/tiny", seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def moe_model() -> Transformer:
+    """The tiny model with Qwen3-MoE's feed-forward in its second layer (2 of 8 experts): each
+    expert's GEMM sees only the rows routed to it, so its row count changes with the batch."""
+    config = dataclasses.replace(
+        BUILTIN_CONFIGS["tinker-sr/tiny"],
+        name="tiny-moe", n_experts=8, experts_per_token=2, moe_ffn_dim=32,
+        norm_topk_prob=True, moe_layers=(1,),
+    )  # fmt: skip
+    return build_model(config, seed=3).eval()
 
 
 def requests() -> list[dict[str, Any]]:
@@ -75,8 +88,12 @@ def assert_same(a: list[SampleOutput], b: list[SampleOutput]) -> None:
                 np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_batched_requests_equal_each_request_alone(model: Transformer, threads: int) -> None:
+def test_batched_requests_equal_each_request_alone(
+    request: pytest.FixtureRequest, kind: str, threads: int
+) -> None:
+    model = request.getfixturevalue("model" if kind == "dense" else "moe_model")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

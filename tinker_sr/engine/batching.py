@@ -35,9 +35,11 @@ from tinker_sr.engine.fused import rotate_eager
 from tinker_sr.engine.gemm import packed_linear
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.model import (
+    MLP,
     Attention,
     DecoderLayer,
     KVCache,
+    SparseMoe,
     Transformer,
     rope_angles,
 )
@@ -156,11 +158,31 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
-        gate = F.silu(linear_rows(mlp.gate_proj, h))
-        x = x + linear_rows(mlp.down_proj, gate * linear_rows(mlp.up_proj, h))
+        x = x + (_moe_rows(mlp, h, m) if isinstance(mlp, SparseMoe) else _mlp_rows(mlp, h))
     logits = linear_rows(model.lm_head, model.model.norm(x)).float().cpu()  # samplers: CPU
     sizes = [len(g.active) for g in groups]
     return list(logits[:m].split(sizes))
+
+
+def _mlp_rows(mlp: MLP, h: Tensor) -> Tensor:
+    gate = F.silu(linear_rows(mlp.gate_proj, h))
+    return linear_rows(mlp.down_proj, gate * linear_rows(mlp.up_proj, h))
+
+
+def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
+    """The experts' weighted sum for the first ``m`` rows of h (the rest are padding). Each
+    expert runs on its rows padded to a multiple of CHUNK, so a row's result is that of a
+    CHUNK-row GEMM whatever else was routed with it; a row adds its experts in ascending
+    order, as `SparseMoe.forward` does."""
+    weights, chosen = moe.route(linear_rows(moe.gate, h)[:m], h.dtype)
+    out = torch.zeros_like(h)
+    for e, rows, slot in moe.assignments(chosen):
+        n = len(rows)
+        xs = torch.zeros(padded_rows(n), h.shape[1], dtype=h.dtype, device=h.device)
+        xs[:n] = h[rows]
+        y = _mlp_rows(cast(MLP, moe.experts[e]), xs)[:n]
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out
 
 
 def _attention(

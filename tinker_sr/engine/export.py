@@ -79,6 +79,17 @@ def export_peft(
     ckpt: LoraCheckpoint, out: str | os.PathLike[str], *, base_model_name_or_path: str
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into `out`."""
+    experts = sorted({k.split(".mlp.experts.")[0] for k in ckpt.adapters if ".mlp.experts." in k})
+    if experts:
+        # transformers 5 holds a MoE layer's experts as fused 3-D parameters, where PEFT finds
+        # no per-expert gate/up/down module: it would load the adapter without them, silently.
+        raise EngineUserError(
+            f"this checkpoint has adapters on mixture-of-experts experts ({experts[0]} and "
+            f"{len(experts) - 1} more layers), which a PEFT adapter directory cannot carry to "
+            "transformers 5 (it stores the experts fused and PEFT would drop those adapters "
+            "without a word); export with --merge (a merged model directory, loadable by "
+            "transformers and vLLM), or train with train_mlp=False for a PEFT adapter"
+        )
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     tensors = {PEFT_PREFIX + k: v.float() for k, v in ckpt.adapters.items()}

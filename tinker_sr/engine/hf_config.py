@@ -12,6 +12,11 @@ of the checkpoint must land in the model.
 | MistralForCausalLM | no | no | no | ``sliding_window`` (absent: 4096), every layer |
 | Qwen2ForCausalLM | no | yes | no | ``sliding_window`` if ``use_sliding_window`` |
 | Qwen3ForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | as Qwen2 |
+| Qwen3MoeForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | every layer if ``use_sliding_window`` |
+
+Qwen3-MoE's feed-forward is sparse in the layers ``decoder_sparse_step`` and ``mlp_only_layers``
+select (`_moe`); its router's auxiliary load-balancing loss (``router_aux_loss_coef``) is a
+pre-training term that Tinker's losses do not add, so it is not computed.
 
 A sliding window W caps the context at W tokens (``max_seq_len = min(max_position_embeddings,
 W)``): within W tokens sliding-window attention *is* causal attention, so the model is exact;
@@ -41,7 +46,8 @@ class _Arch:
     qk_norm: bool
     qkv_bias: bool | None  # None: config.json's attention_bias
     out_bias: bool | None  # None: config.json's attention_bias
-    window: str  # "none", "always" (Mistral), "qwen" (use_sliding_window + layer_types)
+    window: str  # "none", "always" (Mistral), "qwen" (use_sliding_window + layer_types),
+    # "flag" (Qwen3-MoE: every layer when use_sliding_window)
     context: int  # max_position_embeddings when absent
     kv_heads: int | None  # num_key_value_heads when absent (None: num_attention_heads)
     head_dim: int | None  # head_dim when absent (None: hidden_size // num_attention_heads)
@@ -53,9 +59,12 @@ ARCHITECTURES: dict[str, _Arch] = {
     "MistralForCausalLM": _Arch(False, False, False, "always", 131072, 8, None, mlp_bias=False),
     "Qwen2ForCausalLM": _Arch(False, True, False, "qwen", 32768, 32, None, mlp_bias=False),
     "Qwen3ForCausalLM": _Arch(True, None, None, "qwen", 32768, 32, 128, mlp_bias=False),
+    "Qwen3MoeForCausalLM": _Arch(True, None, None, "flag", 32768, 4, None, mlp_bias=False),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+MOE = "Qwen3MoeForCausalLM"
 # RoPE keys the engine computes, per rope type (anything else would be ignored: refused).
 ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
@@ -225,10 +234,12 @@ def _window(hf: dict[str, Any], arch: _Arch, n_layers: int, name: str) -> int | 
         if "sliding_window" in hf and hf["sliding_window"] is None:
             return None
         return _count(hf, "sliding_window", name, MISTRAL_DEFAULT_WINDOW)
-    if arch.window != "qwen" or not _flag(hf, "use_sliding_window", name):
+    if arch.window not in ("qwen", "flag") or not _flag(hf, "use_sliding_window", name):
         return None
     if hf.get("sliding_window") is None:
         return None  # transformers: no window, every layer full
+    if arch.window == "flag":
+        return _count(hf, "sliding_window", name)
     types = hf.get("layer_types")
     if types is not None:
         if not isinstance(types, list):
@@ -264,7 +275,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=_count({"num_key_value_heads": n_kv}, "num_key_value_heads", name, n_heads),
-        ffn_dim=_count(hf, "intermediate_size", name),
+        ffn_dim=_count(hf, "intermediate_size", name, 6144 if arch_name == MOE else None),
         max_seq_len=context if window is None else min(context, window),
         rope_theta=float(rope_theta),
         norm_eps=float(_number(hf, "rms_norm_eps", name, 1e-6)),
@@ -277,6 +288,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         attention_bias=bias if arch.qkv_bias is None else arch.qkv_bias,
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
         rope_scaling=scaling,
+        **(_moe(hf, name, n_layers) if arch_name == MOE else {}),
     )
     inv_freq = rope_inv_freq(config)
     if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
@@ -287,10 +299,50 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     return config
 
 
+def _moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's `ModelConfig` fields. The expert count is ``num_experts`` (the Hub's
+    checkpoints) or ``num_local_experts`` (what transformers 5 writes); a layer is sparse
+    unless ``mlp_only_layers`` lists it or ``(layer + 1) % decoder_sparse_step`` is not 0."""
+    counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(map(repr, counts.values()))) > 1:
+        raise EngineUserError(
+            f"{name}: config.json num_experts and num_local_experts differ ({counts}); keep one"
+        )
+    n_experts = _count({"num_experts": next(iter(counts.values()), 128)}, "num_experts", name)
+    top_k = _count(hf, "num_experts_per_tok", name, 8)
+    if top_k > n_experts:
+        raise EngineUserError(
+            f"{name}: config.json num_experts_per_tok={top_k} exceeds num_experts={n_experts}"
+        )
+    step = _count(hf, "decoder_sparse_step", name, 1)
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in dense
+    ):
+        raise EngineUserError(
+            f"{name}: config.json mlp_only_layers={dense!r} must be a list of layer indices"
+        )
+    return {
+        "n_experts": n_experts,
+        "experts_per_token": top_k,
+        "moe_ffn_dim": _count(hf, "moe_intermediate_size", name, 768),
+        "norm_topk_prob": _flag(hf, "norm_topk_prob", name),
+        "moe_layers": tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0),
+    }
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """A config.json that transformers loads as the same model (Qwen3 with q/k norms, Qwen2 for
     q/k/v-only biases, else Llama)."""
-    if config.attention_bias == config.attention_out_bias:
+    same_bias = config.attention_bias == config.attention_out_bias
+    if config.moe_layers and not (config.qk_norm and same_bias):
+        raise EngineUserError(
+            f"model config {config.name!r}: mixture-of-experts layers need q/k norms and "
+            "equal attention biases (Qwen3-MoE), the one MoE architecture written"
+        )
+    if config.moe_layers:
+        arch, model_type = MOE, "qwen3_moe"
+    elif config.attention_bias == config.attention_out_bias:
         arch, model_type = "LlamaForCausalLM", "llama"
         if config.qk_norm:
             arch, model_type = "Qwen3ForCausalLM", "qwen3"
@@ -324,6 +376,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
     if arch != "Qwen2ForCausalLM":
         hf["attention_bias"] = config.attention_bias
+    if arch == MOE:
+        hf |= {
+            "num_experts": config.n_experts,
+            "num_experts_per_tok": config.experts_per_token,
+            "moe_intermediate_size": config.moe_ffn_dim,
+            "norm_topk_prob": config.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(config.n_layers) if i not in config.moe_layers],
+        }
     if config.rope_scaling:
         hf["rope_scaling"] = dict(config.rope_scaling)
     return hf

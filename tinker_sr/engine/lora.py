@@ -83,8 +83,11 @@ def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
     for i in range(model.config.n_layers):
         if spec.train_attn:
             out += [(model.get_submodule(f"model.layers.{i}.self_attn"), n) for n in ATTN]
-        if spec.train_mlp:
-            out += [(model.get_submodule(f"model.layers.{i}.mlp"), n) for n in MLP]
+        if spec.train_mlp:  # a mixture of experts: each expert's projections (not the router)
+            mlp = model.get_submodule(f"model.layers.{i}.mlp")
+            experts = getattr(mlp, "experts", None)
+            for owner in [mlp] if experts is None else list(experts):
+                out += [(owner, n) for n in MLP]
     if spec.train_unembed:
         out.append((model, "lm_head"))
     return out

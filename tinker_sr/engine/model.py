@@ -1,7 +1,8 @@
-"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 family, in one file.
+"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 (and Qwen3-MoE) family.
 
 RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU feed-forward, optional tied embeddings, optional
+`F.scaled_dot_product_attention`, SwiGLU feed-forward (or Qwen3-MoE's routed SwiGLU
+experts, `SparseMoe`), optional tied embeddings, optional
 per-head q/k RMSNorm (Qwen3) and attention projection biases (Qwen2: q/k/v; Llama: all four).
 Submodules carry Hugging Face names, so a real checkpoint's state dict loads by name
 (`load_pretrained`).
@@ -65,6 +66,14 @@ class ModelConfig:
     attention_out_bias: bool = False  # o_proj bias (Llama/Qwen3 attention_bias, not Qwen2)
     # "linear" or Llama 3.x "llama3" RoPE scaling as sorted (key, value) pairs; None = plain.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # Sparse mixture-of-experts feed-forward (Qwen3-MoE) in the layers `moe_layers` names:
+    # `n_experts` SwiGLU experts of width `moe_ffn_dim`, `experts_per_token` chosen per token
+    # by a linear router's softmax, their weights renormalised to sum 1 if `norm_topk_prob`.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_dim: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -80,6 +89,16 @@ class ModelConfig:
             raise EngineUserError(
                 f"model config {self.name!r}: dim={self.dim} must be divisible by "
                 f"n_heads={self.n_heads} (or set explicit_head_dim)"
+            )
+        if self.moe_layers and not 1 <= self.experts_per_token <= self.n_experts:
+            raise EngineUserError(
+                f"model config {self.name!r}: experts_per_token={self.experts_per_token} must "
+                f"be between 1 and n_experts={self.n_experts}"
+            )
+        if any(not 0 <= i < self.n_layers for i in self.moe_layers):
+            raise EngineUserError(
+                f"model config {self.name!r}: moe_layers {self.moe_layers} must be layer "
+                f"indices below n_layers={self.n_layers}"
             )
 
 
@@ -305,21 +324,67 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        width = width or config.ffn_dim
+        self.gate_proj = nn.Linear(config.dim, width, bias=False)
+        self.up_proj = nn.Linear(config.dim, width, bias=False)
+        self.down_proj = nn.Linear(width, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoe(nn.Module):
+    """Qwen3-MoE's feed-forward: a bias-free linear router (``gate``) scores the experts, each
+    token goes to the `experts_per_token` most probable (softmax in float32; their
+    probabilities renormalised to sum 1 where `norm_topk_prob`, then cast to the activations'
+    dtype), and its output is the weighted sum of their SwiGLU outputs, added in ascending
+    expert order as transformers does. Each expert runs on the rows routed to it only."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(config, config.moe_ffn_dim) for _ in range(config.n_experts)
+        )
+
+    def route(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Router logits [N, E] -> (weights [N, k] in ``dtype``, expert indices [N, k])."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(dtype), chosen
+
+    def assignments(self, chosen: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+        """(expert, its rows, their slot in ``chosen``) for every expert some row chose, in
+        ascending expert order; rows in ascending order."""
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = []
+        for e, part in enumerate(order.split(counts)):
+            if len(part):
+                out.append((e, part // self.top_k, part % self.top_k))
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(apply_linear(self.gate, flat), flat.dtype)
+        out = torch.zeros_like(flat)
+        for e, rows, slot in self.assignments(chosen):
+            y = self.experts[e](flat[rows])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out.view(x.shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
+        super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoe = SparseMoe(config) if index in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
 
@@ -356,7 +421,7 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
 
@@ -473,8 +538,11 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     the output of attention, and the MLP's gate and up projections."""
     q = config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
-    per_token = 4 * config.dim + 3 * q + 3 * kv + 2 * config.ffn_dim
-    return 4 * tokens * config.n_layers * per_token
+    per_token = 4 * config.dim + 3 * q + 3 * kv
+    moe = len(config.moe_layers)  # each token keeps k experts' gate and up, and its input
+    moe_token = 2 * config.experts_per_token * (config.moe_ffn_dim + config.dim)
+    mlp = (config.n_layers - moe) * 2 * config.ffn_dim + moe * moe_token
+    return 4 * tokens * (config.n_layers * per_token + mlp)
 
 
 def checkpoint_pays(

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 # "llama3": the Llama architecture with Llama 3's chat tokens (<|start_header_id|>,
 # <|end_header_id|>, <|eot_id|>: the cookbook's llama3 renderer); "llama" uses Qwen's.
-Family = Literal["qwen3", "qwen2", "llama", "llama3", "mistral"]
+Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama", "llama3", "mistral"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -129,8 +129,45 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     return tok
 
 
+def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], layers: int) -> Any:
+    """The Qwen families' configs (`common` sizes, `qwen` specials and RoPE)."""
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    if family == "qwen3":
+        # Like Qwen3-0.6B: a 40,960-token context, EOS = <|im_end|>.
+        return Qwen3Config(
+            **common, **qwen, max_position_embeddings=40960, architectures=["Qwen3ForCausalLM"]
+        )
+    if family == "qwen3_moe":
+        # Like Qwen3-30B-A3B (8 of 128 experts, norm_topk_prob) at 2 of 8 experts; the first
+        # layer dense (mlp_only_layers) so that both kinds of layer are there.
+        return Qwen3MoeConfig(
+            **common,
+            **qwen,
+            max_position_embeddings=40960,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    # Qwen2, like Qwen2.5-0.5B-Instruct: q/k/v biases, the window switched off.
+    common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
+    return Qwen2Config(
+        **common,
+        **qwen,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=layers,
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
 def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -149,23 +186,8 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
         eos_token_id=ids.get(IM_END),
         pad_token_id=ids.get(ENDOFTEXT),
     )
-    if family == "qwen3":
-        # Like Qwen3-0.6B: a 40,960-token context, EOS = <|im_end|>.
-        return Qwen3Config(
-            **common, **qwen, max_position_embeddings=40960, architectures=["Qwen3ForCausalLM"]
-        )
-    if family == "qwen2":
-        # Like Qwen2.5-0.5B-Instruct: q/k/v biases, the window switched off.
-        common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
-        return Qwen2Config(
-            **common,
-            **qwen,
-            max_position_embeddings=32768,
-            use_sliding_window=False,
-            sliding_window=32768,
-            max_window_layers=layers,
-            architectures=["Qwen2ForCausalLM"],
-        )
+    if _qwen(family):
+        return _qwen_config(family, common, qwen, layers)
     if family == "mistral":
         # Like Mistral-7B-v0.1: a 4,096-token sliding window in a 32,768-token context.
         return MistralConfig(
@@ -261,7 +283,7 @@ def make_tiny_hf_model_dir(
     ids = {k: v for k, v in ids.items() if v is not None}
     config = _hf_config(family, vocab, ids, n_layers)
     if attention_bias:
-        if family not in ("llama", "llama3", "qwen3"):
+        if family not in ("llama", "llama3", "qwen3", "qwen3_moe"):
             raise ValueError(f"attention_bias: {family} has fixed attention biases")
         config.attention_bias = True
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched

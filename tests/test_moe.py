@@ -1,0 +1,109 @@
+"""Qwen3-MoE directories (the architecture of Tinker's Qwen3-30B-A3B and -235B-A22B) as users
+bring them: LoRA on every expert's projections (``train_mlp`` covers the experts, never the
+router), gradients reaching exactly the experts the router chose, and the official SDK
+training and sampling one through ``tinker-sr serve``. The logits against transformers, the
+sampled log-probabilities and the merged export are checked with the other architectures
+(tests/test_hf_architectures.py, tests/test_export.py); batched decode in
+tests/engine/test_batching.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tinker_sr  # noqa: E402
+from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.engine.lora import LoraLinear  # noqa: E402
+from tinker_sr.engine.model import SparseMoe  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+
+PROMPT = "User: what is 12 plus 30?\n\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layer 0 dense (``mlp_only_layers``), layer 1 sparse: 2 of 8 experts per token."""
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", "qwen3_moe")
+
+
+def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
+    tmp_path: Path, moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()
+    model = backend.models.trainer(training.model_id).model
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, SparseMoe) and not isinstance(model.model.layers[0].mlp, SparseMoe)
+    assert type(moe.gate) is torch.nn.Linear  # the router: frozen, no adapter
+    experts = [getattr(e, p) for e in moe.experts for p in ("gate_proj", "up_proj", "down_proj")]
+    assert len(experts) == 24 and all(isinstance(m, LoraLinear) for m in experts)
+
+    ids = training.get_tokenizer().encode(PROMPT + " 42")
+    # The experts the router picks for these tokens in the first step.
+    seen: list[torch.Tensor] = []
+    route = moe.route
+
+    def recording(logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, chosen = route(logits, dtype)
+        seen.append(chosen)
+        return weights, chosen
+
+    monkeypatch.setattr(moe, "route", recording)
+    first = cross_entropy_steps(training, types, ids, steps=1, lr=1e-2)
+    monkeypatch.setattr(moe, "route", route)
+    routed = set(seen[0].flatten().tolist())
+    assert 2 <= len(routed) < 8, routed  # a few tokens do not reach every expert
+    learned = {i for i, e in enumerate(moe.experts) if e.down_proj.lora_B.weight.abs().sum() > 0}
+    assert learned == routed  # Adam moved exactly the routed experts' B (all start at zero)
+
+    losses = first + cross_entropy_steps(training, types, ids, steps=4, lr=1e-2)
+    assert losses[-1] < 0.8 * losses[0], losses
+    # Sampling on the trained weights: the sampled tokens' log-probabilities are the learner's.
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = types.ModelInput.from_ints(ids[:-2])
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
+    for seq in sampler.sample(prompt, 3, params).result().sequences:
+        full = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
+        tail = sampler.compute_logprobs(full).result()[-len(seq.tokens) :]
+        assert seq.logprobs is not None and seq.sequence_id is not None
+        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    client.close().result()
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, moe_dir: Path) -> Iterator[ServerProcess]:
+    store = tmp_path_factory.mktemp("moe_server") / "store"
+    with running_server(store, extra_args=["--model-dir", str(moe_dir)]) as srv:
+        yield srv
+
+
+def test_the_official_sdk_trains_and_samples_a_moe_dir(
+    server: ServerProcess, moe_dir: Path
+) -> None:
+    tinker = pytest.importorskip("tinker")
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test")
+    names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
+    assert str(moe_dir) in names
+    training = service.create_lora_training_client(base_model=str(moe_dir), rank=4).result()
+    ids = training.get_tokenizer().encode(PROMPT + " 42")
+    losses = cross_entropy_steps(training, tinker.types, ids, steps=3, lr=1e-2)
+    assert losses[-1] < losses[0], losses
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tinker.types.ModelInput.from_ints(ids[:-2])
+    params = tinker.types.SamplingParams(max_tokens=6, seed=1, stop=[])
+    first = sampler.sample(prompt, 2, params).result().sequences
+    again = sampler.sample(prompt, 2, params).result().sequences
+    assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
+    assert all(len(s.tokens) == 6 for s in first)
+    service.close("success").result()
