@@ -46,6 +46,7 @@ _JOB_LIMIT_S = 420
 
 HUB_NAME = "Qwen/Qwen3-8B"  # the tiny model, as a user's HF cache would hold a real one
 LLAMA_HUB = "meta-llama/Llama-3.1-8B-Instruct"  # the tiny Llama 3 chat model, likewise
+MOE_HUB = "Qwen/Qwen3-30B-A3B"  # a tiny Qwen3-MoE (2 of 8 experts), likewise
 LLAMA_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
 
 
@@ -111,13 +112,31 @@ def llama3_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_home(tmp_path_factory: pytest.TempPathFactory, model: Any, llama3_model: Any) -> Path:
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Qwen3-MoE with Qwen's chat tokens (the cookbook's ``qwen3`` renderer)."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-moe", "qwen3_moe")
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.eos_token_ids[0])
+    return info
+
+
+@pytest.fixture(scope="module")
+def hf_home(
+    tmp_path_factory: pytest.TempPathFactory, model: Any, llama3_model: Any, moe_model: Any
+) -> Path:
     """An HF_HOME whose hub cache holds the models as `HUB_NAME` and `LLAMA_HUB`, and the
     tokenizer repo the cookbook reads for Llama 3 (refs/main -> a snapshot), as
     ``huggingface-cli download`` leaves real ones."""
     home = tmp_path_factory.mktemp("hf_home")
     # The cookbook loads every meta-llama/Llama-3* tokenizer from an ungated copy of its own.
-    cached = ((HUB_NAME, model), (LLAMA_HUB, llama3_model), (LLAMA_TOKENIZER, llama3_model))
+    cached = (
+        (HUB_NAME, model),
+        (LLAMA_HUB, llama3_model),
+        (LLAMA_TOKENIZER, llama3_model),
+        (MOE_HUB, moe_model),
+    )
     for name, info in cached:
         repo, rev = home / "hub" / ("models--" + name.replace("/", "--")), "b" * 40
         shutil.copytree(info.path, repo / "snapshots" / rev)
@@ -133,7 +152,8 @@ def server(
     tmp = tmp_path_factory.mktemp("cookbook_server")
     # A server loads only the models its operator names (issue 10, item 12): a directory, and
     # a Hub name found in the server's HF cache.
-    flags = ["--model-dir", str(model.path), "--model-dir", HUB_NAME, "--model-dir", LLAMA_HUB]
+    flags = ["--model-dir", str(model.path)]
+    flags += [arg for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB) for arg in ("--model-dir", hub)]
     with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
         yield srv
 
@@ -280,7 +300,11 @@ def jobs(
     # Fixtures resolve here, on the test thread; the pool's threads only run subprocesses.
     models = {None: request.getfixturevalue("model")}
     if any(hub for _, _, hub in keys):
-        models |= {HUB_NAME: models[None], LLAMA_HUB: request.getfixturevalue("llama3_model")}
+        models |= {
+            HUB_NAME: models[None],
+            LLAMA_HUB: request.getfixturevalue("llama3_model"),
+            MOE_HUB: request.getfixturevalue("moe_model"),
+        }
     home = request.getfixturevalue("hf_home") if len(models) > 1 else None
     srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
     with ThreadPoolExecutor(_PARALLEL_JOBS, thread_name_prefix="cookbook-job") as pool:
@@ -407,21 +431,22 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
-@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB])
+@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
-    """What a user's config says: ``model_name="Qwen/Qwen3-8B"`` or
-    ``"meta-llama/Llama-3.1-8B-Instruct"``, found offline in the local HF cache (the engine's,
+    """What a user's config says: ``model_name="Qwen/Qwen3-8B"``,
+    ``"meta-llama/Llama-3.1-8B-Instruct"`` or the MoE ``"Qwen/Qwen3-30B-A3B"``, found offline in the local HF cache (the engine's,
     the server's and the cookbook's tokenizer alike), and the renderer the cookbook recommends
     for it (``qwen3``: stop on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the
     ``<|eot_id|>`` id)."""
-    model = request.getfixturevalue("model" if hub == HUB_NAME else "llama3_model")
+    fixture = {HUB_NAME: "model", LLAMA_HUB: "llama3_model", MOE_HUB: "moe_model"}[hub]
+    model = request.getfixturevalue(fixture)
     log = jobs.log((way, "rl_is", hub))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     assert all(r["tokens/trained"] > 0 for r in rows)
     check_on_policy_numerics(rows)
-    end = model.special_ids["<|im_end|>" if hub == HUB_NAME else "<|eot_id|>"]
+    end = model.special_ids["<|eot_id|>" if hub == LLAMA_HUB else "<|im_end|>"]
     ends = check_rl_sampling(log, model, stop=[end])  # token ids, not strings
     assert ends["stop_string"] == 0, ends
 
