@@ -41,33 +41,17 @@ def run(server: ServerProcess) -> Iterator[dict[str, str]]:
     service.holder.close()
 
 
-def cli(server: ServerProcess, *args: str, json_out: bool = True, console: bool = False) -> Any:
-    """``tinker [-f json] ARGS`` against the server: the CLI's click group run in this process
-    (each ``tinker`` process spends ~2 s importing torch), or with ``console`` the installed
-    ``tinker`` console script in a process of its own, as a user types it."""
-    env = {"TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": server.api_key}
-    argv = [*(["-f", "json"] if json_out else []), *args]
-    if console:
-        cmd = [str(Path(sys.executable).with_name("tinker")), *argv]
-        if not Path(cmd[0]).exists():  # an interpreter outside the environment's bin/
-            cmd[:1] = [sys.executable, "-m", "tinker.cli"]
-        proc = subprocess.run(
-            cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=180
-        )
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    else:
-        from click.testing import CliRunner
-        from tinker.cli.__main__ import main_cli
-
-        got = CliRunner().invoke(main_cli, argv, env=env)
-        code, out, err = got.exit_code, got.stdout, f"{got.stderr}{got.exception!r}"
-    assert code == 0, f"tinker {' '.join(argv)}:\n{out}\n{err}"
-    return json.loads(out) if json_out and out.strip() else out
+def cli(server: ServerProcess, *args: str, json_out: bool = True) -> Any:
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": server.api_key}
+    fmt = ["-f", "json"] if json_out else []
+    cmd = [sys.executable, "-m", "tinker.cli", *fmt, *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"tinker {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout) if json_out and proc.stdout.strip() else proc.stdout
 
 
 def test_checkpoints_are_listed_and_described(server: ServerProcess, run: dict[str, str]) -> None:
-    found = cli(server, "checkpoint", "list", "--run-id", run["run"], console=True)
-    listed = found["checkpoints"]
+    listed = cli(server, "checkpoint", "list", "--run-id", run["run"])["checkpoints"]
     kinds = {c["tinker_path"]: c["checkpoint_type"] for c in listed}
     expected = {run["state"]: "training", run["sampler"]: "sampler", run["export"]: "external"}
     assert kinds.items() >= expected.items(), kinds
