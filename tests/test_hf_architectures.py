@@ -171,6 +171,7 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         (_MOE | {"mlp_only_layers": "0"}, "mlp_only_layers='0' must be a list"),
         (_MOE | {"norm_topk_prob": 1}, "norm_topk_prob=1 must be true or false"),
         (_MOE | {"moe_intermediate_size": -1}, "moe_intermediate_size=-1"),
+        (_MOE | {"num_local_experts": 2**20, "num_experts": None}, "above the 1024 experts"),
     ],
 )
 def test_fields_the_engine_cannot_compute_are_refused(over: dict[str, Any], field: str) -> None:

@@ -36,6 +36,7 @@ from tinker_sr.user_errors import EngineUserError
 
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
 MAX_SIZE = 2**24  # any size or count in config.json: far above real models, far below overflow
+MAX_EXPERTS = 1024  # experts per MoE layer (real models: 8 to 384)
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,11 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
             f"{name}: config.json num_experts and num_local_experts differ ({counts}); keep one"
         )
     n_experts = _count({"num_experts": next(iter(counts.values()), 128)}, "num_experts", name)
+    if n_experts > MAX_EXPERTS:  # each expert is three modules per layer, even on meta
+        raise EngineUserError(
+            f"{name}: config.json num_experts={n_experts} is above the {MAX_EXPERTS} experts "
+            "per layer this engine builds; fix config.json"
+        )
     top_k = _count(hf, "num_experts_per_tok", name, 8)
     if top_k > n_experts:
         raise EngineUserError(
