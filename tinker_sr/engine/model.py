@@ -570,12 +570,12 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
     """Allocate without running nn.Linear's default init (slow, and it would consume the
     global torch RNG as a side effect)."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config).to(dtype)
     model.to_empty(device="cpu")
     if config.tie_embeddings:  # to_empty allocates each module's parameters separately
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
-    return model.to(dtype)
+    return model
 
 
 def build_model(
