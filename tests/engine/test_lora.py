@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from tinker_sr.engine.fused import frozen_linear
 from tinker_sr.engine.lora import (
     LoraLinear,
     LoraSpec,
@@ -172,3 +175,40 @@ def test_unadapted_clone_keeps_tied_embeddings() -> None:
     model = lora_model(LoraSpec(rank=2, seed=0, train_unembed=False))
     clone = clone_for_sampling(model)
     assert clone.lm_head.weight is clone.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_base_keeps_no_float32_copy_of_the_input(dtype: torch.dtype) -> None:
+    """A bf16/fp16 base with float32 adapters: backward keeps the layer's input in its own
+    dtype (one tensor for q, k and v alike), not a float32 copy per adapter; the gradients
+    are those of the plain float32 adapter products to float32 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=False).to(dtype).requires_grad_(False)
+    layer = LoraLinear(base, rank=4, alpha=8.0, generator=gen)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0.0, 0.5, generator=gen)
+    x = torch.randn(3, 5, 64, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(3, 5, 48, generator=gen).to(dtype)
+    grads = []
+    for plain in (False, True):
+        saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+        def pack(t: torch.Tensor, out: list[Any] = saved) -> torch.Tensor:
+            out.append((t.dtype, tuple(t.shape)))
+            return t
+
+        x.grad = layer.lora_A.weight.grad = layer.lora_B.weight.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # Any other product function takes the plain form (as decode passes its own).
+            y = layer.forward_with(x, frozen_linear if not plain else _plain)
+        y.backward(g)
+        wide = [(d, s) for d, s in saved if d == torch.float32 and s[-1] == 64 and s[0] > 4]
+        assert (len(wide) > 0) == plain, saved  # float32 copies of x only in the plain form
+        grads.append([x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad])
+    for ours, ref in zip(*grads, strict=True):
+        assert ours is not None and ref is not None and ours.dtype == ref.dtype
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def _plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return frozen_linear(x, w, b)
