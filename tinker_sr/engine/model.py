@@ -540,7 +540,7 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     kv = config.n_kv_heads * config.head_dim
     per_token = 4 * config.dim + 3 * q + 3 * kv
     moe = len(config.moe_layers)  # each token keeps k experts' gate and up, and its input
-    moe_token = 2 * config.experts_per_token * (config.moe_ffn_dim + config.dim)
+    moe_token = config.experts_per_token * (2 * config.moe_ffn_dim + config.dim)
     mlp = (config.n_layers - moe) * 2 * config.ffn_dim + moe * moe_token
     return 4 * tokens * (config.n_layers * per_token + mlp)
 
