@@ -150,7 +150,7 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
 def load_model_dir(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, name: str | None = None
 ) -> Transformer:
-    """Load a Llama / Mistral / Qwen2 / Qwen3 HF directory into a Transformer.
+    """Load a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE HF directory into a Transformer.
 
     ``dtype=None`` keeps the checkpoint's dtype; tensors stored in another dtype (e.g. float32
     norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
