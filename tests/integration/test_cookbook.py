@@ -283,8 +283,8 @@ class Jobs:
     """The selected tests' jobs, started in the tests' order `_PARALLEL_JOBS` at a time,
     ahead of the tests that check them; `log` waits for one (its failure fails that test)."""
 
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool, self.futures = pool, dict[JobKey, "Future[Path]"]()
+    def __init__(self) -> None:
+        self.futures: dict[JobKey, Future[Path]] = {}
 
     def log(self, key: JobKey) -> Path:
         assert key in self.futures, f"{key} was not started: is its test in _JOB_OF?"
@@ -308,7 +308,7 @@ def jobs(
     home = request.getfixturevalue("hf_home") if len(models) > 1 else None
     srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
     with ThreadPoolExecutor(_PARALLEL_JOBS, thread_name_prefix="cookbook-job") as pool:
-        pending = Jobs(pool)
+        pending = Jobs()
         for key in dict.fromkeys(keys):
             way, job, hub = key
             tmp = tmp_path_factory.mktemp(f"{way}-{job}")

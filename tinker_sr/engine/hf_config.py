@@ -348,7 +348,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         )
     if config.moe_layers:
         arch, model_type = MOE, "qwen3_moe"
-    elif config.attention_bias == config.attention_out_bias:
+    elif same_bias:
         arch, model_type = "LlamaForCausalLM", "llama"
         if config.qk_norm:
             arch, model_type = "Qwen3ForCausalLM", "qwen3"
