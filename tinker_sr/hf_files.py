@@ -94,13 +94,24 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def model_config(root: Path) -> dict[str, Any]:
+    """config.json, with a vision-language wrapper's ``text_config`` (Qwen3.5) laid over it:
+    the fields of the text model (vocab_size, eos_token_id) that RL samples and trains."""
+    config = read_json(root / "config.json")
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
 def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ...]:
     """Every EOS id the model declares: config.json's ``eos_token_id`` (an int or a list), then
     generation_config.json's, then the tokenizer's eos token; first-seen order, no repeats."""
     out: list[int] = []
     for fname in ("config.json", "generation_config.json"):
         f = root / fname
-        value = read_json(f).get("eos_token_id") if f.is_file() else None
+        found = (
+            (model_config(root) if fname == "config.json" else read_json(f)) if f.is_file() else {}
+        )
+        value = found.get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise EngineUserError(

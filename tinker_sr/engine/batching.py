@@ -33,11 +33,13 @@ from torch import Tensor, nn
 
 from tinker_sr.engine.fused import rotate_eager
 from tinker_sr.engine.gemm import packed_linear
+from tinker_sr.engine.hybrid import QKV, GatedDeltaNet, partial_rope, split_gate
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.model import (
     MLP,
     Attention,
     DecoderLayer,
+    GatedAttention,
     KVCache,
     SparseMoe,
     Transformer,
@@ -155,7 +157,11 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
     ropes = _row_angles(model, groups, x.dtype, x.device)
     layers = cast(Sequence[DecoderLayer], model.model.layers)
     for i, layer in enumerate(layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), groups, ropes, i)
+        h = layer.input_layernorm(x)
+        if hasattr(layer, "linear_attn"):
+            x = x + _linear_attention(layer.linear_attn, h, groups, i, m)
+        else:
+            x = x + _attention(layer.self_attn, h, groups, ropes, i)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         x = x + (_moe_rows(mlp, h, m) if isinstance(mlp, SparseMoe) else _mlp_rows(mlp, h))
@@ -196,21 +202,52 @@ def _attention(
     elementwise rotation, `fused.rotate_eager`, so a row's values do not depend on the others);
     cache update and SDPA per group."""
     rows = h.shape[0]
-    q = linear_rows(attn.q_proj, h).view(rows, attn.n_heads, attn.head_dim)
+    gated = isinstance(attn, GatedAttention)
+    q = linear_rows(attn.q_proj, h)
+    gate = None
+    if gated:  # Qwen3.5: each head's query, then its output gate
+        q, gate = split_gate(q, attn.n_heads, attn.head_dim)
+    q = q.reshape(rows, attn.n_heads, attn.head_dim)
     k = linear_rows(attn.k_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
     v = linear_rows(attn.v_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = ropes
     m = cos.shape[0]
-    q, k = rotate_eager(q[:m], cos, sin), rotate_eager(k[:m], cos, sin)
+    q, k = (partial_rope(t[:m], cos, sin, rotate_eager) for t in (q, k))
     y = torch.zeros(rows, attn.n_heads * attn.head_dim, dtype=h.dtype, device=h.device)
     start = 0
     for g in groups:
         end = start + len(g.active)
         y[start:end] = _group_attention(g, q[start:end], k[start:end], v[start:end], layer)
         start = end
+    if gate is not None:
+        y = y * torch.sigmoid(gate)
     return linear_rows(attn.o_proj, y)
+
+
+def _linear_attention(
+    net: GatedDeltaNet, h: Tensor, groups: Sequence[DecodeRows], layer: int, m: int
+) -> Tensor:
+    """Qwen3.5's linear attention for one decode position: batched projections; the
+    convolution and the recurrent step per group on its own rows' states (elementwise, so a
+    row's values do not depend on the others), as `GatedDeltaNet.step` does alone."""
+    qkv = torch.cat([linear_rows(getattr(net, p), h) for p in QKV], -1)[:m]
+    z, b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h)[:m] for p in "zba")
+    y = torch.zeros(h.shape[0], net.v_heads * net.v_dim, dtype=h.dtype, device=h.device)
+    start = 0
+    for g in groups:
+        end = start + len(g.active)
+        conv, state = g.cache.conv[layer], g.cache.state[layer]
+        every = len(g.active) == g.cache.batch_size
+        rows = slice(None) if every else g.active
+        c, s = (conv, state) if every else (conv[rows], state[rows])
+        part = slice(start, end)
+        y[part] = net.step(qkv[part], z[part], b[part], a[part], c, s)
+        if not every:
+            conv[rows], state[rows] = c, s
+        start = end
+    return linear_rows(net.out_proj, y)
 
 
 def _row_angles(

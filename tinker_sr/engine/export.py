@@ -28,6 +28,7 @@ import torch
 
 from tinker_sr.engine.checkpoints import save_tensors
 from tinker_sr.engine.hf_config import config_to_hf
+from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
 from tinker_sr.engine.model import Transformer
 from tinker_sr.hf_files import read_json
@@ -70,10 +71,6 @@ class LoraCheckpoint:
             raise EngineUserError("the checkpoint holds no LoRA tensors (lora.*)")
         return cls(adapters, LoraSpec(**json.loads(meta["lora"])), meta["base_model"])
 
-    def target_modules(self) -> list[str]:
-        """Short module names with an adapter (e.g. q_proj, lm_head), as PEFT lists them."""
-        return sorted({k.split(".")[-3] for k in self.adapters})
-
 
 def export_peft(
     ckpt: LoraCheckpoint, out: str | os.PathLike[str], *, base_model_name_or_path: str
@@ -92,7 +89,14 @@ def export_peft(
         )
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {PEFT_PREFIX + k: v.float() for k, v in ckpt.adapters.items()}
+    adapters, rank_pattern, alpha_pattern = ckpt.adapters, {}, {}
+    if any(".linear_attn.in_proj_q." in k for k in adapters):
+        # Qwen3.5: transformers holds q, k, v as one in_proj_qkv; their three rank-r adapters
+        # are exactly one of rank 3r there (`hybrid.fuse_qkv_adapters`), same scaling.
+        adapters = fuse_qkv_adapters(adapters)
+        rank_pattern = {"in_proj_qkv": 3 * ckpt.spec.rank}
+        alpha_pattern = {"in_proj_qkv": 3 * ckpt.spec.alpha}
+    tensors = {PEFT_PREFIX + k: v.float() for k, v in adapters.items()}
     save_tensors(root / "adapter_model.safetensors", tensors, {"format": "pt"})
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -102,7 +106,7 @@ def export_peft(
         "lora_alpha": ckpt.spec.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": ckpt.target_modules(),
+        "target_modules": sorted({k.split(".")[-3] for k in adapters}),
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
@@ -110,8 +114,8 @@ def export_peft(
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
     }
     (root / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return root
@@ -137,10 +141,14 @@ def export_merged(
     model = merged_model(base, ckpt)
     tied = model.config.tie_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    if model.config.hybrid:  # Qwen3.5: its text model (Qwen3_5ForCausalLM), fused q/k/v
+        state = to_hf(state)
     save_tensors(root / "model.safetensors", state, {"format": "pt"})
     dtype = str(model.dtype).removeprefix("torch.")
     if base_dir is not None:
         config = read_json(base_dir / "config.json")
+        if model.config.hybrid:  # the text model's config: the vision tower is not written
+            config = config_to_hf(model.config)
         for name in _CARRIED:
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, root / name)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine import hybrid
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.model import ModelConfig, Transformer, _empty_model
@@ -120,17 +121,20 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
     placed: dict[str, int] = {}
-    for f, key, sl in _tensors(files):
-        if key not in shapes:
-            if not key.endswith(IGNORED_SUFFIXES):
-                unused.append(key)
-            continue
-        placed[key] = math.prod(sl.get_shape())
-        if (expected := shapes.pop(key)) != tuple(sl.get_shape()):
-            raise EngineUserError(
-                f"{f}: tensor {key} has shape {tuple(sl.get_shape())}, config.json implies "
-                f"{expected}"
-            )
+    for f, stored, sl in _tensors(files):
+        if config.hybrid and stored.startswith(hybrid.UNUSED_PREFIXES):
+            continue  # Qwen3.5's vision tower and multi-token-prediction head
+        for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config):
+            if key not in shapes:
+                if not key.endswith(IGNORED_SUFFIXES):
+                    unused.append(key)
+                continue
+            placed[key] = math.prod(shape)
+            if (expected := shapes.pop(key)) != shape:
+                raise EngineUserError(
+                    f"{f}: tensor {stored} has shape {tuple(sl.get_shape())}, config.json "
+                    f"implies {expected}"
+                )
     if unused:
         raise EngineUserError(
             f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
@@ -145,6 +149,17 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
             f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
         )
     return placed
+
+
+def _engine_shapes(
+    key: str, shape: tuple[int, ...], config: ModelConfig
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Where a stored tensor lands: its name, or (Qwen3.5) its parts' names and shapes."""
+    if not config.hybrid:
+        return [(key, shape)]
+    with torch.device("meta"):
+        parts = hybrid.to_engine(key, torch.empty(shape), config)
+    return [(k, tuple(t.shape)) for k, t in parts]
 
 
 def load_model_dir(
@@ -187,10 +202,13 @@ def load_model_dir(
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
-        for _, key, sl in _tensors(files):
-            if key in wanted:
-                own[key].copy_(sl[:])
-                bar.update(own[key].nbytes)
+        for _, stored, sl in _tensors(files):
+            key = hybrid.engine_key(stored) if config.hybrid else stored
+            if key in wanted or (config.hybrid and key.endswith(hybrid.FUSED_QKV)):
+                parts = hybrid.to_engine(stored, sl[:], config) if config.hybrid else [(key, sl[:])]
+                for name, tensor in parts:
+                    own[name].copy_(tensor)
+                    bar.update(own[name].nbytes)
     if total >= PROGRESS_MIN_BYTES:
         log.info(
             "loaded %s: %d tensors, %.2f GiB in %.1f s",
@@ -229,7 +247,11 @@ def _size(n: int) -> str:
 def _tie_or_untie(root: Path, files: list[Path], config: ModelConfig) -> ModelConfig:
     """A tied model whose checkpoint stores lm_head.weight too: tied when the two tensors are
     equal, else untied with both loaded (what transformers 5 does, with a warning)."""
-    stored = {k: sl[:] for _, k, sl in _tensors(files) if k in ("lm_head.weight", EMBED)}
+    stored = {
+        hybrid.engine_key(k): sl[:]
+        for _, k, sl in _tensors(files)
+        if hybrid.engine_key(k) in ("lm_head.weight", EMBED)
+    }
     if torch.equal(stored["lm_head.weight"], stored[EMBED]):
         return config
     log.warning(

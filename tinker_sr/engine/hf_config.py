@@ -61,11 +61,19 @@ ARCHITECTURES: dict[str, _Arch] = {
     "Qwen2ForCausalLM": _Arch(False, True, False, "qwen", 32768, 32, None, mlp_bias=False),
     "Qwen3ForCausalLM": _Arch(True, None, None, "qwen", 32768, 32, 128, mlp_bias=False),
     "Qwen3MoeForCausalLM": _Arch(True, None, None, "flag", 32768, 4, None, mlp_bias=False),
+    "Qwen3_5ForCausalLM": _Arch(True, None, None, "none", 32768, 4, 256, mlp_bias=False),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}  # fmt: skip
 MOE = "Qwen3MoeForCausalLM"
+QWEN3_5 = "Qwen3_5ForCausalLM"
+# Qwen3.5 as the Hub ships it: a vision-language model whose text model is Qwen3_5ForCausalLM
+# (config.json's text_config; the vision tower's and multi-token-prediction weights unused).
+VL_WRAPPERS = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+# Qwen3.5's RoPE: multimodal sections (positions equal across them for text, so the same
+# rotation as plain RoPE) and the fraction of each head rotated.
+QWEN3_5_ROPE_KEYS = {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 # RoPE keys the engine computes, per rope type (anything else would be ignored: refused).
 ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
@@ -97,7 +105,7 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch_name: str) -> None:
             "without bias only)"
         )
     partial = hf.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
+    if partial != 1.0 and arch_name != QWEN3_5:
         raise EngineUserError(
             f"{name}: config.json partial_rotary_factor={partial!r} is not supported (RoPE "
             "over the whole head only)"
@@ -135,7 +143,9 @@ def _count(
     return value
 
 
-def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
+def _rope(
+    hf: dict[str, Any], name: str, context: int, extra: frozenset[str] = frozenset()
+) -> tuple[float, Any]:
     """(rope_theta, scaling pairs or None) as transformers 5 reads them: ``rope_scaling`` (4.x's
     key) over ``rope_parameters``, theta inside them over the top-level ``rope_theta``."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -150,7 +160,7 @@ def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
             f"{', '.join(ROPE_KEYS)}); the positions would be encoded differently from the "
             "checkpoint's training"
         )
-    unknown = sorted(str(k) for k in set(rope) - ROPE_KEYS[kind])
+    unknown = sorted(str(k) for k in set(rope) - ROPE_KEYS[kind] - extra)
     if unknown:
         raise EngineUserError(
             f"{name}: config.json rope parameters {unknown} are not supported for rope type "
@@ -161,7 +171,7 @@ def _rope(hf: dict[str, Any], name: str, context: int) -> tuple[float, Any]:
     rope_theta = _number({"rope_theta": theta}, "rope_theta", name, 10000.0)
     if kind == "default":
         return rope_theta, None
-    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type") and k not in extra}
     scaling["rope_type"] = kind  # transformers 4.x wrote "type"
     _number(scaling, "factor", f"{name}: rope_scaling")
     if kind == "linear":
@@ -256,6 +266,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     """`ModelConfig` of a checkpoint's config.json, as transformers 5 would build the model
     (its defaults for absent fields); `EngineUserError` naming the field for anything the
     engine cannot compute exactly."""
+    hf = _text_config(hf, name)
     arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
     _refuse_unsupported(hf, name, arch_name)
@@ -267,7 +278,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     n_kv = hf.get("num_key_value_heads", arch.kv_heads)  # present but null: n_heads
     bias = _flag(hf, "attention_bias", name)
     context = _count(hf, "max_position_embeddings", name, arch.context)
-    rope_theta, scaling = _rope(hf, name, context)
+    extra = frozenset(QWEN3_5_ROPE_KEYS) if arch_name == QWEN3_5 else frozenset()
+    rope_theta, scaling = _rope(hf, name, context, extra)
     window = _window(hf, arch, n_layers, name)
     config = ModelConfig(
         name=name,
@@ -290,6 +302,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
         rope_scaling=scaling,
         **(_moe(hf, name, n_layers) if arch_name == MOE else {}),
+        **(_qwen3_5(hf, name, n_layers, head_dim) if arch_name == QWEN3_5 else {}),
     )
     inv_freq = rope_inv_freq(config)
     if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
@@ -298,6 +311,97 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
             "rotary frequencies that are not finite and positive; fix config.json"
         )
     return config
+
+
+def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
+    """A vision-language wrapper's (Qwen3.5's) text model config, as AutoModelForCausalLM
+    builds it from the wrapper; other configs as they are. Qwen3.5-MoE is refused by name."""
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    first = archs[0] if isinstance(archs, list) and archs else None
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text") or first in (
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+    ):
+        raise EngineUserError(
+            f"{name}: Qwen3.5-MoE (model_type {model_type!r}) is not supported yet: its "
+            "shared expert and gated router are not implemented. Dense Qwen3.5 (e.g. "
+            "Qwen/Qwen3.5-4B) and Qwen3-MoE (e.g. Qwen/Qwen3-30B-A3B) load"
+        )
+    if model_type not in VL_WRAPPERS and first not in VL_WRAPPERS.values():
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise EngineUserError(
+            f"{name}: config.json model_type {model_type!r} needs a text_config object "
+            "(the text model's config), got {text!r}"
+        )
+    out = dict(text)
+    out.setdefault("model_type", "qwen3_5_text")
+    out["architectures"] = [QWEN3_5]
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        out["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    for key in ("dtype", "torch_dtype"):
+        if key in hf and key not in out:
+            out[key] = hf[key]
+    return out
+
+
+def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dict[str, Any]:
+    """Qwen3.5's hybrid fields (transformers' defaults where absent): ``layer_types`` (else
+    every ``full_attention_interval``-th layer full), the linear attention's heads, widths and
+    kernel, the rotary fraction; the output gate must not be switched off."""
+    if hf.get("attn_output_gate", True) is not True:
+        raise EngineUserError(
+            f"{name}: config.json attn_output_gate={hf['attn_output_gate']!r}: Qwen3.5's "
+            "attention always gates its output (as transformers computes it); remove the key"
+        )
+    types = hf.get("layer_types")
+    if types is None:
+        every = _count(hf, "full_attention_interval", name, 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    if (
+        not isinstance(types, list)
+        or len(types) != n_layers
+        or not set(types)
+        <= {
+            "full_attention",
+            "linear_attention",
+        }
+    ):
+        raise EngineUserError(
+            f"{name}: config.json layer_types={types!r} must list 'full_attention' or "
+            f"'linear_attention' for each of the {n_layers} layers"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise EngineUserError(
+            f"{name}: config.json partial_rotary_factor={factor!r} must be in (0, 1]"
+        )
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise EngineUserError(
+            f"{name}: config.json partial_rotary_factor={factor!r} rotates {rotary} of "
+            f"{head_dim} features per head; it must be an even number of at least 2"
+        )
+    k_heads = _count(hf, "linear_num_key_heads", name, 16)
+    v_heads = _count(hf, "linear_num_value_heads", name, 32)
+    if v_heads % k_heads:
+        raise EngineUserError(
+            f"{name}: config.json linear_num_value_heads={v_heads} must be a multiple of "
+            f"linear_num_key_heads={k_heads}"
+        )
+    return {
+        "layer_types": tuple(types),
+        "attn_output_gate": True,
+        "rotary_dim": rotary,
+        "linear_k_heads": k_heads,
+        "linear_v_heads": v_heads,
+        "linear_k_dim": _count(hf, "linear_key_head_dim", name, 128),
+        "linear_v_dim": _count(hf, "linear_value_head_dim", name, 128),
+        "linear_conv": _count(hf, "linear_conv_kernel_dim", name, 4),
+    }
 
 
 def _moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
@@ -348,6 +452,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         )
     if config.moe_layers:
         arch, model_type = MOE, "qwen3_moe"
+    elif config.attn_output_gate or config.layer_types or config.rotary_dim:
+        if not (config.qk_norm and config.attn_output_gate and config.layer_types):
+            raise EngineUserError(
+                f"model config {config.name!r}: hybrid layers, output gates and partial RoPE "
+                "are written only together, as Qwen3.5 (Qwen3_5ForCausalLM)"
+            )
+        arch, model_type = QWEN3_5, "qwen3_5_text"
     elif same_bias:
         arch, model_type = "LlamaForCausalLM", "llama"
         if config.qk_norm:
@@ -391,6 +502,22 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(config.n_layers) if i not in config.moe_layers],
         }
+    if arch == QWEN3_5:
+        hf |= {
+            "layer_types": list(config.layer_types),
+            "attn_output_gate": True,
+            "linear_num_key_heads": config.linear_k_heads,
+            "linear_num_value_heads": config.linear_v_heads,
+            "linear_key_head_dim": config.linear_k_dim,
+            "linear_value_head_dim": config.linear_v_dim,
+            "linear_conv_kernel_dim": config.linear_conv,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": config.rope_theta,
+                "partial_rotary_factor": (config.rotary_dim or config.head_dim) / config.head_dim,
+            },
+        }
+        del hf["rope_theta"]
     if config.rope_scaling:
         hf["rope_scaling"] = dict(config.rope_scaling)
     return hf

@@ -26,6 +26,10 @@ LinearFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# Qwen3.5's linear-attention projections with an adapter under train_attn: q, k, v (split
+# from the checkpoint's in_proj_qkv, as Tinker's adapters are), the gate's z, and out_proj;
+# not the per-head scalars' projections (in_proj_a, in_proj_b: one output per head).
+LINEAR_ATTN = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,10 @@ def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
     """(parent module, attribute) of every Linear the spec selects, in a fixed order."""
     out: list[tuple[nn.Module, str]] = []
     for i in range(model.config.n_layers):
-        if spec.train_attn:
+        if spec.train_attn and model.config.is_linear(i):  # Qwen3.5: as Tinker names them
+            mixer = model.get_submodule(f"model.layers.{i}.linear_attn")
+            out += [(mixer, n) for n in LINEAR_ATTN]
+        elif spec.train_attn:
             out += [(model.get_submodule(f"model.layers.{i}.self_attn"), n) for n in ATTN]
         if spec.train_mlp:  # a mixture of experts: each expert's projections (not the router)
             mlp = model.get_submodule(f"model.layers.{i}.mlp")

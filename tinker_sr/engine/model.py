@@ -39,6 +39,7 @@ from tinker_sr.engine.fused import (
     rope,
     swiglu_mlp,
 )
+from tinker_sr.engine.hybrid import GatedDeltaNet, partial_rope, split_gate
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -74,10 +75,32 @@ class ModelConfig:
     moe_ffn_dim: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Qwen3.5's hybrid layers (`tinker_sr.engine.hybrid`): `layer_types` names each layer's
+    # token mixer, "full_attention" or "linear_attention" (empty: all full attention);
+    # `attn_output_gate`: q_proj also yields a sigmoid gate on each head's output;
+    # `rotary_dim`: RoPE on the first rotary_dim features of each head (None: all of them);
+    # the gated DeltaNet's head counts and widths and its convolution's kernel.
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    def is_linear(self, layer: int) -> bool:
+        """Is ``layer`` a linear-attention (gated DeltaNet) layer?"""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def hybrid(self) -> bool:
+        """Does some layer hold a recurrent state instead of a KV cache?"""
+        return "linear_attention" in self.layer_types
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
@@ -95,10 +118,38 @@ class ModelConfig:
                 f"model config {self.name!r}: experts_per_token={self.experts_per_token} must "
                 f"be between 1 and n_experts={self.n_experts}"
             )
+        self._check_hybrid()
         if any(not 0 <= i < self.n_layers for i in self.moe_layers):
             raise EngineUserError(
                 f"model config {self.name!r}: moe_layers {self.moe_layers} must be layer "
                 f"indices below n_layers={self.n_layers}"
+            )
+
+    def _check_hybrid(self) -> None:
+        kinds = {"full_attention", "linear_attention"}
+        if self.layer_types and (
+            len(self.layer_types) != self.n_layers or not set(self.layer_types) <= kinds
+        ):
+            raise EngineUserError(
+                f"model config {self.name!r}: layer_types must name each of the "
+                f"{self.n_layers} layers 'full_attention' or 'linear_attention', got "
+                f"{self.layer_types}"
+            )
+        rotary = self.rotary_dim
+        if rotary is not None and not (0 < rotary <= self.head_dim and rotary % 2 == 0):
+            raise EngineUserError(
+                f"model config {self.name!r}: rotary_dim={rotary} must be even and at most "
+                f"head_dim={self.head_dim}"
+            )
+        if not self.hybrid:
+            return
+        sizes = (self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim)
+        if min(sizes) < 1 or self.linear_conv < 1 or self.linear_v_heads % self.linear_k_heads:
+            raise EngineUserError(
+                f"model config {self.name!r}: linear attention needs positive head counts, "
+                f"widths and kernel, value heads a multiple of key heads; got k/v heads "
+                f"{self.linear_k_heads}/{self.linear_v_heads}, widths {self.linear_k_dim}/"
+                f"{self.linear_v_dim}, kernel {self.linear_conv}"
             )
 
 
@@ -138,7 +189,10 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
 
 
 class KVCache:
-    """Keys and values for every layer, allocated once for `batch_size` rows × `max_len` positions."""
+    """Keys and values for every full-attention layer, allocated once for `batch_size` rows ×
+    `max_len` positions; for each linear-attention layer (Qwen3.5) its convolution window
+    ``conv[layer]`` [rows, channels, kernel - 1] and recurrent ``state[layer]`` [rows, value
+    heads, key width, value width] (float32), the same size at any length."""
 
     def __init__(
         self,
@@ -149,10 +203,31 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        none = (batch_size, config.n_kv_heads, 0, config.head_dim)
         self.batch_size = batch_size
         self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        layers = range(config.n_layers)
+        kv = [none if config.is_linear(i) else shape for i in layers]
+        self.k = [torch.zeros(s, dtype=dtype, device=device) for s in kv]
+        self.v = [torch.zeros(s, dtype=dtype, device=device) for s in kv]
+        self.conv: dict[int, Tensor] = {}
+        self.state: dict[int, Tensor] = {}
+        for i in (i for i in layers if config.is_linear(i)):
+            conv, state = _linear_state_shapes(config, batch_size)
+            self.conv[i] = torch.zeros(conv, dtype=dtype, device=device)
+            self.state[i] = torch.zeros(state, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def nbytes_for(config: ModelConfig, rows: int, positions: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of ``rows`` × ``positions`` takes (before allocating it)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        full = sum(not config.is_linear(i) for i in range(config.n_layers))
+        total = rows * positions * 2 * full * config.n_kv_heads * config.head_dim * size
+        if config.hybrid:
+            conv, state = _linear_state_shapes(config, rows)
+            linear = config.n_layers - full
+            total += linear * (math.prod(conv) * size + math.prod(state) * 4)
+        return total
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [b, H, T, D] at start_pos (b may be 1: broadcast to every row, which is how
@@ -161,6 +236,13 @@ class KVCache:
         self.k[layer][:, :, start_pos:end] = k
         self.v[layer][:, :, start_pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def _linear_state_shapes(config: ModelConfig, rows: int) -> tuple[tuple[int, ...], ...]:
+    channels = config.linear_k_heads * config.linear_k_dim * 2
+    channels += config.linear_v_heads * config.linear_v_dim
+    state = (rows, config.linear_v_heads, config.linear_k_dim, config.linear_v_dim)
+    return (rows, channels, config.linear_conv - 1), state
 
 
 class RMSNorm(nn.Module):
@@ -175,7 +257,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    d = config.head_dim
+    d = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = dict(config.rope_scaling or ())
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -215,7 +297,8 @@ class Attention(nn.Module):
         super().__init__()
         hd, bias = config.head_dim, config.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=bias)
+        q_out = config.n_heads * hd * (2 if config.attn_output_gate else 1)
+        self.q_proj = nn.Linear(config.dim, q_out, bias=bias)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=config.attention_out_bias)
@@ -232,9 +315,15 @@ class Attention(nn.Module):
         cache: KVCache | None,
         layer: int,
     ) -> Tensor:
-        B, T, _ = x.shape
         q, k, v = self._heads(x, cos, sin)
+        return linear_group(self._attend(q, k, v, start_pos, cache, layer), (self.o_proj,))[0]
 
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, start_pos: int, cache: KVCache | None, layer: int
+    ) -> Tensor:
+        """Attention of q [B, H, T, D] over k, v (and the cache's earlier positions) ->
+        [B, T, H * D], before the output projection."""
+        B, _, T, _ = q.shape
         if cache is None or start_pos == 0:
             # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
             # cache rows; attention runs once, on the unbroadcast keys).
@@ -245,10 +334,10 @@ class Attention(nn.Module):
             k, v = cache.update(layer, start_pos, k, v)
             mask = None
             if T > 1:  # chunk after a prefix: query i sits at absolute position start_pos + i
-                q_pos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
-                mask = torch.arange(start_pos + T, device=x.device)[None, :] <= q_pos
+                q_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
+                mask = torch.arange(start_pos + T, device=q.device)[None, :] <= q_pos
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return linear_group(y.transpose(1, 2).reshape(B, T, -1), (self.o_proj,))[0]
+        return y.transpose(1, 2).reshape(B, T, -1)
 
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, H, T, D], k and v [B, KV, T, D] from x [B, T, dim]: the q/k/v projections
@@ -301,6 +390,30 @@ class Attention(nn.Module):
         if norm is not None:
             x = norm(x)
         return rope(x.transpose(1, 2), cos, sin)
+
+
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: q_proj yields each head's query and output gate; q/k norms,
+    RoPE on the first `ModelConfig.rotary_dim` features; ``sigmoid(gate)`` scales each head's
+    output before o_proj (`tinker_sr.engine.hybrid`)."""
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int, cache: KVCache | None, layer: int
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q, gate = split_gate(apply_linear(self.q_proj, x), self.n_heads, self.head_dim)
+        k = apply_linear(self.k_proj, x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = apply_linear(self.v_proj, x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = (
+            partial_rope(norm(t).transpose(1, 2), cos, sin, _rope_contiguous)
+            for t, norm in ((q, self.q_norm), (k, self.k_norm))
+        )
+        y = self._attend(q, k, v.transpose(1, 2), start_pos, cache, layer)
+        return apply_linear(self.o_proj, y * torch.sigmoid(gate))
+
+
+def _rope_contiguous(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return rope(x.contiguous(), cos, sin)
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -383,7 +496,10 @@ class SparseMoe(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        if config.is_linear(index):
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = (GatedAttention if config.attn_output_gate else Attention)(config)
         self.mlp: MLP | SparseMoe = SparseMoe(config) if index in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
@@ -410,7 +526,10 @@ class DecoderLayer(nn.Module):
         layer's (or the final) norm to add."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         x, n = add_rms_norm(x, pending, norm1.weight, norm1.eps)
-        a = self.self_attn(n, cos, sin, start_pos, cache, layer)
+        if hasattr(self, "linear_attn"):
+            a = self.linear_attn(n, start_pos, cache, layer)
+        else:
+            a = self.self_attn(n, cos, sin, start_pos, cache, layer)
         h, n = add_rms_norm(x, a, norm2.weight, norm2.eps)
         return h, self.mlp(n)
 
@@ -622,6 +741,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     sd = {k: v for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)
+    if model.config.hybrid:  # Qwen3.5's own names and norm offsets
+        from tinker_sr.engine.hybrid import to_hf
+
+        sd = to_hf(sd)
     save_tensors(out / "model.safetensors", sd, {"format": "pt"})
     hf = config_to_hf(model.config)
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")

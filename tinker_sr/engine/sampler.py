@@ -250,11 +250,9 @@ class DecodeGroup:
     @property
     def cache_bytes(self) -> int:
         """Bytes of the KV cache `prefill` allocates: keys and values of every row, layer and
-        position (prompt + max_tokens)."""
-        cfg = self.model.config
-        per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
-        size = torch.empty((), dtype=self.model.dtype).element_size()
-        return self.rows * (len(self.prompt) + self.max_tokens) * per_position * size
+        position (prompt + max_tokens), and a hybrid model's recurrent states."""
+        positions = len(self.prompt) + self.max_tokens
+        return KVCache.nbytes_for(self.model.config, self.rows, positions, self.model.dtype)
 
     @property
     def active(self) -> Tensor:
@@ -272,6 +270,8 @@ class DecodeGroup:
         a new one is added to it; `cache_hit_tokens` counts the prompt tokens not computed."""
         P = len(self.prompt)
         self.cache = self.model.new_cache(self.rows, P + self.max_tokens)
+        if self.model.config.hybrid:  # recurrent states: not kept by the prompt cache
+            prompt_cache = None
         hit = prompt_cache.get(self.model, self.prompt) if prompt_cache is not None else None
         if hit is not None:
             for layer, (k, v) in enumerate(zip(hit.k, hit.v, strict=True)):

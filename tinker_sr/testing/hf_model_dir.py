@@ -29,7 +29,9 @@ from typing import Any, Literal
 
 # "llama3": the Llama architecture with Llama 3's chat tokens (<|start_header_id|>,
 # <|end_header_id|>, <|eot_id|>: the cookbook's llama3 renderer); "llama" uses Qwen's.
-Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama", "llama3", "mistral"]
+# "qwen3_5": Qwen3.5 as the Hub ships it (Qwen3_5ForConditionalGeneration: a tiny vision tower
+# beside the hybrid text model, weights under model.language_model.).
+Family = Literal["qwen3", "qwen3_moe", "qwen3_5", "qwen2", "llama", "llama3", "mistral"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -131,8 +133,35 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
 
 def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], layers: int) -> Any:
     """The Qwen families' configs (`common` sizes, `qwen` specials and RoPE)."""
-    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen2Config, Qwen3_5Config, Qwen3Config, Qwen3MoeConfig
 
+    if family == "qwen3_5":
+        # Like Qwen3.5-4B (three gated-DeltaNet layers, then one full attention layer; a
+        # quarter of each head rotated; tied embeddings) with a 1-layer vision tower.
+        text = dict(common, **qwen, max_position_embeddings=262144)
+        text |= dict(
+            num_hidden_layers=max(layers, 4),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
+        text["rope_parameters"] = dict(
+            rope_type="default",
+            rope_theta=10_000_000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[1, 1, 0],
+            mrope_interleaved=True,
+        )
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=common["hidden_size"])  # fmt: skip
+        return Qwen3_5Config(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=True,
+            architectures=["Qwen3_5ForConditionalGeneration"],
+        )
     if family == "qwen3":
         # Like Qwen3-0.6B: a 40,960-token context, EOS = <|im_end|>.
         return Qwen3Config(
@@ -272,7 +301,7 @@ def make_tiny_hf_model_dir(
     ``attention_bias``: biases on q, k, v and o. See `tiny_model_info` for the ids.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,13 +317,10 @@ def make_tiny_hf_model_dir(
         config.attention_bias = True
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(".bias"):
-                    p.normal_(0.0, 0.02)
+        model = _random_model(config, family)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "50GB")
+    config = getattr(config, "text_config", config)  # Qwen3.5: the ids are its text model's
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     extra = ids[ENDOFTEXT] if _qwen(family) else ids[LLAMA_EOS]
     gen_eos = eos + ([extra] if extra not in eos else [])
@@ -309,10 +335,31 @@ def make_tiny_hf_model_dir(
     return out
 
 
+def _random_model(config: Any, family: Family) -> Any:
+    """transformers' initialisation, then biases drawn like the weights (transformers would zero
+    them, hiding a bias that is not applied); Qwen3.5's zero-centred norm gains drawn too (at
+    zero they would hide a gain read without its offset)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    if family == "qwen3_5":
+        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.02)
+            elif family == "qwen3_5" and name.endswith("norm.weight") and "visual" not in name:
+                p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.1)
+    return model
+
+
 def tiny_model_info(path: str | os.PathLike[str]) -> TinyModelInfo:
     """Read back the ids of a directory made by `make_tiny_hf_model_dir` (plain JSON reads)."""
     root = Path(path)
     cfg = json.loads((root / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # Qwen3.5: its text model's
     gen = json.loads((root / "generation_config.json").read_text())
     tok = json.loads((root / "tokenizer.json").read_text())
     specials = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.hf_files import eos_token_ids, read_json
+from tinker_sr.hf_files import eos_token_ids, model_config, read_json
 from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
 from tinker_sr.user_errors import EngineUserError
 
@@ -115,7 +115,7 @@ class ModelTokenizer:
     def __init__(self, root: Path) -> None:
         self.root = root
         # The model's embedding rows; may exceed the tokenizer's length (padded vocabularies).
-        self.vocab_size = int(read_json(root / "config.json")["vocab_size"])
+        self.vocab_size = int(model_config(root)["vocab_size"])
         self.tokenizer_id: str | None = str(root)
         cfg_file = root / "tokenizer_config.json"
         config = read_json(cfg_file) if cfg_file.is_file() else {}

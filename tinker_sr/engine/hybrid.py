@@ -1,0 +1,290 @@
+"""Qwen3.5's hybrid decoder layers: gated DeltaNet linear attention and gated full attention.
+
+Qwen3.5 (``Qwen3_5ForConditionalGeneration`` on the Hub; its text model, the one RL trains, is
+``Qwen3_5ForCausalLM``) interleaves two token mixers, as ``layer_types`` lists them (by default
+three ``linear_attention`` layers, then one ``full_attention``):
+
+- `GatedDeltaNet`, linear attention with a recurrent state per head ([key dim, value dim]) in
+  place of a KV cache. Each token: q, k, v from one projection through a causal depthwise
+  convolution (kernel 4) and SiLU; q and k L2-normalised; a decay ``g = -exp(A_log) *
+  softplus(a + dt_bias)`` and a write strength ``beta = sigmoid(b)`` per value head; the state
+  decays by ``exp(g)`` and takes the delta-rule update ``S += k (beta (v - S^T k))^T``; the
+  output ``S^T q / sqrt(d_k)`` goes through an RMSNorm gated by ``silu(z)`` and ``out_proj``.
+  Training and prefill run the chunked (WY) form of the same recurrence (`gated_delta_rule`);
+  decode runs one step per token (`gated_delta_step`).
+- `GatedAttention`, causal softmax attention whose ``q_proj`` also yields a per-head output gate
+  (``sigmoid``, applied before ``o_proj``), with q/k RMSNorms and RoPE on the first
+  ``partial_rotary_factor`` of each head (a quarter).
+
+The checkpoint's fused ``in_proj_qkv`` is held as three projections, ``in_proj_q``, ``in_proj_k``,
+``in_proj_v`` (one GEMM where `fused.linear_group` merges them): that is how Tinker names the
+adapters it trains on this model (tinker-cookbook's Qwen3.5 merge splits them back). Qwen3.5's
+RMSNorm gains are stored as offsets from 1 (``(1 + w) * x``); the engine holds ``1 + w``
+(`NORM_OFFSET_KEYS`) and writes ``w`` back on export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinker_sr.engine.fused import apply_linear, linear_group
+
+if TYPE_CHECKING:
+    from tinker_sr.engine.model import KVCache, ModelConfig
+
+CHUNK = 64  # positions per chunk of the WY form (transformers and FLA use 64)
+LINEAR, FULL = "linear_attention", "full_attention"
+QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
+# Gains stored as offsets from 1 in a Qwen3.5 checkpoint (the linear attention's gated norm,
+# ``linear_attn.norm``, is a plain gain).
+NORM_OFFSET_SUFFIXES = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
+NORM_OFFSET_KEYS = ("model.norm.weight",)
+FUSED_QKV = "linear_attn.in_proj_qkv.weight"
+UNUSED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token prediction
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over a sequence, chunk by chunk (float32 inputs).
+
+    q, k [B, T, H, Dk] (L2-normalised, one per value head), v [B, T, H, Dv], g (log decay,
+    <= 0) and beta [B, T, H], state [B, H, Dk, Dv] or None (zeros). Returns (out [B, T, H, Dv],
+    the state after the last position). Within a chunk the updates are condensed by the
+    UT transform, ``(I + strictly_lower(beta K K^T * decay))^-1``, into matrix products; the
+    state is carried from chunk to chunk. No in-place writes: autograd differentiates it."""
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q = q * Dk**-0.5
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
+    pad = -T % CHUNK
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // CHUNK
+    q, k, v = (t.reshape(B, H, n, CHUNK, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(B, H, n, CHUNK), beta.reshape(B, H, n, CHUNK)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    gc = g.cumsum(-1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (kb @ k.transpose(-1, -2)) * decay  # the solve reads its strictly lower part
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, kb * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * gc.exp()[..., None]
+    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+    s = torch.zeros(B, H, Dk, Dv, dtype=q.dtype, device=q.device) if state is None else state
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        outs.append(q_dec[:, :, i] @ s + inner[:, :, i] @ v_new)
+        s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, 2).reshape(B, H, n * CHUNK, Dv)[:, :, :T]
+    return out.transpose(1, 2), s
+
+
+def gated_delta_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One position of the gated delta rule: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H],
+    state [B, H, Dk, Dv] -> (out [B, H, Dv], new state). Elementwise products and reductions
+    over each row's own values only, so a row's result does not depend on the rows beside it."""
+    q = q * q.shape[-1] ** -0.5
+    s = state * g.exp()[..., None, None]
+    read = (s * k[..., None]).sum(-2)
+    s = s + k[..., None] * ((v - read) * beta[..., None])[..., None, :]
+    return (s * q[..., None]).sum(-2), s
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head's output, then gated by ``silu(z)`` (float32 gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention token mixer (``linear_attn``); see the module docstring."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.k_heads, self.v_heads = c.linear_k_heads, c.linear_v_heads
+        self.k_dim, self.v_dim = c.linear_k_dim, c.linear_v_dim
+        keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.channels = 2 * keys + values
+        self.kernel = c.linear_conv
+        self.in_proj_q = nn.Linear(c.dim, keys, bias=False)
+        self.in_proj_k = nn.Linear(c.dim, keys, bias=False)
+        self.in_proj_v = nn.Linear(c.dim, values, bias=False)
+        self.in_proj_z = nn.Linear(c.dim, values, bias=False)
+        self.in_proj_b = nn.Linear(c.dim, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.dim, self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.channels, self.channels, self.kernel, groups=self.channels, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, c.norm_eps)
+        self.out_proj = nn.Linear(values, c.dim, bias=False)
+
+    def forward(self, x: Tensor, start_pos: int, cache: KVCache | None, layer: int) -> Tensor:
+        """x [B, T, dim]: a whole sequence (no cache), a prefill (start_pos 0; B may be 1 for
+        every cache row) or a continuation from the cache's states."""
+        B, T, _ = x.shape
+        qkv = torch.cat(linear_group(x, [getattr(self, n) for n in QKV]), -1).transpose(1, 2)
+        z, b, a = (apply_linear(getattr(self, f"in_proj_{n}"), x) for n in "zba")
+        resume = cache is not None and start_pos > 0
+        if resume:
+            assert cache is not None
+            window = torch.cat([cache.conv[layer].to(qkv.dtype), qkv], -1)
+        else:
+            window = F.pad(qkv, (self.kernel - 1, 0))
+        if cache is not None:
+            cache.conv[layer].copy_(window[..., window.shape[-1] - self.kernel + 1 :])
+        mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.channels))
+        q, k, v, g, beta = self._heads(mixed.transpose(1, 2), a, b)
+        state = cache.state[layer] if resume and cache is not None else None
+        y, s = gated_delta_rule(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.state[layer].copy_(s)
+        y = self.norm(y.to(x.dtype), z.view(B, T, self.v_heads, self.v_dim))
+        return apply_linear(self.out_proj, y.reshape(B, T, -1))
+
+    def _heads(self, mixed: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+        """mixed [..., channels] (after the convolution) and the a, b projections -> float32
+        q, k (L2-normalised, repeated per value head), v [..., heads, dims], g and beta
+        [..., v_heads]."""
+        keys = self.k_heads * self.k_dim
+        q, k, v = mixed.split([keys, keys, self.v_heads * self.v_dim], -1)
+        lead = mixed.shape[:-1]
+        q = q.reshape(*lead, self.k_heads, self.k_dim).float()
+        k = k.reshape(*lead, self.k_heads, self.k_dim).float()
+        v = v.reshape(*lead, self.v_heads, self.v_dim).float()
+        if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
+            rep = self.v_heads // self.k_heads
+            q, k = q.repeat_interleave(rep, -2), k.repeat_interleave(rep, -2)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return l2norm(q), l2norm(k), v, g, beta
+
+    def step(
+        self, qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv: Tensor, state: Tensor
+    ) -> Tensor:
+        """One decode position for n rows from their projections (qkv [n, channels], z, b, a),
+        each row's convolution window ``conv`` [n, channels, kernel - 1] and ``state``, both
+        advanced in place -> the gated norm's output [n, value heads * width], before
+        ``out_proj``. Elementwise and per-row reductions only: a row's result does not depend
+        on the rows beside it (decode batches many requests)."""
+        n = qkv.shape[0]
+        window = torch.cat([conv.to(qkv.dtype), qkv[..., None]], -1)  # [n, C, kernel]
+        conv.copy_(window[..., 1:])
+        mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
+        q, k, v, g, beta = self._heads(mixed, a, b)
+        y, s = gated_delta_step(q, k, v, g, beta, state)
+        state.copy_(s)
+        y = self.norm(y.to(qkv.dtype), z.view(n, self.v_heads, self.v_dim))
+        return y.reshape(n, -1)
+
+
+def partial_rope(x: Tensor, cos: Tensor, sin: Tensor, rotate: object) -> Tensor:
+    """``rotate`` (a RoPE function of x, cos, sin) on the first ``cos.shape[-1]`` features of
+    each head, the rest passed through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return rotate(x, cos, sin)  # type: ignore[operator,no-any-return]
+    return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)  # type: ignore[operator]
+
+
+def split_gate(q_and_gate: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Qwen3.5's q_proj output [..., heads * 2 * head_dim] -> (q [..., heads, head_dim], gate
+    [..., heads * head_dim]): each head's query, then its gate."""
+    lead = q_and_gate.shape[:-1]
+    q, gate = q_and_gate.view(*lead, heads, 2 * head_dim).chunk(2, -1)
+    return q, gate.reshape(*lead, heads * head_dim)
+
+
+def to_engine(key: str, tensor: Tensor, config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """A Qwen3.5 checkpoint tensor as the engine's tensors: ``in_proj_qkv`` split three ways,
+    norm gains as ``1 + w`` (in float32), the ``model.language_model.`` prefix dropped."""
+    key = engine_key(key)
+    if key.endswith(FUSED_QKV):
+        keys = config.linear_k_heads * config.linear_k_dim
+        values = config.linear_v_heads * config.linear_v_dim
+        parts = tensor.split([keys, keys, values], 0)
+        stem = key.removesuffix("in_proj_qkv.weight")
+        return [(f"{stem}{n}.weight", p) for n, p in zip(QKV, parts, strict=True)]
+    if key.endswith(NORM_OFFSET_SUFFIXES) or key in NORM_OFFSET_KEYS:
+        return [(key, tensor.float() + 1.0)]
+    return [(key, tensor)]
+
+
+def engine_key(key: str) -> str:
+    return (
+        "model." + key.removeprefix("model.language_model.")
+        if key.startswith("model.language_model.")
+        else key
+    )
+
+
+def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The engine's state dict as a Qwen3.5 text checkpoint (``Qwen3_5ForCausalLM``'s names):
+    q/k/v fused back into ``in_proj_qkv``, norm gains written as offsets from 1."""
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        stem, _, leaf = key.rpartition(".linear_attn.")
+        if leaf == "in_proj_q.weight":
+            fused = [state[f"{stem}.linear_attn.{n}.weight"] for n in QKV]
+            out[f"{stem}.linear_attn.in_proj_qkv.weight"] = torch.cat(fused, 0)
+        elif leaf in ("in_proj_k.weight", "in_proj_v.weight"):
+            continue  # fused with in_proj_q
+        elif key.endswith(NORM_OFFSET_SUFFIXES) or key in NORM_OFFSET_KEYS:
+            out[key] = (t.float() - 1.0).to(t.dtype)
+        else:
+            out[key] = t
+    return out
+
+
+def fuse_qkv_adapters(adapters: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """LoRA adapters with each linear-attention layer's q, k and v adapters (rank r each) as
+    one adapter of rank 3r on the checkpoint's fused ``in_proj_qkv``: A stacked, B block
+    diagonal, so ``B A`` is exactly the three updates stacked. The rest unchanged."""
+    out: dict[str, Tensor] = {}
+    for key, t in adapters.items():
+        stem, _, leaf = key.rpartition(".linear_attn.")
+        if leaf == "in_proj_q.lora_A.weight":
+            a = [adapters[f"{stem}.linear_attn.{n}.lora_A.weight"] for n in QKV]
+            b = [adapters[f"{stem}.linear_attn.{n}.lora_B.weight"] for n in QKV]
+            out[f"{stem}.linear_attn.in_proj_qkv.lora_A.weight"] = torch.cat(a, 0)
+            out[f"{stem}.linear_attn.in_proj_qkv.lora_B.weight"] = torch.block_diag(*b)
+        elif not (leaf and leaf.split(".")[0] in QKV):
+            out[key] = t
+    return out
