@@ -327,7 +327,8 @@ def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
             "shared expert and gated router are not implemented. Dense Qwen3.5 (e.g. "
             "Qwen/Qwen3.5-4B) and Qwen3-MoE (e.g. Qwen/Qwen3-30B-A3B) load"
         )
-    if model_type not in VL_WRAPPERS and first not in VL_WRAPPERS.values():
+    wrapped = isinstance(model_type, str) and model_type in VL_WRAPPERS
+    if not wrapped and first not in VL_WRAPPERS.values():
         return hf
     text = hf.get("text_config")
     if not isinstance(text, dict):

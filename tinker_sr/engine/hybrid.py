@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import apply_linear, linear_group
+from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from tinker_sr.engine.model import KVCache, ModelConfig
@@ -51,6 +52,35 @@ NORM_OFFSET_SUFFIXES = (
 NORM_OFFSET_KEYS = ("model.norm.weight",)
 FUSED_QKV = "linear_attn.in_proj_qkv.weight"
 UNUSED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token prediction
+
+
+def check_config(config: ModelConfig) -> None:
+    """`ModelConfig`'s checks of the hybrid fields (`EngineUserError` naming them)."""
+    kinds = {"full_attention", "linear_attention"}
+    if config.layer_types and (
+        len(config.layer_types) != config.n_layers or not set(config.layer_types) <= kinds
+    ):
+        raise EngineUserError(
+            f"model config {config.name!r}: layer_types must name each of the "
+            f"{config.n_layers} layers 'full_attention' or 'linear_attention', got "
+            f"{config.layer_types}"
+        )
+    rotary = config.rotary_dim
+    if rotary is not None and not (0 < rotary <= config.head_dim and rotary % 2 == 0):
+        raise EngineUserError(
+            f"model config {config.name!r}: rotary_dim={rotary} must be even and at most "
+            f"head_dim={config.head_dim}"
+        )
+    if not config.hybrid:
+        return
+    sizes = (config.linear_k_heads, config.linear_v_heads, config.linear_k_dim, config.linear_v_dim)
+    if min(sizes) < 1 or config.linear_conv < 1 or config.linear_v_heads % config.linear_k_heads:
+        raise EngineUserError(
+            f"model config {config.name!r}: linear attention needs positive head counts, "
+            f"widths and kernel, value heads a multiple of key heads; got k/v heads "
+            f"{config.linear_k_heads}/{config.linear_v_heads}, widths {config.linear_k_dim}/"
+            f"{config.linear_v_dim}, kernel {config.linear_conv}"
+        )
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
