@@ -52,9 +52,7 @@ def _hf_logits(model: Any) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-@pytest.fixture(
-    scope="module", params=["qwen3", "qwen2", "llama-bias", "qwen3_moe", "qwen3_5"]
-)
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama-bias", "qwen3_moe", "qwen3_5"])
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """Qwen3; Qwen2 with its q/k/v biases and Llama with attention_bias (biases on q, k, v and
     o): LoRA on biased projections, both exports; Qwen3-MoE: adapters on every expert, merged

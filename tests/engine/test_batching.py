@@ -35,6 +35,20 @@ def moe_model() -> Transformer:
     return build_model(config, seed=3).eval()
 
 
+@pytest.fixture(scope="module")
+def hybrid_model() -> Transformer:
+    """The tiny model as Qwen3.5 builds its layers: gated DeltaNet linear attention (a
+    recurrent state per row instead of a KV cache), then gated attention with partial RoPE."""
+    tiny = BUILTIN_CONFIGS["tinker-sr/tiny"]
+    config = dataclasses.replace(
+        tiny, name="tiny-hybrid", qk_norm=True, attn_output_gate=True,
+        rotary_dim=tiny.head_dim // 4,
+        layer_types=("linear_attention",) * (tiny.n_layers - 1) + ("full_attention",),
+        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8, linear_conv=4,
+    )  # fmt: skip
+    return build_model(config, seed=3).eval()
+
+
 def requests() -> list[dict[str, Any]]:
     """Different prompts, lengths, row counts, temperatures, filters, stops, draws, top-k."""
     out = []
@@ -88,12 +102,12 @@ def assert_same(a: list[SampleOutput], b: list[SampleOutput]) -> None:
                 np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_requests_equal_each_request_alone(
     request: pytest.FixtureRequest, kind: str, threads: int
 ) -> None:
-    model = request.getfixturevalue("model" if kind == "dense" else "moe_model")
+    model = request.getfixturevalue("model" if kind == "dense" else f"{kind}_model")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -1,0 +1,257 @@
+"""Qwen3.5 directories (the cookbook's default models, e.g. Qwen/Qwen3.5-4B) as users bring
+them: the Hub's vision-language checkpoint (``Qwen3_5ForConditionalGeneration``, weights under
+``model.language_model.``, a vision tower beside) of a hybrid decoder, gated DeltaNet linear
+attention in three layers of four and gated attention with partial RoPE in the fourth.
+
+Checked against transformers on the same directory (logits, a padded batch, bf16, both
+checkpoint layouts), the chunked recurrence against the plain one (values and gradients),
+LoRA on the linear attention's projections as Tinker names them, sampling (prefill, then one
+recurrent step per token; rows stopping at different times) against teacher forcing, the
+official SDK through ``tinker-sr serve``, and the configs refused by name. The exports are in
+tests/test_export.py, batched decode in tests/engine/test_batching.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.engine.hf import load_model_dir  # noqa: E402
+from tinker_sr.engine.hf_config import config_from_hf  # noqa: E402
+from tinker_sr.engine.hybrid import gated_delta_rule, gated_delta_step  # noqa: E402
+from tinker_sr.engine.lora import LoraLinear  # noqa: E402
+from tinker_sr.engine.model import save_pretrained  # noqa: E402
+from tinker_sr.engine.sampler import generate, score_tokens  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+from tinker_sr.user_errors import EngineUserError  # noqa: E402
+
+PROMPT = "User: what is 12 plus 30?\n\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def q35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("q35") / "tiny-qwen3.5", "qwen3_5")
+
+
+def _tokens(n: int, rows: int = 2, seed: int = 0, vocab: int = 500) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_hub_layout_loads_and_computes_transformers_logits(q35_dir: Path) -> None:
+    hf = json.loads((q35_dir / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "text_config" in hf
+    ours = load_model_dir(q35_dir)
+    theirs = AutoModelForCausalLM.from_pretrained(q35_dir, dtype=torch.float32).eval()
+    assert ours.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert ours.config.rotary_dim == 4  # a quarter of the 16-wide heads
+    # Lengths within one chunk of the recurrence, on its edge and across three.
+    for n in (7, 64, 150):
+        ids = _tokens(n, vocab=ours.config.vocab_size)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+    # A right-padded batch: each row's real positions as alone.
+    ids = _tokens(40, vocab=ours.config.vocab_size)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 25:] = False
+    with torch.no_grad():
+        batched = ours(ids, attn_mask=mask)
+        alone = ours(ids[1:, :25])
+    torch.testing.assert_close(batched[1, :25], alone[0], rtol=0, atol=1e-5)
+
+
+def test_a_text_only_checkpoint_and_our_own_save_load_alike(q35_dir: Path, tmp_path: Path) -> None:
+    """transformers' Qwen3_5ForCausalLM saved on its own (``model.layers.``, no vision tower),
+    and the engine's save_pretrained (q/k/v fused back, norm gains as offsets from 1) loaded
+    by transformers: the same logits."""
+    theirs = AutoModelForCausalLM.from_pretrained(q35_dir, dtype=torch.float32).eval()
+    theirs.save_pretrained(tmp_path / "text")
+    ids = _tokens(30, vocab=theirs.config.vocab_size)
+    with torch.no_grad():
+        want = theirs(ids).logits
+        torch.testing.assert_close(load_model_dir(tmp_path / "text")(ids), want, rtol=0, atol=1e-5)
+        save_pretrained(load_model_dir(q35_dir), tmp_path / "ours")
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        torch.testing.assert_close(back.eval()(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_bf16_checkpoint_stays_bf16_and_close_to_transformers(tmp_path: Path) -> None:
+    root = make_tiny_hf_model_dir(tmp_path / "bf16", "qwen3_5", dtype="bfloat16")
+    ours = load_model_dir(root)
+    theirs = AutoModelForCausalLM.from_pretrained(root, dtype=torch.bfloat16).eval()
+    assert ours.dtype == torch.bfloat16
+    ids = _tokens(100, vocab=ours.config.vocab_size)
+    with torch.no_grad():
+        diff = (ours(ids).log_softmax(-1) - theirs(ids).logits.float().log_softmax(-1)).abs()
+    # bf16 rounding (the engine holds 1 + w for the norm gains; transformers adds 1 in fp32).
+    assert diff.max() < 0.05, diff.max()
+
+
+def _recurrence(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
+    outs = []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(y)
+    return torch.stack(outs, 1), state
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 130])
+def test_the_chunked_form_is_the_recurrence_in_values_and_gradients(length: int) -> None:
+    gen = torch.Generator().manual_seed(length)
+    B, H, Dk, Dv = 2, 3, 8, 6
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k = (torch.nn.functional.normalize(draw(B, length, H, Dk), dim=-1) for _ in range(2))
+    v = draw(B, length, H, Dv)
+    g = -torch.nn.functional.softplus(draw(B, length, H))  # decays in (0, 1)
+    beta = torch.sigmoid(draw(B, length, H))
+    state = draw(B, H, Dk, Dv)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, state)]
+    y1, s1 = gated_delta_rule(*inputs)
+    y2, s2 = _recurrence(*inputs)
+    torch.testing.assert_close(y1, y2, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(s1, s2, rtol=1e-9, atol=1e-9)
+    weights = draw(*y1.shape)
+    g1 = torch.autograd.grad((y1 * weights).sum() + s1.sum(), inputs)
+    g2 = torch.autograd.grad((y2 * weights).sum() + s2.sum(), inputs)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
+
+
+def test_lora_covers_the_linear_attention_as_tinker_names_it_and_learns(
+    tmp_path: Path, q35_dir: Path
+) -> None:
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(str(q35_dir), rank=4, seed=1).result()
+    model = backend.models.trainer(training.model_id).model
+    linear, full = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
+    adapted = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj")
+    assert all(isinstance(getattr(linear, n), LoraLinear) for n in adapted)
+    assert type(linear.in_proj_a) is torch.nn.Linear and type(linear.in_proj_b) is torch.nn.Linear
+    assert not any(p.requires_grad for p in (linear.A_log, linear.dt_bias, linear.conv1d.weight))
+    assert isinstance(full.q_proj, LoraLinear) and full.q_proj.weight.shape[0] == 2 * 4 * 16
+
+    ids = training.get_tokenizer().encode(PROMPT + " 42")
+    losses = cross_entropy_steps(training, types, ids, steps=5, lr=1e-2)
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert linear.in_proj_k.lora_B.weight.abs().sum() > 0  # the gradient reached k
+    # Sampled on the trained weights, a prompt longer than one chunk of the recurrence: the
+    # sampled tokens' log-probabilities are the learner's.
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = types.ModelInput.from_ints((ids * 6)[:70])
+    params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=[])
+    for seq in sampler.sample(prompt, 3, params).result().sequences:
+        full_ids = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
+        tail = sampler.compute_logprobs(full_ids).result()[-len(seq.tokens) :]
+        assert seq.logprobs is not None and seq.sequence_id is not None
+        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    client.close().result()
+    backend.close()
+
+
+def test_rows_that_stop_early_leave_the_others_states_intact(q35_dir: Path) -> None:
+    """Rows finish at different steps (stop ids), so later steps decode a subset of each
+    request's rows: every row's log-probabilities still equal teacher forcing."""
+    model = load_model_dir(q35_dir)
+    prompt = list(range(300, 340))
+    outs = generate(model, prompt, num_samples=6, max_tokens=30, seed=5, temperature=1.0,
+                    stop_token_ids=list(range(0, model.config.vocab_size, 9)))  # fmt: skip
+    lengths = sorted(len(o.tokens) for o in outs)
+    assert lengths[0] < lengths[-1] and lengths[-1] > 3, lengths
+    for o in outs:
+        seq = prompt + o.tokens
+        want = score_tokens(model, seq)[len(prompt) - 1 : len(seq) - 1]
+        assert max(abs(float(a) - b) for a, b in zip(want, o.logprobs, strict=True)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, q35_dir: Path) -> Iterator[ServerProcess]:
+    store = tmp_path_factory.mktemp("q35_server") / "store"
+    with running_server(store, extra_args=["--model-dir", str(q35_dir)]) as srv:
+        yield srv
+
+
+def test_the_official_sdk_trains_and_samples_a_qwen3_5_dir(
+    server: ServerProcess, q35_dir: Path
+) -> None:
+    tinker = pytest.importorskip("tinker")
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    training = service.create_lora_training_client(base_model=str(q35_dir), rank=4).result()
+    ids = training.get_tokenizer().encode(PROMPT + " 42")
+    losses = cross_entropy_steps(training, tinker.types, ids, steps=3, lr=1e-2)
+    assert losses[-1] < losses[0], losses
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tinker.types.ModelInput.from_ints(ids[:-2])
+    params = tinker.types.SamplingParams(max_tokens=6, seed=1, stop=[])
+    first = sampler.sample(prompt, 2, params).result().sequences
+    again = sampler.sample(prompt, 2, params).result().sequences
+    assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
+    assert all(len(s.tokens) == 6 for s in first)
+    service.close("success").result()
+
+
+def _qwen3_5(**text: Any) -> dict[str, Any]:
+    """A Hub-style Qwen3.5 config.json (text model inside the vision-language wrapper)."""
+    base: dict[str, Any] = {
+        "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True},
+    }  # fmt: skip
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": {**base, **text},
+    }
+
+
+def test_configs_read_as_transformers_reads_them() -> None:
+    from transformers import Qwen3_5Config
+
+    for text in ({}, {"full_attention_interval": 2}, {"layer_types": ["full_attention"] * 8}):
+        hf = _qwen3_5(**text)
+        ours = config_from_hf(hf, "m")
+        theirs = Qwen3_5Config(**{k: v for k, v in hf.items() if k != "architectures"})
+        assert list(ours.layer_types) == theirs.text_config.layer_types
+        assert ours.rope_theta == theirs.text_config.rope_parameters["rope_theta"]
+        assert ours.tie_embeddings and ours.max_seq_len == 32768
+
+
+@pytest.mark.parametrize(
+    ("text", "top", "field"),
+    [
+        ({}, {"model_type": "qwen3_5_moe"}, "Qwen3.5-MoE .* not supported"),
+        ({"attn_output_gate": False}, {}, "attn_output_gate=False"),
+        ({"layer_types": ["full_attention"] * 3}, {}, "layer_types=.* each of the 8"),
+        ({"layer_types": ["sliding_attention"] * 8}, {}, "layer_types="),
+        ({"linear_num_value_heads": 3}, {}, "linear_num_value_heads=3 must be a multiple"),
+        ({"linear_key_head_dim": 0}, {}, "linear_key_head_dim=0"),
+        ({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.1}}, {},
+         "partial_rotary_factor=0.1 rotates 1 of 16"),
+        ({"rope_parameters": {"rope_theta": 1e7, "mrope_extra": 1}}, {}, "mrope_extra"),
+        ({}, {"text_config": [1]}, "needs a text_config object"),
+    ],
+)  # fmt: skip
+def test_fields_the_engine_cannot_compute_are_refused(
+    text: dict[str, Any], top: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(EngineUserError, match=field):
+        config_from_hf({**_qwen3_5(**text), **top}, "m")
