@@ -47,6 +47,7 @@ _JOB_LIMIT_S = 420
 HUB_NAME = "Qwen/Qwen3-8B"  # the tiny model, as a user's HF cache would hold a real one
 LLAMA_HUB = "meta-llama/Llama-3.1-8B-Instruct"  # the tiny Llama 3 chat model, likewise
 MOE_HUB = "Qwen/Qwen3-30B-A3B"  # a tiny Qwen3-MoE (2 of 8 experts), likewise
+Q35_HUB = "Qwen/Qwen3.5-4B"  # a tiny Qwen3.5 (hybrid linear attention): the cookbook's default
 LLAMA_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
 
 
@@ -83,7 +84,13 @@ def raise_eos_logit(model_dir: Path, eos_id: int) -> None:
 
     path = model_dir / "model.safetensors"
     weights = load_file(path)
-    emb = weights["model.embed_tokens.weight"]
+    key = next(
+        k
+        for k in weights
+        if k.endswith("model.embed_tokens.weight")
+        or k.endswith("language_model.embed_tokens.weight")
+    )  # Qwen3.5: under model.language_model.
+    emb = weights[key]
     emb[:, 0] += 0.3
     weights.get("lm_head.weight", emb)[eos_id, 0] = 1.3
     save_file(weights, path, metadata={"format": "pt"})
@@ -123,8 +130,24 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def q35_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Qwen3.5 as the Hub ships it (the vision-language checkpoint) with Qwen's chat
+    tokens (the cookbook's ``qwen3_5`` renderer)."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-q35", "qwen3_5")
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.eos_token_ids[0])
+    return info
+
+
+@pytest.fixture(scope="module")
 def hf_home(
-    tmp_path_factory: pytest.TempPathFactory, model: Any, llama3_model: Any, moe_model: Any
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Any,
+    llama3_model: Any,
+    moe_model: Any,
+    q35_model: Any,
 ) -> Path:
     """An HF_HOME whose hub cache holds the models as `HUB_NAME` and `LLAMA_HUB`, and the
     tokenizer repo the cookbook reads for Llama 3 (refs/main -> a snapshot), as
@@ -136,6 +159,7 @@ def hf_home(
         (LLAMA_HUB, llama3_model),
         (LLAMA_TOKENIZER, llama3_model),
         (MOE_HUB, moe_model),
+        (Q35_HUB, q35_model),
     )
     for name, info in cached:
         repo, rev = home / "hub" / ("models--" + name.replace("/", "--")), "b" * 40
@@ -153,7 +177,9 @@ def server(
     # A server loads only the models its operator names (issue 10, item 12): a directory, and
     # a Hub name found in the server's HF cache.
     flags = ["--model-dir", str(model.path)]
-    flags += [arg for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB) for arg in ("--model-dir", hub)]
+    flags += [
+        arg for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB) for arg in ("--model-dir", hub)
+    ]
     with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
         yield srv
 
@@ -304,6 +330,7 @@ def jobs(
             HUB_NAME: models[None],
             LLAMA_HUB: request.getfixturevalue("llama3_model"),
             MOE_HUB: request.getfixturevalue("moe_model"),
+            Q35_HUB: request.getfixturevalue("q35_model"),
         }
     home = request.getfixturevalue("hf_home") if len(models) > 1 else None
     srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
@@ -431,7 +458,7 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
-@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB])
+@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
@@ -440,7 +467,8 @@ def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     the server's and the cookbook's tokenizer alike), and the renderer the cookbook recommends
     for it (``qwen3``: stop on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the
     ``<|eot_id|>`` id)."""
-    fixture = {HUB_NAME: "model", LLAMA_HUB: "llama3_model", MOE_HUB: "moe_model"}[hub]
+    fixture = {HUB_NAME: "model", LLAMA_HUB: "llama3_model", MOE_HUB: "moe_model",
+               Q35_HUB: "q35_model"}[hub]  # fmt: skip
     model = request.getfixturevalue(fixture)
     log = jobs.log((way, "rl_is", hub))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))

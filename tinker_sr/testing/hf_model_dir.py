@@ -35,6 +35,7 @@ Family = Literal["qwen3", "qwen3_moe", "qwen3_5", "qwen2", "llama", "llama3", "m
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+THINK, END_THINK = "<think>", "</think>"
 LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 
@@ -98,6 +99,8 @@ def _qwen(family: Family) -> bool:
 
 def _specials(family: Family) -> list[str]:
     """The special tokens, in id order after the learned vocabulary."""
+    if family == "qwen3_5":  # its renderer reads </think> as one token, as Qwen's tokenizers
+        return [ENDOFTEXT, IM_START, IM_END, THINK, END_THINK]
     if _qwen(family):
         return [ENDOFTEXT, IM_START, IM_END]
     if family == "llama3":
