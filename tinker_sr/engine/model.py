@@ -574,11 +574,28 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     the output of attention, and the MLP's gate and up projections."""
     q = config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
-    per_token = 4 * config.dim + 3 * q + 3 * kv
+    attention = 4 * config.dim + (4 if config.attn_output_gate else 3) * q + 3 * kv
+    linear = sum(config.is_linear(i) for i in range(config.n_layers))
     moe = len(config.moe_layers)  # each token keeps k experts' gate and up, and its input
     moe_token = config.experts_per_token * (2 * config.moe_ffn_dim + config.dim)
     mlp = (config.n_layers - moe) * 2 * config.ffn_dim + moe * moe_token
-    return 4 * tokens * (config.n_layers * per_token + mlp)
+    mixers = (config.n_layers - linear) * attention + linear * _linear_activations(config)
+    return 4 * tokens * (mixers + mlp)
+
+
+def _linear_activations(config: ModelConfig) -> int:
+    """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
+    projections, the convolution's output before and after SiLU, q/k/v in float32 before and
+    after normalising (q and k repeated per value head), the chunk's per-head decay, system
+    and attention rows (64 each) and its u and w, the output and its gated norm."""
+    keys, values = (
+        config.linear_k_heads * config.linear_k_dim,
+        config.linear_v_heads * config.linear_v_dim,
+    )
+    repeated = config.linear_v_heads * config.linear_k_dim
+    channels = 2 * keys + values
+    chunk = config.linear_v_heads * (3 * 64) + values + repeated
+    return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
 
 
 def checkpoint_pays(
