@@ -119,3 +119,52 @@ def test_every_field_at_every_edge_value() -> None:
 def test_any_config_builds_or_is_refused_by_name(over: dict[str, Any], dropped: set[str]) -> None:
     """Several fields at once, from a wider range of values."""
     _check({k: v for k, v in {**BASE, **over}.items() if k not in dropped})
+
+
+# Qwen3.5 as the Hub ships it: the text model's config inside a vision-language wrapper.
+Q35_TEXT: dict[str, Any] = {
+    **{k: BASE[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                            "num_attention_heads", "num_key_value_heads", "head_dim")},
+    "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}  # fmt: skip
+Q35_KEYS = [*Q35_TEXT, "layer_types", "full_attention_interval", "attn_output_gate",
+            "partial_rotary_factor", "model_type", "tie_word_embeddings"]  # fmt: skip
+Q35_EDGES = [*EDGES, ["linear_attention"] * 4, ["full_attention", "linear_attention"],
+             {"rope_theta": 1e7, "partial_rotary_factor": 0.0625}, "qwen3_5_text"]  # fmt: skip
+
+
+def _check_qwen3_5(text: dict[str, Any], top: dict[str, Any]) -> None:
+    hf = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+          "text_config": text, **top}  # fmt: skip
+    try:
+        config = config_from_hf(hf, "fuzz")
+    except EngineUserError as e:
+        assert "fuzz" in str(e)
+        return
+    assert len(config.layer_types) == config.n_layers
+    assert set(config.layer_types) <= {"full_attention", "linear_attention"}
+    rotary = config.rotary_dim
+    assert rotary is not None and 2 <= rotary <= config.head_dim and rotary % 2 == 0
+    assert config.linear_v_heads % config.linear_k_heads == 0 and config.linear_conv >= 1
+    with torch.device("meta"):
+        Transformer(config)
+
+
+def test_qwen3_5_every_text_field_at_every_edge_value() -> None:
+    for key in Q35_KEYS:
+        for value in Q35_EDGES:
+            _check_qwen3_5({**Q35_TEXT, key: value}, {})
+        _check_qwen3_5({k: v for k, v in Q35_TEXT.items() if k != key}, {})
+    for value in Q35_EDGES:
+        _check_qwen3_5(Q35_TEXT, {"text_config": value})
+        _check_qwen3_5(Q35_TEXT, {"model_type": value})
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(Q35_KEYS), st.one_of(values, st.sampled_from(Q35_EDGES)),
+                       max_size=4))  # fmt: skip
+def test_any_qwen3_5_config_builds_or_is_refused_by_name(over: dict[str, Any]) -> None:
+    _check_qwen3_5({**Q35_TEXT, **over}, {})

@@ -330,6 +330,11 @@ def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
     wrapped = isinstance(model_type, str) and model_type in VL_WRAPPERS
     if not wrapped and first not in VL_WRAPPERS.values():
         return hf
+    if not wrapped and model_type is not None:
+        raise EngineUserError(
+            f"{name}: config.json model_type {model_type!r} contradicts architectures "
+            f"{archs!r}; make them agree"
+        )
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise EngineUserError(
