@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine._hybrid import tiny_hybrid_model
 from tinker_sr.engine import batching
 from tinker_sr.engine.batching import CHUNK, decode_step, gemm_is_row_invariant, padded_rows
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
@@ -37,16 +38,7 @@ def moe_model() -> Transformer:
 
 @pytest.fixture(scope="module")
 def hybrid_model() -> Transformer:
-    """The tiny model as Qwen3.5 builds its layers: gated DeltaNet linear attention (a
-    recurrent state per row instead of a KV cache), then gated attention with partial RoPE."""
-    tiny = BUILTIN_CONFIGS["tinker-sr/tiny"]
-    config = dataclasses.replace(
-        tiny, name="tiny-hybrid", qk_norm=True, attn_output_gate=True,
-        rotary_dim=tiny.head_dim // 4,
-        layer_types=("linear_attention",) * (tiny.n_layers - 1) + ("full_attention",),
-        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8, linear_conv=4,
-    )  # fmt: skip
-    return build_model(config, seed=3).eval()
+    return tiny_hybrid_model()
 
 
 def requests() -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine._hybrid import tiny_hybrid_model
 from tinker_sr.engine.batching import decode_step
 from tinker_sr.engine.model import Transformer, build_model
 from tinker_sr.engine.prompt_cache import BUDGET_ENV, PromptCache, budget_from_env
@@ -24,6 +25,11 @@ OPTIONS: dict[str, Any] = dict(
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     return build_model("tinker-sr/tiny", seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid_model() -> Transformer:
+    return tiny_hybrid_model()
 
 
 def decode(
@@ -48,7 +54,13 @@ def same(a: list[SampleOutput], b: list[SampleOutput]) -> bool:
     )
 
 
-def test_a_hit_gives_a_misses_tokens_logprobs_draws_and_top_k(model: Transformer) -> None:
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_a_hit_gives_a_misses_tokens_logprobs_draws_and_top_k(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Hybrid (Qwen3.5): the linear-attention layers' convolution windows and recurrent
+    states are cached beside the full-attention layers' keys and values."""
+    model = request.getfixturevalue("model" if kind == "dense" else "hybrid_model")
     alone, hit_tokens = decode(model, None)
     cache = PromptCache(64 << 20)
     miss, miss_tokens = decode(model, cache)

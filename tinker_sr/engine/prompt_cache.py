@@ -26,7 +26,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -59,13 +59,16 @@ def _bytes(tensors: Iterable[Tensor]) -> int:
 @dataclass(frozen=True)
 class CachedPrompt:
     """What a prefill of one prompt left: keys and values [1, H, P, D] per layer, and the
-    float32 logits [1, V] after the last prompt token; ``nbytes``, what they take."""
+    float32 logits [1, V] after the last prompt token; ``nbytes``, what they take; for a
+    hybrid model (Qwen3.5) each linear-attention layer's convolution window and recurrent
+    state after the prompt (``states``, one row each)."""
 
     model: weakref.ref[torch.nn.Module]
     k: list[Tensor]
     v: list[Tensor]
     logits: Tensor
     nbytes: int
+    states: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 class PromptCache:
@@ -108,11 +111,13 @@ class PromptCache:
         k: list[Tensor],
         v: list[Tensor],
         logits: Tensor,
+        states: dict[int, tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         """Keep copies of a prefill's results (the tensors given are not held)."""
         if self.budget <= 0:
             return
-        size = _bytes((*k, *v, logits))
+        states = states or {}
+        size = _bytes((*k, *v, logits, *(t for pair in states.values() for t in pair)))
         if size > self.budget // 4:
             return
         entry = CachedPrompt(
@@ -121,6 +126,7 @@ class PromptCache:
             [t.clone() for t in v],
             logits.clone(),
             size,
+            {layer: (c.clone(), r.clone()) for layer, (c, r) in states.items()},
         )
         key = (id(model), tuple(prompt))
         with self._lock:

@@ -270,12 +270,13 @@ class DecodeGroup:
         a new one is added to it; `cache_hit_tokens` counts the prompt tokens not computed."""
         P = len(self.prompt)
         self.cache = self.model.new_cache(self.rows, P + self.max_tokens)
-        if self.model.config.hybrid:  # recurrent states: not kept by the prompt cache
-            prompt_cache = None
         hit = prompt_cache.get(self.model, self.prompt) if prompt_cache is not None else None
         if hit is not None:
             for layer, (k, v) in enumerate(zip(hit.k, hit.v, strict=True)):
                 self.cache.update(layer, 0, k, v)
+            for layer, (conv, state) in hit.states.items():  # Qwen3.5's linear attention
+                self.cache.conv[layer].copy_(conv.expand_as(self.cache.conv[layer]))
+                self.cache.state[layer].copy_(state.expand_as(self.cache.state[layer]))
             last = hit.logits
             self.cache_hit_tokens = P
         else:
@@ -283,7 +284,8 @@ class DecodeGroup:
             if prompt_cache is not None:
                 keys = [k[:1, :, :P] for k in self.cache.k]  # every row holds the same prompt
                 values = [v[:1, :, :P] for v in self.cache.v]
-                prompt_cache.put(self.model, self.prompt, keys, values, last)
+                states = {i: (c[:1], self.cache.state[i][:1]) for i, c in self.cache.conv.items()}
+                prompt_cache.put(self.model, self.prompt, keys, values, last, states)
         self.logits.copy_(last.expand_as(self.logits))
         self._sample()
 
