@@ -57,19 +57,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen3.5's linear attention in transformers (tinker_sr adapts q, k and v separately, as Tinker
+# does: three rank-8 adapters where peft has one on the fused in_proj_qkv).
+LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 RANK, ALPHA = 8, 32
 
 
-def make_model_dir(path: Path) -> Path:
-    """The benchmark's Qwen3 directory: tokenizer files of the test helper, bigger weights."""
+def make_model_dir(path: Path, arch: str = "qwen3") -> Path:
+    """The benchmark's directory: tokenizer files of the test helper, bigger weights. ``arch``
+    "qwen3_5": the same sizes as Qwen3.5's text model, six gated DeltaNet layers (4 key / 8
+    value heads of 64) and two gated-attention layers."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
     from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
     make_tiny_hf_model_dir(path, "qwen3", pad_vocab_to_multiple=32000)
     hf = json.loads((path / "config.json").read_text())
-    config = Qwen3Config(
+    sizes: dict[str, Any] = dict(
         vocab_size=32000,
         hidden_size=512,
         intermediate_size=1536,
@@ -83,6 +88,17 @@ def make_model_dir(path: Path) -> Path:
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
+    if arch == "qwen3_5":
+        config: Any = Qwen3_5TextConfig(
+            **sizes,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            architectures=["Qwen3_5ForCausalLM"],
+        )
+    else:
+        config = Qwen3Config(**sizes)
     for f in path.glob("model*.safetensors*"):
         f.unlink()
     torch.manual_seed(0)
@@ -257,7 +273,9 @@ def hf_model(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [n for n in TARGETS + LINEAR_TARGETS if n in names]
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0)
     return get_peft_model(model, cfg)
 
 
@@ -406,6 +424,9 @@ def main() -> None:
         help=f"untimed runs per process before the timed ones (default {WARMUP}: steady state)",
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--arch", choices=["qwen3", "qwen3_5"], default="qwen3", help="qwen3_5: Qwen3.5's hybrid"
+    )
     parser.add_argument("--work", nargs="*", default=["train", "sample", "train-bf16"])
     parser.add_argument(
         "--breakdown",
@@ -424,14 +445,17 @@ def main() -> None:
     works = [w for w in args.work if w != "train-bf16" or has_fast_bf16()]
     n_params = 41_600_000  # recomputed below from the HF model
     with tempfile.TemporaryDirectory(prefix="tinker-sr-hfdir-") as tmp:
-        model_dir = make_model_dir(Path(tmp) / "qwen3")
+        model_dir = make_model_dir(Path(tmp) / args.arch, args.arch)
         import torch
         from transformers import AutoModelForCausalLM
 
         m = AutoModelForCausalLM.from_pretrained(model_dir)
         n_params = sum(p.numel() for p in m.parameters())
         del m, torch
-        print(f"model: {n_params / 1e6:.1f}M parameters; train batch {args.batch} x {args.seq}")
+        print(
+            f"model: {args.arch}, {n_params / 1e6:.1f}M parameters; train batch "
+            f"{args.batch} x {args.seq}"
+        )
         results: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {w: [] for w in works}
         for r in range(args.rounds):
             for work in works:

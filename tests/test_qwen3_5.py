@@ -86,6 +86,32 @@ def test_a_text_only_checkpoint_and_our_own_save_load_alike(q35_dir: Path, tmp_p
         torch.testing.assert_close(back.eval()(ids).logits, want, rtol=0, atol=1e-5)
 
 
+def test_a_qwen3_5_without_linear_layers_still_reads_its_norm_offsets(tmp_path: Path) -> None:
+    """``layer_types`` all full attention: no recurrent state, but still Qwen3.5's layout."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["full_attention"] * 2, architectures=["Qwen3_5ForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.1)
+    theirs.save_pretrained(tmp_path / "full")
+    ours = load_model_dir(tmp_path / "full")
+    assert not ours.config.hybrid and ours.config.qwen3_5_layout
+    ids = _tokens(20, vocab=300)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+        save_pretrained(ours, tmp_path / "ours")
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        torch.testing.assert_close(back.eval()(ids).logits, theirs(ids).logits, rtol=0, atol=1e-5)
+
+
 def test_bf16_checkpoint_stays_bf16_and_close_to_transformers(tmp_path: Path) -> None:
     root = make_tiny_hf_model_dir(tmp_path / "bf16", "qwen3_5", dtype="bfloat16")
     ours = load_model_dir(root)

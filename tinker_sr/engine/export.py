@@ -141,13 +141,13 @@ def export_merged(
     model = merged_model(base, ckpt)
     tied = model.config.tie_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    if model.config.hybrid:  # Qwen3.5: its text model (Qwen3_5ForCausalLM), fused q/k/v
+    if model.config.qwen3_5_layout:  # Qwen3.5: its text model (Qwen3_5ForCausalLM), fused q/k/v
         state = to_hf(state)
     save_tensors(root / "model.safetensors", state, {"format": "pt"})
     dtype = str(model.dtype).removeprefix("torch.")
     if base_dir is not None:
         config = read_json(base_dir / "config.json")
-        if model.config.hybrid:  # the text model's config: the vision tower is not written
+        if model.config.qwen3_5_layout:  # the text model's config: the vision tower is not written
             config = config_to_hf(model.config)
         for name in _CARRIED:
             if (base_dir / name).is_file():

@@ -122,7 +122,7 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
     unused: list[str] = []
     placed: dict[str, int] = {}
     for f, stored, sl in _tensors(files):
-        if config.hybrid and stored.startswith(hybrid.UNUSED_PREFIXES):
+        if config.qwen3_5_layout and stored.startswith(hybrid.UNUSED_PREFIXES):
             continue  # Qwen3.5's vision tower and multi-token-prediction head
         for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config):
             if key not in shapes:
@@ -155,7 +155,7 @@ def _engine_shapes(
     key: str, shape: tuple[int, ...], config: ModelConfig
 ) -> list[tuple[str, tuple[int, ...]]]:
     """Where a stored tensor lands: its name, or (Qwen3.5) its parts' names and shapes."""
-    if not config.hybrid:
+    if not config.qwen3_5_layout:
         return [(key, shape)]
     with torch.device("meta"):
         parts = hybrid.to_engine(key, torch.empty(shape), config)
@@ -203,9 +203,13 @@ def load_model_dir(
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
         for _, stored, sl in _tensors(files):
-            key = hybrid.engine_key(stored) if config.hybrid else stored
-            if key in wanted or (config.hybrid and key.endswith(hybrid.FUSED_QKV)):
-                parts = hybrid.to_engine(stored, sl[:], config) if config.hybrid else [(key, sl[:])]
+            key = hybrid.engine_key(stored) if config.qwen3_5_layout else stored
+            if key in wanted or (config.qwen3_5_layout and key.endswith(hybrid.FUSED_QKV)):
+                parts = (
+                    hybrid.to_engine(stored, sl[:], config)
+                    if config.qwen3_5_layout
+                    else [(key, sl[:])]
+                )
                 for name, tensor in parts:
                     own[name].copy_(tensor)
                     bar.update(own[name].nbytes)

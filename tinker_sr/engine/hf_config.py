@@ -407,6 +407,7 @@ def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dic
         "linear_k_dim": _count(hf, "linear_key_head_dim", name, 128),
         "linear_v_dim": _count(hf, "linear_value_head_dim", name, 128),
         "linear_conv": _count(hf, "linear_conv_kernel_dim", name, 4),
+        "qwen3_5_layout": True,
     }
 
 
@@ -451,6 +452,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """A config.json that transformers loads as the same model (Qwen3 with q/k norms, Qwen2 for
     q/k/v-only biases, else Llama)."""
     same_bias = config.attention_bias == config.attention_out_bias
+    if config.rotary_dim not in (None, config.head_dim) and not config.qwen3_5_layout:
+        raise EngineUserError(
+            f"model config {config.name!r}: partial RoPE (rotary_dim={config.rotary_dim}) is "
+            "written only as Qwen3.5"
+        )
     if config.moe_layers and not (config.qk_norm and same_bias):
         raise EngineUserError(
             f"model config {config.name!r}: mixture-of-experts layers need q/k norms and "
@@ -458,11 +464,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         )
     if config.moe_layers:
         arch, model_type = MOE, "qwen3_moe"
-    elif config.attn_output_gate or config.layer_types or config.rotary_dim:
-        if not (config.qk_norm and config.attn_output_gate and config.layer_types):
+    elif config.qwen3_5_layout or config.attn_output_gate or config.layer_types:
+        if not (config.qk_norm and config.attn_output_gate and config.qwen3_5_layout):
             raise EngineUserError(
-                f"model config {config.name!r}: hybrid layers, output gates and partial RoPE "
-                "are written only together, as Qwen3.5 (Qwen3_5ForCausalLM)"
+                f"model config {config.name!r}: hybrid layers and output gates are written "
+                "only as Qwen3.5 (Qwen3_5ForCausalLM: q/k norms, gates, its checkpoint layout)"
             )
         arch, model_type = QWEN3_5, "qwen3_5_text"
     elif same_bias:
@@ -509,21 +515,26 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "mlp_only_layers": [i for i in range(config.n_layers) if i not in config.moe_layers],
         }
     if arch == QWEN3_5:
-        hf |= {
-            "layer_types": list(config.layer_types),
-            "attn_output_gate": True,
-            "linear_num_key_heads": config.linear_k_heads,
-            "linear_num_value_heads": config.linear_v_heads,
-            "linear_key_head_dim": config.linear_k_dim,
-            "linear_value_head_dim": config.linear_v_dim,
-            "linear_conv_kernel_dim": config.linear_conv,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": config.rope_theta,
-                "partial_rotary_factor": (config.rotary_dim or config.head_dim) / config.head_dim,
-            },
-        }
         del hf["rope_theta"]
+        hf |= _qwen3_5_fields(config)
     if config.rope_scaling:
         hf["rope_scaling"] = dict(config.rope_scaling)
     return hf
+
+
+def _qwen3_5_fields(config: ModelConfig) -> dict[str, Any]:
+    """Qwen3.5's own config.json fields (`config_to_hf`)."""
+    return {
+        "layer_types": list(config.layer_types) or ["full_attention"] * config.n_layers,
+        "attn_output_gate": True,
+        "linear_num_key_heads": config.linear_k_heads,
+        "linear_num_value_heads": config.linear_v_heads,
+        "linear_key_head_dim": config.linear_k_dim,
+        "linear_value_head_dim": config.linear_v_dim,
+        "linear_conv_kernel_dim": config.linear_conv,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": (config.rotary_dim or config.head_dim) / config.head_dim,
+        },
+    }

@@ -203,7 +203,8 @@ class GatedDeltaNet(nn.Module):
         mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.channels))
         q, k, v, g, beta = self._heads(mixed.transpose(1, 2), a, b)
         state = cache.state[layer] if resume and cache is not None else None
-        y, s = gated_delta_rule(q, k, v, g, beta, state)
+        with torch.autocast(x.device.type, enabled=False):  # the recurrence stays in float32
+            y, s = gated_delta_rule(q, k, v, g, beta, state)
         if cache is not None:
             cache.state[layer].copy_(s)
         y = self.norm(y.to(x.dtype), z.view(B, T, self.v_heads, self.v_dim))

@@ -89,6 +89,9 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv: int = 0
+    # The checkpoint's layout is Qwen3.5's: RMSNorm gains stored as offsets from 1 (the model
+    # holds 1 + w), the linear attention's q/k/v fused (`hybrid.to_engine` / `hybrid.to_hf`).
+    qwen3_5_layout: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -675,7 +678,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     sd = {k: v for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    if model.config.hybrid:  # Qwen3.5's own names and norm offsets
+    if model.config.qwen3_5_layout:  # Qwen3.5's own names and norm offsets
         from tinker_sr.engine.hybrid import to_hf
 
         sd = to_hf(sd)
