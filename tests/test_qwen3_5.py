@@ -28,6 +28,7 @@ from tests._server import ServerProcess, running_server  # noqa: E402
 from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.engine import registry  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.engine.hf_config import config_from_hf  # noqa: E402
 from tinker_sr.engine.hybrid import gated_delta_rule, gated_delta_step  # noqa: E402
@@ -202,6 +203,46 @@ def test_rows_that_stop_early_leave_the_others_states_intact(q35_dir: Path) -> N
         seq = prompt + o.tokens
         want = score_tokens(model, seq)[len(prompt) - 1 : len(seq) - 1]
         assert max(abs(float(a) - b) for a, b in zip(want, o.logprobs, strict=True)) < 1e-4
+
+
+def _one_step(tmp: Path, q35_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    backend = LocalBackend(tmp / dtype)
+    client = tinker_sr.ServiceClient(backend=backend)
+    training = client.create_lora_training_client(str(q35_dir), rank=4, seed=1).result()
+    ids = training.get_tokenizer().encode(PROMPT + " 42") * 3
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    loss = training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+    trainer = backend.models.trainer(training.model_id)
+    grads = torch.cat([p.grad.flatten() for _, p in trainer.optim.params if p.grad is not None])
+    client.close().result()
+    backend.close()
+    return loss, grads
+
+
+def test_bf16_mixed_precision_step_matches_fp32(
+    tmp_path: Path, q35_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 products, the recurrence kept in float32: loss and gradients as in float32."""
+    from tinker_sr.engine import hybrid
+
+    ref_loss, ref = _one_step(tmp_path, q35_dir, "float32", monkeypatch)
+    autocast_seen: list[bool] = []
+    rule = hybrid.gated_delta_rule
+
+    def spy(*args: Any) -> Any:
+        autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        return rule(*args)
+
+    monkeypatch.setattr(hybrid, "gated_delta_rule", spy)
+    loss, grad = _one_step(tmp_path, q35_dir, "bf16-force", monkeypatch)
+    assert autocast_seen and not any(autocast_seen)  # its products not autocast to bf16
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(grad, ref, dim=0)) > 0.99
+    assert float((grad - ref).norm() / ref.norm()) < 0.1
 
 
 @pytest.fixture(scope="module")
