@@ -322,3 +322,22 @@ def test_fields_the_engine_cannot_compute_are_refused(
 ) -> None:
     with pytest.raises(EngineUserError, match=field):
         config_from_hf({**_qwen3_5(**text), **top}, "m")
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    """Long sequences recompute each layer in backward (`Transformer.checkpoint_layers`): the
+    linear-attention layers' gradients are bit-identical to keeping their activations."""
+    from tests.engine._hybrid import tiny_hybrid_model
+
+    model = tiny_hybrid_model()
+    model.requires_grad_(True)
+    ids = _tokens(90, vocab=model.config.vocab_size)
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.checkpoint_layers = recompute
+        model(ids).logsumexp(-1).sum().backward()
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
+    assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
