@@ -52,13 +52,16 @@ def _hf_logits(model: Any) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama-bias", "qwen3_moe", "qwen3_5"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3", "qwen2", "llama-bias", "qwen3_moe", "qwen3_5", "qwen3_5_moe"],
+)
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """Qwen3; Qwen2 with its q/k/v biases and Llama with attention_bias (biases on q, k, v and
     o): LoRA on biased projections, both exports; Qwen3-MoE: adapters on every expert, merged
     (a PEFT directory cannot carry them to transformers 5: refused); Qwen3.5 as the Hub ships
     it (a vision-language checkpoint): the merged text model, and the q/k/v adapters of its
-    linear attention fused into one on in_proj_qkv for PEFT."""
+    linear attention fused into one on in_proj_qkv for PEFT; Qwen3.5-MoE merged."""
     root = tmp_path_factory.mktemp("m") / f"tiny-{request.param}"
     if request.param == "llama-bias":
         return make_tiny_hf_model_dir(root, family="llama", attention_bias=True)

@@ -305,7 +305,7 @@ def test_configs_read_as_transformers_reads_them() -> None:
 @pytest.mark.parametrize(
     ("text", "top", "field"),
     [
-        ({}, {"model_type": "qwen3_5_moe"}, "Qwen3.5-MoE .* not supported"),
+        ({}, {"model_type": "qwen3_5_moe"}, "qwen3_5_moe.*contradicts architectures"),
         ({"attn_output_gate": False}, {}, "attn_output_gate=False"),
         ({"layer_types": ["full_attention"] * 3}, {}, "layer_types=.* each of the 8"),
         ({"layer_types": ["sliding_attention"] * 8}, {}, "layer_types="),

@@ -41,6 +41,11 @@ def hybrid_model() -> Transformer:
     return tiny_hybrid_model()
 
 
+@pytest.fixture(scope="module")
+def hybrid_moe_model() -> Transformer:
+    return tiny_hybrid_model(moe=True)
+
+
 def requests() -> list[dict[str, Any]]:
     """Different prompts, lengths, row counts, temperatures, filters, stops, draws, top-k."""
     out = []
@@ -94,7 +99,7 @@ def assert_same(a: list[SampleOutput], b: list[SampleOutput]) -> None:
                 np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "hybrid_moe"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_requests_equal_each_request_alone(
     request: pytest.FixtureRequest, kind: str, threads: int

@@ -168,3 +168,16 @@ def test_qwen3_5_every_text_field_at_every_edge_value() -> None:
                        max_size=4))  # fmt: skip
 def test_any_qwen3_5_config_builds_or_is_refused_by_name(over: dict[str, Any]) -> None:
     _check_qwen3_5({**Q35_TEXT, **over}, {})
+
+
+Q35_MOE_TOP = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+Q35_MOE_KEYS = ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "num_local_experts"]  # fmt: skip
+
+
+def test_qwen3_5_moe_expert_fields_at_every_edge_value() -> None:
+    moe = {**Q35_TEXT, "num_experts": 8, "num_experts_per_tok": 2}
+    for key in Q35_MOE_KEYS:
+        for value in Q35_EDGES:
+            _check_qwen3_5({**moe, key: value}, Q35_MOE_TOP)
+        _check_qwen3_5({k: v for k, v in moe.items() if k != key}, Q35_MOE_TOP)

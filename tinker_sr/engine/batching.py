@@ -47,6 +47,7 @@ from tinker_sr.engine.model import (
 )
 
 CHUNK = 8
+GATE_WIDTH = 16  # columns a one-column sigmoid is widened to (`_moe_rows`)
 FORCE_CHUNKED_ENV = "TINKER_SR_DECODE_CHUNKED"
 
 # (out, in, dtype, bias, threads, M) -> does one GEMM over M rows equal its CHUNK-row slices?
@@ -188,6 +189,13 @@ def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
         xs[:n] = h[rows]
         y = _mlp_rows(cast(MLP, moe.experts[e]), xs)[:n]
         out.index_add_(0, rows, y * weights[rows, slot, None])
+    if hasattr(moe, "shared_expert"):  # Qwen3.5-MoE: every row, as `SparseMoe.forward`
+        # torch's vectorised sigmoid and its scalar tail round differently: on [rows, 1] a
+        # row's gate would depend on how many rows there are. Widened to 16 columns, every
+        # element takes the vector path whatever the row count (a multiple of CHUNK).
+        logit = linear_rows(moe.shared_expert_gate, h)
+        gate = torch.sigmoid(logit.expand(-1, GATE_WIDTH).contiguous())[:, :1]
+        out = out + gate * _mlp_rows(moe.shared_expert, h)
     return out
 
 

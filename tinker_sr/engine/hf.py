@@ -204,7 +204,8 @@ def load_model_dir(
     with _progress(root, total) as bar, torch.no_grad():
         for _, stored, sl in _tensors(files):
             key = hybrid.engine_key(stored) if config.qwen3_5_layout else stored
-            if key in wanted or (config.qwen3_5_layout and key.endswith(hybrid.FUSED_QKV)):
+            fused = (hybrid.FUSED_QKV, hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)
+            if key in wanted or (config.qwen3_5_layout and key.endswith(fused)):
                 parts = (
                     hybrid.to_engine(stored, sl[:], config)
                     if config.qwen3_5_layout

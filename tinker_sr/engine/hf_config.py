@@ -13,6 +13,10 @@ of the checkpoint must land in the model.
 | Qwen2ForCausalLM | no | yes | no | ``sliding_window`` if ``use_sliding_window`` |
 | Qwen3ForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | as Qwen2 |
 | Qwen3MoeForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | every layer if ``use_sliding_window`` |
+| Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | none |
+
+Qwen3.5 (and Qwen3.5-MoE) come as vision-language wrappers whose ``text_config`` is read
+(`_text_config`); their hybrid fields are `_qwen3_5`'s (see `tinker_sr.engine.hybrid`).
 
 Qwen3-MoE's feed-forward is sparse in the layers ``decoder_sparse_step`` and ``mlp_only_layers``
 select (`_moe`); its router's auxiliary load-balancing loss (``router_aux_loss_coef``) is a
@@ -36,7 +40,9 @@ from tinker_sr.user_errors import EngineUserError
 
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
 MAX_SIZE = 2**24  # any size or count in config.json: far above real models, far below overflow
-MAX_EXPERTS = 1024  # experts per MoE layer (real models: 8 to 384)
+MAX_EXPERTS = 1024  # experts per MoE layer (real models: 8 to 512)
+# intermediate_size when absent: Qwen3-MoE's; Qwen3.5-MoE has no dense feed-forward layer.
+_FFN_DEFAULTS = {"Qwen3MoeForCausalLM": 6144, "Qwen3_5MoeForCausalLM": 512}
 
 
 @dataclass(frozen=True)
@@ -62,15 +68,23 @@ ARCHITECTURES: dict[str, _Arch] = {
     "Qwen3ForCausalLM": _Arch(True, None, None, "qwen", 32768, 32, 128, mlp_bias=False),
     "Qwen3MoeForCausalLM": _Arch(True, None, None, "flag", 32768, 4, None, mlp_bias=False),
     "Qwen3_5ForCausalLM": _Arch(True, None, None, "none", 32768, 4, 256, mlp_bias=False),
+    "Qwen3_5MoeForCausalLM": _Arch(True, None, None, "none", 32768, 2, 256, mlp_bias=False),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}  # fmt: skip
+               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # fmt: skip
 MOE = "Qwen3MoeForCausalLM"
 QWEN3_5 = "Qwen3_5ForCausalLM"
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+QWEN3_5_FAMILY = (QWEN3_5, QWEN3_5_MOE)
 # Qwen3.5 as the Hub ships it: a vision-language model whose text model is Qwen3_5ForCausalLM
-# (config.json's text_config; the vision tower's and multi-token-prediction weights unused).
-VL_WRAPPERS = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+# (config.json's text_config; the vision tower's and multi-token-prediction weights unused):
+# model_type -> (the wrapper's architecture, the text model's architecture and model_type).
+VL_WRAPPERS = {
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", QWEN3_5, "qwen3_5_text"),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, "qwen3_5_moe_text"),
+}
 # Qwen3.5's RoPE: multimodal sections (positions equal across them for text, so the same
 # rotation as plain RoPE) and the fraction of each head rotated.
 QWEN3_5_ROPE_KEYS = {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
@@ -105,7 +119,7 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch_name: str) -> None:
             "without bias only)"
         )
     partial = hf.get("partial_rotary_factor", 1.0)
-    if partial != 1.0 and arch_name != QWEN3_5:
+    if partial != 1.0 and arch_name not in QWEN3_5_FAMILY:
         raise EngineUserError(
             f"{name}: config.json partial_rotary_factor={partial!r} is not supported (RoPE "
             "over the whole head only)"
@@ -278,7 +292,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     n_kv = hf.get("num_key_value_heads", arch.kv_heads)  # present but null: n_heads
     bias = _flag(hf, "attention_bias", name)
     context = _count(hf, "max_position_embeddings", name, arch.context)
-    extra = frozenset(QWEN3_5_ROPE_KEYS) if arch_name == QWEN3_5 else frozenset()
+    extra = frozenset(QWEN3_5_ROPE_KEYS) if arch_name in QWEN3_5_FAMILY else frozenset()
     rope_theta, scaling = _rope(hf, name, context, extra)
     window = _window(hf, arch, n_layers, name)
     config = ModelConfig(
@@ -288,7 +302,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=_count({"num_key_value_heads": n_kv}, "num_key_value_heads", name, n_heads),
-        ffn_dim=_count(hf, "intermediate_size", name, 6144 if arch_name == MOE else None),
+        ffn_dim=_count(hf, "intermediate_size", name, _FFN_DEFAULTS.get(arch_name)),
         max_seq_len=context if window is None else min(context, window),
         rope_theta=float(rope_theta),
         norm_eps=float(_number(hf, "rms_norm_eps", name, 1e-6)),
@@ -302,7 +316,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
         rope_scaling=scaling,
         **(_moe(hf, name, n_layers) if arch_name == MOE else {}),
-        **(_qwen3_5(hf, name, n_layers, head_dim) if arch_name == QWEN3_5 else {}),
+        **(_qwen3_5(hf, name, n_layers, head_dim) if arch_name in QWEN3_5_FAMILY else {}),
+        **(_qwen3_5_moe(hf, name, n_layers) if arch_name == QWEN3_5_MOE else {}),
     )
     inv_freq = rope_inv_freq(config)
     if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
@@ -315,35 +330,34 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
 
 def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
     """A vision-language wrapper's (Qwen3.5's) text model config, as AutoModelForCausalLM
-    builds it from the wrapper; other configs as they are. Qwen3.5-MoE is refused by name."""
+    builds it from the wrapper; other configs as they are."""
     model_type, archs = hf.get("model_type"), hf.get("architectures") or []
-    first = archs[0] if isinstance(archs, list) and archs else None
-    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text") or first in (
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3_5MoeForCausalLM",
-    ):
-        raise EngineUserError(
-            f"{name}: Qwen3.5-MoE (model_type {model_type!r}) is not supported yet: its "
-            "shared expert and gated router are not implemented. Dense Qwen3.5 (e.g. "
-            "Qwen/Qwen3.5-4B) and Qwen3-MoE (e.g. Qwen/Qwen3-30B-A3B) load"
-        )
+    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    by_arch = {wrapper: key for key, (wrapper, _, _) in VL_WRAPPERS.items()}
     wrapped = isinstance(model_type, str) and model_type in VL_WRAPPERS
-    if not wrapped and first not in VL_WRAPPERS.values():
+    if not wrapped and first not in by_arch:
         return hf
     if not wrapped and model_type is not None:
         raise EngineUserError(
             f"{name}: config.json model_type {model_type!r} contradicts architectures "
             f"{archs!r}; make them agree"
         )
+    kind = str(model_type) if wrapped else by_arch[str(first)]
+    wrapper, arch, text_type = VL_WRAPPERS[kind]
+    if first is not None and first != wrapper:
+        raise EngineUserError(
+            f"{name}: config.json model_type {kind!r} (built as {wrapper}) contradicts "
+            f"architectures {archs!r}; make them agree"
+        )
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise EngineUserError(
-            f"{name}: config.json model_type {model_type!r} needs a text_config object "
-            "(the text model's config), got {text!r}"
+            f"{name}: config.json model_type {kind!r} needs a text_config object "
+            f"(the text model's config), got {text!r}"
         )
     out = dict(text)
-    out.setdefault("model_type", "qwen3_5_text")
-    out["architectures"] = [QWEN3_5]
+    out.setdefault("model_type", text_type)
+    out["architectures"] = [arch]
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
         out["tie_word_embeddings"] = hf["tie_word_embeddings"]
     for key in ("dtype", "torch_dtype"):
@@ -411,7 +425,17 @@ def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dic
     }
 
 
-def _moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
+def _qwen3_5_moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
+    """Qwen3.5-MoE: every layer sparse, the top-k probabilities always renormalised, a shared
+    expert (``shared_expert_intermediate_size``) beside the routed ones."""
+    fields = _moe({**hf, "decoder_sparse_step": 1, "mlp_only_layers": []}, name, n_layers, 256)
+    fields["norm_topk_prob"] = True
+    fields["moe_ffn_dim"] = _count(hf, "moe_intermediate_size", name, 512)
+    fields["shared_expert_ffn_dim"] = _count(hf, "shared_expert_intermediate_size", name, 512)
+    return fields
+
+
+def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> dict[str, Any]:
     """Qwen3-MoE's `ModelConfig` fields. The expert count is ``num_experts`` (the Hub's
     checkpoints) or ``num_local_experts`` (what transformers 5 writes); a layer is sparse
     unless ``mlp_only_layers`` lists it or ``(layer + 1) % decoder_sparse_step`` is not 0."""
@@ -420,7 +444,7 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
         raise EngineUserError(
             f"{name}: config.json num_experts and num_local_experts differ ({counts}); keep one"
         )
-    n_experts = _count({"num_experts": next(iter(counts.values()), 128)}, "num_experts", name)
+    n_experts = _count({"num_experts": next(iter(counts.values()), experts)}, "num_experts", name)
     if n_experts > MAX_EXPERTS:  # each expert is three modules per layer, even on meta
         raise EngineUserError(
             f"{name}: config.json num_experts={n_experts} is above the {MAX_EXPERTS} experts "
@@ -462,15 +486,17 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             f"model config {config.name!r}: mixture-of-experts layers need q/k norms and "
             "equal attention biases (Qwen3-MoE), the one MoE architecture written"
         )
-    if config.moe_layers:
-        arch, model_type = MOE, "qwen3_moe"
-    elif config.qwen3_5_layout or config.attn_output_gate or config.layer_types:
+    if config.qwen3_5_layout or config.attn_output_gate or config.layer_types:
         if not (config.qk_norm and config.attn_output_gate and config.qwen3_5_layout):
             raise EngineUserError(
                 f"model config {config.name!r}: hybrid layers and output gates are written "
                 "only as Qwen3.5 (Qwen3_5ForCausalLM: q/k norms, gates, its checkpoint layout)"
             )
         arch, model_type = QWEN3_5, "qwen3_5_text"
+        if config.moe_layers:
+            arch, model_type = QWEN3_5_MOE, "qwen3_5_moe_text"
+    elif config.moe_layers:
+        arch, model_type = MOE, "qwen3_moe"
     elif same_bias:
         arch, model_type = "LlamaForCausalLM", "llama"
         if config.qk_norm:
@@ -514,9 +540,17 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(config.n_layers) if i not in config.moe_layers],
         }
-    if arch == QWEN3_5:
+    if arch in QWEN3_5_FAMILY:
         del hf["rope_theta"]
         hf |= _qwen3_5_fields(config)
+    if arch == QWEN3_5_MOE:
+        del hf["intermediate_size"]
+        hf |= {
+            "num_experts": config.n_experts,
+            "num_experts_per_tok": config.experts_per_token,
+            "moe_intermediate_size": config.moe_ffn_dim,
+            "shared_expert_intermediate_size": config.shared_expert_ffn_dim,
+        }
     if config.rope_scaling:
         hf["rope_scaling"] = dict(config.rope_scaling)
     return hf

@@ -51,6 +51,8 @@ NORM_OFFSET_SUFFIXES = (
 )
 NORM_OFFSET_KEYS = ("model.norm.weight",)
 FUSED_QKV = "linear_attn.in_proj_qkv.weight"
+# Experts stored as 3-D tensors (transformers 5's in-memory layout, which some checkpoints keep).
+FUSED_EXPERTS, FUSED_EXPERTS_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 UNUSED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token prediction
 
 
@@ -81,6 +83,21 @@ def check_config(config: ModelConfig) -> None:
             f"{config.linear_k_heads}/{config.linear_v_heads}, widths {config.linear_k_dim}/"
             f"{config.linear_v_dim}, kernel {config.linear_conv}"
         )
+
+
+def linear_activations(config: ModelConfig) -> int:
+    """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
+    projections, the convolution's output before and after SiLU, q/k/v in float32 before and
+    after normalising (q and k repeated per value head), the chunk's per-head decay, system
+    and attention rows (64 each) and its u and w, the output and its gated norm."""
+    keys, values = (
+        config.linear_k_heads * config.linear_k_dim,
+        config.linear_v_heads * config.linear_v_dim,
+    )
+    repeated = config.linear_v_heads * config.linear_k_dim
+    channels = 2 * keys + values
+    chunk = config.linear_v_heads * (3 * 64) + values + repeated
+    return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -275,6 +292,16 @@ def to_engine(key: str, tensor: Tensor, config: ModelConfig) -> list[tuple[str, 
         return [(f"{stem}{n}.weight", p) for n, p in zip(QKV, parts, strict=True)]
     if key.endswith(NORM_OFFSET_SUFFIXES) or key in NORM_OFFSET_KEYS:
         return [(key, tensor.float() + 1.0)]
+    if key.endswith(FUSED_EXPERTS):  # [E, 2F, D]: each expert's gate rows, then its up rows
+        stem = key.removesuffix("gate_up_proj")
+        return [
+            (f"{stem}{e}.{name}.weight", part)
+            for e, pair in enumerate(tensor)
+            for name, part in zip(("gate_proj", "up_proj"), pair.chunk(2, 0), strict=True)
+        ]
+    if key.endswith(FUSED_EXPERTS_DOWN):  # [E, D, F]
+        stem = key.removesuffix("down_proj")
+        return [(f"{stem}{e}.down_proj.weight", t) for e, t in enumerate(tensor)]
     return [(key, tensor)]
 
 

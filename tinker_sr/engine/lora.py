@@ -130,7 +130,10 @@ def _targets(model: Transformer, spec: LoraSpec) -> list[tuple[nn.Module, str]]:
         if spec.train_mlp:  # a mixture of experts: each expert's projections (not the router)
             mlp = model.get_submodule(f"model.layers.{i}.mlp")
             experts = getattr(mlp, "experts", None)
-            for owner in [mlp] if experts is None else list(experts):
+            owners = [mlp] if experts is None else list(experts)
+            if hasattr(mlp, "shared_expert"):  # Qwen3.5-MoE (its sigmoid gate: no adapter)
+                owners.append(mlp.shared_expert)
+            for owner in owners:
                 out += [(owner, n) for n in MLP]
     if spec.train_unembed:
         out.append((model, "lm_head"))

@@ -39,7 +39,13 @@ from tinker_sr.engine.fused import (
     rope,
     swiglu_mlp,
 )
-from tinker_sr.engine.hybrid import GatedDeltaNet, check_config, partial_rope, split_gate
+from tinker_sr.engine.hybrid import (
+    GatedDeltaNet,
+    check_config,
+    linear_activations,
+    partial_rope,
+    split_gate,
+)
 from tinker_sr.engine.kv_cache import KVCache
 from tinker_sr.tokenization.byte import ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -76,6 +82,7 @@ class ModelConfig:
     moe_ffn_dim: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_ffn_dim: int = 0  # Qwen3.5-MoE's shared expert (0: none)
     # Qwen3.5's hybrid layers (`tinker_sr.engine.hybrid`): `layer_types` names each layer's
     # token mixer, "full_attention" or "linear_attention" (empty: all full attention);
     # `attn_output_gate`: q_proj also yields a sigmoid gate on each head's output;
@@ -373,7 +380,9 @@ class SparseMoe(nn.Module):
     token goes to the `experts_per_token` most probable (softmax in float32; their
     probabilities renormalised to sum 1 where `norm_topk_prob`, then cast to the activations'
     dtype), and its output is the weighted sum of their SwiGLU outputs, added in ascending
-    expert order as transformers does. Each expert runs on the rows routed to it only."""
+    expert order as transformers does. Each expert runs on the rows routed to it only.
+    Qwen3.5-MoE adds a shared expert on every token, scaled by ``sigmoid(shared_expert_gate)``,
+    after the routed sum."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -382,6 +391,9 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(
             MLP(config, config.moe_ffn_dim) for _ in range(config.n_experts)
         )
+        if config.shared_expert_ffn_dim:  # Qwen3.5-MoE: every token, scaled by a sigmoid gate
+            self.shared_expert = MLP(config, config.shared_expert_ffn_dim)
+            self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False)
 
     def route(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Router logits [N, E] -> (weights [N, k] in ``dtype``, expert indices [N, k])."""
@@ -410,6 +422,9 @@ class SparseMoe(nn.Module):
         for e, rows, slot in self.assignments(chosen):
             y = self.experts[e](flat[rows])
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        if hasattr(self, "shared_expert"):
+            gate = torch.sigmoid(apply_linear(self.shared_expert_gate, flat))
+            out = out + gate * self.shared_expert(flat)
         return out.view(x.shape)
 
 
@@ -582,23 +597,8 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     moe = len(config.moe_layers)  # each token keeps k experts' gate and up, and its input
     moe_token = config.experts_per_token * (2 * config.moe_ffn_dim + config.dim)
     mlp = (config.n_layers - moe) * 2 * config.ffn_dim + moe * moe_token
-    mixers = (config.n_layers - linear) * attention + linear * _linear_activations(config)
+    mixers = (config.n_layers - linear) * attention + linear * linear_activations(config)
     return 4 * tokens * (mixers + mlp)
-
-
-def _linear_activations(config: ModelConfig) -> int:
-    """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
-    projections, the convolution's output before and after SiLU, q/k/v in float32 before and
-    after normalising (q and k repeated per value head), the chunk's per-head decay, system
-    and attention rows (64 each) and its u and w, the output and its gated norm."""
-    keys, values = (
-        config.linear_k_heads * config.linear_k_dim,
-        config.linear_v_heads * config.linear_v_dim,
-    )
-    repeated = config.linear_v_heads * config.linear_k_dim
-    channels = 2 * keys + values
-    chunk = config.linear_v_heads * (3 * 64) + values + repeated
-    return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
 
 
 def checkpoint_pays(

@@ -31,7 +31,11 @@ from typing import Any, Literal
 # <|end_header_id|>, <|eot_id|>: the cookbook's llama3 renderer); "llama" uses Qwen's.
 # "qwen3_5": Qwen3.5 as the Hub ships it (Qwen3_5ForConditionalGeneration: a tiny vision tower
 # beside the hybrid text model, weights under model.language_model.).
-Family = Literal["qwen3", "qwen3_moe", "qwen3_5", "qwen2", "llama", "llama3", "mistral"]
+# "qwen3_5_moe": likewise Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration: 2 of 8 routed experts
+# and a shared expert in every layer).
+Family = Literal[
+    "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen2", "llama", "llama3", "mistral"
+]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -99,7 +103,7 @@ def _qwen(family: Family) -> bool:
 
 def _specials(family: Family) -> list[str]:
     """The special tokens, in id order after the learned vocabulary."""
-    if family == "qwen3_5":  # its renderer reads </think> as one token, as Qwen's tokenizers
+    if family.startswith("qwen3_5"):  # its renderer reads </think> as one token, as Qwen's
         return [ENDOFTEXT, IM_START, IM_END, THINK, END_THINK]
     if _qwen(family):
         return [ENDOFTEXT, IM_START, IM_END]
@@ -136,9 +140,15 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
 
 def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], layers: int) -> Any:
     """The Qwen families' configs (`common` sizes, `qwen` specials and RoPE)."""
-    from transformers import Qwen2Config, Qwen3_5Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Qwen2Config,
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         # Like Qwen3.5-4B (three gated-DeltaNet layers, then one full attention layer; a
         # quarter of each head rotated; tied embeddings) with a 1-layer vision tower.
         text = dict(common, **qwen, max_position_embeddings=262144)
@@ -159,6 +169,16 @@ def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], l
         )
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                       out_hidden_size=common["hidden_size"])  # fmt: skip
+        if family == "qwen3_5_moe":  # like Qwen3.5-35B-A3B (8 of 256 experts) at 2 of 8
+            del text["intermediate_size"]
+            text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48)  # fmt: skip
+            return Qwen3_5MoeConfig(
+                text_config=text,
+                vision_config=vision,
+                tie_word_embeddings=True,
+                architectures=["Qwen3_5MoeForConditionalGeneration"],
+            )
         return Qwen3_5Config(
             text_config=text,
             vision_config=vision,
@@ -343,18 +363,28 @@ def _random_model(config: Any, family: Family) -> Any:
     them, hiding a bias that is not applied); Qwen3.5's zero-centred norm gains drawn too (at
     zero they would hide a gain read without its offset)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+    from transformers import (
+        AutoModelForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     if family == "qwen3_5":
         model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    elif family == "qwen3_5_moe":
+        model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.02)
-            elif family == "qwen3_5" and name.endswith("norm.weight") and "visual" not in name:
+            elif not family.startswith("qwen3_5") or "visual" in name:
+                continue
+            elif name.endswith("norm.weight"):
                 p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.1)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0.0, 0.5)  # routing that differs by token, a gate that matters
     return model
 
 
