@@ -13,6 +13,7 @@ with concurrent batched sampling and a busy machine).
     python benchmarks/user_trial.py                       # 300 steps, tiny qwen3 BPE dir
     python benchmarks/user_trial.py --steps 800 --busy    # long, beside busy processes
     python benchmarks/user_trial.py --model-dir DIR       # your own HF directory
+    python benchmarks/user_trial.py --family qwen3_5      # a tiny Qwen3.5 (hybrid) instead
     python benchmarks/user_trial.py --real-size --steps 4 # Qwen3-0.6B's shapes, random bf16
 
 ``--real-size`` builds (in a temp dir, ~1 min) a random model of Qwen3-0.6B's shapes (596M
@@ -118,6 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--model-dir", help="a local HF directory (default: a tiny qwen3 + BPE)")
+    parser.add_argument(
+        "--family",
+        default="qwen3",
+        choices=["qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama3"],
+        help="the tiny directory's architecture when no --model-dir is given",
+    )
     parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")
     parser.add_argument("--busy", action="store_true", help="one busy process per usable CPU")
     args = parser.parse_args()
@@ -132,7 +139,7 @@ def main() -> None:
         elif model_dir is None:
             from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
-            model_dir = str(make_tiny_hf_model_dir(Path(tmp) / "model", "qwen3"))
+            model_dir = str(make_tiny_hf_model_dir(Path(tmp) / "model", args.family))
         busy = []
         if args.busy:
             busy = [
