@@ -472,9 +472,8 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> di
     }
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A config.json that transformers loads as the same model (Qwen3 with q/k norms, Qwen2 for
-    q/k/v-only biases, else Llama)."""
+def _hf_architecture(config: ModelConfig) -> tuple[str, str]:
+    """(architecture, model_type) that computes `config`, or `EngineUserError`."""
     same_bias = config.attention_bias == config.attention_out_bias
     if config.rotary_dim not in (None, config.head_dim) and not config.qwen3_5_layout:
         raise EngineUserError(
@@ -509,6 +508,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             f"{config.attention_bias} and attention_out_bias={config.attention_out_bias} "
             "have no Hugging Face architecture"
         )
+    return arch, model_type
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A config.json that transformers loads as the same model (Qwen3 with q/k norms, Qwen2 for
+    q/k/v-only biases, else Llama; the MoE and Qwen3.5 architectures for theirs)."""
+    arch, model_type = _hf_architecture(config)
     hf: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
