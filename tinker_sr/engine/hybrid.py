@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from tinker_sr.engine.model import KVCache, ModelConfig
 
 CHUNK = 64  # positions per chunk of the WY form (transformers and FLA use 64)
-LINEAR, FULL = "linear_attention", "full_attention"
 QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 # Gains stored as offsets from 1 in a Qwen3.5 checkpoint (the linear attention's gated norm,
 # ``linear_attn.norm``, is a plain gain).
