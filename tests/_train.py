@@ -21,3 +21,33 @@ def cross_entropy_steps(
         training.optim_step(types.AdamParams(learning_rate=lr)).result()
         losses.append(out.metrics["loss:sum"])
     return losses
+
+
+def assert_sampled_logprobs_are_the_learners(
+    sampler: Any, types: Any, prompt: Any, num_samples: int, params: Any
+) -> None:
+    """Each sample's log-probabilities (and its sequence id) against `compute_logprobs` of the
+    prompt plus the sample, to 1e-4: what the sampler reports is what the learner computes."""
+    for seq in sampler.sample(prompt, num_samples, params).result().sequences:
+        full = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
+        tail = sampler.compute_logprobs(full).result()[-len(seq.tokens) :]
+        assert seq.logprobs is not None and seq.sequence_id is not None
+        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4
+
+
+def official_sdk_trains_and_samples(tinker: Any, base_url: str, base_model: str, text: str) -> None:
+    """The official SDK against a server: a LoRA on `base_model` learns `text` in 3 steps, and
+    a sampler of it gives the same 6 tokens twice for the same seed."""
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-test")
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    ids = training.get_tokenizer().encode(text)
+    losses = cross_entropy_steps(training, tinker.types, ids, steps=3, lr=1e-2)
+    assert losses[-1] < losses[0], losses
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tinker.types.ModelInput.from_ints(ids[:-2])
+    params = tinker.types.SamplingParams(max_tokens=6, seed=1, stop=[])
+    first = sampler.sample(prompt, 2, params).result().sequences
+    again = sampler.sample(prompt, 2, params).result().sequences
+    assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
+    assert all(len(s.tokens) == 6 for s in first)
+    service.close("success").result()

@@ -18,7 +18,11 @@ pytest.importorskip("transformers")
 
 import tinker_sr  # noqa: E402
 from tests._server import ServerProcess, running_server  # noqa: E402
-from tests._train import cross_entropy_steps  # noqa: E402
+from tests._train import (  # noqa: E402
+    assert_sampled_logprobs_are_the_learners,
+    cross_entropy_steps,
+    official_sdk_trains_and_samples,
+)
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine.lora import LoraLinear  # noqa: E402
@@ -71,11 +75,7 @@ def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
     sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = types.ModelInput.from_ints(ids[:-2])
     params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
-    for seq in sampler.sample(prompt, 3, params).result().sequences:
-        full = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
-        tail = sampler.compute_logprobs(full).result()[-len(seq.tokens) :]
-        assert seq.logprobs is not None and seq.sequence_id is not None
-        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
     client.close().result()
     backend.close()
 
@@ -91,19 +91,7 @@ def test_the_official_sdk_trains_and_samples_a_moe_dir(
     server: ServerProcess, moe_dir: Path
 ) -> None:
     tinker = pytest.importorskip("tinker")
-    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
     rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test")
     names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     assert str(moe_dir) in names
-    training = service.create_lora_training_client(base_model=str(moe_dir), rank=4).result()
-    ids = training.get_tokenizer().encode(PROMPT + " 42")
-    losses = cross_entropy_steps(training, tinker.types, ids, steps=3, lr=1e-2)
-    assert losses[-1] < losses[0], losses
-    sampler = training.save_weights_and_get_sampling_client().result()
-    prompt = tinker.types.ModelInput.from_ints(ids[:-2])
-    params = tinker.types.SamplingParams(max_tokens=6, seed=1, stop=[])
-    first = sampler.sample(prompt, 2, params).result().sequences
-    again = sampler.sample(prompt, 2, params).result().sequences
-    assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
-    assert all(len(s.tokens) == 6 for s in first)
-    service.close("success").result()
+    official_sdk_trains_and_samples(tinker, server.base_url, str(moe_dir), PROMPT + " 42")

@@ -25,7 +25,11 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tests._server import ServerProcess, running_server  # noqa: E402
-from tests._train import cross_entropy_steps  # noqa: E402
+from tests._train import (  # noqa: E402
+    assert_sampled_logprobs_are_the_learners,
+    cross_entropy_steps,
+    official_sdk_trains_and_samples,
+)
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine import registry  # noqa: E402
@@ -181,11 +185,7 @@ def test_lora_covers_the_linear_attention_as_tinker_names_it_and_learns(
     sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = types.ModelInput.from_ints((ids * 6)[:70])
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=[])
-    for seq in sampler.sample(prompt, 3, params).result().sequences:
-        full_ids = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
-        tail = sampler.compute_logprobs(full_ids).result()[-len(seq.tokens) :]
-        assert seq.logprobs is not None and seq.sequence_id is not None
-        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
     client.close().result()
     backend.close()
 
@@ -256,19 +256,7 @@ def test_the_official_sdk_trains_and_samples_a_qwen3_5_dir(
     server: ServerProcess, q35_dir: Path
 ) -> None:
     tinker = pytest.importorskip("tinker")
-    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
-    training = service.create_lora_training_client(base_model=str(q35_dir), rank=4).result()
-    ids = training.get_tokenizer().encode(PROMPT + " 42")
-    losses = cross_entropy_steps(training, tinker.types, ids, steps=3, lr=1e-2)
-    assert losses[-1] < losses[0], losses
-    sampler = training.save_weights_and_get_sampling_client().result()
-    prompt = tinker.types.ModelInput.from_ints(ids[:-2])
-    params = tinker.types.SamplingParams(max_tokens=6, seed=1, stop=[])
-    first = sampler.sample(prompt, 2, params).result().sequences
-    again = sampler.sample(prompt, 2, params).result().sequences
-    assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
-    assert all(len(s.tokens) == 6 for s in first)
-    service.close("success").result()
+    official_sdk_trains_and_samples(tinker, server.base_url, str(q35_dir), PROMPT + " 42")
 
 
 def _qwen3_5(**text: Any) -> dict[str, Any]:

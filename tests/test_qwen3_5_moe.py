@@ -17,7 +17,10 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import tinker_sr  # noqa: E402
-from tests._train import cross_entropy_steps  # noqa: E402
+from tests._train import (  # noqa: E402
+    assert_sampled_logprobs_are_the_learners,
+    cross_entropy_steps,
+)
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
@@ -120,10 +123,6 @@ def test_lora_covers_routed_and_shared_experts_and_learns(tmp_path: Path, moe_di
     sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = types.ModelInput.from_ints(ids[:-2])
     params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=3, stop=[])
-    for seq in sampler.sample(prompt, 3, params).result().sequences:
-        full = types.ModelInput.from_ints(prompt.to_ints() + list(seq.tokens))
-        tail = sampler.compute_logprobs(full).result()[-len(seq.tokens) :]
-        assert seq.logprobs is not None
-        assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
     client.close().result()
     backend.close()

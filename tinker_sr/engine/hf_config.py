@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine.hybrid import LAYER_KINDS
 from tinker_sr.engine.model import ModelConfig, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError
 
@@ -380,15 +381,7 @@ def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dic
         every = _count(hf, "full_attention_interval", name, 4)
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(n_layers)]  # fmt: skip
-    if (
-        not isinstance(types, list)
-        or len(types) != n_layers
-        or not set(types)
-        <= {
-            "full_attention",
-            "linear_attention",
-        }
-    ):
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= LAYER_KINDS:
         raise EngineUserError(
             f"{name}: config.json layer_types={types!r} must list 'full_attention' or "
             f"'linear_attention' for each of the {n_layers} layers"

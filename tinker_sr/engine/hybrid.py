@@ -25,7 +25,7 @@ RMSNorm gains are stored as offsets from 1 (``(1 + w) * x``); the engine holds `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 CHUNK = 64  # positions per chunk of the WY form (transformers and FLA use 64)
 QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
+LAYER_KINDS = frozenset({"full_attention", "linear_attention"})  # config layer_types entries
 # Gains stored as offsets from 1 in a Qwen3.5 checkpoint (the linear attention's gated norm,
 # ``linear_attn.norm``, is a plain gain).
 NORM_OFFSET_SUFFIXES = (
@@ -57,9 +58,8 @@ UNUSED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token pre
 
 def check_config(config: ModelConfig) -> None:
     """`ModelConfig`'s checks of the hybrid fields (`EngineUserError` naming them)."""
-    kinds = {"full_attention", "linear_attention"}
     if config.layer_types and (
-        len(config.layer_types) != config.n_layers or not set(config.layer_types) <= kinds
+        len(config.layer_types) != config.n_layers or not set(config.layer_types) <= LAYER_KINDS
     ):
         raise EngineUserError(
             f"model config {config.name!r}: layer_types must name each of the "
@@ -206,7 +206,8 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, dim]: a whole sequence (no cache), a prefill (start_pos 0; B may be 1 for
         every cache row) or a continuation from the cache's states."""
         B, T, _ = x.shape
-        qkv = torch.cat(linear_group(x, [getattr(self, n) for n in QKV]), -1).transpose(1, 2)
+        qkv = linear_group(x, [getattr(self, n) for n in QKV], split=False)  # merged: whole
+        qkv = (qkv if isinstance(qkv, Tensor) else torch.cat(qkv, -1)).transpose(1, 2)
         z, b, a = (apply_linear(getattr(self, f"in_proj_{n}"), x) for n in "zba")
         resume = cache is not None and start_pos > 0
         if resume:
@@ -262,13 +263,15 @@ class GatedDeltaNet(nn.Module):
         return y.reshape(n, -1)
 
 
-def partial_rope(x: Tensor, cos: Tensor, sin: Tensor, rotate: object) -> Tensor:
+def partial_rope(
+    x: Tensor, cos: Tensor, sin: Tensor, rotate: Callable[[Tensor, Tensor, Tensor], Tensor]
+) -> Tensor:
     """``rotate`` (a RoPE function of x, cos, sin) on the first ``cos.shape[-1]`` features of
     each head, the rest passed through."""
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return rotate(x, cos, sin)  # type: ignore[operator,no-any-return]
-    return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)  # type: ignore[operator]
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], -1)
 
 
 def split_gate(q_and_gate: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
