@@ -297,6 +297,7 @@ def test_configs_read_as_transformers_reads_them() -> None:
         ({"attn_output_gate": False}, {}, "attn_output_gate=False"),
         ({"layer_types": ["full_attention"] * 3}, {}, "layer_types=.* each of the 8"),
         ({"layer_types": ["sliding_attention"] * 8}, {}, "layer_types="),
+        ({"layer_types": ["full_attention"] * 7 + [{}]}, {}, "layer_types="),
         ({"linear_num_value_heads": 3}, {}, "linear_num_value_heads=3 must be a multiple"),
         ({"linear_key_head_dim": 0}, {}, "linear_key_head_dim=0"),
         ({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.1}}, {},

@@ -381,7 +381,11 @@ def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dic
         every = _count(hf, "full_attention_interval", name, 4)
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(n_layers)]  # fmt: skip
-    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= LAYER_KINDS:
+    if (
+        not isinstance(types, list)
+        or len(types) != n_layers
+        or not all(isinstance(t, str) and t in LAYER_KINDS for t in types)
+    ):
         raise EngineUserError(
             f"{name}: config.json layer_types={types!r} must list 'full_attention' or "
             f"'linear_attention' for each of the {n_layers} layers"
