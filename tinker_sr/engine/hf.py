@@ -47,6 +47,10 @@ log = logging.getLogger("tinker_sr.engine")
 # Tensors a checkpoint may hold that carry nothing the model computes: old exports' rotary
 # frequency buffers (recomputed from config.json).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# How a weight may be stored (safetensors dtype names); each is cast to the model's dtype on
+# load. Anything else (integers, bools, FP8/FP4 codes) holds a quantized or foreign tensor
+# whose stored values are not the weights.
+FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")
 EMBED = "model.embed_tokens.weight"
 
 
@@ -130,6 +134,14 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
                     unused.append(key)
                 continue
             placed[key] = math.prod(shape)
+            if (stored_dtype := sl.get_dtype()) not in FLOAT_STORAGE:
+                raise EngineUserError(
+                    f"{f}: tensor {stored} is stored as {stored_dtype}, not as floating-point "
+                    f"weights ({', '.join(FLOAT_STORAGE)}). Quantized checkpoints (FP8, GPTQ, "
+                    "AWQ, bitsandbytes) are not supported: use the model's unquantized "
+                    "(bfloat16) release, or load this one in transformers and save_pretrained() "
+                    "it dequantized"
+                )
             if (expected := shapes.pop(key)) != shape:
                 raise EngineUserError(
                     f"{f}: tensor {stored} has shape {tuple(sl.get_shape())}, config.json "
@@ -202,7 +214,7 @@ def load_model_dir(
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
-        for _, stored, sl in _tensors(files):
+        for f, stored, sl in _tensors(files):
             key = hybrid.engine_key(stored) if config.qwen3_5_layout else stored
             fused = (hybrid.FUSED_QKV, hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)
             if key in wanted or (config.qwen3_5_layout and key.endswith(fused)):
@@ -213,6 +225,7 @@ def load_model_dir(
                 )
                 for name, tensor in parts:
                     own[name].copy_(tensor)
+                    _check_finite(f, stored, own[name], tensor)
                     bar.update(own[name].nbytes)
     if total >= PROGRESS_MIN_BYTES:
         log.info(
@@ -220,6 +233,27 @@ def load_model_dir(
             root, len(placed), total / 2**30, time.perf_counter() - start,
         )  # fmt: skip
     return model
+
+
+def _check_finite(file: Path, stored: str, loaded: torch.Tensor, source: torch.Tensor) -> None:
+    """Refuse a weight holding NaN or infinity, or values beyond the model dtype's range (a
+    corrupt checkpoint, a diverged fine-tune, a float32 value over float16's 65504): it would
+    make every loss NaN with no hint why. A sum is the cheap test (~0.04 s per GiB); only a
+    non-finite sum, which a finite float16 tensor can also reach, is confirmed element-wise."""
+    if torch.isfinite(loaded.sum()) or bool(torch.isfinite(loaded).all()):
+        return
+    bad = int((~torch.isfinite(loaded)).sum())
+    where = (
+        "its stored values overflow "
+        f"{str(loaded.dtype).removeprefix('torch.')}: load it in a wider dtype"
+        if bool(torch.isfinite(source).all())
+        else "the checkpoint is corrupt (a diverged fine-tune or a bad conversion): use "
+        "another copy of the model"
+    )
+    raise EngineUserError(
+        f"{file}: tensor {stored} holds {bad} non-finite values (NaN or infinity) of "
+        f"{loaded.numel()}; {where}"
+    )
 
 
 def check_room(root: Path, need: int) -> None:

@@ -357,6 +357,8 @@ def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
             f"(the text model's config), got {text!r}"
         )
     out = dict(text)
+    if "quantization_config" in hf:  # the wrapper's: it quantizes the text model too
+        out.setdefault("quantization_config", hf["quantization_config"])
     out.setdefault("model_type", text_type)
     out["architectures"] = [arch]
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:

@@ -184,12 +184,36 @@ class ByteModelTokenizer:
 
 def load_hf_tokenizer(root: Path) -> Any:
     """``AutoTokenizer.from_pretrained(root)`` offline if transformers is installed, else a
-    `FastTokenizer`; raises naming the missing package when neither library is there."""
+    `FastTokenizer`; raises naming the missing package when neither library is there, and
+    `EngineUserError` naming the directory and its tokenizer files when they do not load
+    (transformers' own errors say neither)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        return FastTokenizer(root)
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        loader: Any = FastTokenizer
+    else:
+        loader = functools.partial(AutoTokenizer.from_pretrained, local_files_only=True)
+    try:
+        return loader(root) if loader is FastTokenizer else loader(str(root))
+    except EngineUserError:
+        raise
+    except Exception as e:
+        present = sorted(p.name for p in root.iterdir() if p.name in TOKENIZER_FILE_NAMES)
+        raise EngineUserError(
+            f"{root}: its tokenizer does not load ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}). Tokenizer files "
+            f"there: {present or 'none'}. A model directory needs tokenizer.json (a fast "
+            "tokenizer), or the slow tokenizer's files (tokenizer.model, or vocab.json and "
+            "merges.txt) beside tokenizer_config.json: copy them from the model's release, "
+            "or write them with transformers' tokenizer.save_pretrained()"
+        ) from e
+
+
+# The files a Hugging Face tokenizer may be read from (named in load errors).
+TOKENIZER_FILE_NAMES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.txt",
+})  # fmt: skip
 
 
 class FastTokenizer:

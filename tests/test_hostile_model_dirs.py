@@ -1,0 +1,174 @@
+"""Model directories as users really have them when something is wrong with them: a tensor
+stored as integers or FP8 codes, a NaN in a norm, a quantized release, a value beyond the
+chosen dtype, a tokenizer without its files. Each is refused when loading, naming the file,
+the tensor or field and the fix, instead of training a silently different model or failing
+later with advice about the loss inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import tinker_sr  # noqa: E402
+from tinker_sr import types  # noqa: E402
+from tinker_sr.engine.hf import load_model_dir  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
+from tinker_sr.user_errors import EngineUserError  # noqa: E402
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+NORM = "model.layers.1.post_attention_layernorm.weight"
+Weights = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("hostile") / "base")
+
+
+def _variant(base: Path, dst: Path, mutate: Callable[[Weights], None]) -> Path:
+    """A copy of `base` whose weights went through `mutate` (re-saved as a valid file)."""
+    shutil.copytree(base, dst)
+    weights = load_file(base / "model.safetensors")
+    mutate(weights)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
+def test_a_weight_stored_as_codes_is_refused_naming_it(
+    base: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Before: an int32/int8/bool/FP8 tensor was cast to float and trained on (quantized codes
+    or junk taken for weights, silently)."""
+
+    def codes(w: Weights) -> None:
+        w[O_PROJ] = (w[O_PROJ] * 100).to(dtype)
+
+    root = _variant(base, tmp_path / "m", codes)
+    with pytest.raises(EngineUserError, match=f"tensor {O_PROJ} is stored as") as err:
+        load_model_dir(root)
+    assert "model.safetensors" in str(err.value) and "unquantized" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float16], ids=lambda d: str(d).removeprefix("torch.")
+)
+def test_other_float_storage_still_loads_cast(
+    base: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    reference = load_model_dir(base).state_dict()[O_PROJ]
+
+    def widen(w: Weights) -> None:
+        w[O_PROJ] = w[O_PROJ].to(dtype)
+
+    loaded = load_model_dir(_variant(base, tmp_path / "m", widen)).state_dict()[O_PROJ]
+    assert loaded.dtype == torch.float32
+    torch.testing.assert_close(loaded, reference.to(dtype).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(
+    base: Path, tmp_path: Path, value: float
+) -> None:
+    def corrupt(w: Weights) -> None:
+        w[NORM] = w[NORM].clone()
+        w[NORM][3] = value
+
+    root = _variant(base, tmp_path / "m", corrupt)
+    with pytest.raises(EngineUserError, match=f"tensor {NORM} holds 1 non-finite values"):
+        load_model_dir(root)
+
+
+def test_a_user_sees_the_corrupt_tensor_not_advice_about_the_loss(
+    base: Path, tmp_path: Path
+) -> None:
+    """Before: the first forward_backward said 'the loss is nan ... scale that datum's loss
+    inputs down', which is wrong advice for a corrupt checkpoint."""
+
+    def corrupt(w: Weights) -> None:
+        w["model.norm.weight"] = w["model.norm.weight"].clone()
+        w["model.norm.weight"][0] = float("nan")
+
+    root = _variant(base, tmp_path / "m", corrupt)
+    service = tinker_sr.ServiceClient()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+    )
+    with pytest.raises(tinker_sr.RequestFailedError) as err:
+        client = service.create_lora_training_client(base_model=str(root), rank=4).result()
+        client.forward_backward([datum], "cross_entropy").result()
+    message = str(err.value)
+    assert "model.norm.weight holds 1 non-finite values" in message
+    assert "corrupt" in message and "loss inputs" not in message
+
+
+def test_a_value_beyond_the_chosen_dtype_is_refused_as_an_overflow(
+    base: Path, tmp_path: Path
+) -> None:
+    def large(w: Weights) -> None:
+        w[O_PROJ] = w[O_PROJ].clone()
+        w[O_PROJ][0, 0] = 1e5  # finite in float32, beyond float16's 65504
+
+    root = _variant(base, tmp_path / "m", large)
+    assert load_model_dir(root).state_dict()[O_PROJ][0, 0] == 1e5
+    with pytest.raises(EngineUserError, match="overflow float16: load it in a wider dtype"):
+        load_model_dir(root, dtype=torch.float16)
+
+
+def test_a_float16_tensor_whose_sum_overflows_is_finite_and_loads(
+    base: Path, tmp_path: Path
+) -> None:
+    """The cheap test is a sum; a finite float16 tensor can sum past 65504, and must load."""
+
+    def big(w: Weights) -> None:
+        w[O_PROJ] = torch.full_like(w[O_PROJ], 1000.0)
+
+    root = _variant(base, tmp_path / "m", big)
+    model = load_model_dir(root, dtype=torch.float16)
+    weight = model.state_dict()[O_PROJ]
+    assert not torch.isfinite(weight.sum()) and bool(torch.isfinite(weight).all())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_quantized_release_is_refused_by_its_config_field(tmp_path: Path, family: str) -> None:
+    """Qwen3.5's field sits on the vision-language wrapper, beside text_config; before, reading
+    the text model's config dropped it and the FP8 weights met the loader unannounced."""
+    root = make_tiny_hf_model_dir(tmp_path / family, family=family, n_layers=1)
+    config = json.loads((root / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (root / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineUserError, match=r"quantization_config \(fp8\) is not supported"):
+        load_model_dir(root)
+
+
+def test_a_tokenizer_without_its_files_names_what_the_directory_holds(
+    base: Path, tmp_path: Path
+) -> None:
+    """Before: transformers' ValueError ('Couldn't instantiate the backend tokenizer ...'),
+    naming neither the directory nor the files it lacks."""
+    root = tmp_path / "m"
+    shutil.copytree(base, root)
+    (root / "tokenizer.json").unlink()
+    with pytest.raises(EngineUserError) as err:
+        load_hf_tokenizer(root)
+    message = str(err.value)
+    assert str(root) in message and "tokenizer_config.json" in message
+    assert "needs tokenizer.json" in message
+    service = tinker_sr.ServiceClient()
+    client = service.create_lora_training_client(base_model=str(root), rank=4).result()
+    with pytest.raises(EngineUserError, match="its tokenizer does not load"):
+        client.get_tokenizer()
