@@ -172,3 +172,56 @@ def test_a_tokenizer_without_its_files_names_what_the_directory_holds(
     client = service.create_lora_training_client(base_model=str(root), rank=4).result()
     with pytest.raises(EngineUserError, match="its tokenizer does not load"):
         client.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("sharded") / "base", sharded=True)
+
+
+def _with_index(sharded: Path, dst: Path, index: object) -> Path:
+    shutil.copytree(sharded, dst)
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "weight_map",
+    [["a"], {"w": 3}, {"w": "/etc/passwd"}, {"w": "../base/x.safetensors"}, "x.safetensors"],
+    ids=["list", "number", "absolute", "parent", "string"],
+)
+def test_a_malformed_shard_index_is_refused_by_field(
+    sharded: Path, tmp_path: Path, weight_map: object
+) -> None:
+    """Before: AttributeError / TypeError for a list or a number, and a shard named by an
+    absolute or ../ path was read from outside the model directory."""
+    root = _with_index(sharded, tmp_path / "m", {"weight_map": weight_map})
+    with pytest.raises(EngineUserError, match="weight_map must map each tensor name"):
+        load_model_dir(root)
+
+
+def test_an_index_that_leaves_shards_out_says_which_are_not_read(
+    sharded: Path, tmp_path: Path
+) -> None:
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    kept = {k: v for k, v in index["weight_map"].items() if v == first}
+    root = _with_index(sharded, tmp_path / "m", {"weight_map": kept})
+    with pytest.raises(EngineUserError, match=r"checkpoint lacks .* more here are not read"):
+        load_model_dir(root)
+
+
+def test_shards_linked_from_outside_the_folder_load_as_in_the_hf_cache(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """The Hugging Face cache's snapshot folders hold links into ../../blobs: a shard name is
+    checked as written, not resolved."""
+    blobs, root = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    root.mkdir(parents=True)
+    for f in sharded.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (root / f.name).symlink_to(blobs / f.name)
+    reference = load_model_dir(sharded).state_dict()
+    loaded = load_model_dir(root).state_dict()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)

@@ -59,7 +59,19 @@ def weight_files(root: Path) -> list[Path]:
     index = root / INDEX_FILE
     if index.is_file():
         weight_map = read_json(index).get("weight_map") or {}
-        files = [root / f for f in sorted(set(weight_map.values()))]
+        names = list(weight_map.values()) if isinstance(weight_map, dict) else [weight_map]
+        if not isinstance(weight_map, dict) or not all(map(_shard_name, names)):
+            wrong = (
+                weight_map
+                if not isinstance(weight_map, dict)
+                else next(n for n in names if not _shard_name(n))
+            )
+            raise EngineUserError(
+                f"{index}: weight_map must map each tensor name to the name of a shard file "
+                f"in {root}, got {wrong!r:.200}; re-save the model with transformers' "
+                "save_pretrained()"
+            )
+        files = [root / f for f in sorted(set(names))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise EngineNotFoundError(f"{index} names shard files that are missing: {missing[:3]}")
@@ -71,6 +83,12 @@ def weight_files(root: Path) -> list[Path]:
             "convert them with transformers' save_pretrained(safe_serialization=True))"
         )
     return files
+
+
+def _shard_name(name: object) -> bool:
+    """A weight map's file name: relative and inside the folder (not resolved: the HF cache's
+    shards are links to blobs outside it)."""
+    return isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, Any]]:
@@ -157,8 +175,15 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
     if config.tie_embeddings:
         shapes.pop("lm_head.weight", None)
     if shapes:
+        unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
         raise EngineUserError(
             f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
+            + (
+                f"; {INDEX_FILE} names {len(files)} weight files, and {len(unread)} more here "
+                f"are not read ({unread[:3]}): list every tensor in its weight_map"
+                if unread
+                else ""
+            )
         )
     return placed
 
