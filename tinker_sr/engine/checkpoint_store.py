@@ -196,7 +196,7 @@ class CheckpointStore:
                 f"{path} is a {parsed.checkpoint_type} checkpoint; training state loads only from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )
-        return ckpt_io.load_tensors(self.live(path).file_path)
+        return ckpt_io.load_tensors(self.live(path).file_path, name=path)
 
     # ---- REST views -------------------------------------------------------------------
     def checkpoint(self, row: CheckpointRow) -> types.Checkpoint:

@@ -1,8 +1,9 @@
-"""Model directories as users really have them when something is wrong with them: a tensor
-stored as integers or FP8 codes, a NaN in a norm, a quantized release, a value beyond the
-chosen dtype, a tokenizer without its files. Each is refused when loading, naming the file,
-the tensor or field and the fix, instead of training a silently different model or failing
-later with advice about the loss inputs."""
+"""Files as users really have them when something is wrong with them. Model directories: a
+tensor stored as integers or FP8 codes, a NaN in a norm, a quantized release, a value beyond
+the chosen dtype, a malformed shard index, a tokenizer without its files. Checkpoints: a file
+cut short or holding a NaN. Each is refused when loading, naming the file or checkpoint, the
+tensor or field and the fix, instead of training a silently different model, failing later
+with advice about the loss inputs, or answering "internal error"."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tinker_sr import types  # noqa: E402
+from tinker_sr.engine.checkpoints import load_tensors  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
@@ -225,3 +227,47 @@ def test_shards_linked_from_outside_the_folder_load_as_in_the_hf_cache(
     reference = load_model_dir(sharded).state_dict()
     loaded = load_model_dir(root).state_dict()
     assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+
+
+def _damage(file: Path, how: str) -> None:
+    raw = file.read_bytes()
+    if how == "cut":
+        file.write_bytes(raw[: len(raw) // 2])
+        return
+    tensors, metadata = load_tensors(file)
+    key = next(k for k, t in sorted(tensors.items()) if t.is_floating_point())
+    tensors = {k: t.clone() for k, t in tensors.items()}
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, file, metadata=metadata)
+
+
+@pytest.mark.parametrize("how", ["cut", "nan"])
+def test_a_damaged_checkpoint_is_refused_naming_its_tinker_path(
+    service: tinker_sr.ServiceClient,
+    backend_kind: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    how: str,
+) -> None:
+    """Before: a file cut short answered "internal error: SafetensorError: ..." and a NaN
+    loaded, to fail the next step's loss. Embedded and through `tinker-sr serve`."""
+    store = (
+        tmp_path / "store"
+        if backend_kind == "local"
+        else request.getfixturevalue("remote_server").store
+    )
+    client = service.create_lora_training_client(base_model="tinker-sr/tiny", rank=4).result()
+    name = f"damaged-{how}-{tmp_path.name}"
+    path = client.save_state(name).result().path
+    (file,) = store.glob(f"checkpoints/**/{name}.safetensors")
+    _damage(file, how)
+    what = "its file does not read" if how == "cut" else "NaN or infinite values"
+    for load in (
+        lambda: service.create_training_client_from_state(path).result(),
+        lambda: client.load_state(path).result(),
+    ):
+        with pytest.raises(tinker_sr.RequestFailedError) as err:
+            load()
+        message = str(err.value)
+        assert f"checkpoint {path} is damaged on disk" in message and what in message
+        assert "internal error" not in message and str(store) not in message
