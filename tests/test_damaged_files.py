@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -271,3 +273,27 @@ def test_a_damaged_checkpoint_is_refused_naming_its_tinker_path(
         message = str(err.value)
         assert f"checkpoint {path} is damaged on disk" in message and what in message
         assert "internal error" not in message and str(store) not in message
+
+
+def test_a_damaged_store_database_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    """Before: sqlite3.DatabaseError 'file is not a database' and a traceback, from the
+    embedded engine, `tinker-sr serve` and `tinker-sr export` alike."""
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.engine.store import StoreDamagedError
+
+    store = tmp_path / "store"
+    store.mkdir()
+    database = store / "engine.sqlite"
+    database.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
+    with pytest.raises(StoreDamagedError, match="not a readable tinker_sr store") as err:
+        LocalBackend(store)
+    assert str(database) in str(err.value) and "move it aside" in str(err.value)
+    for argv in (["serve", "--port", "0"], ["export", "tinker://r:train:0/weights/a", "out"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "tinker_sr", *argv, "--store", str(store)],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert "not a readable tinker_sr store" in done.stderr
+    database.rename(store / "engine.sqlite.damaged")  # the way out the message gives
+    LocalBackend(store).close()

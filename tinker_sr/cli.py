@@ -13,6 +13,7 @@ from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinker_sr.engine.store import StoreDamagedError
     from tinker_sr.server import serve
     from tinker_sr.server.features import ServerFeatures
     from tinker_sr.server.store_lock import StoreInUseError
@@ -37,7 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             model_aliases=model_aliases_from_args(args),
             device=device_from_args(args),
         )
-    except StoreInUseError as e:  # another live server on this store
+    except (StoreInUseError, StoreDamagedError) as e:  # another live server; a bad database
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 
@@ -63,6 +64,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from tinker_sr.backend.local import default_store_dir
     from tinker_sr.engine.export import export_checkpoint
     from tinker_sr.engine.registry import parse_aliases
+    from tinker_sr.engine.store import StoreDamagedError
     from tinker_sr.user_errors import EngineUserError
 
     try:
@@ -74,7 +76,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             base_model=args.base_model,
             aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
         )
-    except EngineUserError as e:
+    except (EngineUserError, StoreDamagedError) as e:
         print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -122,6 +122,19 @@ def _unjson(s: str | None) -> Any:
     return None if s is None else json.loads(s)
 
 
+class StoreDamagedError(RuntimeError):
+    """The store's database file does not open as a database (damaged, or not tinker_sr's)."""
+
+    def __init__(self, path: Path, cause: Exception) -> None:
+        self.path = path
+        super().__init__(
+            f"{path}: not a readable tinker_sr store ({cause}); the file is damaged, or is not "
+            f"tinker_sr's. Restore it from a backup, or move it aside (mv {path} "
+            f"{path}.damaged) to start with an empty store: the checkpoint files under "
+            f"{path.parent / 'checkpoints'} stay on disk but are no longer listed"
+        )
+
+
 class Store:
     """Thread-safe SQLite store. ``path=None`` keeps everything in memory."""
 
@@ -135,11 +148,17 @@ class Store:
             check_same_thread=False,
             isolation_level=None,  # autocommit; explicit transactions where needed
         )
-        if self.path is not None:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        self._add_missing_columns()
+        try:
+            if self.path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._add_missing_columns()
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            if isinstance(e, sqlite3.OperationalError) or self.path is None:
+                raise  # locked, read-only, ...: said as it is
+            raise StoreDamagedError(self.path, e) from e
         # Training requests look sequences up on the hot path; keep recent ones decoded.
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
