@@ -297,3 +297,23 @@ def test_a_damaged_store_database_is_refused_with_the_way_out(tmp_path: Path) ->
         assert "not a readable tinker_sr store" in done.stderr
     database.rename(store / "engine.sqlite.damaged")  # the way out the message gives
     LocalBackend(store).close()
+
+
+def test_serve_refuses_at_start_a_model_dir_whose_tensors_it_would_refuse(
+    base: Path, tmp_path: Path
+) -> None:
+    """The operator hears of a foreign tensor dtype at start, from the safetensors headers
+    (no weight is read), not a user at the first request. Before: only config.json was
+    checked at start."""
+
+    def codes(w: Weights) -> None:
+        w[O_PROJ] = w[O_PROJ].to(torch.int8)
+
+    root = _variant(base, tmp_path / "m", codes)
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store",
+         str(tmp_path / "store"), "--model-dir", str(root)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert f"--model-dir {root}/model.safetensors: tensor {O_PROJ} is stored as I8" in done.stderr

@@ -531,12 +531,10 @@ def test_12_server_loads_model_dirs_only_from_its_operator(
 
 def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) -> None:
     from tinker_sr.cli import build_parser, model_aliases_from_args
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
-    d = tmp_path / "my-model"
-    d.mkdir()
-    config = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
+    d = make_tiny_hf_model_dir(tmp_path / "my-model", n_layers=1)  # checked at start
+    config = json.loads((d / "config.json").read_text())
     args = ["serve", "--model-dir", str(d), "--model-alias", "a=tinker-sr/tiny"]
     aliases = model_aliases_from_args(build_parser().parse_args(args))
     assert aliases["my-model"] == aliases[str(d)] == str(d) and aliases["a"] == "tinker-sr/tiny"
@@ -561,6 +559,7 @@ def test_12_model_dir_flag_serves_a_hub_name_from_the_local_cache(
     Face cache holds under that name, checked at start like a directory; an uncached name is
     refused at start, saying where it looked."""
     from tinker_sr.cli import build_parser, model_aliases_from_args
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
@@ -568,12 +567,10 @@ def test_12_model_dir_flag_serves_a_hub_name_from_the_local_cache(
     with pytest.raises(SystemExit, match=r"--model-dir org/m: no config.json .*models--org--m"):
         model_aliases_from_args(parse(["serve", "--model-dir", "org/m"]))
     snap = tmp_path / "hub" / "models--org--m" / "snapshots" / ("c" * 40)
-    snap.mkdir(parents=True)
+    make_tiny_hf_model_dir(snap, n_layers=1)
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("c" * 40)
-    config = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
-    (snap / "config.json").write_text(json.dumps(config))
+    config = json.loads((snap / "config.json").read_text())
     aliases = model_aliases_from_args(parse(["serve", "--model-dir", "org/m"]))
     assert aliases == {"org/m": str(snap)}  # not the snapshot's folder name (a commit hash)
     aliases = model_aliases_from_args(parse(["serve", "--model-alias", "Qwen/Qwen3-8B=org/m"]))

@@ -196,13 +196,14 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
 
 
 def _check_model_config(option: str, flag: str, path: str) -> None:
-    """Refuse at start a directory whose config.json the engine would refuse at first use."""
-    from tinker_sr.engine.hf_config import config_from_hf
-    from tinker_sr.hf_files import read_json
+    """Refuse at start a directory the engine would refuse at first use for its config.json,
+    its weight files or their tensors' names, shapes and dtypes (headers only: no weight is
+    read, so a damaged weight value is still found when the model loads)."""
+    from tinker_sr.engine.hf import check_model_dir
     from tinker_sr.user_errors import EngineUserError
 
     try:
-        config_from_hf(read_json(Path(path) / "config.json"), flag)
+        check_model_dir(path, flag)
     except EngineUserError as e:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
 

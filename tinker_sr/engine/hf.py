@@ -211,15 +211,7 @@ def load_model_dir(
     buffers of old exports excepted): a tensor without a place, e.g. a bias config.json does not
     declare, is an error rather than a silently different model.
     """
-    root = Path(path)
-    if not is_model_dir(root):
-        raise EngineNotFoundError(
-            f"{root}: no config.json; expected a Hugging Face model directory "
-            "(config.json + *.safetensors)"
-        )
-    files = weight_files(root)
-    hf = read_json(root / "config.json")
-    config = config_from_hf(hf, name=name or str(root))
+    root, files, hf, config, placed = check_model_dir(path, name)
     declared = hf.get("max_position_embeddings")
     if isinstance(declared, int) and config.max_seq_len < declared:
         log.info(
@@ -227,7 +219,6 @@ def load_model_dir(
             "(within the window sliding-window and causal attention agree)",
             root, config.max_seq_len, declared,
         )  # fmt: skip
-    placed = _check_tensors(root, files, config)  # before allocating: fails fast
     if config.tie_embeddings and "lm_head.weight" in placed:
         config = _tie_or_untie(root, files, config)
         if config.tie_embeddings:
@@ -278,6 +269,26 @@ def _check_finite(file: Path, stored: str, loaded: torch.Tensor, source: torch.T
         f"{file}: tensor {stored} holds {bad} non-finite values (NaN or infinity) of "
         f"{loaded.numel()}; {where}"
     )
+
+
+def check_model_dir(
+    path: str | os.PathLike[str], name: str | None = None
+) -> tuple[Path, list[Path], dict[str, Any], ModelConfig, dict[str, int]]:
+    """Everything about a model directory that can be checked without reading its weights:
+    config.json, the weight files (or shard index), and each stored tensor's name, shape and
+    dtype (from the safetensors headers) against the model the config describes. Returns the
+    directory, its weight files, config.json, the `ModelConfig` and the tensors that will
+    load (each with its number of elements); `EngineUserError` names what is wrong."""
+    root = Path(path)
+    if not is_model_dir(root):
+        raise EngineNotFoundError(
+            f"{root}: no config.json; expected a Hugging Face model directory "
+            "(config.json + *.safetensors)"
+        )
+    files = weight_files(root)
+    hf = read_json(root / "config.json")
+    config = config_from_hf(hf, name=name or str(root))
+    return root, files, hf, config, _check_tensors(root, files, config)
 
 
 def check_room(root: Path, need: int) -> None:
