@@ -3,6 +3,8 @@ tokenizer and EOS ids, incremental string stops, and `get_tokenizer()` on every 
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from tinker_sr.clients.tokenizers import load_tokenizer  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.engine.sampling import resolve_max_tokens  # noqa: E402
 from tinker_sr.engine.stops import StopStrings  # noqa: E402
-from tinker_sr.hf_files import resolve_model_dir  # noqa: E402
+from tinker_sr.hf_files import resolve_model_dir, tinker_variant  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info  # noqa: E402
 from tinker_sr.tokenization.byte import ByteTokenizer  # noqa: E402
 from tinker_sr.tokenization.hf import FastTokenizer, ModelTokenizer  # noqa: E402
@@ -69,11 +71,7 @@ def test_hf_cache_name_resolves_offline(
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     assert resolve_model_dir("tiny-org/tiny-qwen3") is None
-    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-qwen3"
-    rev = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(qwen_dir, repo / "snapshots" / rev)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(rev)
+    repo, rev = _into_hf_cache(tmp_path / "hf" / "hub", qwen_dir, "tiny-org/tiny-qwen3")
     assert resolve_model_dir("tiny-org/tiny-qwen3") == repo / "snapshots" / rev
     assert resolve_model_dir(f"tiny-org/tiny-qwen3@{rev}") == repo / "snapshots" / rev
     assert resolve_model_dir("tiny-org/tiny-qwen3@v2") is None
@@ -89,6 +87,48 @@ def test_hf_cache_name_resolves_offline(
     assert len(out.sequences[0].tokens) >= 1
     # The remote path (as the official SDK does) finds the cached tokenizer by name, too.
     assert load_tokenizer("tiny-org/tiny-qwen3", None).encode("hello") == tok.encode("hello")
+    client.close().result()
+    backend.close()
+
+
+def _into_hf_cache(hub: Path, model_dir: Path, name: str) -> tuple[Path, str]:
+    """Lay `model_dir` out in the HF cache at `hub` as Hub name `name`: (repo folder, rev)."""
+    repo = hub / ("models--" + name.replace("/", "--"))
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return repo, rev
+
+
+def test_a_tinker_variant_id_is_its_base_model_from_the_cache(
+    tmp_path: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tinker-cookbook's recipes name Tinker variant ids (``rl_numerics_check`` defaults to
+    ``"Qwen/Qwen3.6-35B-A3B:peft:262144"``): the base model with its served context. Before:
+    "base_model ... is not available" even with the base model in the HF cache."""
+    assert tinker_variant("Qwen/Qwen3.6-35B-A3B:peft:262144") == ("Qwen/Qwen3.6-35B-A3B", 262144)
+    assert tinker_variant("org/m:peft:0") == ("org/m:peft:0", None)
+    assert tinker_variant("org/m") == ("org/m", None)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _into_hf_cache(tmp_path / "hub", qwen_dir, "tiny-org/tiny-qwen3")
+    context = json.loads((qwen_dir / "config.json").read_text())["max_position_embeddings"]
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    name = f"tiny-org/tiny-qwen3:peft:{context}"
+    trainer = client.create_lora_training_client(base_model=name, rank=2).result()
+    assert trainer.get_info().model_data.model_name == name
+    ids = trainer.get_tokenizer().encode("User: hi", add_special_tokens=False)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    out = trainer.forward_backward([datum], "cross_entropy").result()
+    assert math.isfinite(out.metrics["loss:sum"])
+    with pytest.raises(tinker_sr.RequestFailedError, match="asks for .* tokens of context"):
+        client.create_lora_training_client(
+            base_model=f"tiny-org/tiny-qwen3:peft:{2 * context}", rank=2
+        ).result()
     client.close().result()
     backend.close()
 

@@ -147,6 +147,16 @@ def test_hub_cache_name_served_and_tokenized_offline(
         types.ModelInput.from_ints(expected), 2, types.SamplingParams(max_tokens=6, stop=["\n"])
     ).result()
     assert len(out.sequences) == 2
+    # A Tinker variant id (as tinker-cookbook's recipes name models) is its base model.
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    variant = f"tiny-org/tiny-qwen3:peft:{context}"
+    training = _ready(service.create_lora_training_client(base_model=variant, rank=2))
+    assert training.get_tokenizer().encode("hello world") == expected  # type: ignore[attr-defined]
+    sampler = _ready(training.save_weights_and_get_sampling_client())  # type: ignore[attr-defined]
+    out = sampler.sample(
+        types.ModelInput.from_ints(expected), 1, types.SamplingParams(max_tokens=3)
+    )  # type: ignore[attr-defined]
+    assert len(out.result().sequences) == 1
     (service.close() if sdk_name == "tinker_sr" else service.close("success")).result()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,16 @@ def hub_cache_dir() -> Path:
 
 MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Tinker's variant ids: a base model served with a given context, e.g.
+# "Qwen/Qwen3.6-35B-A3B:peft:262144" (tinker-cookbook's recipes use them as model names).
+_VARIANT = re.compile(r"(?P<base>[^:]+):peft:(?P<context>[1-9][0-9]{0,9})")
+
+
+def tinker_variant(name: str) -> tuple[str, int | None]:
+    """A Tinker variant id's base model name and context length; other names as they are,
+    with None."""
+    found = _VARIANT.fullmatch(name)
+    return (found["base"], int(found["context"])) if found else (name, None)
 
 
 def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_FILES) -> bool:

@@ -29,7 +29,7 @@ from tinker_sr.engine import hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.hf_config import config_from_hf
-from tinker_sr.engine.model import ModelConfig, Transformer, _empty_model
+from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
 from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -289,6 +289,13 @@ def check_model_dir(
     hf = read_json(root / "config.json")
     config = config_from_hf(hf, name=name or str(root))
     return root, files, hf, config, _check_tensors(root, files, config)
+
+
+def context_length(model: str) -> int:
+    """A built-in's or a model directory's context length, from its config alone."""
+    if model in BUILTIN_CONFIGS:
+        return BUILTIN_CONFIGS[model].max_seq_len
+    return config_from_hf(read_json(Path(model) / "config.json"), model).max_seq_len
 
 
 def check_room(root: Path, need: int) -> None:

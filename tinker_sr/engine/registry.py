@@ -46,8 +46,7 @@ from safetensors.torch import load_file, save_file
 from tinker_sr.engine import gemm
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.device import fast_bf16, free_memory
-from tinker_sr.engine.hf import load_model_dir
-from tinker_sr.engine.hf_config import config_from_hf
+from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
     LoraSpec,
@@ -60,7 +59,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
-from tinker_sr.hf_files import cached_hub_model, not_found_hint, read_json, resolve_model_dir
+from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -279,13 +278,9 @@ class ModelRegistry:
         out: dict[str, int] = {}
         for name in self.available_models():
             try:
-                resolved = self.resolve_model(name)
-                config = BUILTIN_CONFIGS.get(resolved) or config_from_hf(
-                    read_json(Path(resolved) / "config.json"), resolved
-                )
+                out[name] = context_length(self.resolve_model(name))
             except (EngineUserError, OSError):
                 continue
-            out[name] = config.max_seq_len
         return out
 
     def resolve_model(self, name: str) -> str:
@@ -298,6 +293,16 @@ class ModelRegistry:
             )
         if name in BUILTIN_CONFIGS:
             return name
+        base, context = tinker_variant(name)  # "Qwen/Qwen3.6-35B-A3B:peft:262144"
+        if context is not None and name not in self.aliases:
+            resolved = self.resolve_model(base)
+            if context > (have := context_length(resolved)):
+                raise EngineUserError(
+                    f"base_model {name!r} asks for {context} tokens of context and {base!r} "
+                    f"has {have} (its config's context, or its sliding window); use "
+                    f"'{base}:peft:{have}' or {base!r}"
+                )
+            return resolved
         alias = self.aliases.get(name) or self.aliases.get("*")
         target = alias or name
         if target in BUILTIN_CONFIGS:
