@@ -317,3 +317,35 @@ def test_serve_refuses_at_start_a_model_dir_whose_tensors_it_would_refuse(
     )  # fmt: skip
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert f"--model-dir {root}/model.safetensors: tensor {O_PROJ} is stored as I8" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lora", None), ("lora", "{not json"), ("lora", '{"rank": 3, "seed": null}'),
+     ("lora", '{"rank": 4, "seed": null, "colour": 1}'), ("steps", "x"), ("base_model", "")],
+    ids=["lora-dropped", "lora-not-json", "rank-edited", "lora-unknown-key", "steps", "base"],
+)  # fmt: skip
+def test_a_checkpoint_whose_metadata_is_damaged_is_refused_naming_the_field(
+    embedded_service: tinker_sr.ServiceClient, tmp_path: Path, field: str, value: str | None
+) -> None:
+    """Before: KeyError / JSONDecodeError / TypeError / ValueError from deep in the load, all
+    answered as "internal error" (found by tests/fuzz/test_fuzz_checkpoint_files.py)."""
+    client = embedded_service.create_lora_training_client(
+        base_model="tinker-sr/tiny", rank=4
+    ).result()
+    path = client.save_state("meta").result().path
+    (file,) = (tmp_path / "store").glob("checkpoints/**/meta.safetensors")
+    tensors, metadata = load_tensors(file)
+    if value is None:
+        del metadata[field]
+    else:
+        metadata[field] = value
+    save_file(tensors, file, metadata=metadata)
+    for load in (
+        lambda: embedded_service.create_training_client_from_state_with_optimizer(path).result(),
+        lambda: client.load_state(path).result(),
+    ):
+        with pytest.raises(tinker_sr.RequestFailedError) as err:
+            load()
+        message = str(err.value)
+        assert f"checkpoint {path} is damaged: its metadata's {field}" in message, message

@@ -43,6 +43,7 @@ from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.engine import training
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
+from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
@@ -346,13 +347,13 @@ class LocalBackend(LocalRestQueries):
             validation.check_optimizer_config(optimizer_config)
             model_id = self._new_model_id(session_id, model_seq_id)
             tensors, meta = self.checkpoints.load(path, expect="training")
-            spec = training.checkpoint_lora(meta)
-            name = base_model or meta["base_model"]
+            record = read_record(meta, tensors, path)
+            spec, name = record.lora, base_model or record.base_model
             resolved = self.models.resolve_model(name)
             model, optim = self.models.new_trainable(resolved, spec)
             training.restore(model, optim, tensors, with_optimizer)
             trainer = Trainer(model_id, session_id, name, resolved, spec, model, optim)
-            trainer.steps = int(meta.get("steps", 0)) if with_optimizer else 0
+            trainer.steps = record.steps if with_optimizer else 0
             self._register_trainer(trainer, user_metadata)
             return model_id
 
@@ -505,8 +506,8 @@ class LocalBackend(LocalRestQueries):
             if model_path is not None:
                 parsed = parse_path(model_path)
                 tensors, meta = self.checkpoints.load(model_path, expect=parsed.checkpoint_type)
-                name = base_model or meta["base_model"]
-                spec = training.checkpoint_lora(meta)
+                record = read_record(meta, tensors, model_path)
+                name, spec = base_model or record.base_model, record.lora
                 adapters: dict[str, torch.Tensor] | None = training.strip(tensors, "lora.")
             else:
                 assert base_model is not None

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -12,6 +17,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as _serialize
 
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+
+if TYPE_CHECKING:
+    from tinker_sr.engine.lora import LoraSpec
 
 
 def save_tensors(
@@ -105,3 +113,52 @@ def count_nonfinite(tensor: torch.Tensor) -> int:
     if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
         return 0
     return int((~torch.isfinite(tensor)).sum())
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a tinker_sr checkpoint's metadata records of the model it was saved from."""
+
+    lora: LoraSpec
+    base_model: str
+    steps: int
+
+
+def read_record(
+    meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor], shown: str
+) -> CheckpointRecord:
+    """The metadata `checkpoint_meta` wrote (base model, LoRA config, steps), checked against
+    the adapters it sits beside: a damaged or hand-edited file is EngineUserError naming the
+    checkpoint as ``shown`` and the field, not a KeyError or TypeError from deep in a load."""
+    from tinker_sr.engine.lora import LoraSpec
+
+    def damaged(field: str) -> EngineUserError:
+        return EngineUserError(
+            f"checkpoint {shown} is damaged: its metadata's {field} "
+            f"({str(meta.get(field))[:200]!r}) does not read; load another checkpoint "
+            "(RestClient.list_checkpoints lists a run's)"
+        )
+
+    try:
+        spec = LoraSpec(**json.loads(meta["lora"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise damaged("lora") from e
+    flags = (spec.train_attn, spec.train_mlp, spec.train_unembed)
+    ranks = {t.shape[0] for k, t in tensors.items() if k.endswith("lora_A.weight") and t.ndim}
+    if not (
+        type(spec.rank) is int
+        and ranks == {spec.rank}
+        and (spec.seed is None or type(spec.seed) is int)
+        and all(type(flag) is bool for flag in flags)
+        and type(spec.alpha) in (int, float)
+        and math.isfinite(spec.alpha)
+        and spec.alpha > 0
+    ):
+        raise damaged("lora")
+    base_model = meta.get("base_model")
+    if not isinstance(base_model, str) or not base_model:
+        raise damaged("base_model")
+    steps = meta.get("steps", "0")
+    if not (isinstance(steps, str) and steps.isdecimal() and steps.isascii()):
+        raise damaged("steps")
+    return CheckpointRecord(spec, base_model, int(steps))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine.checkpoints import save_tensors
+from tinker_sr.engine.checkpoints import read_record, save_tensors
 from tinker_sr.engine.hf_config import config_to_hf
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
@@ -59,7 +59,7 @@ class LoraCheckpoint:
 
     @classmethod
     def from_tensors(
-        cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]
+        cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], shown: str
     ) -> LoraCheckpoint:
         if "lora" not in meta or "base_model" not in meta:
             raise EngineUserError(
@@ -69,7 +69,8 @@ class LoraCheckpoint:
         adapters = {k.removeprefix("lora."): v for k, v in tensors.items() if k.startswith("lora.")}
         if not adapters:
             raise EngineUserError("the checkpoint holds no LoRA tensors (lora.*)")
-        return cls(adapters, LoraSpec(**json.loads(meta["lora"])), meta["base_model"])
+        record = read_record(meta, tensors, shown)
+        return cls(adapters, record.lora, record.base_model)
 
 
 def export_peft(
@@ -183,7 +184,7 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
             store.close()
     else:
         tensors, meta = load_tensors(path)
-    return LoraCheckpoint.from_tensors(tensors, meta)
+    return LoraCheckpoint.from_tensors(tensors, meta, path)
 
 
 def export_checkpoint(

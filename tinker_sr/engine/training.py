@@ -19,6 +19,7 @@ import torch
 
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
+from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
 from tinker_sr.engine.guards import checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
@@ -283,10 +284,6 @@ def sampler_tensors(t: Trainer) -> dict[str, torch.Tensor]:
     return {f"lora.{k}": v for k, v in snapshot(t.model).items()}
 
 
-def checkpoint_lora(meta: Mapping[str, str]) -> LoraSpec:
-    return LoraSpec(**json.loads(meta["lora"]))
-
-
 def load_state(
     t: Trainer,
     path: str,
@@ -295,7 +292,7 @@ def load_state(
     with_optimizer: bool,
 ) -> None:
     """Load a `save_state` checkpoint into ``t``; its LoRA config must match (seed aside)."""
-    spec = checkpoint_lora(meta)
+    spec = read_record(meta, tensors, path).lora
     if lora_json(spec) | {"seed": None} != lora_json(t.lora) | {"seed": None}:
         raise EngineUserError(
             f"checkpoint {path} has LoRA config {lora_json(spec)} but this model has "
