@@ -44,6 +44,30 @@ def rss_bytes(pid: int | str = "self") -> int:
     raise RuntimeError("no VmRSS")
 
 
+def malloc_heap() -> tuple[int, int] | None:
+    """glibc's heap over all arenas (``mallinfo2``): (bytes in use, bytes held from the OS).
+    RSS growth with "in use" flat is the allocator holding freed memory (fragmentation, or
+    arenas kept); with "in use" growing, live objects. None where there is no mallinfo2 (not
+    glibc, or glibc < 2.33)."""
+    import ctypes
+    import ctypes.util
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )]  # fmt: skip
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        call = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = Info
+    info = call()
+    return info.uordblks + info.hblkhd, info.arena + info.hblkhd
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

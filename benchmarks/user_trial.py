@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from memory import MIB, peak_rss_bytes, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
+from memory import MIB, malloc_heap, peak_rss_bytes, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
 
 from tinker_sr.hf_files import read_json  # noqa: E402
 
@@ -49,7 +49,7 @@ def _busy() -> None:
         pass
 
 
-def trial(model_dir: str, steps: int) -> None:
+def trial(model_dir: str, steps: int, every: int = 0) -> None:
     import tinker_sr as tinker
     from tinker_sr.provenance import build_datum
 
@@ -60,6 +60,7 @@ def trial(model_dir: str, steps: int) -> None:
     prompts = [types.ModelInput.from_ints(tokenizer.encode(p)) for p in PROMPTS]
     digest = hashlib.sha256()
     report = {1, steps} | {steps * k // 8 for k in range(1, 8)}
+    report |= set(range(every, steps, every)) if every > 0 else set()
     start = time.perf_counter()
     for step in range(1, steps + 1):
         sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
@@ -80,9 +81,15 @@ def trial(model_dir: str, steps: int) -> None:
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         digest.update(struct.pack("<d", out.metrics["loss:sum"]))
         if step in report:
+            heap = malloc_heap()
+            held = (
+                ""
+                if heap is None
+                else (f" (malloc heap: {heap[0] / MIB:.1f} MiB in use of {heap[1] / MIB:.1f} held)")
+            )
             print(
-                f"step {step}: RSS {rss_bytes() / MIB:.1f} MiB, {time.perf_counter() - start:.0f} s, "
-                f"loss {out.metrics['loss:sum']:+.6f}",
+                f"step {step}: RSS {rss_bytes() / MIB:.1f} MiB{held}, "
+                f"{time.perf_counter() - start:.0f} s, loss {out.metrics['loss:sum']:+.6f}",
                 flush=True,
             )
     print(
@@ -127,6 +134,12 @@ def main() -> None:
     )
     parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")
     parser.add_argument("--busy", action="store_true", help="one busy process per usable CPU")
+    parser.add_argument(
+        "--report-every",
+        type=int,
+        default=0,
+        help="also report RSS every N steps (default: 8 reports)",
+    )
     args = parser.parse_args()
     from tinker_sr.engine.cpu import available_cpus, describe_machine
 
@@ -149,7 +162,7 @@ def main() -> None:
                 p.start()
         print(f"model {model_dir}; {args.steps} steps; busy processes: {len(busy)}")
         try:
-            trial(model_dir, args.steps)
+            trial(model_dir, args.steps, args.report_every)
         finally:
             for p in busy:
                 p.terminate()
