@@ -188,13 +188,7 @@ def load_hf_tokenizer(root: Path) -> Any:
     `EngineUserError` naming the directory and its tokenizer files when they do not load
     (transformers' own errors say neither)."""
     try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        loader: Any = FastTokenizer
-    else:
-        loader = functools.partial(AutoTokenizer.from_pretrained, local_files_only=True)
-    try:
-        return loader(root) if loader is FastTokenizer else loader(str(root))
+        return _load_tokenizer(root)
     except EngineUserError:
         raise
     except Exception as e:
@@ -207,6 +201,14 @@ def load_hf_tokenizer(root: Path) -> Any:
             "merges.txt) beside tokenizer_config.json: copy them from the model's release, "
             "or write them with transformers' tokenizer.save_pretrained()"
         ) from e
+
+
+def _load_tokenizer(root: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return FastTokenizer(root)
+    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
 
 
 # The files a Hugging Face tokenizer may be read from (named in load errors).
