@@ -3,10 +3,22 @@ shared with the `tinker_server` pytest fixture)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tinker_sr.testing.server import ServerProcess, free_port, running_server
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["REPO", "ServerProcess", "free_port", "running_server"]
+__all__ = ["REPO", "ServerProcess", "free_port", "running_server", "serving_model_dir"]
+
+
+@contextmanager
+def serving_model_dir(tmp_path_factory: Any, model_dir: Path) -> Iterator[ServerProcess]:
+    """A real server on a fresh store, serving `model_dir` as its operator would
+    (``--model-dir``)."""
+    store = tmp_path_factory.mktemp(f"{model_dir.name}_server") / "store"
+    with running_server(store, extra_args=["--model-dir", str(model_dir)]) as srv:
+        yield srv

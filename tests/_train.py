@@ -51,3 +51,18 @@ def official_sdk_trains_and_samples(tinker: Any, base_url: str, base_model: str,
     assert [s.tokens for s in first] == [s.tokens for s in again]  # same seed, same samples
     assert all(len(s.tokens) == 6 for s in first)
     service.close("success").result()
+
+
+def learns_and_samples_as_the_learner(
+    training: Any, types: Any, ids: list[int], *, max_tokens: int = 10
+) -> list[float]:
+    """Five supervised steps on `ids` lower the loss below 0.8x; then a sampler of the trained
+    weights reports the learner's log-probabilities (`assert_sampled_logprobs_are_the_learners`,
+    3 samples after all but the last two tokens). Returns the losses."""
+    losses = cross_entropy_steps(training, types, ids, steps=5, lr=1e-2)
+    assert losses[-1] < 0.8 * losses[0], losses
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = types.ModelInput.from_ints(ids[:-2])
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3, stop=[])
+    assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
+    return losses

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tinker_sr import types  # noqa: E402
@@ -54,14 +54,25 @@ def _hf_logits(model: Any) -> torch.Tensor:
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3", "qwen2", "llama-bias", "qwen3_moe", "qwen3_5", "qwen3_5_moe"],
+    params=[
+        "qwen3",
+        "qwen2",
+        "llama-bias",
+        "qwen3_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    ],
 )
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """Qwen3; Qwen2 with its q/k/v biases and Llama with attention_bias (biases on q, k, v and
     o): LoRA on biased projections, both exports; Qwen3-MoE: adapters on every expert, merged
     (a PEFT directory cannot carry them to transformers 5: refused); Qwen3.5 as the Hub ships
     it (a vision-language checkpoint): the merged text model, and the q/k/v adapters of its
-    linear attention fused into one on in_proj_qkv for PEFT; Qwen3.5-MoE merged."""
+    linear attention fused into one on in_proj_qkv for PEFT; Qwen3.5-MoE merged; Qwen3-VL
+    (dense and MoE, vision-language checkpoints): the merged text model, and for PEFT the
+    adapters under the vision-language model's ``model.language_model.``."""
     root = tmp_path_factory.mktemp("m") / f"tiny-{request.param}"
     if request.param == "llama-bias":
         return make_tiny_hf_model_dir(root, family="llama", attention_bias=True)
@@ -74,7 +85,9 @@ def test_merged_and_peft_exports_reproduce_the_logits(
     backend, path, ours = _train_and_save(tmp_path, str(model_dir))
     store = str(backend.store_dir)
     backend.close()
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    # transformers builds Qwen3-VL only as the vision-language model (no causal-LM class).
+    auto = AutoModelForImageTextToText if "qwen3_vl" in model_dir.name else AutoModelForCausalLM
+    base = auto.from_pretrained(model_dir)
     assert (_hf_logits(base) - ours).abs().max() > 1e-3  # the adapter changed something
 
     merged_dir = tmp_path / "merged"

@@ -32,7 +32,7 @@ pytest.importorskip("tinker_cookbook", reason="tinker-cookbook 0.6.1 is not inst
 pyrage = pytest.importorskip("pyrage")
 
 import tinker_sr  # noqa: E402
-from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._server import ServerProcess, serving_model_dir  # noqa: E402
 from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
@@ -359,8 +359,7 @@ def test_refused_exports_free_their_seq_id(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[ServerProcess]:
-    store = tmp_path_factory.mktemp("export_server") / "store"
-    with running_server(store, extra_args=["--model-dir", str(llama_dir)]) as srv:
+    with serving_model_dir(tmp_path_factory, llama_dir) as srv:
         yield srv
 
 

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import tinker_sr  # noqa: E402
-from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._server import ServerProcess, serving_model_dir  # noqa: E402
 from tests._train import (  # noqa: E402
     assert_sampled_logprobs_are_the_learners,
     cross_entropy_steps,
@@ -82,8 +82,7 @@ def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, moe_dir: Path) -> Iterator[ServerProcess]:
-    store = tmp_path_factory.mktemp("moe_server") / "store"
-    with running_server(store, extra_args=["--model-dir", str(moe_dir)]) as srv:
+    with serving_model_dir(tmp_path_factory, moe_dir) as srv:
         yield srv
 
 

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import tinker_sr  # noqa: E402
-from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._server import ServerProcess, serving_model_dir  # noqa: E402
 from tests._train import (  # noqa: E402
     assert_sampled_logprobs_are_the_learners,
     cross_entropy_steps,
@@ -247,8 +247,7 @@ def test_bf16_mixed_precision_step_matches_fp32(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, q35_dir: Path) -> Iterator[ServerProcess]:
-    store = tmp_path_factory.mktemp("q35_server") / "store"
-    with running_server(store, extra_args=["--model-dir", str(q35_dir)]) as srv:
+    with serving_model_dir(tmp_path_factory, q35_dir) as srv:
         yield srv
 
 

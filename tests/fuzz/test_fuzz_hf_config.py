@@ -181,3 +181,36 @@ def test_qwen3_5_moe_expert_fields_at_every_edge_value() -> None:
         for value in Q35_EDGES:
             _check_qwen3_5({**moe, key: value}, Q35_MOE_TOP)
         _check_qwen3_5({k: v for k, v in moe.items() if k != key}, Q35_MOE_TOP)
+
+
+VL_TEXT: dict[str, Any] = {
+    **{k: BASE[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                            "num_attention_heads", "num_key_value_heads", "head_dim")},
+    "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                        "mrope_interleaved": True},
+}  # fmt: skip
+VL_TOPS = [{"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]},
+           {"model_type": "qwen3_vl_moe",
+            "architectures": ["Qwen3VLMoeForConditionalGeneration"]}]  # fmt: skip
+
+
+def test_qwen3_vl_every_field_at_every_edge_value() -> None:
+    """Qwen3-VL's text config (inside the vision-language wrapper) and the wrapper's own
+    fields: the model builds, or is refused naming the checkpoint."""
+    for top in VL_TOPS:
+        text = VL_TEXT if "moe" in top["model_type"] else {
+            k: v for k, v in VL_TEXT.items() if "expert" not in k}  # fmt: skip
+        cases = [({**text, key: value}, {}) for key in [*text, "model_type", "mlp_only_layers",
+                 "decoder_sparse_step", "norm_topk_prob"] for value in EDGES]  # fmt: skip
+        cases += [(text, {key: value}) for key in ("tie_word_embeddings", "text_config",
+                  "model_type", "architectures", "quantization_config") for value in EDGES]  # fmt: skip
+        for body, over in cases:
+            try:
+                config = config_from_hf({**top, "text_config": body, **over}, "fuzz")
+            except EngineUserError as e:
+                assert "fuzz" in str(e)
+                continue
+            with torch.device("meta"):
+                Transformer(config)

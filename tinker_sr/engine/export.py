@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tinker_sr.engine.checkpoints import read_record, save_tensors
-from tinker_sr.engine.hf_config import config_to_hf
+from tinker_sr.engine.hf_config import QWEN3_VL, config_to_hf, vl_wrapper
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
 from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
 from tinker_sr.engine.model import Transformer
@@ -74,9 +74,16 @@ class LoraCheckpoint:
 
 
 def export_peft(
-    ckpt: LoraCheckpoint, out: str | os.PathLike[str], *, base_model_name_or_path: str
+    ckpt: LoraCheckpoint,
+    out: str | os.PathLike[str],
+    *,
+    base_model_name_or_path: str,
+    text_prefix: str = "model.",
 ) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into `out`."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into `out`. The adapters
+    of the decoder are named under ``text_prefix``: ``model.`` as in a causal LM, and
+    ``model.language_model.`` for a Qwen3-VL base, whose text model sits there in the
+    vision-language model transformers builds for it (AutoModelForImageTextToText)."""
     experts = sorted({k.split(".mlp.experts.")[0] for k in ckpt.adapters if ".mlp.experts." in k})
     if experts:
         # transformers 5 holds a MoE layer's experts as fused 3-D parameters, where PEFT finds
@@ -97,7 +104,11 @@ def export_peft(
         adapters = fuse_qkv_adapters(adapters)
         rank_pattern = {"in_proj_qkv": 3 * ckpt.spec.rank}
         alpha_pattern = {"in_proj_qkv": 3 * ckpt.spec.alpha}
-    tensors = {PEFT_PREFIX + k: v.float() for k, v in adapters.items()}
+    tensors = {
+        PEFT_PREFIX + (text_prefix + k.removeprefix("model.") if k.startswith("model.") else k):
+        v.float()
+        for k, v in adapters.items()
+    }  # fmt: skip
     save_tensors(root / "adapter_model.safetensors", tensors, {"format": "pt"})
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -148,7 +159,7 @@ def export_merged(
     dtype = str(model.dtype).removeprefix("torch.")
     if base_dir is not None:
         config = read_json(base_dir / "config.json")
-        if model.config.qwen3_5_layout:  # the text model's config: the vision tower is not written
+        if vl_wrapper(config) is not None:  # the text model's: the vision tower is not written
             config = config_to_hf(model.config)
         for name in _CARRIED:
             if (base_dir / name).is_file():
@@ -209,5 +220,11 @@ def export_checkpoint(
     if not merge:
         # A Hub name found in the HF cache stays a Hub name; paths and aliases resolve.
         hub_name = name == (registry.aliases.get(name) or name) and not os.path.exists(name)
-        return export_peft(ckpt, out, base_model_name_or_path=name if hub_name else resolved)
+        kind = vl_wrapper(read_json(base_dir / "config.json")) if base_dir else None
+        return export_peft(
+            ckpt,
+            out,
+            base_model_name_or_path=name if hub_name else resolved,
+            text_prefix="model.language_model." if kind in QWEN3_VL else "model.",
+        )
     return export_merged(registry.base(resolved), ckpt, out, base_dir=base_dir)

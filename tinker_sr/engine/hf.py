@@ -28,7 +28,7 @@ import torch
 from tinker_sr.engine import hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory
-from tinker_sr.engine.hf_config import config_from_hf
+from tinker_sr.engine.hf_config import config_from_hf, vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
 from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -136,7 +136,9 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     return DTYPES[name]
 
 
-def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[str, int]:
+def _check_tensors(
+    root: Path, files: list[Path], config: ModelConfig, wrapped: bool
+) -> dict[str, int]:
     """The checkpoint's tensors (names and shapes from the safetensors headers) against the
     model `config` describes: each must have a place of its shape, and each place a tensor.
     Returns the tensors that will load, each with its number of elements."""
@@ -145,9 +147,9 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
     unused: list[str] = []
     placed: dict[str, int] = {}
     for f, stored, sl in _tensors(files):
-        if config.qwen3_5_layout and stored.startswith(hybrid.UNUSED_PREFIXES):
-            continue  # Qwen3.5's vision tower and multi-token-prediction head
-        for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config):
+        if (config.qwen3_5_layout or wrapped) and stored.startswith(hybrid.UNUSED_PREFIXES):
+            continue  # a vision tower; Qwen3.5's multi-token-prediction head
+        for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config, wrapped):
             if key not in shapes:
                 if not key.endswith(IGNORED_SUFFIXES):
                     unused.append(key)
@@ -190,14 +192,36 @@ def _check_tensors(root: Path, files: list[Path], config: ModelConfig) -> dict[s
 
 
 def _engine_shapes(
-    key: str, shape: tuple[int, ...], config: ModelConfig
+    key: str, shape: tuple[int, ...], config: ModelConfig, wrapped: bool
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """Where a stored tensor lands: its name, or (Qwen3.5) its parts' names and shapes."""
-    if not config.qwen3_5_layout:
+    """Where a stored tensor lands: its name, or its parts' names and shapes."""
+    if not (config.qwen3_5_layout or wrapped):
         return [(key, shape)]
     with torch.device("meta"):
-        parts = hybrid.to_engine(key, torch.empty(shape), config)
+        parts = _engine_parts(key, torch.empty(shape), config, wrapped)
     return [(k, tuple(t.shape)) for k, t in parts]
+
+
+def _engine_parts(
+    key: str, tensor: torch.Tensor, config: ModelConfig, wrapped: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """A stored tensor as the engine's: Qwen3.5's layout (`hybrid.to_engine`); a Qwen3-VL
+    text model's names without ``model.language_model.``, its fused experts split per expert
+    (stored as transformers holds them, [E, 2F, D] and [E, D, F], or transposed as the Hub's
+    checkpoints are, [E, D, 2F] and [E, F, D]; where both read, transformers' own, as it
+    does); anything else as it is."""
+    if config.qwen3_5_layout:
+        return hybrid.to_engine(key, tensor, config)
+    if not wrapped:
+        return [(key, tensor)]
+    d, f = config.dim, config.moe_ffn_dim or 0
+    if key.endswith(hybrid.FUSED_EXPERTS) and tensor.shape[1:] == (d, 2 * f) != (2 * f, d):
+        tensor = tensor.transpose(1, 2)
+    if key.endswith(hybrid.FUSED_EXPERTS_DOWN) and tensor.shape[1:] == (f, d) != (d, f):
+        tensor = tensor.transpose(1, 2)
+    if key.endswith((hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)):
+        return hybrid.to_engine(key, tensor, config)
+    return [(hybrid.engine_key(key), tensor)]
 
 
 def load_model_dir(
@@ -211,7 +235,7 @@ def load_model_dir(
     buffers of old exports excepted): a tensor without a place, e.g. a bias config.json does not
     declare, is an error rather than a silently different model.
     """
-    root, files, hf, config, placed = check_model_dir(path, name)
+    root, files, hf, config, placed, wrapped = check_model_dir(path, name)
     declared = hf.get("max_position_embeddings")
     if isinstance(declared, int) and config.max_seq_len < declared:
         log.info(
@@ -232,15 +256,11 @@ def load_model_dir(
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
         for f, stored, sl in _tensors(files):
-            key = hybrid.engine_key(stored) if config.qwen3_5_layout else stored
+            mapped = config.qwen3_5_layout or wrapped
+            key = hybrid.engine_key(stored) if mapped else stored
             fused = (hybrid.FUSED_QKV, hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)
-            if key in wanted or (config.qwen3_5_layout and key.endswith(fused)):
-                parts = (
-                    hybrid.to_engine(stored, sl[:], config)
-                    if config.qwen3_5_layout
-                    else [(key, sl[:])]
-                )
-                for name, tensor in parts:
+            if key in wanted or (mapped and key.endswith(fused)):
+                for name, tensor in _engine_parts(stored, sl[:], config, wrapped):
                     own[name].copy_(tensor)
                     _check_finite(f, stored, own[name], tensor)
                     bar.update(own[name].nbytes)
@@ -273,12 +293,13 @@ def _check_finite(file: Path, stored: str, loaded: torch.Tensor, source: torch.T
 
 def check_model_dir(
     path: str | os.PathLike[str], name: str | None = None
-) -> tuple[Path, list[Path], dict[str, Any], ModelConfig, dict[str, int]]:
+) -> tuple[Path, list[Path], dict[str, Any], ModelConfig, dict[str, int], bool]:
     """Everything about a model directory that can be checked without reading its weights:
     config.json, the weight files (or shard index), and each stored tensor's name, shape and
     dtype (from the safetensors headers) against the model the config describes. Returns the
-    directory, its weight files, config.json, the `ModelConfig` and the tensors that will
-    load (each with its number of elements); `EngineUserError` names what is wrong."""
+    directory, its weight files, config.json, the `ModelConfig`, the tensors that will load
+    (each with its number of elements) and whether it is a vision-language checkpoint (its
+    text model under ``model.language_model.``); `EngineUserError` names what is wrong."""
     root = Path(path)
     if not is_model_dir(root):
         raise EngineNotFoundError(
@@ -288,7 +309,8 @@ def check_model_dir(
     files = weight_files(root)
     hf = read_json(root / "config.json")
     config = config_from_hf(hf, name=name or str(root))
-    return root, files, hf, config, _check_tensors(root, files, config)
+    wrapped = vl_wrapper(hf) is not None
+    return root, files, hf, config, _check_tensors(root, files, config, wrapped), wrapped
 
 
 def context_length(model: str) -> int:

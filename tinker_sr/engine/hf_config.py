@@ -74,7 +74,8 @@ ARCHITECTURES: dict[str, _Arch] = {
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # fmt: skip
+               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
+               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}  # fmt: skip
 MOE = "Qwen3MoeForCausalLM"
 QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
@@ -85,7 +86,12 @@ QWEN3_5_FAMILY = (QWEN3_5, QWEN3_5_MOE)
 VL_WRAPPERS = {
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", QWEN3_5, "qwen3_5_text"),
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, "qwen3_5_moe_text"),
+    # Qwen3-VL: a Qwen3 (dense or MoE) text model whose multimodal RoPE is plain RoPE on text.
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM", "qwen3_vl_text"),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", MOE, "qwen3_vl_moe_text"),
 }
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")
+QWEN3_VL_TEXT = ("qwen3_vl_text", "qwen3_vl_moe_text")
 # Qwen3.5's RoPE: multimodal sections (positions equal across them for text, so the same
 # rotation as plain RoPE) and the fraction of each head rotated.
 QWEN3_5_ROPE_KEYS = {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
@@ -293,7 +299,11 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     n_kv = hf.get("num_key_value_heads", arch.kv_heads)  # present but null: n_heads
     bias = _flag(hf, "attention_bias", name)
     context = _count(hf, "max_position_embeddings", name, arch.context)
-    extra = frozenset(QWEN3_5_ROPE_KEYS) if arch_name in QWEN3_5_FAMILY else frozenset()
+    extra: frozenset[str] = frozenset()
+    if arch_name in QWEN3_5_FAMILY:
+        extra = frozenset(QWEN3_5_ROPE_KEYS)
+    elif hf.get("model_type") in QWEN3_VL_TEXT:  # mrope: on text, the same rotation as RoPE
+        extra = frozenset(QWEN3_5_ROPE_KEYS - {"partial_rotary_factor"})
     rope_theta, scaling = _rope(hf, name, context, extra)
     window = _window(hf, arch, n_layers, name)
     config = ModelConfig(
@@ -329,6 +339,16 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     return config
 
 
+def vl_wrapper(hf: dict[str, Any]) -> str | None:
+    """The `VL_WRAPPERS` kind a config.json names (by model_type, else architectures[0]):
+    a vision-language checkpoint whose text model lives under ``model.language_model.``."""
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    if isinstance(model_type, str) and model_type in VL_WRAPPERS:
+        return model_type
+    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return next((kind for kind, (wrapper, _, _) in VL_WRAPPERS.items() if wrapper == first), None)
+
+
 def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
     """A vision-language wrapper's (Qwen3.5's) text model config, as AutoModelForCausalLM
     builds it from the wrapper; other configs as they are."""
@@ -361,7 +381,9 @@ def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
         out.setdefault("quantization_config", hf["quantization_config"])
     out.setdefault("model_type", text_type)
     out["architectures"] = [arch]
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+    # Qwen3-VL's wrapper decides (transformers ties by the top-level flag; the text config's
+    # own may disagree); Qwen3.5's text config, where it says.
+    if "tie_word_embeddings" in hf and ("tie_word_embeddings" not in text or kind in QWEN3_VL):
         out["tie_word_embeddings"] = hf["tie_word_embeddings"]
     for key in ("dtype", "torch_dtype"):
         if key in hf and key not in out:
@@ -466,7 +488,9 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> di
         "n_experts": n_experts,
         "experts_per_token": top_k,
         "moe_ffn_dim": _count(hf, "moe_intermediate_size", name, 768),
-        "norm_topk_prob": _flag(hf, "norm_topk_prob", name),
+        # Qwen3-VL-MoE's router always renormalises (transformers reads no flag for it).
+        "norm_topk_prob": _flag(hf, "norm_topk_prob", name)
+        or hf.get("model_type") == "qwen3_vl_moe_text",
         "moe_layers": tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0),
     }
 

@@ -34,7 +34,16 @@ from typing import Any, Literal
 # "qwen3_5_moe": likewise Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration: 2 of 8 routed experts
 # and a shared expert in every layer).
 Family = Literal[
-    "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen2", "llama", "llama3", "mistral"
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen2",
+    "llama",
+    "llama3",
+    "mistral",
 ]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -185,6 +194,8 @@ def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], l
             tie_word_embeddings=True,
             architectures=["Qwen3_5ForConditionalGeneration"],
         )
+    if family.startswith("qwen3_vl"):
+        return _qwen3_vl_config(family, common, qwen)
     if family == "qwen3":
         # Like Qwen3-0.6B: a 40,960-token context, EOS = <|im_end|>.
         return Qwen3Config(
@@ -216,6 +227,30 @@ def _qwen_config(family: Family, common: dict[str, Any], qwen: dict[str, Any], l
         max_window_layers=layers,
         architectures=["Qwen2ForCausalLM"],
     )
+
+
+def _qwen3_vl_config(family: Family, common: dict[str, Any], qwen: dict[str, Any]) -> Any:
+    """Qwen3-VL as the Hub ships it: a Qwen3 text model (multimodal RoPE, interleaved) beside a
+    1-layer vision tower; the MoE like Qwen3-VL-30B-A3B (8 of 128 experts) at 2 of 8, with an
+    expert width (24) that tells the fused experts' two layouts apart."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    text = dict(common, **qwen, max_position_embeddings=262144)
+    text["rope_parameters"] = dict(
+        rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2],
+        mrope_interleaved=True,
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=common["hidden_size"], deepstack_visual_indexes=[0])  # fmt: skip
+    tied = text.pop("tie_word_embeddings")
+    if family == "qwen3_vl":
+        arch = "Qwen3VLForConditionalGeneration"
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
+                             architectures=[arch])  # fmt: skip
+    text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+    arch = "Qwen3VLMoeForConditionalGeneration"
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            architectures=[arch])  # fmt: skip
 
 
 def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> Any:
@@ -343,7 +378,7 @@ def make_tiny_hf_model_dir(
         model = _random_model(config, family)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "50GB")
-    config = getattr(config, "text_config", config)  # Qwen3.5: the ids are its text model's
+    config = getattr(config, "text_config", config)  # Qwen3.5, Qwen3-VL: its text model's ids
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     extra = ids[ENDOFTEXT] if _qwen(family) else ids[LLAMA_EOS]
     gen_eos = eos + ([extra] if extra not in eos else [])
@@ -365,6 +400,7 @@ def _random_model(config: Any, family: Family) -> Any:
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        AutoModelForImageTextToText,
         Qwen3_5ForConditionalGeneration,
         Qwen3_5MoeForConditionalGeneration,
     )
@@ -373,15 +409,17 @@ def _random_model(config: Any, family: Family) -> Any:
         model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.float32)
     elif family == "qwen3_5_moe":
         model = Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.float32)
+    elif family.startswith("qwen3_vl"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.02)
-            elif not family.startswith("qwen3_5") or "visual" in name:
+            elif not family.startswith(("qwen3_5", "qwen3_vl")) or "visual" in name:
                 continue
-            elif name.endswith("norm.weight"):
+            elif name.endswith("norm.weight") and family.startswith("qwen3_5"):
                 p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.1)
             elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0.0, 0.5)  # routing that differs by token, a gate that matters
