@@ -48,6 +48,10 @@ HUB_NAME = "Qwen/Qwen3-8B"  # the tiny model, as a user's HF cache would hold a 
 LLAMA_HUB = "meta-llama/Llama-3.1-8B-Instruct"  # the tiny Llama 3 chat model, likewise
 MOE_HUB = "Qwen/Qwen3-30B-A3B"  # a tiny Qwen3-MoE (2 of 8 experts), likewise
 Q35_HUB = "Qwen/Qwen3.5-4B"  # a tiny Qwen3.5 (hybrid linear attention): the cookbook's default
+# A tiny Qwen3-VL-MoE (a vision-language checkpoint, trained on text), named by a Tinker variant
+# id as the cookbook's recipes name models: its renderer is ``qwen3_vl_instruct``.
+VL_HUB = "Qwen/Qwen3-VL-30B-A3B-Instruct"
+VL_VARIANT = VL_HUB + ":peft:262144"
 LLAMA_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
 
 
@@ -142,12 +146,24 @@ def q35_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Qwen3-VL-MoE as the Hub ships it, with Qwen's chat tokens."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-vl", "qwen3_vl_moe")
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.eos_token_ids[0])
+    return info
+
+
+@pytest.fixture(scope="module")
 def hf_home(
     tmp_path_factory: pytest.TempPathFactory,
     model: Any,
     llama3_model: Any,
     moe_model: Any,
     q35_model: Any,
+    vl_model: Any,
 ) -> Path:
     """An HF_HOME whose hub cache holds the models as `HUB_NAME` and `LLAMA_HUB`, and the
     tokenizer repo the cookbook reads for Llama 3 (refs/main -> a snapshot), as
@@ -160,6 +176,7 @@ def hf_home(
         (LLAMA_TOKENIZER, llama3_model),
         (MOE_HUB, moe_model),
         (Q35_HUB, q35_model),
+        (VL_HUB, vl_model),
     )
     for name, info in cached:
         repo, rev = home / "hub" / ("models--" + name.replace("/", "--")), "b" * 40
@@ -178,7 +195,9 @@ def server(
     # a Hub name found in the server's HF cache.
     flags = ["--model-dir", str(model.path)]
     flags += [
-        arg for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB) for arg in ("--model-dir", hub)
+        arg
+        for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_HUB)
+        for arg in ("--model-dir", hub)
     ]
     with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
         yield srv
@@ -331,6 +350,7 @@ def jobs(
             LLAMA_HUB: request.getfixturevalue("llama3_model"),
             MOE_HUB: request.getfixturevalue("moe_model"),
             Q35_HUB: request.getfixturevalue("q35_model"),
+            VL_VARIANT: request.getfixturevalue("vl_model"),
         }
     home = request.getfixturevalue("hf_home") if len(models) > 1 else None
     srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
@@ -458,17 +478,18 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
-@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB])
+@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_VARIANT])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
     """What a user's config says: ``model_name="Qwen/Qwen3-8B"``,
-    ``"meta-llama/Llama-3.1-8B-Instruct"`` or the MoE ``"Qwen/Qwen3-30B-A3B"``, found offline in the local HF cache (the engine's,
-    the server's and the cookbook's tokenizer alike), and the renderer the cookbook recommends
-    for it (``qwen3``: stop on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the
-    ``<|eot_id|>`` id)."""
+    ``"meta-llama/Llama-3.1-8B-Instruct"``, the MoE ``"Qwen/Qwen3-30B-A3B"``, ``"Qwen/Qwen3.5-4B"``
+    or the Tinker variant id ``"Qwen/Qwen3-VL-30B-A3B-Instruct:peft:262144"``, found offline in
+    the local HF cache (the engine's, the server's and the cookbook's tokenizer alike), and the
+    renderer the cookbook recommends for it (``qwen3``, ``qwen3_5``, ``qwen3_vl_instruct``: stop
+    on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the ``<|eot_id|>`` id)."""
     fixture = {HUB_NAME: "model", LLAMA_HUB: "llama3_model", MOE_HUB: "moe_model",
-               Q35_HUB: "q35_model"}[hub]  # fmt: skip
+               Q35_HUB: "q35_model", VL_VARIANT: "vl_model"}[hub]  # fmt: skip
     model = request.getfixturevalue(fixture)
     log = jobs.log((way, "rl_is", hub))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
