@@ -108,8 +108,8 @@ def load_tensors(
 
 def count_nonfinite(tensor: torch.Tensor) -> int:
     """How many NaN / infinite elements a tensor holds (0 for integer tensors). A sum is the
-    cheap test (~0.04 s per GiB); only a non-finite sum, which a finite float16 tensor can
-    also reach, is counted element-wise."""
+    cheap test (one pass; `benchmarks/load_checks.py` measures it); only a non-finite sum,
+    which a finite float16 tensor can also reach, is counted element-wise."""
     if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
         return 0
     return int((~torch.isfinite(tensor)).sum())
