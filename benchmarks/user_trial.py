@@ -129,7 +129,15 @@ def main() -> None:
     parser.add_argument(
         "--family",
         default="qwen3",
-        choices=["qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama3"],
+        choices=[
+            "qwen3",
+            "qwen3_moe",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_vl",
+            "qwen3_vl_moe",
+            "llama3",
+        ],
         help="the tiny directory's architecture when no --model-dir is given",
     )
     parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")
