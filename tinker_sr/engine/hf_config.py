@@ -350,8 +350,8 @@ def vl_wrapper(hf: dict[str, Any]) -> str | None:
 
 
 def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
-    """A vision-language wrapper's (Qwen3.5's) text model config, as AutoModelForCausalLM
-    builds it from the wrapper; other configs as they are."""
+    """A vision-language wrapper's (Qwen3.5's, Qwen3-VL's) text model config, as transformers
+    builds the text model from the wrapper; other configs as they are."""
     model_type, archs = hf.get("model_type"), hf.get("architectures") or []
     first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     by_arch = {wrapper: key for key, (wrapper, _, _) in VL_WRAPPERS.items()}
