@@ -349,3 +349,19 @@ def test_a_checkpoint_whose_metadata_is_damaged_is_refused_naming_the_field(
             load()
         message = str(err.value)
         assert f"checkpoint {path} is damaged: its metadata's {field}" in message, message
+
+
+def test_a_pruned_cache_blob_names_the_missing_shard_and_the_fix(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """An interrupted or pruned download leaves a snapshot's link to its blob dangling."""
+    blobs, root = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    root.mkdir(parents=True)
+    for f in sharded.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (root / f.name).symlink_to(blobs / f.name)
+    shard = sorted(blobs.glob("*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(EngineUserError, match=f"missing: \\['{shard.name}'\\]; copy or download"):
+        load_model_dir(root)

@@ -75,7 +75,11 @@ def weight_files(root: Path) -> list[Path]:
         files = [root / f for f in sorted(set(names))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise EngineNotFoundError(f"{index} names shard files that are missing: {missing[:3]}")
+            raise EngineNotFoundError(
+                f"{index} names shard files that are missing: {missing[:3]}; copy or download "
+                "them again (an interrupted or pruned download leaves them out, or their links "
+                "into the Hugging Face cache's blobs dangling)"
+            )
         return files
     files = sorted(root.glob("*.safetensors"))
     if not files:
