@@ -365,3 +365,19 @@ def test_a_pruned_cache_blob_names_the_missing_shard_and_the_fix(
     shard.unlink()
     with pytest.raises(EngineUserError, match=f"missing: \\['{shard.name}'\\]; copy or download"):
         load_model_dir(root)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3, 4, 5)], ids=["0-d", "1-d", "4-d"])
+def test_fused_experts_of_the_wrong_rank_are_refused_by_name(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """Before: TypeError ('iteration over a 0-d tensor') or RuntimeError from splitting them."""
+    base = make_tiny_hf_model_dir(tmp_path / "vl", "qwen3_vl_moe", n_layers=1)
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+
+    def reshape(w: Weights) -> None:
+        w[key] = torch.zeros(shape)
+
+    root = _variant(base, tmp_path / "m", reshape)
+    with pytest.raises(EngineUserError, match=f"tensor {key} has shape .* must have 3"):
+        load_model_dir(root)

@@ -1,5 +1,6 @@
 """Fuzz a model directory's weights file as the engine loads it: bytes flipped in the header or
-the data, the file cut short, the header rewritten with another dtype, shape or offsets. Loading
+the data, the file cut short, the header rewritten with another dtype, shape or offsets, a
+tensor re-saved with another shape of any rank. Loading
 either gives a model whose every weight is finite and was stored as floats, or `EngineUserError` naming the file or
 tensor; nothing else escapes (no TypeError, no crash, no NaN weight trained on silently)."""
 
@@ -28,9 +29,11 @@ DTYPES = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16"
           "BOOL", "F4", "X9"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_hf_model_dir(tmp_path_factory.mktemp("fuzz_model") / "base", n_layers=1)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_vl_moe"])
+def base(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """A dense model, and a vision-language checkpoint whose experts are stored fused (3-D)."""
+    root = tmp_path_factory.mktemp("fuzz_model") / request.param
+    return make_tiny_hf_model_dir(root, request.param, n_layers=1)
 
 
 def _split(raw: bytes) -> tuple[dict, bytes]:
@@ -50,6 +53,7 @@ MUTATIONS = st.one_of(
     st.tuples(st.just("dtype"), st.integers(0, 100), st.sampled_from(DTYPES)),
     st.tuples(st.just("shape"), st.integers(0, 100), st.lists(st.integers(-1, 300), max_size=3)),
     st.tuples(st.just("offsets"), st.integers(0, 100), st.integers(-64, 64)),
+    st.tuples(st.just("resave"), st.integers(0, 100), st.lists(st.integers(0, 70), max_size=4)),
     st.tuples(
         st.just("data"),
         st.integers(0, 10**6),
@@ -67,6 +71,12 @@ def _mutate(raw: bytes, kind: str, where: int, what: object) -> bytes:
         return raw[:at] + bytes([raw[at] ^ int(what)]) + raw[at + 1 :]  # type: ignore[call-overload]
     if kind == "cut":
         return raw[: where % len(raw)]
+    if kind == "resave":  # a valid file whose tensor has another shape, any rank
+        from safetensors.torch import load, save
+
+        tensors = load(raw)
+        tensors[name] = torch.zeros(what)
+        return save(tensors, header.get("__metadata__"))
     if kind == "dtype":
         header[name]["dtype"] = what
     elif kind == "shape":

@@ -153,6 +153,13 @@ def _check_tensors(
     for f, stored, sl in _tensors(files):
         if (config.qwen3_5_layout or wrapped) and stored.startswith(hybrid.UNUSED_PREFIXES):
             continue  # a vision tower; Qwen3.5's multi-token-prediction head
+        fused = _fused_ndim(stored) if config.qwen3_5_layout or wrapped else None
+        if fused is not None and len(sl.get_shape()) != fused:
+            raise EngineUserError(
+                f"{f}: tensor {stored} has shape {tuple(sl.get_shape())}; it holds several "
+                f"tensors fused along new dimensions and must have {fused}: re-save the model "
+                "with transformers' save_pretrained()"
+            )
         for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config, wrapped):
             if key not in shapes:
                 if not key.endswith(IGNORED_SUFFIXES):
@@ -193,6 +200,14 @@ def _check_tensors(
             )
         )
     return placed
+
+
+def _fused_ndim(key: str) -> int | None:
+    """How many dimensions a fused tensor has: 3 for experts ([E, ., .]), 2 for Qwen3.5's
+    in_proj_qkv; None for the rest (their shapes are checked against the model's)."""
+    if key.endswith((hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)):
+        return 3
+    return 2 if key.endswith(hybrid.FUSED_QKV) else None
 
 
 def _engine_shapes(
