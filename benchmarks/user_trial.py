@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 from memory import MIB, malloc_heap, peak_rss_bytes, rss_bytes  # noqa: E402 - benchmarks/memory.py, beside this script
 
 from tinker_sr.hf_files import read_json  # noqa: E402
+from tinker_sr.testing.hf_model_dir import Family  # noqa: E402
 
 PROMPTS = ["User: count to five\n\nAssistant:", "User: name a colour\n\nAssistant:"]
 
@@ -129,15 +131,7 @@ def main() -> None:
     parser.add_argument(
         "--family",
         default="qwen3",
-        choices=[
-            "qwen3",
-            "qwen3_moe",
-            "qwen3_5",
-            "qwen3_5_moe",
-            "qwen3_vl",
-            "qwen3_vl_moe",
-            "llama3",
-        ],
+        choices=[f for f in get_args(Family) if f not in ("qwen2", "llama", "mistral")],
         help="the tiny directory's architecture when no --model-dir is given",
     )
     parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,17 +216,24 @@ def test_an_index_that_leaves_shards_out_says_which_are_not_read(
         load_model_dir(root)
 
 
+def _linked_as_in_the_hf_cache(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """`model_dir`'s files copied into ``blobs/`` and linked from ``snapshots/abc/``, as the
+    Hugging Face cache lays a model out: (blobs, snapshot)."""
+    blobs, root = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    root.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (root / f.name).symlink_to(blobs / f.name)
+    return blobs, root
+
+
 def test_shards_linked_from_outside_the_folder_load_as_in_the_hf_cache(
     sharded: Path, tmp_path: Path
 ) -> None:
     """The Hugging Face cache's snapshot folders hold links into ../../blobs: a shard name is
     checked as written, not resolved."""
-    blobs, root = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
-    blobs.mkdir()
-    root.mkdir(parents=True)
-    for f in sharded.iterdir():
-        shutil.copy(f, blobs / f.name)
-        (root / f.name).symlink_to(blobs / f.name)
+    blobs, root = _linked_as_in_the_hf_cache(sharded, tmp_path)
     reference = load_model_dir(sharded).state_dict()
     loaded = load_model_dir(root).state_dict()
     assert all(torch.equal(loaded[k], reference[k]) for k in reference)
@@ -264,15 +272,24 @@ def test_a_damaged_checkpoint_is_refused_naming_its_tinker_path(
     (file,) = store.glob(f"checkpoints/**/{name}.safetensors")
     _damage(file, how)
     what = "its file does not read" if how == "cut" else "NaN or infinite values"
+    for message in _resume_errors(service, client, path):
+        assert f"checkpoint {path} is damaged on disk" in message and what in message
+        assert "internal error" not in message and str(store) not in message
+
+
+def _resume_errors(service: tinker_sr.ServiceClient, client: Any, path: str) -> list[str]:
+    """The errors of resuming from `path` the ways users do: a new client from the state
+    (with and without its optimizer), and `load_state` into an existing one. Each must fail."""
+    messages = []
     for load in (
         lambda: service.create_training_client_from_state(path).result(),
+        lambda: service.create_training_client_from_state_with_optimizer(path).result(),
         lambda: client.load_state(path).result(),
     ):
         with pytest.raises(tinker_sr.RequestFailedError) as err:
             load()
-        message = str(err.value)
-        assert f"checkpoint {path} is damaged on disk" in message and what in message
-        assert "internal error" not in message and str(store) not in message
+        messages.append(str(err.value))
+    return messages
 
 
 def test_a_damaged_store_database_is_refused_with_the_way_out(tmp_path: Path) -> None:
@@ -341,13 +358,7 @@ def test_a_checkpoint_whose_metadata_is_damaged_is_refused_naming_the_field(
     else:
         metadata[field] = value
     save_file(tensors, file, metadata=metadata)
-    for load in (
-        lambda: embedded_service.create_training_client_from_state_with_optimizer(path).result(),
-        lambda: client.load_state(path).result(),
-    ):
-        with pytest.raises(tinker_sr.RequestFailedError) as err:
-            load()
-        message = str(err.value)
+    for message in _resume_errors(embedded_service, client, path):
         assert f"checkpoint {path} is damaged: its metadata's {field}" in message, message
 
 
@@ -355,12 +366,7 @@ def test_a_pruned_cache_blob_names_the_missing_shard_and_the_fix(
     sharded: Path, tmp_path: Path
 ) -> None:
     """An interrupted or pruned download leaves a snapshot's link to its blob dangling."""
-    blobs, root = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
-    blobs.mkdir()
-    root.mkdir(parents=True)
-    for f in sharded.iterdir():
-        shutil.copy(f, blobs / f.name)
-        (root / f.name).symlink_to(blobs / f.name)
+    blobs, root = _linked_as_in_the_hf_cache(sharded, tmp_path)
     shard = sorted(blobs.glob("*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(EngineUserError, match=f"missing: \\['{shard.name}'\\]; copy or download"):

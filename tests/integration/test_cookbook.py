@@ -100,14 +100,19 @@ def raise_eos_logit(model_dir: Path, eos_id: int) -> None:
     save_file(weights, path, metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def _qwen_chat_model(tmp_path_factory: pytest.TempPathFactory, name: str, family: Any) -> Any:
+    """A tiny model of `family` with Qwen's chat tokens, its first EOS made likely."""
     from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
 
-    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / name, family)
     info = tiny_model_info(path)
     raise_eos_logit(path, info.eos_token_ids[0])
     return info
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _qwen_chat_model(tmp_path_factory, "tiny-qwen3", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -125,35 +130,20 @@ def llama3_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny Qwen3-MoE with Qwen's chat tokens (the cookbook's ``qwen3`` renderer)."""
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
-
-    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-moe", "qwen3_moe")
-    info = tiny_model_info(path)
-    raise_eos_logit(path, info.eos_token_ids[0])
-    return info
+    return _qwen_chat_model(tmp_path_factory, "tiny-moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def q35_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny Qwen3.5 as the Hub ships it (the vision-language checkpoint) with Qwen's chat
     tokens (the cookbook's ``qwen3_5`` renderer)."""
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
-
-    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-q35", "qwen3_5")
-    info = tiny_model_info(path)
-    raise_eos_logit(path, info.eos_token_ids[0])
-    return info
+    return _qwen_chat_model(tmp_path_factory, "tiny-q35", "qwen3_5")
 
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny Qwen3-VL-MoE as the Hub ships it, with Qwen's chat tokens."""
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
-
-    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-vl", "qwen3_vl_moe")
-    info = tiny_model_info(path)
-    raise_eos_logit(path, info.eos_token_ids[0])
-    return info
+    return _qwen_chat_model(tmp_path_factory, "tiny-vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module")

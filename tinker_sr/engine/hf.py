@@ -150,10 +150,11 @@ def _check_tensors(
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
     placed: dict[str, int] = {}
+    mapped = config.qwen3_5_layout or wrapped  # stored names are not the engine's
     for f, stored, sl in _tensors(files):
-        if (config.qwen3_5_layout or wrapped) and stored.startswith(hybrid.UNUSED_PREFIXES):
+        if mapped and stored.startswith(hybrid.UNUSED_PREFIXES):
             continue  # a vision tower; Qwen3.5's multi-token-prediction head
-        fused = _fused_ndim(stored) if config.qwen3_5_layout or wrapped else None
+        fused = _fused_ndim(stored) if mapped else None
         if fused is not None and len(sl.get_shape()) != fused:
             raise EngineUserError(
                 f"{f}: tensor {stored} has shape {tuple(sl.get_shape())}; it holds several "
@@ -274,11 +275,10 @@ def load_model_dir(
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
+        mapped = config.qwen3_5_layout or wrapped  # stored names are not the engine's
         for f, stored, sl in _tensors(files):
-            mapped = config.qwen3_5_layout or wrapped
             key = hybrid.engine_key(stored) if mapped else stored
-            fused = (hybrid.FUSED_QKV, hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)
-            if key in wanted or (mapped and key.endswith(fused)):
+            if key in wanted or (mapped and _fused_ndim(key) is not None):
                 for name, tensor in _engine_parts(stored, sl[:], config, wrapped):
                     own[name].copy_(tensor)
                     _check_finite(f, stored, own[name], tensor)
