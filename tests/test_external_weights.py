@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -38,7 +39,8 @@ from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 
 TEXT = "The export of a trained adapter, merged by the tools users already have."
-FILES = {"adapter_config.json", "adapter_model.safetensors"}
+ADAPTER = "adapter_model.safetensors"
+FILES = {"adapter_config.json", ADAPTER}
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +92,11 @@ def _hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def _load_hf(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+def _load_hf(path: Path, *, vl: bool = False) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32)
 
 
 def _fetch(urls: dict[str, str], out: Path) -> Path:
@@ -162,6 +165,69 @@ def test_cookbook_merges_an_export_into_the_trained_model(
     peft_model = PeftModel.from_pretrained(_load_hf(model_dir), tmp_path / "peft")
     via_peft = _hf_logprobs(peft_model, ids)
     assert torch.allclose(via_peft, trained, atol=1e-4), (via_peft - trained).abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_vl_moe"])
+def test_cookbook_merges_a_mixture_of_experts_export(
+    family: Any, service: Any, tmp_path: Path
+) -> None:
+    """Tinker stores an expert layer's adapters stacked, ``mlp.experts.w1`` (gate), ``.w3`` (up),
+    ``.w2`` (down), ``[experts, r, in]`` and ``[experts, out, r]``: the cookbook refuses anything
+    else ("Expert LoRA weights must be 3D"). Before: one 2-D pair per expert, which neither
+    ``build_hf_model`` nor ``build_lora_adapter`` took."""
+    from safetensors.torch import load_file, save_file
+    from tinker_cookbook import weights
+
+    model_dir = make_tiny_hf_model_dir(tmp_path / family, family=family)
+    text = json.loads((model_dir / "config.json").read_text())
+    text = text.get("text_config", text)
+    experts = text.get("num_experts", text.get("num_local_experts"))
+    tc, ids = _trained(service, model_dir, train_unembed=False)
+    path = tc.save_weights_external("final").result().path
+    urls = tinker_sr.RestClient(service.holder).get_external_weights_urls(path).result()
+    adapter = _fetch(urls.urls, tmp_path / "adapter")
+    tensors, config = _adapter(adapter)
+    assert not any(".experts.0." in k for k in tensors)
+    stacked = sorted(k for k in tensors if ".mlp.experts." in k)
+    assert stacked and {k.split(".experts.")[1] for k in stacked} == {
+        f"{w}.lora_{x}.weight" for w in ("w1", "w2", "w3") for x in "AB"
+    }
+    for k in stacked:
+        shape = tensors[k].shape
+        assert len(shape) == 3 and shape[0] == experts, (k, shape)
+        assert shape[1 if ".lora_A." in k else 2] == config["r"], (k, shape)
+
+    trained = _engine_logprobs(tc, ids)
+    vl = family == "qwen3_vl_moe"  # transformers builds Qwen3-VL as the vision-language model
+    weights.build_hf_model(
+        base_model=str(model_dir), adapter_path=str(adapter), output_path=str(tmp_path / "merged")
+    )
+    merged = _hf_logprobs(_load_hf(tmp_path / "merged", vl=vl), ids)
+    assert torch.allclose(merged, trained, atol=1e-4), (merged - trained).abs().max()
+    # The experts' adapters were merged, not skipped: without them the model is another one.
+    without = tmp_path / "without_experts"
+    without.mkdir()
+    shutil.copy(adapter / "adapter_config.json", without)
+    save_file({k: v for k, v in tensors.items() if k not in stacked}, without / ADAPTER)
+    weights.build_hf_model(
+        base_model=str(model_dir), adapter_path=str(without), output_path=str(tmp_path / "m2")
+    )
+    assert (_hf_logprobs(_load_hf(tmp_path / "m2", vl=vl), ids) - trained).abs().max() > 1e-3
+
+    # build_lora_adapter (for vLLM) expands them to each expert's module, values unchanged.
+    weights.build_lora_adapter(
+        base_model=str(model_dir), adapter_path=str(adapter), output_path=str(tmp_path / "peft")
+    )
+    peft = load_file(tmp_path / "peft" / ADAPTER)
+    proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    for k in stacked:
+        layer, rest = k.removeprefix("base_model.model.").split(".experts.")
+        w, ab = rest.split(".", 1)
+        for e in range(experts):
+            name = f"{layer}.experts.{e}.{proj[w]}.{ab}"
+            match = [v for n, v in peft.items() if n.endswith(name.removeprefix("model."))]
+            assert len(match) == 1, (name, sorted(peft)[:4])
+            assert torch.equal(match[0], tensors[k][e]), name
 
 
 def test_tied_unembedding_warns_and_tinker_sr_export_merges_it_exactly(

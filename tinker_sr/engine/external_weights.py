@@ -10,7 +10,10 @@ An export is a directory of two files:
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; the unembedding's adapter
   under Tinker's name ``base_model.model.model.unembed_tokens`` (the cookbook maps it to
   ``lm_head``, or to ``embed_tokens`` when the base ties its embeddings). ``lora_B`` is stored
-  unscaled: the update is ``(lora_alpha / r) · B A``.
+  unscaled: the update is ``(lora_alpha / r) · B A``. A mixture of experts' adapters are
+  stacked per layer and projection, as Tinker stores them: ``...mlp.experts.w1`` (gate),
+  ``.w3`` (up) and ``.w2`` (down), ``lora_A`` of shape ``[experts, r, in]`` and ``lora_B`` of
+  ``[experts, out, r]``; the cookbook expands them to each expert's module.
 - ``adapter_config.json``: ``r`` and ``lora_alpha`` (what the cookbook reads), the base model
   name and PEFT's other LoRA fields.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,12 @@ def warn_if_tied_unembed(tied: bool, adapters: Mapping[str, torch.Tensor], path:
         )
 
 
+# One expert's adapter, e.g. ``model.layers.1.mlp.experts.7.up_proj.lora_B.weight``.
+_EXPERT_KEY = re.compile(r"(?P<layer>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<ab>lora_[AB])\.weight")  # fmt: skip
+EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
+"""Tinker's names for an expert's projections in an external adapter."""
+
+
 def external_name(key: str) -> str:
     """``model.layers.0.mlp.up_proj.lora_A.weight`` → its name in an external adapter."""
     if key.startswith("lm_head."):
@@ -70,10 +80,21 @@ def external_name(key: str) -> str:
 
 
 def external_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {
-        external_name(k): v.detach().to(torch.float32, copy=True).contiguous()
-        for k, v in sorted(adapters.items())
-    }
+    """The export's tensors (float32), experts' adapters stacked as Tinker stores them."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in sorted(adapters.items()):
+        m = _EXPERT_KEY.fullmatch(k)
+        if m is None:
+            out[external_name(k)] = v.detach().to(torch.float32, copy=True).contiguous()
+        else:
+            name = f"{m['layer']}.{EXPERT_PROJ[m['proj']]}.{m['ab']}.weight"
+            stacks.setdefault(external_name(name), {})[int(m["e"])] = v
+    for name, by_expert in stacks.items():
+        if sorted(by_expert) != list(range(len(by_expert))):  # the engine numbers them 0..E-1
+            raise AssertionError(f"{name}: experts {sorted(by_expert)} are not 0..E-1")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))]).to(torch.float32)
+    return dict(sorted(out.items()))
 
 
 def adapter_config(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], base_model: str) -> dict:
