@@ -126,3 +126,68 @@ def test_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(BUDGET_ENV, bad)
         with pytest.raises(ValueError, match=BUDGET_ENV):
             budget_from_env()
+
+
+# ---- prompts that extend cached ones (multi-turn) ------------------------------------------
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Blocks of 64 tokens, so the tiny model's 512 positions hold prompts of several."""
+    from tinker_sr.engine import prompt_cache
+
+    monkeypatch.setattr(prompt_cache, "BLOCK", 64)
+    return 64
+
+
+def turns(n: int, first: int = 150, step: int = 70) -> list[list[int]]:
+    """A conversation's prompts: each is the one before plus a reply and the next message."""
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(3, 250, (first + step * (n - 1),), generator=gen).tolist()
+    return [tokens[: first + step * t] for t in range(n)]
+
+
+@pytest.mark.parametrize("block", ["small_blocks", "default_block"])
+def test_a_prompt_that_extends_a_cached_one_computes_only_the_rest(
+    model: Transformer, request: pytest.FixtureRequest, block: str
+) -> None:
+    """Each turn copies the blocks the turns before it computed and gives what a prefill of
+    its own gives, bit for bit, with other sample counts and lengths (other KV buffers)."""
+    size = request.getfixturevalue(block) if block == "small_blocks" else 256
+    cache = PromptCache(64 << 20)
+    prompts = turns(5)
+    for t, prompt in enumerate(prompts):
+        options = dict(num_samples=1 + t % 3, max_tokens=5 + t)
+        alone, none = decode(model, None, prompt, **options)
+        got, hit = decode(model, cache, prompt, **options)
+        assert none == 0 and same(got, alone), t
+        cached = ((len(prompts[t - 1]) - 1) // size) * size if t else 0
+        # The blocks of the turn before are found (those of earlier turns are among them).
+        assert hit == min(cached, ((len(prompt) - 1) // size) * size), (t, hit)
+        assert decode(model, cache, prompt, **options)[1] == len(prompt)  # now found whole
+    assert cache.block_hits > 0 or size == 256  # (256: the longest prompt has one block)
+
+
+def test_chunked_prefill_computes_the_forwards_log_probabilities(
+    model: Transformer, small_blocks: int
+) -> None:
+    """Blocks at their positions over the cache's earlier ones: the sampled tokens' logprobs
+    are those of one forward over prompt + sample (float32 rounding apart)."""
+    prompt = turns(1, first=300)[0]
+    (out,), _ = decode(
+        model, PromptCache(64 << 20), prompt, num_samples=1, max_tokens=20, top_p=1.0
+    )
+    seq = torch.tensor([prompt + out.tokens])
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(seq)[0, len(prompt) - 1 : -1].float(), -1)
+    want = logp.gather(-1, torch.tensor(out.tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hybrid_models_prompts_match_only_whole(hybrid_model: Transformer) -> None:
+    """Qwen3.5's linear attention carries a state through the prompt: one pass, no blocks."""
+    cache = PromptCache(64 << 20)
+    first, second = turns(2, first=300, step=100)
+    decode(hybrid_model, cache, first)
+    assert decode(hybrid_model, cache, second)[1] == 0
+    assert decode(hybrid_model, cache, second)[1] == len(second)

@@ -259,6 +259,7 @@ class Attention(nn.Module):
             y = _causal_attention(q, k, v)
         else:
             k, v = cache.update(layer, start_pos, k, v)
+            k, v = k[:B], v[:B]  # a prefill chunk of one row feeds every row: attend once
             mask = None
             if T > 1:  # chunk after a prefix: query i sits at absolute position start_pos + i
                 q_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
@@ -519,10 +520,10 @@ class Transformer(nn.Module):
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
         return apply_linear(self.lm_head, x).float()
 
-    def last_logits(self, tokens: Tensor, *, cache: KVCache | None = None) -> Tensor:
-        """tokens [B, T] → float32 logits [B, V] after the last token: a prefill unembeds only
-        that position (the others' [T - 1, V] logits would be computed and thrown away)."""
-        x = self.hidden_states(tokens, cache=cache)[:, -1:]
+    def last_logits(self, tokens: Tensor, *, start_pos: int = 0, cache: Any = None) -> Tensor:
+        """tokens [B, T] at start_pos → float32 logits [B, V] after the last token (a KVCache
+        `cache`): a prefill unembeds only that position, not the other T - 1."""
+        x = self.hidden_states(tokens, start_pos=start_pos, cache=cache)[:, -1:]
         return apply_linear(self.lm_head, x).float()[:, -1]
 
     def hidden_states(
