@@ -17,6 +17,7 @@ after the last whole block the turn before computed. This script measures, in on
   prefilled in blocks (the engine's path) vs in one pass (the path before blocks), alternating.
 
     python benchmarks/multi_turn.py                   # C=8, T=12, P=400, N=16, O=60, 3 rounds
+    python benchmarks/multi_turn.py --arch qwen3_5    # Qwen3.5's hybrid layers (same sizes)
     python benchmarks/multi_turn.py --quick           # smoke test
 """
 
@@ -98,6 +99,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="N: reply tokens per turn")
     parser.add_argument("--obs", type=int, default=60, help="O: tokens appended per turn")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--arch", choices=["qwen3", "qwen3_5"], default="qwen3", help="qwen3_5: hybrid layers"
+    )
     parser.add_argument("--quick", action="store_true", help="C=2, T=3, P=300, 1 round")
     args = parser.parse_args()
     if args.quick:
@@ -112,9 +116,10 @@ def main() -> None:
     first = torch.randint(1000, 30000, (P,), generator=gen).tolist()
     obs = [torch.randint(1000, 30000, (Ob,), generator=gen).tolist() for _ in range(T - 1)]
     print(describe_machine())
+    print(f"model: engine_vs_hf.py's {args.arch}")
     print(f"rollouts: C={C} conversations x T={T} turns, P={P}, N={N} reply + O={Ob} per turn")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model")
+        model_dir = make_model_dir(Path(tmp) / "model", args.arch)
         on = Side(model_dir, Path(tmp) / "on", cache=True)
         off = Side(model_dir, Path(tmp) / "off", cache=False)
         a, b = rollouts(on, first, obs, C, N), rollouts(off, first, obs, C, N)  # + warm-up

@@ -168,11 +168,14 @@ def test_a_prompt_that_extends_a_cached_one_computes_only_the_rest(
     assert cache.block_hits > 0 or size == 256  # (256: the longest prompt has one block)
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_chunked_prefill_computes_the_forwards_log_probabilities(
-    model: Transformer, small_blocks: int
+    request: pytest.FixtureRequest, small_blocks: int, kind: str
 ) -> None:
-    """Blocks at their positions over the cache's earlier ones: the sampled tokens' logprobs
-    are those of one forward over prompt + sample (float32 rounding apart)."""
+    """Blocks at their positions over the cache's earlier ones (and, for linear attention,
+    from the states the block before left): the sampled tokens' logprobs are those of one
+    forward over prompt + sample (float32 rounding apart)."""
+    model = request.getfixturevalue("model" if kind == "dense" else "hybrid_model")
     prompt = turns(1, first=300)[0]
     (out,), _ = decode(
         model, PromptCache(64 << 20), prompt, num_samples=1, max_tokens=20, top_p=1.0
@@ -184,10 +187,26 @@ def test_chunked_prefill_computes_the_forwards_log_probabilities(
     torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_hybrid_models_prompts_match_only_whole(hybrid_model: Transformer) -> None:
-    """Qwen3.5's linear attention carries a state through the prompt: one pass, no blocks."""
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_each_turn_resumes_where_the_turn_before_left(
+    request: pytest.FixtureRequest, small_blocks: int, kind: str
+) -> None:
+    """Qwen3.5's linear attention carries a state through the prompt: a turn resumes from the
+    states kept after the last full block the turn before computed (intermediate blocks keep
+    only keys and values), bit for bit as a prefill of its own."""
+    model = request.getfixturevalue("model" if kind == "dense" else "hybrid_model")
     cache = PromptCache(64 << 20)
-    first, second = turns(2, first=300, step=100)
-    decode(hybrid_model, cache, first)
-    assert decode(hybrid_model, cache, second)[1] == 0
-    assert decode(hybrid_model, cache, second)[1] == len(second)
+    prompts = turns(4, first=150, step=90)
+    for t, prompt in enumerate(prompts):
+        alone, _ = decode(model, None, prompt)
+        got, hit = decode(model, cache, prompt)
+        assert same(got, alone), t
+        resumed = ((len(prompts[t - 1]) - 1) // small_blocks) * small_blocks if t else 0
+        assert hit == resumed, (t, hit)
+    # A prompt that branches off inside the conversation, after block 3 (which turn 2 computed
+    # before its last, block 4): a dense model reuses all four common blocks; a hybrid one the
+    # first three, up to block 2, the last full block of turn 1, which kept its states.
+    branch = prompts[-1][: 4 * small_blocks + 5] + [7] * 40
+    got, hit = decode(model, cache, branch)
+    assert same(got, decode(model, None, branch)[0])
+    assert hit == (4 if kind == "dense" else 3) * small_blocks, hit

@@ -35,6 +35,7 @@ JOBS = (
     "rl_kl_stream",
     "rl_turns_sr",
     "rl_capture",
+    "guess_number",
 )
 RENDERER = "role_colon"
 
@@ -434,6 +435,26 @@ def run_distill(model: str, log: Path) -> dict[str, Any]:
     return {}
 
 
+def run_guess_number(model: str, log: Path) -> dict[str, Any]:
+    """The multiplayer recipe ``guess_number`` as its CLI builds it (its renderer
+    ``qwen3_5_disable_thinking``): a 10-turn game per episode against a scripted host, each
+    turn's prompt the last one plus the reply and the host's answer."""
+    from tinker_cookbook.recipes.multiplayer_rl.guess_number import train as guess
+
+    cli = guess.CLIConfig(
+        model_name=model,
+        group_size=4,
+        batch_size=2,
+        max_tokens=16,
+        eval_every=0,
+        save_every=0,
+        max_steps=1,
+        log_path=str(log),
+    )
+    asyncio.run(guess.train.main(guess.build_config(cli)))
+    return {}
+
+
 def checkpoints(log: Path) -> list[dict[str, Any]]:
     path = log / "checkpoints.jsonl"
     if not path.exists():
@@ -457,6 +478,8 @@ def main(argv: list[str]) -> int:
         summary = run_sl(model, log)
     elif job == "distill":
         summary = run_distill(model, log)
+    elif job == "guess_number":
+        summary = run_guess_number(model, log)
     else:
         summary = run_dpo(model, log)
     import tinker

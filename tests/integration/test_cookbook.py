@@ -298,6 +298,7 @@ _JOB_OF = {
     "test_multi_turn_stable_reinforce_one_datum_names_every_turn": "rl_turns_sr",
     "test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer": "rl_is",
     "test_the_cookbooks_trace_and_capture_record_the_run": "rl_capture",
+    "test_a_multi_turn_game_reuses_each_turns_prompt": "guess_number",
 }
 JobKey = tuple[str, str, str | None]  # (way, job, Hub name or None: the model's directory)
 # Jobs at once. Each is a subprocess of its own (one torch thread; the sdk way's server
@@ -515,3 +516,21 @@ def test_the_cookbooks_trace_and_capture_record_the_run(way: str, model: Any, jo
     assert all(r["num_data"] == 8 and math.isfinite(r["metrics"]["loss:sum"]) for r in fb), fb
     traced = {e["name"] for e in jsonl(log / "trace_events.jsonl")}
     assert {"forward_backward", "optim_step", "sample"} <= traced, sorted(traced)
+
+
+@pytest.mark.parametrize("hub", [Q35_HUB])
+def test_a_multi_turn_game_reuses_each_turns_prompt(
+    way: str, hub: str, jobs: Jobs, q35_model: Any
+) -> None:
+    """The ``guess_number`` recipe on its model family (Qwen3.5, hybrid layers): 10 turns per
+    episode, each prompt the one before plus a reply and the host's answer (~700 tokens by the
+    last turn). The engine finds each turn's head in its prompt cache (256-token blocks and the
+    linear-attention states where the turn before stopped), which the cookbook logs as
+    ``tokens/prefill_cached``. Before: the whole prompt was prefilled every turn (1,092 of
+    53,667 prompt tokens cached in a 2-step run, only each group's identical first prompt)."""
+    log = jobs.log((way, "guess_number", hub))
+    (row,) = check_steps(log, 1, ("optim/lr", "env/all/reward/total"))
+    assert row["env/all/turns_per_episode"] == 10, row
+    cached, uncached = row["tokens/prefill_cached"], row["tokens/prefill_uncached"]
+    assert cached > uncached > 0, (cached, uncached)
+    check_on_policy_numerics([row])

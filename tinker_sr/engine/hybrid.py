@@ -210,16 +210,16 @@ class GatedDeltaNet(nn.Module):
         qkv = (qkv if isinstance(qkv, Tensor) else torch.cat(qkv, -1)).transpose(1, 2)
         z, b, a = (apply_linear(getattr(self, f"in_proj_{n}"), x) for n in "zba")
         resume = cache is not None and start_pos > 0
-        if resume:
+        if resume:  # B may be 1 for every cache row (a prefill chunk): all rows hold the same
             assert cache is not None
-            window = torch.cat([cache.conv[layer].to(qkv.dtype), qkv], -1)
+            window = torch.cat([cache.conv[layer][:B].to(qkv.dtype), qkv], -1)
         else:
             window = F.pad(qkv, (self.kernel - 1, 0))
         if cache is not None:
             cache.conv[layer].copy_(window[..., window.shape[-1] - self.kernel + 1 :])
         mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.channels))
         q, k, v, g, beta = self._heads(mixed.transpose(1, 2), a, b)
-        state = cache.state[layer] if resume and cache is not None else None
+        state = cache.state[layer][:B] if resume and cache is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the recurrence stays in float32
             y, s = gated_delta_rule(q, k, v, g, beta, state)
         if cache is not None:

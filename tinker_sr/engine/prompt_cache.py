@@ -18,17 +18,23 @@ copies its leading blocks and computes only the rest. This stays bit-identical b
 same earlier keys and values), whether the head was cached or not; so results still depend
 only on the request, not on what the cache holds. The last chunk (1 to ``BLOCK`` tokens, with
 the logits after the prompt) is kept as the prompt's tail: a whole prompt found is all of its
-blocks and its tail. Models with linear-attention layers (Qwen3.5) carry a recurrent state
-through the prompt instead; their prompts are prefilled in one pass and only whole prompts match.
-Prompts of at most ``BLOCK`` tokens are one chunk, as before. Chunking costs long prompts a
-little: measured 1.02x for a 700-token prompt and 1.26x for 2,000 tokens (the ~42M-parameter
-benchmark model, 2 threads), against the turns of a conversation computed only once.
+blocks and its tail. Qwen3.5's linear-attention layers carry a convolution window and a
+recurrent state through the prompt instead of keys and values; the blocks are computed the same
+way (each resumes from the state the block before it left), and the states are kept where a
+longer prompt resumes: after a prefill's last full block, and after its tail. They are large
+(per linear layer, value heads x key width x value width float32 numbers: 2 MiB for 32 heads of
+128 x 128), so raise the budget for multi-turn rollouts on such models.
+
+Prompts of at most ``BLOCK`` tokens are one chunk, as before. Chunking costs longer prompts
+where nothing is cached: `benchmarks/multi_turn.py` measured 1.26x the time of one pass for a
+700-token prompt and 1.21x for 2,000 tokens (the ~42M-parameter benchmark model, 2 threads),
+against rollouts 2.6x faster.
 
 Entries belong to one model object; sampling models are immutable (merged copies or the frozen
 base, never a trainer's live tensors: `engine.registry`), and an entry dies with its model. The
 least recently used entries go when the total passes the budget: ``$TINKER_SR_PROMPT_CACHE_MB``
-(default 256; 0 turns the cache off). An entry (a block, a tail or a hybrid model's whole
-prompt) that would take more than a quarter of the budget is not kept.
+(default 256; 0 turns the cache off). An entry (a block or a tail) that would take more than a
+quarter of the budget is not kept.
 Requests report the prompt tokens they did not compute as ``prompt_cache_hit_tokens``.
 """
 
@@ -93,10 +99,10 @@ class CachedPrompt:
 
 
 class PromptCache:
-    """Prefill results, LRU within a byte budget (module docstring): whole prompts of a hybrid
-    model (`get` / `put`); for other models, a prompt's full `BLOCK`-token blocks and its tail
-    (`lookup`; `put_block`, `put_tail`), each block keyed by its tokens and the entry
-    of the block before it, so a prompt that extends a cached one finds its head."""
+    """Prefill results, LRU within a byte budget (module docstring): a prompt's full
+    `BLOCK`-token blocks and its tail, each block keyed by its tokens and the entry of the block
+    before it, so a prompt that extends a cached one finds its head (`lookup`, `put_block`,
+    `put_tail`)."""
 
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget = budget_from_env() if budget_bytes is None else budget_bytes
@@ -124,20 +130,14 @@ class PromptCache:
             self._entries.move_to_end(key)
         return entry
 
-    def get(self, model: torch.nn.Module, prompt: Sequence[int]) -> CachedPrompt | None:
-        """A hybrid model's whole prompt."""
-        if self.budget <= 0:
-            return None
-        with self._lock:
-            entry = self._find(model, ("prompt", id(model), tuple(prompt)))
-        return self._count(entry)
-
     def lookup(
-        self, model: torch.nn.Module, prompt: Sequence[int]
+        self, model: torch.nn.Module, prompt: Sequence[int], *, hybrid: bool = False
     ) -> tuple[list[CachedPrompt], CachedPrompt | None]:
-        """For a model without linear attention: the cached leading full blocks of `prompt`
-        (those before its last `BLOCK`-token chunk, up to the first not cached), and, where
-        all of them are, its tail (the rest of the prompt) if cached too: a whole hit."""
+        """The cached leading full blocks of `prompt` (those before its last `BLOCK`-token
+        chunk, up to the first not cached), and, where all of them are, its tail (the rest of
+        the prompt) if cached too: a whole hit. For a `hybrid` model without a whole hit the
+        blocks end at the last one that kept the linear-attention states after it (a prefill
+        resumes from there)."""
         found: list[CachedPrompt] = []
         if self.budget <= 0:
             return found, None
@@ -153,28 +153,29 @@ class PromptCache:
             tail = None
             if len(found) == n:
                 tail = self._find(model, ("tail", id(model), parent, tuple(prompt[n * BLOCK :])))
-            self.block_hits += len(found) if tail is None else 0
-        return found, self._count(tail)
-
-    def _count(self, entry: CachedPrompt | None) -> CachedPrompt | None:
-        with self._lock:
-            if entry is None:
+            if tail is None:
+                while hybrid and found and not found[-1].states:
+                    found.pop()
+                self.block_hits += len(found)
                 self.misses += 1
             else:
                 self.hits += 1
-        return entry
+        return found, tail
 
-    def put(
+    def put_block(
         self,
         model: torch.nn.Module,
-        prompt: Sequence[int],
+        parent: int,
+        tokens: Sequence[int],
         k: list[Tensor],
         v: list[Tensor],
-        logits: Tensor,
         states: dict[int, tuple[Tensor, Tensor]] | None = None,
-    ) -> None:
-        """Keep copies of a hybrid model's prefill of `prompt` (the tensors given are not held)."""
-        self._put(model, ("prompt", id(model), tuple(prompt)), k, v, logits, states)
+    ) -> int | None:
+        """Keep the keys and values of the block `tokens` after block `parent` (and, for a
+        hybrid model's last full block, the linear-attention states after it): its id, for the
+        next block, or None where it was not kept (nothing after it can be found)."""
+        key = ("block", id(model), parent, tuple(tokens))
+        return self._put(model, key, k, v, None, states)
 
     def put_tail(
         self,
@@ -184,23 +185,11 @@ class PromptCache:
         k: list[Tensor],
         v: list[Tensor],
         logits: Tensor,
+        states: dict[int, tuple[Tensor, Tensor]] | None = None,
     ) -> None:
-        """Keep the keys and values of a prompt's tail `tokens` after block `parent`, and the
-        logits after its last token."""
-        self._put(model, ("tail", id(model), parent, tuple(tokens)), k, v, logits)
-
-    def put_block(
-        self,
-        model: torch.nn.Module,
-        parent: int,
-        tokens: Sequence[int],
-        k: list[Tensor],
-        v: list[Tensor],
-    ) -> int | None:
-        """Keep the keys and values of the block `tokens` after block `parent`; its id, for
-        the next block, or None where it was not kept (nothing after it can be found)."""
-        key = ("block", id(model), parent, tuple(tokens))
-        return self._put(model, key, k, v, None)
+        """Keep the keys and values of a prompt's tail `tokens` after block `parent`, the
+        logits after its last token (and a hybrid model's states after it)."""
+        self._put(model, ("tail", id(model), parent, tuple(tokens)), k, v, logits, states)
 
     def _put(
         self,

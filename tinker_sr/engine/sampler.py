@@ -265,74 +265,68 @@ class DecodeGroup:
 
     @torch.inference_mode()
     def prefill(self, prompt_cache: PromptCache | None = None) -> None:
-        """Allocate the KV cache, run the prompt once into every row's cache and sample the
-        first token. With ``prompt_cache``, what this model prefilled recently for the prompt
-        (or, without linear attention, for its leading blocks) is copied from it instead (the
-        same tensors: bit-identical results; `engine.prompt_cache`), and what is computed is
-        added to it; `cache_hit_tokens` counts the prompt tokens not computed."""
-        self.cache = self.model.new_cache(self.rows, len(self.prompt) + self.max_tokens)
-        if self.model.config.hybrid:
-            last = self._prefill_whole(prompt_cache)
-        else:
-            last = self._prefill_blocks(prompt_cache)
-        self.logits.copy_(last.expand_as(self.logits))
-        self._sample()
-
-    def _prefill_whole(self, prompt_cache: PromptCache | None) -> Tensor:
-        """One pass over the prompt (a hybrid model's recurrent state runs through it)."""
-        P = len(self.prompt)
-        hit = prompt_cache.get(self.model, self.prompt) if prompt_cache is not None else None
-        if hit is not None:
-            self._copy_in(hit, 0)
-            for layer, (conv, state) in hit.states.items():  # Qwen3.5's linear attention
-                self.cache.conv[layer].copy_(conv.expand_as(self.cache.conv[layer]))
-                self.cache.state[layer].copy_(state.expand_as(self.cache.state[layer]))
-            assert hit.logits is not None
-            self.cache_hit_tokens = P
-            return hit.logits
-        last = self.model.last_logits(torch.tensor([self.prompt]), cache=self.cache)
-        if prompt_cache is not None:
-            keys, values = self._kv(0, P)
-            states = {i: (c[:1], self.cache.state[i][:1]) for i, c in self.cache.conv.items()}
-            prompt_cache.put(self.model, self.prompt, keys, values, last, states)
-        return last
-
-    def _prefill_blocks(self, prompt_cache: PromptCache | None) -> Tensor:
-        """`BLOCK` tokens at a time at fixed positions; cached leading blocks are copied."""
-        P, prompt, BLOCK = len(self.prompt), self.prompt, blocks.BLOCK
+        """Allocate the KV cache, run the prompt into every row's cache `BLOCK` tokens at a
+        time at fixed positions, and sample the first token. With ``prompt_cache``, the leading
+        blocks this model prefilled recently for a prompt this one extends (or the whole
+        prompt) are copied from it instead (the same tensors: bit-identical results;
+        `engine.prompt_cache`), and what is computed is added to it; `cache_hit_tokens` counts
+        the prompt tokens not computed."""
+        P, prompt, BLOCK, hybrid = (
+            len(self.prompt),
+            self.prompt,
+            blocks.BLOCK,
+            self.model.config.hybrid,
+        )
+        self.cache = self.model.new_cache(self.rows, P + self.max_tokens)
         n = (P - 1) // BLOCK  # full blocks before the last chunk
         found, tail = (
-            ([], None) if prompt_cache is None else prompt_cache.lookup(self.model, prompt)
+            ([], None)
+            if prompt_cache is None
+            else prompt_cache.lookup(self.model, prompt, hybrid=hybrid)
         )
         for j, block in enumerate(found):
             self._copy_in(block, j * BLOCK)
         if tail is not None:
             assert tail.logits is not None
             self._copy_in(tail, n * BLOCK)
-            self.cache_hit_tokens = P
-            return tail.logits
-        self.cache_hit_tokens = len(found) * BLOCK
-        tokens = torch.tensor([prompt])
-        parent: int | None = found[-1].uid if found else ROOT
-        for j in range(len(found), n):
-            a, b = j * BLOCK, (j + 1) * BLOCK
-            self.model.hidden_states(tokens[:, a:b], start_pos=a, cache=self.cache)
+            self.cache_hit_tokens, last = P, tail.logits
+        else:
+            self.cache_hit_tokens = len(found) * BLOCK
+            tokens = torch.tensor([prompt])
+            parent: int | None = found[-1].uid if found else ROOT
+            for j in range(len(found), n):
+                a, b = j * BLOCK, (j + 1) * BLOCK
+                self.model.hidden_states(tokens[:, a:b], start_pos=a, cache=self.cache)
+                if prompt_cache is not None and parent is not None:
+                    # A hybrid model's states after its last full block: where a prompt that
+                    # extends this one resumes (only there: they are large).
+                    states = self._states() if j == n - 1 else {}
+                    parent = prompt_cache.put_block(
+                        self.model, parent, prompt[a:b], *self._kv(a, b), states
+                    )
+            a = n * BLOCK
+            last = self.model.last_logits(tokens[:, a:], start_pos=a, cache=self.cache)
             if prompt_cache is not None and parent is not None:
-                parent = prompt_cache.put_block(self.model, parent, prompt[a:b], *self._kv(a, b))
-        last = self.model.last_logits(tokens[:, n * BLOCK :], start_pos=n * BLOCK, cache=self.cache)
-        if prompt_cache is not None and parent is not None:
-            prompt_cache.put_tail(
-                self.model, parent, prompt[n * BLOCK :], *self._kv(n * BLOCK, P), last
-            )
-        return last
+                kv = self._kv(a, P)
+                prompt_cache.put_tail(self.model, parent, prompt[a:], *kv, last, self._states())
+        self.logits.copy_(last.expand_as(self.logits))
+        self._sample()
 
     def _kv(self, a: int, b: int) -> tuple[list[Tensor], list[Tensor]]:
         """Positions a..b of every layer's keys and values (one row: all rows hold the prompt)."""
         return [k[:1, :, a:b] for k in self.cache.k], [v[:1, :, a:b] for v in self.cache.v]
 
+    def _states(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Each linear-attention layer's convolution window and recurrent state (one row)."""
+        return {i: (c[:1], self.cache.state[i][:1]) for i, c in self.cache.conv.items()}
+
     def _copy_in(self, entry: CachedPrompt, start: int) -> None:
+        """An entry's keys and values at `start` into every row, and its states if it has them."""
         for layer, (k, v) in enumerate(zip(entry.k, entry.v, strict=True)):
             self.cache.update(layer, start, k, v)
+        for layer, (conv, state) in entry.states.items():  # Qwen3.5's linear attention
+            self.cache.conv[layer].copy_(conv.expand_as(self.cache.conv[layer]))
+            self.cache.state[layer].copy_(state.expand_as(self.cache.state[layer]))
 
     @torch.inference_mode()
     def receive(self, logits: Tensor) -> None:
