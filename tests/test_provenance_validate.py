@@ -138,18 +138,25 @@ def test_loss_spans_tile_rows_of_2d_targets() -> None:
     assert view is not None and view.sampled_mask.sum() == 3
 
 
-def test_empty_span_is_rejected() -> None:
+def test_an_empty_span_covers_nothing_and_still_names_a_known_sequence() -> None:
+    """tinker-cookbook's ``recipes/rl_loop.py`` names a one-token sample's model_input run
+    ``SampledProvenanceSpan(length=num_sampled - 1)``: length 0. SDK 0.38 accepts it, so does
+    the engine (before: "length must be >= 1"); its sequence id must still be known."""
     d = canonical()
     d.loss_fn_input_spans = [
         P(sequence_id="s1", offset=1, length=3),
         S(sequence_id="s1", length=0),
         S(sequence_id="s1", length=3),
     ]
-    rejects(
-        [d],
-        "datum 0: loss_fn_input_spans span 1 (SampledProvenanceSpan sequence_id='s1', "
-        "offset=0, length=0): length must be >= 1; drop empty runs",
-    )
+    (view,) = run([d])
+    assert view is not None and view.sampled_mask.sum() == 3
+    d.loss_fn_input_spans[1] = S(sequence_id="nope", length=0)
+    rejects([d], "loss_fn_input_spans span 1 (SampledProvenanceSpan sequence_id='nope'")
+    negative = object.__new__(S)  # past the constructor's own check, as a decoded one could be
+    for field, value in (("sequence_id", "s1"), ("offset", 0), ("length", -1)):
+        object.__setattr__(negative, field, value)
+    d.loss_fn_input_spans[1] = negative
+    rejects([d], "length must be >= 0")
 
 
 def test_unknown_sequence_id_is_rejected() -> None:

@@ -210,3 +210,9 @@ def test_each_turn_resumes_where_the_turn_before_left(
     got, hit = decode(model, cache, branch)
     assert same(got, decode(model, None, branch)[0])
     assert hit == (4 if kind == "dense" else 3) * small_blocks, hit
+    # The branch computed block 3 again (the hybrid model, to keep states after it): the
+    # blocks after it are still found, and the conversation goes on from its last turn.
+    longer = prompts[-1] + [9] * 50
+    got, hit = decode(model, cache, longer)
+    assert same(got, decode(model, None, longer)[0])
+    assert hit == ((len(prompts[-1]) - 1) // small_blocks) * small_blocks, hit

@@ -36,6 +36,7 @@ JOBS = (
     "rl_turns_sr",
     "rl_capture",
     "guess_number",
+    "loop_sr",
 )
 RENDERER = "role_colon"
 
@@ -455,6 +456,35 @@ def run_guess_number(model: str, log: Path) -> dict[str, Any]:
     return {}
 
 
+def run_rl_loop(model: str, log: Path) -> dict[str, Any]:
+    """The cookbook's minimal RL loop (``recipes/rl_loop.py``, the one users copy) with its
+    default loss, ``stable_reinforce``: datums built by hand, provenance named by
+    ``Datum.with_provenance``. Offline stand-ins: a GSM8K-shaped dataset, and a reward that
+    varies within a group (the random model never writes a boxed answer), so steps train."""
+    import datasets
+    from tinker_cookbook.recipes import rl_loop
+
+    rows = {
+        "question": [f"What is {a} plus {b}?" for a in range(8) for b in range(4)],
+        "answer": [f"{a} + {b} = {a + b}\n#### {a + b}" for a in range(8) for b in range(4)],
+    }
+    train = datasets.Dataset.from_dict(rows)
+    datasets.load_dataset = lambda *a, **k: datasets.DatasetDict({"train": train})
+    rl_loop.get_reward = lambda response, answer: float(len(response) % 2)
+    config = rl_loop.Config(
+        model_name=model,
+        batch_size=2,
+        group_size=4,
+        max_tokens=12,
+        max_steps=2,
+        save_every=0,
+        lora_rank=4,
+        log_path=str(log),
+    )
+    rl_loop.main(config)
+    return {}
+
+
 def checkpoints(log: Path) -> list[dict[str, Any]]:
     path = log / "checkpoints.jsonl"
     if not path.exists():
@@ -480,6 +510,8 @@ def main(argv: list[str]) -> int:
         summary = run_distill(model, log)
     elif job == "guess_number":
         summary = run_guess_number(model, log)
+    elif job == "loop_sr":
+        summary = run_rl_loop(model, log)
     else:
         summary = run_dpo(model, log)
     import tinker

@@ -299,6 +299,7 @@ _JOB_OF = {
     "test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer": "rl_is",
     "test_the_cookbooks_trace_and_capture_record_the_run": "rl_capture",
     "test_a_multi_turn_game_reuses_each_turns_prompt": "guess_number",
+    "test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance": "loop_sr",
 }
 JobKey = tuple[str, str, str | None]  # (way, job, Hub name or None: the model's directory)
 # Jobs at once. Each is a subprocess of its own (one torch thread; the sdk way's server
@@ -534,3 +535,23 @@ def test_a_multi_turn_game_reuses_each_turns_prompt(
     cached, uncached = row["tokens/prefill_cached"], row["tokens/prefill_uncached"]
     assert cached > uncached > 0, (cached, uncached)
     check_on_policy_numerics([row])
+
+
+@pytest.mark.parametrize("hub", [HUB_NAME])
+def test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance(
+    way: str, hub: str, jobs: Jobs
+) -> None:
+    """``recipes/rl_loop.py`` as shipped (its default loss ``stable_reinforce``): every datum
+    names its one sampled sequence through ``Datum.with_provenance`` (a prompt span and a
+    sampled span, the targets shifted by one), and the engine trains on it."""
+    log = jobs.log((way, "loop_sr", hub))
+    rows = [r for r in jsonl(log / "metrics.jsonl") if "reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    calls = jsonl(log / "training.jsonl")
+    trained = [r for r in rows if "grad_norm:mean" in r]
+    assert calls and len(calls) == len(trained), (calls, rows)
+    assert all(math.isfinite(r["grad_norm:mean"]) and r["grad_norm:mean"] > 0 for r in trained)
+    for call in calls:
+        assert call["loss_fn"] == "stable_reinforce" and call["datums"], call
+        for datum in call["datums"]:
+            assert len(datum["sampled_ids"]) == 1 and datum["spans"] == 2, datum

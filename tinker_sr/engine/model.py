@@ -515,14 +515,15 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """tokens [B, T] → float32 logits [B, T, V] on the model's device (arguments:
-        `hidden_states`)."""
+        """tokens [B, T] → float32 logits [B, T, V] on the model's device (`hidden_states`)."""
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache, attn_mask=attn_mask)
         return apply_linear(self.lm_head, x).float()
 
-    def last_logits(self, tokens: Tensor, *, start_pos: int = 0, cache: Any = None) -> Tensor:
-        """tokens [B, T] at start_pos → float32 logits [B, V] after the last token (a KVCache
-        `cache`): a prefill unembeds only that position, not the other T - 1."""
+    def last_logits(
+        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
+    ) -> Tensor:
+        """tokens [B, T] at start_pos → float32 logits [B, V] after the last token: a prefill
+        unembeds only that position, not the other T - 1."""
         x = self.hidden_states(tokens, start_pos=start_pos, cache=cache)[:, -1:]
         return apply_linear(self.lm_head, x).float()[:, -1]
 
@@ -624,8 +625,7 @@ def _stable_seed(*parts: object) -> int:
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """Allocate without running nn.Linear's default init (slow, and it would consume the
-    global torch RNG as a side effect)."""
+    """Allocate without nn.Linear's default init (slow, and it consumes the global torch RNG)."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     model.to_empty(device="cpu")

@@ -54,8 +54,8 @@ from torch import Tensor
 
 BUDGET_ENV, DEFAULT_BUDGET_MB = "TINKER_SR_PROMPT_CACHE_MB", 256
 BLOCK = 256
-"""Prefill chunk: a prompt of a model without linear attention is prefilled BLOCK tokens at a
-time, and its full blocks are what a longer prompt can reuse (module docstring)."""
+"""Prefill chunk: a prompt is prefilled BLOCK tokens at a time at fixed positions, and its full
+blocks are what a longer prompt can reuse (module docstring)."""
 ROOT = 0  # the parent of a prompt's first block
 
 __all__ = ["BLOCK", "BUDGET_ENV", "ROOT", "CachedPrompt", "PromptCache", "budget_from_env"]
@@ -207,6 +207,14 @@ class PromptCache:
         size = _bytes((*held, *(t for pair in states.values() for t in pair)))
         if size > self.budget // 4:
             return None
+        with self._lock:
+            # Computed again (a hybrid prefill resumes before it): the same tensors, bit for
+            # bit. Keep the entry, or replace it to add states, under its id, so the blocks
+            # after it stay reachable.
+            old = self._find(model, key)
+            if old is not None and (old.states or not states):
+                return old.uid
+            uid = next(self._uids) if old is None else old.uid
         entry = CachedPrompt(
             weakref.ref(model),
             [t.clone() for t in k],
@@ -214,7 +222,7 @@ class PromptCache:
             None if logits is None else logits.clone(),
             size,
             {layer: (c.clone(), r.clone()) for layer, (c, r) in states.items()},
-            next(self._uids),
+            uid,
         )
         with self._lock:
             if key in self._entries:

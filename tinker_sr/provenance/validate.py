@@ -211,10 +211,10 @@ def _check_tiling(ctx: _Datum, fields: tuple[_Field, ...]) -> None:
                     f"{name} span {j} is a {type(span).__name__}; expected "
                     "PromptProvenanceSpan or SampledProvenanceSpan"
                 )
-            if span.length < 1:
-                raise ctx.span_error(
-                    name, j, span, "length must be >= 1", "drop empty runs from the list"
-                )
+            # An empty run covers nothing, and is accepted: tinker-cookbook's recipes/rl_loop.py
+            # names a one-token sample's model_input run with length 0 (SDK 0.38 allows it).
+            if span.length < 0:
+                raise ctx.span_error(name, j, span, "length must be >= 0", "fix the length")
             if span.offset < 0:
                 raise ctx.span_error(name, j, span, "offset must be >= 0", "fix the offset")
             covered += span.length
@@ -255,7 +255,7 @@ def _check_against_records(
                 got = targets[pos : pos + span.length]
                 fix = "targets under a SampledProvenanceSpan must be the sampled tokens"
                 _check_same(ctx, name, j, span, pos, got, recorded, "target_tokens", kind, fix)
-            if name == "loss_fn_input_spans" and sampled:
+            if name == "loss_fn_input_spans" and sampled and span.length:
                 _check_context(ctx, j, span, pos, tokens, rec)
             ids.add(span.sequence_id)
             pos += span.length
