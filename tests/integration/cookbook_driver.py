@@ -116,7 +116,8 @@ def record_samples(path: Path) -> None:
 
 def record_training(path: Path) -> None:
     """Wrap `tinker.TrainingClient.forward_backward` to log each call's loss and, per datum, the
-    sequence ids its provenance names (the sampled spans of the targets)."""
+    sequence ids its provenance names (the sampled spans of the targets) and the lengths of its
+    model_input spans."""
     import tinker
 
     original = tinker.TrainingClient.forward_backward
@@ -126,7 +127,9 @@ def record_training(path: Path) -> None:
         for datum in data:
             spans = datum.loss_fn_input_spans or []
             sampled = [s for s in spans if isinstance(s, tinker.SampledProvenanceSpan)]
-            rows.append({"sampled_ids": [s.sequence_id for s in sampled], "spans": len(spans)})
+            ids, inputs = [s.sequence_id for s in sampled], datum.model_input_spans or []
+            lengths = [s.length for s in inputs]
+            rows.append({"sampled_ids": ids, "spans": len(spans), "input_lengths": lengths})
         with path.open("a") as f:
             f.write(json.dumps({"loss_fn": loss_fn, "datums": rows}) + "\n")
         return original(self, data, loss_fn, *a, **k)

@@ -555,3 +555,6 @@ def test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance(
         assert call["loss_fn"] == "stable_reinforce" and call["datums"], call
         for datum in call["datums"]:
             assert len(datum["sampled_ids"]) == 1 and datum["spans"] == 2, datum
+    # A one-token sample's model_input run is empty (length 0): refused before.
+    lengths = [d["input_lengths"] for c in calls for d in c["datums"]]
+    assert any(x[1] == 0 for x in lengths), lengths
