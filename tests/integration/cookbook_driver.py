@@ -447,8 +447,8 @@ def run_guess_number(model: str, log: Path) -> dict[str, Any]:
 
     cli = guess.CLIConfig(
         model_name=model,
-        group_size=4,
-        batch_size=2,
+        group_size=2,
+        batch_size=1,
         max_tokens=16,
         eval_every=0,
         save_every=0,
