@@ -27,7 +27,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_vs_hf import make_model_dir  # noqa: E402
+from engine_vs_hf import _seconds, make_model_dir  # noqa: E402
 from prompt_cache import Side  # noqa: E402
 
 
@@ -58,12 +57,6 @@ def rollouts(side: Side, first: list[int], obs: list[list[int]], c: int, n: int)
             for conv, r in zip(convs, responses, strict=True):
                 conv += r.sequences[0].tokens + obs[t]
     return out
-
-
-def _seconds(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def chunking_ratio(model_dir: Path, prompt: list[int], rounds: int) -> list[float]:

@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_vs_hf import RANK, make_model_dir  # noqa: E402
+from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 
 
 class Side:
@@ -81,12 +80,6 @@ class Side:
             self.sampler.sample(self.types.ModelInput.from_ints(p), group, sp) for p in prompts
         ]
         [f.result() for f in futures]
-
-
-def _seconds(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def prefill_ratio(model_dir: Path, prompt: list[int], reps: int) -> dict[str, float]:

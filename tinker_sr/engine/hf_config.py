@@ -342,28 +342,31 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
 def vl_wrapper(hf: dict[str, Any]) -> str | None:
     """The `VL_WRAPPERS` kind a config.json names (by model_type, else architectures[0]):
     a vision-language checkpoint whose text model lives under ``model.language_model.``."""
-    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    model_type = hf.get("model_type")
     if isinstance(model_type, str) and model_type in VL_WRAPPERS:
         return model_type
-    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    first = _first_architecture(hf)
     return next((kind for kind, (wrapper, _, _) in VL_WRAPPERS.items() if wrapper == first), None)
+
+
+def _first_architecture(hf: dict[str, Any]) -> str | None:
+    archs = hf.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
 def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
     """A vision-language wrapper's (Qwen3.5's, Qwen3-VL's) text model config, as transformers
     builds the text model from the wrapper; other configs as they are."""
-    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
-    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    by_arch = {wrapper: key for key, (wrapper, _, _) in VL_WRAPPERS.items()}
-    wrapped = isinstance(model_type, str) and model_type in VL_WRAPPERS
-    if not wrapped and first not in by_arch:
+    kind = vl_wrapper(hf)
+    if kind is None:
         return hf
-    if not wrapped and model_type is not None:
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    if model_type is not None and model_type != kind:  # found by architectures[0]
         raise EngineUserError(
             f"{name}: config.json model_type {model_type!r} contradicts architectures "
             f"{archs!r}; make them agree"
         )
-    kind = str(model_type) if wrapped else by_arch[str(first)]
+    first = _first_architecture(hf)
     wrapper, arch, text_type = VL_WRAPPERS[kind]
     if first is not None and first != wrapper:
         raise EngineUserError(

@@ -77,6 +77,11 @@ def budget_from_env() -> int:
     return mb << 20
 
 
+def _key(kind: str, model: torch.nn.Module, parent: int, tokens: Sequence[int]) -> tuple[Any, ...]:
+    """A block's or a tail's entry: its tokens after block `parent`, on `model`."""
+    return (kind, id(model), parent, tuple(tokens))
+
+
 def _bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -101,8 +106,7 @@ class CachedPrompt:
 class PromptCache:
     """Prefill results, LRU within a byte budget (module docstring): a prompt's full
     `BLOCK`-token blocks and its tail, each block keyed by its tokens and the entry of the block
-    before it, so a prompt that extends a cached one finds its head (`lookup`, `put_block`,
-    `put_tail`)."""
+    before it, so a prompt that extends a cached one finds its head (`lookup`, `put`)."""
 
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget = budget_from_env() if budget_bytes is None else budget_bytes
@@ -144,15 +148,16 @@ class PromptCache:
         n, parent = (len(prompt) - 1) // BLOCK, ROOT
         with self._lock:
             for j in range(n):
-                block = ("block", id(model), parent, tuple(prompt[j * BLOCK : (j + 1) * BLOCK]))
-                entry = self._find(model, block)
+                entry = self._find(
+                    model, _key("block", model, parent, prompt[j * BLOCK : (j + 1) * BLOCK])
+                )
                 if entry is None:
                     break
                 found.append(entry)
                 parent = entry.uid
             tail = None
             if len(found) == n:
-                tail = self._find(model, ("tail", id(model), parent, tuple(prompt[n * BLOCK :])))
+                tail = self._find(model, _key("tail", model, parent, prompt[n * BLOCK :]))
             if tail is None:
                 while hybrid and found and not found[-1].states:
                     found.pop()
@@ -162,44 +167,22 @@ class PromptCache:
                 self.hits += 1
         return found, tail
 
-    def put_block(
+    def put(
         self,
         model: torch.nn.Module,
         parent: int,
         tokens: Sequence[int],
         k: list[Tensor],
         v: list[Tensor],
+        logits: Tensor | None = None,
         states: dict[int, tuple[Tensor, Tensor]] | None = None,
     ) -> int | None:
-        """Keep the keys and values of the block `tokens` after block `parent` (and, for a
-        hybrid model's last full block, the linear-attention states after it): its id, for the
-        next block, or None where it was not kept (nothing after it can be found)."""
-        key = ("block", id(model), parent, tuple(tokens))
-        return self._put(model, key, k, v, None, states)
-
-    def put_tail(
-        self,
-        model: torch.nn.Module,
-        parent: int,
-        tokens: Sequence[int],
-        k: list[Tensor],
-        v: list[Tensor],
-        logits: Tensor,
-        states: dict[int, tuple[Tensor, Tensor]] | None = None,
-    ) -> None:
-        """Keep the keys and values of a prompt's tail `tokens` after block `parent`, the
-        logits after its last token (and a hybrid model's states after it)."""
-        self._put(model, ("tail", id(model), parent, tuple(tokens)), k, v, logits, states)
-
-    def _put(
-        self,
-        model: torch.nn.Module,
-        key: tuple[Any, ...],
-        k: list[Tensor],
-        v: list[Tensor],
-        logits: Tensor | None,
-        states: dict[int, tuple[Tensor, Tensor]] | None = None,
-    ) -> int | None:
+        """Keep copies of what a prefill computed for `tokens` after block `parent`: a full
+        block's keys and values, or with `logits` (those after the prompt's last token) its
+        tail's; and a hybrid model's linear-attention states after them, where given (after a
+        prefill's last full block and its tail). Returns the entry's id, the parent of the next
+        block, or None where it was not kept (nothing after it can be found)."""
+        key = _key("tail" if logits is not None else "block", model, parent, tokens)
         if self.budget <= 0:
             return None
         states = states or {}

@@ -301,14 +301,14 @@ class DecodeGroup:
                     # A hybrid model's states after its last full block: where a prompt that
                     # extends this one resumes (only there: they are large).
                     states = self._states() if j == n - 1 else {}
-                    parent = prompt_cache.put_block(
-                        self.model, parent, prompt[a:b], *self._kv(a, b), states
+                    parent = prompt_cache.put(
+                        self.model, parent, prompt[a:b], *self._kv(a, b), states=states
                     )
             a = n * BLOCK
             last = self.model.last_logits(tokens[:, a:], start_pos=a, cache=self.cache)
             if prompt_cache is not None and parent is not None:
                 kv = self._kv(a, P)
-                prompt_cache.put_tail(self.model, parent, prompt[a:], *kv, last, self._states())
+                prompt_cache.put(self.model, parent, prompt[a:], *kv, last, self._states())
         self.logits.copy_(last.expand_as(self.logits))
         self._sample()
 
