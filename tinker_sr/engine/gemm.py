@@ -7,8 +7,10 @@ oneDNN, which ships inside every x86 torch build (torch already uses it for bf16
 dispatches on the ISA, ran the same products at 420-490 GFLOP/s in IEEE float32 (no
 reduced-precision math mode; results differ from MKL's by summation order only), in every
 shape of a training step, and 2-5x
-faster for the 8-row products of decode. (Not measured on other CPUs: on an Intel one the two
-may well be level; oneDNN is chosen by availability, not by a timing, either way.)
+faster for the 8-row products of decode. On an Intel Xeon with AMX (session 24) the two are
+level: MKL 344-357 and oneDNN 321-337 GFLOP/s at 1024 x 1024, and a 16 x 256 LoRA step took
+2.61-2.72 s through oneDNN and 2.71-2.72 s with ``$TINKER_SR_GEMM=blas``. oneDNN is chosen by
+availability, not by a timing, either way.
 
 So the engine's hot products (the projections of every layer, forward and backward, the
 unembedding and its backward, the LoRA gradients) call `linear`/`mm` here, which use oneDNN
