@@ -96,6 +96,14 @@ def main() -> None:
     from tinker_sr.engine.cpu import describe_machine
 
     print(describe_machine())
+    if os.environ.get("TINKER_SR_TRAIN_DTYPE", "").strip().lower().startswith("bf16"):
+        # Under autocast the products are torch's bf16 ops and the C kernels (float32 only)
+        # stand aside: nothing this script times runs, and every second would read as a gap.
+        sys.exit(
+            "serial_gaps.py times the float32 step's C kernels and oneDNN GEMMs; with "
+            "TINKER_SR_TRAIN_DTYPE=bf16 neither runs. Unset it, or profile the bf16 step with "
+            "`python benchmarks/engine_vs_hf.py --work train-bf16 --breakdown`."
+        )
     with tempfile.TemporaryDirectory(prefix="tinker-sr-gaps-") as tmp:
         model, data = model_and_batch(args.model, args.batch, args.seq, Path(tmp))
         training = (
