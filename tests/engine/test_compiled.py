@@ -245,6 +245,38 @@ def test_the_c_row_kernels_match_their_eager_twins(
     assert compiled.call_native("swiglu_backward", gu.transpose(0, 1), dh) is None  # layout
 
 
+def test_bf16_autocast_normalises_the_float32_residual_in_c(ran: list[str]) -> None:
+    """Under CPU bf16 autocast the residual stream stays float32: its RMSNorms, alone and after
+    adding a bf16 sublayer output, run the C forward passes (which stand aside under autocast
+    otherwise), with the values of the same passes in a float32 step; backward, outside
+    autocast as the engine runs it, gives the bf16 operand the float32 gradient rounded to
+    bf16, as a promoting add does."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, 48, generator=gen)
+    y = torch.randn(4, 64, 48, generator=gen).bfloat16()
+    w = torch.randn(48, generator=gen)
+
+    def run(autocast: bool) -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        ys = (y if autocast else y.float()).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h, n = fused.add_rms_norm(xs, ys, w, 1e-6)
+            m = fused.rms_norm(h, w, 1e-6)
+        ((n * n.detach().cos()).sum() + m.square().sum()).backward()  # outside, as the engine
+        assert xs.grad is not None and ys.grad is not None
+        return [h.detach(), n.detach(), m.detach(), xs.grad, ys.grad]
+
+    got = run(autocast=True)
+    assert {"c:rms_norm", "c:rms_norm_backward"} <= set(ran), ran
+    assert [t.dtype for t in got] == [torch.float32] * 4 + [torch.bfloat16]
+    ran.clear()
+    want = run(autocast=False)
+    assert {"c:rms_norm", "c:rms_norm_backward"} <= set(ran), ran
+    for a, b in zip(got[:4], want[:4], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(got[4], want[4].bfloat16())
+
+
 def test_the_default_training_step_runs_every_c_kernel(
     ran: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

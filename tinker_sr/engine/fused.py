@@ -453,9 +453,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     gain, as HF Llama/Qwen3 do (forward values bit-identical to that formula). With autograd,
     one node that keeps only ``x`` and the per-row scale (autograd's chain of five ops keeps
     the normalised copy and runs ~8 passes backward; this runs 5)."""
+    if _float32_under_cpu_autocast(x, weight):
+        with torch.autocast("cpu", enabled=False):
+            return rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)  # type: ignore[no-any-return]
     return _rms_norm_forward(x, weight, eps)[0]
+
+
+def _float32_under_cpu_autocast(*tensors: Tensor) -> bool:
+    """CPU autocast is on and these operands are float32 CPU tensors: bf16 mixed precision's
+    residual stream, which autocast leaves in float32. The RMSNorm passes then run as in a
+    float32 step, C kernels included (they stand aside under autocast, and torch's eager
+    passes on bf16 hosts took ~5 % of a bf16 step that the C ones save): float32 either way,
+    rounded as the C kernels round (within their tests' tolerance of torch's ops, not bit
+    for bit)."""
+    return torch.is_autocast_enabled("cpu") and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
+    )
 
 
 def _rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -511,6 +526,13 @@ def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> tup
     bit-identical to the two-step form, which runs everywhere else."""
     if y is None:
         return x, rms_norm(x, weight, eps)
+    if _float32_under_cpu_autocast(x, weight) and y.dtype != x.dtype and y.is_floating_point():
+        # A bf16 sublayer output on the float32 residual: x + y promotes y exactly, as here.
+        with torch.autocast("cpu", enabled=False):
+            return add_rms_norm(x, y.float(), weight, eps)
+    if _float32_under_cpu_autocast(x, y, weight):
+        with torch.autocast("cpu", enabled=False):
+            return add_rms_norm(x, y, weight, eps)
     tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if (
         weight.requires_grad
