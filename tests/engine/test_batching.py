@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine._hybrid import tiny_hybrid_model
-from tinker_sr.engine import batching
+from tinker_sr.engine import batching, gemm
 from tinker_sr.engine.batching import CHUNK, decode_step, gemm_is_row_invariant, padded_rows
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput, generate
@@ -177,3 +177,56 @@ def test_probe_detects_a_batch_variant_gemm_and_falls_back(
 
 def test_padded_rows() -> None:
     assert [padded_rows(m) for m in (1, 7, 8, 9, 17, 256)] == [8, 8, 8, 16, 24, 256]
+
+
+def _count_stacked(monkeypatch: pytest.MonkeyPatch, shift: float = 0.0) -> list[int]:
+    """Count `gemm.stacked_linear`'s results in decode (``shift`` added to them: a stacked
+    product that rounds differently from the separate ones)."""
+    real = gemm.stacked_linear
+    used: list[int] = []
+
+    def counted(x: torch.Tensor, ws: list[torch.Tensor], rows: int) -> torch.Tensor | None:
+        y = real(x, ws, rows)
+        if y is not None:
+            used.append(len(ws))
+            y = y + shift
+        return y
+
+    monkeypatch.setattr(batching, "stacked_linear", counted)
+    monkeypatch.setattr(batching, "_stackable", {})
+    monkeypatch.setattr(batching, "_invariant", {})
+    monkeypatch.setattr(gemm, "MIN_MACS", 1)  # the tiny model's products go through oneDNN
+    return used
+
+
+@pytest.mark.skipif(not gemm.onednn_fp32(), reason="no usable oneDNN float32 GEMM")
+def test_stacked_projections_give_the_separate_products_results(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v and gate/up run as one product each where the probe finds the same values, and
+    every request's samples stay those of the separate products, alone and batched."""
+    reqs = requests()
+    used = _count_stacked(monkeypatch)
+    stacked_alone = [generate(model, **r) for r in reqs]
+    stacked_together, _ = run_together(model, reqs)
+    assert 3 in used and 2 in used
+    monkeypatch.setattr(batching, "stacked_linear", lambda *args: None)
+    separate = [generate(model, **r) for r in reqs]
+    for a, b, c in zip(stacked_alone, stacked_together, separate, strict=True):
+        assert_same(a, c)
+        assert_same(b, c)
+
+
+@pytest.mark.skipif(not gemm.onednn_fp32(), reason="no usable oneDNN float32 GEMM")
+def test_a_stacked_product_that_rounds_differently_is_not_used(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reqs = requests()[:3]
+    monkeypatch.setattr(gemm, "MIN_MACS", 1)
+    monkeypatch.setattr(batching, "stacked_linear", lambda *args: None)
+    separate = [generate(model, **r) for r in reqs]
+    used = _count_stacked(monkeypatch, shift=1e-3)
+    got = [generate(model, **r) for r in reqs]
+    assert used and not any(batching._stackable.values())  # probed, refused everywhere
+    for a, b in zip(got, separate, strict=True):
+        assert_same(a, b)

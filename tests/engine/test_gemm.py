@@ -248,3 +248,31 @@ def test_frozen_head_logprobs_and_gradient_through_packed_weights(
     torch.testing.assert_close(dh.double(), want_dh, rtol=1e-4, atol=2e-5)
     packed = getattr(head.weight, "_tinker_sr_packed", {})
     assert sorted(packed) == ([(128, False), (128, True)] if pack else [])
+
+
+@needs_onednn
+def test_stacked_linear_is_the_projections_side_by_side_and_follows_their_changes() -> None:
+    """Decode's q/k/v in one product: the columns of each weight's own packed product (the same
+    bits here, which `batching` checks per shape before using it), the stacked copy reused
+    while the weights are unchanged and rebuilt after an in-place change; None where oneDNN
+    does not apply, and nothing plain kept beside the reordered copy."""
+    gen = torch.Generator().manual_seed(5)
+    ws = [torch.randn(n, 512, generator=gen) / 512**0.5 for n in (512, 256, 256)]
+    x = torch.randn(8, 512, generator=gen)
+    got = gemm.stacked_linear(x, ws, 8)
+    assert got is not None and got.shape == (8, 1024)
+    separate = torch.cat([gemm.packed_linear(x, w, None, 8) for w in ws], dim=1)
+    _close(got, torch.cat([_reference(x, w) for w in ws], dim=1))
+    torch.testing.assert_close(got, separate, rtol=0, atol=1e-6)
+    cache = ws[0]._tinker_sr_stacked  # type: ignore[attr-defined]
+    copy = cache[8][1]
+    assert torch.equal(gemm.stacked_linear(x, ws, 8), got)  # type: ignore[arg-type]
+    assert cache[8][1] is copy and len(cache) == 1
+    with torch.no_grad():
+        ws[2].mul_(2)  # the last weight: the copy hangs on the first
+    again = gemm.stacked_linear(x, ws, 8)
+    assert again is not None and cache[8][1] is not copy
+    assert torch.equal(again[:, :768], got[:, :768])
+    torch.testing.assert_close(again[:, 768:], 2 * got[:, 768:])
+    assert gemm.stacked_linear(x.double(), [w.double() for w in ws], 8) is None
+    assert gemm.stacked_linear(x[:, :64], [w[:4, :64] for w in ws], 8) is None  # too small

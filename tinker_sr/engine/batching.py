@@ -18,7 +18,10 @@ the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice pa
 
 The products run through `gemm.packed_linear` (oneDNN on weights reordered once, where the
 torch build has it; whether it applies is decided at CHUNK rows, so a row never changes
-library with the batch), and the probe checks exactly that path.
+library with the batch), and the probe checks exactly that path. Projections of one input
+(q/k/v, gate/up) run as one product by their weights stacked (`linear_rows_many`) where a
+second probe per shape and row count shows that gives the very same values; each parallel
+product wakes the other cores once, and on some VMs a wake-up costs ~90 us.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import rotate_eager
-from tinker_sr.engine.gemm import packed_linear
+from tinker_sr.engine.gemm import packed_linear, stacked_linear
 from tinker_sr.engine.hybrid import QKV, GatedDeltaNet, partial_rope, split_gate
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.model import (
@@ -130,6 +133,59 @@ def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:
     return torch.cat([_linear(mod, x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
 
 
+# (outs, in, dtype, threads, M) -> does the stacked product give what linear_rows gives?
+_stackable: dict[tuple[tuple[int, ...], int, torch.dtype, int, int], bool] = {}
+
+
+def _stack_probe(weights: list[Tensor], m: int) -> bool:
+    """On random rows: the stacked product (`gemm.stacked_linear`) over ``m`` and over CHUNK
+    rows equals the separate products side by side, and over ``m`` rows equals its CHUNK-row
+    slices. Then it gives what `linear_rows` gives on each weight, whichever way that runs it
+    (one GEMM or slices). The separate products reorder their weights for this check only
+    (nothing is kept on them: the decode path multiplies by the stacked copy alone)."""
+    w = weights[0]
+    gen = torch.Generator().manual_seed(m)
+
+    def rows(n: int) -> Tensor:
+        return torch.randn(n, w.shape[1], generator=gen).to(w.device, w.dtype)
+
+    def stacked(x: Tensor) -> Tensor | None:
+        return stacked_linear(x, weights, CHUNK)
+
+    for n in {m, CHUNK}:
+        x = rows(n)
+        got = stacked(x)
+        # a fresh tensor object per weight: its packed copy is not kept (see gemm.packed_weight)
+        want = torch.cat([packed_linear(x, v.detach(), None, CHUNK) for v in weights], dim=1)
+        if got is None or not torch.equal(got, want):
+            return False
+    x = rows(m)
+    whole = stacked(x)
+    parts = [p for i in range(0, m, CHUNK) if (p := stacked(x[i : i + CHUNK])) is not None]
+    return whole is not None and torch.equal(whole, torch.cat(parts))
+
+
+def linear_rows_many(mods: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
+    """``[linear_rows(mod, x) for mod in mods]`` for projections of one input (q/k/v,
+    gate/up): one product by their weights stacked (`gemm.stacked_linear`) where a probe per
+    shape shows it gives the same values, so each parallel GEMM region wakes the cores once
+    instead of once per projection. Adapters, biases and the forced slice-by-slice path run
+    one by one."""
+    plain = all(type(mod) is nn.Linear and mod.bias is None for mod in mods)
+    if plain and len(mods) > 1 and not force_chunked():
+        weights = [mod.weight for mod in mods]
+        w = weights[0]
+        outs = tuple(int(v.shape[0]) for v in weights)
+        key = (outs, int(w.shape[1]), w.dtype, torch.get_num_threads(), x.shape[0])
+        ok = _stackable.get(key)
+        if ok is None:
+            ok = _stackable[key] = _stack_probe(weights, x.shape[0])
+        y = stacked_linear(x, weights, CHUNK) if ok else None
+        if y is not None:
+            return [part.contiguous() for part in y.split(list(outs), dim=1)]
+    return [linear_rows(mod, x) for mod in mods]
+
+
 class DecodeRows(Protocol):
     """What `decode_step` needs of one request's rows."""
 
@@ -172,8 +228,8 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
 
 
 def _mlp_rows(mlp: MLP, h: Tensor) -> Tensor:
-    gate = F.silu(linear_rows(mlp.gate_proj, h))
-    return linear_rows(mlp.down_proj, gate * linear_rows(mlp.up_proj, h))
+    gate, up = linear_rows_many([mlp.gate_proj, mlp.up_proj], h)
+    return linear_rows(mlp.down_proj, F.silu(gate) * up)
 
 
 def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
@@ -211,13 +267,13 @@ def _attention(
     cache update and SDPA per group."""
     rows = h.shape[0]
     gated = isinstance(attn, GatedAttention)
-    q = linear_rows(attn.q_proj, h)
+    q, k, v = linear_rows_many([attn.q_proj, attn.k_proj, attn.v_proj], h)
     gate = None
     if gated:  # Qwen3.5: each head's query, then its output gate
         q, gate = split_gate(q, attn.n_heads, attn.head_dim)
     q = q.reshape(rows, attn.n_heads, attn.head_dim)
-    k = linear_rows(attn.k_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
-    v = linear_rows(attn.v_proj, h).view(rows, attn.n_kv_heads, attn.head_dim)
+    k = k.view(rows, attn.n_kv_heads, attn.head_dim)
+    v = v.view(rows, attn.n_kv_heads, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = ropes

@@ -44,6 +44,7 @@ __all__ = [
     "packed_linear",
     "packed_mm",
     "packed_weight",
+    "stacked_linear",
     "uses_onednn",
 ]
 
@@ -168,3 +169,31 @@ def packed_mm(a: Tensor, w: Tensor, rows: int) -> Tensor:
     if not _packs(a, w.t(), rows):
         return mm(a, w)
     return _op()(a, packed_weight(w, rows, transpose=True), None, "none", [], "")  # type: ignore[misc,no-any-return]
+
+
+def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | None:
+    """``torch.cat([F.linear(x, w) for w in weights], -1)`` as one oneDNN product by the weights
+    stacked and reordered once for ``rows`` rows (kept on ``weights[0]`` while none of them
+    changes; no plain stacked copy is kept): decode's q/k/v and gate/up, one parallel region
+    instead of several (each wakes the cores: ~90 us on some VMs). None where oneDNN does not
+    apply (judged at ``rows`` rows, as `packed_linear`); the caller then multiplies them
+    one by one. Whether the values equal the separate products is the caller's to check."""
+    first = weights[0]
+    if not _packs(x, first, rows) or any(
+        w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1]
+        for w in weights
+    ):
+        return None
+    key = tuple((id(w), 0 if w.is_inference() else w._version) for w in weights)
+    hit: tuple[Any, Tensor] | None = getattr(first, "_tinker_sr_stacked", {}).get(rows)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            stacked = torch.cat([w.detach() for w in weights])
+            hit = (key, _reorder(stacked, rows))
+            del stacked
+        cache = getattr(first, "_tinker_sr_stacked", None)
+        if cache is None:
+            cache = {}
+            first._tinker_sr_stacked = cache  # type: ignore[attr-defined]
+        cache[rows] = hit
+    return _op()(x, hit[1], None, "none", [], "")  # type: ignore[misc,no-any-return]
