@@ -173,10 +173,10 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
     caps = rest.get_server_capabilities().result()
     contexts = {m.model_name: m.max_context_length for m in caps.supported_models}
     assert contexts[good.name] == contexts[str(good)] == 32768 and bad.name not in contexts
-    training = service.create_lora_training_client(base_model=str(good), rank=4).result()
+    training = service.create_lora_training_client(base_model=str(good), rank=4, seed=0).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")
     losses = cross_entropy_steps(training, types, ids, steps=3, lr=1e-2)
-    assert losses[-1] < losses[0]
+    assert losses[-1] < losses[0], losses
     sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=6, seed=1)
     prompt = types.ModelInput.from_ints(ids[:5])
