@@ -27,7 +27,7 @@ product wakes the other cores once, and on some VMs a wake-up costs ~90 us.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -63,23 +63,27 @@ def padded_rows(m: int) -> int:
 
 
 def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
-    """One GEMM over ``m`` random rows equals its CHUNK-row slices, and (m == CHUNK) a row's
-    result does not depend on the other rows of its slice nor on its place in it."""
+    """`_rows_agree` for the GEMM by ``weight`` (and ``bias``) as decode runs it."""
+    return _rows_agree(lambda x: packed_linear(x, weight, bias, CHUNK), weight, m)
+
+
+def _rows_agree(product: Callable[[Tensor], Tensor], like: Tensor, m: int) -> bool:
+    """``product`` over ``m`` random rows (``like``'s width, dtype and device) equals its
+    CHUNK-row slices, and (m == CHUNK) a row's result does not depend on the other rows of
+    its slice nor on its place in it."""
     gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
-    whole = packed_linear(x, weight, bias, CHUNK)
-    sliced = torch.cat(
-        [packed_linear(x[i : i + CHUNK], weight, bias, CHUNK) for i in range(0, m, CHUNK)]
-    )
+    x = torch.randn(m, like.shape[1], generator=gen).to(like.device, like.dtype)
+    whole = product(x)
+    sliced = torch.cat([product(x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
     if not torch.equal(whole, sliced):
         return False
     if m != CHUNK:
         return True
-    other = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    other = torch.randn(m, like.shape[1], generator=gen).to(like.device, like.dtype)
     for place in range(m):
         mixed = other.clone()
         mixed[place] = x[0]
-        if not torch.equal(packed_linear(mixed, weight, bias, CHUNK)[place], whole[0]):
+        if not torch.equal(product(mixed)[place], whole[0]):
             return False
     return True
 
@@ -139,30 +143,27 @@ _stackable: dict[tuple[tuple[int, ...], int, torch.dtype, int, int], bool] = {}
 
 def _stack_probe(weights: list[Tensor], m: int) -> bool:
     """On random rows: the stacked product (`gemm.stacked_linear`) over ``m`` and over CHUNK
-    rows equals the separate products side by side, and over ``m`` rows equals its CHUNK-row
-    slices. Then it gives what `linear_rows` gives on each weight, whichever way that runs it
-    (one GEMM or slices). The separate products reorder their weights for this check only
-    (nothing is kept on them: the decode path multiplies by the stacked copy alone)."""
+    rows equals the separate products side by side, and its rows agree as `_rows_agree`
+    asks of every decode GEMM. Then it gives what `linear_rows` gives on each weight,
+    whichever way that runs it (one GEMM or slices). The separate products reorder their
+    weights for this check only (nothing is kept on them: the decode path multiplies by the
+    stacked copy alone)."""
     w = weights[0]
     gen = torch.Generator().manual_seed(m)
-
-    def rows(n: int) -> Tensor:
-        return torch.randn(n, w.shape[1], generator=gen).to(w.device, w.dtype)
-
-    def stacked(x: Tensor) -> Tensor | None:
-        return stacked_linear(x, weights, CHUNK)
-
     for n in {m, CHUNK}:
-        x = rows(n)
-        got = stacked(x)
+        x = torch.randn(n, w.shape[1], generator=gen).to(w.device, w.dtype)
+        got = stacked_linear(x, weights, CHUNK)
         # a fresh tensor object per weight: its packed copy is not kept (see gemm.packed_weight)
         want = torch.cat([packed_linear(x, v.detach(), None, CHUNK) for v in weights], dim=1)
         if got is None or not torch.equal(got, want):
             return False
-    x = rows(m)
-    whole = stacked(x)
-    parts = [p for i in range(0, m, CHUNK) if (p := stacked(x[i : i + CHUNK])) is not None]
-    return whole is not None and torch.equal(whole, torch.cat(parts))
+
+    def stacked(x: Tensor) -> Tensor:
+        y = stacked_linear(x, weights, CHUNK)
+        assert y is not None  # judged at CHUNK rows, as above, whatever x's row count
+        return y
+
+    return _rows_agree(stacked, w, m)
 
 
 def linear_rows_many(mods: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:

@@ -461,6 +461,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _rms_norm_forward(x, weight, eps)[0]
 
 
+# Dtypes whose values float32 holds exactly: a residual add promotes them to float32 as is.
+_WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _float32_under_cpu_autocast(*tensors: Tensor) -> bool:
     """CPU autocast is on and these operands are float32 CPU tensors: bf16 mixed precision's
     residual stream, which autocast leaves in float32. The RMSNorm passes then run as in a
@@ -526,13 +530,11 @@ def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> tup
     bit-identical to the two-step form, which runs everywhere else."""
     if y is None:
         return x, rms_norm(x, weight, eps)
-    if _float32_under_cpu_autocast(x, weight) and y.dtype != x.dtype and y.is_floating_point():
-        # A bf16 sublayer output on the float32 residual: x + y promotes y exactly, as here.
+    if _float32_under_cpu_autocast(x, weight) and y.dtype in _WIDENED_EXACTLY:
+        # A bf16 sublayer output on the float32 residual: x + y promotes y exactly, as here
+        # (`float()` of a float32 y is y itself).
         with torch.autocast("cpu", enabled=False):
             return add_rms_norm(x, y.float(), weight, eps)
-    if _float32_under_cpu_autocast(x, y, weight):
-        with torch.autocast("cpu", enabled=False):
-            return add_rms_norm(x, y, weight, eps)
     tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if (
         weight.requires_grad

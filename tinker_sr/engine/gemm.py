@@ -129,16 +129,23 @@ def _reorder(w: Tensor, rows: int) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)  # type: ignore[no-any-return]
 
 
+def _kept_on(w: Tensor, name: str) -> dict[Any, Any]:
+    """The dict of reordered copies kept on ``w`` as attribute ``name`` (made at first use):
+    they live and die with the weight."""
+    cache: dict[Any, Any] | None = getattr(w, name, None)
+    if cache is None:
+        cache = {}
+        setattr(w, name, cache)
+    return cache
+
+
 def packed_weight(w: Tensor, rows: int, transpose: bool = False) -> Tensor:
     """``w`` (``w.t()`` with ``transpose``) reordered once into oneDNN's blocked layout for
     products of about ``rows`` rows, kept on ``w`` per (rows, transpose) and reordered again
     if ``w`` was modified in place since. A plain weight is reordered inside every oneDNN call
     (for a 64 MiB unembedding, ~2.5 ms of each ~20 ms chunk); a transposed view also pays for
     its strides."""
-    cache: dict[tuple[int, bool], tuple[int, Tensor]] | None = getattr(w, "_tinker_sr_packed", None)
-    if cache is None:
-        cache = {}
-        w._tinker_sr_packed = cache  # type: ignore[attr-defined]
+    cache = _kept_on(w, "_tinker_sr_packed")
     hit = cache.get((rows, transpose))
     if hit is None or hit[0] != w._version:
         with torch.no_grad():
@@ -185,15 +192,11 @@ def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | 
     ):
         return None
     key = tuple((id(w), 0 if w.is_inference() else w._version) for w in weights)
-    hit: tuple[Any, Tensor] | None = getattr(first, "_tinker_sr_stacked", {}).get(rows)
+    cache = _kept_on(first, "_tinker_sr_stacked")
+    hit = cache.get(rows)
     if hit is None or hit[0] != key:
         with torch.no_grad():
             stacked = torch.cat([w.detach() for w in weights])
-            hit = (key, _reorder(stacked, rows))
+            hit = cache[rows] = (key, _reorder(stacked, rows))
             del stacked
-        cache = getattr(first, "_tinker_sr_stacked", None)
-        if cache is None:
-            cache = {}
-            first._tinker_sr_stacked = cache  # type: ignore[attr-defined]
-        cache[rows] = hit
     return _op()(x, hit[1], None, "none", [], "")  # type: ignore[misc,no-any-return]
