@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tinker_sr.engine import compiled
+from tinker_sr.engine import bf16_rows, compiled
 from tinker_sr.engine.compiled import _ptr
 
 __all__ = ["norm_rope", "qkv_heads", "use_norm_rope"]
@@ -36,8 +36,22 @@ def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) ->
         x.view(-1, x.shape[2], d)
     except RuntimeError:
         return False
+    if x.dtype == torch.bfloat16:  # bf16 mixed precision: its own kernels
+        return bf16_rows.takes_norm_rope(x, weight, cos, sin)
     extra = [] if weight is None else [weight]
     return compiled.native_ready(x, cos, sin, *extra)
+
+
+def _kernels(dtype: torch.dtype) -> tuple[Any, Any] | None:
+    """The C functions (forward, backward) of the norm + RoPE pass for activations of
+    ``dtype``: float32 ones from ``csrc/rows.c``, bf16 ones (mixed precision: float32 math,
+    bf16 in and out) from ``csrc/rows_bf16.c``; None where the library is unavailable (noted
+    once; the caller runs the eager ops)."""
+    if dtype == torch.bfloat16:
+        lib = bf16_rows.library()
+        return None if lib is None else (lib.tsr_norm_rope_bf16, lib.tsr_norm_rope_backward_bf16)
+    lib = compiled.rows_or_note()
+    return None if lib is None else (lib.tsr_norm_rope, lib.tsr_norm_rope_backward)
 
 
 def norm_rope(
@@ -46,21 +60,23 @@ def norm_rope(
     """``rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)`` (no norm where ``weight``
     is None) for x [B, T, H, D] as `use_norm_rope` takes it: one C pass forward and one
     backward, the result a contiguous [B, H, T, D] tensor (as `fused.rope` returns). None
-    where the C kernels are unavailable (the caller runs the eager ops)."""
-    if compiled.rows_or_note() is None:
+    where the C kernels are unavailable (the caller runs the eager ops). A bf16 x (mixed
+    precision) gives a bf16 result (`bf16_rows`)."""
+    if _kernels(x.dtype) is None:
         return None
     return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
 
 
 def _norm_rope_forward(
-    lib: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    kernel: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """(y [B, H, T, D], the norm's per-row scale r [B, T, H] or [B, T, 0]) for x [B, T, H, D]."""
+    """(y [B, H, T, D] in x's dtype, the norm's per-row scale r [B, T, H] or [B, T, 0] in
+    float32) for x [B, T, H, D], by ``kernel`` (`_kernels`' forward for x's dtype)."""
     b, t, h, d = x.shape
     rows = x.view(-1, h, d)
     y = x.new_empty(b, h, t, d)
-    r = x.new_empty(b, t, h if weight is not None else 0)
-    lib.tsr_norm_rope(
+    r = torch.empty(b, t, h if weight is not None else 0, dtype=torch.float32, device=x.device)
+    kernel(
         _ptr(x), rows.stride(0), rows.stride(1), None if weight is None else _ptr(weight),
         eps, _ptr(cos), _ptr(sin), _ptr(y), _ptr(r), b, t, h, d, torch.get_num_threads(),
     )  # fmt: skip
@@ -68,7 +84,7 @@ def _norm_rope_forward(
 
 
 def _norm_rope_backward(
-    lib: Any,
+    kernel: Any,
     g: Tensor,
     x: Tensor | None,
     weight: Tensor | None,
@@ -77,13 +93,14 @@ def _norm_rope_backward(
     sin: Tensor,
     dx: Tensor,
 ) -> None:
-    """Write the gradient for x [B, T, H, D] (``x`` None without a norm) into ``dx`` (the same
-    shape, unit stride inside a head: a fresh tensor or a slice of the q/k/v gradient)."""
+    """Write the gradient for x [B, T, H, D] (``x`` None without a norm) into ``dx`` (x's shape
+    and dtype, unit stride inside a head: a fresh tensor or a slice of the q/k/v gradient), by
+    ``kernel`` (`_kernels`' backward for that dtype)."""
     b, t, h, d = dx.shape
-    g = g.contiguous()
+    g = g.to(dx.dtype).contiguous()
     ld = (0, 0) if x is None else x.view(-1, h, d).stride()[:2]
     out = dx.view(-1, h, d).stride()[:2]
-    lib.tsr_norm_rope_backward(
+    kernel(
         _ptr(g), None if x is None else _ptr(x), ld[0], ld[1],
         None if weight is None else _ptr(weight), _ptr(r), _ptr(cos), _ptr(sin),
         _ptr(dx), out[0], out[1], b, t, h, d, torch.get_num_threads(),
@@ -95,20 +112,20 @@ class _NormRope(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
     ) -> Tensor:
-        lib = compiled._rows_library()
-        assert lib is not None  # `norm_rope` checked
-        y, r = _norm_rope_forward(lib, x, weight, eps, cos, sin)
+        ops = _kernels(x.dtype)
+        assert ops is not None  # `norm_rope` checked
+        y, r = _norm_rope_forward(ops[0], x, weight, eps, cos, sin)
         ctx.save_for_backward(x if weight is not None else None, weight, r, cos, sin)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, r, cos, sin = ctx.saved_tensors
-        dx = g.new_empty(ctx.x_shape)
-        lib = compiled._rows_library()
-        assert lib is not None
-        _norm_rope_backward(lib, g, x, weight, r, cos, sin, dx)
+        dx = g.new_empty(ctx.x_shape, dtype=ctx.x_dtype)
+        ops = _kernels(ctx.x_dtype)
+        assert ops is not None
+        _norm_rope_backward(ops[1], g, x, weight, r, cos, sin, dx)
         return dx, None, None, None, None
 
 
@@ -147,7 +164,7 @@ def qkv_heads(
     xq, xk, _ = _split_heads(qkv, heads)
     if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
         return None
-    if compiled.rows_or_note() is None:
+    if _kernels(qkv.dtype) is None:
         return None
     got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
     return got  # type: ignore[no-any-return]
@@ -166,10 +183,10 @@ class _QKVHeads(torch.autograd.Function):
         sin: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         xq, xk, xv = _split_heads(qkv, heads)
-        lib = compiled._rows_library()
-        assert lib is not None  # `qkv_heads` checked
-        q, rq = _norm_rope_forward(lib, xq, q_weight, eps, cos, sin)
-        k, rk = _norm_rope_forward(lib, xk, k_weight, eps, cos, sin)
+        ops = _kernels(qkv.dtype)
+        assert ops is not None  # `qkv_heads` checked
+        q, rq = _norm_rope_forward(ops[0], xq, q_weight, eps, cos, sin)
+        k, rk = _norm_rope_forward(ops[0], xk, k_weight, eps, cos, sin)
         v = xv.transpose(1, 2)
         # qkv itself is kept (both norms read their input again in backward; it is also the
         # base of v, which attention keeps padded).
@@ -185,8 +202,8 @@ class _QKVHeads(torch.autograd.Function):
         grad = qkv.new_empty(qkv.shape)
         q_grad, k_grad, v_grad = _split_heads(grad, ctx.heads)
         xq, xk, _ = _split_heads(qkv, ctx.heads)
-        lib = compiled._rows_library()
-        assert lib is not None
+        ops = _kernels(qkv.dtype)
+        assert ops is not None
         for g, weight, r, out, x in (
             (dq, q_weight, rq, q_grad, xq),
             (dk, k_weight, rk, k_grad, xk),
@@ -194,7 +211,8 @@ class _QKVHeads(torch.autograd.Function):
             if g is None:
                 out.zero_()
             else:  # the norm's input is read again only where there is a norm
-                _norm_rope_backward(lib, g, None if weight is None else x, weight, r, cos, sin, out)
+                x_in = None if weight is None else x
+                _norm_rope_backward(ops[1], g, x_in, weight, r, cos, sin, out)
         if dv is None:
             v_grad.zero_()
         else:

@@ -8,11 +8,10 @@ small products in backward:
 
     dx = dy W',   dB = s dy^T (x A^T),   dA = s (dy B)^T x
 
-``W'`` is rebuilt in backward rather than kept (memory for a weight-sized pass). The merged
-weight comes from `merged_weight`, which `LoraLinear.merged_weight` calls too, so this path
-computes what a sampler on merged weights computes. Small batches (decode, short requests)
-keep the per-layer path, where the weight-sized merge would cost more than it saves.
-"""
+``W'`` is rebuilt in backward unless kept (`_kept`). The merged weight comes from
+`merged_weight`, which `LoraLinear.merged_weight` calls too, so this path computes what a
+sampler on merged weights computes. Small batches (decode, short requests) keep the
+per-layer path, where the weight-sized merge would cost more than it saves."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinker_sr.engine import compiled, gemm
+from tinker_sr.engine import bf16_rows, compiled, gemm
 from tinker_sr.engine.adapter_grads import LoraGrads, lora_grads, swiglu_backward_lora
 
 # False: always the per-layer path (for A/B benchmarks and the equivalence tests).
@@ -288,6 +287,7 @@ def _group_grads(
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` with one result buffer (bit-identical to the two-op form)."""
     fused = compiled.run("silu_mul", gate, up)
+    fused = bf16_rows.silu_mul(gate, up) if fused is None else fused  # bf16: its own pass
     if fused is not None:
         return fused  # type: ignore[no-any-return]
     h = F.silu(gate)
@@ -411,7 +411,7 @@ class _SwiGLUDown(torch.autograd.Function):
                 db_c = gemm.mm(xa.t(), dy2).t() if fused is None else fused.db[0]
                 return got[0], None, None, got[1].to(a.dtype), db_c.to(b.dtype), None
         gate, up = gate_up.chunk(2, dim=-1)
-        fuse = compiled.fusable(gate, up)  # as the forward's _silu_mul chose
+        fuse = compiled.fusable(gate, up) or bf16_rows.takes_silu(gate, up)  # as _silu_mul chose
         silu = None if fuse else F.silu(gate)
         h = _silu_mul(gate, up) if silu is None else silu * up  # the forward's value, bitwise
         dh, (da,), (db,) = _group_grads(h, dy, [w], [a], [b], s, True, merged)
@@ -419,6 +419,7 @@ class _SwiGLUDown(torch.autograd.Function):
         assert dh is not None  # a fresh GEMM result: _swiglu_grads may overwrite it
         if silu is None:
             d_gate_up = compiled.run("swiglu_backward", gate_up, dh)
+            d_gate_up = bf16_rows.swiglu_backward(gate_up, dh) if d_gate_up is None else d_gate_up
             if d_gate_up is not None:
                 return d_gate_up, None, None, da, db, None
             silu = F.silu(gate)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine import compiled, gemm
+from tinker_sr.engine import bf16_rows, compiled, gemm
 from tinker_sr.engine.fused import frozen_cast
 from tinker_sr.engine.lora import LoraLinear
 
@@ -350,6 +350,10 @@ def _exp_rows(
         total = e.sum(dim=-1)
         lse.copy_(top.squeeze(1) + total.log())
         return e, total
+    if compute_dtype == torch.float32:
+        total = bf16_rows.softmax_rows(z, lse)  # bf16 logits: the same passes in C
+        if total is not None:
+            return z, total
     total = torch.empty(z.shape[0], dtype=compute_dtype, device=z.device)
     if "widened" not in buffers:
         rows = min(_EXP_ROWS, z.shape[0])

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "softmax_row.h"
 #include "vec.h"
 
 /* One row of RMSNorm: out = x * r * w, r = 1 / sqrt(mean(x^2) + eps); returns r. */
@@ -331,45 +332,11 @@ void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, in
 }
 
 /* Softmax statistics of logits z [rows, V] (contiguous), in place: z[i] becomes
-   exp(z[i] - max_i), total[i] its sum and lse[i] = max_i + log(total[i]) (the row's logsumexp):
-   two passes over a row (a max, then exp and sum) where torch runs four. Sums run in 64 lanes
-   (4 vectors), then across them, in a fixed order. V % 16 == 0. */
+   exp(z[i] - max_i), total[i] its sum and lse[i] = max_i + log(total[i]) (the row's logsumexp;
+   softmax_row.h). V % 16 == 0. */
 void tsr_softmax_rows(float *z, int64_t rows, int64_t V, float *total, float *lse, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows; i++) {
-    float *zi = z + i * V;
-    /* Four running maxima: one chain of compare-and-select per vector ran the pass at half
-       the speed (0.59 vs 0.28 ms per 256 x 32,000 chunk). */
-    v16 m[4] = {vload(zi), vload(zi), vload(zi), vload(zi)};
-    int64_t j = 0;
-    for (; j + 4 * VL <= V; j += 4 * VL)
-      for (int u = 0; u < 4; u++) {
-        v16 v = vload(zi + j + u * VL);
-        m[u] = vsel(v > m[u], v, m[u]);
-      }
-    for (; j < V; j += VL) {
-      v16 v = vload(zi + j);
-      m[0] = vsel(v > m[0], v, m[0]);
-    }
-    v16 m01 = vsel(m[1] > m[0], m[1], m[0]), m23 = vsel(m[3] > m[2], m[3], m[2]);
-    float top = vhmax(vsel(m23 > m01, m23, m01));
-    v16 t = vset1(top), acc[4] = {vset1(0.f), vset1(0.f), vset1(0.f), vset1(0.f)};
-    j = 0;
-    for (; j + 4 * VL <= V; j += 4 * VL)
-      for (int u = 0; u < 4; u++) {
-        v16 e = vexp(vload(zi + j + u * VL) - t);
-        vstore(zi + j + u * VL, e);
-        acc[u] += e;
-      }
-    for (; j < V; j += VL) {
-      v16 e = vexp(vload(zi + j) - t);
-      vstore(zi + j, e);
-      acc[0] += e;
-    }
-    float sum = vhsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    total[i] = sum;
-    lse[i] = top + logf(sum);
-  }
+  for (int64_t i = 0; i < rows; i++) softmax_row(z + i * V, V, total + i, lse + i, 0);
 }
 
 /* z[i] = exp(z[i] - lse[i]) * scale[i] in place: softmax(z) scaled per row (a logit gradient's
@@ -382,30 +349,6 @@ void tsr_softmax_scale_rows(float *z, int64_t rows, int64_t V, const float *lse,
     v16 l = vset1(lse[i]), s = vset1(scale[i]);
     for (int64_t j = 0; j < V; j += VL) vstore(zi + j, vexp(vload(zi + j) - l) * s);
   }
-}
-
-/* bfloat16 <-> float: a bfloat16 is the upper half of a float. Rounding to nearest even, and
-   NaN to 0x7FC0, as torch's conversion (c10::BFloat16). */
-typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 vload_bf16(const uint16_t *p) {
-  return (v16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
-}
-static inline void vstore_bf16(uint16_t *p, v16 x) {
-  vu16 u = (vu16)x, nan = (vu16)(x != x);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  *(vh16 *)p = __builtin_convertvector((u & ~nan) | (0x7FC0u & nan), vh16);
-}
-static inline float bf16_float(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t float_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* A merged LoRA weight in one pass: out[n, :] = w[n, :] + sum_j (s b[n, j]) a[j, :] for w, out

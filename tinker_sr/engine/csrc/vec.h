@@ -89,4 +89,36 @@ static inline float vhsum(v16 x) {
   return x[0];
 }
 
+/* bfloat16 <-> float: a bfloat16 is the upper half of a float. Rounding to nearest even, and
+   NaN to 0x7FC0, as torch's conversion (c10::BFloat16). */
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
+static inline v16 vload_bf16(const uint16_t *p) {
+  return (v16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
+}
+static inline void vstore_bf16(uint16_t *p, v16 x) {
+  vu16 u = (vu16)x, nan = (vu16)(x != x);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  *(vh16 *)p = __builtin_convertvector((u & ~nan) | (0x7FC0u & nan), vh16);
+}
+static inline float bf16_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t float_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x rounded to the nearest bfloat16 (ties to even), kept as a float: the value a store to
+   bfloat16 and a load back would give (NaN stays NaN). */
+static inline v16 vround_bf16(v16 x) {
+  vu16 u = (vu16)x, nan = (vu16)(x != x);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (v16)((u & ~nan) | ((vu16)x & nan));
+}
+
 #endif

@@ -1,0 +1,293 @@
+"""The bf16 row kernels (`engine.bf16_rows`, ``csrc/rows_bf16.c``) against torch's eager bf16
+ops they replace under CPU mixed precision: the loss's softmax statistics bit for bit against
+the float32 kernel on the widened logits, the others within one bf16 rounding of the eager
+ops (and of the float32 formula's rounding), independent of the thread count; a bf16 step
+runs them and still matches the float32 step; with the C kernels off, the eager ops run."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinker_sr.engine import attention_inputs, bf16_rows, compiled, fused, native
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None and shutil.which("clang") is None,
+    reason="the C kernels need a C compiler",
+)
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
+    caches = (native.load, bf16_rows._library, compiled._rows_library)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's last bf16 place (b's exponent; 2^-133 floor for zeros)."""
+    b32 = b.float()
+    unit = torch.ldexp(torch.ones_like(b32), torch.frexp(b32).exponent - 8).clamp_min(2.0**-133)
+    return (a.float() - b32).abs() / unit
+
+
+def _threads(n: int, fn: Any) -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_softmax_rows_equal_the_float32_kernel_on_widened_logits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    z0 = (torch.randn(40, 4096, generator=gen) * 6).bfloat16()
+    z0[3, 7] = 80.0  # a dominant logit
+    wide = z0.float()
+    lse_ref = torch.empty(40)
+    total_ref = compiled.softmax_rows(wide, lse_ref)
+    assert total_ref is not None
+
+    def run() -> tuple[torch.Tensor, ...]:
+        z, lse = z0.clone(), torch.empty(40)
+        total = bf16_rows.softmax_rows(z, lse)
+        assert total is not None
+        return z, lse, total
+
+    for got in (_threads(1, run), _threads(2, run)):
+        z, lse, total = got
+        assert torch.equal(lse, lse_ref) and torch.equal(total, total_ref)
+        assert torch.equal(z, wide.bfloat16())  # e rounded once, as torch's narrowing rounds
+    torch.testing.assert_close(lse_ref, torch.logsumexp(z0.double(), -1).float())
+
+
+def test_softmax_rows_refuses_what_it_cannot_take() -> None:
+    lse = torch.empty(40)
+    assert bf16_rows.softmax_rows(torch.zeros(40, 4100, dtype=torch.bfloat16), lse) is None
+    assert bf16_rows.softmax_rows(torch.zeros(40, 4096), lse) is None  # float32: rows.c's
+    with torch.inference_mode():
+        assert bf16_rows.softmax_rows(torch.zeros(40, 4096, dtype=torch.bfloat16), lse) is None
+
+
+def _eager_norm_rope(
+    x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The eager bf16 path: HF's RMSNorm (float32 statistics, rounded to bf16 before the float32
+    gain), then rotate_half RoPE in float32, as [B, H, T, D]."""
+    if w is not None:
+        x32 = x.float()
+        n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = w * n
+    x = x.float().transpose(1, 2)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_norm_rope_within_a_bf16_rounding_of_the_eager_path(norm: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    b, t, h, kv, d = 4, 128, 4, 2, 64  # over compiled.MIN_ELEMENTS
+    qkv = (torch.randn(b, t, (h + 2 * kv) * d, generator=gen) * 3).bfloat16()
+    xq = qkv[..., : h * d].view(b, t, h, d)  # a strided view, as the model passes it
+    w = torch.randn(d, generator=gen) if norm else None
+    pos = torch.arange(t, dtype=torch.float32)[:, None] / (
+        10000 ** (torch.arange(d // 2) / (d // 2))
+    )
+    cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
+    assert attention_inputs.use_norm_rope(xq, w, cos, sin)
+
+    x_ref = xq.detach().clone().requires_grad_()
+    want = _eager_norm_rope(x_ref, w, 1e-6, cos, sin)
+    g = torch.randn(want.shape, generator=gen).bfloat16()
+    (want * g.float()).sum().backward()
+    assert x_ref.grad is not None
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x = xq.detach().clone().requires_grad_()
+        y = attention_inputs.norm_rope(x, w, 1e-6, cos, sin)
+        assert y is not None and y.dtype == torch.bfloat16 and y.shape == (b, h, t, d)
+        (dx,) = torch.autograd.grad(y, x, g)
+        return y, dx
+
+    y, dx = _threads(2, run)
+    y1, dx1 = _threads(1, run)
+    assert torch.equal(y, y1) and torch.equal(dx, dx1)
+    assert float(_ulps(y, want.detach().bfloat16()).max()) <= 1.0  # FMA contraction: one place
+    assert dx.dtype == torch.bfloat16
+    err = (dx.float() - x_ref.grad.float()).abs().max() / x_ref.grad.float().abs().max()
+    assert float(err) < 1e-2
+
+
+def test_qkv_heads_in_bf16_give_the_norm_rope_kernel_results() -> None:
+    gen = torch.Generator().manual_seed(2)
+    b, t, h, kv, d = 4, 128, 4, 2, 64
+    qkv = torch.randn(b, t, (h + 2 * kv) * d, generator=gen).bfloat16().requires_grad_()
+    wq, wk = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    pos = torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, d // 2)
+    cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
+    got = attention_inputs.qkv_heads(qkv, (h, kv, d), wq, wk, 1e-6, cos, sin)
+    assert got is not None
+    q, k, v = got
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+    xq, xk, xv = attention_inputs._split_heads(qkv.detach(), (h, kv, d))
+    q_ref = attention_inputs.norm_rope(xq, wq, 1e-6, cos, sin)
+    k_ref = attention_inputs.norm_rope(xk, wk, 1e-6, cos, sin)
+    assert q_ref is not None and k_ref is not None
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, xv.transpose(1, 2))
+    (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
+    assert qkv.grad is not None and qkv.grad.dtype == torch.bfloat16
+    assert torch.equal(qkv.grad[..., (h + kv) * d :], torch.ones(b, t, kv * d).bfloat16())
+
+
+def test_silu_mul_and_swiglu_backward_within_a_bf16_rounding_of_torch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(96, 2 * 1024, generator=gen) * 4).bfloat16()
+    dh = torch.randn(96, 1024, generator=gen).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    h = bf16_rows.silu_mul(gate, up)
+    assert h is not None and h.dtype == torch.bfloat16
+    want_h = F.silu(gate) * up  # torch's two bf16 ops
+    assert float(_ulps(h, want_h).max()) <= 1.0
+    assert float((h == want_h).float().mean()) > 0.99
+    assert torch.equal(_threads(1, lambda: bf16_rows.silu_mul(gate, up)), h)
+
+    g32, u32 = gate.float(), up.float()
+    sig = torch.sigmoid(g32)
+    want_dgate = torch.ops.aten.silu_backward(dh * up, gate)  # torch's eager bf16 backward
+    want_dup = F.silu(gate) * dh
+    both = bf16_rows.swiglu_backward(gate_up.clone(), dh)
+    assert both is not None and both.dtype == torch.bfloat16
+    d_gate, d_up = both.chunk(2, -1)
+    assert float(_ulps(d_up, want_dup).max()) <= 1.0
+    assert float(_ulps(d_gate, want_dgate).max()) <= 1.0
+    exact = dh.float() * u32 * sig * (1 + g32 * (1 - sig))
+    torch.testing.assert_close(d_gate.float(), exact, rtol=2e-2, atol=1e-2)
+    assert bf16_rows.swiglu_backward(gate_up.float(), dh) is None  # float32: rows.c's
+
+
+def _train_step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float, Any]:
+    """One LoRA step of `tinker-sr/small` on 8 x 100 tokens (enough rows for the merged
+    gate/up GEMM and the kernels' size floor): (loss, the adapters' gradients)."""
+    import numpy as np
+
+    import tinker_sr as tinker
+    from tinker_sr import types
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.engine import registry
+
+    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    backend = LocalBackend(tmp / dtype)
+    service = tinker.ServiceClient(backend=backend)
+    training = service.create_lora_training_client(
+        base_model="tinker-sr/small", rank=4, seed=0
+    ).result()
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (8, 101), generator=gen).tolist()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * 100},
+        )
+        for r in rows
+    ]
+    out = training.forward_backward(data, "cross_entropy").result()
+    trainer = backend.models.trainer(training.model_id)
+    grads = [p.grad.flatten() for _, p in trainer.optim.params if p.grad is not None]
+    service.close().result()
+    backend.close()
+    return out.metrics["loss:sum"], np.concatenate([g.numpy() for g in grads])
+
+
+def test_a_bf16_step_runs_the_kernels_and_matches_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 LoRA step runs the q/k norm + RoPE pass and the SwiGLU passes in C, and loss and
+    gradients stay within bf16 tolerance of the float32 step (the mixed-precision oracle of
+    tests/engine/test_mixed_precision.py)."""
+    import numpy as np
+
+    ran: list[str] = []
+    for module, name in (
+        (bf16_rows, "silu_mul"),
+        (bf16_rows, "swiglu_backward"),
+        (attention_inputs, "_norm_rope_forward"),
+    ):
+        real = getattr(module, name)
+
+        def wrapper(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            out = _real(*args)
+            first = out[0] if isinstance(out, tuple) else out  # (y, r) from the norm + RoPE
+            if first is not None and first.dtype == torch.bfloat16:
+                ran.append(_name)
+            return out
+
+        monkeypatch.setattr(module, name, wrapper)
+    ref_loss, ref_grad = _train_step(tmp_path, "float32", monkeypatch)
+    assert not ran  # float32: rows.c's kernels
+    ran.clear()
+    loss, grad = _train_step(tmp_path, "bf16-force", monkeypatch)
+    assert {"silu_mul", "swiglu_backward", "_norm_rope_forward"} <= set(ran), ran
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    cosine = float(grad @ ref_grad / (np.linalg.norm(grad) * np.linalg.norm(ref_grad)))
+    assert cosine > 0.99
+    assert np.linalg.norm(grad - ref_grad) / np.linalg.norm(ref_grad) < 0.1
+
+
+def test_the_head_under_bf16_autocast_takes_the_c_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loss_logprobs.head_logprobs` under bf16 autocast at a vocabulary the kernel takes: the
+    C softmax runs, and log-probs and the hidden state's gradient match torch's eager passes
+    (C kernels off) to float32 rounding of the statistics."""
+    from tinker_sr.engine import loss_logprobs
+
+    gen = torch.Generator().manual_seed(4)
+    head = torch.nn.Linear(64, 4096, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(4096, 64, generator=gen) * 0.3)
+    h0 = torch.randn(96, 64, generator=gen)
+    cols = torch.randint(0, 4096, (96, 1), generator=gen)
+    calls: list[int] = []
+    real = bf16_rows.softmax_rows
+    monkeypatch.setattr(
+        bf16_rows,
+        "softmax_rows",
+        lambda *a: (lambda out: calls.append(out is not None) or out)(real(*a)),
+    )
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        h = h0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (logp,), _ = loss_logprobs.head_logprobs([h], [cols], head)
+        (dh,) = torch.autograd.grad(logp.sum(), (h,))
+        return logp.detach(), dh
+
+    got = run()
+    assert calls and all(calls)
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    calls.clear()
+    want = run()
+    assert calls == [False] * len(calls)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
+
+
+def test_with_the_c_kernels_off_a_bf16_step_runs_torchs_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    gate_up = torch.randn(64, 2048).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    assert bf16_rows.silu_mul(gate, up) is None
+    assert bf16_rows.swiglu_backward(gate_up, torch.randn(64, 1024).bfloat16()) is None
+    assert torch.equal(fused._silu_mul(gate, up), F.silu(gate) * up)

@@ -1,0 +1,179 @@
+"""The row kernels of a bf16 mixed-precision training step in C (``csrc/rows_bf16.c``).
+
+Under CPU autocast the engine's float32 C kernels (`engine.compiled`) stand aside, and the
+passes between the bf16 products ran as torch's eager bf16 ops: the loss's softmax over each
+chunk of bf16 logits (widen, amax, sub, exp, sum, narrow), Qwen3's q/k RMSNorm and RoPE
+(eleven ops forward and backward, through float32 copies), silu(gate) * up and the SwiGLU
+gradient. On an AMX host these took ~45 % of a bf16 step, whose products run several times
+faster than float32 ones. Each kernel here reads bf16, computes in float32 and writes bf16,
+one pass where torch's ops took several, rounding to bf16 where those ops round (values within
+a bf16 unit of theirs; tests/engine/test_bf16_rows.py).
+
+Every function returns None (or False) where its operands do not suit (dtypes, layouts,
+inference mode, small tensors) or the C kernels are off (``$TINKER_SR_NATIVE=0``) or
+unavailable; the caller then runs torch's ops, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import increment_version
+
+from tinker_sr.engine import compiled
+from tinker_sr.engine.compiled import _ptr
+
+__all__ = [
+    "library",
+    "ready",
+    "silu_mul",
+    "softmax_rows",
+    "swiglu_backward",
+    "takes_norm_rope",
+    "takes_silu",
+]
+
+# Longest head the norm + RoPE gradient kernel takes (its per-row buffer).
+MAX_HEAD_DIM = 1024
+
+
+def ready(*tensors: Tensor) -> bool:
+    """Should these operands (bf16 activations, float32 weights and tables beside them) go
+    through a bf16 C kernel? Autocast may be on (that is where they run); inference mode (a
+    sampler's forward) keeps torch's ops, as the float32 kernels do."""
+    if compiled.native_mode() == "off" or compiled.native_failure() is not None:
+        return False
+    if torch.is_inference_mode_enabled() or tensors[0].numel() < compiled.MIN_ELEMENTS:
+        return False
+    return all(
+        t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32) for t in tensors
+    )
+
+
+@functools.cache
+def _library() -> Any | None:
+    from tinker_sr.engine import native
+
+    lib = native.load("rows_bf16")
+    if lib is None:
+        return None
+    p, i, n, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.tsr_softmax_rows_bf16.argtypes = [p, n, n, p, p, i]
+    lib.tsr_norm_rope_bf16.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
+    lib.tsr_norm_rope_backward_bf16.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
+    lib.tsr_silu_mul_bf16.argtypes = [p, n, p, n, p, n, i, i]
+    lib.tsr_swiglu_backward_bf16.argtypes = [p, p, p, n, i, i]
+    for name in (
+        "tsr_softmax_rows_bf16",
+        "tsr_norm_rope_bf16",
+        "tsr_norm_rope_backward_bf16",
+        "tsr_silu_mul_bf16",
+        "tsr_swiglu_backward_bf16",
+    ):
+        getattr(lib, name).restype = None
+    return lib
+
+
+def library() -> Any | None:
+    """The bf16 kernel library, or None after noting that it is unavailable (torch's kernels
+    for the rest of the process, as for the float32 ones)."""
+    lib = _library()
+    if lib is None:
+        compiled._unavailable("rows_bf16")
+    return lib
+
+
+def softmax_rows(z: Tensor, lse: Tensor) -> Tensor | None:
+    """For bf16 logits z [rows, V] (contiguous, V a multiple of 16), in place: ``z =
+    bf16(exp(z - max))`` per row, ``lse`` (float32 [rows]) the rows' logsumexp; returns the
+    float32 sums of the exponentials. The values of widening z to float32, running
+    `compiled.softmax_rows` and narrowing back, in two passes over the bf16 chunk."""
+    if not (
+        z.dim() == 2
+        and z.dtype == torch.bfloat16
+        and z.shape[1] % 16 == 0
+        and z.is_contiguous()
+        and lse.dtype == torch.float32
+        and lse.shape == z.shape[:1]
+        and lse.is_contiguous()
+        and ready(z, lse)
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    total = lse.new_empty(z.shape[0])
+    lib.tsr_softmax_rows_bf16(
+        _ptr(z), z.shape[0], z.shape[1], _ptr(total), _ptr(lse), torch.get_num_threads()
+    )
+    return total
+
+
+def takes_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:
+    """Does the bf16 norm + RoPE kernel (run by `attention_inputs`) take x [B, T, H, D] (bf16,
+    laid out as `attention_inputs.use_norm_rope` checks), a float32 norm weight [D] or None,
+    float32 cos/sin [T, D]?"""
+    return (
+        x.dtype == torch.bfloat16
+        and x.shape[-1] <= MAX_HEAD_DIM
+        and cos.dtype == sin.dtype == torch.float32
+        and (weight is None or weight.dtype == torch.float32)
+        and ready(x, cos, sin, *([] if weight is None else [weight]))
+    )
+
+
+def takes_silu(gate: Tensor, up: Tensor) -> bool:
+    """Do `silu_mul` (given rows of unit stride) and `swiglu_backward` take bf16 gate and up
+    of this shape (the last dimension a multiple of 16)?"""
+    return (
+        gate.dtype == up.dtype == torch.bfloat16
+        and gate.shape == up.shape
+        and gate.shape[-1] % 16 == 0
+        and ready(gate, up)
+    )
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
+    """``silu(gate) * up`` for bf16 gate and up [..., F] (rows of unit stride, e.g. the halves
+    of [gate | up]; F a multiple of 16), rounded as torch's two bf16 ops round, in one pass."""
+    g_rows, u_rows = compiled._as_rows(gate), compiled._as_rows(up)
+    if g_rows is None or u_rows is None or not takes_silu(gate, up):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = gate.new_empty(gate.shape)
+    lib.tsr_silu_mul_bf16(
+        _ptr(gate), g_rows[1], _ptr(up), u_rows[1], _ptr(out), g_rows[0], gate.shape[-1],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def swiglu_backward(gate_up: Tensor, dh: Tensor) -> Tensor | None:
+    """[d_gate | d_up] for h = silu(gate) * up, gate_up = [gate | up] (bf16 [..., 2F],
+    contiguous) and dh (bf16 [..., F]), written over ``gate_up`` (the SwiGLU node's saved
+    activation, dead once its backward has run; its version is bumped, as
+    `compiled._c_swiglu_backward` does), rounded as torch's eager bf16 backward rounds."""
+    n = gate_up.shape[-1] // 2
+    if not (
+        gate_up.dtype == dh.dtype == torch.bfloat16
+        and n % 16 == 0
+        and gate_up.is_contiguous()
+        and dh.is_contiguous()
+        and dh.shape[:-1] + (2 * n,) == gate_up.shape
+        and ready(gate_up, dh)
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    lib.tsr_swiglu_backward_bf16(
+        _ptr(gate_up), _ptr(dh), _ptr(gate_up), dh.numel() // n, n, torch.get_num_threads()
+    )
+    increment_version(gate_up)
+    return gate_up

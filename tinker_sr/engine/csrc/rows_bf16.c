@@ -1,0 +1,180 @@
+/* Row-wise kernels of a bf16 mixed-precision training step (CPU autocast): the passes that
+   under autocast ran as torch's eager bf16 ops, several passes each, while the products
+   around them run on AMX / AVX-512 bf16 (on an AMX host they took ~45 % of the step). Each
+   reads bfloat16, computes in float32 and writes bfloat16, rounding where the eager ops
+   round (so values stay within a few bf16 units of theirs; see each kernel):
+
+   - the loss's softmax statistics of a chunk of bf16 logits (`tsr_softmax_rows_bf16`),
+   - Qwen3's per-head q/k RMSNorm + RoPE from the q/k/v projection's bf16 output, and its
+     gradient (`tsr_norm_rope_bf16`, `tsr_norm_rope_backward_bf16`),
+   - silu(gate) * up and the SwiGLU gradient (`tsr_silu_mul_bf16`, `tsr_swiglu_backward_bf16`).
+
+   Rows are independent and each is computed whole by one thread (its sums in a fixed order):
+   results do not depend on the thread count or the schedule. Part of tinker_sr
+   (engine/native.py builds it; engine/bf16_rows.py calls it). A bfloat16 is passed as its
+   16 bits (uint16_t). Row lengths are multiples of 16 unless a kernel says otherwise. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "softmax_row.h"
+#include "vec.h"
+
+/* Softmax statistics of bf16 logits z [rows, V] (contiguous), in place: z[i] becomes
+   bf16(exp(z[i] - max_i)), total[i] the sum of the float32 exponentials and lse[i] = max_i +
+   log(total[i]) (float32; softmax_row.h): the values of widening the row to float32, running
+   rows.c's tsr_softmax_rows on it and rounding z back (torch's eager form: widen, amax, sub,
+   exp, sum, narrow: six passes over a float32 copy), in two passes over the bf16 row. */
+void tsr_softmax_rows_bf16(uint16_t *z, int64_t rows, int64_t V, float *total, float *lse,
+                           int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) softmax_row(z + i * V, V, total + i, lse + i, 1);
+}
+
+/* The q/k rows lie a q/k/v projection row apart (4 KB or more): each row's slice is
+   prefetched ROW_AHEAD rows ahead (rows.c measured why). */
+#define ROW_AHEAD 2
+
+/* Attention's q (or k) from the bf16 q/k/v projection output, in one pass: for x [B, T, H, D]
+   (row (b, t, h) at x + (b * T + t) * ld_outer + h * ld_inner), with w (Qwen3's q_norm /
+   k_norm, float32 [D]) RMS-normalised per head in float32 (r[(b * T + t) * H + h] gets the
+   row's scale) and rounded to bf16 before the gain, as HF's RMSNorm casts back to the input's
+   dtype before multiplying by its weight; then rotated (RoPE, "rotate_half" layout: [x1, x2]
+   -> [x1 c - x2 s, x2 c + x1 s], c and s the first halves of the float32 cos[t], sin[t]) in
+   float32 and rounded once into y [B, H, T, D] (bf16), the layout attention reads. Without w:
+   the rotation of x alone. D % 32 == 0. */
+void tsr_norm_rope_bf16(const uint16_t *x, int64_t ld_outer, int64_t ld_inner, const float *w,
+                        float eps, const float *cos, const float *sin, uint16_t *y, float *r,
+                        int64_t B, int T, int H, int D, int threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < B * T * H; i++) {
+    int64_t o = i / H, b = o / T;
+    int h = (int)(i % H), t = (int)(o % T);
+    const uint16_t *xi = x + o * ld_outer + h * ld_inner;
+    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+    uint16_t *yi = y + ((b * H + h) * T + t) * D;
+    if (h == 0 && o + ROW_AHEAD < B * T) /* see ROW_AHEAD */
+      for (int j = 0; j < H * D; j += 2 * VL) __builtin_prefetch(xi + ROW_AHEAD * ld_outer + j, 0, 3);
+    v16 rv = vset1(1.f);
+    if (w) {
+      v16 acc = vset1(0.f);
+      for (int j = 0; j < D; j += VL) {
+        v16 v = vload_bf16(xi + j);
+        acc += v * v;
+      }
+      float ri = 1.0f / sqrtf(vhsum(acc) / (float)D + eps);
+      r[i] = ri;
+      rv = vset1(ri);
+    }
+    for (int j = 0; j < half; j += VL) {
+      v16 x1 = vload_bf16(xi + j), x2 = vload_bf16(xi + half + j);
+      if (w) {
+        x1 = vround_bf16(x1 * rv) * vload(w + j);
+        x2 = vround_bf16(x2 * rv) * vload(w + half + j);
+      }
+      v16 cj = vload(c + j), sj = vload(s + j);
+      vstore_bf16(yi + j, x1 * cj - x2 * sj);
+      vstore_bf16(yi + half + j, x2 * cj + x1 * sj);
+    }
+  }
+}
+
+/* The gradient of tsr_norm_rope_bf16: g [B, H, T, D] (bf16, contiguous) -> dx [B, T, H, D]
+   (bf16; row strides dx_outer per (b, t) and dx_inner per head: a slice of the q/k/v
+   gradient): the inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) in float32, then,
+   with w, RMSNorm's input gradient r (u w - n mean(u w n)), n = x r (x as the forward read it,
+   r as it wrote it), rounded once. */
+void tsr_norm_rope_backward_bf16(const uint16_t *g, const uint16_t *x, int64_t ld_outer,
+                                 int64_t ld_inner, const float *w, const float *r,
+                                 const float *cos, const float *sin, uint16_t *dx,
+                                 int64_t dx_outer, int64_t dx_inner, int64_t B, int T, int H,
+                                 int D, int threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < B * T * H; i++) {
+    int64_t o = i / H, b = o / T;
+    int h = (int)(i % H), t = (int)(o % T);
+    const uint16_t *gi = g + ((b * H + h) * T + t) * D;
+    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+    uint16_t *di = dx + o * dx_outer + h * dx_inner;
+    if (h == 0 && o + ROW_AHEAD < B * T) { /* see ROW_AHEAD */
+      for (int j = 0; j < H * D; j += 2 * VL) __builtin_prefetch(di + ROW_AHEAD * dx_outer + j, 1, 3);
+      if (t + ROW_AHEAD < T) /* g's H streams (one per head), too many for the hardware */
+        for (int hh = 0; hh < H; hh++)
+          for (int j = 0; j < D; j += 2 * VL)
+            __builtin_prefetch(g + ((b * H + hh) * T + t + ROW_AHEAD) * D + j, 0, 3);
+      if (w)
+        for (int j = 0; j < H * D; j += 2 * VL)
+          __builtin_prefetch(x + (o + ROW_AHEAD) * ld_outer + j, 0, 3);
+    }
+    float u[1024] __attribute__((aligned(64))); /* D <= 1024 (bf16_rows.py checks) */
+    for (int j = 0; j < half; j += VL) {
+      v16 g1 = vload_bf16(gi + j), g2 = vload_bf16(gi + half + j), cj = vload(c + j), sj = vload(s + j);
+      vstore(u + j, g1 * cj + g2 * sj);
+      vstore(u + half + j, g2 * cj - g1 * sj);
+    }
+    if (!w) {
+      for (int j = 0; j < D; j += VL) vstore_bf16(di + j, vload(u + j));
+      continue;
+    }
+    const uint16_t *xi = x + o * ld_outer + h * ld_inner;
+    v16 rv = vset1(r[i]), acc = vset1(0.f);
+    for (int j = 0; j < D; j += VL) acc += (vload(u + j) * vload(w + j)) * (vload_bf16(xi + j) * rv);
+    v16 mv = vset1(vhsum(acc) / (float)D);
+    for (int j = 0; j < D; j += VL)
+      vstore_bf16(di + j, ((vload(u + j) * vload(w + j)) - (vload_bf16(xi + j) * rv) * mv) * rv);
+  }
+}
+
+/* The SwiGLU kernels read two or three rows side by side, each a few KB: every stream is
+   prefetched PF_DIST elements ahead (rows.c measured why). */
+#define PF_DIST 512
+
+/* silu(x) = x / (1 + exp(-x)), as torch's CPU kernel forms it in float32. */
+static inline v16 vsilu(v16 x) { return x / (vset1(1.f) + vexp(-x)); }
+
+/* out[i, :] = bf16(bf16(silu(gate[i, :])) * up[i, :]) (torch's eager bf16 silu, then its bf16
+   multiply, each rounded); out is contiguous [rows, n], n % 16 == 0. */
+void tsr_silu_mul_bf16(const uint16_t *gate, int64_t ld_gate, const uint16_t *up, int64_t ld_up,
+                       uint16_t *out, int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const uint16_t *gi = gate + i * ld_gate, *ui = up + i * ld_up;
+    uint16_t *oi = out + i * n;
+    for (int j = 0; j < n; j += VL) {
+      if (j + PF_DIST < n) {
+        __builtin_prefetch(gi + j + PF_DIST, 0, 3);
+        __builtin_prefetch(ui + j + PF_DIST, 0, 3);
+      }
+      vstore_bf16(oi + j, vround_bf16(vsilu(vload_bf16(gi + j))) * vload_bf16(ui + j));
+    }
+  }
+}
+
+/* For h = silu(gate) * up with gate_up = [gate | up] ([rows, 2n] bf16, contiguous) and dh
+   [rows, n] bf16: out = [d_gate | d_up] (bf16), rounded where torch's eager bf16 backward
+   rounds: d_up = bf16(bf16(silu(gate)) dh), d_gate = bf16(bf16(dh up) silu'(gate)),
+   silu'(g) = sig(g) (1 + g (1 - sig(g))) in float32. `out` may be `gate_up` itself (every
+   element is read before its place is written). n % 16 == 0. */
+void tsr_swiglu_backward_bf16(const uint16_t *gate_up, const uint16_t *dh, uint16_t *out,
+                              int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const uint16_t *gi = gate_up + i * 2 * n, *ui = gi + n, *di = dh + i * n;
+    uint16_t *og = out + i * 2 * n, *ou = og + n;
+    for (int j = 0; j < n; j += VL) {
+      if (j + PF_DIST < n) {
+        __builtin_prefetch(gi + j + PF_DIST, 0, 3);
+        __builtin_prefetch(ui + j + PF_DIST, 0, 3);
+        __builtin_prefetch(di + j + PF_DIST, 0, 3);
+      }
+      v16 g = vload_bf16(gi + j), u = vload_bf16(ui + j), d = vload_bf16(di + j);
+      v16 den = vset1(1.f) + vexp(-g), s = vset1(1.f) / den;
+      v16 du = vround_bf16(g / den) * d; /* g / den: vsilu(g), the forward's silu */
+      v16 dg = (vround_bf16(d * u) * s) * (vset1(1.f) + g * (vset1(1.f) - s));
+      vstore_bf16(og + j, dg);
+      vstore_bf16(ou + j, du);
+    }
+  }
+}
