@@ -291,3 +291,62 @@ def test_with_the_c_kernels_off_a_bf16_step_runs_torchs_ops(
     assert bf16_rows.silu_mul(gate, up) is None
     assert bf16_rows.swiglu_backward(gate_up, torch.randn(64, 1024).bfloat16()) is None
     assert torch.equal(fused._silu_mul(gate, up), F.silu(gate) * up)
+
+
+def test_causal_softmax_and_its_gradient_within_a_bf16_rounding_of_torch() -> None:
+    """The bf16 attention's mask + softmax and softmax gradient (one C pass each) against
+    torch's masked_fill_, bf16 softmax and _softmax_backward_data on the same scores."""
+    gen = torch.Generator().manual_seed(5)
+    n, g, t = 6, 2, 96
+    s0 = (torch.randn(n, g * t, t, generator=gen) * 4).bfloat16()
+    mask = torch.ones(t, t, dtype=torch.bool).triu_(1).repeat(g, 1)
+    want = torch.softmax(s0.masked_fill(mask, float("-inf")), dim=-1)
+    p = bf16_rows.causal_softmax(s0.clone())
+    assert p is not None and p.dtype == torch.bfloat16
+    assert torch.equal(
+        p.masked_select(mask.expand_as(p)), torch.zeros(int(mask.sum()) * n).bfloat16()
+    )
+    assert float(_ulps(p, want).max()) <= 1.0
+    assert torch.equal(_threads(1, lambda: bf16_rows.causal_softmax(s0.clone())), p)
+
+    dp0 = torch.randn(n, g * t, t, generator=gen).bfloat16()
+    want_ds = torch._softmax_backward_data(dp0, want, -1, torch.bfloat16)
+    ds = bf16_rows.causal_softmax_backward(want, dp0.clone())
+    assert ds is not None
+    # Rounded once from float32 sums in another order: within two bf16 places of torch's,
+    # and of the same size as the float64 formula's error.
+    exact = want.double() * (dp0.double() - (want.double() * dp0.double()).sum(-1, keepdim=True))
+    assert (
+        float((ds.double() - exact).abs().max())
+        <= 2 * float((want_ds.double() - exact).abs().max()) + 1e-6
+    )
+    assert bf16_rows.causal_softmax(torch.zeros(6, 2 * 90, 90, dtype=torch.bfloat16)) is None
+
+
+def test_bf16_attention_with_and_without_the_c_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_sr.engine.bf16_attention import bf16_causal_attention
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 8, 128, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 4, 128, 64, generator=gen).bfloat16() for _ in range(2))
+    do = torch.randn(2, 8, 128, 64, generator=gen).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = bf16_causal_attention(*inputs)
+        return [o.detach(), *torch.autograd.grad(o, inputs, do)]
+
+    calls: list[bool] = []
+    real = bf16_rows.causal_softmax
+    monkeypatch.setattr(
+        bf16_rows,
+        "causal_softmax",
+        lambda s: (lambda out: calls.append(out is not None) or out)(real(s)),
+    )
+    got = run()
+    assert calls == [True]
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+        assert float(err) < 2e-2

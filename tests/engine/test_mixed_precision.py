@@ -83,10 +83,10 @@ def test_bf16_logits_widened_in_pieces_equal_the_whole_chunk_widened(
 def test_bf16_attention_matches_float64_sdpa_to_bf16_rounding(
     heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    """`fused.bf16_causal_attention` (bf16 GEMMs, float32 softmax) against float64 SDPA:
+    """`bf16_attention.bf16_causal_attention` (bf16 GEMMs, float32 softmax) against float64 SDPA:
     output and all three gradients within bf16 rounding (the error of torch's own bf16 SDPA
     on the same inputs is of the same size: ~1 % of the largest entry)."""
-    from tinker_sr.engine.fused import bf16_causal_attention
+    from tinker_sr.engine.bf16_attention import bf16_causal_attention
 
     gen = torch.Generator().manual_seed(heads)
     b, t = 3, 80
@@ -114,10 +114,12 @@ def test_bf16_attention_matches_float64_sdpa_to_bf16_rounding(
 def test_bf16_training_runs_attention_through_the_gemm_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tinker_sr.engine import fused
+    from tinker_sr.engine import bf16_attention
 
     calls = []
-    real = fused._BF16CausalAttention.apply
-    monkeypatch.setattr(fused._BF16CausalAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    real = bf16_attention._BF16CausalAttention.apply
+    monkeypatch.setattr(
+        bf16_attention._BF16CausalAttention, "apply", lambda *a: calls.append(1) or real(*a)
+    )
     _step(tmp_path, "bf16-force", monkeypatch)
     assert calls

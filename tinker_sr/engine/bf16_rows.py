@@ -28,6 +28,8 @@ from tinker_sr.engine import compiled
 from tinker_sr.engine.compiled import _ptr
 
 __all__ = [
+    "causal_softmax",
+    "causal_softmax_backward",
     "library",
     "ready",
     "silu_mul",
@@ -37,8 +39,10 @@ __all__ = [
     "takes_silu",
 ]
 
-# Longest head the norm + RoPE gradient kernel takes (its per-row buffer).
+# Longest head the norm + RoPE gradient kernel takes, longest row of the causal softmax
+# (their per-row buffers in csrc/rows_bf16.c).
 MAX_HEAD_DIM = 1024
+MAX_SOFTMAX_ROW = 4096
 
 
 def ready(*tensors: Tensor) -> bool:
@@ -67,12 +71,16 @@ def _library() -> Any | None:
     lib.tsr_norm_rope_backward_bf16.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
     lib.tsr_silu_mul_bf16.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_swiglu_backward_bf16.argtypes = [p, p, p, n, i, i]
+    lib.tsr_causal_softmax_bf16.argtypes = [p, n, i, i]
+    lib.tsr_causal_softmax_backward_bf16.argtypes = [p, p, n, i, i]
     for name in (
         "tsr_softmax_rows_bf16",
         "tsr_norm_rope_bf16",
         "tsr_norm_rope_backward_bf16",
         "tsr_silu_mul_bf16",
         "tsr_swiglu_backward_bf16",
+        "tsr_causal_softmax_bf16",
+        "tsr_causal_softmax_backward_bf16",
     ):
         getattr(lib, name).restype = None
     return lib
@@ -177,3 +185,51 @@ def swiglu_backward(gate_up: Tensor, dh: Tensor) -> Tensor | None:
     )
     increment_version(gate_up)
     return gate_up
+
+
+def _takes_scores(s: Tensor) -> bool:
+    """bf16 scores [N, G T, T] (contiguous; T a multiple of 16, at most `MAX_SOFTMAX_ROW`)."""
+    t = s.shape[-1]
+    return (
+        s.dim() == 3
+        and s.dtype == torch.bfloat16
+        and t % 16 == 0
+        and t <= MAX_SOFTMAX_ROW
+        and s.shape[1] % t == 0
+        and s.is_contiguous()
+        and ready(s)
+    )
+
+
+def causal_softmax(s: Tensor) -> Tensor | None:
+    """In place: the causal softmax of bf16 scores s [N, G T, T] (row r of a [G T, T] block is
+    query r % T, which sees keys 0..r % T): float32 statistics, probabilities rounded once to
+    bf16, zeros past each row's last key; returns s. torch's ``masked_fill_`` with the causal
+    mask and bf16 ``softmax`` in one pass."""
+    if not _takes_scores(s):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    lib.tsr_causal_softmax_bf16(
+        _ptr(s), s.numel() // s.shape[-1], s.shape[-1], torch.get_num_threads()
+    )
+    increment_version(s)
+    return s
+
+
+def causal_softmax_backward(p: Tensor, dp: Tensor) -> Tensor | None:
+    """In place of ``dp``: ``p (dp - sum(p dp))`` per row (float32 sums, rounded once to bf16)
+    for causal probabilities p (as `causal_softmax` leaves them, or torch's softmax of masked
+    scores: zero past each row's last key) and their gradient dp, both bf16 [N, G T, T];
+    returns dp. torch's ``_softmax_backward_data`` without the masked half."""
+    if not (_takes_scores(dp) and p.shape == dp.shape and _takes_scores(p)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    lib.tsr_causal_softmax_backward_bf16(
+        _ptr(p), _ptr(dp), dp.numel() // dp.shape[-1], dp.shape[-1], torch.get_num_threads()
+    )
+    increment_version(dp)
+    return dp

@@ -15,7 +15,6 @@ per-layer path, where the weight-sized merge would cost more than it saves."""
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -634,67 +633,3 @@ class _Rope(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
         return _rotate(g, cos, sin, inverse=True).to(ctx.x_dtype), None, None
-
-
-# ---- causal attention in bf16 as batched GEMMs (CPU mixed precision) -------------------------
-
-
-def bf16_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention with grouped-query heads (q [B, H, T, D], k and v [B, H_kv, T, D]),
-    the same as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``
-    to bf16 rounding, for CPU mixed precision: the products run as bf16 batched GEMMs
-    (oneDNN; ~2x faster than torch's CPU flash attention in float32, which calls the BLAS),
-    the softmax and its gradient accumulate in float32. Each KV head's G query heads form one
-    [G·T, D] x [D, T] product. The probabilities are kept in bf16 for backward
-    ([B, H, T, T]: 2 bytes per entry, 16 MiB per layer at 16 x 256 with 8 heads)."""
-    return _BF16CausalAttention.apply(q, k, v)  # type: ignore[no-any-return]
-
-
-@functools.lru_cache(maxsize=8)
-def _causal_mask(g: int, t: int, device: torch.device) -> Tensor:
-    """bool [G·T, T], True where row i·T + r may not see a column (columns after r); the
-    same mask serves every layer of a step, and the steps of one shape."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).triu_(1).repeat(g, 1)
-
-
-class _BF16CausalAttention(torch.autograd.Function):
-    """q is scaled by 1/sqrt(D) before the score product (exact for D a power of 4), so no
-    pass over the [G·T, T] scores scales them; torch's bf16 softmax and softmax backward
-    accumulate in float32 internally and read and write bf16."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # type: ignore[override]
-        b, h, t, d = q.shape
-        hk = k.shape[1]
-        g = h // hk
-        low = torch.bfloat16
-        with torch.autocast(q.device.type, enabled=False):
-            qg = q.to(low).reshape(b * hk, g * t, d).mul(d**-0.5)
-            kg, vg = k.to(low).reshape(b * hk, t, d), v.to(low).reshape(b * hk, t, d)
-            s = torch.bmm(qg, kg.transpose(1, 2))
-            s.masked_fill_(_causal_mask(g, t, q.device), float("-inf"))
-            p = torch.softmax(s, dim=-1)
-            del s
-            o = torch.bmm(p, vg)
-        ctx.save_for_backward(qg, kg, vg, p)
-        ctx.shape, ctx.dtypes = (b, h, hk, t, d), (q.dtype, k.dtype, v.dtype)
-        return o.view(b, h, t, d)
-
-    @staticmethod
-    def backward(ctx: Any, do: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        qg, kg, vg, p = ctx.saved_tensors
-        b, h, hk, t, d = ctx.shape
-        with torch.autocast(do.device.type, enabled=False):
-            dog = do.to(p.dtype).reshape(b * hk, (h // hk) * t, d)
-            dv = torch.bmm(p.transpose(1, 2), dog)
-            dp = torch.bmm(dog, vg.transpose(1, 2))
-            ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-            del dp
-            dq = torch.bmm(ds, kg).mul_(d**-0.5)
-            dk = torch.bmm(ds.transpose(1, 2), qg)
-        dq_t, dk_t, dv_t = ctx.dtypes
-        return (
-            dq.view(b, h, t, d).to(dq_t),
-            dk.view(b, hk, t, d).to(dk_t),
-            dv.view(b, hk, t, d).to(dv_t),
-        )

@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine import attention_inputs, compiled
+from tinker_sr.engine.bf16_attention import bf16_causal_attention
 from tinker_sr.engine.device import free_memory
 from tinker_sr.engine.fused import (
     add_rms_norm,
     apply_linear,
-    bf16_causal_attention,
     linear_group,
     rms_norm,
     rope,
@@ -346,7 +346,7 @@ def _rope_contiguous(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal SDPA. Under CPU bf16 mixed precision as bf16 batched GEMMs (oneDNN) around a
-    softmax that accumulates in float32 (`fused.bf16_causal_attention`): torch's CPU flash
+    softmax that accumulates in float32 (`bf16_attention.bf16_causal_attention`): torch's CPU flash
     attention is slower on bf16 inputs than on float32 ones (its backward ~1.8x), and in
     float32 runs its products on the BLAS. Measured on the 16 x 256 benchmark step: 1.56 s
     per step against 1.75 s with float32 flash attention."""

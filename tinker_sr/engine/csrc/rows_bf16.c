@@ -178,3 +178,55 @@ void tsr_swiglu_backward_bf16(const uint16_t *gate_up, const uint16_t *dh, uint1
     }
   }
 }
+
+/* Causal attention's probabilities from bf16 scores, in place: s holds `rows` rows of T scores
+   ([B KV, G T, T] as the bf16 attention's batched products form them: row i is query i % T),
+   row i's first (i % T) + 1 entries its keys. Each row becomes softmax over those entries
+   (float32 statistics: max, sum of exp(x - max); each probability exp(x - max) / sum rounded
+   once to bf16, as torch's bf16 softmax rounds) and zeros after them: the causal mask,
+   torch's masked_fill_ and its softmax in one pass that forms no exponential past a row's
+   last key. T % 16 == 0. */
+void tsr_causal_softmax_bf16(uint16_t *s, int64_t rows, int T, int threads) {
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 ninf = vset1(-INFINITY);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    uint16_t *si = s + i * T;
+    int last = (int)(i % T), end = (last / VL + 1) * VL; /* vectors holding keys 0..last */
+    v16 lim = vset1((float)last), mx = ninf;
+    for (int j = 0; j < end; j += VL) {
+      v16 x = vsel(lane + (float)j > lim, ninf, vload_bf16(si + j));
+      mx = vsel(x > mx, x, mx);
+    }
+    v16 top = vset1(vhmax(mx)), acc = vset1(0.f);
+    float e[4096] __attribute__((aligned(64))); /* T <= 4096 (bf16_rows.py checks) */
+    for (int j = 0; j < end; j += VL) {
+      v16 x = vsel(lane + (float)j > lim, ninf, vload_bf16(si + j));
+      v16 p = vexp(x - top);
+      vstore(e + j, p);
+      acc += p;
+    }
+    v16 inv = vset1(1.f / vhsum(acc));
+    for (int j = 0; j < end; j += VL) vstore_bf16(si + j, vload(e + j) * inv);
+    if (end < T) memset(si + end, 0, sizeof(uint16_t) * (size_t)(T - end));
+  }
+}
+
+/* Its gradient, in place of dp: ds = p (dp - sum_j p_j dp_j) per row (float32 sum, rounded
+   once to bf16, as torch's bf16 softmax backward), for p from tsr_causal_softmax_bf16 (zero
+   past a row's last key, so the sum and ds there need no mask: ds = 0 where p = 0). */
+void tsr_causal_softmax_backward_bf16(const uint16_t *p, uint16_t *dp, int64_t rows, int T,
+                                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const uint16_t *pi = p + i * T;
+    uint16_t *di = dp + i * T;
+    int end = ((int)(i % T) / VL + 1) * VL;
+    v16 acc = vset1(0.f);
+    for (int j = 0; j < end; j += VL) acc += vload_bf16(pi + j) * vload_bf16(di + j);
+    v16 dot = vset1(vhsum(acc));
+    for (int j = 0; j < end; j += VL)
+      vstore_bf16(di + j, vload_bf16(pi + j) * (vload_bf16(di + j) - dot));
+    if (end < T) memset(di + end, 0, sizeof(uint16_t) * (size_t)(T - end));
+  }
+}
