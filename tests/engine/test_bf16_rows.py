@@ -350,3 +350,20 @@ def test_bf16_attention_with_and_without_the_c_softmax(monkeypatch: pytest.Monke
     for a, b in zip(got, want, strict=True):
         err = (a.float() - b.float()).abs().max() / b.float().abs().max()
         assert float(err) < 2e-2
+
+
+def test_the_c_bf16_conversion_rounds_as_torch_subnormals_and_nans_included() -> None:
+    """float -> bf16 in the C kernels (one instruction where the CPU has AVX512_BF16, the
+    arithmetic form for vectors holding a NaN or a subnormal): through the bf16 LoRA merge
+    with a zero weight and a unit adapter, out = bf16(a) exactly, on random bit patterns."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (64 * 1024,), generator=gen, dtype=torch.int64)
+    bits[::5] &= 0x807FFFFF  # every fifth a subnormal (or zero)
+    a = bits.to(torch.int32).view(torch.float32).view(1, -1).clone()
+    w = torch.zeros(2, a.shape[1], dtype=torch.bfloat16)
+    out = torch.empty_like(w)
+    assert compiled.lora_merge(w, torch.ones(2, 1), a, 1.0, out)
+    want = a.bfloat16().expand_as(out)
+    nan = a.isnan().expand_as(out)
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
