@@ -16,15 +16,21 @@ from torch import Tensor
 from tinker_sr.engine import bf16_rows, compiled
 from tinker_sr.engine.compiled import _ptr
 
-__all__ = ["norm_rope", "qkv_heads", "use_norm_rope"]
+__all__ = ["MAX_HEAD_DIM", "norm_rope", "qkv_heads", "use_norm_rope"]
+
+# Longest head the C kernels take (the gradient's per-row buffer in csrc/norm_rope.h).
+MAX_HEAD_DIM = 1024
 
 
 def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:
     """Can `norm_rope` take x [B, T, H, D] (a view of the q/k/v projection's output: unit
     stride inside a head, B and T collapsible), a frozen float32 norm weight [D] or None, and
-    cos/sin [T, D]? (D a multiple of 32; operands as `native_ready` takes them.)"""
+    cos/sin [T, D]? (D a multiple of 32, at most `MAX_HEAD_DIM`; operands as `native_ready`
+    takes them, or bf16 ones as `bf16_rows.takes_norm_rope` does.)"""
     d = x.shape[-1]
-    if x.dim() != 4 or d % 32 or x.stride(-1) != 1 or cos.shape != (x.shape[1], d):
+    if x.dim() != 4 or d % 32 or d > MAX_HEAD_DIM or x.stride(-1) != 1:
+        return False
+    if cos.shape != (x.shape[1], d):
         return False
     if not (sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous()):
         return False

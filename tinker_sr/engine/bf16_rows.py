@@ -39,9 +39,7 @@ __all__ = [
     "takes_silu",
 ]
 
-# Longest head the norm + RoPE gradient kernel takes, longest row of the causal softmax
-# (their per-row buffers in csrc/rows_bf16.c).
-MAX_HEAD_DIM = 1024
+# Longest row of the causal softmax (its per-row buffer in csrc/rows_bf16.c).
 MAX_SOFTMAX_ROW = 4096
 
 
@@ -127,7 +125,6 @@ def takes_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) 
     float32 cos/sin [T, D]?"""
     return (
         x.dtype == torch.bfloat16
-        and x.shape[-1] <= MAX_HEAD_DIM
         and cos.dtype == sin.dtype == torch.float32
         and (weight is None or weight.dtype == torch.float32)
         and ready(x, cos, sin, *([] if weight is None else [weight]))

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "norm_rope.h"
 #include "softmax_row.h"
 #include "vec.h"
 
@@ -240,95 +241,33 @@ static void swiglu_block(float *gate_up, const float *dh, int64_t i0, int64_t en
   }
 }
 
-/* The kernels below read (and write) one (batch, position)'s heads at a time: a slice of a
-   q/k/v projection row, whose rows lie 4 KB or more apart, so every row starts a new page
-   and the hardware's stream prefetch, which stays inside a page, found nothing to follow:
-   they ran at ~22 GB/s. Each row's slice is prefetched ROW_AHEAD rows before it is used
-   (measured, 16 x 256 x 8 heads of 64: forward ~650 -> ~300 us, backward ~1060 -> ~650 us). */
-#define ROW_AHEAD 2
-
 /* Attention's q (or k) from the q/k/v projection, in one pass: for x [B, T, H, D] (row (b, t,
    h) at x + (b * T + t) * ld_outer + h * ld_inner), optionally RMS-normalised per head
    (w != NULL: Qwen3's q_norm/k_norm; r[(b * T + t) * H + h] gets the row's scale), then rotated
    (RoPE, "rotate_half" layout: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] with c, s the first half
-   of cos[t], sin[t]) and written to y [B, H, T, D], the layout attention reads. D % 32 == 0. */
+   of cos[t], sin[t]) and written to y [B, H, T, D], the layout attention reads (norm_rope.h).
+   D % 32 == 0. */
 void tsr_norm_rope(const float *x, int64_t ld_outer, int64_t ld_inner, const float *w, float eps,
                    const float *cos, const float *sin, float *y, float *r, int64_t B, int T, int H,
                    int D, int threads) {
-  const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < B * T * H; i++) {
-    int64_t o = i / H, b = o / T;
-    int h = (int)(i % H), t = (int)(o % T);
-    const float *xi = x + o * ld_outer + h * ld_inner;
-    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-    float *yi = y + ((b * H + h) * T + t) * D;
-    if (h == 0 && o + ROW_AHEAD < B * T) /* see ROW_AHEAD */
-      for (int j = 0; j < H * D; j += VL) __builtin_prefetch(xi + ROW_AHEAD * ld_outer + j, 0, 3);
-    v16 rv = vset1(1.f);
-    if (w) {
-      v16 acc = vset1(0.f);
-      for (int j = 0; j < D; j += VL) {
-        v16 v = vload(xi + j);
-        acc += v * v;
-      }
-      float ri = 1.0f / sqrtf(vhsum(acc) / (float)D + eps);
-      r[i] = ri;
-      rv = vset1(ri);
-    }
-    for (int j = 0; j < half; j += VL) {
-      v16 x1 = vload(xi + j) * rv, x2 = vload(xi + half + j) * rv;
-      if (w) {
-        x1 *= vload(w + j);
-        x2 *= vload(w + half + j);
-      }
-      v16 cj = vload(c + j), sj = vload(s + j);
-      vstore(yi + j, x1 * cj - x2 * sj);
-      vstore(yi + half + j, x2 * cj + x1 * sj);
-    }
-  }
+  for (int64_t i = 0; i < B * T * H; i++)
+    norm_rope_row(i, x, ld_outer, ld_inner, w, eps, cos, sin, y, r, B, T, H, D, 0);
 }
 
 /* The gradient of tsr_norm_rope: g [B, H, T, D] contiguous -> dx [B, T, H, D] (row strides
    dx_outer per (b, t) and dx_inner per head, unit stride inside a head: a slice of the q/k/v
    gradient), the inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) then, with w,
    RMSNorm's input gradient r (u w - n mean(u w n)), n = x r (x, r as the forward read and
-   wrote them). */
+   wrote them). D <= 1024. */
 void tsr_norm_rope_backward(const float *g, const float *x, int64_t ld_outer, int64_t ld_inner,
                             const float *w, const float *r, const float *cos, const float *sin,
                             float *dx, int64_t dx_outer, int64_t dx_inner, int64_t B, int T,
                             int H, int D, int threads) {
-  const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < B * T * H; i++) {
-    int64_t o = i / H, b = o / T;
-    int h = (int)(i % H), t = (int)(o % T);
-    const float *gi = g + ((b * H + h) * T + t) * D;
-    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-    float *di = dx + o * dx_outer + h * dx_inner;
-    if (h == 0 && o + ROW_AHEAD < B * T) { /* see ROW_AHEAD */
-      for (int j = 0; j < H * D; j += VL) __builtin_prefetch(di + ROW_AHEAD * dx_outer + j, 1, 3);
-      if (t + ROW_AHEAD < T) /* g's H streams (one per head), too many for the hardware */
-        for (int hh = 0; hh < H; hh++)
-          for (int j = 0; j < D; j += VL)
-            __builtin_prefetch(g + ((b * H + hh) * T + t + ROW_AHEAD) * D + j, 0, 3);
-      if (w)
-        for (int j = 0; j < H * D; j += VL)
-          __builtin_prefetch(x + (o + ROW_AHEAD) * ld_outer + j, 0, 3);
-    }
-    for (int j = 0; j < half; j += VL) {
-      v16 g1 = vload(gi + j), g2 = vload(gi + half + j), cj = vload(c + j), sj = vload(s + j);
-      vstore(di + j, g1 * cj + g2 * sj);
-      vstore(di + half + j, g2 * cj - g1 * sj);
-    }
-    if (!w) continue;
-    const float *xi = x + o * ld_outer + h * ld_inner;
-    v16 rv = vset1(r[i]), acc = vset1(0.f);
-    for (int j = 0; j < D; j += VL) acc += (vload(di + j) * vload(w + j)) * (vload(xi + j) * rv);
-    v16 mv = vset1(vhsum(acc) / (float)D);
-    for (int j = 0; j < D; j += VL)
-      vstore(di + j, ((vload(di + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv);
-  }
+  for (int64_t i = 0; i < B * T * H; i++)
+    norm_rope_grad_row(i, g, x, ld_outer, ld_inner, w, r, cos, sin, dx, dx_outer, dx_inner, B, T,
+                       H, D, 0);
 }
 
 /* Softmax statistics of logits z [rows, V] (contiguous), in place: z[i] becomes

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "norm_rope.h"
 #include "softmax_row.h"
 #include "vec.h"
 
@@ -31,100 +32,31 @@ void tsr_softmax_rows_bf16(uint16_t *z, int64_t rows, int64_t V, float *total, f
   for (int64_t i = 0; i < rows; i++) softmax_row(z + i * V, V, total + i, lse + i, 1);
 }
 
-/* The q/k rows lie a q/k/v projection row apart (4 KB or more): each row's slice is
-   prefetched ROW_AHEAD rows ahead (rows.c measured why). */
-#define ROW_AHEAD 2
-
-/* Attention's q (or k) from the bf16 q/k/v projection output, in one pass: for x [B, T, H, D]
-   (row (b, t, h) at x + (b * T + t) * ld_outer + h * ld_inner), with w (Qwen3's q_norm /
-   k_norm, float32 [D]) RMS-normalised per head in float32 (r[(b * T + t) * H + h] gets the
-   row's scale) and rounded to bf16 before the gain, as HF's RMSNorm casts back to the input's
-   dtype before multiplying by its weight; then rotated (RoPE, "rotate_half" layout: [x1, x2]
-   -> [x1 c - x2 s, x2 c + x1 s], c and s the first halves of the float32 cos[t], sin[t]) in
-   float32 and rounded once into y [B, H, T, D] (bf16), the layout attention reads. Without w:
-   the rotation of x alone. D % 32 == 0. */
+/* Attention's q (or k) from the bf16 q/k/v projection output, in one pass: rows.c's
+   tsr_norm_rope (the same layouts; norm_rope.h) on bf16 x and y, in float32: with w (Qwen3's
+   q_norm / k_norm, float32 [D]) RMS-normalised per head (r gets the float32 scales) and
+   rounded to bf16 before the gain, as HF's RMSNorm casts back to the input's dtype before
+   multiplying by its weight; then rotated with the float32 cos / sin and rounded once into y
+   [B, H, T, D] (bf16). D % 32 == 0. */
 void tsr_norm_rope_bf16(const uint16_t *x, int64_t ld_outer, int64_t ld_inner, const float *w,
                         float eps, const float *cos, const float *sin, uint16_t *y, float *r,
                         int64_t B, int T, int H, int D, int threads) {
-  const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < B * T * H; i++) {
-    int64_t o = i / H, b = o / T;
-    int h = (int)(i % H), t = (int)(o % T);
-    const uint16_t *xi = x + o * ld_outer + h * ld_inner;
-    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-    uint16_t *yi = y + ((b * H + h) * T + t) * D;
-    if (h == 0 && o + ROW_AHEAD < B * T) /* see ROW_AHEAD */
-      for (int j = 0; j < H * D; j += 2 * VL) __builtin_prefetch(xi + ROW_AHEAD * ld_outer + j, 0, 3);
-    v16 rv = vset1(1.f);
-    if (w) {
-      v16 acc = vset1(0.f);
-      for (int j = 0; j < D; j += VL) {
-        v16 v = vload_bf16(xi + j);
-        acc += v * v;
-      }
-      float ri = 1.0f / sqrtf(vhsum(acc) / (float)D + eps);
-      r[i] = ri;
-      rv = vset1(ri);
-    }
-    for (int j = 0; j < half; j += VL) {
-      v16 x1 = vload_bf16(xi + j), x2 = vload_bf16(xi + half + j);
-      if (w) {
-        x1 = vround_bf16(x1 * rv) * vload(w + j);
-        x2 = vround_bf16(x2 * rv) * vload(w + half + j);
-      }
-      v16 cj = vload(c + j), sj = vload(s + j);
-      vstore_bf16(yi + j, x1 * cj - x2 * sj);
-      vstore_bf16(yi + half + j, x2 * cj + x1 * sj);
-    }
-  }
+  for (int64_t i = 0; i < B * T * H; i++)
+    norm_rope_row(i, x, ld_outer, ld_inner, w, eps, cos, sin, y, r, B, T, H, D, 1);
 }
 
-/* The gradient of tsr_norm_rope_bf16: g [B, H, T, D] (bf16, contiguous) -> dx [B, T, H, D]
-   (bf16; row strides dx_outer per (b, t) and dx_inner per head: a slice of the q/k/v
-   gradient): the inverse rotation ([g1, g2] -> [g1 c + g2 s, g2 c - g1 s]) in float32, then,
-   with w, RMSNorm's input gradient r (u w - n mean(u w n)), n = x r (x as the forward read it,
-   r as it wrote it), rounded once. */
+/* The gradient of tsr_norm_rope_bf16: rows.c's tsr_norm_rope_backward on bf16 g, x and dx,
+   in float32 (x as the forward read it, r as it wrote it), rounded once. D <= 1024. */
 void tsr_norm_rope_backward_bf16(const uint16_t *g, const uint16_t *x, int64_t ld_outer,
                                  int64_t ld_inner, const float *w, const float *r,
                                  const float *cos, const float *sin, uint16_t *dx,
                                  int64_t dx_outer, int64_t dx_inner, int64_t B, int T, int H,
                                  int D, int threads) {
-  const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < B * T * H; i++) {
-    int64_t o = i / H, b = o / T;
-    int h = (int)(i % H), t = (int)(o % T);
-    const uint16_t *gi = g + ((b * H + h) * T + t) * D;
-    const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-    uint16_t *di = dx + o * dx_outer + h * dx_inner;
-    if (h == 0 && o + ROW_AHEAD < B * T) { /* see ROW_AHEAD */
-      for (int j = 0; j < H * D; j += 2 * VL) __builtin_prefetch(di + ROW_AHEAD * dx_outer + j, 1, 3);
-      if (t + ROW_AHEAD < T) /* g's H streams (one per head), too many for the hardware */
-        for (int hh = 0; hh < H; hh++)
-          for (int j = 0; j < D; j += 2 * VL)
-            __builtin_prefetch(g + ((b * H + hh) * T + t + ROW_AHEAD) * D + j, 0, 3);
-      if (w)
-        for (int j = 0; j < H * D; j += 2 * VL)
-          __builtin_prefetch(x + (o + ROW_AHEAD) * ld_outer + j, 0, 3);
-    }
-    float u[1024] __attribute__((aligned(64))); /* D <= 1024 (bf16_rows.py checks) */
-    for (int j = 0; j < half; j += VL) {
-      v16 g1 = vload_bf16(gi + j), g2 = vload_bf16(gi + half + j), cj = vload(c + j), sj = vload(s + j);
-      vstore(u + j, g1 * cj + g2 * sj);
-      vstore(u + half + j, g2 * cj - g1 * sj);
-    }
-    if (!w) {
-      for (int j = 0; j < D; j += VL) vstore_bf16(di + j, vload(u + j));
-      continue;
-    }
-    const uint16_t *xi = x + o * ld_outer + h * ld_inner;
-    v16 rv = vset1(r[i]), acc = vset1(0.f);
-    for (int j = 0; j < D; j += VL) acc += (vload(u + j) * vload(w + j)) * (vload_bf16(xi + j) * rv);
-    v16 mv = vset1(vhsum(acc) / (float)D);
-    for (int j = 0; j < D; j += VL)
-      vstore_bf16(di + j, ((vload(u + j) * vload(w + j)) - (vload_bf16(xi + j) * rv) * mv) * rv);
-  }
+  for (int64_t i = 0; i < B * T * H; i++)
+    norm_rope_grad_row(i, g, x, ld_outer, ld_inner, w, r, cos, sin, dx, dx_outer, dx_inner, B, T,
+                       H, D, 1);
 }
 
 /* The SwiGLU kernels read two or three rows side by side, each a few KB: every stream is

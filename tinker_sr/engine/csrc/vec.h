@@ -127,4 +127,15 @@ static inline v16 vround_bf16(v16 x) {
   return (v16)(__builtin_convertvector(vto_bf16(x), vu16) << 16);
 }
 
+/* Element `j` past `p` (a float or a bfloat16 array) as 16 floats / stored from them. */
+static inline __attribute__((always_inline)) v16 vload_as(const void *p, int64_t j, int bf16) {
+  return bf16 ? vload_bf16((const uint16_t *)p + j) : vload((const float *)p + j);
+}
+static inline __attribute__((always_inline)) void vstore_as(void *p, int64_t j, v16 x, int bf16) {
+  if (bf16)
+    vstore_bf16((uint16_t *)p + j, x);
+  else
+    vstore((float *)p + j, x);
+}
+
 #endif
