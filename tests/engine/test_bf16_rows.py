@@ -107,6 +107,8 @@ def test_norm_rope_within_a_bf16_rounding_of_the_eager_path(norm: bool) -> None:
     )
     cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
     assert attention_inputs.use_norm_rope(xq, w, cos, sin)
+    wide = torch.zeros(1, t, 1, 1056, dtype=torch.bfloat16)  # over the kernels' 1024
+    assert not attention_inputs.use_norm_rope(wide, None, torch.ones(t, 1056), torch.ones(t, 1056))
 
     x_ref = xq.detach().clone().requires_grad_()
     want = _eager_norm_rope(x_ref, w, 1e-6, cos, sin)
@@ -367,3 +369,20 @@ def test_the_c_bf16_conversion_rounds_as_torch_subnormals_and_nans_included() ->
     nan = a.isnan().expand_as(out)
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_merged_weight_in_bf16_is_the_float32_merge_rounded_once(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 autocast the merged LoRA groups form their weight in bf16 directly
+    (`fused.merged_weight(..., dtype)`): the bits autocast's cast of the float32 merge gave."""
+    if not native:
+        monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    gen = torch.Generator().manual_seed(8)
+    weights = [torch.randn(n, 96, generator=gen) for n in (512, 256)]
+    a = [torch.randn(4, 96, generator=gen) for _ in weights]
+    b = [torch.randn(w.shape[0], 4, generator=gen) for w in weights]
+    want = fused.merged_weight(weights, a, b, 0.5).bfloat16()
+    got = fused.merged_weight(weights, a, b, 0.5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -385,7 +385,7 @@ def _rows_library() -> Any | None:
     lib.tsr_norm_rope.argtypes = [p, n, n, p, f32, p, p, p, p, n, i, i, i, i]
     lib.tsr_norm_rope_backward.argtypes = [p, p, n, n, p, p, p, p, p, n, n, n, i, i, i, i]
     lib.tsr_softmax_rows.argtypes = [p, n, n, p, p, i]
-    lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i, i]
+    lib.tsr_lora_merge.argtypes = [p, p, p, ctypes.c_float, p, n, i, i, i, i, i]
     lib.tsr_softmax_scale_rows.argtypes = [p, n, n, p, p, i]
     lib.tsr_lora_grads.argtypes = [p, n, n, p, i]  # the group: adapter_grads._Group
     for f in (
@@ -420,13 +420,12 @@ def _softmax_ready(z: Tensor, *rows: Tensor) -> bool:
 
 
 def lora_merge(w: Tensor, b: Tensor, a: Tensor, s: float, out: Tensor) -> bool:
-    """``out = w + s b a`` (w, out [N, K], b [N, r], a [r, K]; contiguous; b, a float32; w, out
-    both float32 or both bfloat16, accumulated in float32 and rounded once) in one C pass;
+    """``out = w + s b a`` (w, out [N, K], b [N, r], a [r, K]; contiguous; b, a float32; w and
+    out each float32 or bfloat16, accumulated in float32 and rounded once) in one C pass;
     False where it does not apply (``out`` untouched)."""
     if not (
         w.dim() == 2
         and out.shape == w.shape
-        and out.dtype == w.dtype
         and b.shape == (w.shape[0], a.shape[0])
         and a.shape[1] == w.shape[1]
         and all(t.is_contiguous() for t in (w, b, a, out))
@@ -438,7 +437,7 @@ def lora_merge(w: Tensor, b: Tensor, a: Tensor, s: float, out: Tensor) -> bool:
     lib = _rows_library()
     lib.tsr_lora_merge(  # type: ignore[union-attr]
         _ptr(w), _ptr(b), _ptr(a), s, _ptr(out), w.shape[0], w.shape[1], a.shape[0],
-        w.dtype == torch.bfloat16, torch.get_num_threads(),
+        w.dtype == torch.bfloat16, out.dtype == torch.bfloat16, torch.get_num_threads(),
     )  # fmt: skip
     return True
 

@@ -149,18 +149,24 @@ def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
 
 
 def merged_weight(
-    weights: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], s: float
+    weights: Sequence[Tensor],
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    s: float,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """cat_i(W_i + s B_i A_i) in the base's dtype: accumulated in float32 (the adapters' dtype)
-    and rounded once. The engine's one merge: training's merged groups and the samplers' merged
-    copies (`lora.LoraLinear.merged_weight`) compute the same weights.
+    """cat_i(W_i + s B_i A_i) in ``dtype`` (default: the base's): accumulated in float32 (the
+    adapters' dtype) and rounded once. The engine's one merge: training's merged groups and
+    the samplers' merged copies (`lora.LoraLinear.merged_weight`) compute the same weights.
 
     Formed outside autocast: it is weight-sized arithmetic on the float32 master adapters
-    (autocast would also refuse the ``out=`` products or make them slow); a caller under
-    autocast then casts the result once, as for any weight.
+    (autocast would also refuse the ``out=`` products or make them slow). A caller under
+    autocast asks for the autocast dtype: the float32 merge rounded once, as autocast would
+    cast it for the product (in the C pass itself, where it applies: no float32 copy).
     """
     n = sum(w.shape[0] for w in weights)
-    out = torch.empty(n, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    kind = weights[0].device
+    out = torch.empty(n, weights[0].shape[1], dtype=dtype or weights[0].dtype, device=kind)
     row = 0
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):
@@ -168,11 +174,20 @@ def merged_weight(
             if compiled.lora_merge(w, b_i, a_i, s, block):
                 pass  # one C pass over the weight (float32 or bfloat16 on a CPU)
             elif w.dtype == a_i.dtype:  # W + s (B A) in the GEMM's epilogue
-                torch.addmm(w, b_i, a_i, alpha=s, out=block)
+                if block.dtype == w.dtype:
+                    torch.addmm(w, b_i, a_i, alpha=s, out=block)
+                else:  # rounded once into the asked dtype
+                    block.copy_(torch.addmm(w, b_i, a_i, alpha=s))
             else:
                 block.copy_(torch.mm(b_i, a_i).mul_(s).add_(w))
             row += w.shape[0]
     return out
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast casts x's products to, None where it is off."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def _kept(merged: Tensor, saved: Tensor) -> Tensor | None:
@@ -209,13 +224,13 @@ class _MergedLoraGroup(torch.autograd.Function):
         ctx: Any, x: Tensor, scaling: float, g: int, link: _GateUpLink | None, *tensors: Tensor
     ) -> Tensor:
         weights, a, b = tensors[:g], tensors[g : 2 * g], tensors[2 * g :]
-        merged = merged_weight(weights, a, b, scaling)
+        low = _autocast_dtype(x)
+        merged = merged_weight(weights, a, b, scaling, low)  # as autocast would cast it
         ctx.scaling, ctx.g, ctx.x_dtype, ctx.link = scaling, g, x.dtype, link
         if link is not None:
             link.ctx = weakref.ref(ctx)
-        kind = x.device.type
-        if torch.is_autocast_enabled(kind):  # cast once, keep the cast (half the memory)
-            x = x.to(torch.get_autocast_dtype(kind))
+        if low is not None:  # cast once, keep the cast (half the memory)
+            x = x.to(low)
         ctx.merged = _kept(merged, x) if ctx.needs_input_grad[0] else None
         ctx.save_for_backward(x, *tensors)
         return gemm.linear(x, merged)
@@ -258,7 +273,7 @@ def _group_grads(
     x2, dy2 = x.reshape(-1, x.shape[-1]).to(low), dy.reshape(-1, dy.shape[-1])
     dx = None
     if need_dx:
-        w = merged_weight(weights, a, b, s) if merged is None else merged
+        w = merged_weight(weights, a, b, s, low) if merged is None else merged
         dx = gemm.mm(dy2, w.to(low)).view(x.shape).to(x.dtype)
     got = done if done is not None else lora_grads(dy2, b, s, x=x2, a=a)  # one C pass
     if got is not None and got.da is not None:
@@ -387,7 +402,7 @@ class _SwiGLUDown(torch.autograd.Function):
                 h, xa = got
         if xa is None:
             h = _silu_mul(gate, up)
-        merged = merged_weight([w], [a], [b], scaling)
+        merged = merged_weight([w], [a], [b], scaling, _autocast_dtype(gate_up))
         y = gemm.linear(h, merged)
         ctx.merged = _kept(merged, gate_up)
         ctx.save_for_backward(gate_up, w, a, b, xa)

@@ -290,37 +290,48 @@ void tsr_softmax_scale_rows(float *z, int64_t rows, int64_t V, const float *lse,
   }
 }
 
+/* One row n of tsr_lora_merge, for constant w_bf16 / out_bf16 (always inlined: each pair of
+   dtypes gets its own loop). */
+static inline __attribute__((always_inline)) void lora_merge_row(
+    const void *w, const float *b, const float *a, float s, void *out, int64_t n, int K, int r,
+    int w_bf16, int out_bf16) {
+  const float *bn = b + n * r;
+  int64_t base = n * K;
+  int k = 0;
+  for (; k + VL <= K; k += VL) {
+    v16 acc = vload_as(w, base + k, w_bf16);
+    for (int j = 0; j < r; j++) acc += vset1(s * bn[j]) * vload(a + (int64_t)j * K + k);
+    vstore_as(out, base + k, acc, out_bf16);
+  }
+  for (; k < K; k++) {
+    float acc = w_bf16 ? bf16_float(((const uint16_t *)w)[base + k]) : ((const float *)w)[base + k];
+    for (int j = 0; j < r; j++) acc += (s * bn[j]) * a[(int64_t)j * K + k];
+    if (out_bf16)
+      ((uint16_t *)out)[base + k] = float_bf16(acc);
+    else
+      ((float *)out)[base + k] = acc;
+  }
+}
+
 /* A merged LoRA weight in one pass: out[n, :] = w[n, :] + sum_j (s b[n, j]) a[j, :] for w, out
-   [N, K], b [N, r], a [r, K] (all contiguous; b, a float32; w, out float32, or with bf16 both
-   bfloat16: accumulated in float32 and rounded once). torch's addmm copied w into out and then
-   ran a rank-r GEMM over it (two passes over a weight-sized tensor); in bfloat16, a float32
-   product, its scaling, the add and the conversion were four. */
+   [N, K], b [N, r], a [r, K] (all contiguous; b, a float32; w and out each float32 or
+   bfloat16 (w_bf16, out_bf16): accumulated in float32 and rounded once). torch's addmm copied
+   w into out and then ran a rank-r GEMM over it (two passes over a weight-sized tensor); in
+   bfloat16, a float32 product, its scaling, the add and the conversion were four. A float32 w
+   into a bf16 out is bf16 mixed precision's merged weight: the float32 merge rounded once, in
+   the pass that forms it. */
 void tsr_lora_merge(const void *w, const float *b, const float *a, float s, void *out,
-                    int64_t N, int K, int r, int bf16, int threads) {
+                    int64_t N, int K, int r, int w_bf16, int out_bf16, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const float *bn = b + n * r;
-    const float *wf = (const float *)w + n * K;
-    const uint16_t *wh = (const uint16_t *)w + n * K;
-    float *of = (float *)out + n * K;
-    uint16_t *oh = (uint16_t *)out + n * K;
-    int k = 0;
-    for (; k + VL <= K; k += VL) {
-      v16 acc = bf16 ? vload_bf16(wh + k) : vload(wf + k);
-      for (int j = 0; j < r; j++) acc += vset1(s * bn[j]) * vload(a + (int64_t)j * K + k);
-      if (bf16)
-        vstore_bf16(oh + k, acc);
-      else
-        vstore(of + k, acc);
-    }
-    for (; k < K; k++) {
-      float acc = bf16 ? bf16_float(wh[k]) : wf[k];
-      for (int j = 0; j < r; j++) acc += (s * bn[j]) * a[(int64_t)j * K + k];
-      if (bf16)
-        oh[k] = float_bf16(acc);
-      else
-        of[k] = acc;
-    }
+    if (w_bf16 && out_bf16)
+      lora_merge_row(w, b, a, s, out, n, K, r, 1, 1);
+    else if (w_bf16)
+      lora_merge_row(w, b, a, s, out, n, K, r, 1, 0);
+    else if (out_bf16)
+      lora_merge_row(w, b, a, s, out, n, K, r, 0, 1);
+    else
+      lora_merge_row(w, b, a, s, out, n, K, r, 0, 0);
   }
 }
 
