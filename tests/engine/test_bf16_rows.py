@@ -386,3 +386,32 @@ def test_a_merged_weight_in_bf16_is_the_float32_merge_rounded_once(
     want = fused.merged_weight(weights, a, b, 0.5).bfloat16()
     got = fused.merged_weight(weights, a, b, 0.5, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_the_bf16_residual_norm_gives_the_float32_passes_bits() -> None:
+    """Under bf16 autocast a decoder layer's residual add + RMSNorm (`fused.add_rms_norm(...,
+    low_out=True)`) reads the bf16 sublayer output and hands the next sublayer a bf16 row; its
+    backward reads that row's bf16 gradient: every value equals the float32 form's with the
+    casts autocast and autograd would add (the C pass on the widened operands, rounded once)."""
+    gen = torch.Generator().manual_seed(9)
+    x0 = torch.randn(8, 64, 256, generator=gen)
+    y0 = torch.randn(8, 64, 256, generator=gen).bfloat16()
+    w = torch.randn(256, generator=gen)
+    g_out = torch.randn(8, 64, 256, generator=gen).bfloat16()
+    g_h = torch.randn(8, 64, 256, generator=gen)
+
+    def run(low_out: bool) -> list[torch.Tensor]:
+        x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h, out = fused.add_rms_norm(x, y, w, 1e-6, low_out=low_out)
+            assert out.dtype == (torch.bfloat16 if low_out else torch.float32)
+            out = out.to(torch.bfloat16)  # what the next product reads (a cast where float32)
+        torch.autograd.backward([h, out], [g_h, g_out])
+        assert x.grad is not None and y.grad is not None
+        return [h.detach(), out.detach(), x.grad, y.grad]
+
+    got, want = run(True), run(False)
+    assert [t.dtype for t in got] == [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(_threads(1, lambda: run(True))[2], got[2])

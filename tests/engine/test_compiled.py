@@ -1008,7 +1008,14 @@ def test_c_lora_merge_matches_addmm(ran: list[str], monkeypatch: pytest.MonkeyPa
     assert outh.dtype == torch.bfloat16 and outh[0, 0].isnan() and outh[0, 1] == float("inf")
     torch.testing.assert_close(outh[:, 2:].float(), want[:, 2:], rtol=1.01 * 2**-8, atol=1e-5)
     assert (outh[:, 2:] == want[:, 2:].bfloat16()).float().mean() > 0.999
-    assert not compiled.lora_merge(wh, b, a, 2.5, out)  # out must be in w's dtype
+    # Mixed dtypes: a bf16 weight merged into float32 (the float32 accumulation itself), a
+    # float32 one into bf16 (bf16 mixed precision's merged weight: the float32 merge rounded).
+    wide = torch.empty_like(w)
+    assert compiled.lora_merge(wh, b, a, 2.5, wide)
+    assert torch.equal(wide.bfloat16()[:, 1:], outh[:, 1:]) and wide[0, 0].isnan()
+    low = torch.empty_like(wh)
+    assert compiled.lora_merge(w, b, a, 2.5, low)
+    assert torch.equal(low, out.bfloat16())
 
 
 def test_random_models_match_torch_kernels(ran: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

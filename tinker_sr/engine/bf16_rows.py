@@ -28,6 +28,7 @@ from tinker_sr.engine import compiled
 from tinker_sr.engine.compiled import _ptr
 
 __all__ = [
+    "add_rms_norm",
     "causal_softmax",
     "causal_softmax_backward",
     "library",
@@ -70,6 +71,8 @@ def _library() -> Any | None:
     lib.tsr_silu_mul_bf16.argtypes = [p, n, p, n, p, n, i, i]
     lib.tsr_swiglu_backward_bf16.argtypes = [p, p, p, n, i, i]
     lib.tsr_causal_softmax_bf16.argtypes = [p, n, i, i]
+    lib.tsr_add_rms_norm_bf16.argtypes = [p, p, p, p, p, p, n, i, f32, i]
+    lib.tsr_rms_norm_backward_bf16.argtypes = [p, p, p, p, p, p, p, n, i, i]
     lib.tsr_causal_softmax_backward_bf16.argtypes = [p, p, n, i, i]
     for name in (
         "tsr_softmax_rows_bf16",
@@ -79,6 +82,8 @@ def _library() -> Any | None:
         "tsr_swiglu_backward_bf16",
         "tsr_causal_softmax_bf16",
         "tsr_causal_softmax_backward_bf16",
+        "tsr_add_rms_norm_bf16",
+        "tsr_rms_norm_backward_bf16",
     ):
         getattr(lib, name).restype = None
     return lib
@@ -230,3 +235,71 @@ def causal_softmax_backward(p: Tensor, dp: Tensor) -> Tensor | None:
     )
     increment_version(dp)
     return dp
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+    """A decoder layer's residual add and RMSNorm under bf16 autocast: ``(h, out)`` with h = x +
+    y (x the float32 residual stream, y a bf16 sublayer output: h float32) and out the
+    normalised h in bf16, for the next sublayer's products, which would cast it so anyway
+    (the same bits as the float32 C pass on y widened, with out rounded once). Backward reads
+    out's bf16 gradient and writes x's float32 gradient and y's bf16 one in one pass: no
+    casts between the float32 stream and the bf16 sublayers either way. None where it does
+    not apply (the caller runs the float32 form)."""
+    n = x.shape[-1]
+    if not (
+        torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and x.dtype == weight.dtype == torch.float32
+        and y.dtype == torch.bfloat16
+        and y.shape == x.shape
+        and weight.shape == (n,)
+        and not weight.requires_grad
+        and all(t.is_contiguous() for t in (x, y, weight))
+        and ready(x, y, weight)
+    ):
+        return None
+    if library() is None:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+        return _AddRMSNorm.apply(x, y, weight, eps)  # type: ignore[no-any-return]
+    h, out, _ = _add_rms_norm_forward(x, y, weight, eps)
+    return h, out
+
+
+def _add_rms_norm_forward(
+    x: Tensor, y: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    h, out = torch.empty_like(x), torch.empty_like(y)
+    r = x.new_empty(*x.shape[:-1], 1)
+    _library().tsr_add_rms_norm_bf16(  # type: ignore[union-attr]
+        _ptr(x), _ptr(y), _ptr(weight), _ptr(h), _ptr(out), _ptr(r), x.numel() // n, n, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return h, out, r
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, y: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        h, out, r = _add_rms_norm_forward(x, y, weight, eps)
+        ctx.save_for_backward(h, weight, r)
+        ctx.set_materialize_grads(False)  # the last layer's h feeds nothing but its norm
+        return h, out
+
+    @staticmethod
+    def backward(ctx: Any, dh: Tensor | None, dout: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, weight, r = ctx.saved_tensors
+        if dout is None:  # only the residual path: y's gradient is x's, rounded
+            return dh, None if dh is None else dh.to(torch.bfloat16), None, None
+        g = dout.to(torch.bfloat16).contiguous()
+        add = None if dh is None else dh.to(torch.float32).contiguous()
+        d, d_low = torch.empty_like(h), torch.empty_like(g)
+        n = h.shape[-1]
+        _library().tsr_rms_norm_backward_bf16(  # type: ignore[union-attr]
+            _ptr(g), _ptr(h), _ptr(weight), _ptr(r), None if add is None else _ptr(add),
+            _ptr(d), _ptr(d_low), h.numel() // n, n, torch.get_num_threads(),
+        )  # fmt: skip
+        return d, d_low, None, None

@@ -536,16 +536,23 @@ def _rms_norm_grads(
     return dx, dw
 
 
-def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, y: Tensor | None, weight: Tensor, eps: float, low_out: bool = False
+) -> tuple[Tensor, Tensor]:
     """``(h, rms_norm(h, weight, eps))`` for the residual stream ``h = x + y`` (``y`` None:
     h = x): a decoder's residual add and the RMSNorm after it. Where the C kernels take the
     operands (float32, a frozen gain), one autograd node and one C pass each way: forward
     adds and normalises, backward adds the residual path's gradient to the norm's input
     gradient (autograd would sum the two in a pass of its own). Values and gradients are
-    bit-identical to the two-step form, which runs everywhere else."""
+    bit-identical to the two-step form, which runs everywhere else. ``low_out``: the result
+    feeds only products (a decoder layer's sublayer), so under bf16 autocast it may come in
+    bf16 (`bf16_rows.add_rms_norm`: the same values those products read)."""
     if y is None:
         return x, rms_norm(x, weight, eps)
     if _float32_under_cpu_autocast(x, weight) and y.dtype in _WIDENED_EXACTLY:
+        got = bf16_rows.add_rms_norm(x, y, weight, eps) if low_out else None
+        if got is not None:  # a bf16 y and a bf16 result for the next sublayer, in C
+            return got
         # A bf16 sublayer output on the float32 residual: x + y promotes y exactly, as here
         # (`float()` of a float32 y is y itself).
         with torch.autocast("cpu", enabled=False):

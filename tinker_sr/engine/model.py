@@ -461,12 +461,12 @@ class DecoderLayer(nn.Module):
         (`add_rms_norm`). Returns ``(h, m)``: the layer's output is ``h + m``, left for the next
         layer's (or the final) norm to add."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        x, n = add_rms_norm(x, pending, norm1.weight, norm1.eps)
+        x, n = add_rms_norm(x, pending, norm1.weight, norm1.eps, low_out=True)
         if hasattr(self, "linear_attn"):
             a = self.linear_attn(n, start_pos, cache, layer)
         else:
             a = self.self_attn(n, cos, sin, start_pos, cache, layer)
-        h, n = add_rms_norm(x, a, norm2.weight, norm2.eps)
+        h, n = add_rms_norm(x, a, norm2.weight, norm2.eps, low_out=True)
         return h, self.mlp(n)
 
 

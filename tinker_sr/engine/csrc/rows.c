@@ -13,72 +13,26 @@
 #include <string.h>
 
 #include "norm_rope.h"
+#include "rms_norm.h"
 #include "softmax_row.h"
 #include "vec.h"
 
-/* One row of RMSNorm: out = x * r * w, r = 1 / sqrt(mean(x^2) + eps); returns r. */
-static inline float rms_norm_row(const float *xi, const float *w, float *oi, int n, float eps) {
-  v16 acc = vset1(0.f);
-  int j = 0;
-  for (; j + VL <= n; j += VL) {
-    v16 v = vload(xi + j);
-    acc += v * v;
-  }
-  float ss = vhsum(acc);
-  for (; j < n; j++) ss += xi[j] * xi[j];
-  float ri = 1.0f / sqrtf(ss / (float)n + eps);
-  v16 rv = vset1(ri);
-  for (j = 0; j + VL <= n; j += VL) vstore(oi + j, vload(xi + j) * rv * vload(w + j));
-  for (; j < n; j++) oi[j] = xi[j] * ri * w[j];
-  return ri;
-}
-
 /* out = x * r * w per row (r written to r[i]). With y: the residual add folded in, h = x + y
-   written to h and normalised (one pass where an add and the norm took two; the same bits). */
+   written to h and normalised (one pass where an add and the norm took two; the same bits;
+   rms_norm.h). */
 void tsr_rms_norm(const float *x, const float *y, const float *w, float *h, float *out, float *r,
                   int64_t rows, int n, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows; i++) {
-    const float *xi = x + i * n;
-    if (y) {
-      const float *yi = y + i * n;
-      float *hi = h + i * n;
-      int j = 0;
-      for (; j + VL <= n; j += VL) vstore(hi + j, vload(xi + j) + vload(yi + j));
-      for (; j < n; j++) hi[j] = xi[j] + yi[j];
-      xi = hi;
-    }
-    r[i] = rms_norm_row(xi, w, out + i * n, n, eps);
-  }
+  for (int64_t i = 0; i < rows; i++) rms_norm_unit(i, x, y, w, h, out, r, n, eps, 0, 0);
 }
 
 /* dx = r * (g w - x r * mean(g w * x r)) per row: RMSNorm's input gradient. With add (the
    gradient reaching the norm's input by the residual path), dx = add + that, as autograd would
-   sum the two: each product is kept whole before the sum (`vkeep`), so no fused multiply-add
-   changes its rounding. */
+   sum the two (rms_norm.h). */
 void tsr_rms_norm_backward(const float *g, const float *x, const float *w, const float *r,
                            const float *add, float *dx, int64_t rows, int n, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows; i++) {
-    const float *gi = g + i * n, *xi = x + i * n, *ai = add ? add + i * n : NULL;
-    float *di = dx + i * n;
-    float ri = r[i];
-    v16 rv = vset1(ri), acc = vset1(0.f);
-    int j = 0;
-    for (; j + VL <= n; j += VL) acc += (vload(gi + j) * vload(w + j)) * (vload(xi + j) * rv);
-    float dot = vhsum(acc);
-    for (; j < n; j++) dot += (gi[j] * w[j]) * (xi[j] * ri);
-    float mean = dot / (float)n;
-    v16 mv = vset1(mean);
-    for (j = 0; j + VL <= n; j += VL) {
-      v16 d = ((vload(gi + j) * vload(w + j)) - (vload(xi + j) * rv) * mv) * rv;
-      vstore(di + j, ai ? vkeep(d) + vload(ai + j) : d);
-    }
-    for (; j < n; j++) {
-      float d = ((gi[j] * w[j]) - (xi[j] * ri) * mean) * ri;
-      di[j] = ai ? fkeep(d) + ai[j] : d;
-    }
-  }
+  for (int64_t i = 0; i < rows; i++) rms_norm_grad_unit(i, g, x, w, r, add, dx, NULL, n, 0);
 }
 
 /* The SwiGLU kernels read two or three rows side by side, each a few KB of a [gate | up] row

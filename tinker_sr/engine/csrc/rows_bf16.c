@@ -7,7 +7,10 @@
    - the loss's softmax statistics of a chunk of bf16 logits (`tsr_softmax_rows_bf16`),
    - Qwen3's per-head q/k RMSNorm + RoPE from the q/k/v projection's bf16 output, and its
      gradient (`tsr_norm_rope_bf16`, `tsr_norm_rope_backward_bf16`),
-   - silu(gate) * up and the SwiGLU gradient (`tsr_silu_mul_bf16`, `tsr_swiglu_backward_bf16`).
+   - silu(gate) * up and the SwiGLU gradient (`tsr_silu_mul_bf16`, `tsr_swiglu_backward_bf16`),
+   - the causal attention's mask + softmax and its gradient (`tsr_causal_softmax_bf16`, ...),
+   - a decoder layer's residual add + RMSNorm, reading the bf16 sublayer output and writing the
+     normalised row in bf16, and its gradient (`tsr_add_rms_norm_bf16`, ...).
 
    Rows are independent and each is computed whole by one thread (its sums in a fixed order):
    results do not depend on the thread count or the schedule. Part of tinker_sr
@@ -18,6 +21,7 @@
 #include <string.h>
 
 #include "norm_rope.h"
+#include "rms_norm.h"
 #include "softmax_row.h"
 #include "vec.h"
 
@@ -161,4 +165,25 @@ void tsr_causal_softmax_backward_bf16(const uint16_t *p, uint16_t *dp, int64_t r
       vstore_bf16(di + j, vload_bf16(pi + j) * (vload_bf16(di + j) - dot));
     if (end < T) memset(di + end, 0, sizeof(uint16_t) * (size_t)(T - end));
   }
+}
+
+/* A decoder layer's residual add and RMSNorm under bf16 mixed precision: h = x + y (x the
+   float32 residual stream, y a bf16 sublayer output; h float32) and out = bf16(h r w), the
+   normalised row as the next sublayer's bf16 products read it (rms_norm.h): rows.c's
+   tsr_rms_norm on y widened, with out rounded once (what autocast's cast of it gave). */
+void tsr_add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, float *h,
+                           uint16_t *out, float *r, int64_t rows, int n, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) rms_norm_unit(i, x, y, w, h, out, r, n, eps, 1, 1);
+}
+
+/* Its gradient: rows.c's tsr_rms_norm_backward for a bf16 g (the next sublayer's bf16 input
+   gradient, widened exactly), plus add (the residual path's float32 gradient), into dx
+   (float32, the residual stream's) and dx_low (the same rounded to bf16: the sublayer
+   output's gradient) in one pass. */
+void tsr_rms_norm_backward_bf16(const uint16_t *g, const float *x, const float *w,
+                                const float *r, const float *add, float *dx, uint16_t *dx_low,
+                                int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) rms_norm_grad_unit(i, g, x, w, r, add, dx, dx_low, n, 1);
 }
