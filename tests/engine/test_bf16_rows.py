@@ -415,3 +415,44 @@ def test_the_bf16_residual_norm_gives_the_float32_passes_bits() -> None:
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(_threads(1, lambda: run(True))[2], got[2])
+
+
+def test_a_bf16_checkpoints_training_attention_runs_as_gemms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 model outside autocast (a checkpoint as loaded): its training forward's attention
+    runs as the bf16 batched GEMMs (torch's bf16 flash attention backward was 4-11x slower),
+    within bf16 rounding of torch's SDPA; inference, float32 and sizes whose kept probabilities
+    exceed `KEPT_BYTES` keep SDPA."""
+    from tinker_sr.engine import bf16_attention, model
+
+    gen = torch.Generator().manual_seed(10)
+    q0 = torch.randn(4, 8, 40, 64, generator=gen).bfloat16()
+    k0, v0 = (torch.randn(4, 4, 40, 64, generator=gen).bfloat16() for _ in range(2))
+    do = torch.randn(4, 8, 40, 64, generator=gen).bfloat16()
+    calls: list[int] = []
+    real = bf16_attention._BF16CausalAttention.apply
+    monkeypatch.setattr(
+        bf16_attention._BF16CausalAttention, "apply", lambda *a: calls.append(1) or real(*a)
+    )
+
+    def run(attend: Any) -> list[torch.Tensor]:
+        inputs = [x.clone().requires_grad_() for x in (q0, k0, v0)]
+        o = attend(*inputs)
+        return [o.detach(), *torch.autograd.grad(o, inputs, do)]
+
+    got = run(model._causal_attention)
+    assert calls == [1]
+    want = run(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < 3e-2
+    calls.clear()
+    with torch.no_grad():
+        model._causal_attention(q0, k0, v0)
+    run(lambda q, k, v: model._causal_attention(q.float(), k.float(), v.float()).bfloat16())
+    monkeypatch.setattr(bf16_attention, "KEPT_BYTES", 4 * 8 * 40 * 40 * 2 - 1)
+    run(model._causal_attention)
+    assert calls == []

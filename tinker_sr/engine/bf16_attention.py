@@ -16,7 +16,30 @@ from torch import Tensor
 
 from tinker_sr.engine import bf16_rows
 
-__all__ = ["bf16_causal_attention"]
+__all__ = ["KEPT_BYTES", "bf16_causal_attention", "suits_bf16_weights"]
+
+# The bf16 probabilities kept for backward, per layer, up to which a bf16 checkpoint's training
+# step (no autocast) runs attention here rather than in torch's flash attention.
+KEPT_BYTES = 64 << 20
+
+
+def suits_bf16_weights(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Should a bf16 model's training forward outside autocast (a bf16 checkpoint as loaded)
+    run its attention here? torch's CPU flash attention backward on bf16 was 4-11x slower than
+    this (fwd + bwd at 16 heads of 128, 8 KV heads: B 16 x T 25 35.3 vs 3.1 ms, 16 x 96 114 vs
+    11 ms, 8 x 256 103 vs 22 ms; an RL step of a Qwen3-0.6B-shaped checkpoint spent ~1 s of
+    ~4.5 s there); it keeps O(T) memory where this keeps the [T, T] probabilities, so beyond
+    `KEPT_BYTES` per layer (and at 4 x 1024, where it is level) flash attention stays."""
+    b, h, t, _ = q.shape
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and h % k.shape[1] == 0
+        and b * h * t * t * 2 <= KEPT_BYTES
+    )
 
 
 def bf16_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

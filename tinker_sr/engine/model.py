@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tinker_sr.engine import attention_inputs, compiled
-from tinker_sr.engine.bf16_attention import bf16_causal_attention
+from tinker_sr.engine.bf16_attention import bf16_causal_attention, suits_bf16_weights
 from tinker_sr.engine.device import free_memory
 from tinker_sr.engine.fused import (
     add_rms_norm,
@@ -345,11 +345,10 @@ def _rope_contiguous(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal SDPA. Under CPU bf16 mixed precision as bf16 batched GEMMs (oneDNN) around a
-    softmax that accumulates in float32 (`bf16_attention.bf16_causal_attention`): torch's CPU flash
-    attention is slower on bf16 inputs than on float32 ones (its backward ~1.8x), and in
-    float32 runs its products on the BLAS. Measured on the 16 x 256 benchmark step: 1.56 s
-    per step against 1.75 s with float32 flash attention."""
+    """Causal SDPA. Under CPU bf16 mixed precision, and in a bf16 checkpoint's training step
+    (`bf16_attention.suits_bf16_weights`), as bf16 batched GEMMs around a float32-accumulated
+    softmax (`bf16_attention.bf16_causal_attention`): torch's CPU flash attention is slower on
+    bf16 inputs (its backward 1.8-11x)."""
     kind = q.device.type
     if kind == "cpu" and torch.is_autocast_enabled(kind):
         if torch.get_autocast_dtype(kind) == torch.bfloat16:
@@ -357,6 +356,8 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with torch.autocast(kind, enabled=False):
             q, k, v = q.float(), k.float(), v.float()
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if suits_bf16_weights(q, k, v):
+        return bf16_causal_attention(q, k, v)
     if compiled.use_attention(q, k, v):  # the C kernel (default; $TINKER_SR_NATIVE)
         y = compiled.attention(q, k, v)
         if y is not None:
