@@ -97,22 +97,26 @@ class _WideAdapter(torch.autograd.Function):
     base) and float32 adapters: the same float32 products as the plain form, but backward keeps
     x in its own dtype and widens it again there. The plain form kept a float32 copy of x per
     adapter (q, k and v each one of the same x): a bf16 Qwen3-0.6B-shaped step's forward held
-    1076 MiB with those copies, 794 MiB without (docs/performance.md, "Memory limits")."""
+    1076 MiB with those copies, 794 MiB without (docs/performance.md, "Memory limits").
+
+    The scaling s goes on the rank-r side ([M, r] products) rather than a pass over the [M, N]
+    output and its gradient: the same bits where s is a power of two (alpha / rank with the
+    default alpha and a power-of-two rank), float32 rounding apart otherwise."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, a: Tensor, b: Tensor, s: float) -> Tensor:  # type: ignore[override]
         xa = F.linear(x.to(a.dtype), a)
         ctx.save_for_backward(x, a, b, xa)
         ctx.s = s
-        return F.linear(xa, b) * s
+        return F.linear(xa * s, b)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, a, b, xa = ctx.saved_tensors
-        gy = (g * ctx.s).reshape(-1, g.shape[-1])
-        dxa = gy.mm(b)  # [M, r]
+        gy = g.reshape(-1, g.shape[-1])
+        dxa = gy.mm(b).mul_(ctx.s)  # s g B, [M, r]
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        db = gy.t().mm(xa.reshape(-1, xa.shape[-1])) if need_b else None
+        db = gy.t().mm(xa.reshape(-1, xa.shape[-1]) * ctx.s) if need_b else None
         da = dxa.t().mm(x.reshape(-1, x.shape[-1]).to(a.dtype)) if need_a else None
         dx = dxa.mm(a).view(x.shape).to(x.dtype) if need_x else None
         return dx, da, db, None
