@@ -15,7 +15,9 @@ The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; 
 
 ``--attention`` times the C attention kernel alone (forward + backward, best of 3) against
 torch's CPU flash attention (``F.scaled_dot_product_attention``) on the step's shape and on
-longer sequences, in the same process.
+longer sequences, in the same process; then, on bf16 inputs, the bf16 GEMM attention
+(`bf16_attention.bf16_causal_attention`, what bf16 training runs) against torch's flash
+attention at RL lengths of a Qwen3-0.6B-shaped layer.
 
     python benchmarks/compiled.py                       # default vs torch, Qwen3 dir, 16 x 256
     python benchmarks/compiled.py --compare compile,default
@@ -171,6 +173,10 @@ SETTINGS = {"torch": ("0", "0"), "default": ("0", "auto"), "compile": ("1", "aut
 ATTENTION_SHAPES = ((16, 8, 4, 256, 64), (4, 8, 4, 1024, 64), (1, 16, 8, 2048, 128))
 
 
+# bf16 inputs: Qwen3-0.6B's attention (16 heads of 128, 8 KV heads) at RL lengths.
+BF16_ATTENTION_SHAPES = ((16, 16, 8, 25, 128), (16, 16, 8, 96, 128), (8, 16, 8, 256, 128))
+
+
 def attention_only() -> None:
     from tinker_sr.engine.cpu import describe_machine
 
@@ -181,21 +187,34 @@ def attention_only() -> None:
             f"B {b} x H {h} (KV {kv}) x T {t} x D {d}: C kernel forward + backward {mine:.1f} ms, "
             f"torch flash attention {theirs:.1f} ms, ratio {mine / theirs:.2f}"
         )
+    for b, h, kv, t, d in BF16_ATTENTION_SHAPES:
+        mine, theirs = _attention_ms(b, h, kv, t, d, bf16=True)
+        print(
+            f"bf16 B {b} x H {h} (KV {kv}) x T {t} x D {d}: GEMM attention forward + backward "
+            f"{mine:.1f} ms, torch flash attention {theirs:.1f} ms, ratio {mine / theirs:.2f}"
+        )
 
 
-def _attention_ms(b: int, h: int, kv: int, t: int, d: int) -> tuple[float, float]:
-    """Best of 3 forward + backward times (ms): the C kernel, torch's flash attention."""
+def _attention_ms(
+    b: int, h: int, kv: int, t: int, d: int, bf16: bool = False
+) -> tuple[float, float]:
+    """Best of 3 forward + backward times (ms): the C kernel (``bf16``: the bf16 GEMM
+    attention), torch's flash attention."""
     import torch
     import torch.nn.functional as F
 
     from tinker_sr.engine import compiled
+    from tinker_sr.engine.bf16_attention import bf16_causal_attention
 
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, n, t, d, generator=gen).requires_grad_() for n in (h, kv, kv))
-    go = torch.randn(b, h, t, d, generator=gen)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q, k, v = (
+        torch.randn(b, n, t, d, generator=gen).to(dtype).requires_grad_() for n in (h, kv, kv)
+    )
+    go = torch.randn(b, h, t, d, generator=gen).to(dtype)
 
     def ours() -> None:
-        out = compiled.attention(q, k, v)
+        out = bf16_causal_attention(q, k, v) if bf16 else compiled.attention(q, k, v)
         assert out is not None, compiled.native_failure()
         out.backward(go)
 
