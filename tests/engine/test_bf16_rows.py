@@ -422,10 +422,11 @@ def test_a_bf16_checkpoints_training_attention_runs_as_gemms(
 ) -> None:
     """A bf16 model outside autocast (a checkpoint as loaded): its training forward's attention
     runs as the bf16 batched GEMMs (torch's bf16 flash attention backward was 4-11x slower),
-    within bf16 rounding of torch's SDPA; inference, float32 and sizes whose kept probabilities
-    exceed `KEPT_BYTES` keep SDPA."""
+    within bf16 rounding of torch's SDPA; inference, float32, a CPU without fast bf16 and sizes
+    whose kept probabilities exceed `KEPT_BYTES` keep SDPA."""
     from tinker_sr.engine import bf16_attention, model
 
+    monkeypatch.setattr(bf16_attention, "_fast_bf16", lambda: True)  # as measured (AMX)
     gen = torch.Generator().manual_seed(10)
     q0 = torch.randn(4, 8, 40, 64, generator=gen).bfloat16()
     k0, v0 = (torch.randn(4, 4, 40, 64, generator=gen).bfloat16() for _ in range(2))
@@ -453,6 +454,9 @@ def test_a_bf16_checkpoints_training_attention_runs_as_gemms(
     with torch.no_grad():
         model._causal_attention(q0, k0, v0)
     run(lambda q, k, v: model._causal_attention(q.float(), k.float(), v.float()).bfloat16())
+    monkeypatch.setattr(bf16_attention, "_fast_bf16", lambda: False)  # bf16 emulated: SDPA
+    run(model._causal_attention)
+    monkeypatch.setattr(bf16_attention, "_fast_bf16", lambda: True)
     monkeypatch.setattr(bf16_attention, "KEPT_BYTES", 4 * 8 * 40 * 40 * 2 - 1)
     run(model._causal_attention)
     assert calls == []

@@ -39,7 +39,17 @@ def suits_bf16_weights(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and (q.requires_grad or k.requires_grad or v.requires_grad)
         and h % k.shape[1] == 0
         and b * h * t * t * 2 <= KEPT_BYTES
+        and _fast_bf16()
     )
+
+
+@functools.cache
+def _fast_bf16() -> bool:
+    """bf16 products in hardware (AMX / AVX512_BF16), where the comparison above was made;
+    elsewhere both forms emulate bf16 and flash attention keeps its O(T) memory."""
+    from tinker_sr.engine.cpu import has_fast_bf16
+
+    return has_fast_bf16()
 
 
 def bf16_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -345,10 +345,9 @@ def _rope_contiguous(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal SDPA. Under CPU bf16 mixed precision, and in a bf16 checkpoint's training step
-    (`bf16_attention.suits_bf16_weights`), as bf16 batched GEMMs around a float32-accumulated
-    softmax (`bf16_attention.bf16_causal_attention`): torch's CPU flash attention is slower on
-    bf16 inputs (its backward 1.8-11x)."""
+    """Causal SDPA; under CPU bf16 autocast and in a bf16 checkpoint's training step
+    (`bf16_attention.suits_bf16_weights`) bf16 batched GEMMs around a float32-accumulated
+    softmax: torch's CPU flash attention backward is 1.8-11x slower on bf16 inputs."""
     kind = q.device.type
     if kind == "cpu" and torch.is_autocast_enabled(kind):
         if torch.get_autocast_dtype(kind) == torch.bfloat16:
