@@ -17,7 +17,10 @@ The default model is the issue-11 benchmark's Qwen3 directory (engine_vs_hf.py; 
 torch's CPU flash attention (``F.scaled_dot_product_attention``) on the step's shape and on
 longer sequences, in the same process; then, on bf16 inputs, the bf16 GEMM attention
 (`bf16_attention.bf16_causal_attention`, what bf16 training runs) against torch's flash
-attention at RL lengths of a Qwen3-0.6B-shaped layer.
+attention at RL lengths of a Qwen3-0.6B-shaped layer. It tunes glibc's allocator first, as a
+`LocalBackend` does (`cpu.tune_allocator`): with its single heap torch's bf16 flash attention
+backward runs ~3x slower than with glibc's per-thread arenas (10.7 vs 35.2 ms at 16 x 25
+tokens on an Intel Xeon), and that is what the engine meets.
 
     python benchmarks/compiled.py                       # default vs torch, Qwen3 dir, 16 x 256
     python benchmarks/compiled.py --compare compile,default
@@ -178,8 +181,9 @@ BF16_ATTENTION_SHAPES = ((16, 16, 8, 25, 128), (16, 16, 8, 96, 128), (8, 16, 8, 
 
 
 def attention_only() -> None:
-    from tinker_sr.engine.cpu import describe_machine
+    from tinker_sr.engine.cpu import describe_machine, tune_allocator
 
+    tune_allocator()  # as the engine runs (see the module's docstring)
     print(describe_machine())
     for b, h, kv, t, d in ATTENTION_SHAPES:
         mine, theirs = _attention_ms(b, h, kv, t, d)

@@ -25,11 +25,13 @@ KEPT_BYTES = 64 << 20
 
 def suits_bf16_weights(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Should a bf16 model's training forward outside autocast (a bf16 checkpoint as loaded)
-    run its attention here? torch's CPU flash attention backward on bf16 was 4-11x slower than
-    this (fwd + bwd at 16 heads of 128, 8 KV heads: B 16 x T 25 35.3 vs 3.1 ms, 16 x 96 114 vs
-    11 ms, 8 x 256 103 vs 22 ms; an RL step of a Qwen3-0.6B-shaped checkpoint spent ~1 s of
-    ~4.5 s there); it keeps O(T) memory where this keeps the [T, T] probabilities, so beyond
-    `KEPT_BYTES` per layer (and at 4 x 1024, where it is level) flash attention stays."""
+    run its attention here? torch's CPU flash attention backward on bf16 was 5-9x slower than
+    this in the engine's process (fwd + bwd at 16 heads of 128, 8 KV heads: B 16 x T 25 35.9 vs
+    4.2 ms, 16 x 96 120 vs 13 ms, 8 x 256 96 vs 21 ms; ~3x of it from its per-thread scratch
+    allocations contending on the engine's single malloc heap, `cpu.tune_allocator`; an RL
+    step of a Qwen3-0.6B-shaped checkpoint spent ~1 s of ~4.5 s there); it keeps O(T) memory
+    where this keeps the [T, T] probabilities, so beyond `KEPT_BYTES` per layer flash
+    attention stays."""
     b, h, t, _ = q.shape
     return (
         q.device.type == "cpu"
