@@ -4,10 +4,12 @@ Under CPU autocast the engine's float32 C kernels (`engine.compiled`) stand asid
 passes between the bf16 products ran as torch's eager bf16 ops: the loss's softmax over each
 chunk of bf16 logits (widen, amax, sub, exp, sum, narrow), Qwen3's q/k RMSNorm and RoPE
 (eleven ops forward and backward, through float32 copies), silu(gate) * up and the SwiGLU
-gradient. On an AMX host these took ~45 % of a bf16 step, whose products run several times
-faster than float32 ones. Each kernel here reads bf16, computes in float32 and writes bf16,
-one pass where torch's ops took several, rounding to bf16 where those ops round (values within
-a bf16 unit of theirs; tests/engine/test_bf16_rows.py).
+gradient, the bf16 attention's mask + softmax and its gradient, and the casts between the
+float32 residual stream and the bf16 sublayers. On an AMX host these took about half of a
+bf16 step, whose products run several times faster than float32 ones. Each kernel here
+reads bf16, computes in float32 and writes bf16, one pass where torch's ops took several,
+rounding to bf16 where those ops round (values within a bf16 unit of theirs, or their very
+bits where they only widen and narrow; tests/engine/test_bf16_rows.py).
 
 Every function returns None (or False) where its operands do not suit (dtypes, layouts,
 inference mode, small tensors) or the C kernels are off (``$TINKER_SR_NATIVE=0``) or

@@ -165,8 +165,8 @@ def merged_weight(
     cast it for the product (in the C pass itself, where it applies: no float32 copy).
     """
     n = sum(w.shape[0] for w in weights)
-    kind = weights[0].device
-    out = torch.empty(n, weights[0].shape[1], dtype=dtype or weights[0].dtype, device=kind)
+    device = weights[0].device
+    out = torch.empty(n, weights[0].shape[1], dtype=dtype or weights[0].dtype, device=device)
     row = 0
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):

@@ -1,6 +1,6 @@
 /* Row-wise kernels of a bf16 mixed-precision training step (CPU autocast): the passes that
    under autocast ran as torch's eager bf16 ops, several passes each, while the products
-   around them run on AMX / AVX-512 bf16 (on an AMX host they took ~45 % of the step). Each
+   around them run on AMX / AVX-512 bf16 (on an AMX host they took about half the step). Each
    reads bfloat16, computes in float32 and writes bfloat16, rounding where the eager ops
    round (so values stay within a few bf16 units of theirs; see each kernel):
 
