@@ -44,7 +44,10 @@ static inline __attribute__((always_inline)) void rms_norm_unit(
     acc += v * v;
   }
   float ss = vhsum(acc);
-  for (; j < n; j++) ss += xi[j] * xi[j];
+  /* The tails (n % 16 != 0) keep every product whole (`fkeep`): whether the compiler fuses a
+     product into the sum after it may differ between the float32 and bf16 copies of this code,
+     and the two must agree bit for bit. */
+  for (; j < n; j++) ss += fkeep(xi[j] * xi[j]);
   float ri = 1.0f / sqrtf(ss / (float)n + eps);
   v16 rv = vset1(ri);
   for (j = 0; j + VL <= n; j += VL) vstore_as(out, row + j, vload(xi + j) * rv * vload(w + j), out_bf16);
@@ -66,7 +69,7 @@ static inline __attribute__((always_inline)) void rms_norm_grad_unit(
   int j = 0;
   for (; j + VL <= n; j += VL) acc += (vload_as(g, row + j, g_bf16) * vload(w + j)) * (vload(xi + j) * rv);
   float dot = vhsum(acc);
-  for (; j < n; j++) dot += (scalar_as(g, row + j, g_bf16) * w[j]) * (xi[j] * ri);
+  for (; j < n; j++) dot += fkeep((scalar_as(g, row + j, g_bf16) * w[j]) * (xi[j] * ri));
   float mean = dot / (float)n;
   v16 mv = vset1(mean);
   for (j = 0; j + VL <= n; j += VL) {
@@ -76,7 +79,7 @@ static inline __attribute__((always_inline)) void rms_norm_grad_unit(
     if (dx_low) vstore_bf16(dx_low + row + j, d);
   }
   for (; j < n; j++) {
-    float d = ((scalar_as(g, row + j, g_bf16) * w[j]) - (xi[j] * ri) * mean) * ri;
+    float d = (fkeep(scalar_as(g, row + j, g_bf16) * w[j]) - fkeep((xi[j] * ri) * mean)) * ri;
     di[j] = ai ? fkeep(d) + ai[j] : d;
     if (dx_low) dx_low[row + j] = float_bf16(di[j]);
   }

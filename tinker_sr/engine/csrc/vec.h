@@ -28,14 +28,16 @@ static inline v16 vsel(vi16 mask, v16 a, v16 b) { /* mask ? a : b, lane-wise */
    the exp pass of a softmax ran in 0.57 instead of 0.86 ms per 256 x 32,000 chunk), and
    results below FLT_MIN are subnormals as torch's exp gives them; values are otherwise
    bit-identical to the generic version (the same operations in the same order, rounded at the
-   same points as GCC contracts the generic one), which flushes them to 0 (x < -87.3). */
+   same points as GCC contracts the generic one), which flushes them to 0 (x < -87.3). Above
+   88.72 both give +inf, as expf does (a silu or sigmoid of a gate under -88.7 is then -0 and
+   0, as torch's; the generic version clamps 88.38-88.72 to 2.4e38). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline v16 vexp(v16 x) {
   /* max/min return their second operand when either is NaN: x goes second. -110: 2^n then
      rounds to 0 whatever the polynomial (exp(-inf) is exactly 0). */
   __m512 v = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)x);
-  v = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), v);
+  v = _mm512_min_ps(_mm512_set1_ps(100.0f), v); /* over 88.72: 2^n overflows to inf, as expf */
   const __m512 magic = _mm512_set1_ps(12582912.0f); /* 1.5 * 2^23: round to nearest */
   __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), magic), magic);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
@@ -65,7 +67,8 @@ static inline v16 vexp(v16 x) {
   y = y * r + vset1(5.0000001201E-1f);
   y = y * r * r + r + vset1(1.0f);
   vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return vsel(x < lo, vset1(0.f), y * (v16)bits);
+  v16 e = vsel(x < lo, vset1(0.f), y * (v16)bits);
+  return vsel(x > vset1(88.72283935546875f), vset1(__builtin_inff()), e); /* expf overflows */
 }
 #endif
 
