@@ -152,18 +152,10 @@ def takes_silu(gate: Tensor, up: Tensor) -> bool:
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
     """``silu(gate) * up`` for bf16 gate and up [..., F] (rows of unit stride, e.g. the halves
     of [gate | up]; F a multiple of 16), rounded as torch's two bf16 ops round, in one pass."""
-    g_rows, u_rows = compiled._as_rows(gate), compiled._as_rows(up)
-    if g_rows is None or u_rows is None or not takes_silu(gate, up):
+    if not takes_silu(gate, up):
         return None
     lib = library()
-    if lib is None:
-        return None
-    out = gate.new_empty(gate.shape)
-    lib.tsr_silu_mul_bf16(
-        _ptr(gate), g_rows[1], _ptr(up), u_rows[1], _ptr(out), g_rows[0], gate.shape[-1],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return None if lib is None else compiled._c_silu_mul(lib, gate, up, lib.tsr_silu_mul_bf16)
 
 
 def swiglu_backward(gate_up: Tensor, dh: Tensor) -> Tensor | None:
@@ -171,24 +163,16 @@ def swiglu_backward(gate_up: Tensor, dh: Tensor) -> Tensor | None:
     contiguous) and dh (bf16 [..., F]), written over ``gate_up`` (the SwiGLU node's saved
     activation, dead once its backward has run; its version is bumped, as
     `compiled._c_swiglu_backward` does), rounded as torch's eager bf16 backward rounds."""
-    n = gate_up.shape[-1] // 2
     if not (
         gate_up.dtype == dh.dtype == torch.bfloat16
-        and n % 16 == 0
-        and gate_up.is_contiguous()
-        and dh.is_contiguous()
-        and dh.shape[:-1] + (2 * n,) == gate_up.shape
+        and gate_up.shape[-1] % 32 == 0  # F, its half, a multiple of 16
         and ready(gate_up, dh)
     ):
         return None
     lib = library()
     if lib is None:
         return None
-    lib.tsr_swiglu_backward_bf16(
-        _ptr(gate_up), _ptr(dh), _ptr(gate_up), dh.numel() // n, n, torch.get_num_threads()
-    )
-    increment_version(gate_up)
-    return gate_up
+    return compiled._c_swiglu_backward(lib, gate_up, dh, lib.tsr_swiglu_backward_bf16)  # type: ignore[no-any-return]
 
 
 def _takes_scores(s: Tensor) -> bool:

@@ -534,31 +534,34 @@ def _c_rms_norm_backward(
     return dx
 
 
-def _c_silu_mul(lib: Any, gate: Tensor, up: Tensor) -> Tensor | None:
+def _c_silu_mul(lib: Any, gate: Tensor, up: Tensor, kernel: Any = None) -> Tensor | None:
+    """silu(gate) * up by ``kernel`` (default rows.c's float32 one; `bf16_rows` passes its
+    bf16 twin, which takes the same arguments)."""
     g_rows, u_rows = _as_rows(gate), _as_rows(up)
     if g_rows is None or u_rows is None or gate.shape != up.shape:
         return None
     out = gate.new_empty(gate.shape)
-    lib.tsr_silu_mul(
+    (kernel or lib.tsr_silu_mul)(
         _ptr(gate), g_rows[1], _ptr(up), u_rows[1], _ptr(out), g_rows[0], gate.shape[-1],
         torch.get_num_threads(),
     )  # fmt: skip
     return out
 
 
-def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor) -> Tensor | None:
+def _c_swiglu_backward(lib: Any, gate_up: Tensor, dh: Tensor, kernel: Any = None) -> Tensor | None:
     """[d_gate | d_up], written over ``gate_up``: the SwiGLU node's saved activation, dead
     once its backward has run. Its [rows, 2 x ffn] size is over the heap's 32 MiB cap
     (`cpu.tune_allocator`) at training sizes, so a fresh output cost a new mapping and its page
     faults in every layer (~4x the loop's own time). Its version is bumped, so a second
-    backward through the same graph fails with autograd's in-place error, not silently."""
+    backward through the same graph fails with autograd's in-place error, not silently.
+    ``kernel``: default rows.c's float32 one; `bf16_rows` passes its bf16 twin."""
     n = gate_up.shape[-1] // 2
     if (
         not (gate_up.is_contiguous() and dh.is_contiguous())
         or dh.shape[:-1] + (2 * n,) != gate_up.shape
     ):
         return None
-    lib.tsr_swiglu_backward(
+    (kernel or lib.tsr_swiglu_backward)(
         _ptr(gate_up), _ptr(dh), _ptr(gate_up), dh.numel() // n, n, torch.get_num_threads()
     )
     increment_version(gate_up)
