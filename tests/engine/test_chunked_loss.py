@@ -273,3 +273,64 @@ def test_rows_of_weight_equals_advanced_indexing() -> None:
     w = torch.randn(50, 7)
     cols = torch.randint(0, 50, (9, 3))
     assert torch.equal(loss_logprobs._rows_of(w, cols), w[cols])
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["formed-in-forward", "recomputed"])
+def test_lora_head_of_a_bf16_checkpoint_runs_by_hand_closer_to_float64(
+    known: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 checkpoint's LoRA head (bf16 base weight and hidden states, the float32 adapter
+    `LoraLinear` keeps) takes the by-hand path: the base products in bf16, widened, the
+    adapter, logits and gradients in float32. Against float64 math on the same bf16 values it
+    is within float32 + bf16-product rounding, and closer than the head's own eager forward,
+    which rounds the logits to bf16 (that path still gives the same values to that rounding).
+    ``known``: the loss promises its gradient (`_KnownGrads`), else backward recomputes."""
+    d, v, n = 64, 4096, 96
+    gen = torch.Generator().manual_seed(11)
+    base = torch.nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(v, d, generator=gen) * 0.2)
+    base.weight.requires_grad_(False)
+    head = LoraLinear(base, rank=8, alpha=16.0, generator=gen)
+    with torch.no_grad():
+        head.lora_B.weight.copy_(torch.randn(v, 8, generator=gen) * 0.05)
+    head.weight = torch.nn.Parameter(base.weight.bfloat16(), requires_grad=False)
+    h = torch.randn(n, d, generator=gen).bfloat16()
+    cols = torch.randint(0, v, (n, 1), generator=gen)
+    g = torch.randn(n, 1, generator=gen)
+    g[::3] = 0.0
+    assert (got_parts := loss_logprobs._lora_parts(head, h)) is not None
+    assert got_parts.low is head.weight
+    monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 40 * v)  # 40 rows per chunk
+    params = [head.lora_A.weight, head.lora_B.weight]
+    recomputed: list[int] = []
+    by_hand_backward = loss_logprobs._lora_backward
+    monkeypatch.setattr(
+        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand_backward(*a)
+    )
+
+    def run() -> list[torch.Tensor]:
+        x = h.clone().requires_grad_()
+        grad_of = (lambda a, b, logp: g[a:b].to(logp.dtype)) if known else None
+        (logp,), _ = loss_logprobs.head_logprobs([x], [cols], head, grad_of=grad_of)
+        return [logp.detach(), *torch.autograd.grad(logp, [x, *params], g)]
+
+    def reference() -> list[torch.Tensor]:
+        x = h.double().requires_grad_()
+        a, b = (p.detach().double().requires_grad_() for p in params)
+        z = x @ head.weight.double().t() + head.scaling * (x @ a.t()) @ b.t()
+        logp = torch.log_softmax(z, dim=-1).gather(1, cols)
+        return [logp.detach(), *torch.autograd.grad(logp, [x, a, b], g.double())]
+
+    by_hand, want = run(), reference()
+    assert recomputed == ([] if known else [1])
+    monkeypatch.setattr(loss_logprobs, "_lora_parts", lambda *a: None)
+    eager = run()
+    for mine, theirs, exact in zip(by_hand, eager, want, strict=True):
+        assert mine.dtype == theirs.dtype  # dh in the hidden states' bf16, the rest float32
+        scale = float(exact.abs().max())
+        mine_err = float((mine.double() - exact).abs().max())
+        eager_err = float((theirs.double() - exact).abs().max())
+        assert mine_err <= 1e-2 * scale and eager_err <= 2e-2 * scale
+        if mine.dtype == torch.float32:  # dh rounds to bf16 either way
+            assert mine_err <= eager_err

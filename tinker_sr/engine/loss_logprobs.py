@@ -456,9 +456,11 @@ def _recompute_rows(
 @dataclass(frozen=True)
 class _Lora:
     """A LoRA head's frozen weight, adapter and scaling: z = h W^T + scaling (h A^T) B^T.
-    ``low``: under autocast, W in the autocast dtype (`fused.frozen_cast`, kept): the two
-    unembedding products (logits and dz W) then run in it, as a frozen head's do under
-    autocast, rounded to that precision and widened; everything else stays float32."""
+    ``low``: W in a lower precision than the adapter's float32: under autocast, W cast to the
+    autocast dtype (`fused.frozen_cast`, kept); for a bf16/fp16 checkpoint, W itself (its
+    hidden states in that dtype too). The two unembedding products (logits and dz W) then run
+    in it, as a frozen head's do under autocast, rounded to that precision and widened;
+    everything else (the adapter's products, the logits and their gradient) stays float32."""
 
     w: torch.Tensor
     a: torch.Tensor
@@ -467,9 +469,10 @@ class _Lora:
     low: torch.Tensor | None = None
 
     def base_logits(self, hc: torch.Tensor, rows: int) -> torch.Tensor:
-        """hc W^T (float32: on the packed weight, or in ``low``'s dtype and widened)."""
+        """hc W^T in the adapter's dtype (on the packed weight, or in ``low``'s dtype and
+        widened)."""
         if self.low is not None:
-            return torch.mm(hc.to(self.low.dtype), self.low.t()).to(hc.dtype)
+            return torch.mm(hc.to(self.low.dtype), self.low.t()).to(self.a.dtype)
         w = self.w
         return gemm.packed_linear(hc, w, rows=rows) if _packs_head(w) else gemm.linear(hc, w)
 
@@ -484,20 +487,22 @@ class _Lora:
 def _lora_parts(head: torch.nn.Module, h: torch.Tensor) -> _Lora | None:
     """A LoRA head (`lora.LoraLinear`: the SDK's default ``train_unembed=True``) whose
     products this module runs itself: no bias, a frozen base, its adapter the only trainable
-    parameters, and one dtype throughout (hidden states, base and adapter; under autocast the
-    base's products run in the autocast dtype, see `_Lora`). Else None: the head's own
-    forward and autograd."""
+    parameters, and either one dtype throughout (hidden states, base and adapter; under
+    autocast the base's products run in the autocast dtype) or a bf16/fp16 checkpoint's base
+    and hidden states with the float32 adapter `lora.LoraLinear` keeps for them (see `_Lora`).
+    Else None: the head's own forward and autograd."""
     if type(head) is not LoraLinear or head.bias is not None or head.weight.requires_grad:
         return None
     w, a, b = head.weight, head.lora_A.weight, head.lora_B.weight
-    if not (w.dtype == a.dtype == b.dtype == h.dtype):
+    low_base = w.dtype in (torch.bfloat16, torch.float16) and a.dtype == torch.float32
+    if not (a.dtype == b.dtype and w.dtype == h.dtype and (w.dtype == a.dtype or low_base)):
         return None
     trainable = [p for p in head.parameters() if p.requires_grad]
     if len(trainable) != 2 or not (trainable[0] is a and trainable[1] is b):
         return None
     kind = h.device.type
-    low = None
-    if torch.is_autocast_enabled(kind):
+    low = w if low_base else None
+    if torch.is_autocast_enabled(kind) and not low_base:
         low = frozen_cast(w, torch.get_autocast_dtype(kind))
     return _Lora(w, a, b, head.scaling, low)
 
@@ -507,7 +512,7 @@ def _lora_logits(lora: _Lora, hc: torch.Tensor, rows: int) -> tuple[torch.Tensor
     weight (as a frozen head's) and the rank-r update added in place, so no [rows, V]
     temporary is scaled or added (the head's own forward made three of them per chunk)."""
     with torch.autocast(hc.device.type, enabled=False):
-        u = gemm.linear(hc, lora.a).mul_(lora.scaling)
+        u = gemm.linear(hc.to(lora.a.dtype), lora.a).mul_(lora.scaling)
         return lora.base_logits(hc, rows).addmm_(u, lora.b.t()), u
 
 
@@ -536,7 +541,7 @@ def _lora_backward(
         dz.scatter_add_(1, cols[rows], g)
         got = _lora_dz_grads(lora, dz, hc, u, da, db_t, chunk, dh is not None)
         if dh is not None and got is not None:
-            dh.index_copy_(0, rows, got)
+            dh.index_copy_(0, rows, got.to(dh.dtype))
     return [da if p is a else db_t.t().contiguous() for p in params]
 
 
@@ -556,7 +561,7 @@ def _lora_dz_grads(
     with torch.autocast(dz.device.type, enabled=False):
         dzb = gemm.mm(dz, b)  # [n, r]
         got = lora.base_grad(dz, chunk).addmm_(dzb, a, alpha=scaling) if need_dh else None
-        da.addmm_(dzb.t(), hc, alpha=scaling)
+        da.addmm_(dzb.t(), hc.to(a.dtype), alpha=scaling)
         db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
     return got
 
@@ -613,7 +618,7 @@ class _KnownGrads:
             if rows is None:
                 self.dh[start : start + n] = got
             else:
-                self.dh.index_copy_(0, rows + start, got)
+                self.dh.index_copy_(0, rows + start, got.to(self.dh.dtype))
 
     def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         a = self.lora.a
