@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -110,6 +112,67 @@ def test_small_batches_keep_the_per_layer_path(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(fused._MergedLoraGroup, "apply", lambda *a: calls.append(1) or original(*a))
     model(torch.zeros((2, 3), dtype=torch.long))
     assert not calls
+
+
+def _bf16_base_model() -> torch.nn.Module:
+    """A bf16 checkpoint as the engine trains it: bf16 base, float32 adapters (B non-zero)."""
+    model = build_model(BUILTIN_CONFIGS["tinker-sr/tiny"]).to(torch.bfloat16)
+    apply_lora(model, LoraSpec(rank=2, seed=0))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainable_parameters(model):
+            assert p.dtype == torch.float32
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def test_a_bf16_base_with_float32_adapters_merges_from_fewer_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per token, the float32 adapters of a bf16 base cost `MIXED_ADAPTER_COST` times the
+    passes an all-float32 layer does, so its groups merge from that many times fewer tokens;
+    under autocast (which casts anyway) the plain count holds. Merged or not, the gradients
+    agree to bf16 rounding."""
+    model = _bf16_base_model()
+    attn = model.model.layers[0].self_attn
+    mixed = [fused._lora_parts(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    plain = [dataclasses.replace(p, weight=p.weight.float()) for p in mixed]  # type: ignore[type-var]
+    width = attn.q_proj.in_features
+    rows = next(m for m in range(1, 1 << 16) if fused._merge_pays(torch.empty(m, width), plain))
+    few = -(-rows // fused.MIXED_ADAPTER_COST)  # ceil
+    assert fused._merge_pays(torch.empty(few, width), mixed)  # type: ignore[arg-type]
+    assert not fused._merge_pays(torch.empty(few - 1, width), mixed)  # type: ignore[arg-type]
+    assert not fused._merge_pays(torch.empty(few, width), plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused._merge_pays(torch.empty(few, width), mixed)  # type: ignore[arg-type]
+
+    tokens = torch.randint(0, 256, (2, -(-few // 2)), generator=torch.Generator().manual_seed(0))
+    calls: list[int] = []
+    original = fused._MergedLoraGroup.apply
+    monkeypatch.setattr(fused._MergedLoraGroup, "apply", lambda *a: calls.append(1) or original(*a))
+
+    def grads(m: torch.nn.Module, enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(fused, "ENABLED", enabled)
+        m.zero_grad()
+        logits = m(tokens).double()
+        (logits.logsumexp(-1) - logits[..., 3]).sum().backward()
+        return [logits.detach()] + [p.grad.double() for _, p in trainable_parameters(m)]  # type: ignore[union-attr]
+
+    exact = grads(copy.deepcopy(model).double(), False)  # the same values in float64
+    calls.clear()
+    plain = grads(model, False)
+    assert not calls
+    merged = grads(model, True)
+    assert calls
+    # Both in bf16's regime: the merged weights round W + s B A to bf16 (as a sampler's do),
+    # the per-layer path rounds each output; neither is far from float64 or from the other.
+    err = {
+        name: [float((g - e).norm() / e.norm()) for g, e in zip(got, exact, strict=True)]
+        for name, got in (("plain", plain), ("merged", merged))
+    }
+    assert max(err["merged"]) < 0.15 and max(err["plain"]) < 0.15
+    assert statistics.median(err["merged"]) < 3 * statistics.median(err["plain"]) + 1e-3
 
 
 def test_merged_forward_equals_sampling_on_merged_weights() -> None:

@@ -138,14 +138,28 @@ def _lora_parts(layer: nn.Module) -> _LoraParts | None:
     return _LoraParts(layer.weight, layer.bias, lora_a.weight, lora_b.weight, scaling)
 
 
+# How much more a token costs through the per-layer adapters of a bf16/fp16 checkpoint (float32
+# adapters, no autocast: `lora._WideAdapter`) than `_merge_pays`'s pass count says: each adapter
+# widens its input, runs float32 products and narrows its output, ~15 eager ops forward and
+# backward. Measured on Qwen3-0.6B's shapes (28 layers, host C, session 26): merging paid from
+# ~120 tokens (146: 1.55 against 1.60 s a forward_backward; 400: 2.29 against 2.70 s) and lost
+# below (92: 1.32 against 1.26 s; 23: 0.90 against 0.61 s), where the plain count put the
+# crossover at ~1,200 tokens. Merged, the step computes with the merged weights rounded to the
+# checkpoint's dtype, as its samplers do (`lora.LoraLinear.merged_weight`).
+MIXED_ADAPTER_COST = 10
+
+
 def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
     """Merging costs ~8 weight-sized passes (forward and backward); the per-layer adapter
-    ~6 output-sized plus 4 input-sized passes per token. Compare the two. ``x``: any
+    ~6 output-sized plus 4 input-sized passes per token (`MIXED_ADAPTER_COST` times that for
+    a low-precision base with float32 adapters outside autocast). Compare the two. ``x``: any
     activation with one row per token (only its row count is used)."""
     m = x.numel() // x.shape[-1]
     n = sum(p.weight.shape[0] for p in group)
     k = group[0].weight.shape[1]
-    return m * (3 * n + 2 * k) >= 4 * n * k
+    first = group[0]
+    mixed = first.weight.dtype != first.a.dtype and not torch.is_autocast_enabled(x.device.type)
+    return m * (3 * n + 2 * k) * (MIXED_ADAPTER_COST if mixed else 1) >= 4 * n * k
 
 
 def merged_weight(
