@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.test_losses import random_batch
-from tinker_sr.engine import loss_logprobs
+from tinker_sr.engine import lora_head, loss_logprobs
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.losses import LOSS_NAMES, LossDatum, compute_loss
 
@@ -80,8 +80,8 @@ def test_positions_without_loss_skip_the_backward_unembedding(
     logits_rows: list[int] = []
     grad_rows: list[int] = []
     head = _head(torch.float64)
-    logits = loss_logprobs._lora_logits  # a LoRA head's logits, forward and backward
-    dz_grads = loss_logprobs._lora_dz_grads  # a chunk's products with its logit gradient
+    logits = lora_head._lora_logits  # a LoRA head's logits, forward and backward
+    dz_grads = lora_head._lora_dz_grads  # a chunk's products with its logit gradient
 
     def counting(lora: object, x: torch.Tensor, rows: int) -> object:
         logits_rows.append(x.shape[0])
@@ -91,8 +91,8 @@ def test_positions_without_loss_skip_the_backward_unembedding(
         grad_rows.append(dz.shape[0])
         return dz_grads(lora, dz, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(loss_logprobs, "_lora_logits", counting)
-    monkeypatch.setattr(loss_logprobs, "_lora_dz_grads", counting_dz)
+    monkeypatch.setattr(lora_head, "_lora_logits", counting)
+    monkeypatch.setattr(lora_head, "_lora_dz_grads", counting_dz)
     _, data = random_batch("importance_sampling", seed=7)  # advantages are 0 on 2 rows each
     hidden = [torch.randn(d.target_tokens.shape[0], D, dtype=torch.float64) for d in data]
     result = compute_loss("importance_sampling", hidden, data, {}, unembed=head)
@@ -213,8 +213,8 @@ def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
         g[::3] = 0.0
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 40 * v)  # 40 rows per chunk
     taken: list[int] = []
-    by_hand = loss_logprobs._lora_backward
-    monkeypatch.setattr(loss_logprobs, "_lora_backward", lambda *a: taken.append(1) or by_hand(*a))
+    by_hand = lora_head._lora_backward
+    monkeypatch.setattr(lora_head, "_lora_backward", lambda *a: taken.append(1) or by_hand(*a))
 
     def run() -> list[torch.Tensor]:
         x = h.clone().requires_grad_()
@@ -304,9 +304,9 @@ def test_lora_head_of_a_bf16_checkpoint_runs_by_hand_closer_to_float64(
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 40 * v)  # 40 rows per chunk
     params = [head.lora_A.weight, head.lora_B.weight]
     recomputed: list[int] = []
-    by_hand_backward = loss_logprobs._lora_backward
+    by_hand_backward = lora_head._lora_backward
     monkeypatch.setattr(
-        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand_backward(*a)
+        lora_head, "_lora_backward", lambda *a: recomputed.append(1) or by_hand_backward(*a)
     )
 
     def run() -> list[torch.Tensor]:
@@ -324,6 +324,22 @@ def test_lora_head_of_a_bf16_checkpoint_runs_by_hand_closer_to_float64(
 
     by_hand, want = run(), reference()
     assert recomputed == ([] if known else [1])
+    if known:  # dz W deferred over several chunks (`lora_head._DeferredDh`), in small batches
+        products: list[int] = []
+        real = lora_head._Lora.base_grad
+
+        def counted(self: lora_head._Lora, dz: torch.Tensor, rows: int) -> torch.Tensor:
+            products.append(dz.shape[0])
+            return real(self, dz, rows)
+
+        monkeypatch.setattr(lora_head._Lora, "base_grad", counted)
+        assert [a.equal(b) for a, b in zip(run(), by_hand, strict=True)] == [True] * 4
+        assert products == [int(g.ne(0).sum())]  # every live row in one product
+        products.clear()
+        monkeypatch.setattr(lora_head, "DEFER_BYTES", 10 * v * 2)  # a buffer of one chunk's rows
+        for a, b in zip(run(), by_hand, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()))
+        assert len(products) > 1 and sum(products) == int(g.ne(0).sum())
     monkeypatch.setattr(loss_logprobs, "_lora_parts", lambda *a: None)
     eager = run()
     for mine, theirs, exact in zip(by_hand, eager, want, strict=True):

@@ -1,5 +1,5 @@
 """A LoRA head's backward formed in forward from the loss's gradient known ahead
-(`engine.loss_grads` + `loss_logprobs._KnownGrads`): the closed forms equal what autograd
+(`engine.loss_grads` + `lora_head._KnownGrads`): the closed forms equal what autograd
 delivers bit for bit (else the fast path would not be taken), the gradients agree with the
 recompute path and with full logits, a different delivered gradient falls back to
 recomputing, and the real training step takes the path."""
@@ -11,7 +11,7 @@ import torch
 
 import tinker_sr as tinker
 from tests.test_losses import random_batch
-from tinker_sr.engine import loss_logprobs
+from tinker_sr.engine import lora_head, loss_logprobs
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.loss_grads import known_grads
 from tinker_sr.engine.losses import LOSS_NAMES, LossDatum, compute_loss
@@ -70,10 +70,8 @@ def _grads(
     monkeypatch.setattr(loss_logprobs, "PRECOMPUTE_HEAD_GRAD", known)
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 64 * V)  # 64 rows per chunk
     recomputed: list[int] = []
-    by_hand = loss_logprobs._lora_backward
-    monkeypatch.setattr(
-        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a)
-    )
+    by_hand = lora_head._lora_backward
+    monkeypatch.setattr(lora_head, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a))
     data = _batch(loss_fn)
     gen = torch.Generator().manual_seed(3)
     hidden = [
@@ -164,10 +162,8 @@ def test_training_step_with_the_sdk_default_lora_head_takes_the_known_path(
     """Through the public client (``train_unembed=True``, the default): no logits recomputed,
     and the adapters after two steps agree with the recompute path's."""
     recomputed: list[int] = []
-    by_hand = loss_logprobs._lora_backward
-    monkeypatch.setattr(
-        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a)
-    )
+    by_hand = lora_head._lora_backward
+    monkeypatch.setattr(lora_head, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a))
     types = tinker.types
     gen = torch.Generator().manual_seed(5)
     data = []
@@ -213,10 +209,8 @@ def test_importance_sampling_beyond_torchs_parallel_grain_keeps_the_known_path(
     the promised gradient still holds bit for bit."""
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 64 * V)
     recomputed: list[int] = []
-    by_hand = loss_logprobs._lora_backward
-    monkeypatch.setattr(
-        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a)
-    )
+    by_hand = lora_head._lora_backward
+    monkeypatch.setattr(lora_head, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a))
     gen = torch.Generator().manual_seed(6)
     n = 20005
     data = [
@@ -246,20 +240,18 @@ def test_lora_head_under_bf16_autocast_multiplies_in_bf16_within_its_rounding(
     gradients within bf16 rounding of float32, the known-gradient path still taken."""
     monkeypatch.setattr(loss_logprobs, "PRECOMPUTE_HEAD_GRAD", known)
     recomputed: list[int] = []
-    by_hand = loss_logprobs._lora_backward
-    monkeypatch.setattr(
-        loss_logprobs, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a)
-    )
+    by_hand = lora_head._lora_backward
+    monkeypatch.setattr(lora_head, "_lora_backward", lambda *a: recomputed.append(1) or by_hand(*a))
     low_products: list[torch.dtype] = []
     for name in ("base_logits", "base_grad"):
-        real = getattr(loss_logprobs._Lora, name)
+        real = getattr(lora_head._Lora, name)
 
         def counting(self: object, x: torch.Tensor, rows: int, real: object = real) -> object:
             low = getattr(self, "low", None)
             low_products.append(torch.float32 if low is None else low.dtype)
             return real(self, x, rows)  # type: ignore[operator]
 
-        monkeypatch.setattr(loss_logprobs._Lora, name, counting)
+        monkeypatch.setattr(lora_head._Lora, name, counting)
     data = _batch("importance_sampling")
     gen = torch.Generator().manual_seed(3)
     hidden0 = [torch.randn(d.target_tokens.shape[0], D, generator=gen) for d in data]

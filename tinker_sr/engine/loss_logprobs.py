@@ -11,14 +11,14 @@ the gradient is produced for the batch at once instead of one padded copy per da
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tinker_sr.engine import bf16_rows, compiled, gemm
+from tinker_sr.engine import bf16_rows, compiled, gemm, lora_head
 from tinker_sr.engine.fused import frozen_cast
 from tinker_sr.engine.lora import LoraLinear
+from tinker_sr.engine.lora_head import _KnownGrads, _Lora
 
 # (first row, stop row, the rows' log-probs [n, J]) -> the gradient of the loss with respect
 # to those log-probs, as autograd will deliver it to the head (see `head_logprobs`).
@@ -229,7 +229,7 @@ class _HeadLogprobs(torch.autograd.Function):
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk]
                 if known is not None:
-                    z, u = _lora_logits(known.lora, hc, chunk)
+                    z, u = lora_head._lora_logits(known.lora, hc, chunk)
                 else:
                     z = _chunk_logits(head, low, hc, compute_dtype, buffers, chunk)
                 picked[a : a + chunk] = z.gather(1, cols[a : a + chunk])
@@ -241,6 +241,8 @@ class _HeadLogprobs(torch.autograd.Function):
                     stop = a + hc.shape[0]
                     g = grad_of(a, stop, picked[a:stop] - lse[a:stop, None])
                     known.add_chunk(a, hc, u, e, total, g, cols[a:stop])
+            if known is not None:
+                known.finish()
         ctx.save_for_backward(h, cols, lse, expected, done)
         ctx.head, ctx.chunk, ctx.params, ctx.weight = head, chunk, params, weight
         ctx.known = known
@@ -309,7 +311,7 @@ def _chunk_logits(
         weight = head.weight
     lora = _lora_parts(head, hc) if weight is None else None
     if lora is not None:
-        return _lora_logits(lora, hc, rows)[0]
+        return lora_head._lora_logits(lora, hc, rows)[0]
     if weight is None:  # an adapter on the head, or a bias: its own forward
         return head(hc).to(compute_dtype)  # type: ignore[no-any-return]
     if gemm.uses_onednn(hc, weight):  # a fresh result: see _CHUNK_ELEMENTS
@@ -432,7 +434,7 @@ def _recompute_rows(
     params: tuple[torch.Tensor, ...] = ctx.params
     lora = _lora_parts(ctx.head, h)
     if lora is not None:
-        return _lora_backward(lora, params, grad, live, h, cols, lse, dh, ctx.chunk)
+        return lora_head._lora_backward(lora, params, grad, live, h, cols, lse, dh, ctx.chunk)
     dparams = [torch.zeros_like(p) for p in params]
     for a in range(0, live.numel(), ctx.chunk):
         rows = live[a : a + ctx.chunk]
@@ -451,37 +453,6 @@ def _recompute_rows(
             if g_p is not None:
                 acc += g_p
     return dparams
-
-
-@dataclass(frozen=True)
-class _Lora:
-    """A LoRA head's frozen weight, adapter and scaling: z = h W^T + scaling (h A^T) B^T.
-    ``low``: W in a lower precision than the adapter's float32: under autocast, W cast to the
-    autocast dtype (`fused.frozen_cast`, kept); for a bf16/fp16 checkpoint, W itself (its
-    hidden states in that dtype too). The two unembedding products (logits and dz W) then run
-    in it, as a frozen head's do under autocast, rounded to that precision and widened;
-    everything else (the adapter's products, the logits and their gradient) stays float32."""
-
-    w: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float
-    low: torch.Tensor | None = None
-
-    def base_logits(self, hc: torch.Tensor, rows: int) -> torch.Tensor:
-        """hc W^T in the adapter's dtype (on the packed weight, or in ``low``'s dtype and
-        widened)."""
-        if self.low is not None:
-            return torch.mm(hc.to(self.low.dtype), self.low.t()).to(self.a.dtype)
-        w = self.w
-        return gemm.packed_linear(hc, w, rows=rows) if _packs_head(w) else gemm.linear(hc, w)
-
-    def base_grad(self, dz: torch.Tensor, rows: int) -> torch.Tensor:
-        """dz W, as `base_logits` runs its product."""
-        if self.low is not None:
-            return torch.mm(dz.to(self.low.dtype), self.low).to(dz.dtype)
-        w = self.w
-        return gemm.packed_mm(dz, w, rows) if _packs_head(w) else gemm.mm(dz, w)
 
 
 def _lora_parts(head: torch.nn.Module, h: torch.Tensor) -> _Lora | None:
@@ -504,139 +475,7 @@ def _lora_parts(head: torch.nn.Module, h: torch.Tensor) -> _Lora | None:
     low = w if low_base else None
     if torch.is_autocast_enabled(kind) and not low_base:
         low = frozen_cast(w, torch.get_autocast_dtype(kind))
-    return _Lora(w, a, b, head.scaling, low)
-
-
-def _lora_logits(lora: _Lora, hc: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``z = hc W^T + u B^T``, ``u = scaling * hc A^T``): the base product on the packed
-    weight (as a frozen head's) and the rank-r update added in place, so no [rows, V]
-    temporary is scaled or added (the head's own forward made three of them per chunk)."""
-    with torch.autocast(hc.device.type, enabled=False):
-        u = gemm.linear(hc.to(lora.a.dtype), lora.a).mul_(lora.scaling)
-        return lora.base_logits(hc, rows).addmm_(u, lora.b.t()), u
-
-
-def _lora_backward(
-    lora: _Lora,
-    params: tuple[torch.Tensor, ...],
-    grad: torch.Tensor,
-    live: torch.Tensor,
-    h: torch.Tensor,
-    cols: torch.Tensor,
-    lse: torch.Tensor,
-    dh: torch.Tensor | None,
-    chunk: int,
-) -> list[torch.Tensor]:
-    """`_recompute_rows` for a LoRA head, by hand: per chunk of live rows, recompute the logits,
-    turn them in place into dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, then
-    dh = dz W + scaling (dz B) A, dA = scaling (dz B)^T h, dB = dz^T u (u = scaling h A^T).
-    Returns (dA, dB) in the order of ``params``."""
-    a = lora.a
-    da, db_t = torch.zeros_like(a), torch.zeros_like(lora.b.t())
-    for start in range(0, live.numel(), chunk):
-        rows = live[start : start + chunk]
-        g, hc = grad[rows], h[rows].detach()
-        z, u = _lora_logits(lora, hc, chunk)
-        dz = _softmax_times(z, lse[rows], -g.sum(dim=1))
-        dz.scatter_add_(1, cols[rows], g)
-        got = _lora_dz_grads(lora, dz, hc, u, da, db_t, chunk, dh is not None)
-        if dh is not None and got is not None:
-            dh.index_copy_(0, rows, got.to(dh.dtype))
-    return [da if p is a else db_t.t().contiguous() for p in params]
-
-
-def _lora_dz_grads(
-    lora: _Lora,
-    dz: torch.Tensor,
-    hc: torch.Tensor,
-    u: torch.Tensor,
-    da: torch.Tensor,
-    db_t: torch.Tensor,
-    chunk: int,
-    need_dh: bool,
-) -> torch.Tensor | None:
-    """From a chunk's logit gradient ``dz``: dA += scaling (dz B)^T h and dB^T += u^T dz in
-    place; returns the chunk's dh = dz W + scaling (dz B) A (None unless ``need_dh``)."""
-    a, b, scaling = lora.a, lora.b, lora.scaling
-    with torch.autocast(dz.device.type, enabled=False):
-        dzb = gemm.mm(dz, b)  # [n, r]
-        got = lora.base_grad(dz, chunk).addmm_(dzb, a, alpha=scaling) if need_dh else None
-        da.addmm_(dzb.t(), hc.to(a.dtype), alpha=scaling)
-        db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
-    return got
-
-
-class _KnownGrads:
-    """A LoRA head's backward formed in its forward, chunk by chunk while each chunk's logits
-    are at hand, for a loss that says in advance what gradient it will deliver (``grad_of``):
-    the logits are not recomputed in backward (one unembedding product less per chunk). Used
-    only if the delivered gradient equals ``g`` bit for bit; otherwise backward recomputes
-    as it would have without this."""
-
-    def __init__(
-        self,
-        lora: _Lora,
-        h: torch.Tensor,
-        width: int,
-        need_dh: bool,
-        chunk: int,
-        compute_dtype: torch.dtype,
-    ):
-        self.lora, self.chunk_rows = lora, chunk
-        # The promise, in the dtype backward compares the delivered gradient in.
-        self.g = torch.zeros((h.shape[0], width), dtype=compute_dtype, device=h.device)
-        self.dh = torch.zeros_like(h) if need_dh else None
-        self.da, self.db_t = torch.zeros_like(lora.a), torch.zeros_like(lora.b.t())
-
-    def add_chunk(
-        self,
-        start: int,
-        hc: torch.Tensor,
-        u: torch.Tensor,
-        e: torch.Tensor,
-        total: torch.Tensor,
-        g: torch.Tensor,
-        cols: torch.Tensor,
-    ) -> None:
-        """Rows ``start:start + n``: ``e = exp(z - max)`` over the chunk's logits (overwritten
-        with dL/dz), ``total`` its row sums, ``g`` the loss's gradient for the rows' log-probs,
-        ``u = scaling hc A^T``."""
-        n = hc.shape[0]
-        self.g[start : start + n] = g
-        live = g.ne(0).any(dim=1)
-        if not bool(live.any()):
-            return  # no loss on these rows: dz = 0
-        dz = e.mul_((-g.sum(dim=1) / total)[:, None]).scatter_add_(1, cols, g)
-        rows = None
-        if not bool(live.all()):  # multiply only the rows that carry a loss
-            rows = torch.nonzero(live).squeeze(1)
-            dz, hc, u = dz[rows], hc[rows], u[rows]
-        got = _lora_dz_grads(
-            self.lora, dz, hc, u, self.da, self.db_t, self.chunk_rows, self.dh is not None
-        )
-        if self.dh is not None and got is not None:
-            if rows is None:
-                self.dh[start : start + n] = got
-            else:
-                self.dh.index_copy_(0, rows + start, got.to(self.dh.dtype))
-
-    def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        a = self.lora.a
-        return [self.da if p is a else self.db_t.t().contiguous() for p in params]
-
-
-def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``softmax(z) * scale[:, None]`` in place of the logits ``z`` (rows' logsumexp ``lse``):
-    one C pass where it applies (`compiled.softmax_scale_rows`), else as one exp,
-    exp(z - lse + log|scale|), then the rows whose scale is negative negated (rows with scale 0
-    come out exactly 0 either way)."""
-    if compiled.softmax_scale_rows(z, lse.contiguous(), scale.contiguous()):
-        return z
-    z.sub_((lse - scale.abs().log())[:, None]).exp_()
-    flip = torch.nonzero(scale < 0).squeeze(1)
-    if flip.numel():
-        z[flip] = z[flip].neg_()
-    return z
+    return _Lora(w, a, b, head.scaling, low, low is None and _packs_head(w))
 
 
 def _joined(hidden: Sequence[torch.Tensor]) -> torch.Tensor:
