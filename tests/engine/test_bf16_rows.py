@@ -153,6 +153,50 @@ def test_qkv_heads_in_bf16_give_the_norm_rope_kernel_results() -> None:
     assert torch.equal(qkv.grad[..., (h + kv) * d :], torch.ones(b, t, kv * d).bfloat16())
 
 
+def test_a_bf16_checkpoints_norm_weight_and_tables_take_the_kernel_widened() -> None:
+    """A bf16 checkpoint's training step: q/k, the norm weight and the rotary tables all bf16.
+    The kernel takes them widened to float32 (exact) and gives the result for those float32
+    operands bit for bit, gradient included; torch's eager bf16 ops round after each op, the
+    kernel once, so it lands within a bf16 place of float64 math where eager bf16 is further."""
+    gen = torch.Generator().manual_seed(5)
+    b, t, h, kv, d = 4, 128, 4, 2, 64
+    qkv = (torch.randn(b, t, (h + 2 * kv) * d, generator=gen) * 3).bfloat16()
+    xq = qkv[..., : h * d].view(b, t, h, d)
+    w16 = torch.nn.Parameter(torch.randn(d, generator=gen).bfloat16(), requires_grad=False)
+    pos = torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, d // 2)
+    cos16, sin16 = (
+        torch.cat([pos.cos()] * 2, -1).bfloat16(),
+        torch.cat([pos.sin()] * 2, -1).bfloat16(),
+    )
+    assert attention_inputs.use_norm_rope(xq, w16, cos16, sin16)
+    g = torch.randn(b, h, t, d, generator=gen).bfloat16()
+
+    def run(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+        x = xq.detach().clone().requires_grad_()
+        y = attention_inputs.norm_rope(x, w, 1e-6, cos, sin)
+        assert y is not None and y.dtype == torch.bfloat16
+        return [y, *torch.autograd.grad(y, x, g)]
+
+    got = run(w16, cos16, sin16)
+    widened = run(w16.float(), cos16.float(), sin16.float())
+    assert all(torch.equal(a, b) for a, b in zip(got, widened, strict=True))
+    # As the kernel's float32 arithmetic goes (`_eager_norm_rope`: HF's norm rounded to bf16
+    # before the gain, the rest in float32): within one bf16 place.
+    want = _eager_norm_rope(xq, w16.float(), 1e-6, cos16.float(), sin16.float())
+    assert float(_ulps(got[0], want.bfloat16()).max()) <= 1.0
+    # torch's eager bf16 ops (the gain and each RoPE op rounded to bf16) stray further from
+    # float64 arithmetic on the same operands than the kernel's one rounding does.
+    x32 = xq.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    exact = _eager_norm_rope(w16.double() * n.double(), None, 0.0, cos16.double(), sin16.double())
+    y16 = (w16 * n).transpose(1, 2)
+    half = d // 2
+    eager = y16 * cos16 + torch.cat([-y16[..., half:], y16[..., :half]], -1) * sin16
+    kernel_err = float((got[0].double() - exact).abs().mean())
+    eager_err = float((eager.double() - exact).abs().mean())
+    assert kernel_err < eager_err
+
+
 def test_silu_mul_and_swiglu_backward_within_a_bf16_rounding_of_torch() -> None:
     gen = torch.Generator().manual_seed(3)
     gate_up = (torch.randn(96, 2 * 1024, generator=gen) * 4).bfloat16()

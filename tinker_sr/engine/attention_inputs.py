@@ -3,7 +3,10 @@ q/k RMSNorm and RoPE in one pass each way, from the projection's output straight
 [B, heads, T, D] layout attention reads (`norm_rope`), and the whole q/k/v split as one node
 whose backward writes every gradient into its slice of one q/k/v gradient (`qkv_heads`).
 Used where `compiled.native_ready` takes the operands (``$TINKER_SR_NATIVE``); elsewhere the
-model runs `fused.rms_norm` and `fused.rope` on views of the split output.
+model runs `fused.rms_norm` and `fused.rope` on views of the split output. bf16 activations
+(mixed precision, or a bf16 checkpoint's training step) take the bf16 kernels, with a bf16
+checkpoint's norm weight and rotary tables widened to float32 (`_widened`): float32 math,
+one rounding to bf16, where torch's bf16 ops round after each op.
 """
 
 from __future__ import annotations
@@ -20,6 +23,22 @@ __all__ = ["MAX_HEAD_DIM", "norm_rope", "qkv_heads", "use_norm_rope"]
 
 # Longest head the C kernels take (the gradient's per-row buffer in csrc/norm_rope.h).
 MAX_HEAD_DIM = 1024
+
+
+def _widened(
+    x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """For bf16 activations, a bf16 norm weight and rotary tables as the bf16 kernels take them:
+    float32 (the weight cast once and kept on it: `fused.frozen_cast`); else as given."""
+    if x.dtype != torch.bfloat16:
+        return weight, cos, sin
+    if weight is not None and weight.dtype == torch.bfloat16 and not weight.requires_grad:
+        from tinker_sr.engine.fused import frozen_cast  # fused imports this module
+
+        weight = frozen_cast(weight, torch.float32)
+    if cos.dtype == torch.bfloat16 and sin.dtype == torch.bfloat16:
+        cos, sin = cos.float(), sin.float()
+    return weight, cos, sin
 
 
 def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) -> bool:
@@ -42,8 +61,8 @@ def use_norm_rope(x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor) ->
         x.view(-1, x.shape[2], d)
     except RuntimeError:
         return False
-    if x.dtype == torch.bfloat16:  # bf16 mixed precision: its own kernels
-        return bf16_rows.takes_norm_rope(x, weight, cos, sin)
+    if x.dtype == torch.bfloat16:  # bf16 mixed precision or a bf16 checkpoint: its own kernels
+        return bf16_rows.takes_norm_rope(x, *_widened(x, weight, cos, sin))
     extra = [] if weight is None else [weight]
     return compiled.native_ready(x, cos, sin, *extra)
 
@@ -70,6 +89,7 @@ def norm_rope(
     precision) gives a bf16 result (`bf16_rows`)."""
     if _kernels(x.dtype) is None:
         return None
+    weight, cos, sin = _widened(x, weight, cos, sin)
     return _NormRope.apply(x, weight, eps, cos, sin)  # type: ignore[no-any-return]
 
 
@@ -172,6 +192,8 @@ def qkv_heads(
         return None
     if _kernels(qkv.dtype) is None:
         return None
+    q_weight, cos, sin = _widened(qkv, q_weight, cos, sin)
+    k_weight = _widened(qkv, k_weight, cos, sin)[0]
     got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
     return got  # type: ignore[no-any-return]
 
