@@ -190,15 +190,13 @@ def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
         registry.checkpointing_setting()
 
 
-@pytest.mark.parametrize("live_rows", ["all", "some"])
-def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
-    live_rows: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A LoRA head (the SDK's default ``train_unembed=True``) at a size where its products run on
-    the packed oneDNN path: logprobs, dh, dA and dB by hand (`_lora_backward`) against the head's
-    own forward and autograd (`_lora_parts` switched off), float32, several chunks."""
+def _packed_lora_head(
+    seed: int,
+) -> tuple[LoraLinear, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float32 LoRA head at a size whose products run on the packed oneDNN path (64 -> 4096,
+    rank 8, B non-zero), 96 hidden rows, one target column each and their gradients."""
     d, v, n = 64, 4096, 96
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     base = torch.nn.Linear(d, v, bias=False)
     with torch.no_grad():
         base.weight.copy_(torch.randn(v, d, generator=gen) * 0.2)
@@ -208,7 +206,18 @@ def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
         head.lora_B.weight.copy_(torch.randn(v, 8, generator=gen) * 0.05)
     h = torch.randn(n, d, generator=gen)
     cols = torch.randint(0, v, (n, 1), generator=gen)
-    g = torch.randn(n, 1, generator=gen)
+    return head, h, cols, torch.randn(n, 1, generator=gen)
+
+
+@pytest.mark.parametrize("live_rows", ["all", "some"])
+def test_lora_head_by_hand_matches_its_own_forward_and_autograd(
+    live_rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA head (the SDK's default ``train_unembed=True``) at a size where its products run on
+    the packed oneDNN path: logprobs, dh, dA and dB by hand (`_lora_backward`) against the head's
+    own forward and autograd (`_lora_parts` switched off), float32, several chunks."""
+    head, h, cols, g = _packed_lora_head(5)
+    v = head.out_features
     if live_rows == "some":
         g[::3] = 0.0
     monkeypatch.setattr(loss_logprobs, "_CHUNK_ELEMENTS", 40 * v)  # 40 rows per chunk
@@ -285,19 +294,10 @@ def test_lora_head_of_a_bf16_checkpoint_runs_by_hand_closer_to_float64(
     is within float32 + bf16-product rounding, and closer than the head's own eager forward,
     which rounds the logits to bf16 (that path still gives the same values to that rounding).
     ``known``: the loss promises its gradient (`_KnownGrads`), else backward recomputes."""
-    d, v, n = 64, 4096, 96
-    gen = torch.Generator().manual_seed(11)
-    base = torch.nn.Linear(d, v, bias=False)
-    with torch.no_grad():
-        base.weight.copy_(torch.randn(v, d, generator=gen) * 0.2)
-    base.weight.requires_grad_(False)
-    head = LoraLinear(base, rank=8, alpha=16.0, generator=gen)
-    with torch.no_grad():
-        head.lora_B.weight.copy_(torch.randn(v, 8, generator=gen) * 0.05)
-    head.weight = torch.nn.Parameter(base.weight.bfloat16(), requires_grad=False)
-    h = torch.randn(n, d, generator=gen).bfloat16()
-    cols = torch.randint(0, v, (n, 1), generator=gen)
-    g = torch.randn(n, 1, generator=gen)
+    head, h, cols, g = _packed_lora_head(11)
+    v = head.out_features
+    head.weight = torch.nn.Parameter(head.weight.bfloat16(), requires_grad=False)
+    h = h.bfloat16()
     g[::3] = 0.0
     assert (got_parts := loss_logprobs._lora_parts(head, h)) is not None
     assert got_parts.low is head.weight

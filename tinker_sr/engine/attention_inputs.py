@@ -188,12 +188,12 @@ def qkv_heads(
     if qkv.dim() != 3 or qkv.shape[-1] != (h + 2 * kv) * d or qkv.stride(-1) != 1:
         return None
     xq, xk, _ = _split_heads(qkv, heads)
+    q_weight, cos, sin = _widened(qkv, q_weight, cos, sin)  # once: the checks take them so
+    k_weight = _widened(qkv, k_weight, cos, sin)[0]
     if not (use_norm_rope(xq, q_weight, cos, sin) and use_norm_rope(xk, k_weight, cos, sin)):
         return None
     if _kernels(qkv.dtype) is None:
         return None
-    q_weight, cos, sin = _widened(qkv, q_weight, cos, sin)
-    k_weight = _widened(qkv, k_weight, cos, sin)[0]
     got = _QKVHeads.apply(qkv, heads, q_weight, k_weight, eps, cos, sin)
     return got  # type: ignore[no-any-return]
 

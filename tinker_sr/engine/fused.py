@@ -156,8 +156,8 @@ def _merge_pays(x: Tensor, group: Sequence[_LoraParts]) -> bool:
     activation with one row per token (only its row count is used)."""
     m = x.numel() // x.shape[-1]
     n = sum(p.weight.shape[0] for p in group)
-    k = group[0].weight.shape[1]
     first = group[0]
+    k = first.weight.shape[1]
     mixed = first.weight.dtype != first.a.dtype and not torch.is_autocast_enabled(x.device.type)
     return m * (3 * n + 2 * k) * (MIXED_ADAPTER_COST if mixed else 1) >= 4 * n * k
 

@@ -46,6 +46,10 @@ class _Lora:
         w = self.w
         return gemm.packed_mm(dz, w, rows) if self.packed else gemm.mm(dz, w)
 
+    def input_grad(self, dz: torch.Tensor, dzb: torch.Tensor, rows: int) -> torch.Tensor:
+        """dh = dz W + scaling (dz B) A in the adapter's dtype, for ``dzb`` = dz B."""
+        return self.base_grad(dz, rows).to(self.a.dtype).addmm_(dzb, self.a, alpha=self.scaling)
+
 
 def _lora_logits(lora: _Lora, hc: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``z = hc W^T + u B^T``, ``u = scaling * hc A^T``): the base product on the packed
@@ -107,7 +111,7 @@ def _lora_dz_grads(
         if need_dh and deferred is not None:
             deferred.add(rows, dz, dzb)
         elif need_dh:
-            got = lora.base_grad(dz, chunk).addmm_(dzb, a, alpha=scaling)
+            got = lora.input_grad(dz, dzb, chunk)
         da.addmm_(dzb.t(), hc.to(a.dtype), alpha=scaling)
         db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
     return got
@@ -159,10 +163,7 @@ class _DeferredDh:
         self.used = 0
 
     def _multiply(self, dz_low: torch.Tensor) -> None:
-        lora = self.lora
-        assert lora.low is not None
-        got = lora.base_grad(dz_low, dz_low.shape[0]).to(lora.a.dtype)  # in low's dtype
-        got.addmm_(torch.cat(self.dzb), lora.a, alpha=lora.scaling)
+        got = self.lora.input_grad(dz_low, torch.cat(self.dzb), dz_low.shape[0])
         self.dh.index_copy_(0, torch.cat(self.rows), got.to(self.dh.dtype))
         self.rows, self.dzb = [], []
 
@@ -215,7 +216,9 @@ class _KnownGrads:
         if not bool(live.all()):  # multiply only the rows that carry a loss
             rows = torch.nonzero(live).squeeze(1)
             dz, hc, u = dz[rows], hc[rows], u[rows]
-        at = torch.arange(start, start + n, device=hc.device) if rows is None else rows + start
+        at = None  # the rows' places in h, for the deferred product
+        if self.deferred is not None:
+            at = torch.arange(start, start + n, device=hc.device) if rows is None else rows + start
         got = _lora_dz_grads(
             self.lora, dz, hc, u, self.da, self.db_t, self.chunk_rows, self.dh is not None,
             self.deferred, at,
