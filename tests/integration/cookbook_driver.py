@@ -17,6 +17,7 @@ use no network).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import sys
@@ -459,11 +460,30 @@ def run_guess_number(model: str, log: Path) -> dict[str, Any]:
     return {}
 
 
+def answer_in_one_token() -> None:
+    """Sample every second prompt with ``max_tokens=1``, so every batch holds one-token samples
+    (an empty model_input run in ``with_sampled_provenance``) whatever the random model writes:
+    whether a sample ends after one token must not depend on the CPU's arithmetic. Installed
+    outside `record_samples`, which logs the ``max_tokens`` actually sent."""
+    import tinker
+
+    inner, calls = tinker.SamplingClient.sample, [0]
+
+    def sample(self: Any, prompt: Any, num_samples: int, sampling_params: Any, *a: Any, **k: Any):
+        calls[0] += 1
+        if calls[0] % 2:
+            sampling_params = sampling_params.model_copy(update={"max_tokens": 1})
+        return inner(self, prompt, num_samples, sampling_params, *a, **k)
+
+    tinker.SamplingClient.sample = sample  # type: ignore[method-assign]
+
+
 def run_rl_loop(model: str, log: Path) -> dict[str, Any]:
     """The cookbook's minimal RL loop (``recipes/rl_loop.py``, the one users copy) with its
     default loss, ``stable_reinforce``: datums built by hand, provenance named by
     ``Datum.with_provenance``. Offline stand-ins: a GSM8K-shaped dataset, and a reward that
-    varies within a group (the random model never writes a boxed answer), so steps train."""
+    alternates 0, 1 within every group (the random model never writes a boxed answer), so every
+    step trains; every second prompt answered in one token (`answer_in_one_token`)."""
     import datasets
     from tinker_cookbook.recipes import rl_loop
 
@@ -473,7 +493,9 @@ def run_rl_loop(model: str, log: Path) -> dict[str, Any]:
     }
     train = datasets.Dataset.from_dict(rows)
     datasets.load_dataset = lambda *a, **k: datasets.DatasetDict({"train": train})
-    rl_loop.get_reward = lambda response, answer: float(len(response) % 2)
+    flips = itertools.cycle((0.0, 1.0))
+    rl_loop.get_reward = lambda response, answer: next(flips)
+    answer_in_one_token()
     config = rl_loop.Config(
         model_name=model,
         batch_size=2,

@@ -555,6 +555,9 @@ def test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance(
         assert call["loss_fn"] == "stable_reinforce" and call["datums"], call
         for datum in call["datums"]:
             assert len(datum["sampled_ids"]) == 1 and datum["spans"] == 2, datum
-    # A one-token sample's model_input run is empty (length 0): refused before.
+    # Every second prompt is sampled with max_tokens=1 (the driver): its one-token samples'
+    # model_input runs are empty (length 0), refused before; the others' are not.
+    sent = [c["max_tokens"] for c in jsonl(log / "samples.jsonl")]
+    assert sent == [1, 12] * 2, sent
     lengths = [d["input_lengths"] for c in calls for d in c["datums"]]
-    assert any(x[1] == 0 for x in lengths), lengths
+    assert any(x[1] == 0 for x in lengths) and any(x[1] > 0 for x in lengths), lengths
