@@ -121,10 +121,13 @@ def test_without_a_budget_merged_copies_leave_memory_free(
             assert models.stats()["merged"] == 1 and models.stats()["unmerged"] == 0
             assert not caplog.records
             # Evicting the held copy would make room, but a decode still holds it: after the
-            # eviction the room is measured again, and the sampler decodes on its adapters.
+            # eviction the room is measured again (its weights cannot be written again, so
+            # the new copy needs all of its size), and the sampler decodes on its adapters.
+            held = next(iter(models._merged.values()))[0]  # as a running decode holds it
             memory.update(pool=one, frees=False)
             assert _tokens(samplers[1], prompt) == want[1]
             assert models.stats()["merged"] == 0 and models.stats()["unmerged"] == 1
+            del held
             memory.update(pool=0, frees=True)  # no room at all
             assert _tokens(samplers[2], prompt) == want[2]
         stats = models.stats()

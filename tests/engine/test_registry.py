@@ -154,3 +154,70 @@ def test_a_session_keeps_only_its_most_recently_used_lora_samplers() -> None:
     with pytest.raises(EngineNotFoundError, match="2 most recently used LoRA sampling clients"):
         reg.sampler("p1")
     assert reg.stats()["samplers"] == 4 and reg.stats()["adapters_spilled"] == 3
+
+
+def _ptrs(reg: ModelRegistry, sampler_id: str) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in reg._merged[sampler_id][0].named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_new_merged_copy_is_written_into_an_evicted_copys_own_weights(
+    dtype: torch.dtype,
+) -> None:
+    """A sampler per RL step, one merged copy kept: the next copy's merged weights (and, in
+    another dtype than the base's, its converted ones) go into the evicted copy's memory (no
+    new allocation to fault in), base weights stay shared, and the values are the bits a
+    fresh copy holds. A copy a decode still holds keeps its memory."""
+    reg = ModelRegistry({}, sampler_dtype=dtype)
+    t = _trainer(reg, "t")
+    reg.register_sampler(Sampler("p0", "s", MODEL, MODEL, SPEC, None), _perturbed(t, 0.01))
+    reg.merged_budget = reg.stats()["merged_bytes"]  # one copy
+    first, base = _ptrs(reg, "p0"), reg.base(MODEL)
+    shared = {n for n, p in base.named_parameters() if p.data_ptr() in first.values()}
+    own = set(first) - shared
+    assert "model.layers.0.self_attn.q_proj.weight" in own and "lm_head.weight" in own
+    # Not adapted: the base's own tensor (never rewritten), or its converted copy.
+    assert ("model.embed_tokens.weight" in shared) == (dtype == torch.float32)
+    base_before = {n: p.clone() for n, p in base.named_parameters()}
+
+    adapters = _perturbed(t, 0.5)
+    reg.register_sampler(Sampler("p1", "s", MODEL, MODEL, SPEC, None), adapters)
+    assert "p0" not in reg._merged
+    second = _ptrs(reg, "p1")
+    assert {n for n in own if second[n] == first[n]} == own  # rewritten in place
+    assert all(second[n] == first[n] for n in shared)
+    fresh = ModelRegistry({}, sampler_dtype=dtype)
+    fresh.register_sampler(Sampler("p1", "s", MODEL, MODEL, SPEC, None), adapters)
+    want = dict(fresh._merged["p1"][0].named_parameters())
+    for n, p in reg._merged["p1"][0].named_parameters():
+        assert torch.equal(p, want[n]), n
+    assert all(torch.equal(p, base_before[n]) for n, p in base.named_parameters())
+
+    held = reg.sampler("p1").model  # as a decode holds the model it samples with
+    tokens = _tokens(held)
+    reg.register_sampler(Sampler("p2", "s", MODEL, MODEL, SPEC, None), _perturbed(t, 0.2))
+    assert "p1" not in reg._merged
+    third = _ptrs(reg, "p2")
+    assert not {n for n in own if third[n] == second[n]}  # new memory: p1's is still read
+    assert _tokens(held) == tokens
+    assert all(torch.equal(p, want[n]) for n, p in held.named_parameters())
+
+
+def test_reclaim_weights_leaves_what_anyone_still_uses() -> None:
+    """A weight with a live view or alias, or shared with a base, is not handed out."""
+    from tinker_sr.engine.lora import reclaim_weights
+
+    reg = _registry()
+    t = _trainer(reg, "t")
+    reg.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), _perturbed(t, 0.1))
+    copies = [reg._merged.pop("p")[0]]  # the list is the copy's only holder
+    q = "model.layers.0.self_attn.q_proj.weight"
+    view = copies[0].get_submodule("model.layers.0.self_attn.q_proj").weight[0]
+    alias = copies[0].get_submodule("model.layers.0.mlp.up_proj").weight.detach()
+    like = dict(t.model.named_parameters(remove_duplicate=False))
+    got = reclaim_weights(copies, like, torch.float32)
+    assert not copies
+    assert q not in got and "model.layers.0.mlp.up_proj.weight" not in got
+    assert "model.embed_tokens.weight" not in got  # the base's
+    assert "model.layers.1.self_attn.q_proj.weight" in got and "lm_head.weight" in got
+    assert view.shape == alias.shape[1:]

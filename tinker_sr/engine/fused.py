@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeGuard, overload
 
 import torch
 import torch.nn.functional as F
@@ -168,19 +168,25 @@ def merged_weight(
     b: Sequence[Tensor],
     s: float,
     dtype: torch.dtype | None = None,
+    reuse: Tensor | None = None,
 ) -> Tensor:
     """cat_i(W_i + s B_i A_i) in ``dtype`` (default: the base's): accumulated in float32 (the
     adapters' dtype) and rounded once. The engine's one merge: training's merged groups and
     the samplers' merged copies (`lora.LoraLinear.merged_weight`) compute the same weights.
+    Written into ``reuse`` (returned) where it is a contiguous tensor of the result's shape,
+    dtype and device that nothing else reads (a sampler copy's evicted weight), else into new
+    memory: the same values either way.
 
     Formed outside autocast: it is weight-sized arithmetic on the float32 master adapters
     (autocast would also refuse the ``out=`` products or make them slow). A caller under
     autocast asks for the autocast dtype: the float32 merge rounded once, as autocast would
     cast it for the product (in the C pass itself, where it applies: no float32 copy).
     """
-    n = sum(w.shape[0] for w in weights)
-    device = weights[0].device
-    out = torch.empty(n, weights[0].shape[1], dtype=dtype or weights[0].dtype, device=device)
+    shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+    dtype, device = dtype or weights[0].dtype, weights[0].device
+    out = reuse if fits(reuse, shape, dtype, device) else None
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
     row = 0
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):
@@ -196,6 +202,19 @@ def merged_weight(
                 block.copy_(torch.mm(b_i, a_i).mul_(s).add_(w))
             row += w.shape[0]
     return out
+
+
+def fits(
+    t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> TypeGuard[Tensor]:
+    """``t`` can hold a result of ``shape``, ``dtype`` on ``device`` in place."""
+    return (
+        t is not None
+        and tuple(t.shape) == shape
+        and t.dtype == dtype
+        and t.device == device
+        and t.is_contiguous()
+    )
 
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:

@@ -54,6 +54,7 @@ from tinker_sr.engine.lora import (
     clone_for_sampling,
     load_lora_state_dict,
     lora_state_dict,
+    reclaim_weights,
     share_frozen,
     trainable_parameters,
 )
@@ -547,10 +548,12 @@ class ModelRegistry:
         dtype = self.sampler_dtype or adapted.dtype
         size = _merged_bytes(adapted, dtype)
         budget = self._merged_budget_for(size)
-        evicted = self._trim_merged(budget - size if size <= budget else budget)
-        if evicted and size <= budget and not self._room_after_eviction(size):
+        reuse = self._trim_merged(budget - size if size <= budget else budget, adapted, dtype)
+        room = size - _nbytes(reuse or {})  # an evicted copy's own weights are written again
+        if reuse is not None and size <= budget and not self._room_after_eviction(room):
             budget = 0  # an evicted copy still decodes somewhere: its memory is not back yet
         if size > budget:
+            reuse = None
             if dtype != adapted.dtype:
                 adapted = self._adapted(s.resolved, spec, dtype)
                 load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
@@ -559,7 +562,7 @@ class ModelRegistry:
             while len(self._unmerged) > UNMERGED_KEPT:
                 self._unmerged.popitem(last=False)
             return adapted
-        merged = clone_for_sampling(adapted, dtype=dtype)
+        merged = clone_for_sampling(adapted, dtype=dtype, reuse=reuse)
         self._merged[s.sampler_id] = (merged, size)
         return merged
 
@@ -567,15 +570,20 @@ class ModelRegistry:
         """Bytes of the merged copies held."""
         return sum(b for _, b in self._merged.values())
 
-    def _trim_merged(self, keep_bytes: int) -> bool:
-        """Evict the least recently used merged copies until at most ``keep_bytes`` remain;
-        whether any went."""
+    def _trim_merged(
+        self, keep_bytes: int, like: Transformer, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor] | None:
+        """Evict the least recently used merged copies until at most ``keep_bytes`` remain.
+        None if none went, else those copies' own weights that nothing else uses and that a
+        copy of ``like`` in ``dtype`` can be written into (`reclaim_weights`), by name."""
         if self._merged_held() <= keep_bytes:
-            return False
+            return None
+        evicted = []
         while self._merged and self._merged_held() > keep_bytes:
-            self._merged.popitem(last=False)
+            evicted.append(self._merged.popitem(last=False)[1][0])
+        reuse = reclaim_weights(evicted, dict(like.named_parameters(remove_duplicate=False)), dtype)
         return_freed_memory()
-        return True
+        return reuse
 
     def _room_after_eviction(self, size: int) -> bool:
         """After evicting for a copy of ``size`` bytes on the memory-derived budget: is the
