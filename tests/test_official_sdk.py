@@ -57,7 +57,7 @@ def test_official_sdk_rl_loop(server: ServerProcess) -> None:
 
     # Sample with stability info recorded, then train on it with provenance spans.
     sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
-    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=7)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=7, stop=[])  # 4 tokens
     samples = sampler.sample(
         types.ModelInput.from_ints(PROMPT), num_samples=2, sampling_params=params
     ).result()

@@ -424,7 +424,7 @@ def test_sampling_promise_carries_one_sequence_id_per_sample(wire: Wire, model: 
     req = {
         "num_samples": 3,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-        "sampling_params": {"max_tokens": 4, "seed": 1},
+        "sampling_params": {"max_tokens": 4, "seed": 1, "stop": []},  # no EOS stop: 4 tokens
         "sampling_session_id": sampler,
         "seq_id": 0,
         "prompt_logprobs": True,

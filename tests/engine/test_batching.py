@@ -4,6 +4,11 @@ bit-identical alone or decoded beside any other requests, on either GEMM path.""
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -160,8 +165,10 @@ def test_probe_detects_a_batch_variant_gemm_and_falls_back(
     real = F.linear
 
     def variant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        y = real(x, w, b)
-        return y + 1e-3 if x.reshape(-1, x.shape[-1]).shape[0] > CHUNK else y
+        rows = x.reshape(-1, x.shape[-1])  # each row alone: invariant up to the shift below
+        y = torch.cat([real(rows[i : i + 1], w, b) for i in range(rows.shape[0])])
+        y = y.view(*x.shape[:-1], w.shape[0])
+        return y + 1e-3 if rows.shape[0] > CHUNK else y
 
     monkeypatch.setattr(batching, "_invariant", {})
     monkeypatch.setattr(torch.nn.functional, "linear", variant)
@@ -173,6 +180,47 @@ def test_probe_detects_a_batch_variant_gemm_and_falls_back(
     together, _ = run_together(model, reqs)
     for a, b in zip(alone, together, strict=True):
         assert_same(a, b)
+
+
+def test_a_gemm_whose_rows_depend_on_their_place_runs_row_by_row(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CHUNK-row product whose last rows come out otherwise than its first (MKL's AVX2
+    kernel: rows 6 and 7 of 8) fails the probe's place check even at CHUNK rows; decode then
+    multiplies row by row, and batched results stay equal to solo ones."""
+    real = F.linear
+
+    def by_place(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.cat([real(rows[i : i + 1], w, b) for i in range(rows.shape[0])])
+        y[6:] += 1e-3  # rows past the sixth: another kernel, another rounding
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    monkeypatch.setattr(batching, "_invariant", {})
+    monkeypatch.setattr(batching, "_stackable", {})
+    monkeypatch.setattr(torch.nn.functional, "linear", by_place)
+    w = torch.randn(16, 8)
+    assert batching.gemm_mode(w, None, CHUNK) == "rows"
+    assert batching.gemm_mode(w, None, 3 * CHUNK) == "rows"
+    reqs = requests()
+    alone = [generate(model, **r) for r in reqs]
+    together, _ = run_together(model, reqs)
+    for a, b in zip(alone, together, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="MKL's AVX2 path: x86 only"
+)
+def test_batched_equals_alone_with_mkls_avx2_kernels() -> None:
+    """The same check, in a process whose MKL runs its AVX2 kernels (as on an AVX2-only CPU;
+    `MKL_ENABLE_INSTRUCTIONS` caps it on any x86 CPU): they are not row-invariant at 8 rows."""
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    test = f"{__file__}::test_batched_requests_equal_each_request_alone"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def test_padded_rows() -> None:

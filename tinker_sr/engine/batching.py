@@ -12,9 +12,10 @@ other rows, and for M a multiple of CHUNK (8) one GEMM usually equals running it
 slices. So every decode GEMM runs on a row count padded to a multiple of CHUNK, and at first
 use per (weight shape, dtype, bias, threads, M) a probe checks that one GEMM equals its
 CHUNK-row slices and that a row's result does not depend on its neighbours; where the probe
-fails (another BLAS, another CPU), that GEMM runs slice by slice. Either way a row's logits
-are those of a CHUNK-row GEMM over it, whatever the other rows are, and a request alone runs
-the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
+fails (another BLAS, another CPU), that GEMM runs slice by slice, and where even a CHUNK-row
+product's rows depend on their places (MKL's AVX2 kernel: ``MKL_ENABLE_INSTRUCTIONS=AVX2``
+reproduces it on any x86 CPU), row by row (`gemm_mode`). Either way a row's logits do not
+depend on the other rows, and a request alone runs the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
 
 The products run through `gemm.packed_linear` (oneDNN on weights reordered once, where the
 torch build has it; whether it applies is decided at CHUNK rows, so a row never changes
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +51,12 @@ from tinker_sr.engine.model import (
 )
 
 CHUNK = 8
+GemmMode = Literal["whole", "slices", "rows"]
 GATE_WIDTH = 16  # columns a one-column sigmoid is widened to (`_moe_rows`)
 FORCE_CHUNKED_ENV = "TINKER_SR_DECODE_CHUNKED"
 
-# (out, in, dtype, bias, threads, M) -> does one GEMM over M rows equal its CHUNK-row slices?
-_invariant: dict[tuple[int, int, torch.dtype, bool, int, int], bool] = {}
+# (out, in, dtype, bias, threads, M) -> how decode runs that GEMM over M rows (`gemm_mode`)
+_invariant: dict[tuple[int, int, torch.dtype, bool, int, int], GemmMode] = {}
 
 
 def padded_rows(m: int) -> int:
@@ -88,22 +90,29 @@ def _rows_agree(product: Callable[[Tensor], Tensor], like: Tensor, m: int) -> bo
     return True
 
 
-def gemm_is_row_invariant(weight: Tensor, bias: Tensor | None, m: int) -> bool:
-    """Cached `_probe` for this weight's shape and dtype at ``m`` rows (a multiple of CHUNK)."""
-    key = (
-        weight.shape[0],
-        weight.shape[1],
-        weight.dtype,
-        bias is not None,
-        torch.get_num_threads(),
-        m,
-    )
+def gemm_mode(weight: Tensor, bias: Tensor | None, m: int) -> GemmMode:
+    """How decode runs the GEMM by this weight's shape and dtype over ``m`` rows (a multiple of
+    CHUNK), probed once (`_probe`): ``"whole"``, one GEMM, where it equals its CHUNK-row slices
+    and a CHUNK-row product's rows do not depend on each other or their places; ``"slices"``
+    where only the latter holds; ``"rows"``, one row at a time, where a row's result depends on
+    its place among CHUNK rows (MKL's AVX2 kernel computes rows 6 and 7 of 8 apart)."""
+    threads = torch.get_num_threads()
+    key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, threads, m)
     hit = _invariant.get(key)
     if hit is None:
-        hit = _invariant[key] = _probe(weight, bias, m) and (
-            m == CHUNK or _probe(weight, bias, CHUNK)
-        )
+        if m == CHUNK:
+            hit = "whole" if _probe(weight, bias, CHUNK) else "rows"
+        else:
+            hit = gemm_mode(weight, bias, CHUNK)
+            if hit == "whole" and not _probe(weight, bias, m):
+                hit = "slices"
+        _invariant[key] = hit
     return hit
+
+
+def gemm_is_row_invariant(weight: Tensor, bias: Tensor | None, m: int) -> bool:
+    """One GEMM over ``m`` rows gives every row what a CHUNK-row product gives it (`gemm_mode`)."""
+    return gemm_mode(weight, bias, m) == "whole"
 
 
 def _gemms(mod: nn.Linear) -> list[tuple[Tensor, Tensor | None]]:
@@ -130,11 +139,16 @@ def _decode_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 
 def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:
     """``mod(x)`` for x [M, in] with M a multiple of CHUNK, each row's result that of a
-    CHUNK-row GEMM: one GEMM where the probe shows that is the same, else slice by slice."""
+    CHUNK-row GEMM: one GEMM where the probe shows that is the same, else slice by slice; or,
+    where even a CHUNK-row product's rows depend on their places, each row on its own (a
+    copy: its own aligned memory), so its result never depends on the batch either way."""
     m = x.shape[0]
-    if not force_chunked() and all(gemm_is_row_invariant(w, b, m) for w, b in _gemms(mod)):
-        return _linear(mod, x)
-    return torch.cat([_linear(mod, x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
+    modes = {gemm_mode(w, b, m) for w, b in _gemms(mod)}
+    if "rows" in modes:
+        return torch.cat([_linear(mod, x[i : i + 1].clone()) for i in range(m)])
+    if "slices" in modes or force_chunked():
+        return torch.cat([_linear(mod, x[i : i + CHUNK]) for i in range(0, m, CHUNK)])
+    return _linear(mod, x)
 
 
 # (outs, in, dtype, threads, M) -> does the stacked product give what linear_rows gives?
@@ -163,7 +177,7 @@ def _stack_probe(weights: list[Tensor], m: int) -> bool:
         assert y is not None  # judged at CHUNK rows, as above, whatever x's row count
         return y
 
-    return _rows_agree(stacked, w, m)
+    return _rows_agree(stacked, w, m) and (m == CHUNK or _rows_agree(stacked, w, CHUNK))
 
 
 def linear_rows_many(mods: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
@@ -173,7 +187,8 @@ def linear_rows_many(mods: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
     instead of once per projection. Adapters, biases and the forced slice-by-slice path run
     one by one."""
     plain = all(type(mod) is nn.Linear and mod.bias is None for mod in mods)
-    if plain and len(mods) > 1 and not force_chunked():
+    rows = plain and any(gemm_mode(mod.weight, None, x.shape[0]) == "rows" for mod in mods)
+    if plain and not rows and len(mods) > 1 and not force_chunked():
         weights = [mod.weight for mod in mods]
         w = weights[0]
         outs = tuple(int(v.shape[0]) for v in weights)
