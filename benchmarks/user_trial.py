@@ -64,8 +64,12 @@ def trial(model_dir: str, steps: int, every: int = 0) -> None:
     report = {1, steps} | {steps * k // 8 for k in range(1, 8)}
     report |= set(range(every, steps, every)) if every > 0 else set()
     start = time.perf_counter()
+    phases = dict.fromkeys(("new sampler", "sampling", "training"), 0.0)
     for step in range(1, steps + 1):
+        mark = time.perf_counter()
         sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        phases["new sampler"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         params = types.SamplingParams(max_tokens=12, temperature=1.0, stop=["\n\nUser:"], seed=step)
         futures = [
             (prompts[i % 2], sampler.sample(prompts[i % 2], num_samples=4, sampling_params=params))
@@ -79,8 +83,11 @@ def trial(model_dir: str, steps: int, every: int = 0) -> None:
             data += [
                 build_datum(prompt, s, r - mean) for s, r in zip(sequences, rewards, strict=True)
             ]
+        phases["sampling"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         out = training.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.01}).result()
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        phases["training"] += time.perf_counter() - mark
         digest.update(struct.pack("<d", out.metrics["loss:sum"]))
         if step in report:
             heap = malloc_heap()
@@ -98,6 +105,7 @@ def trial(model_dir: str, steps: int, every: int = 0) -> None:
         f"{steps} steps in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_bytes() / MIB:.0f} MiB; "
         f"loss digest {digest.hexdigest()[:16]}"
     )
+    print("time by phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
 
 def real_size_dir(path: Path) -> Path:

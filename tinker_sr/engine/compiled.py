@@ -693,4 +693,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         "silu_mul": _silu_mul,
         "swiglu_backward": _swiglu_backward,
     }
+    from tinker_sr.engine import native
+
+    native.isolate_inductor_cache()  # its code for one vector ISA must not serve another
     return {k: torch.compile(f, dynamic=True, fullgraph=True) for k, f in fns.items()}

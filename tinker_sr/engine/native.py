@@ -27,9 +27,18 @@ from pathlib import Path
 
 from tinker_sr.engine.cpu import _cpuinfo_field
 
-__all__ = ["CACHE_ENV", "cache_dir", "failure", "library_path", "load"]
+__all__ = [
+    "CACHE_ENV",
+    "INDUCTOR_CACHE_ENV",
+    "cache_dir",
+    "failure",
+    "isolate_inductor_cache",
+    "library_path",
+    "load",
+]
 
 CACHE_ENV = "TINKER_SR_KERNEL_CACHE"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # torch's own variable
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -111,3 +120,31 @@ def _build_and_load(name: str) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(target))
+
+
+def isolate_inductor_cache() -> Path | None:
+    """Give torch's inductor a cache directory of this CPU's own (under `cache_dir`, named by
+    the CPU model, its ISA flags, the vector ISA torch runs and torch's version), unless the
+    user set ``$TORCHINDUCTOR_CACHE_DIR``; returns the directory set, or None.
+
+    Inductor's cache key misses the vector ISA its code was generated for: code compiled
+    under one (AVX-512) was loaded under another (``ATEN_CPU_CAPABILITY=avx2``, as on an
+    AVX2-only CPU sharing the directory) and computed garbage (an RMSNorm off by 1e21, NaN
+    logits, a corrupted heap). Call before the first ``torch.compile`` of the process: the
+    directory is read once."""
+    if os.environ.get(INDUCTOR_CACHE_ENV, "").strip():
+        return None
+    import torch
+
+    key = hashlib.sha256()
+    for part in (
+        platform.machine(),
+        _cpuinfo_field("model name"),
+        _cpuinfo_field("flags"),
+        torch.backends.cpu.get_cpu_capability(),
+        torch.__version__,
+    ):
+        key.update(part.encode() + b"\0")
+    path = cache_dir().parent / "inductor" / key.hexdigest()[:20]
+    os.environ[INDUCTOR_CACHE_ENV] = str(path)
+    return path
