@@ -28,6 +28,9 @@ def test_the_inductor_cache_is_named_by_the_vector_isa(
         assert os.environ[native.INDUCTOR_CACHE_ENV] == str(dirs[isa])
     assert dirs["AVX512"] != dirs["AVX2"]
     assert all(d is not None and d.parent == tmp_path / "inductor" for d in dirs.values())
+    # torch's default, which torch itself writes to the variable at some imports: replaced
+    monkeypatch.setenv(native.INDUCTOR_CACHE_ENV, str(native._inductor_default()))
+    assert native.isolate_inductor_cache() == dirs["AVX2"]
     monkeypatch.setenv(native.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))  # the user's choice
     assert native.isolate_inductor_cache() is None
     assert os.environ[native.INDUCTOR_CACHE_ENV] == str(tmp_path / "mine")

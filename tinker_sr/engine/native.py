@@ -130,10 +130,10 @@ def isolate_inductor_cache() -> Path | None:
     Inductor's cache key misses the vector ISA its code was generated for: code compiled
     under one (AVX-512) was loaded under another (``ATEN_CPU_CAPABILITY=avx2``, as on an
     AVX2-only CPU sharing the directory) and computed garbage (an RMSNorm off by 1e21, NaN
-    logits, a corrupted heap). Call before the first ``torch.compile`` of the process: the
-    directory is read once."""
-    if os.environ.get(INDUCTOR_CACHE_ENV, "").strip():
-        return None
+    logits, a corrupted heap). Call before the process's first ``torch.compile``."""
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV, "").strip()
+    if chosen and os.path.abspath(chosen) != _inductor_default():
+        return None  # the user's (torch writes its default there at some imports)
     import torch
 
     key = hashlib.sha256()
@@ -148,3 +148,12 @@ def isolate_inductor_cache() -> Path | None:
     path = cache_dir().parent / "inductor" / key.hexdigest()[:20]
     os.environ[INDUCTOR_CACHE_ENV] = str(path)
     return path
+
+
+def _inductor_default() -> str | None:
+    """torch's default inductor cache directory (per user, in the temp dir), or None."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
