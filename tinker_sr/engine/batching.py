@@ -15,7 +15,8 @@ CHUNK-row slices and that a row's result does not depend on its neighbours; wher
 fails (another BLAS, another CPU), that GEMM runs slice by slice, and where even a CHUNK-row
 product's rows depend on their places (MKL's AVX2 kernel: ``MKL_ENABLE_INSTRUCTIONS=AVX2``
 reproduces it on any x86 CPU), row by row (`gemm_mode`). Either way a row's logits do not
-depend on the other rows, and a request alone runs the very same code. ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
+depend on the other rows, and a request alone runs the very same code.
+``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
 
 The products run through `gemm.packed_linear` (oneDNN on weights reordered once, where the
 torch build has it; whether it applies is decided at CHUNK rows, so a row never changes

@@ -553,7 +553,8 @@ class ModelRegistry:
         if reuse is not None and size <= budget and not self._room_after_eviction(room):
             budget = 0  # an evicted copy still decodes somewhere: its memory is not back yet
         if size > budget:
-            reuse = None
+            del reuse  # not written into: freed, and handed back to the OS
+            return_freed_memory()
             if dtype != adapted.dtype:
                 adapted = self._adapted(s.resolved, spec, dtype)
                 load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
