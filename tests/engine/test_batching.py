@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tests.engine._hybrid import tiny_hybrid_model
 from tinker_sr.engine import batching, gemm
-from tinker_sr.engine.batching import CHUNK, decode_step, gemm_is_row_invariant, padded_rows
+from tinker_sr.engine.batching import CHUNK, decode_step, gemm_mode, padded_rows
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput, generate
 from tinker_sr.tokenization.hf import byte_token_table
@@ -173,8 +173,8 @@ def test_probe_detects_a_batch_variant_gemm_and_falls_back(
     monkeypatch.setattr(batching, "_invariant", {})
     monkeypatch.setattr(torch.nn.functional, "linear", variant)
     w = torch.randn(16, 8)
-    assert gemm_is_row_invariant(w, None, CHUNK)
-    assert not gemm_is_row_invariant(w, None, 2 * CHUNK)
+    assert gemm_mode(w, None, CHUNK) == "whole"
+    assert gemm_mode(w, None, 2 * CHUNK) == "slices"
     reqs = requests()
     alone = [generate(model, **r) for r in reqs]
     together, _ = run_together(model, reqs)
@@ -200,8 +200,8 @@ def test_a_gemm_whose_rows_depend_on_their_place_runs_row_by_row(
     monkeypatch.setattr(batching, "_stackable", {})
     monkeypatch.setattr(torch.nn.functional, "linear", by_place)
     w = torch.randn(16, 8)
-    assert batching.gemm_mode(w, None, CHUNK) == "rows"
-    assert batching.gemm_mode(w, None, 3 * CHUNK) == "rows"
+    assert gemm_mode(w, None, CHUNK) == "rows"
+    assert gemm_mode(w, None, 3 * CHUNK) == "rows"
     reqs = requests()
     alone = [generate(model, **r) for r in reqs]
     together, _ = run_together(model, reqs)

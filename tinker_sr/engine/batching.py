@@ -111,11 +111,6 @@ def gemm_mode(weight: Tensor, bias: Tensor | None, m: int) -> GemmMode:
     return hit
 
 
-def gemm_is_row_invariant(weight: Tensor, bias: Tensor | None, m: int) -> bool:
-    """One GEMM over ``m`` rows gives every row what a CHUNK-row product gives it (`gemm_mode`)."""
-    return gemm_mode(weight, bias, m) == "whole"
-
-
 def _gemms(mod: nn.Linear) -> list[tuple[Tensor, Tensor | None]]:
     if isinstance(mod, LoraLinear):
         return [(mod.weight, mod.bias), (mod.lora_A.weight, None), (mod.lora_B.weight, None)]

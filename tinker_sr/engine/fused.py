@@ -184,9 +184,11 @@ def merged_weight(
     """
     shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
     dtype, device = dtype or weights[0].dtype, weights[0].device
-    out = reuse if fits(reuse, shape, dtype, device) else None
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=device)
+    out = (
+        reuse
+        if fits(reuse, shape, dtype, device)
+        else torch.empty(shape, dtype=dtype, device=device)
+    )
     row = 0
     with torch.autocast(out.device.type, enabled=False):
         for w, a_i, b_i in zip(weights, a, b, strict=True):

@@ -75,8 +75,7 @@ def _lora_backward(
     turn them in place into dL/dz = onehot-scatter(g) - softmax(z) * sum_j g, then
     dh = dz W + scaling (dz B) A, dA = scaling (dz B)^T h, dB = dz^T u (u = scaling h A^T).
     Returns (dA, dB) in the order of ``params``."""
-    a = lora.a
-    da, db_t = torch.zeros_like(a), torch.zeros_like(lora.b.t())
+    da, db_t = torch.zeros_like(lora.a), torch.zeros_like(lora.b.t())
     for start in range(0, live.numel(), chunk):
         rows = live[start : start + chunk]
         g, hc = grad[rows], h[rows].detach()
@@ -86,7 +85,14 @@ def _lora_backward(
         got = _lora_dz_grads(lora, dz, hc, u, da, db_t, chunk, dh is not None)
         if dh is not None and got is not None:
             dh.index_copy_(0, rows, got.to(dh.dtype))
-    return [da if p is a else db_t.t().contiguous() for p in params]
+    return _in_order(lora, params, da, db_t)
+
+
+def _in_order(
+    lora: _Lora, params: Sequence[torch.Tensor], da: torch.Tensor, db_t: torch.Tensor
+) -> list[torch.Tensor]:
+    """The head's adapter gradients (dA, and dB from its transpose) in the order of ``params``."""
+    return [da if p is lora.a else db_t.t().contiguous() for p in params]
 
 
 def _lora_dz_grads(
@@ -235,8 +241,7 @@ class _KnownGrads:
             self.deferred.flush()
 
     def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        a = self.lora.a
-        return [self.da if p is a else self.db_t.t().contiguous() for p in params]
+        return _in_order(self.lora, params, self.da, self.db_t)
 
 
 def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
