@@ -216,6 +216,44 @@ def test_an_index_that_leaves_shards_out_says_which_are_not_read(
         load_model_dir(root)
 
 
+def _mixed(sharded: Path, dst: Path, single_from: Path) -> Path:
+    """`sharded` (its index and shards) plus `single_from`'s model.safetensors beside them."""
+    shutil.copytree(sharded, dst)
+    shutil.copy(single_from / "model.safetensors", dst / "model.safetensors")
+    return dst
+
+
+def test_a_single_file_beside_an_index_loads_as_transformers_loads_it(
+    base: Path, tmp_path: Path
+) -> None:
+    """Before: the index's shards were read where transformers reads model.safetensors, so the
+    same folder computed another model in each (logprobs 2.6 nats apart)."""
+    from transformers import AutoModelForCausalLM
+
+    other = make_tiny_hf_model_dir(tmp_path / "other", sharded=True, seed=1)
+    root = _mixed(other, tmp_path / "m", single_from=base)
+    ours = load_model_dir(root).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(root).state_dict()
+    assert torch.equal(ours[O_PROJ], theirs[O_PROJ])
+    assert torch.equal(ours[O_PROJ], load_file(base / "model.safetensors")[O_PROJ])
+    assert not torch.equal(ours[O_PROJ], load_model_dir(other).state_dict()[O_PROJ])
+
+
+@pytest.mark.parametrize("stray", ["adapter_model.safetensors", "consolidated.safetensors"])
+def test_other_safetensors_files_beside_model_safetensors_are_not_read(
+    base: Path, tmp_path: Path, stray: str
+) -> None:
+    """Before: every *.safetensors file was read, and a PEFT adapter or a consolidated copy
+    beside model.safetensors made the folder refused ("no place for" its tensors)."""
+    root = _variant(base, tmp_path / "m", lambda w: None)
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, root / stray)
+    loaded = load_model_dir(root).state_dict()
+    assert torch.equal(loaded[O_PROJ], load_file(base / "model.safetensors")[O_PROJ])
+    (root / "model.safetensors").rename(root / "weights.safetensors")
+    with pytest.raises(EngineUserError, match=rf"in \['{stray}'\].*move other files"):
+        load_model_dir(root)
+
+
 def _linked_as_in_the_hf_cache(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """`model_dir`'s files copied into ``blobs/`` and linked from ``snapshots/abc/``, as the
     Hugging Face cache lays a model out: (blobs, snapshot)."""

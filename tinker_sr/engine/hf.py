@@ -39,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 PROGRESS_MIN_BYTES = 512 * 2**20  # a progress bar and a log line from this checkpoint size
 # A model is loaded only where its weights and LOAD_HEADROOM fit in the free memory (a load
 # that cannot fit would end the process, a server with every session in it, by the OOM killer).
@@ -56,7 +57,12 @@ EMBED = "model.embed_tokens.weight"
 
 
 def weight_files(root: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards its index names, or every file."""
+    """The safetensors files of a checkpoint, chosen as transformers chooses them:
+    ``model.safetensors`` where it exists (beside it, an index and its shards, or other
+    ``*.safetensors`` files such as a PEFT adapter or a ``consolidated.safetensors``, are not
+    read), else the shards the index names, else every ``*.safetensors`` file."""
+    if (single := root / SINGLE_FILE).is_file():
+        return [single]
     index = root / INDEX_FILE
     if index.is_file():
         weight_map = read_json(index).get("weight_map") or {}
@@ -149,6 +155,7 @@ def _check_tensors(
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
+    unused_in: set[str] = set()  # the files that hold them
     placed: dict[str, int] = {}
     mapped = config.qwen3_5_layout or wrapped  # stored names are not the engine's
     for f, stored, sl in _tensors(files):
@@ -165,6 +172,7 @@ def _check_tensors(
             if key not in shapes:
                 if not key.endswith(IGNORED_SUFFIXES):
                     unused.append(key)
+                    unused_in.add(f.name)
                 continue
             placed[key] = math.prod(shape)
             if (stored_dtype := sl.get_dtype()) not in FLOAT_STORAGE:
@@ -181,11 +189,16 @@ def _check_tensors(
                     f"implies {expected}"
                 )
     if unused:
+        fix = "check config.json (architectures, attention_bias, mlp_bias, num_hidden_layers)"
+        if len(files) > 1 and not (root / INDEX_FILE).is_file():  # every file was read
+            fix = (
+                f"with neither {SINGLE_FILE} nor {INDEX_FILE} here every *.safetensors file is "
+                f"read, so move other files (an adapter, a consolidated copy) out of it, or {fix}"
+            )
         raise EngineUserError(
             f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
-            f"has no place for, e.g. {sorted(unused)[:3]}; ignoring them would compute another "
-            "model. Check config.json (architectures, attention_bias, mlp_bias, "
-            "num_hidden_layers) against the checkpoint"
+            f"has no place for, e.g. {sorted(unused)[:3]}, in {sorted(unused_in)[:3]}; ignoring "
+            f"them would compute another model: {fix} against the checkpoint"
         )
     if config.tie_embeddings:
         shapes.pop("lm_head.weight", None)

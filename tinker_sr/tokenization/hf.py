@@ -21,6 +21,7 @@ from typing import Any
 
 from tinker_sr.hf_files import eos_token_ids, model_config, read_json
 from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
+from tinker_sr.tokenization.chat_template import render
 from tinker_sr.user_errors import EngineUserError
 
 _SP_SPACE = "\u2581"  # SentencePiece's "▁"
@@ -309,25 +310,32 @@ class FastTokenizer:
         *,
         tokenize: bool = True,
         add_generation_prompt: bool = False,
+        return_dict: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Render the model's chat template (jinja2, as transformers does); token ids unless
-        ``tokenize=False``. Special tokens come from the template, so none are added."""
-        if not self.chat_template:
+        """Render the model's chat template (or `chat_template`) in transformers' template
+        environment (`chat_template.render`); token ids unless ``tokenize=False``, as a list
+        (transformers 4's default) or, with ``return_dict=True``, ``{"input_ids",
+        "attention_mask"}`` (transformers 5's default). Special tokens come from the template,
+        so none are added."""
+        template = chat_template or self.chat_template
+        if not template:
             raise EngineUserError(
                 f"{self.name_or_path}: the tokenizer has no chat_template "
-                "(tokenizer_config.json or chat_template.jinja)"
+                "(tokenizer_config.json or chat_template.jinja); pass chat_template=..."
             )
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError as e:
-            raise EngineUserError("apply_chat_template needs `jinja2`; pip install jinja2") from e
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=list(conversation),
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        specials["pad_token"] = self.pad_token
+        text = render(
+            template,
+            conversation,
+            name=self.name_or_path,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            special_tokens={k: v for k, v in specials.items() if v is not None},
             **kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
