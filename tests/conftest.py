@@ -42,6 +42,14 @@ def _merged_copies_regardless_of_free_memory(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(registry, "free_memory", lambda _device: None)
 
 
+@pytest.fixture(autouse=True)
+def _no_stored_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tests never see the developer's ``tinker auth login`` key (~/.tinker/credentials.json)."""
+    import tinker_sr.auth
+
+    monkeypatch.setattr(tinker_sr.auth, "credentials_path", lambda: tmp_path / "no-credentials")
+
+
 BACKENDS = ["local"]
 try:  # the remote backend joins the matrix once its server fixture exists
     from tests import _server  # noqa: F401

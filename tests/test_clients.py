@@ -252,8 +252,10 @@ def test_bad_requests_fail_with_typed_errors_and_change_nothing(
 def test_unknown_model_and_missing_checkpoint_are_clear(service: tinker.ServiceClient) -> None:
     with pytest.raises(tinker.RequestFailedError, match="tinker-sr/tiny"):
         service.create_lora_training_client("no/such-model").result()
-    with pytest.raises(ValueError, match="Invalid tinker path"):
-        service.create_training_client_from_state("tinker://bad")
+    with pytest.raises(tinker.BadRequestError, match="not a checkpoint path"):
+        service.create_training_client_from_state("tinker://bad").result()
+    with pytest.raises(tinker.NotFoundError, match="does not exist"):
+        service.create_training_client_from_state("tinker://no-run/weights/x").result()
     tc = service.create_lora_training_client(MODEL, rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="does not exist"):
         service.create_training_client_from_state(f"tinker://{tc.model_id}/weights/nope").result()

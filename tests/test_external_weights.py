@@ -319,20 +319,20 @@ def test_exports_are_files_for_other_tools_only(service: Any, tmp_path: Path) ->
     with pytest.raises(tinker_sr.RequestFailedError, match="checkpoint name"):
         tc.save_weights_external("../hf").result()
     refusal = "external weights export"
-    with pytest.raises(tinker_sr.RequestFailedError, match=refusal):
+    with pytest.raises(tinker_sr.BadRequestError, match=refusal):  # as a server answers
         service.create_sampling_client(model_path=path).result().sample(
             tinker_sr.types.ModelInput.from_ints([1, 2]), 1, tinker_sr.types.SamplingParams()
         ).result()
     with pytest.raises(ValueError, match="not a training checkpoint"):
         service.create_training_client_from_state(path)
-    with pytest.raises(tinker_sr.RequestFailedError, match="external weights export"):
+    with pytest.raises(tinker_sr.BadRequestError, match="external weights export"):
         rest.copy_weights(path).result()
     rest.set_checkpoint_ttl_from_tinker_path(path, None).result()
     assert rest.list_checkpoints(tc.model_id).result().checkpoints[0].expires_at is None
     files = [Path(urllib.request.url2pathname(u[7:])) for u in rest.get_external_weights_urls(path).result().urls.values()]  # fmt: skip
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert not any(f.exists() for f in files) and not files[0].parent.exists()
-    with pytest.raises(tinker_sr.RequestFailedError, match="does not exist"):
+    with pytest.raises(tinker_sr.NotFoundError, match="does not exist"):
         rest.get_external_weights_urls(path).result()
     tc.save_weights_external("hf").result()  # the name is free again
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import json
 import typing
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -277,7 +279,7 @@ def test_loss_handle_and_request_options_shape() -> None:
         return [(f.name, f.default) for f in dataclasses.fields(cls)]
 
     assert fields(tinker_sr.LossHandle) == fields(sdk.LossHandle)
-    assert tinker_sr.LossHandle.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert tinker_sr.LossHandle.__dataclass_params__.frozen
     for prop in ("key", "input_names"):
         assert isinstance(inspect.getattr_static(tinker_sr.LossHandle, prop), property)
     assert typing.get_origin(tinker_sr.PerDatumLossFn) is typing.get_origin(sdk.PerDatumLossFn)
@@ -322,7 +324,7 @@ def test_auth_on_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
     monkeypatch.delenv("TINKER_SR_BACKEND", raising=False)
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    assert tinker_sr.auth.tinker_has_credentials() is True  # no credential needed
+    assert tinker_sr.auth.tinker_has_credentials() is True  # type: ignore[attr-defined]  # no credential needed
     assert tinker_sr.auth.get_tinker_token() is None
     tinker_sr.auth.raise_if_tinker_not_accessible()  # always accessible
     monkeypatch.setenv("TINKER_API_KEY", "tml-abc")
@@ -368,7 +370,7 @@ def test_every_sdk_method_is_supported() -> None:
 
 
 def test_service_client_needs_no_key_for_a_server_on_this_machine(
-    monkeypatch: pytest.MonkeyPatch, remote_server: Any
+    monkeypatch: pytest.MonkeyPatch, remote_server: Any, tmp_path: Path
 ) -> None:
     from tests._server import free_port
     from tinker_sr.clients.holder import LOCAL_API_KEY, is_loopback_url
@@ -404,6 +406,27 @@ def test_service_client_needs_no_key_for_a_server_on_this_machine(
         tinker_sr.ServiceClient(base_url="http://example.com", api_key="sk-123")
     # The embedded engine never needs one.
     assert tinker_sr.ServiceClient(backend="local").holder.api_key is None
+
+    # The key `tinker auth login` stored comes after $TINKER_API_KEY, for remote servers only.
+    stored = tmp_path / "credentials.json"
+    monkeypatch.setattr(tinker_sr.auth, "credentials_path", lambda: stored)
+    record = {"type": "manual", "key": "tml-stored", "name": "cli"}
+    stored.write_text(json.dumps({"version": 1, "default": "k1", "keys": {"k1": record}}))
+    assert tinker_sr.ServiceClient(base_url="http://example.com").holder.api_key == "tml-stored"
+    assert tinker_sr.auth.tinker_has_credentials() is True
+    url = remote_server.base_url
+    assert tinker_sr.ServiceClient(base_url=url).holder.api_key == "tml-local"  # not sent here
+    monkeypatch.setenv("TINKER_API_KEY", "tml-env")
+    assert tinker_sr.ServiceClient(base_url="http://example.com").holder.api_key == "tml-env"
+    monkeypatch.delenv("TINKER_API_KEY")
+    monkeypatch.setenv("TINKER_CREDENTIAL_CMD", "echo x")  # the SDK prefers the command
+    with pytest.raises(tinker_sr.TinkerError, match="No API key"):
+        tinker_sr.ServiceClient(base_url="http://example.com")
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD")
+    stored.write_text("{not json")
+    with pytest.raises(tinker_sr.TinkerError, match="credentials.json: not a readable"):
+        tinker_sr.ServiceClient(base_url="http://example.com")
+    stored.unlink()
 
     # End to end: a real local server, no key configured anywhere.
     service = tinker_sr.ServiceClient(base_url=remote_server.base_url)

@@ -11,21 +11,54 @@ Which backend a default ``ServiceClient()`` would use decides the answers:
   single, unretried ``get_server_capabilities`` request and raises the matching
   `TinkerError` subclass on failure.
 
-tinker_sr reads no stored credentials (``~/.tinker/credentials.json``) and does not run
-``$TINKER_CREDENTIAL_CMD``: its clients do not use them, so neither do these helpers.
+For a remote server that is not on this machine, the key stored by the official CLI's
+``tinker auth login`` (the default key of ``~/.tinker/credentials.json``, `stored_api_key`)
+comes after ``$TINKER_API_KEY``, as in the SDK. ``$TINKER_CREDENTIAL_CMD`` is not run: where it
+is set the stored key is skipped (the SDK prefers the command) and a key must be given.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from tinker_sr.errors import TinkerError
 
 __all__ = [
     "get_tinker_token",
     "raise_if_tinker_not_accessible",
+    "stored_api_key",
     "tinker_has_credentials",
 ]
+
+
+def credentials_path() -> Path:
+    """Where the official CLI's ``tinker auth login`` stores keys."""
+    return Path("~/.tinker/credentials.json").expanduser()
+
+
+def stored_api_key() -> str | None:
+    """The default key stored by ``tinker auth login`` (``{"version": 1, "default": id,
+    "keys": {id: {"key": ...}}}``); ``None`` without the file, without a default, or where
+    ``$TINKER_CREDENTIAL_CMD`` is set. A file that cannot be read as one is a `TinkerError`
+    naming it."""
+    path = credentials_path()
+    if os.environ.get("TINKER_CREDENTIAL_CMD") or not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        default = stored.get("default")
+        record = stored.get("keys", {}).get(default) if default is not None else None
+        key = record.get("key") if record is not None else None
+    except (OSError, ValueError, AttributeError) as e:
+        raise TinkerError(
+            f"{path}: not a readable Tinker credentials file ({type(e).__name__}: {e}); run "
+            "`tinker auth login` again, delete it, or set TINKER_API_KEY"
+        ) from e
+    if key is not None and not isinstance(key, str):
+        raise TinkerError(f"{path}: the default key is not a string; run `tinker auth login` again")
+    return key
 
 
 def _uses_remote() -> bool:

@@ -36,6 +36,7 @@ __all__ = [
     "InternalServerError",
     "RequestFailedError",
     "make_status_error",
+    "refusal",
 ]
 
 
@@ -209,3 +210,13 @@ def make_status_error(
     if status >= 500:
         return InternalServerError(message, response, body)
     return _STATUS_ERRORS.get(status, APIStatusError)(message, response, body)
+
+
+def refusal(status: int, detail: str, url: str = "http://embedded.local/") -> APIStatusError:
+    """The error a Tinker server's HTTP refusal (``status``, body ``{"detail": detail}``)
+    raises in the SDK, built without a server: what the embedded engine raises for a request a
+    server would refuse before accepting it (an unknown id, a malformed path), so code catching
+    `NotFoundError` / `BadRequestError` works the same on both backends."""
+    body = {"detail": detail}
+    response = httpx.Response(status, json=body, request=httpx.Request("POST", url))
+    return make_status_error(f"Error code: {status} - {detail}", response, body)

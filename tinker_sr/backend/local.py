@@ -53,7 +53,7 @@ from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import Store
-from tinker_sr.errors import RequestFailedError
+from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -74,6 +74,11 @@ def _user(msg: str) -> RequestFailedError:
         request_id=uuid.uuid4().hex,
         category=types.RequestErrorCategory.User,
     )
+
+
+def _refused(e: EngineUserError) -> APIStatusError:
+    """The refusal a server answers a plain call with: 404 for something unknown, else 400."""
+    return refusal(404 if isinstance(e, EngineNotFoundError) else 400, str(e))
 
 
 def _torch_threads(torch_threads: int | None) -> int:
@@ -149,8 +154,10 @@ class LocalBackend(LocalRestQueries):
         return self.models.sampler_dtype
 
     # ---- plumbing ---------------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Run engine work on the worker thread; map engine errors to Tinker errors."""
+    async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:
+        """Run engine work on the worker thread; map engine errors to Tinker errors: a refused
+        request to `RequestFailedError`, as a failed future, or with ``plain`` (a call the
+        service answers directly, not through a future) to the HTTP refusal a server sends."""
         if self._closed:
             raise RuntimeError("LocalBackend is closed")
         loop = asyncio.get_running_loop()
@@ -159,16 +166,18 @@ class LocalBackend(LocalRestQueries):
             torch.set_num_threads(self._torch_threads)
             return fn()
 
-        return await self._mapped(loop.run_in_executor(self._executor, call))
+        return await self._mapped(loop.run_in_executor(self._executor, call), plain=plain)
 
     async def _on_sampler(self, future: Future[T]) -> T:
         """Await work of the sampling worker; map engine errors to Tinker errors."""
         return await self._mapped(asyncio.wrap_future(future))
 
-    async def _mapped(self, work: Awaitable[T]) -> T:
+    async def _mapped(self, work: Awaitable[T], *, plain: bool = False) -> T:
         try:
             return await work
         except EngineUserError as e:
+            if plain:
+                raise _refused(e) from e
             raise _user(str(e)) from e
         except RequestFailedError:
             raise
@@ -228,7 +237,7 @@ class LocalBackend(LocalRestQueries):
             validation.check_user_metadata(user_metadata, "create_session")
             tag_list = validation.check_tags(tags)
         except EngineUserError as e:
-            raise _user(str(e)) from None
+            raise _refused(e) from None
         return self._add_session(
             user_metadata=user_metadata,
             project_id=project_id,
@@ -357,6 +366,7 @@ class LocalBackend(LocalRestQueries):
             self._register_trainer(trainer, user_metadata)
             return model_id
 
+        await self._readable(path)
         return await self._run(work)
 
     async def get_info(self, model_id: str) -> types.GetInfoResponse:
@@ -374,7 +384,7 @@ class LocalBackend(LocalRestQueries):
                 model_name=t.base_model,
             )
 
-        return await self._run(work)
+        return await self._run(work, plain=True)
 
     # ---- training ---------------------------------------------------------------------
     async def forward_backward(
@@ -487,7 +497,27 @@ class LocalBackend(LocalRestQueries):
             training.load_state(t, path, tensors, meta, with_optimizer)
             return types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")
 
+        try:
+            await self._readable(path)
+        except APIStatusError:
+            await self.release_seq(model_id, seq_id)  # later requests must not wait for it
+            raise
         return await self._trainer_work(model_id, seq_id, work)
+
+    async def _readable(self, path: str) -> None:
+        """What a server checks before it accepts a request that reads the checkpoint
+        ``path``: its form (else `BadRequestError`) and its training run (else
+        `NotFoundError`); whether the checkpoint itself exists is the request's to find."""
+        try:
+            run_id = types.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
+        except ValueError:
+            raise refusal(
+                400,
+                f"path {path!r} is not a checkpoint path; expected "
+                "tinker://<run_id>/<weights|sampler_weights>/<name>",
+            ) from None
+        if await self._run(lambda: self.store.get_run(run_id)) is None:
+            raise refusal(404, f"checkpoint {path} does not exist")
 
     # ---- sampling ---------------------------------------------------------------------
     async def create_sampling_session(
@@ -518,13 +548,13 @@ class LocalBackend(LocalRestQueries):
             )
             return sampler_id
 
-        return await self._run(work)
+        return await self._run(work, plain=True)
 
     async def get_sampler_base_model(self, sampler_id: str) -> str:
         return (await self.get_sampler(sampler_id)).base_model
 
     async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
-        s = await self._run(lambda: self.models.sampler(sampler_id))
+        s = await self._run(lambda: self.models.sampler(sampler_id), plain=True)
         return types.GetSamplerResponse(
             sampler_id=sampler_id, base_model=s.base_model, model_path=s.model_path
         )
@@ -573,6 +603,11 @@ class LocalBackend(LocalRestQueries):
 
         if self._closed:
             raise RuntimeError("LocalBackend is closed")
+        if isinstance(num_samples, int):  # a server checks it before accepting the request
+            try:
+                validation.check_num_samples(num_samples, self.limits)
+            except EngineUserError as e:
+                raise _refused(e) from None
         rows = num_samples if isinstance(num_samples, int) else 1
         return await self._on_sampler(self._scheduler.submit(begin, rows))
 
@@ -616,7 +651,7 @@ class LocalBackend(LocalRestQueries):
                 self.store.close_session(sid, "success")  # it only holds the copy
             return new_path
 
-        return await self._run(work)
+        return await self._run(work, plain=True)
 
     async def save_weights_external(
         self,

@@ -25,16 +25,25 @@ class LocalRestQueries:
     checkpoints: CheckpointStore
     models: ModelRegistry
 
-    async def _run(self, fn: Callable[[], T]) -> T:  # LocalBackend's
+    async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:  # LocalBackend's
         raise NotImplementedError
+
+    async def _query(self, fn: Callable[[], T]) -> T:
+        """Run a query: a plain call (a server answers it directly, so a refusal is
+        `NotFoundError` / `BadRequestError`, not a failed future)."""
+        return await self._run(fn, plain=True)
 
     # ---- sessions -----------------------------------------------------------------------
     async def list_sessions(
         self, *, limit: int = 20, offset: int = 0
     ) -> types.ListSessionsResponse:
         """Session ids, newest first."""
-        validation.check_paging(limit, offset, "list_sessions")
-        ids = await self._run(lambda: self.store.list_sessions(limit=limit, offset=offset))
+
+        def work() -> list[str]:
+            validation.check_paging(limit, offset, "list_sessions")
+            return self.store.list_sessions(limit=limit, offset=offset)
+
+        ids = await self._query(work)
         return types.ListSessionsResponse(sessions=ids)
 
     async def get_session(self, session_id: str) -> types.GetSessionResponse:
@@ -51,35 +60,41 @@ class LocalRestQueries:
                 display_name=info.display_name,
             )
 
-        return await self._run(work)
+        return await self._query(work)
 
     # ---- checkpoints and training runs ----------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
-        return await self._run(lambda: self.checkpoints.list_run(training_run_id))
+        return await self._query(lambda: self.checkpoints.list_run(training_run_id))
 
     async def list_user_checkpoints(
         self, *, limit: int = 100, offset: int = 0
     ) -> types.CheckpointsListResponse:
-        validation.check_paging(limit, offset, "list_user_checkpoints")
-        return await self._run(lambda: self.checkpoints.list_all(limit=limit, offset=offset))
+        def work() -> types.CheckpointsListResponse:
+            validation.check_paging(limit, offset, "list_user_checkpoints")
+            return self.checkpoints.list_all(limit=limit, offset=offset)
+
+        return await self._query(work)
 
     async def get_training_run(self, training_run_id: str) -> types.TrainingRun:
-        return await self._run(lambda: self.checkpoints.training_run(training_run_id))
+        return await self._query(lambda: self.checkpoints.training_run(training_run_id))
 
     async def list_training_runs(
         self, *, limit: int = 20, offset: int = 0
     ) -> types.TrainingRunsResponse:
-        validation.check_paging(limit, offset, "list_training_runs")
-        return await self._run(lambda: self.checkpoints.training_runs(limit=limit, offset=offset))
+        def work() -> types.TrainingRunsResponse:
+            validation.check_paging(limit, offset, "list_training_runs")
+            return self.checkpoints.training_runs(limit=limit, offset=offset)
+
+        return await self._query(work)
 
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
-        await self._run(lambda: self.checkpoints.delete(training_run_id, checkpoint_id))
+        await self._query(lambda: self.checkpoints.delete(training_run_id, checkpoint_id))
 
     async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
-        await self._run(lambda: self.checkpoints.set_ttl(tinker_path, ttl_seconds))
+        await self._query(lambda: self.checkpoints.set_ttl(tinker_path, ttl_seconds))
 
     async def get_checkpoint(self, tinker_path: str) -> types.Checkpoint:
-        return await self._run(
+        return await self._query(
             lambda: self.checkpoints.checkpoint(self.checkpoints.live(tinker_path))
         )
 
@@ -88,14 +103,14 @@ class LocalRestQueries:
         return self.checkpoints.info(tinker_path)
 
     async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
-        return await self._run(lambda: self.checkpoints.weights_info(tinker_path))
+        return await self._query(lambda: self.checkpoints.weights_info(tinker_path))
 
     async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
-        await self._run(lambda: self.checkpoints.set_public(tinker_path, public))
+        await self._query(lambda: self.checkpoints.set_public(tinker_path, public))
 
     async def external_weights_files(self, tinker_path: str) -> tuple[str, dict[str, Path]]:
         """An export's version and files (the server signs URLs to them)."""
-        return await self._run(lambda: self.checkpoints.files(tinker_path))
+        return await self._query(lambda: self.checkpoints.files(tinker_path))
 
     async def get_external_weights_urls(
         self, tinker_path: str

@@ -118,10 +118,16 @@ def is_loopback_url(url: str | None) -> bool:
 def default_api_key(api_key: str | None, base_url: str | None) -> str | None:
     """``api_key``, else ``$TINKER_API_KEY``, else ``"tml-local"`` when ``base_url`` (already
     resolved) points at this machine: a local tinker_sr server accepts any ``tml-`` key
-    unless it was started with ``--api-keys``. ``None`` when there is none of these."""
+    unless it was started with ``--api-keys``; else the key ``tinker auth login`` stored
+    (`auth.stored_api_key`: never sent to a server on this machine). ``None`` when there is
+    none of these."""
     key = api_key or os.environ.get("TINKER_API_KEY") or None
     if key is None and is_loopback_url(base_url):
         return LOCAL_API_KEY
+    if key is None:
+        from tinker_sr.auth import stored_api_key
+
+        key = stored_api_key()
     return key
 
 

@@ -43,9 +43,14 @@ def _check_api_key(api_key: str | None, remote: bool) -> str | None:
     if not remote:
         return key
     if key is None:
+        from tinker_sr.auth import stored_api_key
+
+        key = stored_api_key()
+    if key is None:
         raise TinkerError(
-            "No API key: pass api_key=... or set TINKER_API_KEY (a tinker_sr server accepts any "
-            "key starting with 'tml-' unless it was started with --api-key/--api-keys)"
+            "No API key: pass api_key=..., set TINKER_API_KEY or run `tinker auth login` (a "
+            "tinker_sr server accepts any key starting with 'tml-' unless it was started with "
+            "--api-key/--api-keys)"
         )
     if not (key.startswith("tml-") or key.startswith("eyJ")):
         raise TinkerError("The API key must start with 'tml-'")
@@ -236,10 +241,13 @@ class ServiceClient:
     ) -> BackcompatTrainingClientFuture:
         self.holder.check_open()
         validation.check_text(user_metadata, "create_training_client_from_state: user_metadata")
-        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
-        if parsed.checkpoint_type != "training":
+        try:
+            kind = types.ParsedCheckpointTinkerPath.from_tinker_path(path).checkpoint_type
+        except ValueError:  # BadRequestError from the future, as the SDK gets it
+            kind = "training"
+        if kind != "training":
             raise ValueError(
-                f"{path} is not a training checkpoint ({parsed.checkpoint_type}); training "
+                f"{path} is not a training checkpoint ({kind}); training "
                 "clients load from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )

@@ -450,7 +450,8 @@ class TrainingClient:
         self, path: str, *, with_optimizer: bool, weights_access_token: str | None
     ) -> APIFuture[types.LoadWeightsResponse]:
         validation.check_no_access_token(weights_access_token, "load_weights")  # as the server
-        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        # The path's form is the backend's to check: BadRequestError from the future, as the
+        # SDK gets it from a server.
         backend = self.holder.backend
         return self._api(
             1,

@@ -218,8 +218,11 @@ class CheckpointStore:
         return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
 
     def list_all(self, *, limit: int, offset: int) -> types.CheckpointsListResponse:
-        rows, _total = self.store.list_checkpoints(None, limit=limit, offset=offset)
-        return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
+        rows, total = self.store.list_checkpoints(None, limit=limit, offset=offset)
+        return types.CheckpointsListResponse(
+            checkpoints=[self.checkpoint(r) for r in rows],
+            cursor=types.Cursor(offset=offset, limit=limit, total_count=total),
+        )
 
     def training_run(self, run_id: str) -> types.TrainingRun:
         run = self.store.get_run(run_id)

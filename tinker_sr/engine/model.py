@@ -47,7 +47,7 @@ from tinker_sr.engine.hybrid import (
     split_gate,
 )
 from tinker_sr.engine.kv_cache import KVCache
-from tinker_sr.tokenization.byte import ByteTokenizer
+from tinker_sr.tokenization.byte import TOKENIZER_SIZE, ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 
@@ -143,7 +143,7 @@ def _byte_model(name: str, **shape: Any) -> ModelConfig:
     tok = ByteTokenizer
     return ModelConfig(
         name=name,
-        vocab_size=tok.vocab_size,
+        vocab_size=TOKENIZER_SIZE,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

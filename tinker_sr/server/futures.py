@@ -16,11 +16,11 @@ from typing import Any
 
 from starlette.responses import Response
 
-from tinker_sr.errors import RequestFailedError
+from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.wire import WireError
 from tinker_sr.wire import messages as m
 
-from .http import PROTOBUF, HTTPError, body_hash, json_reply, strip_prefix
+from .http import PROTOBUF, HTTPError, body_hash, json_reply, plain_error, strip_prefix
 from .state import COMPLETE, FAILED, PENDING, FutureRow, ServerState
 
 log = logging.getLogger("tinker_sr.server")
@@ -151,6 +151,9 @@ class Futures:
             self.state.fail_future(rid, strip_prefix(e.message), str(e.category))
         except WireError as e:
             self.state.fail_future(rid, str(e), "user")
+        except APIStatusError as e:  # a refusal from the backend (`errors.refusal`)
+            status, detail = plain_error(e)
+            self.state.fail_future(rid, detail, "user" if status < 500 else "server")
         except Exception as e:
             log.exception("request %s failed inside the backend", rid)
             self.state.fail_future(rid, f"internal error: {type(e).__name__}: {e}", "server")

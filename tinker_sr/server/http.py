@@ -122,8 +122,9 @@ def plain_error(e: Exception) -> tuple[int, str]:
         if e.category == RequestErrorCategory.User:
             return (404 if _is_not_found(e) else 400), strip_prefix(e.message)
         return 500, strip_prefix(e.message)
-    if isinstance(e, APIStatusError):  # the backend is itself remote: pass it through
-        return e.status_code, e.message
+    if isinstance(e, APIStatusError):  # a refusal (`errors.refusal`), or a remote backend's
+        detail = e.body.get("detail") if isinstance(e.body, dict) else None
+        return e.status_code, detail if isinstance(detail, str) else e.message
     if isinstance(e, NotImplementedError):
         # 400, not 501: the SDK retries every 5xx for minutes before giving up.
         return 400, f"not supported by this server: {e}"

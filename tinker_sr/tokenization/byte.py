@@ -8,8 +8,10 @@ loads offline and that encode text to the same ids (so the official SDK's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,24 +25,42 @@ SPECIAL_TOKENS = (BOS, EOS, PAD)
 BYTE_TOKENIZER_MODELS = ("tinker-sr/tiny", "tinker-sr/small")
 
 
+_SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+# Ids in all: the 256 bytes and the special tokens (the built-in models' embedding rows).
+TOKENIZER_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
 class ByteTokenizer:
+    """The built-in models' tokenizer, with the Hugging Face interface that the tokenizer
+    directory a server reports for them (`write_hf_tokenizer_dir`) has in transformers: the
+    same ids, tokens, ``vocab_size`` (256: the base vocabulary, without the special tokens,
+    as transformers counts it) and ``len()`` (259)."""
+
     name_or_path = "tinker-sr/byte"
-    vocab_size = 259
+    vocab_size = 256
     bos_token_id = 256
     eos_token_id = 257
     pad_token_id = 258
     bos_token, eos_token, pad_token = BOS, EOS, PAD
     all_special_ids = [256, 257, 258]
+    all_special_tokens = list(SPECIAL_TOKENS)
+    chat_template: str | None = None
 
     def __len__(self) -> int:
-        return self.vocab_size
+        return TOKENIZER_SIZE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """UTF-8 bytes of `text`, after <|bos|> unless ``add_special_tokens=False``.
+        """UTF-8 bytes of `text` (a special token written in it is its id), after <|bos|>
+        unless ``add_special_tokens=False``.
 
         The default matches Hugging Face tokenizers (and the tokenizer directory a server
         reports), so a script gets the same ids on every backend."""
-        ids = list(text.encode("utf-8"))
+        ids: list[int] = []
+        for part in _SPECIAL_SPLIT.split(text):  # special tokens in the text are theirs, as in HF
+            if part in SPECIAL_TOKENS:
+                ids.append(256 + SPECIAL_TOKENS.index(part))
+            else:
+                ids.extend(part.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = False) -> str:
@@ -56,9 +76,9 @@ class ByteTokenizer:
             if 0 <= i < 256:
                 buf.append(i)
                 continue
-            if not 256 <= i < self.vocab_size:
+            if not 256 <= i < TOKENIZER_SIZE:
                 raise EngineUserError(
-                    f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})"
+                    f"token id {i} is outside the byte tokenizer's vocabulary [0, {TOKENIZER_SIZE})"
                 )
             out.append(buf.decode("utf-8", errors="replace"))
             buf.clear()
@@ -67,8 +87,64 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return [SPECIAL_TOKENS[i - 256] if i >= 256 else bytes([i]).decode("latin-1") for i in ids]
+    def batch_decode(self, rows: Sequence[Sequence[int]] | Any, **kw: Any) -> list[str]:
+        if hasattr(rows, "tolist"):
+            rows = rows.tolist()
+        return [self.decode(r, **kw) for r in rows]
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token → id, the tokens spelled as transformers spells byte-level ones (a space is
+        ``Ġ``), the special tokens included."""
+        return {t: i for i, t in enumerate(_token_strings())}
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
+        tokens = _token_strings()
+        if isinstance(ids, int):
+            return tokens[ids]
+        return [tokens[int(i)] for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        """Ids of tokens; None for a string that is no token (as transformers' unk-less
+        tokenizers give)."""
+        vocab = self.get_vocab()
+        if isinstance(tokens, str):
+            return vocab.get(tokens)
+        return [vocab.get(t) for t in tokens]
+
+    def apply_chat_template(
+        self,
+        conversation: Sequence[dict[str, Any]],
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        return_dict: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The built-in models have no chat template (they are not chat models): pass
+        ``chat_template=`` to render one, as with transformers."""
+        from tinker_sr.tokenization.chat_template import render
+
+        template = chat_template or self.chat_template
+        if not template:
+            raise EngineUserError(
+                f"{self.name_or_path}: the built-in models' tokenizer has no chat template "
+                "(they are not chat models); pass chat_template=..., or use a model directory "
+                "whose tokenizer has one"
+            )
+        specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+        text = render(
+            template,
+            conversation,
+            name=self.name_or_path,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=specials,
+            **kwargs,
+        )
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
     def __call__(
         self, text: str | list[str], add_special_tokens: bool = True, **_: Any
@@ -79,6 +155,13 @@ class ByteTokenizer:
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
         rows = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
         return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+
+
+@functools.cache
+def _token_strings() -> list[str]:
+    """Each id's token, as in the tokenizer directory: a byte as its byte-level character."""
+    chars = _bytes_to_unicode()
+    return [chars[b] for b in range(256)] + list(SPECIAL_TOKENS)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
