@@ -28,7 +28,6 @@ from tinker_sr.errors import TinkerError
 __all__ = [
     "get_tinker_token",
     "raise_if_tinker_not_accessible",
-    "stored_api_key",
     "tinker_has_credentials",
 ]
 

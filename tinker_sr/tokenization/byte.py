@@ -122,29 +122,21 @@ class ByteTokenizer:
         **kwargs: Any,
     ) -> Any:
         """The built-in models have no chat template (they are not chat models): pass
-        ``chat_template=`` to render one, as with transformers."""
-        from tinker_sr.tokenization.chat_template import render
+        ``chat_template=`` to render one, as with transformers (`chat_template.apply`)."""
+        from tinker_sr.tokenization.chat_template import apply
 
-        template = chat_template or self.chat_template
-        if not template:
-            raise EngineUserError(
-                f"{self.name_or_path}: the built-in models' tokenizer has no chat template "
-                "(they are not chat models); pass chat_template=..., or use a model directory "
-                "whose tokenizer has one"
-            )
-        specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-        text = render(
-            template,
+        return apply(
+            self,
             conversation,
-            name=self.name_or_path,
+            template=chat_template or self.chat_template,
+            missing="the built-in models' tokenizer has no chat template (they are not chat "
+            "models); pass chat_template=..., or use a model directory whose tokenizer has one",
+            special_tokens={"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+            tokenize=tokenize,
+            return_dict=return_dict,
             add_generation_prompt=add_generation_prompt,
-            special_tokens=specials,
             **kwargs,
         )
-        if not tokenize:
-            return text
-        ids = self.encode(text, add_special_tokens=False)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
     def __call__(
         self, text: str | list[str], add_special_tokens: bool = True, **_: Any

@@ -118,3 +118,36 @@ def render(
             **variables,
         )
     )
+
+
+def apply(
+    tokenizer: Any,
+    conversation: Sequence[dict[str, Any]],
+    *,
+    template: str | None,
+    missing: str,
+    special_tokens: dict[str, str | None],
+    tokenize: bool,
+    return_dict: bool,
+    add_generation_prompt: bool,
+    **kwargs: Any,
+) -> Any:
+    """A tokenizer's ``apply_chat_template``: `template` rendered (`render`; `missing` says
+    what to do where there is none), then, unless ``tokenize=False``, its ids without added
+    special tokens (the template writes them), as a list or, with ``return_dict``, as
+    ``{"input_ids", "attention_mask"}``."""
+    name = str(tokenizer.name_or_path)
+    if not template:
+        raise EngineUserError(f"{name}: {missing}")
+    text = render(
+        template,
+        conversation,
+        name=name,
+        add_generation_prompt=add_generation_prompt,
+        special_tokens={k: v for k, v in special_tokens.items() if v is not None},
+        **kwargs,
+    )
+    if not tokenize:
+        return text
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids

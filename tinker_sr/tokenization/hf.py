@@ -21,7 +21,7 @@ from typing import Any
 
 from tinker_sr.hf_files import eos_token_ids, model_config, read_json
 from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
-from tinker_sr.tokenization.chat_template import render
+from tinker_sr.tokenization.chat_template import apply
 from tinker_sr.user_errors import EngineUserError
 
 _SP_SPACE = "\u2581"  # SentencePiece's "▁"
@@ -315,27 +315,23 @@ class FastTokenizer:
         **kwargs: Any,
     ) -> Any:
         """Render the model's chat template (or `chat_template`) in transformers' template
-        environment (`chat_template.render`); token ids unless ``tokenize=False``, as a list
+        environment (`chat_template.apply`); token ids unless ``tokenize=False``, as a list
         (transformers 4's default) or, with ``return_dict=True``, ``{"input_ids",
         "attention_mask"}`` (transformers 5's default). Special tokens come from the template,
         so none are added."""
-        template = chat_template or self.chat_template
-        if not template:
-            raise EngineUserError(
-                f"{self.name_or_path}: the tokenizer has no chat_template "
-                "(tokenizer_config.json or chat_template.jinja); pass chat_template=..."
-            )
-        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        specials["pad_token"] = self.pad_token
-        text = render(
-            template,
+        return apply(
+            self,
             conversation,
-            name=self.name_or_path,
+            template=chat_template or self.chat_template,
+            missing="the tokenizer has no chat_template (tokenizer_config.json or "
+            "chat_template.jinja); pass chat_template=...",
+            special_tokens={
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "pad_token": self.pad_token,
+            },
+            tokenize=tokenize,
+            return_dict=return_dict,
             add_generation_prompt=add_generation_prompt,
-            special_tokens={k: v for k, v in specials.items() if v is not None},
             **kwargs,
         )
-        if not tokenize:
-            return text
-        ids = self.encode(text, add_special_tokens=False)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
