@@ -116,6 +116,18 @@ def check_checkpoint_name(name: str) -> None:
         )
 
 
+def checkpoint_path(path: str, field: str = "path") -> types.ParsedCheckpointTinkerPath:
+    """``path`` parsed as a checkpoint's; a malformed one is refused naming ``field`` (the
+    server and the embedded engine refuse it alike, before accepting the request)."""
+    try:
+        return types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError:
+        raise EngineUserError(
+            f"{field} {path!r} is not a checkpoint path; expected "
+            "tinker://<run_id>/<weights|sampler_weights>/<name>"
+        ) from None
+
+
 def check_model_seq_id(model_seq_id: int, what: str) -> None:
     if model_seq_id < 0:
         raise EngineUserError(f"{what}: model_seq_id must be >= 0, got {model_seq_id}")

@@ -509,13 +509,9 @@ class LocalBackend(LocalRestQueries):
         ``path``: its form (else `BadRequestError`) and its training run (else
         `NotFoundError`); whether the checkpoint itself exists is the request's to find."""
         try:
-            run_id = types.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
-        except ValueError:
-            raise refusal(
-                400,
-                f"path {path!r} is not a checkpoint path; expected "
-                "tinker://<run_id>/<weights|sampler_weights>/<name>",
-            ) from None
+            run_id = validation.checkpoint_path(path).training_run_id
+        except EngineUserError as e:
+            raise _refused(e) from None
         if await self._run(lambda: self.store.get_run(run_id)) is None:
             raise refusal(404, f"checkpoint {path} does not exist")
 

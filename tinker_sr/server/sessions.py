@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import time
 
+from tinker_sr import validation
 from tinker_sr.backend.base import Backend
 from tinker_sr.types import ParsedCheckpointTinkerPath
+from tinker_sr.user_errors import EngineUserError
 
 from .http import HTTPError
 from .state import ServerState, SessionRow
@@ -134,13 +136,9 @@ class Sessions:
         self, path: str, owner: str, *, field: str = "path"
     ) -> ParsedCheckpointTinkerPath:
         try:
-            parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        except ValueError:
-            raise HTTPError(
-                400,
-                f"{field} {path!r} is not a checkpoint path; expected "
-                "tinker://<run_id>/<weights|sampler_weights>/<name>",
-            ) from None
+            parsed = validation.checkpoint_path(path, field)
+        except EngineUserError as e:
+            raise HTTPError(400, str(e)) from None
         row = self.state.model_session(parsed.training_run_id)
         if row is None or row.owner != owner:
             raise HTTPError(404, f"checkpoint {path} does not exist")

@@ -95,7 +95,7 @@ class ByteTokenizer:
     def get_vocab(self) -> dict[str, int]:
         """Token → id, the tokens spelled as transformers spells byte-level ones (a space is
         ``Ġ``), the special tokens included."""
-        return {t: i for i, t in enumerate(_token_strings())}
+        return dict(_token_ids())
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
         tokens = _token_strings()
@@ -106,7 +106,7 @@ class ByteTokenizer:
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
         """Ids of tokens; None for a string that is no token (as transformers' unk-less
         tokenizers give)."""
-        vocab = self.get_vocab()
+        vocab = _token_ids()
         if isinstance(tokens, str):
             return vocab.get(tokens)
         return [vocab.get(t) for t in tokens]
@@ -154,6 +154,12 @@ def _token_strings() -> list[str]:
     """Each id's token, as in the tokenizer directory: a byte as its byte-level character."""
     chars = _bytes_to_unicode()
     return [chars[b] for b in range(256)] + list(SPECIAL_TOKENS)
+
+
+@functools.cache
+def _token_ids() -> dict[str, int]:
+    """`_token_strings` inverted (shared: callers copy it before handing it out)."""
+    return {t: i for i, t in enumerate(_token_strings())}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
