@@ -1,6 +1,7 @@
 """The same misuse raises the same exception class on every backend: the embedded engine, our
 client against `tinker-sr serve`, and the official SDK against it (the oracle: what a Tinker
-script catches). A request a server refuses before accepting it is an HTTP error
+script catches); and the same calls return results of the same shape (fields, their types, the
+literal tags). A request a server refuses before accepting it is an HTTP error
 (`NotFoundError` for an unknown id, `BadRequestError` for a malformed one); one it accepts and
 then fails is `RequestFailedError`."""
 
@@ -120,3 +121,57 @@ def test_embedded_checkpoint_listing_has_a_cursor(embedded_service: Any) -> None
     listing = clients.rest.list_user_checkpoints(limit=1).result()
     assert listing.cursor is not None and listing.cursor.total_count == 2
     assert (listing.cursor.offset, listing.cursor.limit, len(listing.checkpoints)) == (0, 1, 1)
+
+
+# Result fields whose values are fixed tags, compared as values; every other leaf by its type.
+TAGS = {"type", "stop_reason", "checkpoint_type", "loss_fn_output_type", "dtype", "arch"}
+
+
+def _shape(value: Any, key: str = "") -> Any:
+    if hasattr(value, "model_dump"):
+        return (type(value).__name__, _shape(value.model_dump()))
+    if isinstance(value, dict):
+        return {k: _shape(v, k) for k, v in sorted(value.items())}
+    if isinstance(value, (list, tuple)):
+        return [_shape(value[0])] if value else []
+    if key in TAGS or value is None:
+        return value
+    return type(value).__name__
+
+
+def _results(lib: Any, service: Any) -> dict[str, Any]:
+    """One short run through the public API; each result reduced to its shape."""
+    c = _clients(lib, service)
+    types = lib.types
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+    )
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    params = types.SamplingParams(max_tokens=2, seed=3)
+    got = {
+        "info": c.training.get_info(),
+        "forward_backward": c.training.forward_backward([d], "cross_entropy").result(),
+        "forward": c.training.forward([d], "cross_entropy").result(),
+        "optim_step": c.training.optim_step(types.AdamParams(learning_rate=1e-3)).result(),
+        "save_state": c.training.save_state("s").result(),
+        "save_weights_for_sampler": c.training.save_weights_for_sampler("w").result(),
+        "sample": c.sampler.sample(prompt, 2, params).result(),
+        "compute_logprobs": c.sampler.compute_logprobs(prompt).result(),
+        "training_run": c.rest.get_training_run(c.run).result(),
+        "checkpoints": c.rest.list_checkpoints(c.run).result(),
+    }
+    shapes = {name: _shape(r) for name, r in got.items()}
+    shapes["info"][1]["model_data"].pop("tokenizer_id")  # a server names a directory for the SDK
+    return shapes
+
+
+def test_results_have_the_sdks_shape_on_every_backend(service: Any, server: ServerProcess) -> None:
+    """Before: our `save_weights_for_sampler` result carried ``type`` where the SDK's is None."""
+    import tinker_sr
+
+    sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    theirs = _results(tinker, sdk_service)
+    ours = _results(tinker_sr, service)
+    assert ours == theirs
+    sdk_service.close("success").result()

@@ -337,7 +337,7 @@ class TrainingClient:
                 self.model_id, s[0], name=name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
             )
             assert r.path is not None
-            return types.SaveWeightsForSamplerResponse(path=r.path, type="save_weights_for_sampler")
+            return types.SaveWeightsForSamplerResponse(path=r.path)  # type None, as the SDK
 
         return self._api(1, body)
 
