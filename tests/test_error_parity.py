@@ -139,27 +139,59 @@ def _shape(value: Any, key: str = "") -> Any:
     return type(value).__name__
 
 
+def _rl_datum(types: Any, prompt: list[int], seq: Any) -> Any:
+    full = prompt + list(seq.tokens)
+    n = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n + list(seq.logprobs),
+            "advantages": [0.0] * n + [1.0] * len(seq.tokens),
+        },
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
+        ],
+    )
+
+
 def _results(lib: Any, service: Any) -> dict[str, Any]:
     """One short run through the public API; each result reduced to its shape."""
     c = _clients(lib, service)
-    types = lib.types
+    types, train, rest = lib.types, c.training, c.rest
+    ids = [5, 6, 7]
     d = types.Datum(
-        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        model_input=types.ModelInput.from_ints(ids),
         loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
     )
-    prompt = types.ModelInput.from_ints([5, 6, 7])
-    params = types.SamplingParams(max_tokens=2, seed=3)
+    prompt = types.ModelInput.from_ints(ids)
+    recording = train.save_weights_and_get_sampling_client(record_stability_info=True)
+    params = types.SamplingParams(max_tokens=3, seed=3, stop=[])
+    sampled = recording.result().sample(prompt, 2, params, True, 2, 2).result()
+    rl = _rl_datum(types, ids, sampled.sequences[0])
     got = {
-        "info": c.training.get_info(),
-        "forward_backward": c.training.forward_backward([d], "cross_entropy").result(),
-        "forward": c.training.forward([d], "cross_entropy").result(),
-        "optim_step": c.training.optim_step(types.AdamParams(learning_rate=1e-3)).result(),
-        "save_state": c.training.save_state("s").result(),
-        "save_weights_for_sampler": c.training.save_weights_for_sampler("w").result(),
-        "sample": c.sampler.sample(prompt, 2, params).result(),
+        "info": train.get_info(),
+        "forward_backward": train.forward_backward([d], "cross_entropy").result(),
+        "forward": train.forward([d], "cross_entropy").result(),
+        "stable_reinforce": train.forward_backward([rl], "stable_reinforce").result(),
+        "optim_step": train.optim_step(types.AdamParams(learning_rate=1e-3)).result(),
+        "save_state": train.save_state("s").result(),
+        "save_weights_for_sampler": train.save_weights_for_sampler("w").result(),
+        "sample": c.sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result(),
+        "sample(stability, top-k)": sampled,
         "compute_logprobs": c.sampler.compute_logprobs(prompt).result(),
-        "training_run": c.rest.get_training_run(c.run).result(),
-        "checkpoints": c.rest.list_checkpoints(c.run).result(),
+        "capabilities": rest.get_server_capabilities().result(),
+        "training_run": rest.get_training_run(c.run).result(),
+        "training_runs": rest.list_training_runs().result(),
+        "checkpoints": rest.list_checkpoints(c.run).result(),
+        "user_checkpoints": rest.list_user_checkpoints().result(),
+        "weights_info": rest.get_weights_info_by_tinker_path(f"tinker://{c.run}/weights/s").result(),
     }
     shapes = {name: _shape(r) for name, r in got.items()}
     shapes["info"][1]["model_data"].pop("tokenizer_id")  # a server names a directory for the SDK
