@@ -191,7 +191,9 @@ def _results(lib: Any, service: Any) -> dict[str, Any]:
         "training_runs": rest.list_training_runs().result(),
         "checkpoints": rest.list_checkpoints(c.run).result(),
         "user_checkpoints": rest.list_user_checkpoints().result(),
-        "weights_info": rest.get_weights_info_by_tinker_path(f"tinker://{c.run}/weights/s").result(),
+        "weights_info": rest.get_weights_info_by_tinker_path(
+            f"tinker://{c.run}/weights/s"
+        ).result(),
     }
     shapes = {name: _shape(r) for name, r in got.items()}
     shapes["info"][1]["model_data"].pop("tokenizer_id")  # a server names a directory for the SDK
