@@ -617,6 +617,25 @@ def test_14_embedded_malformed_data_is_a_typed_error(
 
 
 @pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("learning_rate", -1.0),
+        ("learning_rate", math.nan),
+        ("beta1", 1.0),
+        ("eps", 0.0),
+        ("weight_decay", -0.1),
+        ("grad_clip_norm", -1.0),  # before: the message named eps for either
+    ],
+)
+def test_14_bad_adam_params_are_refused_naming_the_field(
+    service: tinker.ServiceClient, field: str, value: float
+) -> None:
+    params = types.AdamParams(learning_rate=0.05).model_copy(update={field: value})
+    # Embedded/server: AdamParams.<field>; NaN never leaves our remote client (JSON has none).
+    assert_twin_unaffected(service, lambda tc: tc.optim_step(params).result(), field)
+
+
+@pytest.mark.parametrize(
     ("args", "needle"),
     [
         ((types.ModelInput.from_ints([1]), "2", {"max_tokens": 2}), None),  # coerced, as the SDK

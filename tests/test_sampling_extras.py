@@ -173,6 +173,7 @@ def _bad_requests() -> Iterator[tuple[dict[str, object], str]]:
     yield {"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"
     yield {"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"
     yield {"topk_sample_logprobs": 10**6}, "topk_sample_logprobs"
+    yield {"topk_sample_logprobs": -3}, "topk_sample_logprobs"  # was silently 0 (recording)
     yield {"prompt_alt_tokens_k": 10**6}, "prompt_alt_tokens_k"
     rows = types.TensorData.from_numpy(np.zeros((n + 1, 2), dtype=np.int64))
     yield {"target_prompt_logprobs": rows}, r"target_prompt_logprobs.*shape"

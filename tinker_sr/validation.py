@@ -238,8 +238,11 @@ def adam_values(p: Any) -> dict[str, float]:
         raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
     if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
         raise EngineUserError("AdamParams.beta1 and beta2 must be in [0, 1)")
-    if p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
-        raise EngineUserError("AdamParams.eps must be > 0; weight_decay and grad_clip_norm >= 0")
+    if p.eps <= 0:
+        raise EngineUserError(f"AdamParams.eps must be > 0, got {p.eps}")
+    for k in ("weight_decay", "grad_clip_norm"):
+        if vals[k] < 0:
+            raise EngineUserError(f"AdamParams.{k} must be >= 0 (0 turns it off), got {vals[k]}")
     return vals
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import email.utils
 import logging
+import math
 import os
 import platform
 import random
@@ -194,15 +195,24 @@ class WireTransport:
         attempt = 0
         while True:
             hdrs["x-stainless-retry-count"] = str(attempt)
-            request = client.build_request(
-                method,
-                path,
-                json=json,
-                content=content,
-                headers=hdrs,
-                params=params,
-                timeout=httpx.Timeout(read_timeout, connect=self.connect_timeout),
-            )
+            try:
+                request = client.build_request(
+                    method,
+                    path,
+                    json=json,
+                    content=content,
+                    headers=hdrs,
+                    params=params,
+                    timeout=httpx.Timeout(read_timeout, connect=self.connect_timeout),
+                )
+            except ValueError as e:  # NaN or infinity: JSON cannot carry them
+                where = _non_finite(json)
+                if where is None:
+                    raise
+                raise ValueError(
+                    f"{path}: {where[0]} is {where[1]}, which JSON cannot carry; pass a finite "
+                    "number"
+                ) from e
             try:
                 resp = await client.send(request)
             except httpx.TimeoutException as e:
@@ -430,3 +440,19 @@ class WireTransport:
         if client is not None:
             with contextlib.suppress(RuntimeError):  # its loop may already be gone
                 await client.aclose()
+
+
+def _non_finite(body: Any, where: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinite number in a JSON body, with its path (``a.b[2]``)."""
+    if isinstance(body, float) and not math.isfinite(body):
+        return where or "the body", body
+    items: Any = ()
+    if isinstance(body, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in body.items())
+    elif isinstance(body, list | tuple):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(body))
+    for sub, value in items:
+        found = _non_finite(value, sub)
+        if found is not None:
+            return found
+    return None

@@ -234,7 +234,7 @@ class SessionLowering:
                 params.top_k if params.top_k > 0 else DEFAULT_DRAW_TOPK
             )
         topk = topk_sample_logprobs
-        if self.caps.topk_sample is not False:
+        if self.caps.topk_sample is not False and topk >= 0:  # a negative one is refused as sent
             topk = max(topk, head_k)
         return SamplePlan(keep, topk, topk_sample_logprobs, self.options.draws_k, head_k)
 
