@@ -36,7 +36,8 @@ class APIFuture(ABC, Generic[T]):
     @abstractmethod
     def future(self) -> ConcurrentFuture[T]:
         """The underlying ``concurrent.futures.Future`` (for ``wait``, ``as_completed``,
-        done callbacks). Cancelling it cancels the operation."""
+        done callbacks). Cancelling it stops a sampling operation; a training call, once made,
+        still runs in its turn (as on a Tinker server: later calls depend on it)."""
         raise NotImplementedError
 
     async def coroutine(self) -> T:

@@ -56,7 +56,16 @@ class SeqOrdering:
 
     async def run(self, model_id: str, seq_id: int, fn: Callable[[], Awaitable[T]]) -> T:
         """Await ``fn()`` when every earlier ``seq_id`` of ``model_id`` has finished.
-        Raises `EngineUserError` (before ``fn`` runs) for an unknown model or a used number."""
+        Raises `EngineUserError` (before ``fn`` runs) for an unknown model or a used number.
+
+        A number handed in is a request accepted: if the caller stops waiting (its task is
+        cancelled, e.g. by ``asyncio.wait_for``), the request still waits its turn and runs, as
+        on a server; otherwise every later number of the model would wait forever for it."""
+        task = asyncio.ensure_future(self._when_due(model_id, seq_id, fn))
+        task.add_done_callback(_retrieve)  # nobody may await it any more
+        return await asyncio.shield(task)
+
+    async def _when_due(self, model_id: str, seq_id: int, fn: Callable[[], Awaitable[T]]) -> T:
         order = self._orders.get(model_id)
         if order is None:
             raise EngineUserError(f"unknown model_id {model_id!r}; create a training client first")
@@ -90,3 +99,9 @@ class SeqOrdering:
                 cond.notify_all()
             elif seq_id > order.next_seq:
                 order.released.add(seq_id)
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    """Mark an abandoned request's outcome as seen (its caller already stopped waiting)."""
+    if not task.cancelled():
+        task.exception()

@@ -33,6 +33,16 @@ _POISONED = (
 )
 
 
+async def _runs_to_the_end(coro: Awaitable[T]) -> T:
+    """``coro``, which its caller's cancellation does not stop: a training call, once made, is
+    issued in its turn and runs (as a submitted request does on a Tinker server), so the
+    model's later calls neither lose it nor wait forever for it. The caller's future still
+    reports the cancellation."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, if abandoned
+    return await asyncio.shield(task)
+
+
 class _Turn:
     """A call's place in its TrainingClient's order: sequence numbers are taken in call order,
     and the next call starts taking only after this one releases its turn."""
@@ -113,7 +123,7 @@ class TrainingClient:
                 raise
             return await task
 
-        return self.holder.run(run())
+        return self.holder.run(_runs_to_the_end(run()))
 
     def _api(self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]) -> APIFuture[T]:
         return AwaitableConcurrentFuture(self._submit(n_seq, body))

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,13 +185,15 @@ class DecodeScheduler:
 
     def _start(self, job: _Job) -> None:
         """Check the request (`Begin`), then decode it as soon as its KV cache fits."""
+        if job.future.cancelled():  # its caller stopped waiting before it started
+            return
         try:
             begun = job.begin()
         except Exception as e:  # the request's own error, reported to its caller
-            job.future.set_exception(e)
+            _settle(job.future, error=e)
             return
         if begun is None:
-            job.future.set_result(None)
+            _settle(job.future, None)
             return
         self._ready.append(_Active(*begun, job.future))
         self._admit_ready()
@@ -205,15 +207,19 @@ class DecodeScheduler:
             if self._active and used + a.group.cache_bytes > self.cache_budget:
                 return
             self._ready.popleft()
+            if a.future.cancelled():
+                continue
             try:
                 a.group.prefill(self.prompt_cache)
             except Exception as e:
-                a.future.set_exception(e)
+                _settle(a.future, error=e)
                 continue
             self._active.append(a)
 
     def _step(self) -> None:
         """One decode step per model over its active requests, then retire finished ones."""
+        # A cancelled request (its caller stopped waiting) leaves the batch: no more work.
+        self._active = [a for a in self._active if not a.future.cancelled()]
         by_model: dict[int, list[_Active]] = {}
         for a in self._active:
             if not a.group.finished:
@@ -227,14 +233,27 @@ class DecodeScheduler:
                     g.receive(lg)
             except Exception as e:  # an engine bug: fail these requests, keep serving
                 for a in batch:
-                    a.future.set_exception(e)
+                    _settle(a.future, error=e)
                     self._active.remove(a)
         for a in [a for a in self._active if a.group.finished]:
             self._active.remove(a)
             try:
-                a.future.set_result(a.finish(a.group.outputs()))
+                _settle(a.future, a.finish(a.group.outputs()))
             except Exception as e:
-                a.future.set_exception(e)
+                _settle(a.future, error=e)
+
+
+def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless its caller cancelled it meanwhile (setting a cancelled
+    future raises, which would end the sampling thread and every later request with it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        if not future.cancelled():
+            raise
 
 
 _live: weakref.WeakSet[DecodeScheduler] = weakref.WeakSet()
