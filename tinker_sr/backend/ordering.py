@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineUserError
@@ -101,7 +101,7 @@ class SeqOrdering:
                 order.released.add(seq_id)
 
 
-def _retrieve(task: asyncio.Future[object]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark an abandoned request's outcome as seen (its caller already stopped waiting)."""
     if not task.cancelled():
         task.exception()
