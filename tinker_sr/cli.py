@@ -13,7 +13,7 @@ from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tinker_sr.engine.store import StoreDamagedError
+    from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
     from tinker_sr.server import serve
     from tinker_sr.server.features import ServerFeatures
     from tinker_sr.server.store_lock import StoreInUseError
@@ -38,7 +38,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             model_aliases=model_aliases_from_args(args),
             device=device_from_args(args),
         )
-    except (StoreInUseError, StoreDamagedError) as e:  # another live server; a bad database
+    # another live server; a bad database; a read-only directory
+    except (StoreInUseError, StoreDamagedError, StoreUnwritableError) as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 

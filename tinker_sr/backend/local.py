@@ -52,7 +52,7 @@ from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_ali
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
-from tinker_sr.engine.store import Store
+from tinker_sr.engine.store import Store, make_store_dir
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -122,7 +122,7 @@ class LocalBackend(LocalRestQueries):
         tune_allocator()  # before the engine's threads exist; $TINKER_SR_MALLOC_TUNING=0: off
         self.limits = limits if limits is not None else DEFAULT_LIMITS
         self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        make_store_dir(self.store_dir)
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
         aliases = parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"))
         aliases.update(model_aliases or {})

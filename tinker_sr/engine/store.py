@@ -135,19 +135,49 @@ class StoreDamagedError(RuntimeError):
         )
 
 
+class StoreUnwritableError(RuntimeError):
+    """The state directory cannot be created or written (read-only, permissions)."""
+
+    def __init__(self, store: Path, cause: BaseException) -> None:
+        self.store = store
+        super().__init__(
+            f"store {store} cannot be written ({cause}); give tinker-sr a writable state "
+            "directory with --store DIR (or $TINKER_SR_STORE), or fix its permissions"
+        )
+
+
+def make_store_dir(store: Path) -> None:
+    """Create the state directory ``store`` (parents too); `StoreUnwritableError` if it
+    cannot be (read-only file system, permissions, a file in its place)."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreUnwritableError(store, e) from None
+
+
+def _unwritable(e: sqlite3.OperationalError) -> bool:
+    text = str(e).lower()
+    return "unable to open" in text or "readonly" in text or "read-only" in text
+
+
 class Store:
     """Thread-safe SQLite store. ``path=None`` keeps everything in memory."""
 
     def __init__(self, path: str | Path | None, *, cache_size: int = 4096) -> None:
         self.path = None if path is None else Path(path)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_store_dir(self.path.parent)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(
-            ":memory:" if self.path is None else str(self.path),
-            check_same_thread=False,
-            isolation_level=None,  # autocommit; explicit transactions where needed
-        )
+        try:
+            self._db = sqlite3.connect(
+                ":memory:" if self.path is None else str(self.path),
+                check_same_thread=False,
+                isolation_level=None,  # autocommit; explicit transactions where needed
+            )
+        except sqlite3.OperationalError as e:
+            if self.path is None or not _unwritable(e):
+                raise
+            raise StoreUnwritableError(self.path.parent, e) from None
         try:
             if self.path is not None:
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -156,8 +186,10 @@ class Store:
             self._add_missing_columns()
         except sqlite3.DatabaseError as e:
             self._db.close()
+            if isinstance(e, sqlite3.OperationalError) and self.path is not None and _unwritable(e):
+                raise StoreUnwritableError(self.path.parent, e) from None
             if isinstance(e, sqlite3.OperationalError) or self.path is None:
-                raise  # locked, read-only, ...: said as it is
+                raise  # locked, ...: said as it is
             raise StoreDamagedError(self.path, e) from e
         # Training requests look sequences up on the hot path; keep recent ones decoded.
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()

@@ -84,9 +84,14 @@ class StoreLock:
     """Hold ``<store>/server.lock`` until `release` (or the process ends)."""
 
     def __init__(self, store: Path) -> None:
-        store.mkdir(parents=True, exist_ok=True)
+        from tinker_sr.engine.store import StoreUnwritableError, make_store_dir
+
+        make_store_dir(store)
         self.path = store / LOCK_NAME
-        self._file: IO[bytes] | None = open(self.path, "a+b")  # noqa: SIM115 - held open
+        try:
+            self._file: IO[bytes] | None = open(self.path, "a+b")  # noqa: SIM115 - held open
+        except OSError as e:
+            raise StoreUnwritableError(store, e) from None
         try:
             locked = _try_lock(self._file)
         except OSError as e:  # e.g. ENOLCK on a network filesystem

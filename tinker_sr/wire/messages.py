@@ -255,6 +255,11 @@ def parse_json(body: bytes, what: str) -> Any:
         raise WireError(f"{what}: request body is not valid JSON ({e})") from None
     except RecursionError:
         raise _too_deep(what) from None
+    except ValueError as e:  # e.g. an integer literal longer than Python converts (4300 digits)
+        raise WireError(
+            f"{what}: request body holds a number too long to read ({str(e).split(';')[0]}); "
+            "send numbers that fit 64 bits"
+        ) from None
     _check_json_tree(obj, what, check_text=_SURROGATE_ESCAPE.search(body) is not None)
     return obj
 

@@ -171,7 +171,14 @@ def tensor_from_proto(msg: pb.Tensor, where: str = "tensor") -> TensorData:
             f"{where}: shape {shape} needs {math.prod(shape)} values but the dense data holds "
             f"{arr.size}"
         )
-    return TensorData(data=arr.reshape(shape), dtype=public, shape=shape)  # type: ignore[arg-type]
+    try:
+        arr = arr.reshape(shape)
+    except ValueError:  # e.g. [0, 2**62]: no values, but dimensions numpy cannot index
+        raise WireError(
+            f"{where}: shape {shape} is not an array shape this server can hold; send the "
+            "tensor's real dimensions"
+        ) from None
+    return TensorData(data=arr, dtype=public, shape=shape)  # type: ignore[arg-type]
 
 
 def _csr_from_proto(
@@ -437,6 +444,20 @@ def zstd_decompress(body: bytes, max_bytes: int) -> bytes:
         raise BodyTooLargeError(
             f"decompressed body exceeds the server's limit of {max_bytes} bytes; send smaller "
             "forward_backward chunks"
+        )
+    # The reader ends quietly where a cut-off frame ends; a second pass (bounded: it yields no
+    # more than the reader did) tells whether the frame was whole.
+    whole = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        whole.decompress(body)
+    except zstandard.ZstdError as e:
+        raise WireError(
+            f"body is marked Content-Encoding: zstd but is not a zstd frame ({e})"
+        ) from None
+    if not whole.eof:
+        raise WireError(
+            "body is marked Content-Encoding: zstd but its frame is cut off (the body is "
+            "incomplete); send the whole compressed body"
         )
     return out
 

@@ -1,0 +1,109 @@
+"""Hostile input found by the session-30 audit: each was a 500, a silent acceptance, an
+engine ("server") error for the caller's mistake, or a traceback; each is now the caller's
+error, naming the field and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+import tinker_sr as tinker
+from tests._server import running_server
+from tests.test_server import Wire
+from tinker_sr import types
+from tinker_sr.engine.store import Store, StoreUnwritableError
+from tinker_sr.wire import tinker_public_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
+    with running_server(tmp_path_factory.mktemp("store")) as srv:
+        yield Wire(srv.base_url)
+
+
+def _refused(resp: object, needle: str) -> None:
+    assert resp.status_code == 400, resp.text  # type: ignore[attr-defined]
+    assert needle in resp.json()["detail"], resp.text  # type: ignore[attr-defined]
+
+
+def test_an_integer_literal_too_long_to_read_is_a_400(wire: Wire) -> None:
+    """Before: 500 "Exceeds the limit (4300 digits) for integer string conversion"."""
+    body = b'{"type": "create_session", "tags": [], "n": ' + b"9" * 5000 + b"}"
+    _refused(wire.post("create_session", body), "too long to read")
+    wire.session()  # still serving
+
+
+def test_a_cut_off_zstd_body_is_a_400_not_an_empty_request(wire: Wire) -> None:
+    """Before: a truncated frame decompressed to nothing and was served as ``{}`` (200, the
+    tags and metadata sent silently dropped)."""
+    full = zstandard.ZstdCompressor().compress(
+        b'{"type": "create_session", "tags": ["' + b"t" * 4000 + b'"], "user_metadata": {}}'
+    )
+    zstd = {"Content-Encoding": "zstd", "Content-Type": "application/json"}
+    for body in (full[: len(full) // 2], full[:4] + b"junk"):
+        _refused(wire.post("create_session", body, headers=zstd), "cut off")
+    assert wire.post("create_session", full, headers=zstd).status_code == 200
+
+
+def test_a_zero_size_tensor_with_unindexable_dimensions_is_a_400(wire: Wire) -> None:
+    """Before: 500 "array is too big" (numpy cannot reshape to [0, 2**62])."""
+    sid = wire.session()
+    mid = wire.model(sid)
+    msg = pb.ForwardBackwardRequest(model_id=mid, seq_id=1, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray([1, 2, 3, 4], np.int32).tobytes()
+    t = d.loss_fn_inputs["target_tokens"]
+    t.dtype = pb.DTYPE_INT64
+    t.shape.extend([0, 2**62])
+    w = d.loss_fn_inputs["weights"]
+    w.dtype = pb.DTYPE_FLOAT32
+    w.dense = np.ones(4, np.float32).tobytes()
+    resp = wire.post(
+        "forward_backward",
+        msg.SerializeToString(),
+        headers={"Content-Type": "application/x-protobuf"},
+    )
+    _refused(resp, "loss_fn_inputs['target_tokens']: shape [0, 4611686018427387904]")
+
+
+def test_an_image_of_unknown_length_is_the_callers_error(
+    embedded_service: tinker.ServiceClient,
+) -> None:
+    """Before: its length was asked before its type was checked, and the ValueError that
+    raised came back as an engine error (category "server")."""
+    tc = embedded_service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+    image = types.ImageChunk(data=b"\x89PNG", format="png")
+    datum = types.Datum(
+        model_input=types.ModelInput(chunks=[image]),
+        loss_fn_inputs={"target_tokens": [1], "weights": [1.0]},
+    )
+    with pytest.raises(tinker.RequestFailedError, match="only accepts EncodedTextChunk") as ei:
+        tc.forward_backward([datum], "cross_entropy").result()
+    assert ei.value.category == types.RequestErrorCategory.User
+
+
+def test_an_unwritable_store_is_one_clear_error(tmp_path: Path) -> None:
+    """Before: a traceback ending in ``sqlite3.OperationalError: unable to open database
+    file`` (or ``OSError`` from the server's lock file)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreUnwritableError, match="--store DIR"):
+        Store(blocker / "engine.sqlite")
+    (tmp_path / "dir-db" / "engine.sqlite").mkdir(parents=True)  # a directory in its place
+    with pytest.raises(StoreUnwritableError, match="unable to open"):
+        Store(tmp_path / "dir-db" / "engine.sqlite")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store", str(blocker)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"store {blocker} cannot be written" in proc.stderr, proc.stderr
