@@ -109,8 +109,10 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
     assert len(sample.sequences[0].tokens) <= 2
     listing = await backend.list_checkpoints(before["model"])
     assert {c.checkpoint_id for c in listing.checkpoints} == {"weights/st", "sampler_weights/s1"}
-    # The crashed process's in-memory model is gone; using it fails cleanly (no hang).
-    with pytest.raises((errors.RequestFailedError, errors.NotFoundError)):
+    # The crashed process's in-memory model is gone; using it fails at once (no hang), saying
+    # why and how to resume (before: "unknown model_id ...; create a training client first",
+    # and only once the accepted request had failed).
+    with pytest.raises(errors.NotFoundError, match="restarted.*create_training_client_from"):
         await backend.forward_backward(before["model"], 8, [PROBE], "cross_entropy")
     await backend.close_session(session, "success")
     await backend.aclose()

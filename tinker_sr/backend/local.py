@@ -290,6 +290,10 @@ class LocalBackend(LocalRestQueries):
         return types.GetServerCapabilitiesResponse(supported_models=models)
 
     # ---- training models --------------------------------------------------------------
+    def has_trainer(self, model_id: str) -> bool:
+        """Whether ``model_id``'s weights are loaded here (not after a server restart)."""
+        return self.models.has_trainer(model_id)
+
     def _new_model_id(self, session_id: str, model_seq_id: int) -> str:
         model_id = f"{session_id}:train:{model_seq_id}"
         if self.models.has_trainer(model_id) or self.store.get_run(model_id) is not None:

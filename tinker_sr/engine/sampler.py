@@ -129,10 +129,18 @@ def _validate(
         raise EngineUserError(f"max_tokens: expected >= 1, got {max_tokens}")
     total = len(prompt) + max_tokens
     if total > cfg.max_seq_len:
+        hint = ""
+        if max_tokens == 1 and len(prompt) == cfg.max_seq_len:
+            # compute_logprobs asks for one token, as the official SDK does.
+            hint = (
+                f" (compute_logprobs samples one token after the prompt, so it scores at most "
+                f"{cfg.max_seq_len - 1} tokens; TrainingClient.forward scores a sequence that "
+                "fills the context)"
+            )
         raise EngineUserError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
             f"model's context length {cfg.max_seq_len}; cut the prompt or max_tokens by "
-            f"{total - cfg.max_seq_len}"
+            f"{total - cfg.max_seq_len}{hint}"
         )
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")

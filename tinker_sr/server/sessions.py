@@ -109,6 +109,16 @@ class Sessions:
                 f"({self.why_finished(row.session_id)}); load its checkpoint from a new "
                 "ServiceClient",
             )
+        loaded = getattr(self.backend, "has_trainer", None)
+        if loaded is not None and not loaded(model_id):
+            raise HTTPError(
+                404,
+                f"model {model_id} is not loaded on this server: it was created before the "
+                "server restarted, and a model's weights live in memory (only checkpoints "
+                "survive a restart). Resume from its last save_state checkpoint: "
+                "ServiceClient.create_training_client_from_state(path), with a path from "
+                f"RestClient.list_checkpoints({model_id!r})",
+            )
         self.touch(row.session_id)
         return row
 
