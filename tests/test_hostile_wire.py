@@ -119,3 +119,28 @@ def test_compute_logprobs_on_a_full_context_says_what_to_use(
         sampler.compute_logprobs(full).result()
     assert "TrainingClient.forward" in str(ei.value)
     assert len(sampler.compute_logprobs(types.ModelInput.from_ints([5] * 511)).result()) == 511
+
+
+def test_a_full_disk_is_said_as_such(
+    embedded_service: tinker.ServiceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: "internal error: OSError: [Errno 28] No space left on device" (a future) or a
+    500 "internal server error: OperationalError: database or disk is full" that the official
+    SDK retried for minutes without saying why."""
+    import errno
+    import sqlite3
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.engine.store import OUT_OF_SPACE
+    from tinker_sr.server.http import plain_error
+
+    assert plain_error(sqlite3.OperationalError("database or disk is full")) == (507, OUT_OF_SPACE)
+    tc = embedded_service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+
+    def full(*_: object, **__: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalBackend, "_save", full)
+    with pytest.raises(tinker.RequestFailedError, match="out of disk space") as ei:
+        tc.save_state("x").result()
+    assert ei.value.category == types.RequestErrorCategory.Server

@@ -52,7 +52,7 @@ from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_ali
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
-from tinker_sr.engine.store import Store, make_store_dir
+from tinker_sr.engine.store import OUT_OF_SPACE, Store, is_out_of_space, make_store_dir
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -181,9 +181,14 @@ class LocalBackend(LocalRestQueries):
             raise _user(str(e)) from e
         except RequestFailedError:
             raise
-        except Exception as e:  # an engine bug: report it as a server-side failure
+        except Exception as e:  # an engine bug (or a full disk): a server-side failure
+            text = (
+                OUT_OF_SPACE
+                if is_out_of_space(e)
+                else f"internal error: {type(e).__name__}: {self._hide_paths(e)}"
+            )
             raise RequestFailedError(
-                f"Request failed: internal error: {type(e).__name__}: {self._hide_paths(e)}",
+                f"Request failed: {text}",
                 request_id=uuid.uuid4().hex,
                 category=types.RequestErrorCategory.Server,
             ) from e

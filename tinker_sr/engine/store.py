@@ -8,6 +8,7 @@ raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token).
 
 from __future__ import annotations
 
+import errno
 import json
 import sqlite3
 import threading
@@ -153,6 +154,24 @@ def make_store_dir(store: Path) -> None:
         store.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise StoreUnwritableError(store, e) from None
+
+
+OUT_OF_SPACE = (
+    "out of disk space: the file system holding the store is full; free space there (old "
+    "checkpoints: RestClient.delete_checkpoint), then retry"
+)
+
+
+def is_out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a full disk or quota."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _unwritable(e: sqlite3.OperationalError) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.wire import WireError
 from tinker_sr.wire import messages as m
@@ -156,7 +157,10 @@ class Futures:
             self.state.fail_future(rid, detail, "user" if status < 500 else "server")
         except Exception as e:
             log.exception("request %s failed inside the backend", rid)
-            self.state.fail_future(rid, f"internal error: {type(e).__name__}: {e}", "server")
+            text = (
+                OUT_OF_SPACE if is_out_of_space(e) else f"internal error: {type(e).__name__}: {e}"
+            )
+            self.state.fail_future(rid, text, "server")
         finally:
             self.pending_samples.discard(rid)
             row = self.state.get_future(rid)

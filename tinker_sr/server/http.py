@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -128,6 +129,8 @@ def plain_error(e: Exception) -> tuple[int, str]:
     if isinstance(e, NotImplementedError):
         # 400, not 501: the SDK retries every 5xx for minutes before giving up.
         return 400, f"not supported by this server: {e}"
+    if is_out_of_space(e):
+        return 507, OUT_OF_SPACE
     return 500, f"internal server error: {type(e).__name__}: {e}"
 
 
