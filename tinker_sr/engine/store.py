@@ -165,7 +165,9 @@ OUT_OF_SPACE = (
 def is_out_of_space(e: BaseException) -> bool:
     """Whether ``e`` (or an exception it was raised from) is a full disk or quota."""
     seen: BaseException | None = e
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop back on itself
+        visited.add(id(seen))
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
