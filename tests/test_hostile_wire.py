@@ -144,3 +144,21 @@ def test_a_full_disk_is_said_as_such(
     with pytest.raises(tinker.RequestFailedError, match="out of disk space") as ei:
         tc.save_state("x").result()
     assert ei.value.category == types.RequestErrorCategory.Server
+
+
+def test_an_oversized_value_is_not_echoed_whole(wire: Wire) -> None:
+    """Before: a 100 KB base_model came back whole inside its error."""
+    sid = wire.session()
+    body = {
+        "session_id": sid,
+        "model_seq_id": 5,
+        "base_model": "m" * 100_000,
+        "lora_config": {"rank": 4},
+        "type": "create_model",
+    }
+    resp = wire.post("create_model", body)
+    if resp.status_code == 200:  # accepted, then failed: the future's error
+        text = wire.wait(resp.json()).json()["error"]
+    else:
+        text = resp.json()["detail"]
+    assert "characters left out" in text and len(text) < 2100, text[:300]

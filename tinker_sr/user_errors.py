@@ -35,3 +35,15 @@ def check_same_names(want: Iterable[str], got: Iterable[str], *, mismatch: str, 
             f"{mismatch}: {len(missing)} missing (e.g. {missing[:2]}), "
             f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}); {fix}"
         )
+
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def clip_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut in the middle to at most about ``limit`` characters: an error that echoes
+    an oversized value (a 100 KB model name) keeps its start and its fix, not the whole."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} ... ({len(text) - head - tail} characters left out) ... {text[-tail:]}"

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
-from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, clip_message
 from tinker_sr.wire import BodyTooLargeError, WireError, proto
 from tinker_sr.wire import messages as m
 
@@ -41,7 +41,7 @@ class HTTPError(Exception):
 
 
 def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+    return JSONResponse({"detail": clip_message(detail)}, status_code=status, headers=headers)
 
 
 def json_reply(obj: Any, status: int = 200) -> Response:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinker_sr.user_errors import clip_message
+
 from .store_lock import StoreLock
 
 _SCHEMA = """
@@ -314,7 +316,7 @@ class ServerState:
     def fail_future(self, request_id: str, error: str, category: str) -> None:
         self._exec(
             "UPDATE futures SET status=?, error=?, category=?, done_at=? WHERE request_id=?",
-            (FAILED, error, category, time.time(), request_id),
+            (FAILED, clip_message(error), category, time.time(), request_id),
         )
 
     # ---- idempotent replies of plain calls ----------------------------------------------------
