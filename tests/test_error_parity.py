@@ -188,9 +188,16 @@ def _results(lib: Any, service: Any) -> dict[str, Any]:
         "compute_logprobs": c.sampler.compute_logprobs(prompt).result(),
         "capabilities": rest.get_server_capabilities().result(),
         "training_run": rest.get_training_run(c.run).result(),
-        "training_runs": rest.list_training_runs().result(),
+        "training_runs": rest.list_training_runs().result().cursor,  # items: other tests' runs
         "checkpoints": rest.list_checkpoints(c.run).result(),
-        "user_checkpoints": rest.list_user_checkpoints().result(),
+        "user_checkpoints": sorted(
+            (
+                x
+                for x in rest.list_user_checkpoints().result().checkpoints
+                if c.run in x.tinker_path
+            ),
+            key=lambda x: x.checkpoint_id,
+        ),
         "weights_info": rest.get_weights_info_by_tinker_path(
             f"tinker://{c.run}/weights/s"
         ).result(),
