@@ -162,3 +162,17 @@ def test_an_oversized_value_is_not_echoed_whole(wire: Wire) -> None:
     else:
         text = resp.json()["detail"]
     assert "characters left out" in text and len(text) < 2100, text[:300]
+
+
+def test_a_nan_the_official_sdk_sent_as_null_is_named(wire: Wire) -> None:
+    """The official SDK sends ``AdamParams(learning_rate=nan)`` as ``null``; the 400 says so
+    (before: only "Input should be a valid number (got None)")."""
+    mid = wire.model(wire.session())
+    body = {
+        "model_id": mid,
+        "seq_id": 1,
+        "adam_params": {"learning_rate": None, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12},
+        "type": "optim_step",
+    }
+    _refused(wire.post("optim_step", body), "adam_params.learning_rate': Input should be")
+    assert "NaN or infinity" in wire.post("optim_step", body).json()["detail"]

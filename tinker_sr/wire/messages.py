@@ -319,6 +319,12 @@ def format_validation_error(what: str, err: pydantic.ValidationError) -> str:
             problems.append(f"unknown field '{loc}' (this server does not support it)")
         elif e.get("type") == "missing":
             problems.append(f"missing required field '{loc}'")
+        elif e.get("input") is None and "number" in str(e.get("msg")):
+            # The official SDK sends a NaN or infinite float as null.
+            problems.append(
+                f"field '{loc}': {e.get('msg')} (got null: a NaN or infinity sent as JSON "
+                "arrives as null; pass a finite number)"
+            )
         else:
             problems.append(f"field '{loc}': {e.get('msg')} (got {e.get('input')!r:.80})")
     more = f" (+{err.error_count() - 5} more)" if err.error_count() > 5 else ""
