@@ -52,7 +52,7 @@ def test_a_cancelled_sample_leaves_the_sampler_serving(service: tinker.ServiceCl
         sampler = await tc.save_weights_and_get_sampling_client_async()
         prompt = types.ModelInput.from_ints(IDS[:5])
         task = asyncio.ensure_future(
-            sampler.sample_async(prompt, 8, types.SamplingParams(max_tokens=200))
+            sampler.sample_async(prompt, 8, types.SamplingParams(max_tokens=400, stop=[]))
         )
         await asyncio.sleep(0.05)
         task.cancel()
@@ -60,7 +60,7 @@ def test_a_cancelled_sample_leaves_the_sampler_serving(service: tinker.ServiceCl
             await task
         # Longer than the cancelled one: before, when that one finished, the sampling thread
         # died setting its cancelled future, and this one never finished.
-        again = sampler.sample_async(prompt, 2, types.SamplingParams(max_tokens=300))
+        again = sampler.sample_async(prompt, 2, types.SamplingParams(max_tokens=450, stop=[]))
         return len((await asyncio.wait_for(again, 120)).sequences)
 
     assert asyncio.run(run()) == 2
