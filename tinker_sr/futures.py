@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import Future as ConcurrentFuture
 from typing import Any, Generic, TypeVar
 
@@ -46,6 +46,15 @@ class APIFuture(ABC, Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
+
+
+async def run_to_the_end(work: Awaitable[T]) -> T:
+    """Await ``work``, which the awaiting task's cancellation does not stop: an accepted
+    request runs to its end (later requests of its model wait for it) while its caller may
+    stop waiting. An abandoned outcome is marked seen (no "never retrieved" warning)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
 
 
 async def _await_concurrent(future: ConcurrentFuture[T], timeout: float | None) -> T:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from tinker_sr.futures import run_to_the_end
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineUserError
 
@@ -61,9 +62,7 @@ class SeqOrdering:
         A number handed in is a request accepted: if the caller stops waiting (its task is
         cancelled, e.g. by ``asyncio.wait_for``), the request still waits its turn and runs, as
         on a server; otherwise every later number of the model would wait forever for it."""
-        task = asyncio.ensure_future(self._when_due(model_id, seq_id, fn))
-        task.add_done_callback(_retrieve)  # nobody may await it any more
-        return await asyncio.shield(task)
+        return await run_to_the_end(self._when_due(model_id, seq_id, fn))
 
     async def _when_due(self, model_id: str, seq_id: int, fn: Callable[[], Awaitable[T]]) -> T:
         order = self._orders.get(model_id)
@@ -99,9 +98,3 @@ class SeqOrdering:
                 cond.notify_all()
             elif seq_id > order.next_seq:
                 order.released.add(seq_id)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark an abandoned request's outcome as seen (its caller already stopped waiting)."""
-    if not task.cancelled():
-        task.exception()

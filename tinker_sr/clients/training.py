@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
-from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
+from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 
 if TYPE_CHECKING:
     import torch
@@ -31,16 +31,6 @@ CustomLossFnV1 = Callable[
 _POISONED = (
     "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."
 )
-
-
-async def _runs_to_the_end(coro: Awaitable[T]) -> T:
-    """``coro``, which its caller's cancellation does not stop: a training call, once made, is
-    issued in its turn and runs (as a submitted request does on a Tinker server), so the
-    model's later calls neither lose it nor wait forever for it. The caller's future still
-    reports the cancellation."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, if abandoned
-    return await asyncio.shield(task)
 
 
 class _Turn:
@@ -123,7 +113,9 @@ class TrainingClient:
                 raise
             return await task
 
-        return self.holder.run(_runs_to_the_end(run()))
+        # A call once made runs in its turn (as a submitted request on a Tinker server), whatever
+        # its caller does: the model's later calls neither lose it nor wait forever for it.
+        return self.holder.run(run_to_the_end(run()))
 
     def _api(self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]) -> APIFuture[T]:
         return AwaitableConcurrentFuture(self._submit(n_seq, body))

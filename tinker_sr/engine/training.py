@@ -114,18 +114,14 @@ def _check_datum_types(data: Sequence[types.Datum]) -> None:
                 f"data[{i}] must be a Datum, got {type(d).__name__}; build it with "
                 "types.Datum(model_input=..., loss_fn_inputs=...)"
             )
-        _check_text_chunks(i, d)
-
-
-def _check_text_chunks(i: int, d: types.Datum) -> None:
-    """Before anything measures the datum: an image's length may be unknown (no
-    ``expected_tokens``), so asking for it would fail as an engine error, not the caller's."""
-    for j, chunk in enumerate(d.model_input.chunks):
-        if not isinstance(chunk, types.EncodedTextChunk):
-            raise EngineUserError(
-                f"datum {i}: model_input chunk {j} is a {type(chunk).__name__}; the tinker_sr "
-                "engine only accepts EncodedTextChunk"
-            )
+        # Before anything measures the datum: an image's length may be unknown (no
+        # ``expected_tokens``), so asking for it would fail as an engine error.
+        for j, chunk in enumerate(d.model_input.chunks):
+            if not isinstance(chunk, types.EncodedTextChunk):
+                raise EngineUserError(
+                    f"datum {i}: model_input chunk {j} is a {type(chunk).__name__}; the "
+                    "tinker_sr engine only accepts EncodedTextChunk"
+                )
 
 
 @dataclass
@@ -156,7 +152,7 @@ def _validate_provenance(
 
 
 def _datum_tokens(i: int, d: types.Datum, vocab: int, max_len: int) -> np.ndarray:
-    _check_text_chunks(i, d)
+    """Its tokens, checked (its chunks are text: `_check_datum_types` ran first)."""
     tokens = np.asarray(d.model_input.to_ints(), dtype=np.int64)
     n = len(tokens)
     if n == 0:
