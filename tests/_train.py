@@ -23,6 +23,31 @@ def cross_entropy_steps(
     return losses
 
 
+def rl_datum_with_provenance(types: Any, prompt: list[int], seq: Any) -> Any:
+    """An RL datum over `prompt` + the sampled sequence `seq` (advantage 1 on its tokens, 0 on
+    the prompt's) with the provenance spans StableReinforce needs, built with `types` (the
+    SDK's types module), as an RL script writes it by hand."""
+    full = prompt + list(seq.tokens)
+    n = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n + list(seq.logprobs),
+            "advantages": [0.0] * n + [1.0] * len(seq.tokens),
+        },
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
+        ],
+    )
+
+
 def assert_sampled_logprobs_are_the_learners(
     sampler: Any, types: Any, prompt: Any, num_samples: int, params: Any
 ) -> None:

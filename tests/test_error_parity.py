@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests._server import ServerProcess, running_server
+from tests._train import rl_datum_with_provenance
 
 tinker = pytest.importorskip("tinker")
 
@@ -139,28 +140,6 @@ def _shape(value: Any, key: str = "") -> Any:
     return type(value).__name__
 
 
-def _rl_datum(types: Any, prompt: list[int], seq: Any) -> Any:
-    full = prompt + list(seq.tokens)
-    n = len(prompt) - 1
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0] * n + list(seq.logprobs),
-            "advantages": [0.0] * n + [1.0] * len(seq.tokens),
-        },
-    ).with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
-
-
 def _results(lib: Any, service: Any) -> dict[str, Any]:
     """One short run through the public API; each result reduced to its shape."""
     c = _clients(lib, service)
@@ -174,7 +153,7 @@ def _results(lib: Any, service: Any) -> dict[str, Any]:
     recording = train.save_weights_and_get_sampling_client(record_stability_info=True)
     params = types.SamplingParams(max_tokens=3, seed=3, stop=[])
     sampled = recording.result().sample(prompt, 2, params, True, 2, 2).result()
-    rl = _rl_datum(types, ids, sampled.sequences[0])
+    rl = rl_datum_with_provenance(types, ids, sampled.sequences[0])
     got = {
         "info": train.get_info(),
         "forward_backward": train.forward_backward([d], "cross_entropy").result(),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests._server import ServerProcess, running_server
+from tests._train import rl_datum_with_provenance
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
@@ -66,27 +67,7 @@ def test_official_sdk_rl_loop(server: ServerProcess) -> None:
     assert seq.sequence_id and seq.sequence_id != samples.sequences[1].sequence_id
     assert len(seq.tokens) == 4 and seq.logprobs is not None and len(seq.logprobs) == 4
 
-    full = PROMPT + list(seq.tokens)
-    n_prompt_targets = len(PROMPT) - 1
-    rl_datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0] * n_prompt_targets + list(seq.logprobs),
-            "advantages": [0.0] * n_prompt_targets + [1.0] * len(seq.tokens),
-        },
-    ).with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(
-                sequence_id=seq.sequence_id, offset=1, length=n_prompt_targets
-            ),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
+    rl_datum = rl_datum_with_provenance(types, PROMPT, seq)
     rl = training.forward_backward([rl_datum], "stable_reinforce", {"kl_coeff": 0.01}).result()
     assert "loss:sum" in rl.metrics
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
