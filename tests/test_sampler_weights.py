@@ -144,3 +144,43 @@ def test_without_a_budget_merged_copies_leave_memory_free(
     finally:
         service.close().result()
         backend.close()
+
+
+def test_spilled_sampler_adapters_come_back_as_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An RL loop makes a sampler per step and samples from recent ones. With no room for
+    adapters in memory (``$TINKER_SR_SAMPLER_ADAPTERS_MB=0``) each older sampler's adapters go
+    to a spill file and are read back on use. Spill files were named by the count of spilled
+    samplers and the adapters' ``id()``: in the steady state (the oldest samplers released,
+    freed dicts' addresses reused) two live samplers got one file, and an older sampler sampled
+    with a newer one's weights (or found its file gone)."""
+    from tinker_sr.engine import registry as registry_mod
+
+    monkeypatch.setenv("TINKER_SR_SAMPLER_ADAPTERS_MB", "0")
+    monkeypatch.setenv("TINKER_SR_SAMPLERS_PER_SESSION", "4")
+    # CPython hands a freed object's address to the next one of its size, so ``id()``s of
+    # adapters made one step apart often repeat; here always (what a name must not rely on).
+    monkeypatch.setattr(registry_mod, "id", lambda _obj: 1, raising=False)
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker.ServiceClient(backend=backend)
+    try:
+        trainer = service.create_lora_training_client("tinker-sr/tiny", rank=4, seed=0).result()
+        tokens = list(b"spilled adapters")
+        full = types.ModelInput.from_ints(tokens)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
+        live: list[tuple[Any, list[float | None]]] = []
+        for _ in range(24):
+            trainer.forward_backward([datum], "cross_entropy").result()
+            trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+            sampler = trainer.save_weights_and_get_sampling_client().result()
+            live = [*live[-2:], (sampler, sampler.compute_logprobs(full).result())]
+            for older, when_new in live:  # each sampler as it was when it was made
+                assert older.compute_logprobs(full).result() == when_new
+        assert backend.models.stats()["adapters_spilled"] >= 2
+    finally:
+        service.close().result()
+        backend.close()

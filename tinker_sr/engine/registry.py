@@ -28,6 +28,7 @@ The registry is in-memory only; persistence (runs, checkpoints, recorded sequenc
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -258,6 +259,7 @@ class ModelRegistry:
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
         self._spill_dir: Path | None = None
+        self._spill_names = itertools.count()  # never reused (an id() of a freed dict is)
         # Merged sampling weights, LRU order, with their size in bytes.
         self._merged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
         # Adapters-on-the-shared-base sampling models (merged would not fit), LRU order, with
@@ -432,9 +434,8 @@ class ModelRegistry:
     @_locked
     def close(self) -> None:
         """Drop everything, including spilled adapter files."""
-        for session_id in {t.session_id for t in self._trainers.values()} | {
-            s.session_id for s in self._samplers.values()
-        }:
+        held: list[Trainer | Sampler] = [*self._trainers.values(), *self._samplers.values()]
+        for session_id in {x.session_id for x in held}:
             self.release_session(session_id)
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)
@@ -658,7 +659,7 @@ class ModelRegistry:
             adapters = self._adapters.pop(sampler_id)
             if self._spill_dir is None:
                 self._spill_dir = self._new_spill_dir()
-            path = self._spill_dir / f"{len(self._spilled)}-{os.getpid()}-{id(adapters)}.st"
+            path = self._spill_dir / f"{next(self._spill_names)}.st"
             save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
             self._spilled[sampler_id] = path
             total -= _nbytes(adapters)
