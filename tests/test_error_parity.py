@@ -7,6 +7,7 @@ then fails is `RequestFailedError`."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -195,3 +196,65 @@ def test_results_have_the_sdks_shape_on_every_backend(service: Any, server: Serv
     ours = _results(tinker_sr, service)
     assert ours == theirs
     sdk_service.close("success").result()
+
+
+# Calls the official SDK makes on its own clients for itself (telemetry, queue callbacks).
+SDK_INTERNAL = ("get_telemetry", "on_queue_state_change")
+
+
+def _public_calls(lib: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Wrap every public method of the four client classes of ``lib`` (as tinker-cookbook's
+    capture and trace do) and return the log they append to: ``Class.method`` per call."""
+    calls: list[str] = []
+
+    def wrapped(cls: type, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name not in SDK_INTERNAL:
+                calls.append(f"{cls.__name__}.{name}")
+            return fn(*args, **kwargs)
+
+        return call
+
+    for cls in (lib.ServiceClient, lib.TrainingClient, lib.SamplingClient, lib.RestClient):
+        for name, fn in list(vars(cls).items()):
+            if not name.startswith("_") and inspect.isfunction(fn):
+                monkeypatch.setattr(cls, name, wrapped(cls, name, fn))
+    return calls
+
+
+def _api_tour(lib: Any, service: Any) -> None:
+    types = lib.types
+    training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+    )
+    training.forward([datum], "cross_entropy").result()
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    sampler.sample(types.ModelInput.from_ints([5, 6]), 1, params).result()
+    sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()
+    training.save_state("tour").result()
+    service.create_sampling_client(base_model=MODEL)
+    training.get_info()
+    service.create_rest_client().list_checkpoints(training.model_id).result()
+
+
+@pytest.mark.filterwarnings("ignore:create_rest_client:FutureWarning")
+def test_wrappers_on_public_methods_see_the_sdks_calls(
+    service: Any, server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tools wrap the clients' public methods (tinker-cookbook's capture records every
+    `SamplingClient.sample`, its trace every call): the calls they see are the SDK's. Before:
+    our `compute_logprobs` went through the public `sample`, so each one was recorded as a
+    one-token sample (the SDK calls its private implementation)."""
+    import tinker_sr
+
+    theirs = _public_calls(tinker, monkeypatch)
+    _api_tour(tinker, tinker.ServiceClient(base_url=server.base_url, api_key="tml-test"))
+    ours = _public_calls(tinker_sr, monkeypatch)
+    _api_tour(tinker_sr, service)
+    assert "SamplingClient.compute_logprobs" in ours
+    assert ours == theirs

@@ -80,6 +80,33 @@ class SamplingClient:
     ) -> BackcompatConcurrentFuture[types.SampleResponse]:
         """``num_samples`` independent completions of ``prompt``; every sequence carries its
         ``sequence_id``, tokens and sampled-token logprobs."""
+        return self._sample_impl(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            topk_prompt_logprobs,
+            topk_sample_logprobs,
+            target_prompt_logprobs,
+            prompt_alt_tokens_k,
+            prompt_logprobs_last_n,
+        )
+
+    def _sample_impl(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> BackcompatConcurrentFuture[types.SampleResponse]:
+        """`sample`, which `compute_logprobs` calls too, as the official SDK's does: a wrapper a
+        user (or tinker-cookbook's capture and trace) puts on the public `sample` sees only the
+        caller's samples, not the one-token requests behind each ``compute_logprobs``."""
         self.holder.check_open()
         # Coerce and check as the official SDK does (it builds this request model first):
         # num_samples "2" -> 2 and a dict of sampling params are accepted, a list prompt is not.
@@ -203,7 +230,7 @@ class SamplingClient:
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
     ) -> BackcompatConcurrentFuture[list[float | None]]:
         """Log-probability of each prompt token given the ones before it (entry 0 is None)."""
-        inner = self.sample(
+        inner = self._sample_impl(
             prompt,
             1,
             types.SamplingParams(max_tokens=1),
