@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import pickle
 
 import numpy as np
@@ -90,6 +91,23 @@ def test_deprecated_async_variants_need_two_awaits(service: tinker.ServiceClient
         return (await future.result_async()).metrics["loss:sum"]
 
     assert asyncio.run(main()) > 0
+
+
+def test_blocking_in_async_code_warns_naming_the_callers_line(
+    service: tinker.ServiceClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A blocking ``.result()`` on a pending creation inside a coroutine stalls its event loop:
+    the warning names the line that did it (the official SDK prints the whole stack)."""
+
+    async def main() -> int:
+        future = service.create_lora_training_client(MODEL, rank=4, seed=0)
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        future.result()
+        return line
+
+    with caplog.at_level("WARNING", logger="tinker_sr"):
+        line = asyncio.run(main())
+    assert f"{__file__}:{line} (main)" in caplog.text, caplog.text
 
 
 def test_sampling_tokens_logprobs_ids_and_determinism(service: tinker.ServiceClient) -> None:

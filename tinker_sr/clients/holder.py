@@ -72,12 +72,24 @@ def blocking_result(fut: concurrent.futures.Future[T], timeout: float | None = N
         try:
             asyncio.get_running_loop()
             log.warning(
-                "Blocking call to .result() while an asyncio event loop is running in this "
-                "thread; use `await` instead to keep the loop responsive."
+                "Blocking call to .result() at %s while an asyncio event loop is running in "
+                "this thread; use `await` instead to keep the loop responsive.",
+                _caller(),
             )
         except RuntimeError:
             pass
     return fut.result(timeout)
+
+
+def _caller() -> str:
+    """``file:line (function)`` of the innermost frame outside tinker_sr: the user's call."""
+    import sys
+
+    package = str(Path(__file__).resolve().parents[1])
+    frame = sys._getframe(1)
+    while frame.f_back is not None and str(Path(frame.f_code.co_filename)).startswith(package):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 # ---- backend choice -------------------------------------------------------------------------
