@@ -202,10 +202,53 @@ def make_backend(
     return remote, url
 
 
+DROPPED = "every client of this session was dropped without close()"
+
+
+class _Ending:
+    """What ends a session whose clients were all dropped (`_end_dropped`): held apart from
+    the `ClientSession`, which its finalizer must not keep alive."""
+
+    def __init__(self, backend: Backend, owns_backend: bool) -> None:
+        self.backend = backend
+        self.owns_backend = owns_backend
+        self.session_future: concurrent.futures.Future[str] | None = None
+        self.done = False  # closed, or ended once already
+
+
+def _end_dropped(ending: _Ending) -> None:
+    """The finalizer of a `ClientSession` (its ServiceClient and every training, sampling and
+    REST client of it are gone, none closed): finish the session as "interrupted" and close an
+    owned connection, as a server does when a dropped SDK client's heartbeats stop. Without
+    it the embedded engine kept every dropped client's trainers and samplers until exit."""
+    if ending.done:
+        return
+    ending.done = True
+    if ending.session_future is None and not ending.owns_backend:
+        return
+
+    async def end() -> None:
+        if ending.session_future is not None:
+            sid = await asyncio.wrap_future(ending.session_future)
+            await ending.backend.close_session(sid, "interrupted", DROPPED)  # type: ignore[arg-type]
+        if ending.owns_backend:
+            await ending.backend.aclose()
+
+    def report(fut: concurrent.futures.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("ending a dropped session failed: %r", fut.exception())
+
+    try:
+        submit(end()).add_done_callback(report)
+    except RuntimeError:  # the loop is gone (interpreter shutdown): nothing left to free
+        pass
+
+
 class ClientSession:
     """The client side of one session on a backend (created lazily on first need): its
     backend, key, metadata and id counters, shared by all clients of one ServiceClient.
-    (Formerly `ClientSession`; `client.holder` keeps the SDK's attribute name.)"""
+    (Formerly `ClientSession`; `client.holder` keeps the SDK's attribute name.) When the
+    last client holding it is collected without ``close()``, `_end_dropped` ends it."""
 
     _registry: weakref.WeakValueDictionary[int, ClientSession] = weakref.WeakValueDictionary()
     _ids = itertools.count(1)
@@ -233,9 +276,18 @@ class ClientSession:
         self._lock = threading.Lock()
         self._model_seq = itertools.count(0)
         self._sampling_seq = itertools.count(0)
-        self.closed = False
+        self._ending = _Ending(backend, owns_backend)
+        weakref.finalize(self, _end_dropped, self._ending).atexit = False
         self.key = next(self._ids)
         ClientSession._registry[self.key] = self
+
+    @property
+    def closed(self) -> bool:
+        return self._ending.done
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._ending.done = value
 
     @classmethod
     def lookup(cls, key: int) -> ClientSession | None:
@@ -269,6 +321,7 @@ class ClientSession:
                         tags=sorted(set(tags)),
                     )
                 )
+                self._ending.session_future = self._session_future
             fut = self._session_future
         self._session_id = await asyncio.wrap_future(fut)
         return self._session_id

@@ -1,0 +1,132 @@
+"""Clients dropped without ``close()``, as scripts and notebooks drop them: once the last
+client of a session (the ServiceClient, its training, sampling and REST clients) is gone, the
+session ends as "interrupted" and its trainers and samplers leave memory, as a server ends a
+session whose SDK client stopped sending heartbeats. Before, the embedded engine (one per
+process) kept every dropped client's models until the process exited."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import tinker_sr as tinker
+from tests._server import ServerProcess
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+
+MODEL = "tinker-sr/tiny"
+
+
+def _until(check: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not released in time"
+        gc.collect()
+        time.sleep(0.05)
+
+
+def _status(backend: LocalBackend, session_id: str) -> str | None:
+    row = backend.store._db.execute(
+        "SELECT status FROM sessions WHERE session_id=?", (session_id,)
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _train_and_sample(service: Any) -> tuple[Any, Any]:
+    training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+    )
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2))
+    return training, sampler
+
+
+def test_a_dropped_session_ends_when_its_last_client_goes(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "store")
+    try:
+        service = tinker.ServiceClient(backend=backend)
+        training, sampler = _train_and_sample(service)
+        session_id = training.holder._session_id
+        del service
+        gc.collect()  # its training and sampling clients still use the session
+        assert backend.models.stats()["trainers"] == 1
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        del training, sampler
+        _until(lambda: backend.models.stats()["trainers"] == 0)
+        _until(lambda: backend.models.stats()["samplers"] == 0)
+        assert _status(backend, session_id) == "interrupted"
+        # One closed before it is dropped keeps its own status, and nothing ends twice.
+        service = tinker.ServiceClient(backend=backend)
+        _train_and_sample(service)
+        closed_id = service.holder._session_id
+        service.close().result()
+        del service
+        gc.collect()
+        assert _status(backend, closed_id) == "success"
+    finally:
+        backend.close()
+
+
+def test_many_dropped_clients_leave_nothing_behind(tmp_path: Path) -> None:
+    """200 short-lived clients each used for one step and dropped (a sweep in a notebook)
+    held 200 trainers and samplers; now none outlive their clients."""
+    backend = LocalBackend(tmp_path / "store")
+    try:
+        for _ in range(20):
+            _train_and_sample(tinker.ServiceClient(backend=backend))
+        _until(lambda: backend.models.stats()["trainers"] == 0)
+        assert backend.models.stats()["samplers"] == 0
+    finally:
+        backend.close()
+
+
+def test_a_dropped_remote_client_ends_its_server_session(remote_server: ServerProcess) -> None:
+    """Through our remote client the server session ends at once (and its heartbeats stop),
+    instead of heartbeating on until the process exits."""
+    import httpx
+
+    service = tinker.ServiceClient(base_url=remote_server.base_url, api_key="tml-test")
+    training, sampler = _train_and_sample(service)
+    session_id = training.holder._session_id
+    del service, training, sampler
+
+    def ended() -> bool:
+        r = httpx.post(
+            f"{remote_server.base_url}/api/v1/session_heartbeat",
+            json={"session_id": session_id, "type": "session_heartbeat"},
+            headers={"X-API-Key": "tml-test"},
+        )
+        return r.status_code == 410
+
+    _until(ended)
+
+
+def test_exiting_with_undropped_clients_prints_nothing(tmp_path: Path) -> None:
+    """A script that ends holding clients it never closed exits cleanly (no finalizer noise
+    at interpreter shutdown)."""
+    script = (
+        "import tinker_sr as tinker\n"
+        "from tinker_sr import types\n"
+        "from tests.test_dropped_clients import _train_and_sample\n"
+        "kept = _train_and_sample(tinker.ServiceClient())\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "TINKER_SR_STORE": str(tmp_path / "store")},
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr == "", out.stderr
