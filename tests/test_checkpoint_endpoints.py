@@ -265,6 +265,65 @@ def test_checkpoint_ttl_and_rest_coroutine_twins(service: Any) -> None:
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
+class _Clock:
+    """``time`` for the store modules, ``ahead`` seconds in the future."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_expired_checkpoints_are_deleted_files_and_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TTL bounds what a run keeps on disk. Expired checkpoints were only hidden (not listed,
+    not loadable) while their files and rows stayed for ever, and with them hidden nobody
+    could delete them. Now they are deleted when the store opens and before later saves; a
+    new checkpoint may take an expired one's name, and its file is not the one removed."""
+    from tinker_sr.engine import checkpoint_store, store
+
+    clock = _Clock()
+    monkeypatch.setattr(store, "time", clock)
+    monkeypatch.setattr(checkpoint_store, "time", clock)
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker.ServiceClient(backend=backend)
+    tc = service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    kept = tc.save_state("kept").result().path
+    short = tc.save_state("short", ttl_seconds=3600).result().path
+    sampler = tc.save_weights_for_sampler("s", ttl_seconds=3600).result().path
+    files = {p: Path(backend.checkpoints.live(p).file_path) for p in (kept, short, sampler)}
+    assert all(f.is_file() for f in files.values())
+
+    clock.ahead = 3601.0  # an hour later, in the same process: the next save purges
+    assert tc.save_state("short").result().path == short  # the expired name, reused
+    assert not files[sampler].exists()
+    assert files[short].is_file() and files[kept].is_file()  # the new "short"
+    listed = {
+        c.tinker_path for c in _rest(service).list_checkpoints(tc.model_id).result().checkpoints
+    }
+    assert listed == {kept, short}
+    tc.save_weights_for_sampler("s2", ttl_seconds=3600).result()
+    service.close().result()
+    backend.close()
+
+    clock.ahead = 2 * 3601.0  # the process is gone; the store opens again later
+    backend = LocalBackend(tmp_path / "store")
+    try:
+        rows = backend.store.list_checkpoints(None)[0]
+        assert {r.tinker_path for r in rows} == {kept, short}  # s2 expired: row and file gone
+        on_disk = sorted(
+            p.name for p in (tmp_path / "store" / "checkpoints").rglob("*.safetensors")
+        )
+        assert on_disk == ["kept.safetensors", "short.safetensors"]
+    finally:
+        backend.close()
+
+
 def test_external_weights_urls_of_a_missing_export(service: Any) -> None:
     tc = service.create_lora_training_client(MODEL, rank=2).result()
     rest = _rest(service)

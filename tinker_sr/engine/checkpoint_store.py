@@ -30,6 +30,9 @@ from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 from tinker_sr.validation import check_checkpoint_name as check_name
 from tinker_sr.validation import expiry
 
+PURGE_EVERY_S = 60.0
+"""How often saves look for expired checkpoints to delete (TTLs are at least an hour)."""
+
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
@@ -46,12 +49,40 @@ def _iso(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
+def _remove(path: Path) -> None:
+    """A checkpoint's file, or directory (an external-weights export); gone already is fine."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 class CheckpointStore:
     """Checkpoint files under ``root`` plus their rows in ``store``."""
 
-    def __init__(self, store: Store, root: Path) -> None:
+    def __init__(self, store: Store, root: Path, *, purge: bool = True) -> None:
+        """``purge``: delete expired checkpoints now (the engine that owns the store does; a
+        reader of it, such as ``tinker-sr export``, does not)."""
         self.store = store
         self.root = root
+        self._last_purge = 0.0
+        if purge:
+            self.purge_expired()
+
+    def purge_expired(self, *, every: float = 0.0) -> int:
+        """Delete the checkpoints whose TTL ran out, rows and files (a TTL bounds what a run
+        keeps on disk; expired ones are no longer listed, so nobody could delete them). Runs
+        when the store opens and before each save at most every ``PURGE_EVERY_S``: on the
+        thread that saves, so a new checkpoint reusing an expired one's name is never the
+        file removed. ``every``: skip if the last purge is more recent. Returns the count."""
+        now = time.time()
+        if now - self._last_purge < every:
+            return 0
+        self._last_purge = now
+        rows = self.store.take_expired_checkpoints(now)
+        for row in rows:
+            _remove(Path(row.file_path))
+        return len(rows)
 
     def file(self, run_id: str, segment: str, name: str) -> Path:
         safe_run = run_id.replace(":", "_")
@@ -72,6 +103,7 @@ class CheckpointStore:
     ) -> str:
         """Save ``tensors`` as ``tinker://<run_id>/<segment>/<name>``; returns that path."""
         check_name(name)
+        self.purge_expired(every=PURGE_EVERY_S)
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"
         if not overwrite and self.store.get_checkpoint(tinker_path) is not None:
@@ -97,6 +129,7 @@ class CheckpointStore:
         files into a fresh private directory, which then replaces the final one in one rename
         (a reader sees all of the files or none). Names are never reused while live."""
         check_name(name)
+        self.purge_expired(every=PURGE_EVERY_S)
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"
         if self.store.get_checkpoint(tinker_path) is not None:
@@ -281,10 +314,7 @@ class CheckpointStore:
         row = self.store.delete_checkpoint(path)
         if row is None:
             raise EngineNotFoundError(f"checkpoint {path} does not exist")
-        if Path(row.file_path).is_dir():
-            shutil.rmtree(row.file_path, ignore_errors=True)
-        else:
-            Path(row.file_path).unlink(missing_ok=True)
+        _remove(Path(row.file_path))
 
     def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
         parse_path(path)

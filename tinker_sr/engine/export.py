@@ -190,7 +190,7 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
             )
         store = Store(store_dir / "engine.sqlite")
         try:
-            tensors, meta = CheckpointStore(store, store_dir).load(path, expect="any")
+            tensors, meta = CheckpointStore(store, store_dir, purge=False).load(path, expect="any")
         finally:
             store.close()
     else:

@@ -420,6 +420,17 @@ class Store:
         ).fetchone()
         return row
 
+    def take_expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        """Delete the rows of checkpoints whose TTL ran out by ``now``; returns them (their
+        files are the caller's to remove)."""
+        expired = "expires_at IS NOT NULL AND expires_at <= ?"
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {expired}", (now,)
+            ).fetchall()
+            self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
+        return [self._ck_row(r) for r in rows]
+
     def set_checkpoint_expiry(self, tinker_path: str, expires_at: float | None) -> bool:
         with self._lock:
             cur = self._db.execute(
