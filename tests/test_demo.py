@@ -88,6 +88,35 @@ def test_stress_with_base_url_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert "--stress bf16" in capsys.readouterr().err
 
 
+def test_staleness_without_a_stale_sampler_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    """It was ignored silently (the run had no stale sampler; config.json said 0)."""
+    assert cli.main(["demo", "--staleness", "3", "--out", str(tmp_path)]) == 2
+    assert "--staleness only applies with --stress stale" in capsys.readouterr().err
+
+
+def test_a_server_that_cannot_run_the_demo_is_one_line(tmp_path: Path, capsys) -> None:
+    """A dead URL took a minute of retries and a 100-line traceback naming no URL; a server
+    with its own keys (no --api-key given) or without stable_reinforce (--lowering never)
+    ended in a traceback too. Each is now one line naming the URL or the refusal."""
+    from tinker_sr.testing.server import free_port, running_server
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["demo", "--base-url", dead, "--out", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach {dead}; is a server running there?" in err, err
+    assert not (tmp_path / "a").exists()
+    extra = ["--api-key", "tml-only", "--without-stable-reinforce"]
+    with running_server(tmp_path / "store", extra_args=extra) as srv:
+        argv = ["demo", "--steps", "1", "--base-url", srv.base_url, "--quiet"]
+        assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 1
+        err = capsys.readouterr().err
+        assert "refused the API key" in err and "pass the server's key with --api-key" in err
+        never = [*argv, "--api-key", "tml-only", "--lowering", "never"]
+        assert cli.main([*never, "--out", str(tmp_path / "c")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tinker-sr demo: UnprocessableEntityError") and "\n" not in err
+
+
 def test_counting_reward_is_verifiable() -> None:
     assert reward("count: 3", list(b"45678901")) == 1.0
     # Only the first byte is the successor of its predecessor; the rest are digits.

@@ -151,3 +151,29 @@ def test_export_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "no tinker_sr store" in capsys.readouterr().err
     assert cli(["export", str(tmp_path / "none.safetensors"), str(tmp_path / "o")]) == 2
     assert "checkpoint file not found" in capsys.readouterr().err
+
+
+def test_export_refuses_a_base_the_adapter_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A PEFT export checks the adapter against the base it names, as a merge does: it wrote
+    an adapter_config.json naming a base the adapter cannot load into, with exit status 0.
+    A failed export leaves no directory behind; a checkpoint not in the store names the store
+    that was searched."""
+    backend, path, _ = _train_and_save(tmp_path, "tinker-sr/tiny")
+    backend.close()
+    store = str(tmp_path / "store")
+    for merge in ([], ["--merge"]):
+        out = tmp_path / f"out{len(merge)}"
+        argv = ["export", path, str(out), "--store", store, "--base-model", "tinker-sr/small"]
+        assert cli(argv + merge) == 2
+        err = capsys.readouterr().err
+        assert "LoRA weights do not match this model" in err and "same base model" in err, err
+        assert not out.exists()
+    assert cli(["export", path, str(tmp_path / "ok"), "--store", store]) == 0
+    assert (tmp_path / "ok" / "adapter_config.json").is_file()
+    other = tmp_path / "other"
+    LocalBackend(other).close()  # an empty store
+    assert cli(["export", path, str(tmp_path / "o2"), "--store", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"Looked in the store at {other}" in err and "--store DIR" in err, err

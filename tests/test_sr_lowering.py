@@ -129,6 +129,8 @@ def test_lowered_equals_native_on_the_embedded_engine(
         np.testing.assert_array_equal(results[("always", "2d")][1][k], g)
     said = [r.getMessage() for r in caplog.records if "lowered by the client" in r.getMessage()]
     assert len(said) == 2 and "2-D targets" in said[0] and "1-D targets" in said[1]
+    # The engine takes 2-D targets: 1-D was the caller's choice, and the message says so.
+    assert "targets='1d' was asked for" in said[1], said[1]
 
 
 def test_auto_mode_probes_once_and_runs_natively_here(
@@ -349,6 +351,16 @@ def test_lowering_options_are_checked() -> None:
     with pytest.raises(ValueError, match="targets"):
         LoweringOptions(targets="3d")  # type: ignore[arg-type]
     assert LoweringOptions.parse("always").mode == "always"
+
+
+def test_bad_environment_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_SR_LOWERING", "sometimes")
+    with pytest.raises(ValueError, match=r"^\$TINKER_SR_LOWERING: .*'auto', 'always' or"):
+        LoweringOptions.parse(None)
+    assert LoweringOptions.parse("never").mode == "never"  # an argument wins
+    monkeypatch.setenv("TINKER_SR_BACKEND", "elsewhere")
+    with pytest.raises(ValueError, match=r"^\$TINKER_SR_BACKEND must be 'local', 'remote'"):
+        tinker.ServiceClient()
 
 
 # ---- against a real server playing an engine without StableReinforce -----------------------

@@ -307,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--staleness",
         type=int,
-        default=3,
+        default=None,
         help="with --stress stale/both: optimizer steps the sampler lags (default 3)",
     )
     parser.add_argument(
@@ -344,9 +344,8 @@ def open_service_client(
                 f"stress {stress!r} configures the embedded engine's sampler and cannot apply "
                 "to a remote server; drop the stress setting or the base URL"
             )
-        key = api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
         with tinker.ServiceClient(
-            base_url=base_url, api_key=key, stable_reinforce_lowering=lowering
+            base_url=base_url, api_key=_key(api_key), stable_reinforce_lowering=lowering
         ) as client:
             yield client
         return
@@ -369,6 +368,39 @@ def open_service_client(
                 yield client
         finally:
             backend.close()
+
+
+def _key(api_key: str | None) -> str:
+    """The key for ``--base-url``: ``--api-key``, else ``$TINKER_API_KEY``, else a placeholder
+    that a tinker-sr server without configured keys accepts."""
+    return api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
+
+
+def _server_problem(base_url: str, api_key: str | None) -> str | None:
+    """Why the server at ``base_url`` cannot run the demo (one request, no retries), or None.
+    Without it a dead URL took a minute of retries and ended in a long traceback."""
+    from tinker_sr.backend.remote import RemoteBackend
+    from tinker_sr.clients.holder import submit
+
+    async def check() -> None:
+        backend = RemoteBackend(base_url=base_url, api_key=_key(api_key), max_retries=0)
+        try:
+            await backend.get_server_capabilities()
+        finally:
+            await backend.aclose()
+
+    try:
+        submit(check()).result(timeout=60)
+    except tinker.APIConnectionError:
+        return (
+            f"cannot reach {base_url}; is a server running there? Start one with "
+            "`tinker-sr serve --port PORT`, or drop --base-url to run on the embedded engine"
+        )
+    except tinker.AuthenticationError as e:
+        return f"{base_url} refused the API key ({e}); pass the server's key with --api-key"
+    except tinker.TinkerError as e:
+        return f"{base_url}: {type(e).__name__}: {e}"
+    return None
 
 
 _PATHS = {
@@ -440,6 +472,8 @@ def _config_from_args(args: argparse.Namespace) -> RLConfig | str:
     """The run's config, or why the arguments do not make one."""
     if args.steps < 1:
         return "--steps must be >= 1"
+    if args.staleness is not None and args.stress not in ("stale", "both"):
+        return "--staleness only applies with --stress stale or --stress both"
     if args.base_url is not None and args.stress != "none":
         return (
             f"--stress {args.stress} stresses the embedded engine's sampler; it "
@@ -461,6 +495,10 @@ def _config_from_args(args: argparse.Namespace) -> RLConfig | str:
     )
 
 
+def _staleness(args: argparse.Namespace) -> int:
+    return 3 if args.staleness is None else int(args.staleness)
+
+
 def _write_config(
     path: Path, config: RLConfig, args: argparse.Namespace, sr_path: str | None
 ) -> None:
@@ -468,7 +506,7 @@ def _write_config(
         **asdict(config),
         "loss_fn_config": config.loss_fn_config(),
         "stress": args.stress,
-        "staleness": args.staleness if args.stress in ("stale", "both") else 0,
+        "staleness": _staleness(args) if args.stress in ("stale", "both") else 0,
         "base_url": args.base_url,
         "stable_reinforce_path": sr_path,
     }
@@ -483,6 +521,9 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(config, str):
         print(f"tinker-sr demo: {config}", file=sys.stderr)
         return 2
+    if args.base_url is not None and (problem := _server_problem(args.base_url, args.api_key)):
+        print(f"tinker-sr demo: {problem}", file=sys.stderr)
+        return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "metrics.jsonl"
@@ -490,7 +531,7 @@ def main(args: argparse.Namespace) -> int:
     where = args.base_url or "embedded engine"
     stress = "" if args.stress == "none" else f", stress={args.stress}"
     if args.stress in ("stale", "both"):
-        stress += f" (k={args.staleness})"
+        stress += f" (k={_staleness(args)})"
     if not args.quiet:
         print(
             f"tinker-sr demo: {config.loss} on {config.base_model} ({where}{stress}), "
@@ -516,11 +557,15 @@ def main(args: argparse.Namespace) -> int:
                 base_url=args.base_url,
                 api_key=args.api_key,
                 stress=args.stress,
-                staleness=args.staleness,
+                staleness=_staleness(args),
                 lowering=_lowering_options(args.lowering, config.base_model),
             ) as service_client:
                 records = asyncio.run(rl_loop(service_client, config, on_step))
                 sr_path = service_client.stable_reinforce_path
+        except tinker.TinkerError as e:  # the service refused: its message, not a traceback
+            bar.close()
+            print(f"tinker-sr demo: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         finally:
             bar.close()
     wall = time.perf_counter() - t0

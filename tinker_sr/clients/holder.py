@@ -184,7 +184,8 @@ def make_backend(
     choice = backend or os.environ.get("TINKER_SR_BACKEND") or None
     url = resolve_base_url(base_url)
     if choice not in (None, "local", "remote"):
-        raise ValueError(f"backend must be 'local', 'remote' or a Backend instance, got {choice!r}")
+        where = "backend" if backend else "$TINKER_SR_BACKEND"
+        raise ValueError(f"{where} must be 'local', 'remote' or a Backend instance, got {choice!r}")
     if choice == "local" or (choice is None and url is None):
         return local_backend(), None
     if url is None:

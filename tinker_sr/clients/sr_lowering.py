@@ -133,8 +133,12 @@ class LoweringOptions:
         """An options object, a mode name, or None (``$TINKER_SR_LOWERING``, else auto)."""
         if isinstance(value, LoweringOptions):
             return value
-        mode = value if value is not None else (os.environ.get(_ENV_MODE) or "auto")
-        return cls(mode=cast(LoweringMode, mode))
+        if value is not None or not os.environ.get(_ENV_MODE):
+            return cls(mode=cast(LoweringMode, "auto" if value is None else value))
+        try:
+            return cls(mode=cast(LoweringMode, os.environ[_ENV_MODE]))
+        except ValueError as e:
+            raise ValueError(f"${_ENV_MODE}: {e}") from None
 
 
 # ---- capabilities and the per-session state ----------------------------------------------
@@ -532,10 +536,15 @@ class SessionLowering:
             if self.options.mode == "always"
             else "this service does not implement stable_reinforce"
         )
+        one_d = (
+            "targets='1d' was asked for"
+            if self.options.targets == "1d"
+            else "this service takes no 2-D targets"
+        )
         how = (
             "one cross_entropy call with 2-D targets [N, 1+K]"
             if path == "lowered-2d"
-            else "K+1 cross_entropy calls with 1-D targets (this service takes no 2-D targets)"
+            else f"K+1 cross_entropy calls with 1-D targets ({one_d})"
         )
         log.warning(
             "stable_reinforce is lowered by the client (%s): %s, same gradient; loss and "

@@ -29,10 +29,16 @@ import torch
 from tinker_sr.engine.checkpoints import read_record, save_tensors
 from tinker_sr.engine.hf_config import QWEN3_VL, config_to_hf, vl_wrapper
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
-from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, load_lora_state_dict
+from tinker_sr.engine.lora import (
+    LoraSpec,
+    apply_lora,
+    check_lora_state_dict,
+    clone_for_sampling,
+    load_lora_state_dict,
+)
 from tinker_sr.engine.model import Transformer
 from tinker_sr.hf_files import read_json
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 PEFT_PREFIX = "base_model.model."
 # Files of a base model directory that a merged export carries over unchanged.
@@ -191,11 +197,30 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
         store = Store(store_dir / "engine.sqlite")
         try:
             tensors, meta = CheckpointStore(store, store_dir, purge=False).load(path, expect="any")
+        except EngineNotFoundError as e:
+            raise EngineNotFoundError(
+                f"{e}. Looked in the store at {store_dir}: pass the store it was saved to "
+                "(--store DIR, $TINKER_SR_STORE)"
+            ) from None
         finally:
             store.close()
     else:
         tensors, meta = load_tensors(path)
     return LoraCheckpoint.from_tensors(tensors, meta, path)
+
+
+def _check_fits(resolved: str, base_dir: Path | None, ckpt: LoraCheckpoint) -> None:
+    """Refuse an adapter that does not fit the base it will name (as a merge refuses it):
+    the adapter's names and shapes against the base's LoRA layers, built on the meta device
+    from its config alone (no weight is read)."""
+    from tinker_sr.engine.hf import check_model_dir
+    from tinker_sr.engine.model import BUILTIN_CONFIGS
+
+    config = BUILTIN_CONFIGS[resolved] if base_dir is None else check_model_dir(base_dir)[3]
+    with torch.device("meta"):
+        skeleton = Transformer(config)
+        apply_lora(skeleton, dataclasses.replace(ckpt.spec, seed=0))
+    check_lora_state_dict(skeleton, ckpt.adapters)
 
 
 def export_checkpoint(
@@ -210,6 +235,26 @@ def export_checkpoint(
     """`tinker-sr export`: checkpoint `path` → a PEFT adapter dir, or with `merge` a merged
     HF model dir. The base model is the checkpoint's (or `base_model`), resolved like the
     engine does (built-ins, directories, the HF cache, `aliases`)."""
+    root = Path(out)
+    existed = root.exists()
+    try:
+        return _export(path, root, merge=merge, store_dir=store_dir, base_model=base_model,
+                       aliases=aliases)  # fmt: skip
+    except BaseException:
+        if not existed:  # no empty or half-written directory left behind
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _export(
+    path: str,
+    out: Path,
+    *,
+    merge: bool,
+    store_dir: Path,
+    base_model: str | None,
+    aliases: Mapping[str, str] | None,
+) -> Path:
     from tinker_sr.engine.registry import ModelRegistry
 
     ckpt = read_checkpoint(path, store_dir)
@@ -218,6 +263,7 @@ def export_checkpoint(
     resolved = registry.resolve_model(name)
     base_dir = Path(resolved) if os.path.isdir(resolved) else None
     if not merge:
+        _check_fits(resolved, base_dir, ckpt)
         # A Hub name found in the HF cache stays a Hub name; paths and aliases resolve.
         hub_name = name == (registry.aliases.get(name) or name) and not os.path.exists(name)
         kind = vl_wrapper(read_json(base_dir / "config.json")) if base_dir else None

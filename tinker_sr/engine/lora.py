@@ -190,6 +190,16 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
     """Copy adapter values in; names and shapes must match this model's adapters exactly."""
+    own = check_lora_state_dict(model, sd)
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(sd[n])
+
+
+def check_lora_state_dict(model: nn.Module, sd: Mapping[str, Tensor]) -> dict[str, nn.Parameter]:
+    """`model`'s adapter parameters by name, after checking that `sd` has exactly their names
+    and shapes (`EngineUserError` naming the first that differs). `model` may be on the meta
+    device: only shapes are read."""
     own = {n: p for n, p in model.named_parameters() if _is_adapter(n)}
     check_same_names(
         own,
@@ -204,9 +214,7 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
                 f"LoRA weight {n}: checkpoint shape {tuple(sd[n].shape)} != model shape "
                 f"{tuple(p.shape)}; the LoRA rank or base model differs"
             )
-    with torch.no_grad():
-        for n, p in own.items():
-            p.copy_(sd[n])
+    return own
 
 
 def clone_for_sampling(

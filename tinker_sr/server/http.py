@@ -71,7 +71,7 @@ def owner_of(request: Request, api_keys: list[bytes]) -> str:
             raise HTTPError(
                 401,
                 "X-API-Key is not accepted by this server (it is not one of the keys "
-                "configured with --api-keys / TINKER_SR_API_KEYS)",
+                "given to the server with --api-key, --api-keys or $TINKER_SR_API_KEYS)",
             )
     elif not key.startswith("tml-"):
         raise HTTPError(401, "X-API-Key must start with 'tml-' (e.g. TINKER_API_KEY=tml-local)")
