@@ -602,6 +602,26 @@ def test_futures_pending_at_a_crash_are_failed_on_restart(tmp_path: Path) -> Non
     )
 
 
+def test_sampler_rows_of_long_finished_sessions_are_pruned(tmp_path: Path) -> None:
+    """The server keeps one row per sampler ever made (an RL loop makes one per step); those
+    of a session finished and quiet for a day go when results do, live sessions' stay."""
+    import time
+
+    from tinker_sr.server.state import RESULT_TTL_S, ServerState
+
+    state = ServerState(tmp_path / "server.sqlite")
+    for sid in ("done", "live"):
+        state.add_session(sid, "o")
+        for i in range(3):
+            state.add_sampler(f"{sid}-{i}", sid, None)
+    state.finish_session("done", "success")
+    state.prune()
+    assert len(state.sampler_ids_of("done")) == 3  # finished just now: kept
+    state.prune(now=time.time() + RESULT_TTL_S + 1)
+    assert state.sampler_ids_of("done") == [] and len(state.sampler_ids_of("live")) == 3
+    state.close()
+
+
 def test_another_sessions_sequence_ids_behave_as_unknown(wire: Wire, model: str) -> None:
     save = {
         "model_id": model,

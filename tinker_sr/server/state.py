@@ -162,6 +162,13 @@ class ServerState:
                 (PENDING, now - RESULT_TTL_S, now - FINISHED_SESSION_RESULT_TTL_S),
             )
             self._db.execute("DELETE FROM replies WHERE created_at < ?", (now - RESULT_TTL_S,))
+            # One row per sampler ever made (one per RL step): those of sessions finished and
+            # quiet for as long as results are kept go with them.
+            self._db.execute(
+                "DELETE FROM samplers WHERE session_id IN (SELECT session_id FROM sessions "
+                "WHERE finished IS NOT NULL AND last_heartbeat < ?)",
+                (now - RESULT_TTL_S,),
+            )
             return cur.rowcount
 
     # ---- sessions, models, samplers --------------------------------------------------------
