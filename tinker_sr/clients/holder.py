@@ -239,10 +239,16 @@ def _end_dropped(ending: _Ending) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             log.debug("ending a dropped session failed: %r", fut.exception())
 
+    # This runs inside garbage collection, on any thread and at any allocation, maybe while
+    # that thread holds `_loop_lock`: take the running loop as is, never the lock.
+    loop = _loop
+    if loop is None or loop.is_closed():  # no loop, nothing of it left to free
+        return
+    coro = end()
     try:
-        submit(end()).add_done_callback(report)
-    except RuntimeError:  # the loop is gone (interpreter shutdown): nothing left to free
-        pass
+        asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(report)
+    except RuntimeError:  # the loop closed meanwhile (interpreter shutdown)
+        coro.close()
 
 
 class ClientSession:
