@@ -13,7 +13,7 @@ events), then ``<out>/summary.json`` and plots. Finished runs are skipped when t
 run again with the same settings, so an interrupted grid resumes where it stopped.
 
     python benchmarks/stability.py            # full grid: 120 runs, ~12 min on 2 idle CPU cores
-    python benchmarks/stability.py --quick    # smoke version: 1 seed, 25 steps, ~1 minute
+    python benchmarks/stability.py --quick    # smoke version: 1 seed, 25 steps, ~1-2 minutes
     python benchmarks/stability.py --images docs/images \
         --summary-json docs/images/stability_summary.json   # what docs/stability.md shows
 
@@ -384,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="results directory (default runs/stability)")
     parser.add_argument("--images", default=None, help="where to write the PNGs (default: --out)")
-    parser.add_argument("--quick", action="store_true", help="a ~2 minute smoke version")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke version: 1 seed, 25 steps, ~1-2 minutes"
+    )
     parser.add_argument("--steps", type=int, default=80, help="RL steps per run (default 80)")
     parser.add_argument("--staleness", type=int, default=3, help="k for stale (default 3)")
     parser.add_argument("--summary-json", default=None, help="also copy summary.json here")

@@ -103,7 +103,7 @@ def test_a_server_that_cannot_run_the_demo_is_one_line(tmp_path: Path, capsys) -
     dead = f"http://127.0.0.1:{free_port()}"
     assert cli.main(["demo", "--base-url", dead, "--out", str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err
-    assert f"cannot reach {dead}; is a server running there?" in err, err
+    assert f"cannot reach {dead} (waited 15 s); is a server running there?" in err, err
     assert not (tmp_path / "a").exists()
     extra = ["--api-key", "tml-only", "--without-stable-reinforce"]
     with running_server(tmp_path / "store", extra_args=extra) as srv:

@@ -376,9 +376,11 @@ def _key(api_key: str | None) -> str:
     return api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
 
 
-def _server_problem(base_url: str, api_key: str | None) -> str | None:
-    """Why the server at ``base_url`` cannot run the demo (one request, no retries), or None.
-    Without it a dead URL took a minute of retries and ended in a long traceback."""
+def _server_problem(base_url: str, api_key: str | None, wait_s: float = 15.0) -> str | None:
+    """Why the server at ``base_url`` cannot run the demo, or None. A server that does not
+    answer yet is given ``wait_s`` to start (`tinker-sr serve ... &` just before the demo);
+    then one line says so. Without this a dead URL took a minute of retries and ended in a
+    long traceback."""
     from tinker_sr.backend.remote import RemoteBackend
     from tinker_sr.clients.holder import submit
 
@@ -389,12 +391,21 @@ def _server_problem(base_url: str, api_key: str | None) -> str | None:
         finally:
             await backend.aclose()
 
+    deadline = time.monotonic() + wait_s
     try:
-        submit(check()).result(timeout=60)
+        while True:
+            try:
+                submit(check()).result(timeout=60)
+                break
+            except tinker.APIConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
     except tinker.APIConnectionError:
         return (
-            f"cannot reach {base_url}; is a server running there? Start one with "
-            "`tinker-sr serve --port PORT`, or drop --base-url to run on the embedded engine"
+            f"cannot reach {base_url} (waited {wait_s:g} s); is a server running there? Start "
+            "one with `tinker-sr serve --port PORT`, or drop --base-url to run on the embedded "
+            "engine"
         )
     except tinker.AuthenticationError as e:
         return f"{base_url} refused the API key ({e}); pass the server's key with --api-key"
