@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -294,8 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="key for --base-url (default $TINKER_API_KEY, else a 'tml-' placeholder "
-        "that a tinker-sr server accepts)",
+        help="key for --base-url (default: as every client picks it: $TINKER_API_KEY, else "
+        "tml-local for a server on this machine, else the `tinker auth login` key)",
     )
     parser.add_argument(
         "--stress",
@@ -345,7 +344,7 @@ def open_service_client(
                 "to a remote server; drop the stress setting or the base URL"
             )
         with tinker.ServiceClient(
-            base_url=base_url, api_key=_key(api_key), stable_reinforce_lowering=lowering
+            base_url=base_url, api_key=_key(api_key, base_url), stable_reinforce_lowering=lowering
         ) as client:
             yield client
         return
@@ -370,10 +369,13 @@ def open_service_client(
             backend.close()
 
 
-def _key(api_key: str | None) -> str:
-    """The key for ``--base-url``: ``--api-key``, else ``$TINKER_API_KEY``, else a placeholder
-    that a tinker-sr server without configured keys accepts."""
-    return api_key or os.environ.get("TINKER_API_KEY") or "tml-tinker-sr-demo"
+def _key(api_key: str | None, base_url: str) -> str:
+    """The key for ``--base-url``, as every client picks it (``--api-key``, ``$TINKER_API_KEY``,
+    ``tml-local`` for a server on this machine, the stored login), else a placeholder that a
+    tinker-sr server without configured keys accepts."""
+    from tinker_sr.clients.holder import default_api_key
+
+    return default_api_key(api_key, base_url.rstrip("/")) or "tml-tinker-sr-demo"
 
 
 def _server_problem(base_url: str, api_key: str | None, wait_s: float = 15.0) -> str | None:
@@ -385,7 +387,7 @@ def _server_problem(base_url: str, api_key: str | None, wait_s: float = 15.0) ->
     from tinker_sr.clients.holder import submit
 
     async def check() -> None:
-        backend = RemoteBackend(base_url=base_url, api_key=_key(api_key), max_retries=0)
+        backend = RemoteBackend(base_url=base_url, api_key=_key(api_key, base_url), max_retries=0)
         try:
             await backend.get_server_capabilities()
         finally:
