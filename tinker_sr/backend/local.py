@@ -98,6 +98,7 @@ class LocalBackend(LocalRestQueries):
     # The engine implements loss_fn="stable_reinforce" and records its own stability draws,
     # so a client's StableReinforce lowering has nothing to probe or keep (sr_lowering).
     native_stable_reinforce = True
+    in_process = True  # its sessions are reachable from this process only
 
     def __init__(
         self,

@@ -213,23 +213,30 @@ class _Ending:
     def __init__(self, backend: Backend, owns_backend: bool) -> None:
         self.backend = backend
         self.owns_backend = owns_backend
+        # An engine in this process (`LocalBackend.in_process`): nothing else can reach its
+        # session. A server's session may still be used by other processes (sampler handles).
+        self.in_process = bool(getattr(backend, "in_process", False))
         self.session_future: concurrent.futures.Future[str] | None = None
         self.done = False  # closed, or ended once already
 
 
 def _end_dropped(ending: _Ending) -> None:
     """The finalizer of a `ClientSession` (its ServiceClient and every training, sampling and
-    REST client of it are gone, none closed): finish the session as "interrupted" and close an
-    owned connection, as a server does when a dropped SDK client's heartbeats stop. Without
-    it the embedded engine kept every dropped client's trainers and samplers until exit."""
+    REST client of it are gone, none closed). On an engine in this process: finish the session
+    as "interrupted", releasing its trainers and samplers (kept until exit before). On a server:
+    close the connection, which stops the heartbeats, so the server expires the session once
+    nothing uses it (sampler handles in other processes may still), as when a client process
+    dies; the session is not finished from here."""
     if ending.done:
         return
     ending.done = True
-    if ending.session_future is None and not ending.owns_backend:
+    ends_session = ending.in_process and ending.session_future is not None
+    if not (ends_session or ending.owns_backend):
         return
 
     async def end() -> None:
-        if ending.session_future is not None:
+        if ends_session:
+            assert ending.session_future is not None
             sid = await asyncio.wrap_future(ending.session_future)
             await ending.backend.close_session(sid, "interrupted", DROPPED)  # type: ignore[arg-type]
         if ending.owns_backend:
