@@ -94,16 +94,20 @@ def test_staleness_without_a_stale_sampler_is_a_clear_error(tmp_path: Path, caps
     assert "--staleness only applies with --stress stale" in capsys.readouterr().err
 
 
-def test_a_server_that_cannot_run_the_demo_is_one_line(tmp_path: Path, capsys) -> None:
+def test_a_server_that_cannot_run_the_demo_is_one_line(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A dead URL took a minute of retries and a 100-line traceback naming no URL; a server
     with its own keys (no --api-key given) or without stable_reinforce (--lowering never)
     ended in a traceback too. Each is now one line naming the URL or the refusal."""
+    from tinker_sr import demo
     from tinker_sr.testing.server import free_port, running_server
 
+    monkeypatch.setattr(demo, "SERVER_WAIT_S", 1.0)
     dead = f"http://127.0.0.1:{free_port()}"
     assert cli.main(["demo", "--base-url", dead, "--out", str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err
-    assert f"cannot reach {dead} (waited 15 s); is a server running there?" in err, err
+    assert f"cannot reach {dead} (waited 1 s); is a server running there?" in err, err
     assert not (tmp_path / "a").exists()
     extra = ["--api-key", "tml-only", "--without-stable-reinforce"]
     with running_server(tmp_path / "store", extra_args=extra) as srv:

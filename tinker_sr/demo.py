@@ -378,9 +378,13 @@ def _key(api_key: str | None, base_url: str) -> str:
     return default_api_key(api_key, base_url.rstrip("/")) or "tml-tinker-sr-demo"
 
 
-def _server_problem(base_url: str, api_key: str | None, wait_s: float = 15.0) -> str | None:
+SERVER_WAIT_S = 15.0
+"""How long ``--base-url`` may take to answer (a server started just before the demo)."""
+
+
+def _server_problem(base_url: str, api_key: str | None) -> str | None:
     """Why the server at ``base_url`` cannot run the demo, or None. A server that does not
-    answer yet is given ``wait_s`` to start (`tinker-sr serve ... &` just before the demo);
+    answer yet is given `SERVER_WAIT_S` to start (`tinker-sr serve ... &` just before the demo);
     then one line says so. Without this a dead URL took a minute of retries and ended in a
     long traceback."""
     from tinker_sr.backend.remote import RemoteBackend
@@ -393,6 +397,7 @@ def _server_problem(base_url: str, api_key: str | None, wait_s: float = 15.0) ->
         finally:
             await backend.aclose()
 
+    wait_s = SERVER_WAIT_S
     deadline = time.monotonic() + wait_s
     try:
         while True:
