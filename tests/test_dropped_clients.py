@@ -114,6 +114,18 @@ def test_a_dropped_remote_client_stops_its_heartbeats(remote_server: ServerProce
     assert other.sample(types.ModelInput.from_ints([5, 6]), 1, params).result().sequences
 
 
+def test_a_call_on_a_client_dropped_at_once_completes(remote_server: ServerProcess) -> None:
+    """``RestClient(...).list_training_runs().result()``, as the SDK's deprecation message
+    suggests writing it: the client is gone before its call ends, and the call must not see
+    its session's connection closed ("RemoteBackend is closed")."""
+    url = remote_server.base_url
+    for _ in range(10):  # (not inside `assert`: pytest's rewriting would keep the client)
+        runs = tinker.RestClient(base_url=url, api_key="tml-test").list_training_runs().result()
+        assert runs.training_runs is not None
+        caps = tinker.ServiceClient(base_url=url, api_key="tml-test").get_server_capabilities()
+        assert caps.supported_models
+
+
 def test_exiting_with_undropped_clients_prints_nothing(tmp_path: Path) -> None:
     """A script that ends holding clients it never closed exits cleanly (no finalizer noise
     at interpreter shutdown)."""

@@ -152,6 +152,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--log-level",
         default="info",
+        type=str.lower,
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="server log level (default info)",
     )

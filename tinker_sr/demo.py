@@ -414,6 +414,8 @@ def _server_problem(base_url: str, api_key: str | None) -> str | None:
             "one with `tinker-sr serve --port PORT`, or drop --base-url to run on the embedded "
             "engine"
         )
+    except TimeoutError:
+        return f"{base_url} accepted the connection but did not answer in 60 s"
     except tinker.AuthenticationError as e:
         return f"{base_url} refused the API key ({e}); pass the server's key with --api-key"
     except tinker.TinkerError as e:

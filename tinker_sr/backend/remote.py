@@ -68,9 +68,10 @@ class RemoteBackend(WireTransport):
         ):
             if body.get(key):
                 log.log(level, "%s", body[key])
-        self._heartbeats[session_id] = asyncio.get_running_loop().create_task(
-            self._heartbeat_loop(session_id)
-        )
+        if not self._closed:
+            self._heartbeats[session_id] = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(session_id)
+            )
         return session_id
 
     async def close_session(

@@ -407,6 +407,8 @@ class WireTransport:
         warned = False
         while True:
             await asyncio.sleep(_HEARTBEAT_S)
+            if self._closed:  # closed while the session was being created
+                return
             try:
                 resp = await self._request(
                     "POST",

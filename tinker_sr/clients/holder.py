@@ -85,9 +85,11 @@ def _caller() -> str:
     """``file:line (function)`` of the innermost frame outside tinker_sr: the user's call."""
     import sys
 
-    package = str(Path(__file__).resolve().parents[1])
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
     frame = sys._getframe(1)
-    while frame.f_back is not None and str(Path(frame.f_code.co_filename)).startswith(package):
+    while frame.f_back is not None and os.path.realpath(frame.f_code.co_filename).startswith(
+        package
+    ):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
@@ -318,7 +320,16 @@ class ClientSession:
         return next(self._sampling_seq)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return submit(coro)
+        """Run ``coro`` on the SDK loop, holding this session until it ends: a call made on a
+        client dropped at once (``RestClient(...).list_training_runs().result()``) must not
+        see its session ended (its connection closed) while it runs."""
+        session = self
+
+        async def held() -> T:
+            assert session is not None  # a cell of this frame: the session lives as long
+            return await coro
+
+        return submit(held())
 
     async def session_id(self) -> str:
         """Create the session on first need (one creation even under concurrent callers)."""

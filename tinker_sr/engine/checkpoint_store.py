@@ -12,6 +12,7 @@ message.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -29,6 +30,8 @@ from tinker_sr.engine.store import CheckpointRow, RunRow, Store
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 from tinker_sr.validation import check_checkpoint_name as check_name
 from tinker_sr.validation import expiry
+
+log = logging.getLogger("tinker_sr.engine")
 
 PURGE_EVERY_S = 60.0
 """How often saves look for expired checkpoints to delete (TTLs are at least an hour)."""
@@ -81,7 +84,12 @@ class CheckpointStore:
         self._last_purge = now
         rows = self.store.take_expired_checkpoints(now)
         for row in rows:
-            _remove(Path(row.file_path))
+            if self.store.checkpoint_file_in_use(row.file_path):
+                continue  # saved again under the same name meanwhile
+            try:
+                _remove(Path(row.file_path))
+            except OSError as e:  # a save or a server start must not fail over an old file
+                log.warning("could not delete expired checkpoint %s: %s", row.file_path, e)
         return len(rows)
 
     def file(self, run_id: str, segment: str, name: str) -> Path:

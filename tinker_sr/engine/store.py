@@ -421,15 +421,31 @@ class Store:
         return row
 
     def take_expired_checkpoints(self, now: float) -> list[CheckpointRow]:
-        """Delete the rows of checkpoints whose TTL ran out by ``now``; returns them (their
-        files are the caller's to remove)."""
+        """Delete the rows of checkpoints whose TTL ran out by ``now``, in one transaction (no
+        row saved meanwhile is taken, by this process or another on the same store); returns
+        them. Their files are the caller's to remove (`checkpoint_file_in_use` first)."""
         expired = "expires_at IS NOT NULL AND expires_at <= ?"
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {expired}", (now,)
-            ).fetchall()
-            self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
+            self._db.execute("BEGIN IMMEDIATE")  # no RETURNING: SQLite before 3.35 lacks it
+            try:
+                rows = self._db.execute(
+                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {expired}", (now,)
+                ).fetchall()
+                self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
         return [self._ck_row(r) for r in rows]
+
+    def checkpoint_file_in_use(self, file_path: str) -> bool:
+        """Whether a checkpoint row (live or not) names ``file_path``: a save that reused an
+        expired checkpoint's name after it was taken."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM checkpoints WHERE file_path=? LIMIT 1", (file_path,)
+            ).fetchone()
+        return row is not None
 
     def set_checkpoint_expiry(self, tinker_path: str, expires_at: float | None) -> bool:
         with self._lock:
