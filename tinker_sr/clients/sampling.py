@@ -80,33 +80,6 @@ class SamplingClient:
     ) -> BackcompatConcurrentFuture[types.SampleResponse]:
         """``num_samples`` independent completions of ``prompt``; every sequence carries its
         ``sequence_id``, tokens and sampled-token logprobs."""
-        return self._sample_impl(
-            prompt,
-            num_samples,
-            sampling_params,
-            include_prompt_logprobs,
-            topk_prompt_logprobs,
-            topk_sample_logprobs,
-            target_prompt_logprobs,
-            prompt_alt_tokens_k,
-            prompt_logprobs_last_n,
-        )
-
-    def _sample_impl(
-        self,
-        prompt: types.ModelInput,
-        num_samples: int,
-        sampling_params: types.SamplingParams,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: types.TensorData | None = None,
-        prompt_alt_tokens_k: int = 0,
-        prompt_logprobs_last_n: int | None = None,
-    ) -> BackcompatConcurrentFuture[types.SampleResponse]:
-        """`sample`, which `compute_logprobs` calls too, as the official SDK's does: a wrapper a
-        user (or tinker-cookbook's capture and trace) puts on the public `sample` sees only the
-        caller's samples, not the one-token requests behind each ``compute_logprobs``."""
         self.holder.check_open()
         # Coerce and check as the official SDK does (it builds this request model first):
         # num_samples "2" -> 2 and a dict of sampling params are accepted, a list prompt is not.
@@ -170,6 +143,11 @@ class SamplingClient:
             )
 
         return BackcompatConcurrentFuture(self.holder.run(run()))
+
+    # What `compute_logprobs` calls, as the official SDK calls its private implementation: a
+    # wrapper a user (or tinker-cookbook's capture and trace) puts on the public `sample`
+    # sees only the caller's samples, not the one-token request behind each compute_logprobs.
+    _sample_impl = sample
 
     def _next_seq(self) -> int:
         with self._lock:
