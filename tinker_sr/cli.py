@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
@@ -149,13 +151,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="where the engine runs: cpu, cuda (an NVIDIA GPU; error if none), or auto (the GPU "
         "when there is one). Default $TINKER_SR_DEVICE, else cpu",
     )
-    s.add_argument(
-        "--log-level",
-        default="info",
-        type=str.lower,
-        choices=("critical", "error", "warning", "info", "debug", "trace"),
-        help="server log level (default info)",
-    )
+    s.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
     f = s.add_argument_group(
         "feature-less mode",
