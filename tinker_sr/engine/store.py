@@ -8,12 +8,14 @@ raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -425,17 +427,12 @@ class Store:
         row saved meanwhile is taken, by this process or another on the same store); returns
         them. Their files are the caller's to remove (`checkpoint_file_in_use` first)."""
         expired = "expires_at IS NOT NULL AND expires_at <= ?"
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")  # no RETURNING: SQLite before 3.35 lacks it
-            try:
-                rows = self._db.execute(
-                    f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {expired}", (now,)
-                ).fetchall()
-                self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        # No DELETE ... RETURNING: SQLite before 3.35 lacks it.
+        with self._lock, self._transaction("BEGIN IMMEDIATE"):
+            rows = self._db.execute(
+                f"SELECT {_CK_COLUMNS} FROM checkpoints WHERE {expired}", (now,)
+            ).fetchall()
+            self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
         return [self._ck_row(r) for r in rows]
 
     def checkpoint_file_in_use(self, file_path: str) -> bool:
@@ -487,13 +484,8 @@ class Store:
                 )
             )
         with self._lock:
-            self._db.execute("BEGIN")
-            try:
+            with self._transaction():
                 self._db.executemany("INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?)", rows)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             for rec in records:
                 self._cache_put(rec)
 
@@ -548,6 +540,17 @@ class Store:
             for k in [k for k, r in self._seq_cache.items() if r.last_used_at < older_than]:
                 del self._seq_cache[k]
         return cur.rowcount
+
+    @contextlib.contextmanager
+    def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:
+        """One transaction (the caller holds the lock): committed, or rolled back on error."""
+        self._db.execute(begin)
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def _cache_put(self, rec: SequenceRecord) -> None:
         self._seq_cache[rec.sequence_id] = rec
