@@ -397,30 +397,26 @@ def _server_problem(base_url: str, api_key: str | None) -> str | None:
         finally:
             await backend.aclose()
 
-    wait_s = SERVER_WAIT_S
-    deadline = time.monotonic() + wait_s
-    try:
-        while True:
-            try:
-                submit(check()).result(timeout=60)
-                break
-            except tinker.APIConnectionError:
-                if time.monotonic() >= deadline:
-                    raise
+    deadline = time.monotonic() + SERVER_WAIT_S
+    while True:
+        try:
+            submit(check()).result(timeout=60)
+            return None
+        except tinker.APIConnectionError:
+            if time.monotonic() < deadline:
                 time.sleep(0.5)
-    except tinker.APIConnectionError:
-        return (
-            f"cannot reach {base_url} (waited {wait_s:g} s); is a server running there? Start "
-            "one with `tinker-sr serve --port PORT`, or drop --base-url to run on the embedded "
-            "engine"
-        )
-    except TimeoutError:
-        return f"{base_url} accepted the connection but did not answer in 60 s"
-    except tinker.AuthenticationError as e:
-        return f"{base_url} refused the API key ({e}); pass the server's key with --api-key"
-    except tinker.TinkerError as e:
-        return f"{base_url}: {type(e).__name__}: {e}"
-    return None
+                continue
+            return (
+                f"cannot reach {base_url} (waited {SERVER_WAIT_S:g} s); is a server running "
+                "there? Start one with `tinker-sr serve --port PORT`, or drop --base-url to run "
+                "on the embedded engine"
+            )
+        except TimeoutError:
+            return f"{base_url} accepted the connection but did not answer in 60 s"
+        except tinker.AuthenticationError as e:
+            return f"{base_url} refused the API key ({e}); pass the server's key with --api-key"
+        except tinker.TinkerError as e:
+            return f"{base_url}: {type(e).__name__}: {e}"
 
 
 _PATHS = {

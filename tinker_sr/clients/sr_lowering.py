@@ -133,10 +133,10 @@ class LoweringOptions:
         """An options object, a mode name, or None (``$TINKER_SR_LOWERING``, else auto)."""
         if isinstance(value, LoweringOptions):
             return value
-        if value is not None or not os.environ.get(_ENV_MODE):
-            return cls(mode=cast(LoweringMode, "auto" if value is None else value))
+        if value is not None:
+            return cls(mode=cast(LoweringMode, value))
         try:
-            return cls(mode=cast(LoweringMode, os.environ[_ENV_MODE]))
+            return cls(mode=cast(LoweringMode, os.environ.get(_ENV_MODE) or "auto"))
         except ValueError as e:
             raise ValueError(f"${_ENV_MODE}: {e}") from None
 
