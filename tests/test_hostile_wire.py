@@ -51,6 +51,28 @@ def test_a_cut_off_zstd_body_is_a_400_not_an_empty_request(wire: Wire) -> None:
     assert wire.post("create_session", full, headers=zstd).status_code == 200
 
 
+def test_a_zstd_body_of_several_frames_is_read_whole_and_trailing_bytes_are_refused(
+    wire: Wire,
+) -> None:
+    """RFC 8878: a zstd body is one or more frames (streaming compressors flush frames). Before:
+    only the first frame was read and the rest dropped without a word, so a protobuf body cut at
+    a frame boundary could parse as a valid request missing its tail; bytes after the last
+    frame were ignored too."""
+    head, tail = b'{"type": "create_session", "tags": ["', b'"], "user_metadata": {}}'
+    compress = zstandard.ZstdCompressor(write_checksum=True).compress
+    skippable = (0x184D2A5A).to_bytes(4, "little") + (2).to_bytes(4, "little") + b"ok"
+    frames = compress(head) + skippable + compress(b"t" * 5000) + compress(tail)
+    zstd = {"Content-Encoding": "zstd", "Content-Type": "application/json"}
+    assert wire.post("create_session", frames, headers=zstd).status_code == 200  # JSON whole
+    _refused(wire.post("create_session", frames + b"junk", headers=zstd), "after its last")
+    _refused(wire.post("create_session", frames[:-2], headers=zstd), "cut off")
+    _refused(wire.post("create_session", b"", headers=zstd), "cut off")
+    streamed = zstandard.ZstdCompressor().compressobj()
+    flushed = streamed.compress(head) + streamed.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    flushed += streamed.compress(b"t" * 99 + tail) + streamed.flush()
+    assert wire.post("create_session", flushed, headers=zstd).status_code == 200
+
+
 def test_a_zero_size_tensor_with_unindexable_dimensions_is_a_400(wire: Wire) -> None:
     """Before: 500 "array is too big" (numpy cannot reshape to [0, 2**62])."""
     sid = wire.session()

@@ -18,7 +18,7 @@ from tests._server import ServerProcess, running_server
 from tinker_sr import errors, types
 from tinker_sr.backend.remote import RemoteBackend
 from tinker_sr.provenance import build_datum
-from tinker_sr.wire import proto
+from tinker_sr.wire import compression, proto
 
 MODEL = "tinker-sr/tiny"
 LORA = types.LoraConfig(rank=4, seed=3)
@@ -393,7 +393,7 @@ def test_forward_backward_is_zstd_compressed_when_the_server_asks() -> None:
     def accept(request: httpx.Request) -> httpx.Response:
         assert request.headers["content-encoding"] == "zstd"
         call = proto.decode_forward_backward_request(
-            proto.zstd_decompress(request.content, 1 << 20)
+            compression.zstd_decompress(request.content, 1 << 20)
         )
         return httpx.Response(200, json={"request_id": f"r{call.seq_id}"})
 

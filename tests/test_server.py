@@ -15,7 +15,7 @@ import pytest
 
 from tests._server import ServerProcess, running_server
 from tinker_sr import types
-from tinker_sr.wire import proto
+from tinker_sr.wire import compression, proto
 
 MODEL = "tinker-sr/tiny"
 MAX_BODY = 1 << 20
@@ -297,7 +297,7 @@ def test_oversized_bodies_are_413(wire: Wire, model: str) -> None:
     assert resp.status_code == 413 and f"limit of {MAX_BODY} bytes" in detail(resp)
     resp = wire.post(
         "forward_backward",
-        proto.zstd_compress(body),
+        compression.zstd_compress(body),
         headers={**PROTOBUF, "Content-Encoding": "zstd"},
     )
     assert resp.status_code == 413 and "decompressed body exceeds" in detail(resp)
@@ -305,7 +305,7 @@ def test_oversized_bodies_are_413(wire: Wire, model: str) -> None:
 
 def test_zstd_forward_backward_bodies_are_accepted(wire: Wire, model: str) -> None:
     before = wire.logprobs(model)
-    body = proto.zstd_compress(wire.fb_body(model, [DATUM], forward_only=True))
+    body = compression.zstd_compress(wire.fb_body(model, [DATUM], forward_only=True))
     resp = wire.wait(
         wire.ok("forward_backward", body, headers={**PROTOBUF, "Content-Encoding": "zstd"})
     )

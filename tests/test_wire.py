@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tinker_sr import types
-from tinker_sr.wire import BodyTooLargeError, WireError, proto
+from tinker_sr.wire import BodyTooLargeError, WireError, compression, proto
 from tinker_sr.wire import messages as msgs
 from tinker_sr.wire import tinker_public_pb2 as pb
 
@@ -289,11 +289,11 @@ def test_decodes_what_the_official_sdk_request_converter_produces() -> None:
 
 def test_zstd_bodies_roundtrip_and_the_decompressed_size_is_capped() -> None:
     body = proto.encode_forward_backward_request("m", 1, _datums(), "cross_entropy")
-    assert proto.zstd_decompress(proto.zstd_compress(body), 1 << 20) == body
+    assert compression.zstd_decompress(compression.zstd_compress(body), 1 << 20) == body
     with pytest.raises(BodyTooLargeError, match="exceeds the server's limit of 10 bytes"):
-        proto.zstd_decompress(proto.zstd_compress(body), 10)
+        compression.zstd_decompress(compression.zstd_compress(body), 10)
     with pytest.raises(WireError, match="not a zstd frame"):
-        proto.zstd_decompress(b"definitely not zstd", 1 << 20)
+        compression.zstd_decompress(b"definitely not zstd", 1 << 20)
 
 
 # ---- forward_backward output ---------------------------------------------------------------

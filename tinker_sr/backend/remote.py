@@ -29,7 +29,7 @@ from tinker_sr.errors import (
     RequestFailedError,
     TinkerError,
 )
-from tinker_sr.wire import WireError, proto
+from tinker_sr.wire import WireError, compression, proto
 from tinker_sr.wire import messages as m
 
 __all__ = ["RemoteBackend", "DEFAULT_BASE_URL"]
@@ -170,7 +170,7 @@ class RemoteBackend(WireTransport):
             ) from None
         headers = {"Content-Type": PROTOBUF}
         if self.client_config.get("proto_compress_fwdbwd"):
-            body = proto.zstd_compress(body)
+            body = compression.zstd_compress(body)
             headers["Content-Encoding"] = "zstd"
         promise = await self._submit(
             "/api/v1/forward_backward", None, content=body, headers=headers

@@ -19,7 +19,7 @@ from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, clip_message
-from tinker_sr.wire import BodyTooLargeError, WireError, proto
+from tinker_sr.wire import BodyTooLargeError, WireError, compression
 from tinker_sr.wire import messages as m
 
 log = logging.getLogger("tinker_sr.server")
@@ -98,7 +98,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     body = b"".join(parts)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding == "zstd":
-        return proto.zstd_decompress(body, limit)
+        return compression.zstd_decompress(body, limit)
     if encoding not in ("", "identity"):
         raise HTTPError(
             415, f"Content-Encoding {encoding!r} is not supported; send identity or zstd"

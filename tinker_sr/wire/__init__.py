@@ -3,6 +3,7 @@
 * `tinker_sr.wire.proto`: protobuf bodies (forward_backward requests, forward/backward and
   sample results) <-> public types.
 * `tinker_sr.wire.messages`: JSON request bodies, future payloads and error payloads.
+* `tinker_sr.wire.compression`: zstd request bodies (bounded, every frame read).
 * `tinker_public.proto` / `tinker_public_pb2.py`: the schema and its generated module
   (regenerate with ``scripts/gen_proto.sh``).
 """

@@ -12,14 +12,12 @@ CSR indices and ``BatchedTensor`` offsets int64 (offsets count *bytes*).
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zstandard
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -43,7 +41,7 @@ from tinker_sr.types import (
 from tinker_sr.types.topk_logprobs import MASK_LOGPROB
 
 from . import tinker_public_pb2 as pb
-from .errors import BodyTooLargeError, WireError
+from .errors import WireError
 
 __all__ = [
     "ForwardBackwardCall",
@@ -60,8 +58,6 @@ __all__ = [
     "span_from_proto",
     "datum_to_proto",
     "datum_from_proto",
-    "zstd_compress",
-    "zstd_decompress",
 ]
 
 _I32 = np.dtype("<i4")
@@ -425,41 +421,6 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
         loss_fn_config=config or None,
         forward_only=msg.forward_only,
     )
-
-
-def zstd_compress(body: bytes) -> bytes:
-    return zstandard.ZstdCompressor(level=3).compress(body)
-
-
-def zstd_decompress(body: bytes, max_bytes: int) -> bytes:
-    """Decompress a zstd frame, refusing to produce more than ``max_bytes``."""
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
-        out = reader.read(max_bytes + 1)
-    except zstandard.ZstdError as e:
-        raise WireError(
-            f"body is marked Content-Encoding: zstd but is not a zstd frame ({e})"
-        ) from None
-    if len(out) > max_bytes:
-        raise BodyTooLargeError(
-            f"decompressed body exceeds the server's limit of {max_bytes} bytes; send smaller "
-            "forward_backward chunks"
-        )
-    # The reader ends quietly where a cut-off frame ends; a second pass (bounded: it yields no
-    # more than the reader did) tells whether the frame was whole.
-    whole = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        whole.decompress(body)
-    except zstandard.ZstdError as e:
-        raise WireError(
-            f"body is marked Content-Encoding: zstd but is not a zstd frame ({e})"
-        ) from None
-    if not whole.eof:
-        raise WireError(
-            "body is marked Content-Encoding: zstd but its frame is cut off (the body is "
-            "incomplete); send the whole compressed body"
-        )
-    return out
 
 
 # ---- forward_backward output ---------------------------------------------------------------
