@@ -664,3 +664,38 @@ def test_another_sessions_sequence_ids_behave_as_unknown(wire: Wire, model: str)
 
     assert failure_for(theirs) == failure_for("never-sampled-anywhere")
     assert wire.logprobs(other_model) == before
+
+
+def test_the_seq_watcher_forgets_models_of_finished_sessions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: one entry per model ever trained, for the life of the server. Now the models of
+    finished sessions are swept once the map doubles; live models keep their place (a live
+    model's next seq_id opens no gap watch)."""
+    import asyncio
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server import ordering
+    from tinker_sr.server.futures import Background
+    from tinker_sr.server.state import ServerState
+
+    monkeypatch.setattr(ordering, "_SWEEP_AT", 8)
+    state = ServerState(tmp_path / "server.sqlite")
+    background = Background()
+    watcher = ordering.SeqWatcher(state, LocalBackend(), background, grace_s=60.0)
+
+    async def run() -> None:
+        for sid in range(40):
+            state.add_session(f"s{sid}", "o")
+            state.add_model(f"m{sid}", f"s{sid}")
+            watcher.note(f"m{sid}", 1)
+            if sid % 2 == 0:
+                state.finish_session(f"s{sid}", "success")
+        assert len(watcher._floor) < 40
+        assert all(watcher._floor[f"m{sid}"] == 2 for sid in range(1, 40, 2))  # live: kept
+        watcher.note("m1", 2)
+        assert not background._tasks  # no gap watch: seq 1 is still known to have run
+        await background.cancel_all()
+
+    asyncio.run(run())
+    state.close()

@@ -26,6 +26,7 @@ from .state import ServerState
 log = logging.getLogger("tinker_sr.server")
 
 _MAX_GAP_WATCH = 1024
+_SWEEP_AT = 1024  # models tracked before those of finished sessions are forgotten
 
 
 class SeqWatcher:
@@ -41,6 +42,7 @@ class SeqWatcher:
         self._seen: dict[str, set[int]] = {}
         self._floor: dict[str, int] = {}
         self._gap_watches: set[tuple[str, int]] = set()
+        self._sweep_at = _SWEEP_AT
 
     def note(self, model_id: str, seq_id: int) -> None:
         """Record that ``seq_id`` reached the backend (or was released); watch for gaps."""
@@ -55,6 +57,22 @@ class SeqWatcher:
             if missing not in seen and (model_id, missing) not in self._gap_watches:
                 self._gap_watches.add((model_id, missing))
                 self.background.spawn(self._watch_gap(model_id, missing))
+        if len(self._floor) >= self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Forget the models of finished sessions (no request of theirs is accepted again), so
+        a server that runs for months does not keep an entry per model it ever trained; the
+        next sweep waits until the map has doubled, so the cost per note stays constant."""
+        watched = {model_id for model_id, _ in self._gap_watches}
+        for model_id in list(self._floor):
+            if self._seen.get(model_id) or model_id in watched:
+                continue
+            row = self.state.model_session(model_id)
+            if row is None or row.finished is not None:
+                del self._floor[model_id]
+                self._seen.pop(model_id, None)
+        self._sweep_at = max(_SWEEP_AT, 2 * len(self._floor))
 
     def _accounted(self, model_id: str, seq_id: int) -> bool:
         return (
@@ -77,7 +95,7 @@ class SeqWatcher:
         model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
         if isinstance(model_id, str) and isinstance(seq_id, int) and seq_id >= 1:
             row = self.state.model_session(model_id)
-            if row is not None and row.owner == owner:
+            if row is not None and row.owner == owner and row.finished is None:
                 self.reject(model_id, seq_id)
 
     async def _watch_gap(self, model_id: str, seq_id: int) -> None:

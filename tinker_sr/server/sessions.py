@@ -24,6 +24,8 @@ from .state import ServerState, SessionRow
 
 log = logging.getLogger("tinker_sr.server")
 
+_EXPIRED_KEPT = 10_000  # why_finished names expiry for these; older ones get the general reason
+
 
 class Sessions:
     """Ownership checks, activity tracking and expiry of quiet sessions."""
@@ -34,7 +36,8 @@ class Sessions:
         self.timeout_s = timeout_s
         # Last request per session (time.time()); heartbeats are also kept in SQLite.
         self.last_seen: dict[str, float] = {}
-        self._expired: set[str] = set()  # sessions this process finished for inactivity
+        # Sessions this process finished for inactivity, newest last (the last _EXPIRED_KEPT).
+        self._expired: dict[str, None] = {}
         self._started = time.time()
 
     # ---- activity and expiry ---------------------------------------------------------
@@ -65,7 +68,9 @@ class Sessions:
         `tinker_sr.testing`'s ``session_expires`` fault). False if it was already finished."""
         if not self.state.finish_session(session_id, "interrupted"):
             return False
-        self._expired.add(session_id)
+        self._expired[session_id] = None
+        if len(self._expired) > _EXPIRED_KEPT:
+            del self._expired[next(iter(self._expired))]
         self.last_seen.pop(session_id, None)
         timeout = self.timeout_s
         why = f"no heartbeat or request for {timeout:g} s" if timeout else "expired"
