@@ -70,6 +70,7 @@ def reward(prompt: str, completion: Sequence[int]) -> float:
 # Loss names the loop accepts. "reinforce" is plain REINFORCE: cross_entropy weighted by the
 # advantages, with no off-policy correction at all (the baseline StableReinforce fixes).
 LOSSES = ("stable_reinforce", "importance_sampling", "ppo", "cispo", "reinforce")
+DEFAULT_STALENESS = 3  # optimizer steps a --stress stale sampler lags
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--staleness",
         type=int,
         default=None,
-        help="with --stress stale/both: optimizer steps the sampler lags (default 3)",
+        help="with --stress stale/both: optimizer steps the sampler lags "
+        f"(default {DEFAULT_STALENESS})",
     )
     parser.add_argument(
         "--lowering",
@@ -329,7 +331,7 @@ def open_service_client(
     base_url: str | None = None,
     api_key: str | None = None,
     stress: str = "none",
-    staleness: int = 3,
+    staleness: int = DEFAULT_STALENESS,
     lowering: LoweringOptions | None = None,
 ) -> Iterator[tinker.ServiceClient]:
     """A ServiceClient on a fresh, throw-away embedded engine with the requested off-policy
@@ -512,7 +514,7 @@ def _config_from_args(args: argparse.Namespace) -> RLConfig | str:
 
 
 def _staleness(args: argparse.Namespace) -> int:
-    return 3 if args.staleness is None else int(args.staleness)
+    return DEFAULT_STALENESS if args.staleness is None else int(args.staleness)
 
 
 def _write_config(
