@@ -369,3 +369,54 @@ def test_the_official_sdk_draws_the_same_lines() -> None:
         with pytest.raises(ValueError):  # pydantic's ValidationError is a ValueError
             sdk.trace_loss(_fn(src), ranks, f"session-{case}")
     sdk.trace_loss(neg_ll, RANKS, "session")
+
+
+def test_a_loss_with_a_nan_gradient_fails_before_the_backward_and_poisons(
+    service: tinker.ServiceClient,
+) -> None:
+    """As the official SDK: a failed custom call poisons the client. Before: a NaN gradient
+    went to the backward as weights, which failed naming loss_fn_inputs['weights'] (never
+    passed by the caller), and the client was not poisoned."""
+    tc = service.create_lora_training_client(MODEL, rank=4).result()
+
+    def nan_loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
+        return -sum(lp.sum() for lp in logprobs) * float("nan"), {}
+
+    with pytest.raises(tinker.RequestFailedError, match="gradient of your loss.*NaN or inf"):
+        tc.forward_backward_custom([sft_datum(b"abcd")], nan_loss).result()
+    with pytest.raises(RuntimeError, match="poisoned"):
+        tc.forward([sft_datum(b"abc")], "cross_entropy").result()
+
+
+def test_a_failed_backward_poisons_the_client(backend: LocalBackend) -> None:
+    from tinker_sr.testing.faults import Fault, FaultyBackend, request_failed
+
+    faulty = FaultyBackend(backend, [Fault("forward_backward", request_failed(), after=1)])
+    service = tinker.ServiceClient(backend=faulty)  # type: ignore[arg-type]
+    tc = service.create_lora_training_client(MODEL, rank=4).result()
+
+    def loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
+        return -sum(lp.sum() for lp in logprobs), {}
+
+    with pytest.raises(tinker.RequestFailedError, match="injected"):  # the backward (call 2)
+        tc.forward_backward_custom([sft_datum(b"abcd")], loss).result()
+    with pytest.raises(RuntimeError, match="poisoned"):
+        tc.forward([sft_datum(b"abc")], "cross_entropy").result()
+    service.close().result()
+
+
+def test_metrics_come_back_as_returned_and_must_be_a_dict(service: tinker.ServiceClient) -> None:
+    """As the SDK: your metrics are added unconverted. Before: float() of each, which failed on
+    a string after the backward had already accumulated its gradient."""
+    tc = service.create_lora_training_client(MODEL, rank=4).result()
+    note: dict[str, Any] = {"note": "a string", "count": 3}
+
+    def loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
+        return -sum(lp.sum() for lp in logprobs), note
+
+    metrics = tc.forward_backward_custom([sft_datum(b"abcd")], loss).result().metrics
+    assert metrics["note"] == "a string" and metrics["count"] == 3
+    assert set(metrics) >= {"loss:sum", "surrogate_loss:sum"}
+    note = None  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="metrics a dict"):
+        tc.forward_backward_custom([sft_datum(b"abcd")], loss).result()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
+from tinker_sr.errors import RequestFailedError
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 
 if TYPE_CHECKING:
@@ -227,16 +228,23 @@ class TrainingClient:
             )  # fmt: skip
             await asyncio.sleep(0)  # issued: later calls may now issue theirs
             turn.release()
-            out = await bwd
+            try:
+                out = await bwd
+            except BaseException:
+                self._poisoned = True  # as the SDK: any failure of the custom call poisons
+                raise
             metrics = dict(out.metrics)
-            metrics["surrogate_loss:sum"] = metrics.get("loss:sum", 0.0)
-            metrics.update({k: float(v) for k, v in user_metrics.items()})
-            metrics["loss:sum"] = float(loss)
-            return types.ForwardBackwardOutput(
+            surrogate = metrics.pop("loss:sum", 0.0)
+            result = types.ForwardBackwardOutput(
                 loss_fn_output_type=out.loss_fn_output_type,
                 loss_fn_outputs=out.loss_fn_outputs,
                 metrics=metrics,
             )
+            # The SDK adds your metrics as you returned them (not converted to float).
+            result.metrics.update(user_metrics)
+            result.metrics["loss:sum"] = loss
+            result.metrics["surrogate_loss:sum"] = surrogate
+            return result
 
         return AwaitableConcurrentFuture(self._submit_turn(body))
 
@@ -636,19 +644,34 @@ def _ce_copy(d: types.Datum, weights: types.TensorData | None) -> types.Datum:
 
 def _custom_backward_data(
     data: list[types.Datum], compute: CustomLossFnV1, fwd: types.ForwardBackwardOutput
-) -> tuple[float, Mapping[str, float], list[types.Datum]]:
+) -> tuple[float, Mapping[str, Any], list[types.Datum]]:
     """Runs the user's loss on the forward pass's logprobs; returns the loss, its metrics and
     the backward pass's datums (cross-entropy weighted by minus d loss / d logprobs)."""
+    import torch
+
     logprobs = [
         out["logprobs"].to_torch().float().clone().requires_grad_(True)
         for out in fwd.loss_fn_outputs
     ]
     loss, user_metrics = compute(data, logprobs)
+    if not isinstance(user_metrics, Mapping):
+        raise TypeError(
+            "forward_backward_custom: your loss function must return (loss, metrics) with "
+            f"metrics a dict of name -> value, got metrics of type {type(user_metrics).__name__}"
+        )
     loss.backward()
     grads = []
-    for lp in logprobs:
+    for i, lp in enumerate(logprobs):
         if lp.grad is None:
             raise ValueError("No gradient computed for logprob tensor")
+        if not bool(torch.isfinite(lp.grad).all()):
+            raise RequestFailedError(
+                f"Request failed: forward_backward_custom: the gradient of your loss with "
+                f"respect to datum {i}'s logprobs contains NaN or inf (it would be the backward "
+                "pass's weights); check the loss for NaN/inf (log of 0, division by 0)",
+                request_id="",
+                category=types.RequestErrorCategory.User,
+            )
         grads.append(-lp.grad)
     bwd_data = [
         _ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
