@@ -259,7 +259,7 @@ def test_bad_requests_fail_with_typed_errors_and_change_nothing(
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
 
     sc = service.create_sampling_client(base_model=MODEL).result()
-    with pytest.raises(tinker.RequestFailedError, match="context"):
+    with pytest.raises(tinker.BadRequestError, match="context window"):  # as the service
         sc.sample(
             types.ModelInput.from_ints([1] * 10), 1, types.SamplingParams(max_tokens=100000)
         ).result()

@@ -8,6 +8,7 @@ then fails is `RequestFailedError`."""
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -63,7 +64,47 @@ CASES: dict[str, tuple[str, Case]] = {
         "RequestFailedError",
         lambda c: c.service.create_lora_training_client("no/such-model", rank=4),
     ),
+    # Found by the session-32 differential fuzzer: the embedded engine raised
+    # RequestFailedError for the first three and the sampler path, ValueError for the last.
+    "optim_step(learning_rate=nan)": (
+        "BadRequestError",
+        lambda c: c.training.optim_step(c.types.AdamParams(learning_rate=float("nan"))),
+    ),
+    "forward_backward(loss_fn='')": (
+        "BadRequestError",
+        lambda c: c.training.forward_backward([_datum(c.types)], ""),
+    ),
+    "save_state('')": ("BadRequestError", lambda c: c.training.save_state("")),
+    "sample(temperature=nan)": (
+        "ValueError",
+        lambda c: c.sampler.sample(
+            c.types.ModelInput.from_ints([1, 2]), 1, c.types.SamplingParams(temperature=math.nan)
+        ),
+    ),
+    "sample beyond the context (3 + 600 > 512)": (
+        "BadRequestError",  # as the hosted service: refused, not a failed future
+        lambda c: c.sampler.sample(
+            c.types.ModelInput.from_ints([1, 2, 3]), 1, c.types.SamplingParams(max_tokens=600)
+        ),
+    ),
+    "forward(token id 2**31)": (
+        "OverflowError",
+        lambda c: c.training.forward([_datum(c.types, 2**31)], "cross_entropy"),
+    ),
+    "from_state(a sampler checkpoint)": (
+        "RequestFailedError",
+        lambda c: c.service.create_training_client_from_state(
+            c.training.save_weights_for_sampler("s").result().path
+        ),
+    ),
 }
+
+
+def _datum(types: Any, token: int = 1) -> Any:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([token, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
 
 
 def _raised(fn: Case, clients: SimpleNamespace) -> str:
@@ -112,6 +153,61 @@ def test_misuse_raises_the_sdks_class_on_every_backend(service: Any, server: Ser
     got = {name: (_raised(fn, ours), _raised(fn, theirs)) for name, (_, fn) in CASES.items()}
     expected = {name: (cls, cls) for name, (cls, _) in CASES.items()}
     assert got == expected
+    sdk_service.close("success").result()
+
+
+@pytest.mark.parametrize("way", ["embedded", "remote"])
+def test_a_refused_training_request_leaves_no_gap(way: str, tmp_path: Any) -> None:
+    """A numbered request refused before it is accepted frees its number on both paths. Before:
+    our remote client refused a NaN AdamParams itself (the SDK sends it as null and the server
+    refuses it) and failed to encode a token id over int32 after numbering it, each leaving a
+    gap that held the model's next request for the server's grace period (600 s here, so a
+    gap would hang)."""
+    import contextlib
+
+    import tinker_sr
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.testing import mock_tinker
+
+    with contextlib.ExitStack() as stack:
+        if way == "remote":
+            stack.enter_context(mock_tinker(store=tmp_path / "store", seq_gap_grace_s=600.0))
+            service = tinker_sr.ServiceClient()
+        else:
+            service = tinker_sr.ServiceClient(backend=LocalBackend(tmp_path / "store"))
+        tc = service.create_lora_training_client(MODEL, rank=2).result()
+        nan = tinker_sr.types.AdamParams(learning_rate=math.nan)
+        for error, bad in (
+            (tinker_sr.BadRequestError, lambda: tc.optim_step(nan)),
+            (tinker_sr.BadRequestError, lambda: tc.forward_backward([_datum(tinker_sr.types)], "")),
+            (tinker_sr.BadRequestError, lambda: tc.save_state("")),
+            (OverflowError, lambda: tc.forward([_datum(tinker_sr.types, 2**31)], "cross_entropy")),
+        ):
+            with pytest.raises(error):
+                bad().result(timeout=60)
+            tc.forward_backward([_datum(tinker_sr.types)], "cross_entropy").result(timeout=60)
+        service.close().result()
+
+
+def test_a_sample_beyond_the_context_is_the_refusal_tinker_cookbook_recognises(
+    service: Any, server: ServerProcess
+) -> None:
+    """tinker-cookbook's capture proxy tells an agent to compact its history when the service
+    refuses a sample with the hosted service's overflow words (a BadRequestError). Before: a
+    RequestFailedError in other words, which the proxy answered with a 500."""
+    import tinker_sr
+
+    recognises = pytest.importorskip("tinker_cookbook.capture.proxy.app")._is_context_overflow
+    sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    for lib, svc in ((tinker_sr, service), (tinker, sdk_service)):
+        sampler = svc.create_sampling_client(base_model=MODEL)
+        sampler = sampler.result() if hasattr(sampler, "result") else sampler
+        prompt = lib.types.ModelInput.from_ints([1] * 500)
+        with pytest.raises(lib.BadRequestError) as refused:
+            sampler.sample(prompt, 1, lib.types.SamplingParams(max_tokens=50)).result()
+        assert recognises(str(refused.value)), str(refused.value)
+        assert "500 prompt tokens + 50 max_tokens > 512" in str(refused.value)
+        assert sampler.sample(prompt, 1, lib.types.SamplingParams(max_tokens=12)).result()
     sdk_service.close("success").result()
 
 

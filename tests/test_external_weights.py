@@ -323,8 +323,8 @@ def test_exports_are_files_for_other_tools_only(service: Any, tmp_path: Path) ->
         service.create_sampling_client(model_path=path).result().sample(
             tinker_sr.types.ModelInput.from_ints([1, 2]), 1, tinker_sr.types.SamplingParams()
         ).result()
-    with pytest.raises(ValueError, match="not a training checkpoint"):
-        service.create_training_client_from_state(path)
+    with pytest.raises(tinker_sr.RequestFailedError, match="is an external weights export"):
+        service.create_training_client_from_state(path).result()
     with pytest.raises(tinker_sr.BadRequestError, match="external weights export"):
         rest.copy_weights(path).result()
     rest.set_checkpoint_ttl_from_tinker_path(path, None).result()

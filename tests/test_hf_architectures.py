@@ -117,7 +117,9 @@ def test_sliding_window_caps_the_context(tmp_path: Path, dirs: dict[str, Path]) 
     client = tinker_sr.ServiceClient(backend=backend)
     sampler = client.create_sampling_client(base_model=str(dirs["mistral"])).result()
     prompt = types.ModelInput.from_ints([5] * 4090)
-    with pytest.raises(tinker_sr.RequestFailedError, match="context length 4096"):
+    with pytest.raises(
+        tinker_sr.BadRequestError, match="4090 prompt tokens \\+ 10 max_tokens > 4096"
+    ):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10)).result()
     client.close().result()
     backend.close()

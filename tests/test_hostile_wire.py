@@ -137,7 +137,7 @@ def test_compute_logprobs_on_a_full_context_says_what_to_use(
     """Before: only "prompt + max_tokens (1) exceeds ...", a max_tokens the caller never set."""
     sampler = embedded_service.create_sampling_client(base_model="tinker-sr/tiny").result()
     full = types.ModelInput.from_ints([5] * 512)  # tinker-sr/tiny's whole context
-    with pytest.raises(tinker.RequestFailedError, match="scores at most 511 tokens") as ei:
+    with pytest.raises(tinker.BadRequestError, match="scores at most 511 tokens") as ei:
         sampler.compute_logprobs(full).result()
     assert "TrainingClient.forward" in str(ei.value)
     assert len(sampler.compute_logprobs(types.ModelInput.from_ints([5] * 511)).result()) == 511

@@ -13,6 +13,8 @@ import math
 import time
 from typing import Any
 
+import pydantic
+
 from tinker_sr import types
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineUserError
@@ -217,6 +219,42 @@ def check_optimizer_config(cfg: Any) -> None:
         )
 
 
+# What a server refuses (400) before it accepts a numbered training request; the embedded engine
+# refuses the same the same way (`LocalBackend._refuse_numbered`), so both paths raise alike.
+EMPTY_LOSS_FN = "forward_backward: loss_fn is empty; name a loss such as 'cross_entropy'"
+EMPTY_SAVE_PATH = "save_weights: path (the checkpoint name) is required"
+
+
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def check_token_ids(data: Any) -> None:
+    """Every model_input token id of a forward(_backward) request fits the wire's int32, checked
+    before the request is numbered (a remote request that failed to encode would leave a gap in
+    the model's seq_ids); the vocabulary check is the backend's. OverflowError, as the SDK."""
+    for i, datum in enumerate(data):
+        for chunk in getattr(getattr(datum, "model_input", None), "chunks", None) or ():
+            tokens = getattr(chunk, "tokens", None)
+            if not tokens or not isinstance(tokens, list | tuple):
+                continue
+            low, high = min(tokens), max(tokens)
+            if low < _INT32[0] or high > _INT32[1]:
+                bad = high if high > _INT32[1] else low
+                raise OverflowError(
+                    f"data[{i}].model_input token id {bad} does not fit int32 (how the wire "
+                    "carries token ids); token ids index the vocabulary: 0 <= id < vocab size"
+                )
+
+
+def non_finite(params: Any, where: str) -> str | None:
+    """The first NaN or infinite number field of request parameters (`AdamParams`,
+    `SamplingParams`), which JSON cannot carry: ``"<where>.<field> is nan; pass ..."``."""
+    for k, v in (params.model_dump() if isinstance(params, pydantic.BaseModel) else {}).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{where}.{k} is {v}; pass a finite number"
+    return None
+
+
 def adam_values(p: Any) -> dict[str, float]:
     """The checked hyperparameters of an optim_step's `AdamParams`."""
     if not isinstance(p, types.AdamParams):
@@ -236,8 +274,9 @@ def adam_values(p: Any) -> dict[str, float]:
             raise EngineUserError(f"AdamParams.{k} must be finite, got {v}")
     if p.learning_rate < 0:
         raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
-    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
-        raise EngineUserError("AdamParams.beta1 and beta2 must be in [0, 1)")
+    for k in ("beta1", "beta2"):
+        if not 0 <= vals[k] < 1:
+            raise EngineUserError(f"AdamParams.{k} must be in [0, 1), got {vals[k]}")
     if p.eps <= 0:
         raise EngineUserError(f"AdamParams.eps must be > 0, got {p.eps}")
     for k in ("weight_decay", "grad_clip_norm"):

@@ -265,7 +265,7 @@ def test_prompt_scoring(model: Transformer) -> None:
         (dict(prompt=[-1]), "token id -1"),
         (dict(num_samples=0), "num_samples"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=600), "exceeds the model's context length 512; cut .* by 100"),
+        (dict(max_tokens=600), "context window: .* > 512; cut .* by 100"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

@@ -49,7 +49,7 @@ from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
-from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started
+from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import OUT_OF_SPACE, Store, is_out_of_space, make_store_dir
@@ -79,17 +79,6 @@ def _user(msg: str) -> RequestFailedError:
 def _refused(e: EngineUserError) -> APIStatusError:
     """The refusal a server answers a plain call with: 404 for something unknown, else 400."""
     return refusal(404 if isinstance(e, EngineNotFoundError) else 400, str(e))
-
-
-def _torch_threads(torch_threads: int | None) -> int:
-    """Intra-op threads of the engine's torch work: the argument, else
-    $TINKER_SR_TORCH_THREADS, else the CPUs this process may use (affinity and cgroup quota;
-    `tinker_sr.engine.cpu`). Oversubscribed threads make a busy machine far slower."""
-    if torch_threads is not None:
-        if torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {torch_threads}")
-        return torch_threads
-    return default_torch_threads()
 
 
 class LocalBackend(LocalRestQueries):
@@ -141,7 +130,7 @@ class LocalBackend(LocalRestQueries):
         self.sampler_staleness = sampler_staleness
         self.checkpoints = CheckpointStore(self.store, self.store_dir)
         self._recorder = SequenceRecorder(self.store)
-        self._torch_threads = _torch_threads(torch_threads)
+        self._torch_threads = default_torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._scheduler = DecodeScheduler(self._torch_threads)
         # A backend dropped without close() still lets its sampling thread end.
@@ -156,9 +145,8 @@ class LocalBackend(LocalRestQueries):
 
     # ---- plumbing ---------------------------------------------------------------------
     async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:
-        """Run engine work on the worker thread; map engine errors to Tinker errors: a refused
-        request to `RequestFailedError`, as a failed future, or with ``plain`` (a call the
-        service answers directly, not through a future) to the HTTP refusal a server sends."""
+        """Run engine work on the worker thread; a refused request fails as a future does
+        (`RequestFailedError`), or with ``plain`` (a direct call) as a server's HTTP refusal."""
         if self._closed:
             raise RuntimeError("LocalBackend is closed")
         loop = asyncio.get_running_loop()
@@ -212,6 +200,12 @@ class LocalBackend(LocalRestQueries):
     async def release_seq(self, model_id: str, seq_id: int) -> None:
         """Give up ``seq_id`` of ``model_id`` (see `SeqOrdering.release`)."""
         await self._ordering.release(model_id, seq_id)
+
+    async def _refuse_numbered(self, model_id: str, seq_id: int, problem: str | None) -> None:
+        """Refuse a numbered request as a server does before accepting it (400, number freed)."""
+        if problem is not None:
+            await self.release_seq(model_id, seq_id)
+            raise refusal(400, problem)
 
     async def _trainer_work(self, model_id: str, seq_id: int, fn: Callable[[Trainer], T]) -> T:
         """Run ``fn`` on ``model_id``'s trainer, in ``seq_id`` order."""
@@ -407,6 +401,7 @@ class LocalBackend(LocalRestQueries):
         *,
         forward_only: bool = False,
     ) -> types.ForwardBackwardOutput:
+        await self._refuse_numbered(model_id, seq_id, None if loss_fn else validation.EMPTY_LOSS_FN)
         return await self._trainer_work(
             model_id,
             seq_id,
@@ -418,6 +413,9 @@ class LocalBackend(LocalRestQueries):
     async def optim_step(
         self, model_id: str, seq_id: int, adam_params: types.AdamParams
     ) -> types.OptimStepResponse:
+        await self._refuse_numbered(
+            model_id, seq_id, validation.non_finite(adam_params, "optim_step: adam_params")
+        )
         return await self._trainer_work(
             model_id,
             seq_id,
@@ -464,6 +462,7 @@ class LocalBackend(LocalRestQueries):
             path = self._save(t, "weights", name, ttl_seconds, overwrite, user_metadata)
             return types.SaveWeightsResponse(path=path, type="save_weights")
 
+        await self._refuse_numbered(model_id, seq_id, None if name else validation.EMPTY_SAVE_PATH)
         return await self._trainer_work(model_id, seq_id, work)
 
     async def save_weights_for_sampler(
@@ -565,6 +564,10 @@ class LocalBackend(LocalRestQueries):
             sampler_id=sampler_id, base_model=s.base_model, model_path=s.model_path
         )
 
+    def sample_overflow(self, sampler_id: str, prompt: Any, params: Any) -> str | None:
+        """Why a sample does not fit its model's context, before it is queued (a server's 400)."""
+        return request_overflow(self.models, sampler_id, prompt, params)
+
     async def sample(
         self,
         sampler_id: str,
@@ -614,6 +617,8 @@ class LocalBackend(LocalRestQueries):
                 validation.check_num_samples(num_samples, self.limits)
             except EngineUserError as e:
                 raise _refused(e) from None
+        if (overflow := self.sample_overflow(sampler_id, prompt, sampling_params)) is not None:
+            raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         return await self._on_sampler(self._scheduler.submit(begin, rows))
 

@@ -15,6 +15,7 @@ resubmission instead of running it twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from urllib.parse import quote
@@ -197,8 +198,11 @@ class RemoteBackend(WireTransport):
         self, model_id: str, seq_id: int, adam_params: types.AdamParams
     ) -> types.OptimStepResponse:
         req = m.OptimStepRequest(model_id=model_id, seq_id=seq_id, adam_params=adam_params)
+        # As the SDK sends it: a NaN or infinite hyperparameter as null, which the service
+        # refuses (400) and so frees the number; refused here, it would leave a gap.
+        body = json.loads(req.model_dump_json(exclude_none=True))
         return await self._future_json(
-            "/api/v1/optim_step", m.to_json(req), "OptimStep", types.OptimStepResponse
+            "/api/v1/optim_step", body, "OptimStep", types.OptimStepResponse
         )
 
     async def save_state(

@@ -134,6 +134,9 @@ class SamplingClient:
             )
 
         async def run() -> types.SampleResponse:
+            problem = validation.non_finite(sampling_params, "sampling_params")
+            if problem is not None:  # as the SDK fails to send it (JSON cannot carry it)
+                raise ValueError(problem)
             response = await lowering.sample(plan, sample)
             if not plan.keep:
                 return response

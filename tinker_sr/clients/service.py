@@ -241,16 +241,8 @@ class ServiceClient:
     ) -> BackcompatTrainingClientFuture:
         self.holder.check_open()
         validation.check_text(user_metadata, "create_training_client_from_state: user_metadata")
-        try:
-            kind = types.ParsedCheckpointTinkerPath.from_tinker_path(path).checkpoint_type
-        except ValueError:  # BadRequestError from the future, as the SDK gets it
-            kind = "training"
-        if kind != "training":
-            raise ValueError(
-                f"{path} is not a training checkpoint ({kind}); training "
-                "clients load from "
-                "tinker://<run>/weights/<name> (written by save_state)"
-            )
+        # Any path goes to the service, as the SDK sends it: a sampler or external-weights
+        # path fails the future (RequestFailedError), a malformed one too (BadRequestError).
         backend = self.holder.backend
         return self._training_client(
             lambda sid, seq: backend.create_model_from_state(

@@ -205,6 +205,7 @@ class TrainingClient:
             return self.forward_backward(data, "custom", {"loss_id": loss_fn.loss_id})
         compute = self._custom_compute(loss_fn, data)
         data = list(data)
+        validation.check_token_ids(data)
         backend = self.holder.backend
 
         async def body(turn: _Turn) -> types.ForwardBackwardOutput:
@@ -233,18 +234,11 @@ class TrainingClient:
             except BaseException:
                 self._poisoned = True  # as the SDK: any failure of the custom call poisons
                 raise
-            metrics = dict(out.metrics)
-            surrogate = metrics.pop("loss:sum", 0.0)
-            result = types.ForwardBackwardOutput(
-                loss_fn_output_type=out.loss_fn_output_type,
-                loss_fn_outputs=out.loss_fn_outputs,
-                metrics=metrics,
-            )
-            # The SDK adds your metrics as you returned them (not converted to float).
-            result.metrics.update(user_metrics)
-            result.metrics["loss:sum"] = loss
-            result.metrics["surrogate_loss:sum"] = surrogate
-            return result
+            surrogate = out.metrics.pop("loss:sum", 0.0)
+            out.metrics.update(user_metrics)  # as you returned them, as the SDK (not floats)
+            out.metrics["loss:sum"] = loss
+            out.metrics["surrogate_loss:sum"] = surrogate
+            return out
 
         return AwaitableConcurrentFuture(self._submit_turn(body))
 
@@ -647,8 +641,6 @@ def _custom_backward_data(
 ) -> tuple[float, Mapping[str, Any], list[types.Datum]]:
     """Runs the user's loss on the forward pass's logprobs; returns the loss, its metrics and
     the backward pass's datums (cross-entropy weighted by minus d loss / d logprobs)."""
-    import torch
-
     logprobs = [
         out["logprobs"].to_torch().float().clone().requires_grad_(True)
         for out in fwd.loss_fn_outputs
@@ -664,7 +656,7 @@ def _custom_backward_data(
     for i, lp in enumerate(logprobs):
         if lp.grad is None:
             raise ValueError("No gradient computed for logprob tensor")
-        if not bool(torch.isfinite(lp.grad).all()):
+        if not bool(lp.grad.isfinite().all()):
             raise RequestFailedError(
                 f"Request failed: forward_backward_custom: the gradient of your loss with "
                 f"respect to datum {i}'s logprobs contains NaN or inf (it would be the backward "
@@ -680,10 +672,11 @@ def _custom_backward_data(
 
 
 def _check_request_text(data: list[types.Datum], loss_fn: object, config: object) -> None:
-    """The strings of a forward(_backward) request encode (`validation.check_text`), checked
+    """The strings and token ids of a forward(_backward) request encode (`validation`), checked
     before it is numbered; datum keys are almost always ASCII, so this costs one test each."""
     validation.check_text(loss_fn, "loss_fn")
     validation.check_text(config, "loss_fn_config")
+    validation.check_token_ids(data)
     for i, datum in enumerate(data):
         inputs = getattr(datum, "loss_fn_inputs", None)  # not a Datum: the backend says so
         for key in inputs if isinstance(inputs, dict) else ():

@@ -80,8 +80,15 @@ def _least(machine: int | None, limited: int | None) -> int | None:
     return max(0, min(found)) if found else None
 
 
-def default_torch_threads() -> int:
-    """``$TINKER_SR_TORCH_THREADS`` when set (a positive integer), else `available_cpus`."""
+def default_torch_threads(requested: int | None = None) -> int:
+    """Intra-op threads of the engine's torch work: ``requested`` (e.g. `LocalBackend`'s
+    ``torch_threads``), else ``$TINKER_SR_TORCH_THREADS`` (a positive integer), else
+    `available_cpus` (affinity and cgroup quota): oversubscribed threads make a busy machine
+    far slower."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {requested}")
+        return requested
     env = os.environ.get(THREADS_ENV, "").strip()
     if not env:
         return available_cpus()

@@ -234,22 +234,16 @@ class ModelRegistry:
         # Where every model, adapter, optimizer state and KV cache lives (engine.device).
         self.device = device if device is not None else torch.device("cpu")
         # None: room for MERGED_DEFAULT_COPIES merged models of the size being added.
-        self.merged_budget: int | None = (
-            _budget_bytes(MERGED_BUDGET_ENV, None)
-            if merged_budget_bytes is None
-            else merged_budget_bytes
-        )
-        self.adapter_budget: int = (
-            _budget_bytes(ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB) or 0
-            if adapter_budget_bytes is None
-            else adapter_budget_bytes
-        )
-        self.samplers_per_session = max(
-            1,
-            int(os.environ.get(SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION))
-            if samplers_per_session is None
-            else samplers_per_session,
-        )
+        self.merged_budget: int | None = merged_budget_bytes
+        if merged_budget_bytes is None:
+            self.merged_budget = _budget_bytes(MERGED_BUDGET_ENV, None)
+        self.adapter_budget: int = adapter_budget_bytes or 0
+        if adapter_budget_bytes is None:
+            self.adapter_budget = _budget_bytes(ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB) or 0
+        per_session = samplers_per_session
+        if per_session is None:
+            per_session = int(os.environ.get(SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION))
+        self.samplers_per_session = max(1, per_session)
         # (resolved, None) is the base as loaded; (resolved, dtype) a converted copy.
         self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
@@ -454,6 +448,11 @@ class ModelRegistry:
             )
         self._samplers[sampler_id] = s
         return s
+
+    def sampler_context(self, sampler_id: str) -> int | None:
+        """``sampler_id``'s context length (None: no such sampler); unlocked: one dict read."""
+        s = self._samplers.get(sampler_id)
+        return None if s is None else context_length(s.resolved)  # config.json alone
 
     @_locked
     def sampler_ids(self, session_id: str) -> list[str]:

@@ -107,6 +107,27 @@ def _check_tokens(tokens: Sequence[int], vocab_size: int, field: str) -> None:
         )
 
 
+def context_overflow(prompt_len: int, max_tokens: int, context: int) -> str | None:
+    """Why a sample of ``max_tokens`` after a ``prompt_len``-token prompt does not fit the
+    model's context, in the hosted service's words (tinker-cookbook's capture proxy matches
+    them to tell an agent to compact its history); None when it fits."""
+    total = prompt_len + max_tokens
+    if total <= context:
+        return None
+    hint = ""
+    if max_tokens == 1 and prompt_len == context:  # compute_logprobs asks for one token
+        hint = (
+            f" (compute_logprobs samples one token after the prompt, so it scores at most "
+            f"{context - 1} tokens; TrainingClient.forward scores a sequence that fills the "
+            "context)"
+        )
+    return (
+        f"Prompt length plus max_tokens exceeds the model's context window: {prompt_len} prompt "
+        f"tokens + {max_tokens} max_tokens > {context}; cut the prompt or max_tokens by "
+        f"{total - context}{hint}"
+    )
+
+
 def _validate(
     model: Transformer,
     prompt: Sequence[int],
@@ -127,21 +148,9 @@ def _validate(
         raise EngineUserError(f"num_samples: expected >= 1, got {num_samples}")
     if max_tokens < 1:
         raise EngineUserError(f"max_tokens: expected >= 1, got {max_tokens}")
-    total = len(prompt) + max_tokens
-    if total > cfg.max_seq_len:
-        hint = ""
-        if max_tokens == 1 and len(prompt) == cfg.max_seq_len:
-            # compute_logprobs asks for one token, as the official SDK does.
-            hint = (
-                f" (compute_logprobs samples one token after the prompt, so it scores at most "
-                f"{cfg.max_seq_len - 1} tokens; TrainingClient.forward scores a sequence that "
-                "fills the context)"
-            )
-        raise EngineUserError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-            f"model's context length {cfg.max_seq_len}; cut the prompt or max_tokens by "
-            f"{total - cfg.max_seq_len}{hint}"
-        )
+    overflow = context_overflow(len(prompt), max_tokens, cfg.max_seq_len)
+    if overflow is not None:
+        raise EngineUserError(overflow)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
     if not (0.0 < top_p <= 1.0):

@@ -19,7 +19,7 @@ import numpy as np
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.engine.model import Transformer
-from tinker_sr.engine.registry import Sampler
+from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
@@ -350,6 +350,23 @@ def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
             f"{len(bad)} token(s) out of range"
         )
     return tokens
+
+
+def request_overflow(
+    models: ModelRegistry, sampler_id: str, prompt: object, params: object
+) -> str | None:
+    """Why a sample request does not fit its sampler's context (`sampler.context_overflow`),
+    told before it is queued, so a server can refuse it (400) as the hosted service does; None
+    when it fits or cannot be told here (an unknown sampler: the engine's own checks say)."""
+    try:
+        context = models.sampler_context(sampler_id)
+    except (EngineUserError, OSError):  # its config.json changed or went away since loading
+        return None
+    if context is None or not isinstance(prompt, types.ModelInput):
+        return None
+    n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
+    wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)
+    return engine_sampler.context_overflow(n, wanted, context) if isinstance(wanted, int) else None
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, context: int) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from tinker_sr import validation
 from tinker_sr.types import (
     Datum,
     DmelChunk,
@@ -400,7 +401,7 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
             f"got {msg.seq_id}"
         )
     if not msg.loss_fn:
-        raise WireError("forward_backward: loss_fn is empty; name a loss such as 'cross_entropy'")
+        raise WireError(validation.EMPTY_LOSS_FN)
     config: dict[str, float | str] = {}
     for key, value in msg.loss_fn_config_v2.items():
         _check_no_unknown_fields(value, f"forward_backward.loss_fn_config_v2[{key!r}]")

@@ -85,6 +85,12 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
     limits = getattr(srv.backend, "limits", DEFAULT_LIMITS)
     sampler_id, seq_id = _check_sample_request(req, limits)
     session = srv.sessions.sampler(sampler_id, owner)
+    # A sample that cannot fit the model's context is refused here (400, in the hosted
+    # service's words, which tinker-cookbook matches), not failed later as a future.
+    overflow = getattr(srv.backend, "sample_overflow", None)
+    problem = overflow(sampler_id, req.prompt, req.sampling_params) if overflow else None
+    if problem is not None:
+        raise HTTPError(400, problem)
     target = (
         req.target_prompt_logprobs.to_public("asample.target_prompt_logprobs")
         if req.target_prompt_logprobs is not None

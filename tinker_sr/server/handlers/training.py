@@ -192,7 +192,7 @@ async def save_weights(srv: TinkerServer, request: Request, owner: str) -> Respo
     )
     if not req.path:
         srv.seqs.reject(req.model_id, seq_id)
-        raise HTTPError(400, "save_weights: path (the checkpoint name) is required")
+        raise HTTPError(400, validation.EMPTY_SAVE_PATH)
     name = req.path
 
     async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
