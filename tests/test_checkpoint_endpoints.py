@@ -653,3 +653,36 @@ def test_list_and_get_sessions(service: Any) -> None:
     with pytest.raises((tinker.BadRequestError, ValueError), match="limit must be"):
         rest.list_sessions(limit=-1).result()
     mine.close().result()
+
+
+def test_what_a_killed_save_left_is_deleted_when_the_store_opens(tmp_path: Path) -> None:
+    """A process killed mid-save leaves its temporary file (up to a whole checkpoint), never
+    listed and so never deletable; before, it stayed for ever. Now the store deletes it when it
+    opens, once it is old enough not to be a save another engine is writing right now."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    store = tmp_path / "store"
+    killed_mid_save = f"""
+import os, tinker_sr
+from tinker_sr.backend.local import LocalBackend
+service = tinker_sr.ServiceClient(backend=LocalBackend({str(store)!r}))
+tc = service.create_lora_training_client({MODEL!r}, rank=2, seed=0).result()
+os.replace = lambda *a: os._exit(9)  # killed just before the save's final rename
+tc.save_state("st").result()
+"""
+    proc = subprocess.run([sys.executable, "-c", killed_mid_save], timeout=300, check=False)
+    assert proc.returncode == 9
+    (left,) = (store / "checkpoints").glob("*/*/.*.tmp")
+    recent = left.with_name(".other.safetensors.abc123.tmp")  # a save being written now
+    recent.write_bytes(b"partial")
+    LocalBackend(store).close()
+    assert left.exists() and recent.exists()  # both recent: kept
+    hours_ago = time.time() - 2 * 3600
+    os.utime(left, (hours_ago, hours_ago))
+    for inside in left.iterdir() if left.is_dir() else ():
+        os.utime(inside, (hours_ago, hours_ago))
+    LocalBackend(store).close()
+    assert not left.exists() and recent.exists()

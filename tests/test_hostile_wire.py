@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,6 +167,51 @@ def test_a_full_disk_is_said_as_such(
     with pytest.raises(tinker.RequestFailedError, match="out of disk space") as ei:
         tc.save_state("x").result()
     assert ei.value.category == types.RequestErrorCategory.Server
+
+
+def test_a_full_disk_while_creating_a_sampler_is_retried_not_blamed_on_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine made the sampler, then the server could not record it (disk full: 507, which
+    the official SDK retries). Before: the retry found its sampling_session_seq_id "already
+    used" (a 400, the caller's fault) and the engine kept a sampler nothing could reach. Now
+    the engine's sampler is forgotten, so the retry creates it. A heartbeat on a full disk
+    still keeps the session alive (it is kept in memory) instead of answering 507."""
+    import os
+    import sqlite3
+
+    import httpx
+    import tinker as sdk
+
+    from tinker_sr.testing import mock_tinker
+
+    def disk_full_once(real: Any) -> Any:
+        calls = iter([True])
+
+        def write(*args: Any) -> Any:
+            if next(calls, False):
+                raise sqlite3.OperationalError("database or disk is full")
+            return real(*args)
+
+        return write
+
+    with mock_tinker(store=tmp_path / "store") as mock:
+        state = mock.server().state
+        monkeypatch.setattr(state, "add_sampler", disk_full_once(state.add_sampler))
+        service = sdk.ServiceClient()
+        sampler = service.create_sampling_client(base_model="tinker-sr/tiny")
+        params = sdk.types.SamplingParams(max_tokens=2)
+        assert sampler.sample(sdk.types.ModelInput.from_ints([1, 2]), 1, params).result()
+        assert [c["status"] for c in mock.trace.calls("create_sampling_session")] == [507, 200]
+        monkeypatch.setattr(state, "heartbeat", disk_full_once(state.heartbeat))
+        heartbeat = {"session_id": service.holder.get_session_id(), "type": "session_heartbeat"}
+        with httpx.Client(base_url=os.environ["TINKER_BASE_URL"]) as http:
+            reply = http.post(
+                "/api/v1/session_heartbeat",
+                json=heartbeat,
+                headers={"X-API-Key": os.environ["TINKER_API_KEY"]},
+            )
+        assert reply.status_code == 200, reply.text
 
 
 def test_an_oversized_value_is_not_echoed_whole(wire: Wire) -> None:

@@ -55,6 +55,7 @@ async def _before_crash(url: str) -> dict[str, Any]:
         "named": named.path,
         "probe": probe.loss_fn_outputs[0]["logprobs"].tolist(),
         "seq": sample.sequences[0],
+        "sampler": sampler,
     }
 
 
@@ -114,6 +115,16 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
     # and only once the accepted request had failed).
     with pytest.raises(errors.NotFoundError, match="restarted.*create_training_client_from"):
         await backend.forward_backward(before["model"], 8, [PROBE], "cross_entropy")
+    # So is a sampling client's (before: "unknown sampling session ...; a session keeps the
+    # weights of its 64 most recently used LoRA sampling clients", the wrong cause).
+    with pytest.raises(errors.NotFoundError, match="created before the server restarted"):
+        await backend.sample(
+            before["sampler"],
+            1,
+            prompt=types.ModelInput.from_ints(PROMPT),
+            num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=2),
+        )
     await backend.close_session(session, "success")
     await backend.aclose()
 

@@ -15,14 +15,12 @@ whatever order they arrive in. A request that fails validation raises before any
 mutated: weights, optimizer state, gradients, checkpoints and recorded sequences stay as they
 were.
 
-Off-policy stress for studies (spec: issue 5): ``sampler_dtype="bfloat16"`` makes every
-sampler compute in bfloat16 while the learner stays in float32, and
-``sampler_staleness=k`` makes samplers snapshotted from a training model
-(`save_weights_and_get_sampling_client`) use the weights it had ``k`` optimizer steps earlier,
-as asynchronous RL does; named sampler checkpoints still hold the current weights. Both are real: the sampler actually
-runs in that dtype / on those weights. By default samplers keep the base model's dtype, and a
-Hugging Face directory loads in its checkpoint's dtype (``model_dtype=`` or
-``$TINKER_SR_MODEL_DTYPE`` overrides it; docs/models.md).
+Off-policy stress for studies: ``sampler_dtype="bfloat16"`` samples in bfloat16 while the
+learner stays in float32, and ``sampler_staleness=k`` gives samplers snapshotted from a training
+model (`save_weights_and_get_sampling_client`) its weights of ``k`` optimizer steps earlier, as
+asynchronous RL does (named sampler checkpoints hold the current weights); both are real. By
+default samplers keep the base model's dtype, and a Hugging Face directory loads in its
+checkpoint's dtype (``model_dtype=`` or ``$TINKER_SR_MODEL_DTYPE`` overrides it; docs/models.md).
 """
 
 from __future__ import annotations
@@ -563,6 +561,13 @@ class LocalBackend(LocalRestQueries):
         return types.GetSamplerResponse(
             sampler_id=sampler_id, base_model=s.base_model, model_path=s.model_path
         )
+
+    def has_sampler(self, sampler_id: str) -> bool:
+        """Whether ``sampler_id``'s weights are loaded here (not after a server restart)."""
+        return self.models.live_sampler(sampler_id) is not None
+
+    async def release_sampler(self, sampler_id: str) -> None:  # its creation went unrecorded
+        await self._run(lambda: self.models.release_sampler(sampler_id))
 
     def sample_overflow(self, sampler_id: str, prompt: Any, params: Any) -> str | None:
         """Why a sample does not fit its model's context, before it is queued (a server's 400)."""

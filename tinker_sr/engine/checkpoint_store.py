@@ -34,6 +34,9 @@ from tinker_sr.validation import expiry
 log = logging.getLogger("tinker_sr.engine")
 
 PURGE_EVERY_S = 60.0
+# A save's temporary file or folder (``.<name>.<random>.tmp``) untouched this long belongs to a
+# save that never finished (its process was killed) and is deleted when the store opens.
+STALE_TEMP_S = 3600.0
 """How often saves look for expired checkpoints to delete (TTLs are at least an hour)."""
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -71,6 +74,26 @@ class CheckpointStore:
         self._last_purge = 0.0
         if purge:
             self.purge_expired()
+            self.sweep_stale_temp()
+
+    def sweep_stale_temp(self, *, now: float | None = None) -> int:
+        """Delete what saves that never finished left (`STALE_TEMP_S`): never listed, so
+        nobody could delete it, and up to a whole checkpoint each. One written now (by another
+        engine on this store) is recent, and kept. Returns the count."""
+        now = time.time() if now is None else now
+        removed = 0
+        for tmp in self.root.glob("checkpoints/*/*/.*.tmp"):
+            try:
+                inside = list(tmp.iterdir()) if tmp.is_dir() else []
+                newest = max(p.stat().st_mtime for p in [tmp, *inside])
+                if now - newest >= STALE_TEMP_S:
+                    _remove(tmp)
+                    removed += 1
+            except OSError as e:  # gone meanwhile, or not ours to delete: not worth a failure
+                log.warning("could not delete the unfinished save %s: %s", tmp, e)
+        if removed:
+            log.info("deleted %d temporary files of saves that never finished", removed)
+        return removed
 
     def purge_expired(self, *, every: float = 0.0) -> int:
         """Delete the checkpoints whose TTL ran out, rows and files (a TTL bounds what a run

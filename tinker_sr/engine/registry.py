@@ -449,10 +449,9 @@ class ModelRegistry:
         self._samplers[sampler_id] = s
         return s
 
-    def sampler_context(self, sampler_id: str) -> int | None:
-        """``sampler_id``'s context length (None: no such sampler); unlocked: one dict read."""
-        s = self._samplers.get(sampler_id)
-        return None if s is None else context_length(s.resolved)  # config.json alone
+    def live_sampler(self, sampler_id: str) -> Sampler | None:
+        """``sampler_id``'s sampler, or None, without waiting for engine work (one dict read)."""
+        return self._samplers.get(sampler_id)
 
     @_locked
     def sampler_ids(self, session_id: str) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
+from tinker_sr.engine.hf import context_length
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
@@ -358,11 +359,12 @@ def request_overflow(
     """Why a sample request does not fit its sampler's context (`sampler.context_overflow`),
     told before it is queued, so a server can refuse it (400) as the hosted service does; None
     when it fits or cannot be told here (an unknown sampler: the engine's own checks say)."""
-    try:
-        context = models.sampler_context(sampler_id)
-    except (EngineUserError, OSError):  # its config.json changed or went away since loading
+    sampler = models.live_sampler(sampler_id)
+    if sampler is None or not isinstance(prompt, types.ModelInput):
         return None
-    if context is None or not isinstance(prompt, types.ModelInput):
+    try:
+        context = context_length(sampler.resolved)  # config.json alone
+    except (EngineUserError, OSError):  # its config.json changed or went away since loading
         return None
     n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
     wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)

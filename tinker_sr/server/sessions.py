@@ -139,6 +139,20 @@ class Sessions:
                 f"sampler {sampler_id} belongs to finished session {row.session_id} "
                 f"({self.why_finished(row.session_id)})",
             )
+        loaded = getattr(self.backend, "has_sampler", None)
+        if (
+            loaded is not None
+            and not loaded(sampler_id)
+            and self.state.sampler_predates_start(sampler_id)
+        ):
+            raise HTTPError(
+                404,
+                f"sampling client {sampler_id} is not loaded on this server: it was created "
+                "before the server restarted, and sampling weights live in memory (only "
+                "checkpoints survive a restart). Make a new one: ServiceClient."
+                "create_sampling_client(model_path=<a sampler_weights checkpoint>) or "
+                "(base_model=...), or TrainingClient.save_weights_and_get_sampling_client()",
+            )
         self.touch(row.session_id)
         return row
 

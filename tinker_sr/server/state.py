@@ -115,6 +115,8 @@ class ServerState:
         # the last transactions, which is the usual WAL trade-off.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        # Sampler rows up to this rowid were written before this process started.
+        self._samplers_before_start: int = self._one("SELECT max(rowid) FROM samplers", ())[0] or 0
 
     def close(self) -> None:
         with self._lock:
@@ -246,6 +248,11 @@ class ServerState:
         self._exec(
             "INSERT OR REPLACE INTO samplers VALUES (?, ?, ?)", (sampler_id, session_id, model_path)
         )
+
+    def sampler_predates_start(self, sampler_id: str) -> bool:
+        """Whether ``sampler_id`` was created before this server process started."""
+        row = self._one("SELECT rowid FROM samplers WHERE sampler_id=?", (sampler_id,))
+        return row is not None and row[0] <= self._samplers_before_start
 
     def sampler_model_path(self, sampler_id: str) -> str | None:
         row = self._one("SELECT model_path FROM samplers WHERE sampler_id=?", (sampler_id,))

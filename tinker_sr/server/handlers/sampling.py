@@ -41,9 +41,17 @@ async def create_sampling_session(srv: TinkerServer, request: Request, owner: st
         base_model=req.base_model,
         model_path=req.model_path,
     )
-    srv.state.add_sampler(sampler_id, req.session_id, req.model_path)
     reply = {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
-    srv.state.save_reply(owner, key, body_hash(body), reply)
+    try:
+        srv.state.add_sampler(sampler_id, req.session_id, req.model_path)
+        srv.state.save_reply(owner, key, body_hash(body), reply)
+    except BaseException:
+        # Not recorded (a full disk, say): forget the engine's sampler too, so the SDK's retry
+        # of this request creates it again rather than finding its number "already used".
+        release = getattr(srv.backend, "release_sampler", None)
+        if release is not None:
+            await release(sampler_id)
+        raise
     return json_reply(reply)
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tinker_sr.engine.store import is_out_of_space
 from tinker_sr.wire import messages as m
 
 from ..http import HTTPError, body_hash, error, json_reply
 from .rest import access_scope, paging
+
+log = logging.getLogger("tinker_sr.server")
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
@@ -52,7 +56,12 @@ async def heartbeat(srv: TinkerServer, request: Request, owner: str) -> Response
     if row.finished is not None:
         why = srv.sessions.why_finished(row.session_id)
         return error(410, f"session {req.session_id} is finished ({why})")
-    srv.state.heartbeat(req.session_id)
+    try:
+        srv.state.heartbeat(req.session_id)
+    except Exception as e:  # the keep-alive is in memory (`Sessions.touch`, above)
+        if not is_out_of_space(e):
+            raise
+        log.warning("heartbeat of %s not written: the disk is full", req.session_id)
     return json_reply({"type": "session_heartbeat"})
 
 
