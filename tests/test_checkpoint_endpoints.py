@@ -686,3 +686,42 @@ tc.save_state("st").result()
         os.utime(inside, (hours_ago, hours_ago))
     LocalBackend(store).close()
     assert not left.exists() and recent.exists()
+
+
+def test_a_malformed_path_never_reaches_another_checkpoint(tmp_path: Path) -> None:
+    """Found by a differential fuzzer: the clients put a tinker path's run and name into the
+    URL unquoted, so ``unpublish("tinker://RUN/weights/victim?x=1")`` sent DELETE
+    .../checkpoints/weights/victim (the delete route: the checkpoint was deleted), and ``#`` or
+    ``..`` did the same. Our client quotes each segment; the server refuses a query string on
+    checkpoint routes (the official SDK's ``?`` case); names with ``?``, ``#`` or ``%``, which no
+    REST call could address, are refused at save."""
+    import tinker as sdk
+
+    from tests._server import running_server
+
+    with running_server(tmp_path / "store") as srv:
+        ours = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-a")
+        theirs = sdk.ServiceClient(base_url=srv.base_url, api_key="tml-a")
+        tc = ours.create_lora_training_client(MODEL, rank=2, seed=0).result()
+        victim = tc.save_state("victim").result().path
+        for service, lib in ((ours, tinker), (theirs, sdk)):
+            rest = service.create_rest_client()
+            for odd in (f"{victim}?x=1", f"{victim}#f"):
+                if lib is sdk and odd.endswith("#f"):
+                    continue  # httpx drops a fragment before it is sent: no server can tell
+                with pytest.raises((lib.BadRequestError, lib.NotFoundError)):
+                    rest.unpublish_checkpoint_from_tinker_path(odd).result()
+                with pytest.raises((lib.BadRequestError, lib.NotFoundError)):
+                    rest.delete_checkpoint_from_tinker_path(odd).result()
+            if lib is tinker:
+                with pytest.raises(tinker.NotFoundError):
+                    rest.delete_checkpoint(tc.model_id, "weights/../weights/victim").result()
+                with pytest.raises(tinker.NotFoundError):
+                    rest.list_checkpoints("..").result()
+            listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+            assert [c.tinker_path for c in listed] == [victim]
+        for name in ("q?x", "h#x", "p%2Fx"):
+            with pytest.raises(tinker.RequestFailedError, match="is invalid"):
+                tc.save_state(name).result()
+        ours.close().result()
+        theirs.close("success").result()

@@ -24,6 +24,13 @@ TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 
 
 def check_ttl(ttl_seconds: int | None) -> None:
+    if ttl_seconds is not None and (
+        isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float)
+    ):
+        raise EngineUserError(
+            f"ttl_seconds must be a number of seconds or None, got {type(ttl_seconds).__name__} "
+            f"{ttl_seconds!r:.40}"
+        )
     if ttl_seconds is not None and not (TTL_MIN <= ttl_seconds <= TTL_MAX):
         raise EngineUserError(
             f"ttl_seconds must be between {TTL_MIN} (1 hour) and {TTL_MAX} (10 years), or "
@@ -98,6 +105,11 @@ MAX_NAME_BYTES = 200
 """A checkpoint name is a file name (plus ``.safetensors``): file systems allow 255 bytes."""
 
 
+# A name is one file name, and one URL path segment as the SDKs send it: unquoted, so "?", "#"
+# and "%" would end or change the path (a REST call on the checkpoint would reach another).
+_NAME_FORBIDDEN = "/\\?#%"
+
+
 def check_checkpoint_name(name: str) -> None:
     """1 to MAX_NAME_BYTES bytes of UTF-8 text, no separators, control characters (NUL) or
     dot-only names: a name is a file name on the server, and must stay one file name."""
@@ -109,12 +121,13 @@ def check_checkpoint_name(name: str) -> None:
         size < 1
         or size > MAX_NAME_BYTES
         or name in (".", "..")
-        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+        or any(c in _NAME_FORBIDDEN or ord(c) < 32 or ord(c) == 127 for c in name)
     )
     if bad:
         raise EngineUserError(
             f"checkpoint name {name!r:.60} is invalid: use 1-{MAX_NAME_BYTES} bytes of UTF-8 "
-            "text without '/', '\\' or control characters (such as NUL), not '.' or '..'"
+            "text without '/', '\\', '?', '#', '%' or control characters (such as NUL), not "
+            "'.' or '..'"
         )
 
 
@@ -170,12 +183,12 @@ def check_copy_weights(
 
 
 def check_paging(limit: object, offset: object, what: str = "list") -> None:
-    """``limit`` and ``offset`` of a listing: integers from 0 to 2**31 - 1 (SQLite takes a
-    negative LIMIT as "no limit"; a server's query parameters stop below 10**9)."""
+    """``limit`` and ``offset`` of a listing: integers below 10**9, as a server's query
+    parameters (SQLite would take a negative LIMIT as "no limit")."""
     for name, value in (("limit", limit), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 10**9:
             raise EngineUserError(
-                f"{what}: {name} must be an integer from 0 to 2147483647, got {value!r:.40}"
+                f"{what}: {name} must be an integer from 0 to 999999999, got {value!r:.40}"
             )
 
 

@@ -29,7 +29,9 @@ from tinker_sr.errors import (
     APIResponseValidationError,
     RequestFailedError,
     TinkerError,
+    refusal,
 )
+from tinker_sr.user_errors import EngineUserError
 from tinker_sr.wire import WireError, compression, proto
 from tinker_sr.wire import messages as m
 
@@ -85,7 +87,7 @@ class RemoteBackend(WireTransport):
         # Any 2xx will do (204 has no body).
         await self._request(
             "POST",
-            f"/api/v1/sessions/{session_id}/finish",
+            f"/api/v1/sessions/{_seg(session_id)}/finish",
             json={"reason": {"type": status}, "detail": detail},
         )
 
@@ -315,7 +317,7 @@ class RemoteBackend(WireTransport):
         return (await self.get_sampler(sampler_id)).base_model
 
     async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
-        resp, body = await self._get(f"/api/v1/samplers/{sampler_id}")
+        resp, body = await self._get(f"/api/v1/samplers/{_seg(sampler_id)}")
         try:
             return types.GetSamplerResponse.model_validate(body)
         except pydantic.ValidationError as e:
@@ -384,7 +386,7 @@ class RemoteBackend(WireTransport):
     # ---- checkpoints / runs ----------------------------------------------------------------------
 
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
-        resp, body = await self._get(f"/api/v1/training_runs/{training_run_id}/checkpoints")
+        resp, body = await self._get(f"/api/v1/training_runs/{_seg(training_run_id)}/checkpoints")
         return self._validate(types.CheckpointsListResponse, resp, body)
 
     async def list_user_checkpoints(
@@ -395,21 +397,24 @@ class RemoteBackend(WireTransport):
 
     async def get_training_run(self, training_run_id: str) -> types.TrainingRun:
         resp, body = await self._get(
-            f"/api/v1/training_runs/{training_run_id}", {"access_scope": "owned"}
+            f"/api/v1/training_runs/{_seg(training_run_id)}", {"access_scope": "owned"}
         )
         return self._validate(types.TrainingRun, resp, body)
 
     async def list_sessions(
         self, *, limit: int = 20, offset: int = 0
     ) -> types.ListSessionsResponse:
-        validation.check_paging(limit, offset, "list_sessions")
+        try:
+            validation.check_paging(limit, offset, "list_sessions")
+        except EngineUserError as e:
+            raise refusal(400, str(e)) from None  # as a server answers it
         resp, body = await self._get(
             "/api/v1/sessions", {"limit": limit, "offset": offset, "access_scope": "owned"}
         )
         return self._validate(types.ListSessionsResponse, resp, body)
 
     async def get_session(self, session_id: str) -> types.GetSessionResponse:
-        path = f"/api/v1/sessions/{quote(session_id, safe='')}"
+        path = f"/api/v1/sessions/{_seg(session_id)}"
         resp, body = await self._get(path, {"access_scope": "owned"})
         return self._validate(types.GetSessionResponse, resp, body)
 
@@ -423,16 +428,14 @@ class RemoteBackend(WireTransport):
 
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
         await self._ensure_config()
-        await self._request(
-            "DELETE", f"/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"
-        )
+        await self._request("DELETE", _checkpoint_route(training_run_id, checkpoint_id))
 
     async def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
         parsed = _parse_path(tinker_path)
         await self._ensure_config()
         await self._request(
             "PUT",
-            f"/api/v1/training_runs/{parsed.training_run_id}/checkpoints/{parsed.checkpoint_id}/ttl",
+            _checkpoint_route(parsed.training_run_id, parsed.checkpoint_id, "/ttl"),
             json={"ttl_seconds": ttl_seconds},
         )
 
@@ -450,10 +453,7 @@ class RemoteBackend(WireTransport):
 
     def _checkpoint_url(self, tinker_path: str, suffix: str = "") -> str:
         parsed = _parse_path(tinker_path)
-        return (
-            f"/api/v1/training_runs/{parsed.training_run_id}/checkpoints/"
-            f"{parsed.checkpoint_id}{suffix}"
-        )
+        return _checkpoint_route(parsed.training_run_id, parsed.checkpoint_id, suffix)
 
     async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
         url = self._checkpoint_url(tinker_path, "/publish")
@@ -500,6 +500,22 @@ class RemoteBackend(WireTransport):
 class _ModelIdResult(types.BaseModel):
     model_config = pydantic.ConfigDict(protected_namespaces=())
     model_id: str
+
+
+def _seg(value: object) -> str:
+    """``value`` as one URL path segment: quoted, so "?", "#", "/" or "%" in an id cannot end
+    or change the path (a REST call reaching another resource); "." and ".." (which a URL
+    resolves away) name nothing."""
+    text = str(value)
+    if text in ("", ".", ".."):
+        raise refusal(404, f"{text!r} names no session, run, sampler or checkpoint")
+    return quote(text, safe="")
+
+
+def _checkpoint_route(run_id: str, checkpoint_id: str, suffix: str = "") -> str:
+    """``/training_runs/<run>/checkpoints/<kind>/<name><suffix>``, each segment quoted."""
+    parts = "/".join(_seg(p) for p in str(checkpoint_id).split("/"))
+    return f"/api/v1/training_runs/{_seg(run_id)}/checkpoints/{parts}{suffix}"
 
 
 def _parse_path(tinker_path: str) -> types.ParsedCheckpointTinkerPath:

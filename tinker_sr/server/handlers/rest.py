@@ -90,7 +90,9 @@ def _page(key: str, items: list[Any], limit: int, offset: int) -> Response:
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
     limit, offset = paging(request, 100, {"limit", "offset"})
     # The backend lists every owner's checkpoints; keep this key's and page here.
-    everything = await srv.backend.list_user_checkpoints(limit=1 << 30, offset=0)
+    everything = await srv.backend.list_user_checkpoints(
+        limit=10**9 - 1, offset=0
+    )  # every one (the largest page)
     mine_runs = srv.state.model_ids_of(owner)
     mine = [
         c
@@ -114,7 +116,9 @@ async def list_training_runs(srv: TinkerServer, request: Request, owner: str) ->
         raise HTTPError(400, "filtering training runs by project_id is not supported")
     limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
     access_scope(request)
-    everything = await srv.backend.list_training_runs(limit=1 << 30, offset=0)
+    everything = await srv.backend.list_training_runs(
+        limit=10**9 - 1, offset=0
+    )  # every one (the largest page)
     mine_runs = srv.state.model_ids_of(owner)
     mine = [r for r in everything.training_runs if r.training_run_id in mine_runs]
     return _page("training_runs", mine, limit, offset)
@@ -188,6 +192,14 @@ async def _copy(srv: TinkerServer, req: CopyWeightsRequest, owner: str) -> tuple
 
 def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[str, str]:
     run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
+    if request.url.query:
+        # The official SDK puts a tinker path's name into the URL unquoted: from "name?x=1"
+        # the "?" on would cut the route short (an unpublish became a delete of "name").
+        raise HTTPError(
+            400,
+            f"checkpoint {kind}/{name}: unexpected query string {request.url.query!r:.60}; "
+            "a checkpoint name cannot contain '?' or '#': check the tinker path",
+        )
     if kind not in ("weights", "sampler_weights", "external_weights"):
         raise HTTPError(
             404,
