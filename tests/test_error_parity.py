@@ -87,6 +87,14 @@ CASES: dict[str, tuple[str, Case]] = {
             c.types.ModelInput.from_ints([1, 2, 3]), 1, c.types.SamplingParams(max_tokens=600)
         ),
     ),
+    "get_weights_info(not a path)": (
+        "BadRequestError",
+        lambda c: c.rest.get_weights_info_by_tinker_path("not-a-path"),
+    ),
+    "copy_weights(not a path)": (
+        "BadRequestError",
+        lambda c: c.rest.copy_weights("not-a-path", destination_project_id="p"),
+    ),
     "forward(token id 2**31)": (
         "OverflowError",
         lambda c: c.training.forward([_datum(c.types, 2**31)], "cross_entropy"),

@@ -507,8 +507,8 @@ def _seg(value: object) -> str:
     or change the path (a REST call reaching another resource); "." and ".." (which a URL
     resolves away) name nothing."""
     text = str(value)
-    if text in ("", ".", ".."):
-        raise refusal(404, f"{text!r} names no session, run, sampler or checkpoint")
+    if text in ("", ".", "..") or len(text) > 4096:  # longer: no id is, and URLs cap it
+        raise refusal(404, f"{text!r:.60} names no session, run, sampler or checkpoint")
     return quote(text, safe="")
 
 

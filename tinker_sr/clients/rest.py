@@ -101,8 +101,8 @@ class RestClient:
         self, tinker_path: str
     ) -> APIFuture[types.WeightsInfoResponse]:
         """Base model and LoRA configuration (rank, trained layers) of a checkpoint of either
-        kind: what is needed to load it."""
-        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        kind: what is needed to load it. A malformed path fails the future
+        (`BadRequestError`), as the SDK sends any path to the service."""
         return self._f(self._b.get_weights_info(tinker_path))
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
@@ -151,9 +151,9 @@ class RestClient:
         run cannot be trained on. ``ttl_seconds``: 3600 (1 hour) to 10 years, or ``None``
         for no expiry (the source's expiry is not inherited). ``weights_access_token`` is
         not supported (the call fails). To copy into your own session, use
-        ``ServiceClient.copy_weights``.
+        ``ServiceClient.copy_weights``. A malformed path fails the future (`BadRequestError`),
+        as the SDK sends any path to the service.
         """
-        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         if destination_project_id is None:
             destination_project_id = os.environ.get("TINKER_PROJECT_ID") or None
         return self._f(
