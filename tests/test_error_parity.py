@@ -95,6 +95,20 @@ CASES: dict[str, tuple[str, Case]] = {
         "BadRequestError",
         lambda c: c.rest.copy_weights("not-a-path", destination_project_id="p"),
     ),
+    "get_training_run(access_scope='bogus')": (
+        "BadRequestError",
+        lambda c: c.rest.get_training_run(c.run, access_scope="bogus"),
+    ),
+    "list_training_runs(project_id=...)": (
+        "BadRequestError",
+        lambda c: c.rest.list_training_runs(project_id="p"),
+    ),
+    "publish an external weights export": (
+        "BadRequestError",
+        lambda c: c.rest.publish_checkpoint_from_tinker_path(
+            c.training.save_weights_external("x").result().path
+        ),
+    ),
     "forward(token id 2**31)": (
         "OverflowError",
         lambda c: c.training.forward([_datum(c.types, 2**31)], "cross_entropy"),

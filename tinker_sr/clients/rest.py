@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 from tinker_sr import types
 from tinker_sr.clients.admin import AdminClient, AuditEventType
 from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
+from tinker_sr.errors import refusal
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 T = TypeVar("T")
@@ -37,6 +38,21 @@ class RestClient:
     def _f(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
         return AwaitableConcurrentFuture(self.holder.run(coro))
 
+    def _scoped(
+        self, coro: Coroutine[Any, Any, T], access_scope: object, project_id: object = None
+    ) -> APIFuture[T]:
+        """``coro``, unless a server would refuse the query: an unknown ``access_scope`` or a
+        ``project_id`` filter fail the future (`BadRequestError`), as the SDK meets them."""
+        problem = None
+        if access_scope not in ("owned", "accessible"):
+            problem = f"access_scope must be 'owned' or 'accessible', got {access_scope!r:.60}"
+        elif project_id is not None:
+            problem = "filtering training runs by project_id is not supported"
+        if problem is None:
+            return self._f(coro)
+        coro.close()
+        return self._f(_refuse(problem))
+
     @property
     def _b(self) -> Any:
         return self.holder.backend
@@ -52,7 +68,7 @@ class RestClient:
     def get_training_run(
         self, training_run_id: str, access_scope: AccessScope = "owned"
     ) -> APIFuture[types.TrainingRun]:
-        return self._f(self._b.get_training_run(training_run_id))
+        return self._scoped(self._b.get_training_run(training_run_id), access_scope)
 
     def get_sampler(self, sampler_id: str) -> APIFuture[types.GetSamplerResponse]:
         """A sampling session's base model and, if it was created from a checkpoint, that
@@ -72,21 +88,22 @@ class RestClient:
         access_scope: AccessScope = "owned",
         project_id: str | None = None,
     ) -> APIFuture[types.TrainingRunsResponse]:
-        return self._f(self._b.list_training_runs(limit=limit, offset=offset))
+        listing = self._b.list_training_runs(limit=limit, offset=offset)
+        return self._scoped(listing, access_scope, project_id)
 
     # ---- sessions ------------------------------------------------------------------------------
     def list_sessions(
         self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
     ) -> APIFuture[types.ListSessionsResponse]:
         """This caller's session ids, newest first, ``limit`` from ``offset``."""
-        return self._f(self._b.list_sessions(limit=limit, offset=offset))
+        return self._scoped(self._b.list_sessions(limit=limit, offset=offset), access_scope)
 
     def get_session(
         self, session_id: str, access_scope: AccessScope = "owned"
     ) -> APIFuture[types.GetSessionResponse]:
         """A session's training run ids, sampler ids, ``user_metadata`` and ``display_name``
         (ids as `list_sessions` gives them)."""
-        return self._f(self._b.get_session(session_id))
+        return self._scoped(self._b.get_session(session_id), access_scope)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
@@ -322,3 +339,7 @@ class RestClient:
     ) -> Any:
         warn_deprecated("RestClient.get_current_checkpoint_storage_usage_async() is deprecated")
         return await self._admin().get_current_checkpoint_storage_usage_async(project_id)
+
+
+async def _refuse(problem: str) -> Any:
+    raise refusal(400, problem)

@@ -34,10 +34,10 @@ from tinker_sr.validation import expiry
 log = logging.getLogger("tinker_sr.engine")
 
 PURGE_EVERY_S = 60.0
-# A save's temporary file or folder (``.<name>.<random>.tmp``) untouched this long belongs to a
-# save that never finished (its process was killed) and is deleted when the store opens.
-STALE_TEMP_S = 3600.0
 """How often saves look for expired checkpoints to delete (TTLs are at least an hour)."""
+STALE_TEMP_S = 3600.0
+"""A save's temporary file or folder (``.<name>.<random>.tmp``) untouched this long belongs to
+a save that never finished (its process was killed); deleted when the store opens."""
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
@@ -354,6 +354,11 @@ class CheckpointStore:
         self.store.set_checkpoint_expiry(path, expires_at)
 
     def set_public(self, path: str, public: bool) -> None:
+        if parse_path(path).checkpoint_type == "external":  # refused before it is looked up
+            raise EngineUserError(
+                "external_weights checkpoints are not published; publish the training or "
+                "sampler checkpoint instead"
+            )
         self.live(path)
         self.store.set_checkpoint_public(path, public)
 

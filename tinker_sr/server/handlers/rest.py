@@ -53,6 +53,9 @@ async def list_checkpoints(srv: TinkerServer, request: Request, owner: str) -> R
     return json_reply(out.model_dump(mode="json", exclude_none=True))
 
 
+_EVERY = 10**9 - 1  # the largest page a backend lists (`validation.check_paging`): all of them
+
+
 def paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[int, int]:
     extra = set(request.query_params) - allowed
     if extra:
@@ -90,9 +93,7 @@ def _page(key: str, items: list[Any], limit: int, offset: int) -> Response:
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
     limit, offset = paging(request, 100, {"limit", "offset"})
     # The backend lists every owner's checkpoints; keep this key's and page here.
-    everything = await srv.backend.list_user_checkpoints(
-        limit=10**9 - 1, offset=0
-    )  # every one (the largest page)
+    everything = await srv.backend.list_user_checkpoints(limit=_EVERY, offset=0)
     mine_runs = srv.state.model_ids_of(owner)
     mine = [
         c
@@ -116,9 +117,7 @@ async def list_training_runs(srv: TinkerServer, request: Request, owner: str) ->
         raise HTTPError(400, "filtering training runs by project_id is not supported")
     limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
     access_scope(request)
-    everything = await srv.backend.list_training_runs(
-        limit=10**9 - 1, offset=0
-    )  # every one (the largest page)
+    everything = await srv.backend.list_training_runs(limit=_EVERY, offset=0)
     mine_runs = srv.state.model_ids_of(owner)
     mine = [r for r in everything.training_runs if r.training_run_id in mine_runs]
     return _page("training_runs", mine, limit, offset)
