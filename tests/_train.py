@@ -3,6 +3,8 @@ to see a LoRA learn."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -91,3 +93,20 @@ def learns_and_samples_as_the_learner(
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3, stop=[])
     assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
     return losses
+
+
+@contextlib.contextmanager
+def service_where_a_gap_hangs(way: str, store: Any) -> Iterator[Any]:
+    """A tinker_sr ServiceClient on the embedded engine (``way="embedded"``) or through an
+    in-process server whose seq_id grace period is 600 s (``"remote"``), so a training request
+    that leaves a gap in its model's seq_ids holds the next one long enough to fail a test."""
+    import tinker_sr
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.testing import mock_tinker
+
+    with contextlib.ExitStack() as stack:
+        if way == "remote":
+            stack.enter_context(mock_tinker(store=store, seq_gap_grace_s=600.0))
+            yield tinker_sr.ServiceClient()
+        else:
+            yield tinker_sr.ServiceClient(backend=LocalBackend(store))

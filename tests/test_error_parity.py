@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests._server import ServerProcess, running_server
-from tests._train import rl_datum_with_provenance
+from tests._train import rl_datum_with_provenance, service_where_a_gap_hangs
 
 tinker = pytest.importorskip("tinker")
 
@@ -185,18 +185,9 @@ def test_a_refused_training_request_leaves_no_gap(way: str, tmp_path: Any) -> No
     refuses it) and failed to encode a token id over int32 after numbering it, each leaving a
     gap that held the model's next request for the server's grace period (600 s here, so a
     gap would hang)."""
-    import contextlib
-
     import tinker_sr
-    from tinker_sr.backend.local import LocalBackend
-    from tinker_sr.testing import mock_tinker
 
-    with contextlib.ExitStack() as stack:
-        if way == "remote":
-            stack.enter_context(mock_tinker(store=tmp_path / "store", seq_gap_grace_s=600.0))
-            service = tinker_sr.ServiceClient()
-        else:
-            service = tinker_sr.ServiceClient(backend=LocalBackend(tmp_path / "store"))
+    with service_where_a_gap_hangs(way, tmp_path / "store") as service:
         tc = service.create_lora_training_client(MODEL, rank=2).result()
         nan = tinker_sr.types.AdamParams(learning_rate=math.nan)
         for error, bad in (

@@ -8,7 +8,6 @@ those of a twin that never saw the bad request.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
@@ -24,6 +23,7 @@ import torch
 
 import tinker_sr as tinker
 from tests._server import ServerProcess, running_server
+from tests._train import service_where_a_gap_hangs
 from tests.test_server import MODEL, Wire
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
@@ -150,8 +150,6 @@ def test_05_clients_refuse_text_utf8_cannot_carry_before_numbering(
     stop string) is a ValueError naming the field, raised before the request is numbered: the
     remote client would otherwise fail to encode a numbered request and leave a gap that holds
     the model's next request for the server's grace period (600 s here, so a gap would hang)."""
-    from tinker_sr.testing import mock_tinker
-
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]),
         loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
@@ -160,12 +158,7 @@ def test_05_clients_refuse_text_utf8_cannot_carry_before_numbering(
         model_input=datum.model_input,
         loss_fn_inputs={**datum.loss_fn_inputs, "w\udc80": np.zeros(3, dtype=np.float32)},
     )
-    with contextlib.ExitStack() as stack:
-        if way == "remote":
-            stack.enter_context(mock_tinker(store=tmp_path / "store", seq_gap_grace_s=600.0))
-            service = tinker.ServiceClient()
-        else:
-            service = tinker.ServiceClient(backend=LocalBackend(tmp_path / "store"))
+    with service_where_a_gap_hangs(way, tmp_path / "store") as service:
         with pytest.raises(ValueError, match=r"ServiceClient: display_name = .* lone surrogate"):
             tinker.ServiceClient(display_name="run\ud800", backend=service.holder.backend)
         with pytest.raises(ValueError, match=r"user_metadata\['a'\] .* lone surrogate"):
