@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,53 @@ def test_a_second_server_on_a_live_store_is_refused(tmp_path: Path) -> None:
         srv.stop()
     # Stopped, it no longer holds the store.
     ServerState(srv.store / "server.sqlite").close()
+
+
+def test_a_graceful_stop_answers_open_long_polls(tmp_path: Path) -> None:
+    """SIGTERM with a client long-polling a running request. Before: uvicorn waited for the
+    poll (up to its 60 s here), cut it at 5 s with "Exception in ASGI application ...
+    timeout graceful shutdown exceeded" in the log, and the client got no answer at all. Now
+    the poll answers at once ("try again": the restarted server fails or finishes it)."""
+    import signal
+    import threading
+
+    srv = ServerProcess(tmp_path / "store", long_poll_s=60.0)
+    srv.start()
+    try:
+        http = httpx.Client(
+            base_url=f"{srv.base_url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=90
+        )
+        session = http.post("/create_session", json={"tags": []}).json()["session_id"]
+        sampler = http.post(
+            "/create_sampling_session",
+            json={
+                "session_id": session,
+                "sampling_session_seq_id": 0,
+                "base_model": "tinker-sr/small",
+            },
+        ).json()["sampling_session_id"]
+        rid = http.post(  # 16 x 500 tokens on tinker-sr/small: seconds of decoding
+            "/asample",
+            json={
+                "num_samples": 16,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                "sampling_params": {"max_tokens": 500, "stop": []},
+                "sampling_session_id": sampler,
+                "seq_id": 0,
+            },
+        ).json()["request_id"]
+        answers: list[httpx.Response] = []
+        poll = threading.Thread(
+            target=lambda: answers.append(http.post("/retrieve_future", json={"request_id": rid}))
+        )
+        poll.start()
+        time.sleep(1.0)  # the poll is waiting on the server
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=60)
+        poll.join(timeout=60)
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["type"] in ("try_again", "RequestFailedResponse"), answers[0].text
+        assert "graceful shutdown exceeded" not in srv.log(), srv.log()
+    finally:
+        srv.stop()

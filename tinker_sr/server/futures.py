@@ -66,6 +66,7 @@ class Futures:
         self.max_pending_samples = max_pending_samples
         self.pending_samples: set[str] = set()  # request ids of asample work not yet done
         self._events: dict[str, asyncio.Event] = {}
+        self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
 
@@ -182,11 +183,19 @@ class Futures:
     def _row(self, request_id: str) -> FutureRow | None:
         return self._recent.get(request_id) or self.state.get_future(request_id)
 
+    def stop_waiting(self) -> None:
+        """The server is shutting down: every long poll answers now (still pending: the client
+        polls again, and the restarted server answers), instead of holding the shutdown for
+        up to ``long_poll_s`` and then being cancelled mid-request."""
+        self.closing = True
+        for event in self._events.values():
+            event.set()
+
     async def answer(self, row: FutureRow) -> Response:
         """The result of ``row`` once done, or try_again after the long poll."""
         if row.status == PENDING:
             event = self._events.get(row.request_id)
-            if event is not None:
+            if event is not None and not self.closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), self.long_poll_s)
             done = self._row(row.request_id)

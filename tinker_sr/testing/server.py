@@ -249,15 +249,16 @@ def build_testing_app(store: Path, **app_options: Any) -> Any:
         in_process=False,
         server=lambda: app.state.tinker_server,
     )
-    return _ControlApp(wrapped, plan)
+    return _ControlApp(wrapped, plan, lambda: app.state.tinker_server)
 
 
 class _ControlApp:
     """Serves ``/_tinker_sr_testing/faults`` (GET list, POST add, DELETE clear)."""
 
-    def __init__(self, app: Any, plan: Any) -> None:
+    def __init__(self, app: Any, plan: Any, tinker_server: Any) -> None:
         self.app = app
         self.plan = plan
+        self.tinker_server = tinker_server  # () -> the app's TinkerServer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(CONTROL_PREFIX):
@@ -290,10 +291,9 @@ class _ControlApp:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
-
     from tinker_sr.cli import add_serve_arguments
     from tinker_sr.server.features import ServerFeatures
+    from tinker_sr.server.run import run_uvicorn
 
     parser = argparse.ArgumentParser(prog="python -m tinker_sr.testing.server", description=__doc__)
     add_serve_arguments(parser)
@@ -310,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         store, api_keys=keys or None, max_body_bytes=args.max_body_bytes,
         long_poll_s=args.long_poll_s, features=features,
     )  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=5)  # fmt: skip
+    run_uvicorn(app, app.tinker_server, host=args.host, port=args.port,
+                log_level=args.log_level, access_log=False)  # fmt: skip
     return 0
 
 
