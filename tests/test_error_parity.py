@@ -109,6 +109,10 @@ CASES: dict[str, tuple[str, Case]] = {
             c.training.save_weights_external("x").result().path
         ),
     ),
+    "delete_checkpoint(run, not kind/name)": (
+        "NotFoundError",  # no such route on a server
+        lambda c: c.rest.delete_checkpoint(c.run, "a"),
+    ),
     "forward(token id 2**31)": (
         "OverflowError",
         lambda c: c.training.forward([_datum(c.types, 2**31)], "cross_entropy"),

@@ -341,7 +341,13 @@ class CheckpointStore:
     # ---- changes ----------------------------------------------------------------------
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         path = f"tinker://{run_id}/{checkpoint_id}"
-        parse_path(path)
+        try:
+            parse_path(path)
+        except EngineUserError:  # not <kind>/<name>: no such checkpoint (a server: no route)
+            raise EngineNotFoundError(
+                f"checkpoint {checkpoint_id!r:.80} of run {run_id!r:.80} does not exist; a "
+                "checkpoint_id is <weights|sampler_weights|external_weights>/<name>"
+            ) from None
         row = self.store.delete_checkpoint(path)
         if row is None:
             raise EngineNotFoundError(f"checkpoint {path} does not exist")
