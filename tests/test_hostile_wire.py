@@ -199,7 +199,7 @@ def test_a_full_disk_while_creating_a_sampler_is_retried_not_blamed_on_the_calle
         state = mock.server().state
         monkeypatch.setattr(state, "add_sampler", disk_full_once(state.add_sampler))
         service = sdk.ServiceClient()
-        sampler = service.create_sampling_client(base_model="tinker-sr/tiny")
+        sampler = service.create_sampling_client(base_model="tinker-sr/tiny").result()
         params = sdk.types.SamplingParams(max_tokens=2)
         assert sampler.sample(sdk.types.ModelInput.from_ints([1, 2]), 1, params).result()
         assert [c["status"] for c in mock.trace.calls("create_sampling_session")] == [507, 200]
