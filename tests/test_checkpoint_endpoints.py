@@ -655,14 +655,17 @@ def test_list_and_get_sessions(service: Any) -> None:
     mine.close().result()
 
 
-def test_what_a_killed_save_left_is_deleted_when_the_store_opens(tmp_path: Path) -> None:
+def test_what_a_killed_save_left_is_deleted_when_the_store_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process killed mid-save leaves its temporary file (up to a whole checkpoint), never
     listed and so never deletable; before, it stayed for ever. Now the store deletes it when it
-    opens, once it is old enough not to be a save another engine is writing right now."""
-    import os
+    opens, once it is old enough not to be a save another engine is writing right now; a
+    checkpoint merely named like a temporary (an export is a folder under its own name) stays."""
     import subprocess
     import sys
-    import time
+
+    from tinker_sr.engine import checkpoint_store
 
     store = tmp_path / "store"
     killed_mid_save = f"""
@@ -676,16 +679,23 @@ tc.save_state("st").result()
     proc = subprocess.run([sys.executable, "-c", killed_mid_save], timeout=300, check=False)
     assert proc.returncode == 9
     (left,) = (store / "checkpoints").glob("*/*/.*.tmp")
-    recent = left.with_name(".other.safetensors.abc123.tmp")  # a save being written now
-    recent.write_bytes(b"partial")
-    LocalBackend(store).close()
-    assert left.exists() and recent.exists()  # both recent: kept
-    hours_ago = time.time() - 2 * 3600
-    os.utime(left, (hours_ago, hours_ago))
-    for inside in left.iterdir() if left.is_dir() else ():
-        os.utime(inside, (hours_ago, hours_ago))
-    LocalBackend(store).close()
-    assert not left.exists() and recent.exists()
+    backend = LocalBackend(store)
+    assert left.exists()  # recent: it may be a save in progress
+    service = tinker.ServiceClient(backend=backend)
+    tc = service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    exports = [tc.save_weights_external(n).result().path for n in (".e.tmp", ".e.abcd0123.tmp")]
+    service.close().result()
+    backend.close()
+
+    clock = _Clock()
+    clock.ahead = 2 * 3600.0  # the store opens again two hours later
+    monkeypatch.setattr(checkpoint_store, "time", clock)
+    backend = LocalBackend(store)
+    assert not left.exists()
+    rest = tinker.RestClient(tinker.ServiceClient(backend=backend).holder)
+    for path in exports:
+        assert rest.get_external_weights_urls(path).result().urls
+    backend.close()
 
 
 def test_a_malformed_path_never_reaches_another_checkpoint(tmp_path: Path) -> None:

@@ -699,3 +699,36 @@ def test_the_seq_watcher_forgets_models_of_finished_sessions(
 
     asyncio.run(run())
     state.close()
+
+
+def test_a_sampler_made_after_a_restart_is_never_taken_for_an_older_one(tmp_path: Path) -> None:
+    """Which samplers predate this process (a sampler not loaded then gets the "the server
+    restarted" 404) is told by the time a row was written. Before: by rowid, which SQLite reuses
+    once the newest rows are pruned, so a sampler made after the restart could count as older.
+    A store from before the column (rows without a time) counts its samplers as older."""
+    import sqlite3
+    import time
+
+    from tinker_sr.server.state import RESULT_TTL_S, ServerState
+
+    db = tmp_path / "server.sqlite"
+    old = sqlite3.connect(db)  # the schema of a store written before created_at
+    old.execute("CREATE TABLE samplers (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, "
+                "model_path TEXT)")  # fmt: skip
+    old.execute("INSERT INTO samplers VALUES ('legacy', 'gone', NULL)")
+    old.commit()
+    old.close()
+    state = ServerState(db)
+    state.add_session("done", "o")
+    for i in range(2):
+        state.add_sampler(f"done-{i}", "done", None)
+    state.finish_session("done", "success")
+    state.close()
+
+    state = ServerState(db)  # the restart
+    state.prune(now=time.time() + RESULT_TTL_S + 1)  # the newest rows go
+    state.add_session("live", "o")
+    state.add_sampler("new", "live", None)
+    assert not state.sampler_predates_start("new")
+    assert state.sampler_predates_start("legacy")
+    state.close()

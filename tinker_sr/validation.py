@@ -10,6 +10,7 @@ and the server turn it into a user error (HTTP 400).
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Any
 
@@ -25,7 +26,7 @@ TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 
 def check_ttl(ttl_seconds: int | None) -> None:
     if ttl_seconds is not None and (
-        isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float)
+        isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, numbers.Real)
     ):
         raise EngineUserError(
             f"ttl_seconds must be a number of seconds or None, got {type(ttl_seconds).__name__} "

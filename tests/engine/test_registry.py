@@ -221,3 +221,33 @@ def test_reclaim_weights_leaves_what_anyone_still_uses() -> None:
     assert "model.embed_tokens.weight" not in got  # the base's
     assert "model.layers.1.self_attn.q_proj.weight" in got and "lm_head.weight" in got
     assert view.shape == alias.shape[1:]
+
+
+def test_a_sampler_in_use_is_never_missing_to_a_lock_free_lookup() -> None:
+    """`live_sampler` (the server's admission checks) reads without the lock while the sampling
+    thread marks samplers used. Before: that was a pop and a re-insert, and 5 % of lookups
+    between them found a loaded sampler missing (a false "restarted" 404, a skipped check)."""
+    import sys
+    import threading
+
+    from tinker_sr.engine.registry import ModelRegistry
+
+    registry = ModelRegistry({})
+    registry._samplers["s1"] = object()  # type: ignore[assignment]
+    stop = threading.Event()
+
+    def use() -> None:
+        while not stop.is_set():
+            registry.sampler("s1")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    user = threading.Thread(target=use)
+    user.start()
+    try:
+        misses = sum(registry.live_sampler("s1") is None for _ in range(100_000))
+    finally:
+        stop.set()
+        user.join()
+        sys.setswitchinterval(interval)
+    assert misses == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -38,6 +39,9 @@ PURGE_EVERY_S = 60.0
 STALE_TEMP_S = 3600.0
 """A save's temporary file or folder (``.<name>.<random>.tmp``) untouched this long belongs to
 a save that never finished (its process was killed); deleted when the store opens."""
+# `write`'s staging folders and `copy`'s links end in 32 hex digits, `checkpoints.save_tensors`'
+# temporary files (tempfile.mkstemp) in 8 characters of [a-z0-9_].
+_TEMP_NAME = re.compile(r"^\..+\.(?:[0-9a-f]{32}|[a-z0-9_]{8})\.tmp$")
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
@@ -83,9 +87,14 @@ class CheckpointStore:
         now = time.time() if now is None else now
         removed = 0
         for tmp in self.root.glob("checkpoints/*/*/.*.tmp"):
+            # Only names a save gives its temporary (a checkpoint may be named ".x.tmp" too),
+            # and never one a checkpoint row names.
+            if not _TEMP_NAME.match(tmp.name) or self.store.checkpoint_file_in_use(str(tmp)):
+                continue
             try:
                 inside = list(tmp.iterdir()) if tmp.is_dir() else []
-                newest = max(p.stat().st_mtime for p in [tmp, *inside])
+                # ctime too: a hard link (a copy) keeps its source's mtime.
+                newest = max(max(s.st_mtime, s.st_ctime) for s in map(os.stat, [tmp, *inside]))
                 if now - newest >= STALE_TEMP_S:
                     _remove(tmp)
                     removed += 1

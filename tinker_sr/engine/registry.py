@@ -248,7 +248,7 @@ class ModelRegistry:
         self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
-        self._samplers: dict[str, Sampler] = {}
+        self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
         # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
@@ -439,14 +439,14 @@ class ModelRegistry:
     @_locked
     def sampler(self, sampler_id: str) -> Sampler:
         """``sampler_id``'s sampler, now the most recently used (samplers are kept in use order)."""
-        s = self._samplers.pop(sampler_id, None)
+        s = self._samplers.get(sampler_id)
         if s is None:
             raise EngineNotFoundError(
                 f"unknown sampling session {sampler_id!r}; create a sampling client first (a "
                 f"session keeps the weights of its {self.samplers_per_session} most recently "
                 f"used LoRA sampling clients; ${SAMPLERS_PER_SESSION_ENV} raises the number)"
             )
-        self._samplers[sampler_id] = s
+        self._samplers.move_to_end(sampler_id)  # one step: `live_sampler` never misses it
         return s
 
     def live_sampler(self, sampler_id: str) -> Sampler | None:

@@ -364,7 +364,7 @@ def request_overflow(
         return None
     try:
         context = context_length(sampler.resolved)  # config.json alone
-    except (EngineUserError, OSError):  # its config.json changed or went away since loading
+    except Exception:  # its config.json changed or went away since loading: the engine says
         return None
     n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
     wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)

@@ -6,6 +6,7 @@ Nothing here knows about sessions, models or futures.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -98,7 +99,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     body = b"".join(parts)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding == "zstd":
-        return compression.zstd_decompress(body, limit)
+        # Off the event loop: up to max_body_bytes of decompression (and its frame walk).
+        return await asyncio.to_thread(compression.zstd_decompress, body, limit)
     if encoding not in ("", "identity"):
         raise HTTPError(
             415, f"Content-Encoding {encoding!r} is not supported; send identity or zstd"

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL,
-    model_path TEXT
+    model_path TEXT,
+    created_at REAL
 );
 CREATE TABLE IF NOT EXISTS futures (
     request_id TEXT PRIMARY KEY,
@@ -115,8 +116,10 @@ class ServerState:
         # the last transactions, which is the usual WAL trade-off.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        # Sampler rows up to this rowid were written before this process started.
-        self._samplers_before_start: int = self._one("SELECT max(rowid) FROM samplers", ())[0] or 0
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(samplers)")}
+        if "created_at" not in columns:  # a store from before the column (its rows: NULL)
+            self._db.execute("ALTER TABLE samplers ADD COLUMN created_at REAL")
+        self._started = time.time()
 
     def close(self) -> None:
         with self._lock:
@@ -246,13 +249,15 @@ class ServerState:
 
     def add_sampler(self, sampler_id: str, session_id: str, model_path: str | None) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO samplers VALUES (?, ?, ?)", (sampler_id, session_id, model_path)
+            "INSERT OR REPLACE INTO samplers (sampler_id, session_id, model_path, created_at) "
+            "VALUES (?, ?, ?, ?)",
+            (sampler_id, session_id, model_path, time.time()),
         )
 
     def sampler_predates_start(self, sampler_id: str) -> bool:
         """Whether ``sampler_id`` was created before this server process started."""
-        row = self._one("SELECT rowid FROM samplers WHERE sampler_id=?", (sampler_id,))
-        return row is not None and row[0] <= self._samplers_before_start
+        row = self._one("SELECT created_at FROM samplers WHERE sampler_id=?", (sampler_id,))
+        return row is not None and (row[0] is None or row[0] < self._started)
 
     def sampler_model_path(self, sampler_id: str) -> str | None:
         row = self._one("SELECT model_path FROM samplers WHERE sampler_id=?", (sampler_id,))

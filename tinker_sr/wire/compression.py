@@ -20,12 +20,13 @@ _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE_MAGIC = 0x184D2A50  # the 16 magics 0x184D2A50..5F (RFC 8878 3.1.2)
 
 
-def _zstd_frames_end(body: bytes) -> None:
+def _zstd_frames_end(body: bytes, max_blocks: int) -> None:
     """Walk a zstd body's frames by their headers (RFC 8878: one or more frames, each ending in
     a last block and its optional checksum) without decompressing: a body cut off inside a frame,
     or with bytes after the last frame that are not a frame, is refused (a decoder that stopped
-    early would hand on a request with its tail silently missing)."""
-    view, pos = memoryview(body), 0
+    early would hand on a request with its tail silently missing). More than ``max_blocks``
+    blocks is refused too: a body of empty 3-byte blocks would keep this loop busy for long."""
+    view, pos, blocks = memoryview(body), 0, 0
     cut = WireError(
         "body is marked Content-Encoding: zstd but its frame is cut off (the body is "
         "incomplete); send the whole compressed body"
@@ -51,6 +52,17 @@ def _zstd_frames_end(body: bytes) -> None:
                     raise cut
                 block = int.from_bytes(view[pos : pos + 3], "little")
                 last, kind, size = block & 1, (block >> 1) & 3, block >> 3
+                blocks += 1
+                if kind == 3 or blocks > max_blocks:
+                    raise WireError(
+                        "body is marked Content-Encoding: zstd but "
+                        + (
+                            "has a reserved block type"
+                            if kind == 3
+                            else f"has over {max_blocks} blocks"
+                        )
+                        + "; send one body compressed in the usual blocks"
+                    )
                 pos += 3 + (1 if kind == 1 else size)  # an RLE block is one byte repeated
             pos += 4 if checksum else 0
         else:
@@ -69,7 +81,8 @@ def _zstd_frames_end(body: bytes) -> None:
 def zstd_decompress(body: bytes, max_bytes: int) -> bytes:
     """Decompress a zstd body (every frame in it), refusing to produce more than ``max_bytes``
     and refusing a body that is cut off or carries trailing bytes (`_zstd_frames_end`)."""
-    _zstd_frames_end(body)
+    # Real compressors fill blocks (up to 128 KiB each); a block per KiB is already generous.
+    _zstd_frames_end(body, max_blocks=max_bytes // 1024 + 1024)
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(
             io.BytesIO(body), read_across_frames=True
