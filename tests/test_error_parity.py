@@ -113,6 +113,10 @@ CASES: dict[str, tuple[str, Case]] = {
         "NotFoundError",  # no such route on a server
         lambda c: c.rest.delete_checkpoint(c.run, "a"),
     ),
+    "sampling client on model_path=''": (
+        "BadRequestError",
+        lambda c: c.service.create_sampling_client(model_path=""),
+    ),
     "forward(token id 2**31)": (
         "OverflowError",
         lambda c: c.training.forward([_datum(c.types, 2**31)], "cross_entropy"),

@@ -521,7 +521,7 @@ def create_sampling_client_future(
     retry_config: RetryConfig | None,
     record_stability_info: bool,
 ) -> BackcompatSamplingClientFuture:
-    if model_path is not None and not model_path.startswith("tinker://"):
+    if model_path and not model_path.startswith("tinker://"):  # "" goes on, as in the SDK
         raise ValueError(f"model_path must start with 'tinker://', got {model_path!r}")
     seq = holder.next_sampling_session_seq_id()
 
