@@ -184,10 +184,8 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 @dataclass
 class Sampler:
-    """A sampling session: a base model, optionally with LoRA adapters (held by the registry).
-
-    ``model`` is the network to sample with, materialised by the registry on use (merged
-    weights from its cache, or the adapters on the shared base)."""
+    """A sampling session: a base model, optionally with LoRA adapters (held by the registry);
+    ``model`` materialises the network it samples with (merged weights, or adapters on the base)."""
 
     sampler_id: str
     session_id: str
@@ -196,6 +194,10 @@ class Sampler:
     lora: LoraSpec | None
     model_path: str | None
     registry: ModelRegistry | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def context(self) -> int:  # its model's context length, from config.json alone: read once
+        return context_length(self.resolved)
 
     @property
     def model(self) -> Transformer:

@@ -18,7 +18,6 @@ import numpy as np
 
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
-from tinker_sr.engine.hf import context_length
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
@@ -363,7 +362,7 @@ def request_overflow(
     if sampler is None or not isinstance(prompt, types.ModelInput):
         return None
     try:
-        context = context_length(sampler.resolved)  # config.json alone
+        context = sampler.context
     except Exception:  # its config.json changed or went away since loading: the engine says
         return None
     n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
