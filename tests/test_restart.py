@@ -62,7 +62,7 @@ async def _before_crash(url: str) -> dict[str, Any]:
 
 def _raw_forward(url: str, model: str, seq_id: int) -> tuple[str, bytes]:
     """Submit a forward over raw HTTP and wait for it: (request_id, result bytes)."""
-    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+    http = _http(url)
     body = proto.encode_forward_backward_request(
         model, seq_id, [PROBE], "cross_entropy", forward_only=True
     )
@@ -77,7 +77,7 @@ def _raw_forward(url: str, model: str, seq_id: int) -> tuple[str, bytes]:
 
 
 def _retrieve_once_done(url: str, rid: str) -> httpx.Response:
-    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+    http = _http(url)
     while True:
         resp = http.post("/retrieve_future", json={"request_id": rid})
         assert resp.status_code == 200, resp.text
@@ -130,29 +130,38 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
     await backend.aclose()
 
 
-def _sample_in_flight(url: str, before: dict[str, Any]) -> str:
-    """Start a sample of 4 x 400 tokens on the named weights; its request id."""
-    http = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=60)
+def _http(url: str, timeout: float = 60) -> httpx.Client:
+    return httpx.Client(
+        base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=timeout
+    )
+
+
+def _start_sample(
+    http: httpx.Client, session: str, weights: dict[str, str], n: int, max_tokens: int
+) -> str:
+    """A new sampling session on ``weights`` (model_path or base_model) and an n x max_tokens
+    sample started on it (no stop); the sample's request id."""
     sampler = http.post(
         "/create_sampling_session",
-        json={
-            "session_id": before["session"],
-            "sampling_session_seq_id": 3,
-            "model_path": before["named"],
-        },
+        json={"session_id": session, "sampling_session_seq_id": 3, **weights},
     ).json()["sampling_session_id"]
     return str(
         http.post(
             "/asample",
             json={
-                "num_samples": 4,
+                "num_samples": n,
                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-                "sampling_params": {"max_tokens": 400, "stop": []},
+                "sampling_params": {"max_tokens": max_tokens, "stop": []},
                 "sampling_session_id": sampler,
                 "seq_id": 0,
             },
         ).json()["request_id"]
     )
+
+
+def _sample_in_flight(url: str, before: dict[str, Any]) -> str:
+    """Start a sample of 4 x 400 tokens on the named weights; its request id."""
+    return _start_sample(_http(url), before["session"], {"model_path": before["named"]}, 4, 400)
 
 
 def test_acknowledged_work_survives_a_sigkill(tmp_path: Path) -> None:
@@ -227,28 +236,10 @@ def test_a_graceful_stop_answers_open_long_polls(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path / "store", long_poll_s=60.0)
     srv.start()
     try:
-        http = httpx.Client(
-            base_url=f"{srv.base_url}/api/v1", headers={"X-API-Key": "tml-restart"}, timeout=90
-        )
+        http = _http(srv.base_url, timeout=90)
         session = http.post("/create_session", json={"tags": []}).json()["session_id"]
-        sampler = http.post(
-            "/create_sampling_session",
-            json={
-                "session_id": session,
-                "sampling_session_seq_id": 0,
-                "base_model": "tinker-sr/small",
-            },
-        ).json()["sampling_session_id"]
-        rid = http.post(  # 16 x 500 tokens on tinker-sr/small: seconds of decoding
-            "/asample",
-            json={
-                "num_samples": 16,
-                "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-                "sampling_params": {"max_tokens": 500, "stop": []},
-                "sampling_session_id": sampler,
-                "seq_id": 0,
-            },
-        ).json()["request_id"]
+        # 16 x 500 tokens on tinker-sr/small: seconds of decoding
+        rid = _start_sample(http, session, {"base_model": "tinker-sr/small"}, 16, 500)
         answers: list[httpx.Response] = []
         poll = threading.Thread(
             target=lambda: answers.append(http.post("/retrieve_future", json={"request_id": rid}))
