@@ -283,9 +283,9 @@ def adam_values(p: Any) -> dict[str, float]:
         "weight_decay": p.weight_decay,
         "grad_clip_norm": p.grad_clip_norm,
     }
-    for k, v in vals.items():
-        if not math.isfinite(v):
-            raise EngineUserError(f"AdamParams.{k} must be finite, got {v}")
+    problem = non_finite(p, "AdamParams")  # as a backend refuses it before numbering
+    if problem is not None:
+        raise EngineUserError(problem)
     if p.learning_rate < 0:
         raise EngineUserError(f"AdamParams.learning_rate must be >= 0, got {p.learning_rate}")
     for k in ("beta1", "beta2"):
