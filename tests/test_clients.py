@@ -293,6 +293,26 @@ def test_closed_service_client_refuses_work(service: tinker.ServiceClient) -> No
         service.create_lora_training_client(MODEL)
 
 
+def test_training_requests_pending_at_close_fail_naming_the_closed_session(
+    service: tinker.ServiceClient,
+) -> None:
+    """Requests still waiting their turn when the session closes fail saying so (they used to
+    fail as 'unknown model_id ...; create a training client first', for a model that existed)."""
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    batch = [sft_datum(b"pending when the session closes " * 4)] * 8
+    futs = [tc.forward_backward(batch, "cross_entropy") for _ in range(12)]
+    service.close().result()
+    failures = []
+    for f in futs:
+        try:
+            f.result()
+        except (tinker.RequestFailedError, tinker.BadRequestError) as e:
+            failures.append(str(e))
+    assert failures, "twelve queued steps all ran before the close"
+    for text in failures:
+        assert "belongs to finished session" in text and tc.model_id in text, text
+
+
 def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.ServiceClient) -> None:
     import torch
 

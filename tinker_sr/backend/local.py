@@ -181,8 +181,7 @@ class LocalBackend(LocalRestQueries):
             ) from e
 
     def _hide_paths(self, e: Exception) -> str:
-        """An error's text without this engine's store path: a server must not tell its
-        clients where (or how) it keeps its files."""
+        """An error's text without the store's path (a server must not tell where it is)."""
         text = str(e)
         for path in {str(self.store_dir.resolve()), str(self.store_dir)}:
             text = text.replace(path, "<store>")
@@ -207,7 +206,15 @@ class LocalBackend(LocalRestQueries):
 
     async def _trainer_work(self, model_id: str, seq_id: int, fn: Callable[[Trainer], T]) -> T:
         """Run ``fn`` on ``model_id``'s trainer, in ``seq_id`` order."""
-        return await self._in_order(model_id, seq_id, lambda: fn(self.models.trainer(model_id)))
+        return await self._in_order(model_id, seq_id, lambda: fn(self._trainer(model_id)))
+
+    def _trainer(self, model_id: str) -> Trainer:
+        if not self.models.has_trainer(model_id) and (end := self.store.run_session_end(model_id)):
+            raise EngineUserError(  # a request still waiting its turn when the session closed
+                f"model {model_id} belongs to finished session {end[0]} (close({end[1]!r}) was "
+                "called before this request ran); load its checkpoint from a new ServiceClient"
+            )
+        return self.models.trainer(model_id)
 
     # ---- models -----------------------------------------------------------------------
     def available_models(self) -> list[str]:
@@ -512,9 +519,8 @@ class LocalBackend(LocalRestQueries):
         return await self._trainer_work(model_id, seq_id, work)
 
     async def _readable(self, path: str) -> None:
-        """What a server checks before it accepts a request that reads the checkpoint
-        ``path``: its form (else `BadRequestError`) and its training run (else
-        `NotFoundError`); whether the checkpoint itself exists is the request's to find."""
+        """What a server checks before accepting a request that reads checkpoint ``path``: its
+        form (`BadRequestError`) and its run (`NotFoundError`), not the checkpoint itself."""
         try:
             run_id = validation.checkpoint_path(path).training_run_id
         except EngineUserError as e:
@@ -626,48 +632,6 @@ class LocalBackend(LocalRestQueries):
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         return await self._on_sampler(self._scheduler.submit(begin, rows))
-
-    # ---- REST (the queries are in `LocalRestQueries`) ---------------------------------
-    async def copy_weights(
-        self,
-        source_path: str,
-        *,
-        session_id: str | None = None,
-        model_seq_id: int | None = None,
-        destination_project_id: str | None = None,
-        ttl_seconds: int | None = None,
-        weights_access_token: str | None = None,
-    ) -> str:
-        """See `Backend.copy_weights` and `CheckpointStore.copy`."""
-
-        def work() -> str:
-            parse_path(source_path)
-            validation.check_copy_weights(
-                session_id=session_id,
-                model_seq_id=model_seq_id,
-                destination_project_id=destination_project_id,
-                ttl_seconds=ttl_seconds,
-                weights_access_token=weights_access_token,
-            )
-            expires_at = validation.expiry(ttl_seconds)
-            row, source_run = self.checkpoints.with_run(source_path)
-            if session_id is None:
-                sid = self._add_session(
-                    user_metadata=None, project_id=destination_project_id, display_name=None
-                )
-                run_id = self._new_model_id(sid, 0)
-            else:
-                self._check_session(session_id)
-                assert model_seq_id is not None
-                sid, run_id = session_id, self._new_model_id(session_id, model_seq_id)
-            new_path = self.checkpoints.copy(
-                row, source_run, session_id=sid, run_id=run_id, expires_at=expires_at
-            )
-            if session_id is None:
-                self.store.close_session(sid, "success")  # it only holds the copy
-            return new_path
-
-        return await self._run(work, plain=True)
 
     async def save_weights_external(
         self,

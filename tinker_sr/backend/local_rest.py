@@ -1,15 +1,17 @@
 """The embedded engine's REST queries: checkpoints, training runs and sessions (what
 `RestClient` reads), as a mixin of `LocalBackend`, which supplies the store, the checkpoint store,
-the model registry and `_run` (work on the engine's worker)."""
+the model registry and `_run` (work on the engine's worker). `copy_weights` is here too: it
+writes a checkpoint, but as a REST call (no training model, no ``seq_id``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker_sr import types, validation
+from tinker_sr.engine.checkpoint_store import parse_path
 from tinker_sr.user_errors import EngineNotFoundError
 
 if TYPE_CHECKING:
@@ -26,6 +28,22 @@ class LocalRestQueries:
     models: ModelRegistry
 
     async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:  # LocalBackend's
+        raise NotImplementedError
+
+    def _add_session(
+        self,
+        *,
+        user_metadata: Mapping[str, str] | None,
+        project_id: str | None,
+        display_name: str | None,
+        tags: list[str] | None = None,
+    ) -> str:  # LocalBackend's
+        raise NotImplementedError
+
+    def _new_model_id(self, session_id: str, model_seq_id: int) -> str:  # LocalBackend's
+        raise NotImplementedError
+
+    def _check_session(self, session_id: str) -> None:  # LocalBackend's
         raise NotImplementedError
 
     async def _query(self, fn: Callable[[], T]) -> T:
@@ -122,3 +140,44 @@ class LocalRestQueries:
             urls={name: f.resolve().as_uri() for name, f in files.items()},
             expires=datetime.now(UTC) + timedelta(seconds=validation.EXTERNAL_URL_TTL_S),
         )
+
+    async def copy_weights(
+        self,
+        source_path: str,
+        *,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        destination_project_id: str | None = None,
+        ttl_seconds: int | None = None,
+        weights_access_token: str | None = None,
+    ) -> str:
+        """See `Backend.copy_weights` and `CheckpointStore.copy`."""
+
+        def work() -> str:
+            parse_path(source_path)
+            validation.check_copy_weights(
+                session_id=session_id,
+                model_seq_id=model_seq_id,
+                destination_project_id=destination_project_id,
+                ttl_seconds=ttl_seconds,
+                weights_access_token=weights_access_token,
+            )
+            expires_at = validation.expiry(ttl_seconds)
+            row, source_run = self.checkpoints.with_run(source_path)
+            if session_id is None:
+                sid = self._add_session(
+                    user_metadata=None, project_id=destination_project_id, display_name=None
+                )
+                run_id = self._new_model_id(sid, 0)
+            else:
+                self._check_session(session_id)
+                assert model_seq_id is not None
+                sid, run_id = session_id, self._new_model_id(session_id, model_seq_id)
+            new_path = self.checkpoints.copy(
+                row, source_run, session_id=sid, run_id=run_id, expires_at=expires_at
+            )
+            if session_id is None:
+                self.store.close_session(sid, "success")  # it only holds the copy
+            return new_path
+
+        return await self._run(work, plain=True)

@@ -307,6 +307,16 @@ class Store:
                 (status, time.time(), session_id),
             )
 
+    def run_session_end(self, run_id: str) -> tuple[str, str] | None:
+        """``(session_id, status)`` when training run ``run_id``'s session was closed."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT s.session_id, s.status FROM training_runs r JOIN sessions s"
+                " ON s.session_id = r.session_id WHERE r.run_id=? AND s.status IS NOT NULL",
+                (run_id,),
+            ).fetchone()
+        return None if row is None else (row[0], row[1])
+
     # ---- training runs ----------------------------------------------------------------
     def add_run(
         self,
