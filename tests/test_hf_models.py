@@ -271,6 +271,33 @@ def test_aliased_name_gets_the_directory_tokenizer(tmp_path: Path, qwen_dir: Pat
     backend.close()
 
 
+def test_a_relative_model_path_names_the_same_model_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``base_model="./model"`` is recorded as its absolute directory: a checkpoint loaded after
+    a ``chdir`` (another project with its own ``./model``) used to load onto that other model."""
+    for project, seed in (("a", 0), ("b", 1)):
+        make_tiny_hf_model_dir(tmp_path / project / "model", seed=seed)
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    monkeypatch.chdir(tmp_path / "a")
+    training = client.create_lora_training_client(base_model="./model", rank=2, seed=0).result()
+    here = str((tmp_path / "a" / "model").resolve())
+    assert training.get_info().model_data.model_name == here
+    path = training.save_weights_for_sampler("relative").result().path
+    prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("hello world"))
+    want = training.create_sampling_client(path).result().compute_logprobs(prompt).result()
+    monkeypatch.chdir(tmp_path / "b")
+    sampler = client.create_sampling_client(model_path=path).result()
+    assert sampler.compute_logprobs(prompt).result() == want
+    assert sampler.get_base_model() == here
+    state = training.save_state("relative").result().path
+    resumed = client.create_training_client_from_state(state).result()
+    assert resumed.get_info().model_data.model_name == here
+    client.close().result()
+    backend.close()
+
+
 def test_remote_get_tokenizer_raises_instead_of_guessing() -> None:
     with pytest.raises(RuntimeError, match="neither a local directory nor in the Hugging Face"):
         load_tokenizer("some-org/not-cached-model", None)

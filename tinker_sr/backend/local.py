@@ -52,6 +52,7 @@ from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import OUT_OF_SPACE, Store, is_out_of_space, make_store_dir
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
+from tinker_sr.hf_files import is_model_dir
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -299,6 +300,18 @@ class LocalBackend(LocalRestQueries):
         """Whether ``model_id``'s weights are loaded here (not after a server restart)."""
         return self.models.has_trainer(model_id)
 
+    @staticmethod
+    def _recorded(name: str, resolved: str) -> str:
+        """The base model name a run, checkpoint or sampler records: a relative (or ``~``)
+        directory path as the absolute directory it resolved to, so the checkpoint names the
+        same base model from any working directory (``"./model"`` named another after a
+        ``chdir``); anything else (a Hub name, an alias, an absolute path) as given."""
+        path = Path(name).expanduser()
+        relative = not path.is_absolute() or name.startswith("~")
+        if relative and is_model_dir(path) and str(path.resolve()) == resolved:
+            return resolved
+        return name
+
     def _new_model_id(self, session_id: str, model_seq_id: int) -> str:
         model_id = f"{session_id}:train:{model_seq_id}"
         if self.models.has_trainer(model_id) or self.store.get_run(model_id) is not None:
@@ -340,8 +353,9 @@ class LocalBackend(LocalRestQueries):
             self.limits.check_lora_rank(lora_config.rank)
             spec = training.lora_spec(lora_config)
             model, optim = self.models.new_trainable(resolved, spec)
+            name = self._recorded(base_model, resolved)
             self._register_trainer(
-                Trainer(model_id, session_id, base_model, resolved, spec, model, optim),
+                Trainer(model_id, session_id, name, resolved, spec, model, optim),
                 user_metadata,
             )
             return model_id
@@ -368,6 +382,7 @@ class LocalBackend(LocalRestQueries):
             record = read_record(meta, tensors, path)
             spec, name = record.lora, base_model or record.base_model
             resolved = self.models.resolve_model(name)
+            name = self._recorded(name, resolved)
             model, optim = self.models.new_trainable(resolved, spec)
             training.restore(model, optim, tensors, with_optimizer)
             trainer = Trainer(model_id, session_id, name, resolved, spec, model, optim)
@@ -552,6 +567,7 @@ class LocalBackend(LocalRestQueries):
                 assert base_model is not None
                 name, spec, adapters = base_model, None, None
             resolved = self.models.resolve_model(name)
+            name = self._recorded(name, resolved)
             self.models.register_sampler(
                 Sampler(sampler_id, session_id, name, resolved, spec, model_path), adapters
             )
