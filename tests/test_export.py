@@ -177,3 +177,43 @@ def test_export_refuses_a_base_the_adapter_does_not_fit(
     assert cli(["export", path, str(tmp_path / "o2"), "--store", str(other)]) == 2
     err = capsys.readouterr().err
     assert f"Looked in the store at {other}" in err and "--store DIR" in err, err
+
+
+def test_export_never_writes_over_a_directory_or_leaves_half_an_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`export CKPT <base dir> --merge` overwrote the base model's weights with the merged ones
+    (then crashed on copying its tokenizer onto itself); a non-empty directory kept an older
+    export's files beside the new ones; a file or an unwritable path gave a raw traceback."""
+    import hashlib
+
+    base = make_tiny_hf_model_dir(tmp_path / "base")
+    backend, path, _ = _train_and_save(tmp_path, str(base))
+    store = str(backend.store_dir)
+    backend.close()
+
+    def digest() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in base.iterdir()}
+
+    before = digest()
+    for merge in (["--merge"], []):
+        assert cli(["export", path, str(base), "--store", store, *merge]) == 2
+        err = capsys.readouterr().err
+        assert "is not empty" in err and "base model's own directory" in err, err
+    assert digest() == before
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    assert cli(["export", path, str(older), "--store", store, "--merge"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert cli(["export", path, str(a_file), "--store", store]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert cli(["export", path, str(a_file / "sub"), "--store", store]) == 2
+    assert f"cannot write {a_file / 'sub'}" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory (mkdtemp's) is fine
+    assert cli(["export", path, str(empty), "--store", store, "--merge"]) == 0
+    assert (empty / "model.safetensors").is_file() and (empty / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".export-" in p.name]  # no staging left

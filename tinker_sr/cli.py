@@ -82,6 +82,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (EngineUserError, StoreDamagedError) as e:
         print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unwritable or full destination
+        print(f"tinker-sr export: cannot write {args.out}: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 
@@ -293,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint",
         help="tinker://<run>/sampler_weights/<name> (or weights/<name>) or a checkpoint file",
     )
-    e.add_argument("out", help="output directory (created)")
+    e.add_argument("out", help="output directory: new or empty (created)")
     e.add_argument("--merge", action="store_true", help="write base + adapter as one HF model")
     e.add_argument(
         "--store", default=None, help="store of tinker:// paths (default $TINKER_SR_STORE)"

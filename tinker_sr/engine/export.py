@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -234,16 +235,44 @@ def export_checkpoint(
 ) -> Path:
     """`tinker-sr export`: checkpoint `path` → a PEFT adapter dir, or with `merge` a merged
     HF model dir. The base model is the checkpoint's (or `base_model`), resolved like the
-    engine does (built-ins, directories, the HF cache, `aliases`)."""
+    engine does (built-ins, directories, the HF cache, `aliases`).
+
+    `out` must be new or an empty directory (never the base model's own, whose weights a merge
+    would overwrite, nor one holding an older export's shards). The files are written into a
+    temporary directory beside it, renamed into place when complete: a failed or killed
+    export leaves nothing at `out`."""
     root = Path(out)
-    existed = root.exists()
+    check_output_dir(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.export-", dir=root.parent))
     try:
-        return _export(path, root, merge=merge, store_dir=store_dir, base_model=base_model,
-                       aliases=aliases)  # fmt: skip
+        _export(path, staging, merge=merge, store_dir=store_dir, base_model=base_model,
+                aliases=aliases)  # fmt: skip
+        check_output_dir(root)  # nothing appeared there meanwhile
+        os.replace(staging, root)  # an empty directory is replaced too (POSIX rename)
     except BaseException:
-        if not existed:  # no empty or half-written directory left behind
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
+    return root
+
+
+def check_output_dir(root: Path) -> None:
+    """Refuse an export's output `root` that exists as a file or a non-empty directory."""
+    if root.exists() and not root.is_dir():
+        raise EngineUserError(f"output {root} exists and is not a directory; name a new directory")
+    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    if entries:
+        what = (
+            "a model's config.json (the base model's own directory? a merge there would "
+            "overwrite its weights)"
+            if "config.json" in entries
+            else f"{len(entries)} entries, e.g. {entries[0]!r}"
+        )
+        raise EngineUserError(
+            f"output directory {root} is not empty: it holds {what}. Export into a new or "
+            "empty directory (files of an older export beside the new ones would be read "
+            "with them, e.g. its shards or adapter)"
+        )
 
 
 def _export(
