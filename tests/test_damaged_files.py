@@ -179,6 +179,32 @@ def test_a_tokenizer_without_its_files_names_what_the_directory_holds(
         client.get_tokenizer()
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json"])
+def test_a_json_file_that_is_not_utf8_is_refused_naming_it(
+    base: Path, tmp_path: Path, name: str
+) -> None:
+    """A Latin-1 byte in a model's JSON: an "internal error: UnicodeDecodeError" (a server-side
+    failure, naming no file) for the user, a traceback from `tinker-sr serve --model-dir`."""
+    root = tmp_path / "m"
+    shutil.copytree(base, root)
+    text = (root / name).read_bytes()
+    (root / name).write_bytes(text.replace(b"{", b'{"note": "caf\xe9", ', 1))
+    service = tinker_sr.ServiceClient()
+    refused = (tinker_sr.RequestFailedError, tinker_sr.BadRequestError)
+    with pytest.raises(refused, match=f"{name}: cannot read JSON .* must be UTF-8") as err:
+        service.create_lora_training_client(base_model=str(root), rank=4).result()
+    if isinstance(err.value, tinker_sr.RequestFailedError):
+        assert err.value.category == types.RequestErrorCategory.User
+    if name == "config.json":
+        done = subprocess.run(
+            [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store",
+             str(tmp_path / "store"), "--model-dir", str(root)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert f"{root}/config.json: cannot read JSON" in done.stderr, done.stderr
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_model_dir(tmp_path_factory.mktemp("sharded") / "base", sharded=True)

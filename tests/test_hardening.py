@@ -533,6 +533,13 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
     assert aliases["my-model"] == aliases[str(d)] == str(d) and aliases["a"] == "tinker-sr/tiny"
     with pytest.raises(SystemExit, match="no config.json"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(tmp_path)]))
+    # Two runs' ".../final" folders: the short name would serve the last one only, silently.
+    finals = [make_tiny_hf_model_dir(tmp_path / run / "final", n_layers=1) for run in "ab"]
+    argv = ["serve", "--model-dir", str(finals[0]), "--model-dir", str(finals[1])]
+    with pytest.raises(SystemExit, match="the name 'final' would serve both .*--model-alias"):
+        model_aliases_from_args(build_parser().parse_args(argv))
+    twice = ["serve", "--model-dir", str(finals[0]), "--model-dir", str(finals[0])]
+    assert model_aliases_from_args(build_parser().parse_args(twice))["final"] == str(finals[0])
     # An alias whose target is nothing the server can load is refused at start, not at the
     # first request for it.
     with pytest.raises(SystemExit, match="--model-alias a=b: no config.json .* Hugging Face cache"):

@@ -170,6 +170,39 @@ def test_fast_tokenizer_without_transformers_matches_autotokenizer(qwen_dir: Pat
     )
 
 
+def test_fast_tokenizer_reads_a_transformers_4_era_directory(
+    qwen_dir: Path, tmp_path: Path
+) -> None:
+    """Special tokens kept in special_tokens_map.json and a list of named chat templates (as
+    transformers 4 saved them): the fallback tokenizer had no eos / bos (None) and crashed on
+    the list with a TypeError."""
+    root = tmp_path / "old"
+    shutil.copytree(qwen_dir, root)
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    special = {k: cfg.pop(k) for k in ("eos_token", "pad_token") if cfg.get(k) is not None}
+    del cfg["added_tokens_decoder"]  # what makes transformers read special_tokens_map.json
+    assert "eos_token" in special
+    (root / "special_tokens_map.json").write_text(json.dumps(special))
+    template = "{{ eos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": template},
+    ]
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, theirs = FastTokenizer(root), AutoTokenizer.from_pretrained(root)
+    assert (
+        ours.eos_token_id
+        == theirs.eos_token_id
+        == tiny_model_info(qwen_dir).special_ids["<|im_end|>"]
+    )
+    assert ours.pad_token_id == theirs.pad_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == "<|im_end|>hi"
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+        chat, tokenize=False
+    )
+
+
 def test_stop_strings_match_across_tokens_and_split_characters() -> None:
     # "é" is two bytes; a token may end halfway through it.
     table = [b"ab", b"\xc3", b"\xa9c", b"\n", b"User", b":", b""]

@@ -244,6 +244,12 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
         # that name only (its folder is a commit hash).
         names = (d,) if from_cache else (d, path, os.path.basename(path.rstrip(os.sep)))
         for name in names:
+            if aliases.get(name, path) != path:  # e.g. two runs' ".../final" folders
+                raise SystemExit(
+                    f"tinker-sr serve: --model-dir {d}: the name {name!r} would serve both "
+                    f"{aliases[name]} and {path}; serve one under a name of its own with "
+                    f"--model-alias NAME={d}"
+                )
             aliases[name] = path
     try:
         named = parse_aliases(",".join(args.model_alias))

@@ -219,6 +219,15 @@ TOKENIZER_FILE_NAMES = frozenset({
 })  # fmt: skip
 
 
+def _default_template(template: Any) -> str | None:
+    """A chat template: the string, or from a list of named ones (``[{"name": "default",
+    "template": ...}, {"name": "tool_use", ...}]``, as transformers 4 saved them) the default."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 class FastTokenizer:
     """The commonly used part of a Hugging Face fast tokenizer, over the `tokenizers` library:
     encode / decode / __call__ / special tokens / convert_* / apply_chat_template."""
@@ -233,15 +242,20 @@ class FastTokenizer:
             ) from e
         self.name_or_path = str(root)
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        cfg_file = root / "tokenizer_config.json"
-        cfg = read_json(cfg_file) if cfg_file.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
+        cfg, special_map = (
+            read_json(f) if f.is_file() else {}
+            for f in (root / "tokenizer_config.json", root / "special_tokens_map.json")
+        )
+        self.chat_template: str | None = _default_template(cfg.get("chat_template"))
         jinja = root / "chat_template.jinja"
         if self.chat_template is None and jinja.is_file():
-            self.chat_template = jinja.read_text()
-        self.bos_token = _special_token_content(cfg.get("bos_token"))
-        self.eos_token = _special_token_content(cfg.get("eos_token"))
-        self.pad_token = _special_token_content(cfg.get("pad_token"))
+            self.chat_template = jinja.read_text(encoding="utf-8")
+        found = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+        if "added_tokens_decoder" not in cfg:  # an older directory: as transformers reads it,
+            found |= {k: special_map[k] for k in found if k in special_map}  # the map wins
+        self.bos_token = _special_token_content(found["bos_token"])
+        self.eos_token = _special_token_content(found["eos_token"])
+        self.pad_token = _special_token_content(found["pad_token"])
         specials = [t for t in self._tok.get_added_tokens_decoder().values() if t.special]
         self.all_special_tokens = [t.content for t in specials]
         self.all_special_ids = [self._tok.token_to_id(t) for t in self.all_special_tokens]
