@@ -42,6 +42,11 @@ from tinker_sr.user_errors import EngineUserError
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
 MAX_SIZE = 2**24  # any size or count in config.json: far above real models, far below overflow
 MAX_EXPERTS = 1024  # experts per MoE layer (real models: 8 to 512)
+# Decoder layers, and experts over all layers (real models: up to ~130 layers, ~31k experts).
+# The model is built (on the meta device, to check a checkpoint's names) before any weight is
+# read: an inflated count cost ~1 ms and 55 KB per layer before its refusal.
+MAX_LAYERS = 1024
+MAX_TOTAL_EXPERTS = 2**16
 # intermediate_size when absent: Qwen3-MoE's; Qwen3.5-MoE has no dense feed-forward layer.
 _FFN_DEFAULTS = {"Qwen3MoeForCausalLM": 6144, "Qwen3_5MoeForCausalLM": 512}
 
@@ -293,6 +298,11 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     _refuse_unsupported(hf, name, arch_name)
     dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
     n_layers = _count(hf, "num_hidden_layers", name)
+    if n_layers > MAX_LAYERS:
+        raise EngineUserError(
+            f"{name}: config.json num_hidden_layers={n_layers} is above the {MAX_LAYERS} "
+            "decoder layers this engine builds (real models have up to ~130); fix config.json"
+        )
     head_dim = _count(hf, "head_dim", name, arch.head_dim or dim // n_heads)
     if head_dim % 2:
         raise EngineUserError(f"{name}: config.json head_dim {head_dim} must be even (RoPE)")
@@ -487,6 +497,13 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> di
         raise EngineUserError(
             f"{name}: config.json mlp_only_layers={dense!r} must be a list of layer indices"
         )
+    moe_layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+    if len(moe_layers) * n_experts > MAX_TOTAL_EXPERTS:
+        raise EngineUserError(
+            f"{name}: config.json declares {len(moe_layers)} MoE layers of {n_experts} experts, "
+            f"above the {MAX_TOTAL_EXPERTS:,} experts in all this engine builds; fix "
+            "num_hidden_layers or num_experts"
+        )
     return {
         "n_experts": n_experts,
         "experts_per_token": top_k,
@@ -494,7 +511,7 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> di
         # Qwen3-VL-MoE's router always renormalises (transformers reads no flag for it).
         "norm_topk_prob": _flag(hf, "norm_topk_prob", name)
         or hf.get("model_type") == "qwen3_vl_moe_text",
-        "moe_layers": tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0),
+        "moe_layers": moe_layers,
     }
 
 
