@@ -223,6 +223,27 @@ def test_datum_dataclasses_replace_and_pickled_sampling_client(
     assert r.sequences[0].sequence_id
 
 
+def _sample_in_a_worker(sc: tinker.SamplingClient) -> list[int]:
+    return list(
+        sc.sample(types.ModelInput.from_ints([1, 2]), 1, params()).result().sequences[0].tokens
+    )
+
+
+def test_an_embedded_sampling_client_in_a_spawned_worker_fails_with_the_way_out(
+    embedded_service: tinker.ServiceClient,
+) -> None:
+    """Unpickling raised in the worker, which killed it: the parent saw only BrokenProcessPool
+    ("a process in the pool was terminated abruptly"). Now its use raises, and the message
+    reaches future.result()."""
+    import multiprocessing
+
+    sc = embedded_service.create_sampling_client(base_model=MODEL).result()
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        with pytest.raises(RuntimeError, match="embedded engine .* run a server"):
+            pool.submit(_sample_in_a_worker, sc).result(timeout=300)
+
+
 # ---- bad input: typed errors, nothing changed -------------------------------------------------
 
 

@@ -49,6 +49,21 @@ def test_demo_writes_one_metrics_line_per_step_and_a_png(tmp_path: Path, capsys)
     assert "reward" in out and str(tmp_path / "metrics.jsonl") in out
 
 
+def test_without_matplotlib_the_run_still_reports(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is an extra ('tinker-sr[plot]'): without it the demo trained, then died in
+    plot_curves with an ImportError traceback before printing its summary."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    records = run_demo(tmp_path)
+    assert len(records) == 3 and not (tmp_path / "learning_curves.png").exists()
+    out = capsys.readouterr().out
+    assert "reward" in out and "samples at the last step" in out
+    assert "plot:    not drawn: matplotlib is not installed" in out and "--no-plot" in out
+
+
 def test_same_seed_gives_the_same_log_except_timings(tmp_path: Path) -> None:
     def strip(records: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]

@@ -127,6 +127,20 @@ CASES: dict[str, tuple[str, Case]] = {
             c.training.save_weights_for_sampler("s").result().path
         ),
     ),
+    # Hosted-service endpoints: missing from our RestClient before (AttributeError).
+    "search_sessions": (
+        "BadRequestError",
+        lambda c: c.rest.search_sessions(c.types.SessionSearchRequest()),
+    ),
+    "assign_session_project": (
+        "BadRequestError",
+        lambda c: c.rest.assign_session_project(c.run.split(":")[0], "p"),
+    ),
+    "export_session_trace": (
+        "BadRequestError",
+        lambda c: c.rest.export_session_trace(c.run.split(":")[0]),
+    ),
+    "whoami": ("RuntimeError", lambda c: c.rest.whoami()),
 }
 
 
@@ -173,7 +187,7 @@ def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # load_state is deprecated in both
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # load_state deprecated, search experimental
 def test_misuse_raises_the_sdks_class_on_every_backend(service: Any, server: ServerProcess) -> None:
     import tinker_sr
 

@@ -165,6 +165,17 @@ def test_multi_turn_rejects_an_empty_first_observation() -> None:
         build_trajectory_datum([([], seq(T, "t0", [1, 2]), 1.0)])
 
 
+def test_multi_turn_refuses_a_whole_prompt_as_an_observation() -> None:
+    """A cookbook environment's observation is turn k's whole prompt; the builder wants only
+    the new tokens. Passing the whole prompt built a datum the server refused ("runs past the
+    end of the prompt"), naming neither the mistake nor the fix."""
+    o0, a0, o1 = [1, 2, 3], [10, 11], [4, 5]
+    with pytest.raises(ValueError, match=r"turn 1: .*repeats the 5 tokens .*observation\[5:\]"):
+        build_trajectory_datum(
+            [(o0, seq(T, "t0", a0), 1.0), (o0 + a0 + o1, seq(T, "t1", [12]), 1.0)]
+        )
+
+
 def test_official_tinker_types_are_built_and_validated() -> None:
     tinker_types = pytest.importorskip("tinker.types")
     lookup = Lookup()

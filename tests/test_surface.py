@@ -59,18 +59,6 @@ DELIBERATE: dict[str, str] = {
     "RestClient.get_checkpoint_by_tinker_path": "tinker_sr extra",
     # tinker_sr addition: which path stable_reinforce took (native or lowered; issue 13).
     "ServiceClient.stable_reinforce_path": "tinker_sr extra",
-    # Session / account endpoints our server does not offer.
-    **{
-        f"RestClient.{m}": "session/account endpoint our server does not offer"
-        for m in (
-            "assign_session_project",
-            "assign_session_project_async",
-            "export_session_trace",
-            "export_session_trace_async",
-            "search_sessions",
-            "whoami",
-        )
-    },
 }
 
 # Extra parameters of ours, ignored when comparing a signature.
@@ -348,6 +336,21 @@ def test_auth_against_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
         tinker_sr.auth.raise_if_tinker_not_accessible()
     monkeypatch.setenv("TINKER_SR_BACKEND", "local")  # forces the embedded engine
     tinker_sr.auth.raise_if_tinker_not_accessible()
+
+
+def test_a_remote_backend_without_a_server_says_so_before_asking_for_a_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``TINKER_SR_BACKEND=remote`` with no URL and no key asked for an API key; the missing
+    server is the first thing to fix."""
+    for env in ("TINKER_API_KEY", "TINKER_BASE_URL"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TINKER_SR_BACKEND", "remote")
+    with pytest.raises(tinker_sr.TinkerError, match="backend='remote' needs a server"):
+        tinker_sr.ServiceClient()
+    monkeypatch.delenv("TINKER_SR_BACKEND")
+    with pytest.raises(tinker_sr.TinkerError, match="backend='remote' needs a server"):
+        tinker_sr.ServiceClient(backend="remote")
 
 
 def test_get_telemetry_is_none_everywhere(tmp_path: Any) -> None:

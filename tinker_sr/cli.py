@@ -305,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output directory: new or empty (created)")
     e.add_argument("--merge", action="store_true", help="write base + adapter as one HF model")
     e.add_argument(
-        "--store", default=None, help="store of tinker:// paths (default $TINKER_SR_STORE)"
+        "--store",
+        default=None,
+        help="store of tinker:// paths (default $TINKER_SR_STORE, else ~/.cache/tinker_sr)",
     )
     e.add_argument(
         "--base-model",

@@ -542,6 +542,14 @@ def main(args: argparse.Namespace) -> int:
     if args.base_url is not None and (problem := _server_problem(args.base_url, args.api_key)):
         print(f"tinker-sr demo: {problem}", file=sys.stderr)
         return 1
+    if args.base_url is None:  # the embedded engine's device ($TINKER_SR_DEVICE), as serve does
+        from tinker_sr.engine.device import resolve_device
+
+        try:
+            resolve_device()
+        except ValueError as e:
+            print(f"tinker-sr demo: {e}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "metrics.jsonl"
@@ -598,8 +606,14 @@ def main(args: argparse.Namespace) -> int:
         f"metrics: {log_path}",
     ]
     if not args.no_plot:
-        plot_curves({config.loss: records}, plot_path, title=f"tinker-sr demo: {config.loss}")
-        lines.append(f"plot:    {plot_path}")
+        try:
+            plot_curves({config.loss: records}, plot_path, title=f"tinker-sr demo: {config.loss}")
+            lines.append(f"plot:    {plot_path}")
+        except ImportError:  # the run is done and saved: say so, and how to get the plot
+            lines.append(
+                "plot:    not drawn: matplotlib is not installed "
+                "(pip install 'tinker-sr[plot]', or pass --no-plot)"
+            )
     print("\n".join(lines))
     return 0
 

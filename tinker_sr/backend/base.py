@@ -51,6 +51,8 @@ if TYPE_CHECKING:
         SaveWeightsExternalResponse,
         SaveWeightsForSamplerResponseInternal,
         SaveWeightsResponse,
+        SessionSearchRequest,
+        SessionSearchResponse,
         TensorData,
         TrainingRun,
         TrainingRunsResponse,
@@ -86,6 +88,18 @@ class Backend(Protocol):
 
     async def get_session(self, session_id: str) -> GetSessionResponse:
         """A session's training runs, sampling sessions, metadata and display name."""
+        ...
+
+    async def search_sessions(self, request: SessionSearchRequest) -> SessionSearchResponse:
+        """One page of the organization's sessions (a hosted-service endpoint)."""
+        ...
+
+    async def assign_session_project(self, session_id: str, project_id: str) -> None:
+        """Move a session into a project (a hosted-service endpoint)."""
+        ...
+
+    async def export_session_trace(self, session_id: str) -> str:
+        """A signed URL of the session's trace file, when built (a hosted-service endpoint)."""
         ...
 
     async def get_server_capabilities(self) -> GetServerCapabilitiesResponse: ...

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker_sr import types, validation
 from tinker_sr.engine.checkpoint_store import parse_path
+from tinker_sr.errors import refusal
 from tinker_sr.user_errors import EngineNotFoundError
 
 if TYPE_CHECKING:
@@ -20,6 +21,14 @@ if TYPE_CHECKING:
     from tinker_sr.engine.store import Store
 
 T = TypeVar("T")
+
+
+def _not_offered(path: str) -> Exception:
+    return refusal(
+        400,
+        f"/api/v1/{path} is not supported by the embedded engine: session search, projects "
+        "and trace export are not supported",
+    )
 
 
 class LocalRestQueries:
@@ -79,6 +88,19 @@ class LocalRestQueries:
             )
 
         return await self._query(work)
+
+    # Hosted-service endpoints the embedded engine does not offer: refused as `tinker-sr serve`
+    # refuses them (400), so code written against the hosted service fails the same way here.
+    async def search_sessions(
+        self, request: types.SessionSearchRequest
+    ) -> types.SessionSearchResponse:
+        raise _not_offered("sessions/search")
+
+    async def assign_session_project(self, session_id: str, project_id: str) -> None:
+        raise _not_offered(f"sessions/{session_id}/project")
+
+    async def export_session_trace(self, session_id: str) -> str:
+        raise _not_offered(f"sessions/{session_id}/trace_export")
 
     # ---- checkpoints and training runs ----------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:

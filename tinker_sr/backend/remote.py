@@ -37,6 +37,8 @@ from tinker_sr.wire import messages as m
 
 __all__ = ["RemoteBackend", "DEFAULT_BASE_URL"]
 
+TRACE_EXPORT_POLL_S = 2.0  # between polls of a session's trace export (the SDK's pace)
+
 
 class RemoteBackend(WireTransport):
     """The `Backend` protocol over HTTP. One instance may serve many sessions."""
@@ -417,6 +419,41 @@ class RemoteBackend(WireTransport):
         path = f"/api/v1/sessions/{_seg(session_id)}"
         resp, body = await self._get(path, {"access_scope": "owned"})
         return self._validate(types.GetSessionResponse, resp, body)
+
+    async def search_sessions(
+        self, request: types.SessionSearchRequest
+    ) -> types.SessionSearchResponse:
+        body = request.model_dump(mode="json", exclude_none=True)
+        resp, got = await self._post("/api/v1/sessions/search", body)
+        return self._validate(types.SessionSearchResponse, resp, got)
+
+    async def assign_session_project(self, session_id: str, project_id: str) -> None:
+        await self._ensure_config()
+        path = f"/api/v1/sessions/{_seg(session_id)}/project"
+        await self._request("PUT", path, json={"project_id": project_id})
+
+    async def export_session_trace(self, session_id: str) -> str:
+        """Poll the service's trace export until the file is ready (as the SDK does)."""
+        path, announced = f"/api/v1/sessions/{_seg(session_id)}/trace_export", False
+        while True:
+            resp, body = await self._get(path)
+            status = body.get("status") if isinstance(body, dict) else None
+            if status == "ready" and isinstance(body.get("url"), str):
+                return str(body["url"])
+            if status == "failed":
+                raise RuntimeError(
+                    f"Trace export failed for session {session_id}: {body.get('error')}"
+                )
+            if status != "pending":
+                raise APIResponseValidationError(
+                    resp, body, f"{path}: unexpected answer {body!r:.200}"
+                )
+            if not announced:
+                log.warning(
+                    "Building trace export for session: %s (this may take a while)", session_id
+                )
+                announced = True
+            await asyncio.sleep(TRACE_EXPORT_POLL_S)
 
     async def list_training_runs(
         self, *, limit: int = 20, offset: int = 0

@@ -168,6 +168,16 @@ def wants_remote(backend: Backend | str | None, base_url: str | None) -> bool:
     return choice == "remote" or (choice is None and resolve_base_url(base_url) is not None)
 
 
+def server_url(base_url: str | None) -> str:
+    """The server's URL for the remote backend (`resolve_base_url`); none is an error."""
+    url = resolve_base_url(base_url)
+    if url is None:
+        raise TinkerError(
+            "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
+        )
+    return url
+
+
 def make_backend(
     *,
     backend: Backend | str | None,
@@ -190,10 +200,7 @@ def make_backend(
         raise ValueError(f"{where} must be 'local', 'remote' or a Backend instance, got {choice!r}")
     if choice == "local" or (choice is None and url is None):
         return local_backend(), None
-    if url is None:
-        raise TinkerError(
-            "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
-        )
+    url = server_url(base_url)
     from tinker_sr.backend.remote import RemoteBackend
 
     remote = RemoteBackend(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Coroutine
 from datetime import date, datetime
 from typing import Any, Literal, TypeVar
@@ -104,6 +105,42 @@ class RestClient:
         """A session's training run ids, sampler ids, ``user_metadata`` and ``display_name``
         (ids as `list_sessions` gives them)."""
         return self._scoped(self._b.get_session(session_id), access_scope)
+
+    def search_sessions(
+        self, request: types.SessionSearchRequest
+    ) -> APIFuture[types.SessionSearchResponse]:
+        """One page of the organization's sessions, newest first (a hosted-service endpoint,
+        experimental in the SDK; the embedded engine and `tinker-sr serve` refuse it: 400)."""
+        from tinker_sr import ExperimentalWarning
+
+        warnings.warn(
+            "RestClient.search_sessions is experimental: it may change or be removed in any "
+            "release without a deprecation period.",
+            ExperimentalWarning,
+            stacklevel=2,
+        )
+        return self._f(self._b.search_sessions(request))
+
+    def assign_session_project(self, session_id: str, project_id: str) -> APIFuture[None]:
+        """Move a session into a project (a hosted-service endpoint; refused here: 400)."""
+        return self._f(self._b.assign_session_project(session_id, project_id))
+
+    def export_session_trace(self, session_id: str) -> APIFuture[str]:
+        """A signed URL of the session's trace file (a hosted-service endpoint; refused here:
+        400)."""
+        return self._f(self._b.export_session_trace(session_id))
+
+    def whoami(self) -> APIFuture[types.WhoamiResponse]:
+        """The caller's identity, which the SDK reads from a JWT of the hosted service's auth;
+        fails as the SDK does with a plain API key (no server issues JWTs to this client)."""
+
+        async def fail() -> types.WhoamiResponse:
+            raise RuntimeError(
+                "whoami requires JWT auth, but the server has it disabled and the credential "
+                "is a plain API key."
+            )
+
+        return self._f(fail())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
@@ -222,6 +259,16 @@ class RestClient:
     ) -> types.GetSessionResponse:
         warn_deprecated("get_session_async is deprecated; await get_session()")
         return await self.get_session(session_id, access_scope)
+
+    async def assign_session_project_async(self, session_id: str, project_id: str) -> None:
+        warn_deprecated(
+            "assign_session_project_async is deprecated; await assign_session_project()"
+        )
+        return await self.assign_session_project(session_id, project_id)
+
+    async def export_session_trace_async(self, session_id: str) -> str:
+        warn_deprecated("export_session_trace_async is deprecated; await export_session_trace()")
+        return await self.export_session_trace(session_id)
 
     async def get_training_run_async(
         self, training_run_id: str, access_scope: AccessScope = "owned"

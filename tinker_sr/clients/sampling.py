@@ -10,7 +10,7 @@ import json
 import random
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
@@ -307,6 +307,21 @@ class SamplingClient:
         return (_unpickle, (self._state(),))
 
 
+class _ElsewhereSession:
+    """The session of an embedded-engine `SamplingClient` unpickled in another process: every
+    use raises. (Raising while unpickling killed a process pool's worker, and its parent saw
+    only ``BrokenProcessPool``; raised when used, the error reaches ``future.result()``.)"""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocol probes (copy, pickle, hasattr): not a use
+            raise AttributeError(name)
+        raise RuntimeError(
+            "This SamplingClient runs on the embedded engine of the process that created it "
+            "and cannot be used in another process. For multi-process sampling run a server "
+            "(`tinker-sr serve`) and create clients with base_url=..."
+        )
+
+
 def _unpickle(state: dict[str, Any]) -> SamplingClient:
     return _rebuild(state, None)
 
@@ -324,11 +339,7 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
         holder = ClientSession(backend, base_url=url, api_key=api_key, owns_backend=True)
         holder._session_id = state.get("session_id")
     else:
-        raise RuntimeError(
-            "This SamplingClient runs on the embedded engine of the process that created it "
-            "and cannot be rebuilt elsewhere. For multi-process sampling run a server "
-            "(`tinker-sr serve`) and create clients with base_url=..."
-        )
+        holder = cast(ClientSession, _ElsewhereSession())
     return SamplingClient(
         holder,
         state["sampler_id"],

@@ -21,7 +21,7 @@ from tinker_sr.clients.holder import (
     blocking_result,
     default_api_key,
     make_backend,
-    resolve_base_url,
+    server_url,
     wants_remote,
     warn_deprecated,
 )
@@ -102,8 +102,8 @@ class ServiceClient:
         ):
             validation.check_text(value, f"ServiceClient: {field}")
         remote = wants_remote(backend, base_url)
-        if remote:
-            api_key = default_api_key(api_key, resolve_base_url(base_url))
+        if remote:  # a missing server is named before a missing key
+            api_key = default_api_key(api_key, server_url(base_url))
         key = _check_api_key(api_key, remote=remote)
         be, url = make_backend(
             backend=backend,

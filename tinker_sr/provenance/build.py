@@ -191,6 +191,12 @@ def build_trajectory_datum(
         tokens, lps, sid = _sequence_parts(sequence, where)
         if k == 0 and not obs:
             raise ValueError(f"{where}: the first observation (the prompt sampled from) is empty")
+        if k > 0 and obs[: len(full)] == full:  # the whole prompt of turn k (a cookbook `ob`)
+            raise ValueError(
+                f"{where}: the observation repeats the {len(full)} tokens of the trajectory so "
+                "far; pass only the tokens added since the previous turn's action (here "
+                f"observation[{len(full)}:])"
+            )
         if obs:
             runs.append(("prompt", sid, len(full), len(obs)))
         if tokens:
