@@ -531,6 +531,21 @@ def _write_config(
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
+def _cannot_run(args: argparse.Namespace) -> tuple[int, str] | None:
+    """(exit code, why) when the demo cannot run where it was asked to: a server that cannot
+    serve it (1), or an embedded engine on a device this machine lacks (2, as serve says)."""
+    if args.base_url is not None:
+        problem = _server_problem(args.base_url, args.api_key)
+        return None if problem is None else (1, problem)
+    from tinker_sr.engine.device import resolve_device
+
+    try:
+        resolve_device()  # $TINKER_SR_DEVICE
+    except ValueError as e:
+        return 2, str(e)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed ``args`` (see `add_arguments`); returns the exit code."""
     from tqdm import tqdm
@@ -539,17 +554,9 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(config, str):
         print(f"tinker-sr demo: {config}", file=sys.stderr)
         return 2
-    if args.base_url is not None and (problem := _server_problem(args.base_url, args.api_key)):
-        print(f"tinker-sr demo: {problem}", file=sys.stderr)
-        return 1
-    if args.base_url is None:  # the embedded engine's device ($TINKER_SR_DEVICE), as serve does
-        from tinker_sr.engine.device import resolve_device
-
-        try:
-            resolve_device()
-        except ValueError as e:
-            print(f"tinker-sr demo: {e}", file=sys.stderr)
-            return 2
+    if (refused := _cannot_run(args)) is not None:
+        print(f"tinker-sr demo: {refused[1]}", file=sys.stderr)
+        return refused[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "metrics.jsonl"
