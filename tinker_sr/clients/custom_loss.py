@@ -1,4 +1,4 @@
-"""Custom losses (alpha, spec/api.md §4.4): ``ServiceClient.create_custom_loss`` traces a
+"""Custom losses (alpha in the official SDK): ``ServiceClient.create_custom_loss`` traces a
 per-datum loss with ``torch.fx`` into a `LossHandle`; ``forward_backward_custom`` runs it.
 
 tinker_sr has no server-side custom losses, so every handle has ``loss_id=None`` and runs

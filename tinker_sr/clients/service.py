@@ -314,7 +314,7 @@ class ServiceClient:
         self, fn: PerDatumLossFn, input_ranks: Mapping[str, types.CustomLossInputRank]
     ) -> APIFuture[LossHandle]:
         """Trace ``fn`` into a `LossHandle` for ``TrainingClient.forward_backward_custom``
-        (alpha; spec/api.md §4.4).
+        (alpha in the official SDK too).
 
         ``fn(logprobs, *inputs)`` runs once per datum: ``logprobs`` (the datum's target
         logprobs) then one tensor per ``loss_fn_inputs`` key it names. It returns a scalar

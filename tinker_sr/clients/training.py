@@ -180,7 +180,7 @@ class TrainingClient:
         *,
         loss_type_input: Literal["logprobs"] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
-        """A loss computed here in torch from the model's logprobs (spec/api.md §9.9): a
+        """A loss computed here in torch from the model's logprobs (as the official SDK does): a
         forward pass, your loss and its gradient w.r.t. the logprobs, then a cross-entropy
         backward pass weighted by minus that gradient. Costs about 1.5 forward_backwards.
 

@@ -1,4 +1,5 @@
-"""Build RL training datums with provenance, in the canonical layouts of spec/api.md §10.3.
+"""Build RL training datums with provenance, in the canonical layouts tinker-cookbook builds
+(docs/stable_reinforce.md).
 
 Works with ``tinker_sr.types`` and with the official ``tinker.types``: pass ``types=`` (either
 module) or let the builder pick the package of the prompt / sequence objects you hand it
