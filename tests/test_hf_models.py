@@ -329,6 +329,20 @@ def test_a_relative_model_path_names_the_same_model_from_any_directory(
     assert resumed.get_info().model_data.model_name == here
     client.close().result()
     backend.close()
+    # A name a server resolves by its aliases is kept as given, even where it is also the
+    # same directory under the server's working directory (`tinker-sr serve --model-dir model`
+    # run from b: its name had become b's absolute path, which the server does not serve).
+    for paths in (False, True):
+        served = LocalBackend(
+            tmp_path / f"served{paths}",
+            model_aliases={"model": str(tmp_path / "b" / "model")},
+            request_model_paths=paths,
+        )
+        client = tinker_sr.ServiceClient(backend=served)
+        aliased = client.create_lora_training_client(base_model="model", rank=2).result()
+        assert aliased.get_info().model_data.model_name == "model"
+        client.close().result()
+        served.close()
 
 
 def test_remote_get_tokenizer_raises_instead_of_guessing() -> None:

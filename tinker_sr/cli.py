@@ -82,8 +82,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (EngineUserError, StoreDamagedError) as e:
         print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # an unwritable or full destination
-        print(f"tinker-sr export: cannot write {args.out}: {e}", file=sys.stderr)
+    except OSError as e:  # e.g. an unwritable or full destination (the error names the file)
+        print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -99,7 +99,8 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
-        raise EngineUserError(f"{path}: cannot read JSON ({e}); it must be UTF-8 JSON") from e
+        hint = "; it must be UTF-8 JSON" if isinstance(e, UnicodeDecodeError) else ""
+        raise EngineUserError(f"{path}: cannot read JSON ({e}){hint}") from e
     if not isinstance(data, dict):
         raise EngineUserError(f"{path}: expected a JSON object")
     return data

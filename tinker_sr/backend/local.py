@@ -212,8 +212,9 @@ class LocalBackend(LocalRestQueries):
     def _trainer(self, model_id: str) -> Trainer:
         if not self.models.has_trainer(model_id) and (end := self.store.run_session_end(model_id)):
             raise EngineUserError(  # a request still waiting its turn when the session closed
-                f"model {model_id} belongs to finished session {end[0]} (close({end[1]!r}) was "
-                "called before this request ran); load its checkpoint from a new ServiceClient"
+                f"model {model_id} belongs to finished session {end[0]} (it ended, status "
+                f"{end[1]!r}, before this request ran: close() was called, or it expired); load "
+                "its checkpoint from a new ServiceClient"
             )
         return self.models.trainer(model_id)
 
@@ -300,15 +301,17 @@ class LocalBackend(LocalRestQueries):
         """Whether ``model_id``'s weights are loaded here (not after a server restart)."""
         return self.models.has_trainer(model_id)
 
-    @staticmethod
-    def _recorded(name: str, resolved: str) -> str:
+    def _recorded(self, name: str, resolved: str) -> str:
         """The base model name a run, checkpoint or sampler records: a relative (or ``~``)
-        directory path as the absolute directory it resolved to, so the checkpoint names the
-        same base model from any working directory (``"./model"`` named another after a
-        ``chdir``); anything else (a Hub name, an alias, an absolute path) as given."""
-        path = Path(name).expanduser()
+        directory path, resolved as a path, as that absolute directory, so the checkpoint names
+        the same base model from any working directory (``"./model"`` named another after a
+        ``chdir``); anything else as given: a Hub name, an absolute path, and every name a
+        server resolves (by its aliases only, which know the name, not the directory)."""
+        aliases, path = self.models.aliases, Path(name).expanduser()
         relative = not path.is_absolute() or name.startswith("~")
-        if relative and is_model_dir(path) and str(path.resolve()) == resolved:
+        if not relative or not self.models.request_paths or name in aliases or "*" in aliases:
+            return name
+        if is_model_dir(path) and str(path.resolve()) == resolved:
             return resolved
         return name
 

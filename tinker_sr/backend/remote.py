@@ -37,7 +37,7 @@ from tinker_sr.wire import messages as m
 
 __all__ = ["RemoteBackend", "DEFAULT_BASE_URL"]
 
-TRACE_EXPORT_POLL_S = 2.0  # between polls of a session's trace export (the SDK's pace)
+TRACE_EXPORT_POLL_S = 5.0  # between polls of a session's trace export (the SDK's pace)
 
 
 class RemoteBackend(WireTransport):

@@ -7,10 +7,11 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import random
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
@@ -287,6 +288,7 @@ class SamplingClient:
             "record_stability_info": self.record_stability_info,
             "base_url": self.holder.base_url,
             "holder_key": self.holder.key,
+            "pid": os.getpid(),
             "session_id": self.holder._session_id,
         }
 
@@ -308,18 +310,31 @@ class SamplingClient:
 
 
 class _ElsewhereSession:
-    """The session of an embedded-engine `SamplingClient` unpickled in another process: every
-    use raises. (Raising while unpickling killed a process pool's worker, and its parent saw
-    only ``BrokenProcessPool``; raised when used, the error reaches ``future.result()``.)"""
+    """The session of an embedded-engine `SamplingClient` unpickled in another process: it
+    cannot reach that engine, so using the client raises. (Raising while unpickling killed a
+    process pool's worker, and its parent saw only ``BrokenProcessPool``; raised when used, the
+    error reaches ``future.result()``.) Pickling such a clone again, or its repr, still work."""
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # protocol probes (copy, pickle, hasattr): not a use
-            raise AttributeError(name)
+    base_url = None
+    api_key = None
+    key = -1  # in no process's registry
+    _session_id = None
+    closed = False
+
+    def check_open(self) -> NoReturn:
         raise RuntimeError(
             "This SamplingClient runs on the embedded engine of the process that created it "
             "and cannot be used in another process. For multi-process sampling run a server "
             "(`tinker-sr serve`) and create clients with base_url=..."
         )
+
+    @property
+    def backend(self) -> NoReturn:
+        self.check_open()
+
+    def run(self, coro: Any) -> NoReturn:
+        coro.close()
+        self.check_open()
 
 
 def _unpickle(state: dict[str, Any]) -> SamplingClient:
@@ -330,7 +345,8 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
     # A clone numbers its requests in its own range so they never collide with the original's.
     seq_base = random.randint(1, 10**9) * 1_000_000_000
     base_url = state.get("base_url")
-    found = ClientSession.lookup(int(state["holder_key"]))
+    same_process = state.get("pid") == os.getpid()  # a key means nothing in another process
+    found = ClientSession.lookup(int(state["holder_key"])) if same_process else None
     if found is not None and found.base_url == base_url and not found.closed:
         holder = found  # same process: keep using the creating client's connection
     elif base_url:
@@ -338,6 +354,8 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
         backend, url = make_backend(backend="remote", base_url=base_url, api_key=api_key)
         holder = ClientSession(backend, base_url=url, api_key=api_key, owns_backend=True)
         holder._session_id = state.get("session_id")
+    elif found is not None:  # this process's embedded engine, its ServiceClient closed
+        raise RuntimeError("ServiceClient is closed: its embedded SamplingClients end with it")
     else:
         holder = cast(ClientSession, _ElsewhereSession())
     return SamplingClient(

@@ -239,40 +239,52 @@ def export_checkpoint(
 
     `out` must be new or an empty directory (never the base model's own, whose weights a merge
     would overwrite, nor one holding an older export's shards). The files are written into a
-    temporary directory beside it, renamed into place when complete: a failed or killed
-    export leaves nothing at `out`."""
+    hidden ``.export-*`` directory inside it and moved into place when complete: a failed
+    export leaves `out` as it found it (one killed outright leaves that hidden directory)."""
     root = Path(out)
     check_output_dir(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.export-", dir=root.parent))
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)  # `out` itself, never replaced: a mount point works
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
     try:
         _export(path, staging, merge=merge, store_dir=store_dir, base_model=base_model,
                 aliases=aliases)  # fmt: skip
-        check_output_dir(root)  # nothing appeared there meanwhile
-        os.replace(staging, root)  # an empty directory is replaced too (POSIX rename)
+        check_output_dir(root, ignore=staging.name)  # nothing else appeared there meanwhile
+        for entry in sorted(staging.iterdir()):
+            os.replace(entry, root / entry.name)
+        staging.rmdir()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if created:  # no empty directory left behind
+            shutil.rmtree(root, ignore_errors=True)
         raise
     return root
 
 
-def check_output_dir(root: Path) -> None:
+STAGING_PREFIX = ".export-"
+
+
+def check_output_dir(root: Path, ignore: str | None = None) -> None:
     """Refuse an export's output `root` that exists as a file or a non-empty directory."""
     if root.exists() and not root.is_dir():
         raise EngineUserError(f"output {root} exists and is not a directory; name a new directory")
-    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    if entries:
+    entries = sorted(p.name for p in root.iterdir() if p.name != ignore) if root.is_dir() else []
+    if not entries:
+        return
+    if "config.json" in entries:
         what = (
             "a model's config.json (the base model's own directory? a merge there would "
             "overwrite its weights)"
-            if "config.json" in entries
-            else f"{len(entries)} entries, e.g. {entries[0]!r}"
         )
-        raise EngineUserError(
-            f"output directory {root} is not empty: it holds {what}. Export into a new or "
-            "empty directory (files of an older export beside the new ones would be read "
-            "with them, e.g. its shards or adapter)"
-        )
+    elif any(e.startswith(STAGING_PREFIX) for e in entries):
+        what = "the hidden directory of an export that was interrupted (or is running)"
+    else:
+        what = f"{len(entries)} entries, e.g. {entries[0]!r}"
+    raise EngineUserError(
+        f"output directory {root} is not empty: it holds {what}. Export into a new or empty "
+        "directory (files of an older export beside the new ones would be read with them, "
+        "e.g. its shards or adapter)"
+    )
 
 
 def _export(
