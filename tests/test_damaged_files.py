@@ -39,6 +39,17 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_model_dir(tmp_path_factory.mktemp("hostile") / "base")
 
 
+def _serve_refuses(root: Path, tmp_path: Path) -> str:
+    """`tinker-sr serve --model-dir root` refusing to start in one line: its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store",
+         str(tmp_path / "store"), "--model-dir", str(root)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr
+
+
 def _variant(base: Path, dst: Path, mutate: Callable[[Weights], None]) -> Path:
     """A copy of `base` whose weights went through `mutate` (re-saved as a valid file)."""
     shutil.copytree(base, dst)
@@ -196,13 +207,7 @@ def test_a_json_file_that_is_not_utf8_is_refused_naming_it(
     if isinstance(err.value, tinker_sr.RequestFailedError):
         assert err.value.category == types.RequestErrorCategory.User
     if name == "config.json":
-        done = subprocess.run(
-            [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store",
-             str(tmp_path / "store"), "--model-dir", str(root)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-        assert f"{root}/config.json: cannot read JSON" in done.stderr, done.stderr
+        assert f"{root}/config.json: cannot read JSON" in _serve_refuses(root, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -391,13 +396,8 @@ def test_serve_refuses_at_start_a_model_dir_whose_tensors_it_would_refuse(
         w[O_PROJ] = w[O_PROJ].to(torch.int8)
 
     root = _variant(base, tmp_path / "m", codes)
-    done = subprocess.run(
-        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store",
-         str(tmp_path / "store"), "--model-dir", str(root)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    assert f"--model-dir {root}/model.safetensors: tensor {O_PROJ} is stored as I8" in done.stderr
+    err = _serve_refuses(root, tmp_path)
+    assert f"--model-dir {root}/model.safetensors: tensor {O_PROJ} is stored as I8" in err
 
 
 @pytest.mark.parametrize(
