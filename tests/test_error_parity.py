@@ -193,11 +193,13 @@ def test_misuse_raises_the_sdks_class_on_every_backend(service: Any, server: Ser
 
     ours = _clients(tinker_sr, service)
     sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
-    theirs = _clients(tinker, sdk_service)
-    got = {name: (_raised(fn, ours), _raised(fn, theirs)) for name, (_, fn) in CASES.items()}
+    try:
+        theirs = _clients(tinker, sdk_service)
+        got = {name: (_raised(fn, ours), _raised(fn, theirs)) for name, (_, fn) in CASES.items()}
+    finally:
+        sdk_service.close("success").result()
     expected = {name: (cls, cls) for name, (cls, _) in CASES.items()}
     assert got == expected
-    sdk_service.close("success").result()
 
 
 @pytest.mark.parametrize("way", ["embedded", "remote"])
@@ -384,7 +386,12 @@ def test_wrappers_on_public_methods_see_the_sdks_calls(
     import tinker_sr
 
     theirs = _public_calls(tinker, monkeypatch)
-    _api_tour(tinker, tinker.ServiceClient(base_url=server.base_url, api_key="tml-test"))
+    sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    try:
+        _api_tour(tinker, sdk_service)
+        theirs = list(theirs)  # the tour's calls (not the close below)
+    finally:  # else its heartbeats warn for the rest of the run once this module's server stops
+        sdk_service.close("success").result()
     ours = _public_calls(tinker_sr, monkeypatch)
     _api_tour(tinker_sr, service)
     assert "SamplingClient.compute_logprobs" in ours

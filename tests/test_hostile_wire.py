@@ -212,6 +212,7 @@ def test_a_full_disk_while_creating_a_sampler_is_retried_not_blamed_on_the_calle
                 headers={"X-API-Key": os.environ["TINKER_API_KEY"]},
             )
         assert reply.status_code == 200, reply.text
+        service.close("success").result()  # its heartbeats would outlive the mock server
 
 
 def test_an_oversized_value_is_not_echoed_whole(wire: Wire) -> None:

@@ -221,6 +221,7 @@ def test_official_sdk_receives_every_extra(
             target_prompt_logprobs=st.TensorData.from_torch_sparse(ids, pad_value=-1),
             prompt_alt_tokens_k=3,
         ).result()
+        service.close("success").result()  # its heartbeats would outlive the server
 
     ref = _logp(ref_model, PROMPT)[:-1]
     assert r.topk_prompt_logprobs_np is not None
