@@ -16,6 +16,7 @@ base model and LoRA config in its metadata.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -255,8 +256,9 @@ def export_checkpoint(
         staging.rmdir()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if created:  # no empty directory left behind
-            shutil.rmtree(root, ignore_errors=True)
+        if created:  # no empty directory left behind (only if empty: another export's staging)
+            with contextlib.suppress(OSError):
+                root.rmdir()
         raise
     return root
 
