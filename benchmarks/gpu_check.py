@@ -1,6 +1,6 @@
 """One-call check of the engine on a CUDA GPU: train + sample on cuda, compared with the CPU.
 
-Not run on a GPU yet (no device was lent when this was written). On a machine with a CUDA
+Run on an NVIDIA H200 in session 34 (docs/performance.md, "GPU"). On a machine with a CUDA
 build of torch and an NVIDIA GPU:
 
     python benchmarks/gpu_check.py                       # tinker-sr/small, 8 x 256, 3 reps
@@ -12,6 +12,12 @@ step (cross_entropy on every position + AdamW) on the same seeded batch, then sa
 tokens from the trained adapter; on cuda also with bf16 autocast (`TINKER_SR_TRAIN_DTYPE`).
 It prints step and sample times and the differences to the CPU run, and exits non-zero when
 the fp32 loss or log-probs differ from the CPU's by more than the tolerances below.
+
+Then, per device, the RL losses on StableReinforce datums (`provenance.build_datum` from a
+sampler with ``record_stability_info=True``): every policy loss (StableReinforce's provenance
+validation and draws included) must give a finite loss, and the learner's log-probs of the
+sampled tokens must match the sampler's (``--no-losses`` skips this part). Sampled tokens
+differ between devices, so each device is checked against itself.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from tinker_sr.backend.local import LocalBackend  # noqa: E402
 from tinker_sr.engine.cpu import describe_machine  # noqa: E402
 
 LOSS_RTOL, LOGPROB_ATOL = 1e-3, 2e-3
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+ON_POLICY_ATOL = 2e-3  # fp32 sampler vs learner log-probs of the same tokens, same weights
 
 
 def _batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
@@ -89,6 +97,51 @@ def run(device: str, model: str, args: argparse.Namespace, bf16: bool = False) -
     }
 
 
+def rl_losses(device: str, model: str, bf16: bool = False) -> bool:
+    """Each policy loss on provenance datums sampled on ``device``; True when all pass."""
+    from tinker_sr.provenance.build import build_datum
+
+    os.environ["TINKER_SR_TRAIN_DTYPE"] = "bf16" if bf16 else "float32"
+    label = f"{device}{'-bf16' if bf16 else ''}"
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="tinker-sr-gpu-check-") as store:
+        backend = LocalBackend(store, device=device)
+        service = tinker.ServiceClient(backend=backend)
+        training = service.create_lora_training_client(base_model=model, rank=8, seed=0).result()
+        sampler = training.save_weights_and_get_sampling_client(record_stability_info=True)
+        sampler = sampler.result()
+        data, sampled = [], []
+        for i in range(4):
+            prompt = types.ModelInput.from_ints([1 + i, *range(10, 40)])
+            params = types.SamplingParams(max_tokens=32, temperature=1.0, seed=i)
+            out = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
+            for j, seq in enumerate(out.sequences):
+                data.append(build_datum(prompt, seq, float(j % 2) - 0.5))
+                sampled.append(np.asarray(seq.logprobs, dtype=np.float64))
+        for loss_fn in RL_LOSSES:
+            try:
+                fb = training.forward_backward(data, loss_fn).result()
+            except Exception as exc:  # noqa: BLE001 - report every loss, then fail
+                print(f"{label:>9} {loss_fn:<20} FAILED: {type(exc).__name__}: {exc}")
+                ok = False
+                continue
+            loss = float(fb.metrics["loss:sum"])
+            learner = [o["logprobs"].to_numpy() for o in fb.loss_fn_outputs]
+            gap = max(
+                float(np.abs(lp[-len(s) :] - s).max())
+                for lp, s in zip(learner, sampled, strict=True)
+            )
+            good = bool(np.isfinite(loss)) and (bf16 or gap <= ON_POLICY_ATOL)
+            ok = ok and good
+            print(
+                f"{label:>9} {loss_fn:<20} loss {loss:+.5f}, max |learner - sampler logprob| "
+                f"{gap:.2e}{'' if good else '  <-- FAILS'}"
+            )
+        service.close().result()
+        backend.close()
+    return ok
+
+
 def compare(name: str, got: dict[str, Any], ref: dict[str, Any], strict: bool) -> bool:
     rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
     diff = float(np.abs(got["logprobs"] - ref["logprobs"]).max())
@@ -108,6 +161,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-losses", action="store_true", help="skip the RL-loss section")
     parser.add_argument(
         "--dry-run-on-cpu", action="store_true", help="run the script's code with 'cpu' as the GPU"
     )
@@ -136,6 +190,9 @@ def main() -> int:
         )
     ok = compare("cuda vs cpu (fp32)", results["cuda"], results["cpu"], strict=True)
     compare("cuda bf16 vs cpu (fp32)", results["cuda-bf16"], results["cpu"], strict=False)
+    if not args.no_losses:
+        for device, bf16 in (("cpu", False), (gpu, False), (gpu, True)):
+            ok = rl_losses(device, model, bf16) and ok
     return 0 if ok else 1
 
 

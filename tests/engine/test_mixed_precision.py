@@ -17,9 +17,13 @@ from .small_lora import small_lora_client
 TOKENS = [256, *b"mixed precision keeps fp32 master weights"]
 
 
-def _step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float, np.ndarray]:
+def _step(
+    tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
+) -> tuple[float, np.ndarray]:
+    """One step on ``device`` (default: ``$TINKER_SR_DEVICE``, so the suite also runs on a GPU
+    with ``TINKER_SR_DEVICE=cuda``)."""
     monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
-    backend = LocalBackend(tmp / dtype)
+    backend = LocalBackend(tmp / dtype, device=device)
     service, training, datum = small_lora_client(backend, TOKENS)
     out = training.forward_backward([datum], "cross_entropy").result()
     trainer = backend.models.trainer(training.model_id)
@@ -29,7 +33,7 @@ def _step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float
     assert all(p.dtype == torch.float32 for p in params)  # fp32 master weights
     service.close().result()
     backend.close()
-    return out.metrics["loss:sum"], grads.numpy()
+    return out.metrics["loss:sum"], grads.cpu().numpy()
 
 
 def test_bf16_step_matches_fp32_within_tolerance(
@@ -121,5 +125,5 @@ def test_bf16_training_runs_attention_through_the_gemm_node(
     monkeypatch.setattr(
         bf16_attention._BF16CausalAttention, "apply", lambda *a: calls.append(1) or real(*a)
     )
-    _step(tmp_path, "bf16-force", monkeypatch)
+    _step(tmp_path, "bf16-force", monkeypatch, device="cpu")  # a CPU kernel: CUDA has SDPA's
     assert calls

@@ -6,7 +6,7 @@ KV caches live on the GPU; random draws still come from CPU generators (the same
 the same uniforms as on a CPU) and are moved to the device after drawing; results are moved
 back to the CPU where they leave the engine.
 
-The CUDA path has not been run on a GPU yet: see docs/performance.md ("GPU").
+Run on an NVIDIA H200 (fp32 within ~2e-6 of the CPU; figures in docs/performance.md, "GPU").
 """
 
 from __future__ import annotations
