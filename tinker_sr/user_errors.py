@@ -37,6 +37,10 @@ def check_same_names(want: Iterable[str], got: Iterable[str], *, mismatch: str, 
         )
 
 
+# Why the embedded engine and `tinker-sr serve` refuse RestClient's session search, project
+# assignment and trace export (one wording for both, as the error-parity tests compare them).
+SESSION_QUERIES_UNSUPPORTED = "session search, projects and trace export are not supported"
+
 MAX_MESSAGE_CHARS = 2000
 
 

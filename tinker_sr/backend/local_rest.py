@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tinker_sr import types, validation
 from tinker_sr.engine.checkpoint_store import parse_path
 from tinker_sr.errors import refusal
-from tinker_sr.user_errors import EngineNotFoundError
+from tinker_sr.user_errors import SESSION_QUERIES_UNSUPPORTED, EngineNotFoundError
 
 if TYPE_CHECKING:
     from tinker_sr.engine.checkpoint_store import CheckpointStore
@@ -26,8 +26,7 @@ T = TypeVar("T")
 def _not_offered(path: str) -> Exception:
     return refusal(
         400,
-        f"/api/v1/{path} is not supported by the embedded engine: session search, projects "
-        "and trace export are not supported",
+        f"/api/v1/{path} is not supported by the embedded engine: {SESSION_QUERIES_UNSUPPORTED}",
     )
 
 

@@ -172,10 +172,11 @@ def server_url(base_url: str | None) -> str:
     """The server's URL for the remote backend (`resolve_base_url`); none is an error."""
     url = resolve_base_url(base_url)
     if url is None:
-        raise TinkerError(
-            "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
-        )
+        raise TinkerError(NO_SERVER)
     return url
+
+
+NO_SERVER = "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
 
 
 def make_backend(
@@ -200,7 +201,8 @@ def make_backend(
         raise ValueError(f"{where} must be 'local', 'remote' or a Backend instance, got {choice!r}")
     if choice == "local" or (choice is None and url is None):
         return local_backend(), None
-    url = server_url(base_url)
+    if url is None:
+        raise TinkerError(NO_SERVER)
     from tinker_sr.backend.remote import RemoteBackend
 
     remote = RemoteBackend(

@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from tinker_sr import validation
 from tinker_sr.errors import TinkerError
 from tinker_sr.types import CopyWeightsRequest, ParsedCheckpointTinkerPath
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.user_errors import SESSION_QUERIES_UNSUPPORTED, EngineUserError
 from tinker_sr.wire import messages as m
 
 from ..http import HTTPError, body_hash, json_reply
@@ -32,7 +32,7 @@ _UNSUPPORTED = {
     "false); forward_backward_custom runs the loss client-side",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
-    "sessions": "session search, projects and trace export are not supported",
+    "sessions": SESSION_QUERIES_UNSUPPORTED,
     "billing": "there is no billing",
 }
 
