@@ -22,8 +22,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step() { echo "=== $1 ($(date +%T))"; }
 step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "(no nvidia-smi)"
 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: nothing to check (python benchmarks/gpu_check.py --dry-run-on-cpu runs its code on the CPU)"
+    exit 2
+fi
 step "1. gpu_check tinker-sr/small"
 timeout 240 python3 benchmarks/gpu_check.py 2>&1 | tee "$OUT/gpu_check_small.log"
 echo "rc=${PIPESTATUS[0]}"
