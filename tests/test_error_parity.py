@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tests._server import ServerProcess, running_server
+from tests._server import ServerProcess
 from tests._train import rl_datum_with_provenance, service_where_a_gap_hangs
 
 tinker = pytest.importorskip("tinker")
@@ -176,9 +176,9 @@ def _clients(lib: Any, service: Any) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("store")) as srv:
-        yield srv
+def server(remote_server: ServerProcess) -> ServerProcess:
+    """The suite's server (tests/conftest.py), the remote backend's too: no second start-up."""
+    return remote_server
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import pytest
 import zstandard
 
 import tinker_sr as tinker
-from tests._server import running_server
 from tests.test_server import Wire
 from tinker_sr import types
 from tinker_sr.engine.store import Store, StoreUnwritableError
@@ -23,9 +21,9 @@ from tinker_sr.wire import tinker_public_pb2 as pb
 
 
 @pytest.fixture(scope="module")
-def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
-    with running_server(tmp_path_factory.mktemp("store")) as srv:
-        yield Wire(srv.base_url)
+def wire(remote_server: Any) -> Wire:
+    """Raw HTTP to the suite's server (tests/conftest.py), in sessions of its own."""
+    return Wire(remote_server.base_url)
 
 
 def _refused(resp: object, needle: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests._server import ServerProcess, running_server
+from tests._server import ServerProcess
 from tinker_sr import errors, types
 from tinker_sr.backend.remote import RemoteBackend
 from tinker_sr.provenance import build_datum
@@ -29,9 +29,9 @@ DATUM = types.Datum(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("store")) as srv:
-        yield srv
+def server(remote_server: ServerProcess) -> ServerProcess:
+    """The suite's server (tests/conftest.py): no start-up of the module's own."""
+    return remote_server
 
 
 async def _training_script(backend: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ target_prompt_logprobs (dense and CSR) and prompt_alt_tokens, checked against a 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -195,33 +196,31 @@ def test_bad_extras_fail_with_clear_user_errors(service: tinker.ServiceClient) -
 
 
 def test_official_sdk_receives_every_extra(
-    tmp_path_factory: pytest.TempPathFactory,
+    remote_server: Any,
     monkeypatch: pytest.MonkeyPatch,
     ref_model: torch.nn.Module,
 ) -> None:
     sdk = pytest.importorskip("tinker")
-    from tests._server import running_server
-
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
     st = sdk.types
-    with running_server(tmp_path_factory.mktemp("store")) as srv:
-        service = sdk.ServiceClient(base_url=srv.base_url, api_key="tml-test")
-        sc = service.create_sampling_client(base_model=MODEL).result()
-        ids = torch.full((len(PROMPT) - 1, 2), -1, dtype=torch.long)
-        ids[1, 0], ids[4, 1] = 3, 44
-        r = sc.sample(
-            st.ModelInput.from_ints(PROMPT),
-            num_samples=2,
-            sampling_params=st.SamplingParams(max_tokens=3, temperature=1.0, seed=5),
-            include_prompt_logprobs=True,
-            topk_prompt_logprobs=4,
-            topk_sample_logprobs=2,
-            target_prompt_logprobs=st.TensorData.from_torch_sparse(ids, pad_value=-1),
-            prompt_alt_tokens_k=3,
-        ).result()
-        service.close("success").result()  # its heartbeats would outlive the server
+    # On the suite's server (tests/conftest.py): a start-up of its own cost ~4 s.
+    service = sdk.ServiceClient(base_url=remote_server.base_url, api_key="tml-test")
+    sc = service.create_sampling_client(base_model=MODEL).result()
+    ids = torch.full((len(PROMPT) - 1, 2), -1, dtype=torch.long)
+    ids[1, 0], ids[4, 1] = 3, 44
+    r = sc.sample(
+        st.ModelInput.from_ints(PROMPT),
+        num_samples=2,
+        sampling_params=st.SamplingParams(max_tokens=3, temperature=1.0, seed=5),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=4,
+        topk_sample_logprobs=2,
+        target_prompt_logprobs=st.TensorData.from_torch_sparse(ids, pad_value=-1),
+        prompt_alt_tokens_k=3,
+    ).result()
+    service.close("success").result()  # its heartbeats would outlive the test
 
     ref = _logp(ref_model, PROMPT)[:-1]
     assert r.topk_prompt_logprobs_np is not None

@@ -23,9 +23,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
+def module_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's kernel cache: each C library is built once for the module's tests."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture(autouse=True)
-def kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
+def kernel_cache(monkeypatch: pytest.MonkeyPatch, module_kernels: Path) -> Iterator[None]:
+    monkeypatch.setenv(native.CACHE_ENV, str(module_kernels))
     caches = (native.load, bf16_rows._library, compiled._rows_library)
     for cached in caches:
         cached.cache_clear()

@@ -28,11 +28,18 @@ pytestmark = pytest.mark.skipif(
 KERNELS = {"rms_norm", "rms_norm_backward", "rope", "rope_inverse", "silu_mul", "swiglu_backward"}
 
 
+@pytest.fixture(scope="module")
+def module_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The module's kernel cache: each C library is built once for the module's tests (a
+    build takes about a second; what a test checks is the kernels' results, not the build)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
-def ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[str]]:
+def ran(monkeypatch: pytest.MonkeyPatch, module_kernels: Any) -> Iterator[list[str]]:
     """Names of the compiled kernels that ran (and returned a result). The C kernels are
-    built into a kernel cache under ``tmp_path``."""
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
+    built into (or loaded from) the module's kernel cache, reloaded for each test."""
+    monkeypatch.setenv(native.CACHE_ENV, str(module_kernels))
     caches = (native.load, compiled._attention_library, compiled._rows_library)
     for cached in caches:
         cached.cache_clear()
@@ -546,10 +553,16 @@ def test_the_public_client_trains_and_samples_with_compiled_kernels(
 
 
 @pytest.fixture
-def kernel_cache(ran: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The kernels switched on, with the fresh kernel cache directory `ran` set up (the C
-    library is built into it for this test)."""
+def kernel_cache(ran: list[str], module_kernels: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The kernels switched on, with the module's kernel cache directory `ran` set up."""
     _switch(monkeypatch, True)
+    return module_kernels
+
+
+@pytest.fixture
+def fresh_kernel_cache(kernel_cache: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`kernel_cache`, but an empty directory of this test's own (for what a build leaves)."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "kernels"))
     return tmp_path / "kernels"
 
 
@@ -623,8 +636,9 @@ def test_attention_kernel_is_bit_identical_whatever_the_thread_count(kernel_cach
 
 
 def test_the_kernel_library_is_cached_per_cpu(
-    kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
+    fresh_kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    kernel_cache = fresh_kernel_cache
     compiler = native._compiler()
     assert compiler is not None
     assert native.load("causal_attention") is not None
@@ -639,9 +653,10 @@ def test_the_kernel_library_is_cached_per_cpu(
 
 
 def test_no_compiler_falls_back_to_torch_attention(
-    kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
+    fresh_kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``$TINKER_SR_NATIVE=1`` warns; the default (``auto``) only logs it."""
+    kernel_cache = fresh_kernel_cache
     monkeypatch.setattr(native, "_compiler", lambda: None)
     q = torch.randn(1, 2, 64, 16)
     with pytest.warns(RuntimeWarning, match="no C compiler"):

@@ -186,6 +186,9 @@ def _sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 TestClientSequences = ClientSequences.TestCase
-TestClientSequences.settings = settings(FUZZ, max_examples=15, stateful_step_count=14)
+# 8 derandomized runs of 14 steps each reach a released sampler (its "most recently used"
+# error) as often as the 15 / 12 runs did, with up to 5 / 4 samplers made: the sequences past
+# the eighth repeated those paths at ~1.8 s a run.
+TestClientSequences.settings = settings(FUZZ, max_examples=8, stateful_step_count=14)
 TestSDKClientSequences = SDKClientSequences.TestCase
-TestSDKClientSequences.settings = settings(FUZZ, max_examples=12, stateful_step_count=14)
+TestSDKClientSequences.settings = settings(FUZZ, max_examples=8, stateful_step_count=14)
