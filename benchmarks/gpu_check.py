@@ -1,6 +1,6 @@
 """One-call check of the engine on a CUDA GPU: train + sample on cuda, compared with the CPU.
 
-Run on an NVIDIA H200 in session 34 (docs/performance.md, "GPU"). On a machine with a CUDA
+Run on an NVIDIA H200 on 2026-12-04 (docs/performance.md, "GPU"). On a machine with a CUDA
 build of torch and an NVIDIA GPU:
 
     python benchmarks/gpu_check.py                       # tinker-sr/small, 8 x 256, 3 reps

@@ -168,15 +168,15 @@ def wants_remote(backend: Backend | str | None, base_url: str | None) -> bool:
     return choice == "remote" or (choice is None and resolve_base_url(base_url) is not None)
 
 
+NO_SERVER = "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
+
+
 def server_url(base_url: str | None) -> str:
     """The server's URL for the remote backend (`resolve_base_url`); none is an error."""
     url = resolve_base_url(base_url)
     if url is None:
         raise TinkerError(NO_SERVER)
     return url
-
-
-NO_SERVER = "backend='remote' needs a server: pass base_url=... or set TINKER_BASE_URL"
 
 
 def make_backend(
