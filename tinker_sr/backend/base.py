@@ -5,8 +5,8 @@ engine in-process; `RemoteBackend` speaks the Tinker wire protocol to a server, 
 (`tinker_sr.server`) is a `LocalBackend` behind the wire codec. Every method is a coroutine
 that resolves when the work is *done* (the remote backend hides submit + poll behind it).
 
-Identifiers follow the Tinker conventions (spec/wire.md §5) so that they mean the same thing
-locally and over the wire:
+Identifiers follow the Tinker conventions (as the official SDK forms them), so that they mean
+the same thing locally and over the wire:
 
 * ``session_id``: created by `create_session`.
 * ``model_id``: ``"{session_id}:train:{model_seq_id}"``; ``model_seq_id`` is chosen by the

@@ -1,4 +1,4 @@
-"""`RemoteBackend`: the `Backend` protocol over the Tinker wire protocol (spec/wire.md).
+"""`RemoteBackend`: the `Backend` protocol over the Tinker wire protocol.
 
 Speaks to a tinker_sr server, or any Tinker-compatible service, the way the official SDK
 0.38 does: the same paths, headers and bodies (forward_backward as protobuf), a

@@ -1,6 +1,6 @@
 """StableReinforce on any Tinker-compatible engine: the client lowers it to ``cross_entropy``.
 
-With the sampler's logprobs fixed, the StableReinforce surrogate (spec/losses.md §2.3) is
+With the sampler's logprobs fixed, the StableReinforce surrogate (docs/stable_reinforce.md) is
 linear in the learner's log-probabilities, so its gradient is the gradient of a weighted
 cross-entropy over the sampled token and the K draws of each sampled position: weight
 ``A_t + β`` on ``x_t``, ``-A_t / K_t`` on each valid draw ``y_{t,k}`` (``K_t`` = the number of
@@ -89,7 +89,7 @@ TargetsMode = Literal["auto", "2d", "1d"]
 SRPath = Literal["native", "lowered-2d", "lowered-1d"]
 
 DRAWS_K = 8
-"""Draws per sampled position, as the engine records (spec/losses.md §2.3)."""
+"""Draws per sampled position, as the engine records (docs/stable_reinforce.md)."""
 
 DEFAULT_DRAW_TOPK = 20
 """Top-k asked of the sampler for client-side draws when sampling has no top_k limit (the

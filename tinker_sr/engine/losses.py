@@ -1,8 +1,8 @@
 """Tinker's built-in `forward_backward` losses, summed over tokens and datums.
 
-Every loss is a plain sum over positions and over the datums of a request (spec/losses.md
-§1.2). Notation per position t: ``l_t`` learner log-prob of ``target_tokens[t]``, ``lq_t`` the
-sampler log-prob (input ``logprobs``), ``A_t`` the advantage, ``r_t = exp(l_t - lq_t)``.
+Every loss is a plain sum over positions and over the datums of a request, as Tinker defines
+its losses. Notation per position t: ``l_t`` learner log-prob of ``target_tokens[t]``, ``lq_t``
+the sampler log-prob (input ``logprobs``), ``A_t`` the advantage, ``r_t = exp(l_t - lq_t)``.
 
 * ``cross_entropy``        L = -sum w_t l_t; 2-D targets/weights ``[N, K]`` give
                            L = -sum w_tk log p(x_tk) and output ``logprobs`` of shape ``[N, K]``.

@@ -301,7 +301,7 @@ class Store:
 
     def close_session(self, session_id: str, status: str) -> None:
         with self._lock:
-            # First reason wins (spec/api.md §4.2).
+            # First reason wins, as Tinker's ServiceClient.close documents.
             self._db.execute(
                 "UPDATE sessions SET status=?, closed_at=? WHERE session_id=? AND status IS NULL",
                 (status, time.time(), session_id),

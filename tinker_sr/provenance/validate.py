@@ -3,8 +3,9 @@
 Given the datums of a training request and the recorded sequences of the session, check that
 every provenance span points at a sequence this session owns, that has not expired, and whose
 recorded tokens the datum reproduces; for ``stable_reinforce`` also check the loss's own
-requirements (spec/api.md §10.4, spec/losses.md §2.6). Returns, per datum, the view the loss
-needs: which target positions are sampled tokens and the stability draws aligned to them.
+requirements (docs/stable_reinforce.md, "What training validates"). Returns, per datum, the
+view the loss needs: which target positions are sampled tokens and the stability draws
+aligned to them.
 
 Validation is pure. The caller refreshes ``last_used_at`` of ``touch_ids(views)`` only after
 the whole request has succeeded.
@@ -362,7 +363,7 @@ def _check_context(
 ) -> None:
     """Target row ``pos + k`` is predicted from ``tokens[:pos + k + 1]``; sampled token
     ``offset + k`` was drawn after ``prompt + sampled[:offset + k]``. The two must be equal,
-    or the recorded logprobs and draws describe another distribution (spec/losses.md §2.7)."""
+    or the recorded logprobs and draws describe another distribution."""
     name = "loss_fn_input_spans"
     fix = (
         "train each sampled token right after the context it was sampled in: the prompt, "

@@ -1,4 +1,5 @@
-"""The Tinker wire protocol (spec/wire.md) in front of any `Backend`, as a Starlette app.
+"""The Tinker wire protocol (as the official SDK 0.38 speaks it) in front of any `Backend`, as
+a Starlette app.
 
 No training logic lives here: every handler (`server.handlers`) decodes its body with
 `tinker_sr.wire`, checks ownership (`server.sessions`), calls the backend and encodes the

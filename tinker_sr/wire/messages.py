@@ -4,7 +4,7 @@ Each endpoint's request body is a pydantic model here. The server parses with `p
 (strict types, unknown keys rejected, so no option is ever silently ignored) and
 `RemoteBackend` builds the same models and sends ``to_json(model)`` (``exclude_none``, as
 the official SDK does: ``None`` fields are omitted, non-``None`` defaults are sent).
-Future results and error payloads (spec/wire.md §6) have small helpers at the end.
+Future results and error payloads have small helpers at the end.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ __all__ = [
 SDK_VERSION = "0.38.0"
 
 SERVER_CLIENT_CONFIG: dict[str, Any] = {
-    # Flags of spec/wire.md §3.1 that this server chooses (the rest keep SDK defaults).
+    # The client-config flags this server chooses (the rest keep SDK defaults).
     "pjwt_auth_enabled": False,  # plain API keys, no /auth/token
     "use_pyqwest_transport": False,  # plain httpx on the client: no native transport needed
     # Bodies are sent uncompressed; the server nevertheless accepts Content-Encoding: zstd.
@@ -359,7 +359,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def future_failure(message: str, category: RequestErrorCategory | str) -> dict[str, str]:
-    """A failed future's payload (spec/wire.md §6.2): never carries anything else."""
+    """A failed future's payload: never carries anything else."""
     return {"error": message, "category": str(category)}
 
 

@@ -1,4 +1,4 @@
-"""Protobuf half of the wire codec (schema: ``tinker_public.proto``, spec/wire.md Appendix A).
+"""Protobuf half of the wire codec (schema: ``tinker_public.proto``).
 
 Three things travel as protobuf: the ``forward_backward`` request body, and the results of
 forward/backward and sample futures. Everything here converts between those messages and
