@@ -3,8 +3,14 @@
 #
 #   bash benchmarks/gpu_run.sh            # logs to $OUT (default /tmp/tinker-sr-gpu)
 #
-# Runs from a checkout without installing it (PYTHONPATH); packages the machine lacks are
-# installed beforehand from wheels (see docs/performance.md). In order, each with a time cap:
+# Runs from a checkout without installing it (PYTHONPATH). On a machine with torch but not
+# the project's other requirements and no network, bring them as wheels and install them first:
+#   pip download --no-deps -d .whl pydantic pydantic-core annotated-types typing-inspection \
+#       typing_extensions zstandard uvicorn starlette respx 'protobuf>=7.35.1,<8' \
+#       tinker==0.38.0 distro h2 hpack hyperframe orjson pyqwest opentelemetry-api sniffio
+#   (with --python-version / --platform for the target), then there:
+#   pip install --no-index --no-deps .whl/*.whl
+# In order, each with a time cap:
 #  1. benchmarks/gpu_check.py on tinker-sr/small: a LoRA step and 8 x 128 samples on cpu, cuda
 #     and cuda + bf16, the fp32 loss / log-probs against the CPU's, then every policy loss on
 #     StableReinforce provenance datums on each device (exits non-zero on a failed tolerance);
