@@ -23,10 +23,12 @@ differ between devices, so each device is checked against itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +65,26 @@ def _batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
     ]
 
 
-def run(device: str, model: str, args: argparse.Namespace, bf16: bool = False) -> dict[str, Any]:
+@contextlib.contextmanager
+def _training_client(
+    device: str, model: str, bf16: bool
+) -> Iterator[tuple[LocalBackend, tinker.TrainingClient]]:
+    """A seeded LoRA r8 training client of ``model`` on ``device`` (bf16 autocast or fp32),
+    on an embedded engine with a store of its own, closed on exit."""
     os.environ["TINKER_SR_TRAIN_DTYPE"] = "bf16" if bf16 else "float32"
     with tempfile.TemporaryDirectory(prefix="tinker-sr-gpu-check-") as store:
         backend = LocalBackend(store, device=device)
         service = tinker.ServiceClient(backend=backend)
         training = service.create_lora_training_client(base_model=model, rank=8, seed=0).result()
+        try:
+            yield backend, training
+        finally:
+            service.close().result()
+            backend.close()
+
+
+def run(device: str, model: str, args: argparse.Namespace, bf16: bool = False) -> dict[str, Any]:
+    with _training_client(device, model, bf16) as (backend, training):
         vocab = backend.models.base(backend.models.resolve_model(model)).config.vocab_size
         data = _batch(vocab, args.batch, args.seq)
         times, first = [], None
@@ -84,8 +100,6 @@ def run(device: str, model: str, args: argparse.Namespace, bf16: bool = False) -
         start = time.perf_counter()
         out = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
         sample_s = time.perf_counter() - start
-        service.close().result()
-        backend.close()
     assert first is not None
     return {
         "loss": first.metrics["loss:sum"],
@@ -101,13 +115,9 @@ def rl_losses(device: str, model: str, bf16: bool = False) -> bool:
     """Each policy loss on provenance datums sampled on ``device``; True when all pass."""
     from tinker_sr.provenance.build import build_datum
 
-    os.environ["TINKER_SR_TRAIN_DTYPE"] = "bf16" if bf16 else "float32"
     label = f"{device}{'-bf16' if bf16 else ''}"
     ok = True
-    with tempfile.TemporaryDirectory(prefix="tinker-sr-gpu-check-") as store:
-        backend = LocalBackend(store, device=device)
-        service = tinker.ServiceClient(backend=backend)
-        training = service.create_lora_training_client(base_model=model, rank=8, seed=0).result()
+    with _training_client(device, model, bf16) as (_, training):
         sampler = training.save_weights_and_get_sampling_client(record_stability_info=True)
         sampler = sampler.result()
         data, sampled = [], []
@@ -137,8 +147,6 @@ def rl_losses(device: str, model: str, bf16: bool = False) -> bool:
                 f"{label:>9} {loss_fn:<20} loss {loss:+.5f}, max |learner - sampler logprob| "
                 f"{gap:.2e}{'' if good else '  <-- FAILS'}"
             )
-        service.close().result()
-        backend.close()
     return ok
 
 

@@ -79,10 +79,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             base_model=args.base_model,
             aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
         )
-    except (EngineUserError, StoreDamagedError) as e:
-        print(f"tinker-sr export: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # e.g. an unwritable or full destination (the error names the file)
+    # OSError: e.g. an unwritable or full destination (the error names the file)
+    except (EngineUserError, StoreDamagedError, OSError) as e:
         print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
     print(out)
