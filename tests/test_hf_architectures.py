@@ -162,6 +162,8 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         ({"architectures": [{}]}, "architectures=\\[{}\\] must be a list of class names"),
         ({"model_type": "mistral"}, "model_type 'mistral' .* contradicts architectures"),
         ({"model_type": []}, "model_type \\[\\] is not supported"),
+        # transformers' AutoConfig refuses it too; read as Llama before, whatever it was.
+        ({"model_type": None, "architectures": None}, "neither model_type nor architectures"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "\\['full_attention'\\]"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),

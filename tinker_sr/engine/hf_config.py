@@ -237,7 +237,7 @@ def _token_id(hf: dict[str, Any], key: str, name: str) -> int | None:
 def _architecture(hf: dict[str, Any], name: str) -> str:
     """The architecture transformers' AutoModelForCausalLM would build: ``model_type``'s, which
     ``architectures[0]`` must not contradict; ``architectures[0]`` alone when there is no
-    ``model_type``; Llama when neither is there (as the engine always assumed)."""
+    ``model_type``; an error when neither is there, as transformers' AutoConfig raises."""
     archs, model_type = hf.get("architectures"), hf.get("model_type")
     if archs is not None and archs != []:
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -250,7 +250,13 @@ def _architecture(hf: dict[str, Any], name: str) -> str:
                 f"supported: {sorted(ARCHITECTURES)}"
             )
     if model_type is None:
-        return str(archs[0]) if archs else "LlamaForCausalLM"
+        if archs:
+            return str(archs[0])
+        raise EngineUserError(
+            f"{name}: config.json has neither model_type nor architectures, so the model's "
+            'architecture is unknown; add e.g. "model_type": "llama" (supported: '
+            f"{sorted(MODEL_TYPES)})"
+        )
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise EngineUserError(
             f"{name}: config.json model_type {model_type!r} is not supported; supported: "
