@@ -26,7 +26,7 @@ from tinker_sr import types  # noqa: E402
 from tinker_sr.engine.checkpoints import load_tensors  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
-from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
+from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES, load_hf_tokenizer  # noqa: E402
 from tinker_sr.user_errors import EngineUserError  # noqa: E402
 
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"
@@ -187,6 +187,21 @@ def test_a_tokenizer_without_its_files_names_what_the_directory_holds(
     service = tinker_sr.ServiceClient()
     client = service.create_lora_training_client(base_model=str(root), rank=4).result()
     with pytest.raises(EngineUserError, match="its tokenizer does not load"):
+        client.get_tokenizer()
+
+
+def test_a_directory_without_any_tokenizer_file_is_refused_not_served_empty(
+    base: Path, tmp_path: Path
+) -> None:
+    """config.json and the weights only, as training frameworks often save them. Before:
+    transformers 5 built a Qwen2 tokenizer from nothing, whose whole vocabulary is its one
+    special token: every text encoded to [], and get_tokenizer() handed that to the user."""
+    root = tmp_path / "weights-only"
+    shutil.copytree(base, root, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    assert not {p.name for p in root.iterdir()} & TOKENIZER_FILE_NAMES
+    service = tinker_sr.ServiceClient()
+    client = service.create_lora_training_client(base_model=str(root), rank=4).result()
+    with pytest.raises(EngineUserError, match=r"Tokenizer files there: none.*needs tokenizer.json"):
         client.get_tokenizer()
 
 

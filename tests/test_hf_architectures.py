@@ -405,6 +405,10 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe defaults": {"model_type": "qwen3_moe", "num_key_value_heads": 2},
     "qwen3_moe window on": {"model_type": "qwen3_moe", "num_key_value_heads": 2,
         "use_sliding_window": True, "sliding_window": 256, "max_window_layers": 28},
+    # head_dim by floor division (transformers' Llama refuses it; Mistral, Qwen2 do not). It
+    # was refused with "set explicit_head_dim", a name config.json does not have.
+    "hidden not a multiple of heads": {"model_type": "mistral", "hidden_size": 66,
+        "num_key_value_heads": 2},
     "linear scaling": {"model_type": "llama", "rope_theta": 1e4,
         "rope_scaling": {"type": "linear", "factor": 4.0}},
 }  # fmt: skip

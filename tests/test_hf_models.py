@@ -414,3 +414,33 @@ def test_padded_llama_vocab_eos_list_and_missing_tokenizer_json(tmp_path: Path) 
     assert bare.eos_token_ids == info.eos_token_ids
     with pytest.raises(ValueError, match="stop strings need the model's tokenizer.json"):
         _ = bare.token_bytes
+
+
+def test_a_tokenizer_eos_past_the_vocabulary_is_dropped_beside_declared_ones(
+    tmp_path: Path,
+) -> None:
+    """The tokenizer's eos_token is an added token past config.json's vocab_size (its row was
+    never added to the embedding) while config.json declares EOS ids inside it, which is all
+    transformers' generate reads. Before: every client of the directory was refused."""
+    root = make_tiny_hf_model_dir(tmp_path / "q")
+    info = tiny_model_info(root)
+    spec = json.loads((root / "tokenizer.json").read_text())
+    spec["added_tokens"].append({
+        "id": info.vocab_size, "content": "<|eos_past_the_rows|>", "single_word": False,
+        "lstrip": False, "rstrip": False, "normalized": False, "special": True,
+    })  # fmt: skip
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({**config, "eos_token": "<|eos_past_the_rows|>"})
+    )
+    with pytest.warns(
+        UserWarning, match=rf"eos_token '<\|eos_past_the_rows\|>' is id {info.vocab_size}"
+    ):
+        mt = ModelTokenizer(root)
+    assert mt.eos_token_ids == tuple(i for i in info.eos_token_ids if i < info.vocab_size)
+    for name in ("config.json", "generation_config.json"):  # nothing declared: refused
+        declared = json.loads((root / name).read_text())
+        (root / name).write_text(json.dumps({**declared, "eos_token_id": None}))
+    with pytest.raises(ValueError, match="declare no eos_token_id; set eos_token_id in config"):
+        ModelTokenizer(root)

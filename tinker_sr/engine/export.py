@@ -40,21 +40,12 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import Transformer
 from tinker_sr.hf_files import read_json
+from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 PEFT_PREFIX = "base_model.model."
 # Files of a base model directory that a merged export carries over unchanged.
-_CARRIED = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-)
+_CARRIED = ("generation_config.json", *sorted(TOKENIZER_FILE_NAMES))
 
 
 @dataclasses.dataclass(frozen=True)

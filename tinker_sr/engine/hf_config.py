@@ -338,7 +338,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         bos_token_id=_token_id(hf, "bos_token_id", name),
         eos_token_id=_token_id(hf, "eos_token_id", name),
         pad_token_id=_token_id(hf, "pad_token_id", name),
-        explicit_head_dim=head_dim if head_dim != dim // n_heads else None,
+        explicit_head_dim=head_dim if head_dim * n_heads != dim else None,
         attention_bias=bias if arch.qkv_bias is None else arch.qkv_bias,
         attention_out_bias=bias if arch.out_bias is None else arch.out_bias,
         rope_scaling=scaling,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,9 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
     tokens and ids the tokenizer does not define, e.g. padded embedding rows).
 
     Byte-level BPE (GPT-2, Llama 3, Qwen): each character of a token maps back to one byte.
-    SentencePiece-style (Llama 2, Mistral): "▁" is a space and "<0xNN>" is byte NN. Other
+    SentencePiece-style (Llama 2, Mistral): "▁" is a space and "<0xNN>" is byte NN. WordPiece
+    (BERT-style): a "##" continuation joins the word before it, any other token starts a word
+    after a space. BPE with an end-of-word suffix ("</w>"): the suffix is a space. Other
     decoders: the `tokenizers` library decodes each id alone.
     """
     table = [b""] * vocab_size
@@ -65,12 +68,58 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
                 table[i] = (
                     bytes([int(m.group(1), 16)]) if m else tok.replace(_SP_SPACE, " ").encode()
                 )
+    elif "WordPiece" in kinds:
+        table = _wordpiece_table(vocab, _decoder_of(spec.get("decoder"), "WordPiece"), vocab_size)
+    elif "BPEDecoder" in kinds:
+        suffix = str(_decoder_of(spec.get("decoder"), "BPEDecoder").get("suffix", "</w>"))
+        for tok, i in vocab.items():
+            if 0 <= i < vocab_size:
+                table[i] = tok.replace(suffix, " ").encode()
     else:
         table = _decode_each(spec, vocab_size)
     for added in spec.get("added_tokens") or []:
         i = int(added["id"])
         if 0 <= i < vocab_size:
             table[i] = b"" if added.get("special") else str(added["content"]).encode()
+    return table
+
+
+def _decoder_of(spec: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    """The first decoder of type ``kind`` in a tokenizer.json decoder (Sequence flattened)."""
+    if not spec:
+        return {}
+    if spec.get("type") == kind:
+        return spec
+    if spec.get("type") == "Sequence":
+        for sub in spec.get("decoders", []):
+            if found := _decoder_of(sub, kind):
+                return found
+    return {}
+
+
+# What the WordPiece decoder's ``cleanup`` joins to the word before it (no space).
+_WORDPIECE_JOINED = frozenset({".", "?", "!", ",", "n't", "'m", "'s", "'ve", "'re"})
+
+
+def _wordpiece_table(
+    vocab: dict[str, int], decoder: dict[str, Any], vocab_size: int
+) -> list[bytes]:
+    """Each WordPiece token's bytes as the decoder joins them in a text: a continuation
+    ("##ing") without its prefix, joined to the word before; any other token after a space
+    (decoded alone, a continuation kept its "##" and a word lost its space, so a stop string
+    spanning two tokens never matched)."""
+    prefix = str(decoder.get("prefix", "##"))
+    cleanup = bool(decoder.get("cleanup", True))
+    table = [b""] * vocab_size
+    for tok, i in vocab.items():
+        if not 0 <= i < vocab_size:
+            continue
+        if tok.startswith(prefix):
+            table[i] = tok[len(prefix) :].encode()
+        elif cleanup and tok in _WORDPIECE_JOINED:
+            table[i] = tok.encode()
+        else:
+            table[i] = f" {tok}".encode()
     return table
 
 
@@ -128,19 +177,40 @@ class ModelTokenizer:
                 f"{root}: the added tokens of tokenizer.json / tokenizer_config.json are "
                 f"malformed ({type(e).__name__}: {e}); re-save the tokenizer with transformers"
             ) from e
-        self.eos_token_ids = eos_token_ids(root, ids.get(eos) if eos else None)
-        if not self.eos_token_ids:
+        self.eos_token_ids = self._eos_ids(eos, ids.get(eos) if eos else None)
+
+    def _eos_ids(self, eos: str | None, tokenizer_eos: int | None) -> tuple[int, ...]:
+        """config.json's and generation_config.json's EOS ids, then the tokenizer's, all inside
+        the vocabulary; a tokenizer EOS past it beside declared ones is dropped with a warning
+        (no row can sample it; transformers' generate never reads it)."""
+        root, vocab = self.root, self.vocab_size
+        declared = eos_token_ids(root)
+        outside = [i for i in declared if not 0 <= i < vocab]
+        if outside:
+            raise EngineUserError(
+                f"{root}: EOS token ids {outside} (config.json / generation_config.json "
+                f"eos_token_id) are outside the model's vocabulary [0, {vocab}); fix "
+                "eos_token_id there"
+            )
+        if tokenizer_eos is not None and not 0 <= tokenizer_eos < vocab:
+            where = (
+                f"{root}: tokenizer_config.json's eos_token {eos!r} is id {tokenizer_eos}, "
+                f"outside the model's vocabulary [0, {vocab})"
+            )
+            if not declared:
+                raise EngineUserError(
+                    f"{where}, and config.json / generation_config.json declare no "
+                    "eos_token_id; set eos_token_id in config.json"
+                )
+            warnings.warn(f"{where}; sampling stops at {list(declared)} only", stacklevel=3)
+            tokenizer_eos = None
+        ids = eos_token_ids(root, tokenizer_eos)
+        if not ids:
             raise EngineUserError(
                 f"{root}: no EOS token id in config.json, generation_config.json or "
                 "tokenizer_config.json; set eos_token_id in config.json"
             )
-        outside = [i for i in self.eos_token_ids if not 0 <= i < self.vocab_size]
-        if outside:
-            raise EngineUserError(
-                f"{root}: EOS token ids {outside} (config.json / generation_config.json / "
-                f"tokenizer_config.json eos) are outside the model's vocabulary "
-                f"[0, {self.vocab_size}); fix eos_token_id there"
-            )
+        return ids
 
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
@@ -189,7 +259,12 @@ def load_hf_tokenizer(root: Path) -> Any:
     `EngineUserError` naming the directory and its tokenizer files when they do not load
     (transformers' own errors say neither)."""
     try:
-        return _load_tokenizer(root)
+        tok = _load_tokenizer(root)
+        # transformers 5 builds some tokenizers (Qwen2's, GPT-2's) from no files at all: an
+        # empty vocabulary that encodes every text to [] where it should fail.
+        if not set(tok.get_vocab().values()) - set(getattr(tok, "all_special_ids", None) or []):
+            raise ValueError("it loaded with no tokens but special ones (no vocabulary file)")
+        return tok
     except EngineUserError:
         raise
     except Exception as e:
