@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
 
 import tinker_sr  # noqa: E402
 from tests._train import cross_entropy_steps  # noqa: E402
@@ -58,6 +58,22 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.manual_seed(4)
         AutoModelForCausalLM.from_config(config).save_pretrained(linear)
     out["llama-linear"] = linear
+    # hidden_size not a multiple of the heads: Qwen2's head_dim is the floor, 66 // 4 = 16.
+    floor = root / "qwen2-floor-head"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        AutoModelForCausalLM.from_config(
+            Qwen2Config(
+                vocab_size=512,
+                hidden_size=66,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                architectures=["Qwen2ForCausalLM"],
+            )  # fmt: skip
+        ).save_pretrained(floor)
+    out["qwen2-floor-head"] = floor
     return out
 
 
@@ -67,13 +83,15 @@ def _hf_logits(root: Path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits.float()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama-bias", "llama-linear", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["qwen2", "mistral", "llama-bias", "llama-linear", "qwen3_moe", "qwen2-floor-head"]
+)
 def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     ours = load_model_dir(dirs[family])
     with torch.no_grad():
         mine = ours(torch.tensor([IDS]))
     torch.testing.assert_close(mine, _hf_logits(dirs[family], IDS), rtol=0, atol=1e-5)
-    if family in ("qwen2", "llama-bias"):
+    if family in ("qwen2", "llama-bias", "qwen2-floor-head"):
         assert all(
             getattr(ours.model.layers[0].self_attn, f"{p}_proj").bias is not None
             for p in ("q", "k", "v")
