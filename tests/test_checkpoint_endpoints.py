@@ -735,3 +735,19 @@ def test_a_malformed_path_never_reaches_another_checkpoint(tmp_path: Path) -> No
                 tc.save_state(name).result()
         ours.close().result()
         theirs.close("success").result()
+
+
+def test_a_name_taken_twice_is_refused_with_a_fix_the_save_offers(service: Any) -> None:
+    """save_state has overwrite=True; save_weights_for_sampler has no such parameter (in the
+    official SDK either). Before, both refusals advised it: the sampler's sent users to a
+    TypeError."""
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    tc.save_state("taken").result()
+    with pytest.raises(BAD_INPUT, match=r"already exists; pick another name \(or pass overwrite"):
+        tc.save_state("taken").result()
+    assert tc.save_state("taken", overwrite=True).result().path.endswith("/weights/taken")
+    tc.save_weights_for_sampler("taken").result()
+    with pytest.raises(BAD_INPUT, match="already exists") as err:
+        tc.save_weights_for_sampler("taken").result()
+    assert "overwrite" not in str(err.value)
+    assert "delete it first with RestClient.delete_checkpoint_from_tinker_path" in str(err.value)

@@ -717,6 +717,12 @@ def test_16_inflight_samplers_and_access_tokens_are_refused_on_every_path(
     refused(lambda: tc.save_weights_and_get_sampling_client(kind="inflight"), INFLIGHT_UNSUPPORTED)
     path = tc.save_state("tok").result().path
     refused(lambda: tc.load_state(path, weights_access_token="t"), ACCESS_TOKEN_UNSUPPORTED)
+    # Before: accepted and dropped by tinker_sr's client (the official SDK got the server's 400).
+    for create in (
+        service.create_training_client_from_state,
+        service.create_training_client_from_state_with_optimizer,
+    ):
+        refused(lambda: create(path, weights_access_token="t").result(), ACCESS_TOKEN_UNSUPPORTED)  # noqa: B023
     model_id = wire.model(wire.session())
     body = {"model_id": model_id, "seq_id": 1, "kind": "inflight", "sampling_session_seq_id": 0}
     user_error(wire.post("save_weights_for_sampler", body), INFLIGHT_UNSUPPORTED)

@@ -238,8 +238,10 @@ class ServiceClient:
         base_model: str | None,
         user_metadata: dict[str, str] | None,
         optimizer: types.OptimizerConfig | None,
+        weights_access_token: str | None,
     ) -> BackcompatTrainingClientFuture:
         self.holder.check_open()
+        validation.check_no_access_token(weights_access_token, "load_weights")  # as the server
         validation.check_text(user_metadata, "create_training_client_from_state: user_metadata")
         # Any path goes to the service, as the SDK sends it: a sampler or external-weights
         # path fails the future (RequestFailedError), a malformed one too (BadRequestError).
@@ -271,6 +273,7 @@ class ServiceClient:
             base_model=base_model,
             user_metadata=user_metadata,
             optimizer=optimizer,
+            weights_access_token=weights_access_token,
         )
 
     def create_training_client_from_state_with_optimizer(
@@ -287,6 +290,7 @@ class ServiceClient:
             base_model=base_model,
             user_metadata=user_metadata,
             optimizer=None,
+            weights_access_token=weights_access_token,
         )
 
     # ---- sampling clients -------------------------------------------------------------------

@@ -147,9 +147,9 @@ class CheckpointStore:
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"
         if not overwrite and self.store.get_checkpoint(tinker_path) is not None:
-            raise EngineUserError(
-                f"checkpoint {tinker_path} already exists; pick another name or pass overwrite=True"
-            )
+            # save_state(overwrite=True) exists; the SDK's save_weights_for_sampler has no such
+            # parameter, so advising it there sent users to a TypeError.
+            raise _exists(tinker_path, "pass overwrite=True" if segment == "weights" else None)
         file_path = self.file(run_id, segment, name)
         size = ckpt_io.save_tensors(file_path, tensors, meta)
         self._record(run_id, segment, name, file_path, size, user_metadata, expires_at)
@@ -173,10 +173,7 @@ class CheckpointStore:
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"
         if self.store.get_checkpoint(tinker_path) is not None:
-            raise EngineUserError(
-                f"checkpoint {tinker_path} already exists; pick another name (or delete it "
-                "first with RestClient.delete_checkpoint_from_tinker_path)"
-            )
+            raise _exists(tinker_path, None)
         final = self.directory(run_id, segment, name)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.with_name(f".{name}.{uuid.uuid4().hex}.tmp")
@@ -422,3 +419,9 @@ class CheckpointStore:
             )
         )
         return new_path
+
+
+def _exists(tinker_path: str, overwrite_hint: str | None) -> EngineUserError:
+    """The refusal of a save under a name the run already holds."""
+    fix = overwrite_hint or "delete it first with RestClient.delete_checkpoint_from_tinker_path"
+    return EngineUserError(f"checkpoint {tinker_path} already exists; pick another name (or {fix})")
