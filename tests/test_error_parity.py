@@ -141,6 +141,23 @@ CASES: dict[str, tuple[str, Case]] = {
         lambda c: c.rest.export_session_trace(c.run.split(":")[0]),
     ),
     "whoami": ("RuntimeError", lambda c: c.rest.whoami()),
+    # Found by the session-35 users.md audit: our remote client raised pydantic's
+    # ValidationError (it sent Dimuon as adam_params), the embedded engine RequestFailedError;
+    # kind="inflight" raised a plain ValueError on both.
+    "optim_step(DimuonParams)": (
+        "BadRequestError",
+        lambda c: c.training.optim_step(c.types.DimuonParams(learning_rate=1e-3)),
+    ),
+    "save_weights_and_get_sampling_client(kind='inflight')": (
+        "BadRequestError",
+        lambda c: c.training.save_weights_and_get_sampling_client(kind="inflight"),
+    ),
+    "from_state(weights_access_token=...)": (
+        "BadRequestError",
+        lambda c: c.service.create_training_client_from_state(
+            c.training.save_state("tok").result().path, weights_access_token="t"
+        ),
+    ),
 }
 
 

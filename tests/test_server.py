@@ -162,6 +162,25 @@ def test_configured_api_keys_are_the_only_ones_accepted(tmp_path: Path) -> None:
         assert resp.status_code == 401 and "not accepted" in detail(resp)
 
 
+@pytest.mark.parametrize("how", ["--api-key", "env"])
+def test_serve_refuses_at_start_a_key_no_client_can_send(tmp_path: Path, how: str) -> None:
+    """Before: `serve --api-key mysecret` started ("accepting 1 configured API key(s)") and
+    every client, the official SDK too, refused the key before connecting."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_SR_API_KEYS"}
+    if how == "env":
+        env["TINKER_SR_API_KEYS"] = "tml-fine,mysecret"
+    else:
+        argv += ["--api-key", "mysecret"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "do not start with 'tml-'" in done.stderr and "tml-<secret>" in done.stderr
+
+
 def test_malformed_json_is_a_400_and_changes_nothing(wire: Wire, model: str) -> None:
     before = wire.logprobs(model)
     resp = wire.post(

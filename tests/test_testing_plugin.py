@@ -23,7 +23,7 @@ def test_offline_service_aliases_any_model_name(tinker_sr_service: tinker.Servic
 
 def test_injected_faults_fire_then_clear(tinker_sr_faulty_service: Any) -> None:
     service, faulty = tinker_sr_faulty_service
-    faulty.add(Fault("sample", error=request_failed("sampler overloaded"), times=1))
+    faulty.add_fault(Fault("sample", error=request_failed("sampler overloaded"), times=1))
     sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
     prompt = types.ModelInput.from_ints([5, 6])
     params = types.SamplingParams(max_tokens=2, seed=0)

@@ -18,6 +18,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
     from tinker_sr.server import serve
     from tinker_sr.server.features import ServerFeatures
+    from tinker_sr.server.run import UnusableApiKeyError
     from tinker_sr.server.store_lock import StoreInUseError
 
     keys = [k for k in (args.api_key or []) if k]
@@ -40,8 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             model_aliases=model_aliases_from_args(args),
             device=device_from_args(args),
         )
-    # another live server; a bad database; a read-only directory
-    except (StoreInUseError, StoreDamagedError, StoreUnwritableError) as e:
+    # another live server; a bad database; a read-only directory; a key no client can send
+    except (StoreInUseError, StoreDamagedError, StoreUnwritableError, UnusableApiKeyError) as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 

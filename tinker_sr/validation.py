@@ -269,6 +269,21 @@ def non_finite(params: Any, where: str) -> str | None:
     return None
 
 
+def unsupported_optimizer(params: Any) -> str | None:
+    """Why an optim_step's parameters are refused: every model here steps with AdamW, so other
+    `OptimParams` (e.g. `DimuonParams`) are refused by name, as the server refuses them."""
+    if isinstance(params, types.AdamParams):
+        return None
+    return optimizer_refused(getattr(params, "type", type(params).__name__))
+
+
+def optimizer_refused(kind: object) -> str:
+    return (
+        f"optim_step: optimizer_params of type {kind!r} are not supported; this server steps "
+        "with AdamW (send adam_params)"
+    )
+
+
 def adam_values(p: Any) -> dict[str, float]:
     """The checked hyperparameters of an optim_step's `AdamParams`."""
     if not isinstance(p, types.AdamParams):

@@ -436,8 +436,11 @@ class LocalBackend(LocalRestQueries):
     async def optim_step(
         self, model_id: str, seq_id: int, adam_params: types.AdamParams
     ) -> types.OptimStepResponse:
+        problem = validation.unsupported_optimizer(adam_params)  # as the server: 400, freed
         await self._refuse_numbered(
-            model_id, seq_id, validation.non_finite(adam_params, "optim_step: adam_params")
+            model_id,
+            seq_id,
+            problem or validation.non_finite(adam_params, "optim_step: adam_params"),
         )
         return await self._trainer_work(
             model_id,

@@ -201,7 +201,11 @@ class RemoteBackend(WireTransport):
     async def optim_step(
         self, model_id: str, seq_id: int, adam_params: types.AdamParams
     ) -> types.OptimStepResponse:
-        req = m.OptimStepRequest(model_id=model_id, seq_id=seq_id, adam_params=adam_params)
+        if isinstance(adam_params, types.AdamParams):
+            req = m.OptimStepRequest(model_id=model_id, seq_id=seq_id, adam_params=adam_params)
+        else:  # Dimuon and the like: as the SDK sends them, for the service to accept or refuse
+            other = pydantic.BaseModel.model_dump(adam_params, mode="json")
+            req = m.OptimStepRequest(model_id=model_id, seq_id=seq_id, optimizer_params=other)
         # As the SDK sends it: a NaN or infinite hyperparameter as null, which the service
         # refuses (400) and so frees the number; refused here, it would leave a gap.
         body = json.loads(req.model_dump_json(exclude_none=True))

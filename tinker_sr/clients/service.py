@@ -21,6 +21,7 @@ from tinker_sr.clients.holder import (
     blocking_result,
     default_api_key,
     make_backend,
+    refused_as_400,
     server_url,
     wants_remote,
     warn_deprecated,
@@ -53,7 +54,10 @@ def _check_api_key(api_key: str | None, remote: bool) -> str | None:
             "--api-key/--api-keys)"
         )
     if not (key.startswith("tml-") or key.startswith("eyJ")):
-        raise TinkerError("The API key must start with 'tml-'")
+        raise TinkerError(
+            "The API key must start with 'tml-' (a local tinker-sr serve accepts any such key "
+            "unless it was started with --api-key)"
+        )
     return key
 
 
@@ -241,7 +245,7 @@ class ServiceClient:
         weights_access_token: str | None,
     ) -> BackcompatTrainingClientFuture:
         self.holder.check_open()
-        validation.check_no_access_token(weights_access_token, "load_weights")  # as the server
+        refused_as_400(validation.check_no_access_token, weights_access_token, "load_weights")
         validation.check_text(user_metadata, "create_training_client_from_state: user_metadata")
         # Any path goes to the service, as the SDK sends it: a sampler or external-weights
         # path fails the future (RequestFailedError), a malformed one too (BadRequestError).

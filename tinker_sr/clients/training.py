@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
-from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
+from tinker_sr.clients.holder import (
+    ClientSession,
+    blocking_result,
+    log,
+    refused_as_400,
+    warn_deprecated,
+)
 from tinker_sr.errors import RequestFailedError
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 
@@ -395,7 +401,7 @@ class TrainingClient:
         if kind not in ("snapshot", "inflight"):
             raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
         # Refused here with the server's own words (it refuses the SDK's request alike).
-        validation.check_sampler_kind(kind, "save_weights_and_get_sampling_client")
+        refused_as_400(validation.check_sampler_kind, kind, "save_weights_and_get_sampling_client")
         backend = self.holder.backend
         sampling_seq = self.holder.next_sampling_session_seq_id()
 
@@ -453,7 +459,7 @@ class TrainingClient:
     def _load(
         self, path: str, *, with_optimizer: bool, weights_access_token: str | None
     ) -> APIFuture[types.LoadWeightsResponse]:
-        validation.check_no_access_token(weights_access_token, "load_weights")  # as the server
+        refused_as_400(validation.check_no_access_token, weights_access_token, "load_weights")
         # The path's form is the backend's to check: BadRequestError from the future, as the
         # SDK gets it from a server.
         backend = self.holder.backend

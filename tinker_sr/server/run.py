@@ -14,7 +14,12 @@ from tinker_sr.limits import Limits
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
 from .features import ServerFeatures
 
-__all__ = ["serve", "api_keys_from_env", "run_uvicorn"]
+__all__ = ["serve", "api_keys_from_env", "run_uvicorn", "UnusableApiKeyError"]
+
+
+class UnusableApiKeyError(ValueError):
+    """A configured API key no Tinker client can send: the official SDK and tinker_sr refuse
+    keys without the ``tml-`` prefix before connecting."""
 
 
 def api_keys_from_env() -> list[str] | None:
@@ -55,6 +60,13 @@ def serve(
     if isinstance(api_keys, str):
         api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
     keys = list(api_keys) if api_keys else api_keys_from_env()
+    unusable = [k for k in keys or () if not k.startswith("tml-")]
+    if unusable:  # else the server starts and no client can ever present the key
+        raise UnusableApiKeyError(
+            f"{len(unusable)} of the configured API keys (--api-key / --api-keys / "
+            "$TINKER_SR_API_KEYS) do not start with 'tml-', and no Tinker client sends such a "
+            "key (the official SDK refuses it before connecting): use keys like tml-<secret>"
+        )
     store_dir = Path(store) if store is not None else default_store_dir()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)

@@ -1,6 +1,7 @@
 """Fault injection for tests: wrap any `Backend` and make chosen calls fail or stall.
 
-    backend = FaultyBackend(LocalBackend(tmp), [Fault("sample", times=1, error=rate_limited())])
+    backend = FaultyBackend(LocalBackend(tmp), [Fault("sample", error=request_failed())])
+    backend.add_fault(Fault("forward_backward", delay_s=5))  # or later, while the test runs
     client = tinker.ServiceClient(backend=backend)
 
 Faults match by backend method name and fire on the ``after``-th matching call onwards, at most
@@ -56,6 +57,10 @@ class FaultTable(Generic[F]):
         with self._lock:
             self.faults.append(fault)
         return fault
+
+    def add_fault(self, fault: F) -> F:
+        """`add`, by the name the `tinker_mock` / `tinker_server` fixtures use."""
+        return self.add(fault)
 
     def clear(self) -> None:
         with self._lock:

@@ -172,8 +172,7 @@ async def optim_step(srv: TinkerServer, request: Request, owner: str) -> Respons
         kind = (req.optimizer_params or {}).get("type")
         raise HTTPError(
             400,
-            f"optim_step: optimizer_params of type {kind!r} are not supported; this "
-            "server steps with AdamW (send adam_params)"
+            validation.optimizer_refused(kind)
             if req.optimizer_params is not None
             else "optim_step: adam_params is required",
         )
