@@ -181,6 +181,27 @@ def test_serve_refuses_at_start_a_key_no_client_can_send(tmp_path: Path, how: st
     assert "do not start with 'tml-'" in done.stderr and "tml-<secret>" in done.stderr
 
 
+def test_a_slow_request_is_reported_in_the_log_while_it_runs(tmp_path: Path) -> None:
+    """users.md: tell a slow server from a hung client. Before, a 40 s forward_backward left
+    nothing in the log at the default level between start-up and shutdown."""
+    import tinker_sr
+
+    env = {"TINKER_SR_SLOW_REQUEST_S": "0.05"}
+    with running_server(tmp_path / "store", env=env, extra_args=["--log-level", "info"]) as srv:
+        service = tinker_sr.ServiceClient(base_url=srv.base_url, api_key="tml-test")
+        tc = service.create_lora_training_client("tinker-sr/small", rank=8, seed=0).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(list(range(255))),
+            loss_fn_inputs={"target_tokens": list(range(1, 256)), "weights": [1.0] * 255},
+        )
+        tc.forward_backward([datum] * 8, "cross_entropy").result()
+        service.close().result()
+        log = srv.log()
+    running = [line for line in log.splitlines() if "still running after" in line]
+    assert any(f"ForwardBackward on {tc.model_id} req-" in line for line in running), log
+    assert f"ForwardBackward on {tc.model_id} req-" in log and " finished in " in log
+
+
 def test_malformed_json_is_a_400_and_changes_nothing(wire: Wire, model: str) -> None:
     before = wire.logprobs(model)
     resp = wire.post(

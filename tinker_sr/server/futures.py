@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -30,6 +32,17 @@ Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 """``work(promise)`` returns ``(encoding, payload)``: ``"json"`` or ``"proto"`` and the bytes."""
 
 _RECENT = 256
+SLOW_ENV = "TINKER_SR_SLOW_REQUEST_S"
+_SLOW_REPEAT_S = 30.0
+
+
+def slow_request_s() -> float:
+    """After how long a request still running is reported in the server's log (info level):
+    ``$TINKER_SR_SLOW_REQUEST_S``, default 10 s; again every 30 s, and when it ends."""
+    try:
+        return max(0.0, float(os.environ.get(SLOW_ENV, "10")))
+    except ValueError:
+        return 10.0
 
 
 class Background:
@@ -111,7 +124,7 @@ class Futures:
         self._events[rid] = asyncio.Event()
         if kind == "Sample":
             self.pending_samples.add(rid)
-        self.background.spawn(self._execute(rid, work, promise))
+        self.background.spawn(self._execute(rid, work, promise, kind))
         return json_reply(promise)
 
     def check_sample_capacity(self, dedupe_key: str) -> None:
@@ -143,7 +156,22 @@ class Futures:
             )
         return json_reply(row.promise)  # an HTTP retry of the same submission: same future
 
-    async def _execute(self, rid: str, work: Work, promise: dict[str, Any]) -> None:
+    async def _report_slow(self, rid: str, what: str, started: float) -> None:
+        """Log that ``rid`` is still running, so a slow server is told from a hung client."""
+        delay = slow_request_s()
+        while True:
+            await asyncio.sleep(delay)
+            log.info(
+                "%s %s still running after %.1f s (%d requests in progress)",
+                what, rid, time.monotonic() - started, len(self._events),
+            )  # fmt: skip
+            delay = _SLOW_REPEAT_S
+
+    async def _execute(self, rid: str, work: Work, promise: dict[str, Any], kind: str) -> None:
+        started = time.monotonic()
+        model = promise.get("model_id") or promise.get("sampling_session_id")
+        what = f"{kind} on {model}" if model else kind
+        watch = asyncio.ensure_future(self._report_slow(rid, what, started))
         try:
             encoding, payload = await work(promise)
             self.state.complete_future(rid, encoding, payload)
@@ -163,6 +191,9 @@ class Futures:
             )
             self.state.fail_future(rid, text, "server")
         finally:
+            watch.cancel()
+            if (took := time.monotonic() - started) >= slow_request_s():
+                log.info("%s %s finished in %.1f s", what, rid, took)
             self.pending_samples.discard(rid)
             row = self.state.get_future(rid)
             if row is not None and row.status != PENDING:

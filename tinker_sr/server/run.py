@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -99,6 +100,7 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
+    _log_to_stderr(log_level)
     run_uvicorn(
         app,
         lambda: app.state.tinker_server,
@@ -107,6 +109,20 @@ def serve(
         log_level=log_level,
         access_log=log_level in ("debug", "trace"),
     )
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own lines (slow requests, recovered futures) on stderr at ``level``, in
+    uvicorn's format; before, only warnings reached stderr (Python's last-resort handler)."""
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("tinker_sr")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
 
 def run_uvicorn(app: Any, tinker_server: Callable[[], Any], **options: Any) -> None:
