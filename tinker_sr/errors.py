@@ -11,9 +11,12 @@ TinkerError
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from .types import RequestErrorCategory
@@ -220,3 +223,12 @@ def refusal(status: int, detail: str, url: str = "http://embedded.local/") -> AP
     body = {"detail": detail}
     response = httpx.Response(status, json=body, request=httpx.Request("POST", url))
     return make_status_error(f"Error code: {status} - {detail}", response, body)
+
+
+def refused_as_400(check: Callable[..., None], *args: Any) -> None:
+    """``check(*args)``, a request check made before sending: its `EngineUserError` becomes the
+    `BadRequestError` the official SDK raises for a server's 400 on that request."""
+    try:
+        check(*args)
+    except EngineUserError as e:
+        raise refusal(400, str(e)) from None

@@ -30,8 +30,8 @@ from tinker_sr.errors import (
     RequestFailedError,
     TinkerError,
     refusal,
+    refused_as_400,
 )
-from tinker_sr.user_errors import EngineUserError
 from tinker_sr.wire import WireError, compression, proto
 from tinker_sr.wire import messages as m
 
@@ -410,10 +410,7 @@ class RemoteBackend(WireTransport):
     async def list_sessions(
         self, *, limit: int = 20, offset: int = 0
     ) -> types.ListSessionsResponse:
-        try:
-            validation.check_paging(limit, offset, "list_sessions")
-        except EngineUserError as e:
-            raise refusal(400, str(e)) from None  # as a server answers it
+        refused_as_400(validation.check_paging, limit, offset, "list_sessions")  # as a server
         resp, body = await self._get(
             "/api/v1/sessions", {"limit": limit, "offset": offset, "access_scope": "owned"}
         )

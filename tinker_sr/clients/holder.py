@@ -16,14 +16,13 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from tinker_sr.backend.base import Backend
-from tinker_sr.errors import TinkerError, refusal
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.errors import TinkerError
 
 T = TypeVar("T")
 log = logging.getLogger("tinker_sr")
@@ -371,15 +370,6 @@ class ClientSession:
             await self.backend.close_session(sid, status, detail)  # type: ignore[arg-type]
         if self._owns_backend:
             await self.backend.aclose()
-
-
-def refused_as_400(check: Callable[..., None], *args: Any) -> None:
-    """``check(*args)``, a request check the client makes before sending: its `EngineUserError`
-    becomes the `BadRequestError` the official SDK raises for the server's 400 on that request."""
-    try:
-        check(*args)
-    except EngineUserError as e:
-        raise refusal(400, str(e)) from None
 
 
 def warn_deprecated(msg: str, *, stacklevel: int = 3) -> None:

@@ -21,7 +21,6 @@ from tinker_sr.clients.holder import (
     blocking_result,
     default_api_key,
     make_backend,
-    refused_as_400,
     server_url,
     wants_remote,
     warn_deprecated,
@@ -29,7 +28,7 @@ from tinker_sr.clients.holder import (
 from tinker_sr.clients.sampling import SamplingClient
 from tinker_sr.clients.sr_lowering import LoweringMode, LoweringOptions
 from tinker_sr.clients.training import TrainingClient
-from tinker_sr.errors import TinkerError
+from tinker_sr.errors import TinkerError, refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 if TYPE_CHECKING:

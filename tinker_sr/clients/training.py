@@ -12,14 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
-from tinker_sr.clients.holder import (
-    ClientSession,
-    blocking_result,
-    log,
-    refused_as_400,
-    warn_deprecated,
-)
-from tinker_sr.errors import RequestFailedError
+from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
+from tinker_sr.errors import RequestFailedError, refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 
 if TYPE_CHECKING:
