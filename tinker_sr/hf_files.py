@@ -114,9 +114,10 @@ def model_config(root: Path) -> dict[str, Any]:
     return {**config, **text} if isinstance(text, dict) else config
 
 
-def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ...]:
-    """Every EOS id the model declares: config.json's ``eos_token_id`` (an int or a list), then
-    generation_config.json's, then the tokenizer's eos token; first-seen order, no repeats."""
+def eos_token_ids(root: Path) -> tuple[int, ...]:
+    """The EOS ids the model's config files declare: config.json's ``eos_token_id`` (an int or
+    a list), then generation_config.json's; first-seen order, no repeats. (`ModelTokenizer`
+    adds the tokenizer's eos token after them.)"""
     out: list[int] = []
     for fname in ("config.json", "generation_config.json"):
         f = root / fname
@@ -131,6 +132,4 @@ def eos_token_ids(root: Path, tokenizer_eos: int | None = None) -> tuple[int, ..
                 )
             if v is not None and v not in out:
                 out.append(v)
-    if tokenizer_eos is not None and tokenizer_eos not in out:
-        out.append(tokenizer_eos)
     return tuple(out)

@@ -29,15 +29,19 @@ _SP_SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _decoder_kinds(spec: dict[str, Any] | None) -> set[str]:
-    """Types of a tokenizer.json decoder, flattening Sequence decoders."""
+def _decoders(spec: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A tokenizer.json decoder's parts by type (Sequence decoders flattened; the first of each
+    type), with the Replace of "▁" by a space also under "SentencePieceSpace"."""
     if not spec:
-        return set()
+        return {}
     if spec.get("type") == "Sequence":
-        return set().union(*(_decoder_kinds(d) for d in spec.get("decoders", [])))
-    kinds = {str(spec.get("type"))}
+        found: dict[str, dict[str, Any]] = {}
+        for part in spec.get("decoders", []):
+            found = _decoders(part) | found
+        return found
+    kinds = {str(spec.get("type")): spec}
     if spec.get("type") == "Replace" and (spec.get("pattern") or {}).get("String") == _SP_SPACE:
-        kinds.add("SentencePieceSpace")
+        kinds["SentencePieceSpace"] = spec
     return kinds
 
 
@@ -55,13 +59,13 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
     vocab: dict[str, int] = (spec.get("model") or {}).get("vocab") or {}
     if isinstance(vocab, list):  # Unigram models store [piece, score] pairs
         vocab = {piece: i for i, (piece, _score) in enumerate(vocab)}
-    kinds = _decoder_kinds(spec.get("decoder"))
+    kinds = _decoders(spec.get("decoder"))
     if "ByteLevel" in kinds:
         back = {c: b for b, c in _bytes_to_unicode().items()}
         for tok, i in vocab.items():
             if 0 <= i < vocab_size:
                 table[i] = bytes(back[c] for c in tok if c in back)
-    elif kinds & {"Metaspace", "SentencePieceSpace", "ByteFallback"}:
+    elif kinds.keys() & {"Metaspace", "SentencePieceSpace", "ByteFallback"}:
         for tok, i in vocab.items():
             if 0 <= i < vocab_size:
                 m = _BYTE_PIECE.match(tok)
@@ -69,9 +73,9 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
                     bytes([int(m.group(1), 16)]) if m else tok.replace(_SP_SPACE, " ").encode()
                 )
     elif "WordPiece" in kinds:
-        table = _wordpiece_table(vocab, _decoder_of(spec.get("decoder"), "WordPiece"), vocab_size)
+        table = _wordpiece_table(vocab, kinds["WordPiece"], vocab_size)
     elif "BPEDecoder" in kinds:
-        suffix = str(_decoder_of(spec.get("decoder"), "BPEDecoder").get("suffix", "</w>"))
+        suffix = str(kinds["BPEDecoder"].get("suffix", "</w>"))
         for tok, i in vocab.items():
             if 0 <= i < vocab_size:
                 table[i] = tok.replace(suffix, " ").encode()
@@ -82,19 +86,6 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
         if 0 <= i < vocab_size:
             table[i] = b"" if added.get("special") else str(added["content"]).encode()
     return table
-
-
-def _decoder_of(spec: dict[str, Any] | None, kind: str) -> dict[str, Any]:
-    """The first decoder of type ``kind`` in a tokenizer.json decoder (Sequence flattened)."""
-    if not spec:
-        return {}
-    if spec.get("type") == kind:
-        return spec
-    if spec.get("type") == "Sequence":
-        for sub in spec.get("decoders", []):
-            if found := _decoder_of(sub, kind):
-                return found
-    return {}
 
 
 # What the WordPiece decoder's ``cleanup`` joins to the word before it (no space).
@@ -204,7 +195,8 @@ class ModelTokenizer:
                 )
             warnings.warn(f"{where}; sampling stops at {list(declared)} only", stacklevel=3)
             tokenizer_eos = None
-        ids = eos_token_ids(root, tokenizer_eos)
+        extra = () if tokenizer_eos is None or tokenizer_eos in declared else (tokenizer_eos,)
+        ids = (*declared, *extra)
         if not ids:
             raise EngineUserError(
                 f"{root}: no EOS token id in config.json, generation_config.json or "
