@@ -156,9 +156,8 @@ class Futures:
             )
         return json_reply(row.promise)  # an HTTP retry of the same submission: same future
 
-    async def _report_slow(self, rid: str, what: str, started: float) -> None:
+    async def _report_slow(self, rid: str, what: str, started: float, delay: float) -> None:
         """Log that ``rid`` is still running, so a slow server is told from a hung client."""
-        delay = slow_request_s()
         while True:
             await asyncio.sleep(delay)
             log.info(
@@ -171,7 +170,8 @@ class Futures:
         started = time.monotonic()
         model = promise.get("model_id") or promise.get("sampling_session_id")
         what = f"{kind} on {model}" if model else kind
-        watch = asyncio.ensure_future(self._report_slow(rid, what, started))
+        slow = slow_request_s()
+        watch = asyncio.ensure_future(self._report_slow(rid, what, started, slow))
         try:
             encoding, payload = await work(promise)
             self.state.complete_future(rid, encoding, payload)
@@ -192,7 +192,7 @@ class Futures:
             self.state.fail_future(rid, text, "server")
         finally:
             watch.cancel()
-            if (took := time.monotonic() - started) >= slow_request_s():
+            if (took := time.monotonic() - started) >= slow:
                 log.info("%s %s finished in %.1f s", what, rid, took)
             self.pending_samples.discard(rid)
             row = self.state.get_future(rid)
