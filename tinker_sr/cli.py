@@ -8,8 +8,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
+
+if TYPE_CHECKING:
+    from tinker_sr.engine.usage import RateCard
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
@@ -40,6 +44,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             limits=limits_from_args(args),
             model_aliases=model_aliases_from_args(args),
             device=device_from_args(args),
+            rate_card=rate_card_from_args(args),
         )
     # another live server; a bad database; a read-only directory; a key no client can send
     except (StoreInUseError, StoreDamagedError, StoreUnwritableError, UnusableApiKeyError) as e:
@@ -153,6 +158,14 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="where the engine runs: cpu, cuda (an NVIDIA GPU; error if none), or auto (the GPU "
         "when there is one). Default $TINKER_SR_DEVICE, else cpu",
     )
+    s.add_argument(
+        "--rate-card",
+        default=None,
+        metavar="FILE",
+        help="JSON prices (USD per million tokens per kind, per GB-month of storage) for the "
+        "usage AdminClient.get_billing_usage / `tinker billing usage` report (default "
+        "$TINKER_SR_RATE_CARD; none: counted, not priced). docs/server.md",
+    )
     s.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
     f = s.add_argument_group(
@@ -191,6 +204,17 @@ def device_from_args(args: argparse.Namespace) -> str | None:
     except ValueError as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return args.device
+
+
+def rate_card_from_args(args: argparse.Namespace) -> RateCard | None:
+    """``--rate-card`` (else ``$TINKER_SR_RATE_CARD``), read and checked before the server
+    starts: a bad file exits here naming the entry and the fix."""
+    from tinker_sr.engine.usage import RateCard
+
+    try:
+        return RateCard.resolve(args.rate_card)
+    except ValueError as e:
+        raise SystemExit(f"tinker-sr serve: {e}") from None
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:

@@ -25,14 +25,18 @@ call (or, for plain calls like `get_info`, an `APIStatusError` subclass in the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from tinker_sr.types import (
         AdamParams,
+        BillingUsageResponse,
         Checkpoint,
         CheckpointsListResponse,
+        CurrentCheckpointStorageUsageResponse,
         Datum,
         ExternalWeightsUrlsResponse,
         ForwardBackwardOutput,
@@ -286,6 +290,28 @@ class Backend(Protocol):
 
     async def get_external_weights_urls(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
         """Download URLs of an ``external_weights`` checkpoint's files, by file name."""
+        ...
+
+    # ---- usage (AdminClient) ------------------------------------------------------------
+    async def get_billing_usage(
+        self,
+        starting_on: datetime | str,
+        ending_before: datetime | str,
+        *,
+        sessions: Collection[str] | None = None,
+    ) -> BillingUsageResponse:
+        """Hourly usage buckets in ``[starting_on, ending_before)`` (UTC hours, at most 14
+        days): tokens trained, prefilled (computed / from the prompt cache), sampled, and
+        checkpoints saved, per session and base model (`tinker_sr.engine.usage`).
+        ``sessions``: only these (a server's backend, for one caller; a remote backend's
+        server does that itself, and it refuses the argument)."""
+        ...
+
+    async def get_current_checkpoint_storage_usage(
+        self, project_id: str | None = None, *, sessions: Collection[str] | None = None
+    ) -> CurrentCheckpointStorageUsageResponse:
+        """The checkpoints stored now: count and bytes per project (``sessions``: as in
+        `get_billing_usage`)."""
         ...
 
     async def aclose(self) -> None:

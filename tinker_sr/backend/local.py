@@ -39,7 +39,7 @@ import torch
 from tinker_sr import types, validation
 from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
-from tinker_sr.engine import training
+from tinker_sr.engine import training, usage
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
@@ -51,6 +51,7 @@ from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, 
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import OUT_OF_SPACE, Store, is_out_of_space, make_store_dir
+from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.hf_files import is_model_dir
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
@@ -101,15 +102,20 @@ class LocalBackend(LocalRestQueries):
         limits: Limits | None = None,
         request_model_paths: bool = True,
         device: str | torch.device | None = None,
+        rate_card: str | Path | RateCard | None = None,
     ) -> None:
         """``limits``: the size limits every request is held to (`tinker_sr.limits.Limits`;
         ``tinker-sr serve`` sets them from its flags). ``request_model_paths``: may
         ``base_model`` name a local directory (False on a server: only aliases may).
         ``device``: ``cpu`` (default), ``cuda`` or ``auto`` (`tinker_sr.engine.device`;
-        default ``$TINKER_SR_DEVICE``); ``cuda`` without a usable GPU is a ValueError."""
+        default ``$TINKER_SR_DEVICE``); ``cuda`` without a usable GPU is a ValueError.
+        ``rate_card``: prices for the usage `AdminClient.get_billing_usage` reports (a JSON
+        file or a `RateCard`, `tinker_sr.engine.usage`; default ``$TINKER_SR_RATE_CARD``;
+        none: usage is counted, not priced)."""
         engine_device = resolve_device(device, what="LocalBackend(device=...)")
         tune_allocator()  # before the engine's threads exist; $TINKER_SR_MALLOC_TUNING=0: off
         self.limits = limits if limits is not None else DEFAULT_LIMITS
+        self.rate_card = RateCard.resolve(rate_card)
         self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
         make_store_dir(self.store_dir)
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
@@ -463,7 +469,7 @@ class LocalBackend(LocalRestQueries):
         """Checkpoint ``t``: training state (``weights``) or current adapters (``sampler_weights``)."""
         validation.check_user_metadata(user_metadata, f"save ({segment})")
         tensors = training.state_tensors(t) if segment == "weights" else training.sampler_tensors(t)
-        return self.checkpoints.write(
+        path = self.checkpoints.write(
             t.model_id,
             segment,
             name,
@@ -473,6 +479,8 @@ class LocalBackend(LocalRestQueries):
             overwrite=overwrite,
             user_metadata=user_metadata,
         )
+        self.store.add_usage(t.session_id, t.base_model, {usage.CHECKPOINT: 1})
+        return path
 
     async def save_state(
         self,

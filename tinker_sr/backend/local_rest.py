@@ -1,16 +1,19 @@
 """The embedded engine's REST queries: checkpoints, training runs and sessions (what
-`RestClient` reads), as a mixin of `LocalBackend`, which supplies the store, the checkpoint store,
+`RestClient` reads), usage (what `AdminClient` reads), as a mixin of `LocalBackend`, which supplies the store, the checkpoint store,
 the model registry and `_run` (work on the engine's worker). `copy_weights` is here too: it
 writes a checkpoint, but as a REST call (no training model, no ``seq_id``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker_sr import types, validation
+from tinker_sr.engine import usage
 from tinker_sr.engine.checkpoint_store import parse_path
 from tinker_sr.errors import refusal
 from tinker_sr.user_errors import SESSION_QUERIES_UNSUPPORTED, EngineNotFoundError
@@ -34,6 +37,10 @@ class LocalRestQueries:
     store: Store
     checkpoints: CheckpointStore
     models: ModelRegistry
+    rate_card: usage.RateCard | None
+
+    async def _mapped(self, work: Awaitable[T], *, plain: bool = False) -> T:  # LocalBackend's
+        raise NotImplementedError
 
     async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:  # LocalBackend's
         raise NotImplementedError
@@ -100,6 +107,40 @@ class LocalRestQueries:
 
     async def export_session_trace(self, session_id: str) -> str:
         raise _not_offered(f"sessions/{session_id}/trace_export")
+
+    # ---- usage (engine.usage) -------------------------------------------------------------
+    # Read on a thread of their own, not the engine's worker: a look at usage does not wait
+    # for a training step.
+    async def get_billing_usage(
+        self,
+        starting_on: datetime | str,
+        ending_before: datetime | str,
+        *,
+        sessions: Collection[str] | None = None,
+    ) -> types.BillingUsageResponse:
+        """Hourly usage in ``[starting_on, ending_before)`` (`engine.usage`), of ``sessions``
+        only when given (a server's caller sees its own)."""
+
+        def work() -> types.BillingUsageResponse:
+            start, end = usage.check_window(starting_on, ending_before, time.time())
+            rows = self.store.usage_rows(start, end)
+            rows = [r for r in rows if usage.only(sessions, r.session_id)]
+            attributes = self.store.session_attributes({r.session_id for r in rows})
+            return usage.billing_response(rows, attributes, self.rate_card)
+
+        return await self._mapped(asyncio.to_thread(work), plain=True)
+
+    async def get_current_checkpoint_storage_usage(
+        self, project_id: str | None = None, *, sessions: Collection[str] | None = None
+    ) -> types.CurrentCheckpointStorageUsageResponse:
+        """The checkpoints stored now, per project (of ``sessions`` only when given)."""
+
+        def work() -> types.CurrentCheckpointStorageUsageResponse:
+            live = self.store.live_checkpoint_sizes(time.time())
+            mine = [c for c in live if usage.only(sessions, c[0])]
+            return usage.storage_response(mine, self.rate_card, project_id)
+
+        return await self._mapped(asyncio.to_thread(work), plain=True)
 
     # ---- checkpoints and training runs ----------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:

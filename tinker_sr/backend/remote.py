@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime
 from urllib.parse import quote
 
 import pydantic
@@ -464,6 +465,29 @@ class RemoteBackend(WireTransport):
         )
         return self._validate(types.TrainingRunsResponse, resp, body)
 
+    async def get_billing_usage(
+        self,
+        starting_on: datetime | str,
+        ending_before: datetime | str,
+        *,
+        sessions: Collection[str] | None = None,
+    ) -> types.BillingUsageResponse:
+        _server_side(sessions)
+        request = types.GetBillingUsageRequest.model_validate(
+            {"starting_on": starting_on, "ending_before": ending_before}
+        )
+        params = request.model_dump(mode="json")
+        resp, body = await self._get("/api/v1/billing/usage/events", params)
+        return self._validate(types.BillingUsageResponse, resp, body)
+
+    async def get_current_checkpoint_storage_usage(
+        self, project_id: str | None = None, *, sessions: Collection[str] | None = None
+    ) -> types.CurrentCheckpointStorageUsageResponse:
+        _server_side(sessions)
+        params = {} if project_id is None else {"project_id": project_id}
+        resp, body = await self._get("/api/v1/billing/usage/checkpoints/current", params)
+        return self._validate(types.CurrentCheckpointStorageUsageResponse, resp, body)
+
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
         await self._ensure_config()
         await self._request("DELETE", _checkpoint_route(training_run_id, checkpoint_id))
@@ -563,3 +587,11 @@ def _parse_path(tinker_path: str) -> types.ParsedCheckpointTinkerPath:
         raise RequestFailedError(
             f"Request failed: {e}", request_id="", category=types.RequestErrorCategory.User
         ) from None
+
+
+def _server_side(sessions: Collection[str] | None) -> None:
+    if sessions is not None:
+        raise ValueError(
+            "sessions= limits a server's own usage query; a server answers each caller with "
+            "its own sessions already"
+        )

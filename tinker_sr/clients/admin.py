@@ -1,33 +1,36 @@
 """`AdminClient`: the official SDK's client for organization-admin REST endpoints (billing
 usage, checkpoint storage usage, audit log).
 
-tinker_sr has no organizations, billing or audit log, so the class exists for import and
-construction compatibility only: every method raises `NotImplementedError` naming itself.
+Usage is counted by the engine (`tinker_sr.engine.usage`): `get_billing_usage` and
+`get_current_checkpoint_storage_usage` answer from it, embedded or from ``tinker-sr serve``.
+tinker_sr has no organizations or audit log: `get_audit_log` raises `NotImplementedError`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from datetime import date, datetime
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 from tinker_sr import types
-from tinker_sr.clients.holder import ClientSession, make_backend
-from tinker_sr.futures import APIFuture
+from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
+from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
+
+T = TypeVar("T")
 
 AuditEventType = Literal["all", "checkpoints", "projects", "teams", "organizations"]
 
 
 def _unsupported(method: str) -> NoReturn:
     raise NotImplementedError(
-        f"AdminClient.{method}() is not available: admin, billing and audit-log endpoints are "
-        "not part of tinker_sr (it has no organizations or billing). Use RestClient for "
-        "training runs and checkpoints."
+        f"AdminClient.{method}() is not available: tinker_sr keeps no audit log (it has no "
+        "organizations). Use RestClient for training runs and checkpoints."
     )
 
 
 class AdminClient:
-    """Constructed like the SDK's ``AdminClient`` (and like `RestClient`); every method
-    raises `NotImplementedError` because tinker_sr offers no admin endpoints."""
+    """Constructed like the SDK's ``AdminClient`` (and like `RestClient`). Every method
+    returns an `APIFuture` (await it, or call ``.result()``), as the SDK's do."""
 
     def __init__(
         self,
@@ -76,18 +79,48 @@ class AdminClient:
     ) -> types.AuditLogResponse:
         _unsupported("get_audit_log_async")
 
-    def get_billing_usage(self, starting_on: datetime | str, ending_before: datetime | str) -> Any:
-        _unsupported("get_billing_usage")
+    def _f(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
+        return AwaitableConcurrentFuture(self.holder.run(coro))
+
+    def get_billing_usage(
+        self, starting_on: datetime | str, ending_before: datetime | str
+    ) -> APIFuture[types.BillingUsageResponse]:
+        """Hourly usage buckets in ``[starting_on, ending_before)``: tokens trained, prompt
+        tokens prefilled (``cached``: served by the prompt cache), tokens sampled, and
+        checkpoints saved, per session and base model (`tinker_sr.engine.usage`). Both ends
+        on a UTC hour (RFC 3339 strings or datetimes; a time without a zone is UTC), the
+        start not in the future, at most 14 days apart. Embedded: every session of the
+        store; from a server: the caller's. Costs are estimated only with a rate card
+        (``$TINKER_SR_RATE_CARD``, ``tinker-sr serve --rate-card``); otherwise null."""
+        request = types.GetBillingUsageRequest.model_validate(
+            {"starting_on": starting_on, "ending_before": ending_before}
+        )  # bad arguments fail here, as in the official SDK
+        return self._f(
+            self.holder.backend.get_billing_usage(request.starting_on, request.ending_before)
+        )
 
     async def get_billing_usage_async(
         self, starting_on: datetime | str, ending_before: datetime | str
-    ) -> Any:
-        _unsupported("get_billing_usage_async")
+    ) -> types.BillingUsageResponse:
+        warn_deprecated(
+            "AdminClient.get_billing_usage_async() is deprecated; await get_billing_usage()"
+        )
+        return await self.get_billing_usage(starting_on, ending_before)
 
-    def get_current_checkpoint_storage_usage(self, project_id: str | None = None) -> Any:
-        _unsupported("get_current_checkpoint_storage_usage")
+    def get_current_checkpoint_storage_usage(
+        self, project_id: str | None = None
+    ) -> APIFuture[types.CurrentCheckpointStorageUsageResponse]:
+        """The checkpoints stored now (not expired): count and bytes, per project (only
+        ``project_id``'s when given); a monthly cost only with a rate card's
+        ``storage_gb_month``."""
+        request = types.GetCurrentCheckpointStorageUsageRequest(project_id=project_id)
+        return self._f(self.holder.backend.get_current_checkpoint_storage_usage(request.project_id))
 
     async def get_current_checkpoint_storage_usage_async(
         self, project_id: str | None = None
-    ) -> Any:
-        _unsupported("get_current_checkpoint_storage_usage_async")
+    ) -> types.CurrentCheckpointStorageUsageResponse:
+        warn_deprecated(
+            "AdminClient.get_current_checkpoint_storage_usage_async() is deprecated; await "
+            "get_current_checkpoint_storage_usage()"
+        )
+        return await self.get_current_checkpoint_storage_usage(project_id)

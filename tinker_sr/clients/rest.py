@@ -366,7 +366,7 @@ class RestClient:
         return await self._admin().get_audit_log_async(event_type, day)
 
     def get_billing_usage(self, starting_on: datetime | str, ending_before: datetime | str) -> Any:
-        """Deprecated: `AdminClient.get_billing_usage` (which raises: no billing here)."""
+        """Deprecated: `AdminClient.get_billing_usage`."""
         warn_deprecated("RestClient.get_billing_usage() is deprecated; use AdminClient")
         return self._admin().get_billing_usage(starting_on, ending_before)
 
@@ -377,7 +377,7 @@ class RestClient:
         return await self._admin().get_billing_usage_async(starting_on, ending_before)
 
     def get_current_checkpoint_storage_usage(self, project_id: str | None = None) -> Any:
-        """Deprecated: `AdminClient.get_current_checkpoint_storage_usage` (which raises)."""
+        """Deprecated: `AdminClient.get_current_checkpoint_storage_usage`."""
         warn_deprecated("RestClient.get_current_checkpoint_storage_usage() is deprecated")
         return self._admin().get_current_checkpoint_storage_usage(project_id)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
+from tinker_sr.engine import usage
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
@@ -155,7 +156,7 @@ def begin(
 
     def finish(outs: list[engine_sampler.SampleOutput]) -> types.SampleResponse:
         recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
-        return types.SampleResponse(
+        resp = types.SampleResponse(
             sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
             prompt_logprobs_np=prompt_lps,
             topk_prompt_logprobs_np=topk_prompt,
@@ -163,6 +164,9 @@ def begin(
             prompt_alt_tokens=alt,
             prompt_cache_hit_tokens=group.cache_hit_tokens,
         )
+        counts = usage.sample_counts(len(plan.tokens), resp)
+        recorder.store.add_usage(s.session_id, s.base_model, counts)  # engine.usage
+        return resp
 
     return Started(group, finish)
 

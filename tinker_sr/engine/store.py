@@ -1,4 +1,5 @@
-"""Durable state of the engine: sessions, training runs, checkpoints, recorded sequences.
+"""Durable state of the engine: sessions, training runs, checkpoints, recorded sequences,
+usage (`engine.usage`: tokens and checkpoints per session, base model and UTC hour).
 
 One SQLite file (WAL) under the store directory. The embedded backend and the server share
 this code, so a server restart finds every acknowledged checkpoint and recorded sequence.
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tinker_sr.engine.usage import UsageRow, hour_bucket
 from tinker_sr.provenance.validate import SequenceRecord
 
 _SCHEMA = """
@@ -69,6 +71,14 @@ CREATE TABLE IF NOT EXISTS sequences (
     last_used_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
+CREATE TABLE IF NOT EXISTS usage (
+    bucket_start INTEGER NOT NULL,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    quantity INTEGER NOT NULL,
+    PRIMARY KEY (bucket_start, session_id, base_model, kind)
+);
 """
 
 # Columns added after the first release: (table, column, definition). Stores created before
@@ -550,6 +560,59 @@ class Store:
             for k in [k for k, r in self._seq_cache.items() if r.last_used_at < older_than]:
                 del self._seq_cache[k]
         return cur.rowcount
+
+    # ---- usage (engine.usage) ----------------------------------------------------------
+    def add_usage(
+        self, session_id: str, base_model: str, counts: dict[str, int], now: float | None = None
+    ) -> None:
+        """Add ``counts`` (kind -> quantity) to the session's bucket of the current UTC hour."""
+        bucket = hour_bucket(time.time() if now is None else now)
+        rows = [(bucket, session_id, base_model, k, int(n)) for k, n in counts.items() if n > 0]
+        if not rows:
+            return
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO usage VALUES (?,?,?,?,?) ON CONFLICT"
+                " (bucket_start, session_id, base_model, kind)"
+                " DO UPDATE SET quantity = quantity + excluded.quantity",
+                rows,
+            )
+
+    def usage_rows(self, start: int, end: int) -> list[UsageRow]:
+        """Every bucket starting in ``[start, end)`` (epoch seconds)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT bucket_start, session_id, base_model, kind, quantity FROM usage"
+                " WHERE bucket_start >= ? AND bucket_start < ?",
+                (start, end),
+            ).fetchall()
+        return [UsageRow(*r) for r in rows]
+
+    def session_attributes(
+        self, session_ids: set[str]
+    ) -> dict[str, tuple[dict[str, str] | None, str | None]]:
+        """session id -> (user_metadata, project_id), for the ids that exist."""
+        with self._lock:
+            rows = [
+                self._db.execute(
+                    "SELECT session_id, user_metadata, project_id FROM sessions WHERE session_id=?",
+                    (i,),
+                ).fetchone()
+                for i in sorted(session_ids)
+            ]
+        return {r[0]: (_unjson(r[1]), r[2]) for r in rows if r is not None}
+
+    def live_checkpoint_sizes(self, now: float) -> list[tuple[str | None, str | None, int]]:
+        """(session_id, project_id, size_bytes) of every checkpoint not yet expired."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT r.session_id, s.project_id, c.size_bytes FROM checkpoints c"
+                " LEFT JOIN training_runs r ON r.run_id = c.run_id"
+                " LEFT JOIN sessions s ON s.session_id = r.session_id"
+                " WHERE c.expires_at IS NULL OR c.expires_at > ?",
+                (now,),
+            ).fetchall()
+        return [(r[0], r[1], int(r[2] or 0)) for r in rows]
 
     @contextlib.contextmanager
     def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:

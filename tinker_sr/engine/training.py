@@ -19,6 +19,7 @@ import torch
 
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
+from tinker_sr.engine import usage
 from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
 from tinker_sr.engine.guards import checked_backward
@@ -96,6 +97,7 @@ def forward_backward(
     touched = set().union(*(v.sequence_ids for v in views if v is not None))
     store.touch_sequences(touched, now)
     store.touch_run(t.model_id)
+    store.add_usage(t.session_id, t.base_model, {usage.TRAINING: sum(lengths)})
     outputs = [
         {k: types.TensorData.from_torch(v.detach().float()) for k, v in out.items()}
         for out in result.outputs

@@ -222,6 +222,12 @@ class TinkerServer:
                 e(rest.external_weights_file, auth=False),
                 methods=["GET"],
             ),
+            Route(v + "/billing/usage/events", e(rest.billing_usage), methods=["GET"]),
+            Route(
+                v + "/billing/usage/checkpoints/current",
+                e(rest.checkpoint_storage_usage),
+                methods=["GET"],
+            ),
             Route(v + "/{rest:path}", e(rest.unsupported), methods=any_method),
         ]
 

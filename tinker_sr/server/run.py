@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tinker_sr.engine.cpu import available_cpus, describe_free_memory
+from tinker_sr.engine.usage import RateCard
 from tinker_sr.limits import Limits
 
 from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
@@ -42,6 +43,7 @@ def serve(
     limits: Limits | None = None,
     model_aliases: Mapping[str, str] | None = None,
     device: str | None = None,
+    rate_card: RateCard | None = None,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -54,7 +56,8 @@ def serve(
     ``max_body_bytes`` argument, which is kept for callers that set only that.
     ``model_aliases``: base_model name -> built-in model or local directory; requests may
     name only these (and built-ins), never a directory of their own. ``device``: ``cpu``,
-    ``cuda`` or ``auto`` (default ``$TINKER_SR_DEVICE``, else ``cpu``).
+    ``cuda`` or ``auto`` (default ``$TINKER_SR_DEVICE``, else ``cpu``). ``rate_card``: prices
+    of the usage it reports (`tinker_sr.engine.usage`; default ``$TINKER_SR_RATE_CARD``).
     """
     from tinker_sr.backend.local import LocalBackend, default_store_dir
 
@@ -77,6 +80,7 @@ def serve(
         model_aliases=model_aliases,
         request_model_paths=False,
         device=device,
+        rate_card=rate_card,
     )
     try:  # StoreInUseError: another live server holds store_dir
         app = create_app(

@@ -33,7 +33,6 @@ _UNSUPPORTED = {
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
     "sessions": SESSION_QUERIES_UNSUPPORTED,
-    "billing": "there is no billing",
 }
 
 
@@ -285,6 +284,33 @@ async def external_weights_file(srv: TinkerServer, request: Request, owner: str)
 
     headers = {"Content-Length": str(size)}
     return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+
+
+# ---- usage (AdminClient; tinker_sr.engine.usage): the caller's own sessions only ----------
+def _owned_sessions(srv: TinkerServer, owner: str) -> set[str]:
+    return set(srv.state.session_ids_of(owner, limit=-1, offset=0))
+
+
+async def billing_usage(srv: TinkerServer, request: Request, owner: str) -> Response:
+    query = request.query_params
+    paging(request, 0, {"starting_on", "ending_before"})  # refuses other parameters
+    for name in ("starting_on", "ending_before"):
+        if name not in query:
+            raise HTTPError(
+                400, f"query parameter {name} is required (an RFC 3339 time on a UTC hour)"
+            )
+    out = await srv.backend.get_billing_usage(
+        query["starting_on"], query["ending_before"], sessions=_owned_sessions(srv, owner)
+    )
+    return json_reply(out.model_dump(mode="json", exclude_none=True))
+
+
+async def checkpoint_storage_usage(srv: TinkerServer, request: Request, owner: str) -> Response:
+    paging(request, 0, {"project_id"})
+    out = await srv.backend.get_current_checkpoint_storage_usage(
+        request.query_params.get("project_id"), sessions=_owned_sessions(srv, owner)
+    )
+    return json_reply(out.model_dump(mode="json", exclude_none=True))
 
 
 async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Response:
