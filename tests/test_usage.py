@@ -228,6 +228,46 @@ def test_a_bad_rate_card_is_refused_naming_the_entry(
     assert proc.stderr.startswith("tinker-sr serve: rate card") and str(path) in proc.stderr
 
 
+def test_tinker_sr_usage_totals_a_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import embedded_client
+    from tinker_sr.cli import main
+
+    with embedded_client(tmp_path) as service:
+        expected = workload(service, tinker_sr)
+    store = str(tmp_path / "store")
+    assert main(["usage", "--store", store, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [row] = report["rows"]
+    assert {k: row[k] for k in expected_totals(expected)} == expected_totals(expected)
+    assert report["storage"]["checkpoints"] == 2 and report["storage"]["bytes"] > 0
+
+    card = tmp_path / "rates.json"
+    card.write_text(json.dumps(RATES))
+    monkeypatch.setenv("TINKER_SR_RATE_CARD", str(card))
+    assert main(["usage", "--store", store, "--by", "model"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:2] == ["model", "trained"] and table[1].endswith("cost (USD)")
+    model_line = table[2].split()
+    assert model_line[:2] == [MODEL, str(expected["training"])]
+    cost = 2.0 * expected["training"] + 1.0 * expected["sampling_prefill"]
+    cost += 0.25 * expected["sampling_prefill_cached"]
+    assert float(model_line[-1]) == pytest.approx(cost / 1e6, abs=1e-6)
+    assert table[3].split()[0] == "total"
+
+    for argv, message in [
+        (["--store", str(tmp_path / "none")], "no engine store at"),
+        (["--store", store, "--since", "yesterday"], "--since must be an RFC 3339 time"),
+        (["--store", store, "--hours", "0"], "--hours must be positive"),
+    ]:
+        assert main(["usage", *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"tinker-sr usage: {message}")
+    later = datetime.now(UTC) + timedelta(hours=2)
+    assert main(["usage", "--store", store, "--since", later.isoformat()]) == 0
+    assert "nothing used in this window" in capsys.readouterr().out
+
+
 # ---- from a server, to the official SDK and its command line --------------------------------
 
 

@@ -1,4 +1,4 @@
-"""`tinker-sr` command line: serve, demo, models, run, export."""
+"""`tinker-sr` command line: serve, demo, models, run, export, usage."""
 
 from __future__ import annotations
 
@@ -338,6 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="base model if not the checkpoint's (name, directory, HF-cache name or alias)",
     )
     e.set_defaults(func=_cmd_export)
+
+    from tinker_sr import usage_report
+
+    u = sub.add_parser(
+        "usage",
+        help="tokens trained, prefilled and sampled and checkpoints saved, from a store",
+        description="Total what a store's sessions used (the numbers AdminClient."
+        "get_billing_usage reports), per session, base model or UTC hour, and the checkpoint "
+        "storage now. Reads the store only; a server may be running on it.",
+    )
+    usage_report.add_arguments(u)
+    u.set_defaults(func=usage_report.main)
     return p
 
 
