@@ -259,6 +259,7 @@ def test_tinker_sr_usage_totals_a_store(
     for argv, message in [
         (["--store", str(tmp_path / "none")], "no engine store at"),
         (["--store", store, "--since", "yesterday"], "--since must be an RFC 3339 time"),
+        (["--store", store, "--since", "9999-12-31T23:00:00-05:00"], "--since is out of range"),
         (["--store", store, "--hours", "0"], "--hours must be positive"),
     ]:
         assert main(["usage", *argv]) == 2
@@ -336,6 +337,10 @@ def test_the_official_sdk_reads_each_callers_usage_from_serve(server: ServerProc
         ({}, "starting_on is required"),
         ({"starting_on": "2026-01-01T00:00:00Z"}, "ending_before is required"),
         ({"starting_on": "soon", "ending_before": "later"}, "starting_on must be an RFC 3339"),
+        (
+            {"starting_on": "0001-01-01T00:00:00+05:00", "ending_before": "2026-01-01T00:00:00Z"},
+            "starting_on is out of range",
+        ),
         (
             {
                 "starting_on": "2026-01-01T00:00:00Z",

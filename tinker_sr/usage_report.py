@@ -62,14 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _window(args: argparse.Namespace, now: float) -> tuple[int, int]:
     end = usage.hour_bucket(now) + usage.HOUR_S  # the current hour, whole
     if args.since is not None:
-        try:
-            since = datetime.fromisoformat(args.since)
-        except ValueError:
-            raise EngineUserError(
-                f"--since must be an RFC 3339 time such as 2026-07-13T00:00:00Z, got {args.since!r}"
-            ) from None
-        since = since.replace(tzinfo=UTC) if since.tzinfo is None else since
-        return usage.hour_bucket(since.timestamp()), end
+        return usage.hour_bucket(usage.utc_time(args.since, "--since").timestamp()), end
     if not args.hours > 0:
         raise EngineUserError(f"--hours must be positive, got {args.hours}")
     return usage.hour_bucket(now - args.hours * usage.HOUR_S + usage.HOUR_S), end

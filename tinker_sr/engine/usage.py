@@ -66,7 +66,8 @@ def sample_counts(prompt_tokens: int, response: types.SampleResponse) -> dict[st
 
 
 # ---- the request's window ---------------------------------------------------------------
-def _utc(value: Any, field: str) -> datetime:
+def utc_time(value: Any, field: str) -> datetime:
+    """``value`` (a datetime or an RFC 3339 string) in UTC; a time without a zone is UTC."""
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)
@@ -79,14 +80,18 @@ def _utc(value: Any, field: str) -> datetime:
             f"{field} must be a datetime or an RFC 3339 string, got {type(value).__name__}"
         )
     # A time without a zone is read as UTC (the buckets are UTC hours).
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:  # year 1 east of UTC, year 9999 west of it
+        raise EngineUserError(f"{field} is out of range: {value.isoformat()}") from None
 
 
 def check_window(starting_on: Any, ending_before: Any, now: float) -> tuple[int, int]:
     """The usage window as epoch seconds ``[start, end)``, held to the rules Tinker states for
     ``GET /api/v1/billing/usage/events``: both ends on a UTC hour, the start not in the
     future, the end after the start and at most 14 days later."""
-    start, end = _utc(starting_on, "starting_on"), _utc(ending_before, "ending_before")
+    start = utc_time(starting_on, "starting_on")
+    end = utc_time(ending_before, "ending_before")
     for field, t in (("starting_on", start), ("ending_before", end)):
         if (t.minute, t.second, t.microsecond) != (0, 0, 0):
             raise EngineUserError(
