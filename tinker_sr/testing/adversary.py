@@ -55,6 +55,23 @@ _EVIL_NUMBERS: list[Any] = [
     float("nan"),
 ]
 _QUERY_VALUES = ["²", "-1", "1e3", "10" * 15, "", "0", "5", "abc", "\x00", "1.5", "٣"]
+_QUERY_VALUES += [  # times (the usage window): out of range, off the hour, far, zoned, dates
+    "0001-01-01T00:00:00+05:00",
+    "9999-12-31T23:00:00-05:00",
+    "2026-01-01T00:00:00Z",
+    "2026-01-01T00:30:00+00:30",
+    "2025-12-31",
+    "2026-13-01T00:00:00Z",
+]
+_QUERY_NAMES = [
+    "limit",
+    "offset",
+    "access_scope",
+    "x",
+    "starting_on",
+    "ending_before",
+    "project_id",
+]
 _ROUTE_PARAMS = ["x", "", "..", "a\x00b", "é" * 200, "%2e%2e", "sess-0:train:0", "ü" * 3]
 
 
@@ -161,7 +178,7 @@ class Adversary:
 
     def _query(self) -> str:
         parts = []
-        for name in self.rng.sample(["limit", "offset", "access_scope", "x"], 2):
+        for name in self.rng.sample(_QUERY_NAMES, self.rng.choice([1, 2, 3])):
             parts.append(f"{name}={_quote(self.rng.choice(_QUERY_VALUES))}")
         return "?" + "&".join(parts)
 
