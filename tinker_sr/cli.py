@@ -1,4 +1,4 @@
-"""`tinker-sr` command line: serve, demo, models, run, export, usage."""
+"""`tinker-sr` command line: serve, demo, plot, models, run, export, usage."""
 
 from __future__ import annotations
 
@@ -302,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="offline RL run on the embedded default model")
     add_arguments(d)
     d.set_defaults(func=_cmd_demo)
+
+    from tinker_sr import plot
+
+    pl = sub.add_parser(
+        "plot",
+        help="learning curves of your runs (a metrics.jsonl per run) as a PNG",
+        description="Draw learning curves from metrics.jsonl files: what `tinker-sr demo` and "
+        "tinker-cookbook's ml_log write. Several runs overlay on the same axes. Without "
+        "matplotlib ('tinker-sr[plot]') it prints a text summary per key instead.",
+    )
+    plot.add_arguments(pl)
+    pl.set_defaults(func=plot.main)
 
     r = sub.add_parser(
         "run",

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import numpy as np
 import tinker_sr as tinker
 from tinker_sr import types
 from tinker_sr.clients.sr_lowering import LoweringOptions
+from tinker_sr.plot import Panel, plot_curves
 from tinker_sr.provenance import build_datum
 
 # ---- the task: a verifiable reward ------------------------------------------------------------
@@ -438,44 +438,13 @@ def _lowering_options(mode: str, base_model: str) -> LoweringOptions:
     return LoweringOptions(mode=mode, draw_topk=vocab)  # type: ignore[arg-type]
 
 
-def plot_curves(
-    runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = ""
-) -> Path:
-    """Reward, sampler-vs-learner KL, entropy and gradient norm per step, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("reward", "reward", False),
-        ("kl_k3", "KL(sampler ‖ learner) per token, k3", True),
-        ("entropy", "sampler entropy per token (nats)", False),
-        ("grad_norm", "gradient norm", True),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    for ax, (key, label, log) in zip(axes.flat, panels, strict=True):
-        for name, records in runs.items():
-            xs = [r["step"] for r in records]
-            ys = [float(r.get(key, math.nan)) for r in records]
-            if log:
-                ys = [y if y > 0 else math.nan for y in ys]
-            ax.plot(xs, ys, label=name, lw=1.4)
-        if log:
-            ax.set_yscale("log")
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("step")
-    if len(runs) > 1:
-        axes[0, 0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+# What the demo's PNG shows (`tinker_sr.plot.plot_curves` draws it, as for `tinker-sr plot`).
+DEMO_PANELS = (
+    Panel("reward", "reward"),
+    Panel("kl_k3", "KL(sampler ‖ learner) per token, k3", log=True),
+    Panel("entropy", "sampler entropy per token (nats)"),
+    Panel("grad_norm", "gradient norm", log=True),
+)
 
 
 def summarize(records: Sequence[Mapping[str, Any]], window: int = 5) -> tuple[float, float]:
@@ -614,7 +583,8 @@ def main(args: argparse.Namespace) -> int:
     ]
     if not args.no_plot:
         try:
-            plot_curves({config.loss: records}, plot_path, title=f"tinker-sr demo: {config.loss}")
+            title = f"tinker-sr demo: {config.loss}"
+            plot_curves({config.loss: records}, plot_path, DEMO_PANELS, title=title)
             lines.append(f"plot:    {plot_path}")
         except ImportError:  # the run is done and saved: say so, and how to get the plot
             lines.append(
