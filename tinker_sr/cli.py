@@ -168,6 +168,10 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
+    _add_featureless_arguments(s)
+
+
+def _add_featureless_arguments(s: argparse.ArgumentParser) -> None:
     f = s.add_argument_group(
         "feature-less mode",
         "play an engine without StableReinforce support (to test the client-side lowering)",

@@ -30,6 +30,22 @@ def api_keys_from_env() -> list[str] | None:
     return keys or None
 
 
+def _usable_keys(api_keys: Sequence[str] | str | None) -> list[str] | None:
+    """The keys to accept (None: any ``tml-`` key): ``api_keys`` (a list, or comma-separated),
+    else ``$TINKER_SR_API_KEYS``; a key no client can send stops the server here."""
+    if isinstance(api_keys, str):
+        api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
+    keys = list(api_keys) if api_keys else api_keys_from_env()
+    unusable = [k for k in keys or () if not k.startswith("tml-")]
+    if unusable:  # else the server starts and no client can ever present the key
+        raise UnusableApiKeyError(
+            f"{len(unusable)} of the configured API keys (--api-key / --api-keys / "
+            "$TINKER_SR_API_KEYS) do not start with 'tml-', and no Tinker client sends such a "
+            "key (the official SDK refuses it before connecting): use keys like tml-<secret>"
+        )
+    return keys
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -61,16 +77,7 @@ def serve(
     """
     from tinker_sr.backend.local import LocalBackend, default_store_dir
 
-    if isinstance(api_keys, str):
-        api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
-    keys = list(api_keys) if api_keys else api_keys_from_env()
-    unusable = [k for k in keys or () if not k.startswith("tml-")]
-    if unusable:  # else the server starts and no client can ever present the key
-        raise UnusableApiKeyError(
-            f"{len(unusable)} of the configured API keys (--api-key / --api-keys / "
-            "$TINKER_SR_API_KEYS) do not start with 'tml-', and no Tinker client sends such a "
-            "key (the official SDK refuses it before connecting): use keys like tml-<secret>"
-        )
+    keys = _usable_keys(api_keys)
     store_dir = Path(store) if store is not None else default_store_dir()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
