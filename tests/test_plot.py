@@ -337,3 +337,20 @@ def test_the_real_command_line(demo_run: Path, tmp_path: Path) -> None:
     bad = tinker_sr(tmp_path / "missing")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == f"tinker-sr plot: {tmp_path / 'missing'}: no such file or directory\n"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``tinker-sr plot --list ... | head -1``: the pipe closes before the output is written."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i, "reward": i / 10}) + "\n" for i in range(5)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinker_sr", "plot", "--list", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the interpreter has even started: every write hits a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

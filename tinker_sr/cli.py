@@ -388,7 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = _run_namespace(argv[1:]) if argv[:1] == ["run"] else None
     args = parsed or build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `tinker-sr ... | head`: the reader left early, nothing failed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
 
 
 if __name__ == "__main__":
