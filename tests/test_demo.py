@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tinker_sr import cli
-from tinker_sr.demo import TIMING_KEYS, reward
+from tinker_sr.demo import PROMPTS, TIMING_KEYS, reward
 
 STEP_KEYS = {
     "step",
@@ -47,6 +47,10 @@ def test_demo_writes_one_metrics_line_per_step_and_a_png(tmp_path: Path, capsys)
     assert config["loss"] == "stable_reinforce" and config["loss_fn_config"] == {"kl_coeff": 0.01}
     out = capsys.readouterr().out
     assert "reward" in out and str(tmp_path / "metrics.jsonl") in out
+    # What the run used, as the engine counted it: one sample request per prompt and step.
+    prompts = sum(len(p.encode()) for p in PROMPTS) * len(records)  # the model's ids are bytes
+    used = next(line for line in out.splitlines() if line.startswith("usage:"))
+    assert used.endswith(f"sampled, {prompts:,} prompt tokens (0 from the prompt cache)"), used
 
 
 def test_without_matplotlib_the_run_still_reports(

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -429,6 +430,31 @@ _PATHS = {
 }
 
 
+def usage_line(client: tinker.ServiceClient, since: float) -> str | None:
+    """What the run used, as the service counts it (`AdminClient.get_billing_usage`, this
+    session's events since the hour of ``since``); None from a service that does not say."""
+    session = client.holder._session_id
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    start = datetime.fromtimestamp(since - since % 3600, UTC)
+    try:
+        report = tinker.AdminClient(client.holder).get_billing_usage(
+            start, hour + timedelta(hours=1)
+        )
+        events = [e.event_info for e in report.result(timeout=20).data if e.session_id == session]
+    except (tinker.TinkerError, NotImplementedError, TimeoutError):
+        return None
+    n: dict[str, int] = {}
+    for info in events:
+        kind = info.type + ("_cached" if getattr(info, "cached", False) else "")
+        n[kind] = n.get(kind, 0) + getattr(info, "token_count", 0)
+    cached = n.get("sampling_prefill_cached", 0)
+    prompts = n.get("sampling_prefill", 0) + cached
+    return (
+        f"usage:   {n.get('training', 0):,} tokens trained, {n.get('sampling_sample', 0):,} "
+        f"sampled, {prompts:,} prompt tokens ({cached:,} from the prompt cache)"
+    )
+
+
 def _lowering_options(mode: str, base_model: str) -> LoweringOptions:
     """Client-side draws over the whole vocabulary (the demo's models are small), so a
     lowered run draws from exactly the sampler's distribution."""
@@ -541,7 +567,7 @@ def main(args: argparse.Namespace) -> int:
         )
 
     bar = tqdm(total=config.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     with log_path.open("w") as log:
 
         def on_step(record: dict[str, Any]) -> None:
@@ -564,6 +590,7 @@ def main(args: argparse.Namespace) -> int:
             ) as service_client:
                 records = asyncio.run(rl_loop(service_client, config, on_step))
                 sr_path = service_client.stable_reinforce_path
+                used = usage_line(service_client, started)
         except tinker.TinkerError as e:  # the service refused: its message, not a traceback
             bar.close()
             print(f"tinker-sr demo: {type(e).__name__}: {e}", file=sys.stderr)
@@ -579,6 +606,7 @@ def main(args: argparse.Namespace) -> int:
         f"reward {initial:.3f} -> {final:.3f} (mean of the first / last 5 steps) in {wall:.0f} s",
         *([f"stable_reinforce ran: {_PATHS[sr_path]}"] if sr_path is not None else []),
         f"samples at the last step: {examples}",
+        *([used] if used is not None else []),
         f"metrics: {log_path}",
     ]
     if not args.no_plot:
