@@ -1,7 +1,8 @@
 """The embedded engine's REST queries: checkpoints, training runs and sessions (what
-`RestClient` reads), usage (what `AdminClient` reads), as a mixin of `LocalBackend`, which supplies the store, the checkpoint store,
-the model registry and `_run` (work on the engine's worker). `copy_weights` is here too: it
-writes a checkpoint, but as a REST call (no training model, no ``seq_id``)."""
+`RestClient` reads) and usage (what `AdminClient` reads), as a mixin of `LocalBackend`, which
+supplies the store, the checkpoint store, the model registry and `_run` (work on the engine's
+worker). `copy_weights` is here too: it writes a checkpoint, but as a REST call (no training
+model, no ``seq_id``)."""
 
 from __future__ import annotations
 
