@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from tests._server import ServerProcess
@@ -413,3 +414,180 @@ def test_wrappers_on_public_methods_see_the_sdks_calls(
     _api_tour(tinker_sr, service)
     assert "SamplingClient.compute_logprobs" in ours
     assert ours == theirs
+
+
+# ---- RestClient look-ups given ill-typed and hostile ids and paths (the session-36 sweep) ----
+# Before: the embedded engine handed a list or a dict id to SQLite ("internal error:
+# ProgrammingError", a RequestFailedError) and a non-string tinker path to str methods
+# (AttributeError, the same); a control character or a 64 KiB id, which httpx refuses in the
+# SDK (InvalidURL), was a 404; an empty training run id (ValueError in the SDK) a 404;
+# `copy_weights` of an ill-typed path failed its future (the SDK's pydantic ValidationError is
+# raised at once); an unencodable ttl_seconds was a 400 (the SDK's TypeError / ValueError);
+# publishing or copying an export in a run that does not exist was a 400 (a server: 404), and
+# copying a missing export in one that does a 404 (a server: 400); the server answered
+# GET /api/v1/sessions/<id holding "/"> 400 (the hosted-only endpoints' answer), not 404.
+LONG = "x" * 5000
+ILL_TYPED: dict[str, object] = {
+    "list": ["a"],
+    "dict": {"a": 1},
+    "None": None,
+    "int": 5,
+    "bytes": b"abc",
+    "nan": math.nan,
+}
+IDS: dict[str, object] = {
+    **ILL_TYPED,
+    "empty": "",
+    "long": LONG,
+    "longer than a URL": "x" * 70_000,
+    "NUL": "a\x00b",
+    "TAB": "a\tb",
+    "../": "../x",
+    "slash": "a/b",
+    "a checkpoint path": "tinker://RUN/sampler_weights/x",
+}
+PATHS: dict[str, object] = {
+    **ILL_TYPED,
+    "empty": "",
+    "not a path": "../x",
+    "long": f"tinker://{LONG}/weights/x",
+    "NUL in the run": "tinker://a\x00/weights/x",
+    "NUL in the name": "tinker://RUN/weights/a\x00",
+    "'..' as the run": "tinker://../weights/x",
+    "'.' as the name": "tinker://RUN/weights/.",
+    "no run": "tinker:///weights/x",
+    "no run, an export": "tinker:///external_weights/x",
+    "missing": "tinker://RUN/weights/nope",
+    "missing sampler weights": "tinker://RUN/sampler_weights/nope",
+    "missing export": "tinker://RUN/external_weights/nope",
+    "an export of another run": "tinker://no-such-run/external_weights/x",
+    "'?' in the name": "tinker://RUN/weights/a?b",
+    "four parts": "tinker://RUN/weights/a/b",
+}
+TTLS: dict[str, object] = {**ILL_TYPED, "a string": "3600", "too short": 5, "set": {1}}
+Sweep = Callable[[Any, str, Any], Any]
+SWEEP: dict[str, tuple[dict[str, object], Sweep]] = {
+    "get_training_run": (IDS, lambda r, run, v: r.get_training_run(v)),
+    "get_training_run(access_scope='x')": (
+        IDS,
+        lambda r, run, v: r.get_training_run(v, access_scope="x"),
+    ),
+    "get_training_run_by_tinker_path": (
+        PATHS,
+        lambda r, run, v: r.get_training_run_by_tinker_path(v),
+    ),
+    "list_checkpoints": (IDS, lambda r, run, v: r.list_checkpoints(v)),
+    "get_sampler": (IDS, lambda r, run, v: r.get_sampler(v)),
+    "get_session": (IDS, lambda r, run, v: r.get_session(v)),
+    "assign_session_project": (IDS, lambda r, run, v: r.assign_session_project(v, "p")),
+    "export_session_trace": (IDS, lambda r, run, v: r.export_session_trace(v)),
+    "delete_checkpoint(v, 'weights/s')": (
+        IDS,
+        lambda r, run, v: r.delete_checkpoint(v, "weights/s"),
+    ),
+    "delete_checkpoint(run, v)": (
+        {**IDS, "'?' in the name": "weights/a?b"},
+        lambda r, run, v: r.delete_checkpoint(run, v),
+    ),
+    "delete_checkpoint_from_tinker_path": (
+        PATHS,
+        lambda r, run, v: r.delete_checkpoint_from_tinker_path(v),
+    ),
+    "get_weights_info_by_tinker_path": (
+        {**PATHS, "set": {1}},
+        lambda r, run, v: r.get_weights_info_by_tinker_path(v),
+    ),
+    "set_checkpoint_ttl_from_tinker_path": (
+        PATHS,
+        lambda r, run, v: r.set_checkpoint_ttl_from_tinker_path(v, 3600),
+    ),
+    "set_checkpoint_ttl_from_tinker_path(ttl_seconds=v)": (
+        TTLS,
+        lambda r, run, v: r.set_checkpoint_ttl_from_tinker_path(f"tinker://{run}/weights/s", v),
+    ),
+    "publish_checkpoint_from_tinker_path": (
+        PATHS,
+        lambda r, run, v: r.publish_checkpoint_from_tinker_path(v),
+    ),
+    "unpublish_checkpoint_from_tinker_path": (
+        PATHS,
+        lambda r, run, v: r.unpublish_checkpoint_from_tinker_path(v),
+    ),
+    "get_external_weights_urls": (PATHS, lambda r, run, v: r.get_external_weights_urls(v)),
+    "copy_weights": (PATHS, lambda r, run, v: r.copy_weights(v, "p")),
+    "copy_weights(ttl_seconds=v)": (
+        TTLS,
+        lambda r, run, v: r.copy_weights(f"tinker://{run}/weights/s", "p", ttl_seconds=v),
+    ),
+}
+# Not swept: an id holding "?" or "#" (the SDK writes ids into the URL unquoted, so
+# list_checkpoints("a?b") reaches GET training_runs/a with a query string: 400; our clients
+# quote it, or look the id up as given), and copy_weights without a project (which the SDK
+# requires and tinker_sr does not: see RestClient.copy_weights).
+
+
+def _outcome(fn: Callable[[], Any]) -> str:
+    try:
+        out = fn()
+    except Exception as e:
+        return f"raises {type(e).__name__}"
+    try:
+        out.result(timeout=60)
+    except Exception as e:
+        return f"fails {type(e).__name__}"
+    return "ok"
+
+
+def _swept(service: Any) -> dict[str, str]:
+    training = service.create_lora_training_client(MODEL, rank=2)
+    training = training.result() if hasattr(training, "result") else training
+    training.save_state("s").result()
+    rest, run = service.create_rest_client(), training.model_id
+    got = {}
+    for method, (values, call) in SWEEP.items():
+        for name, value in values.items():
+            if isinstance(value, str) and value.startswith("tinker://RUN/"):
+                value = value.replace("RUN", run, 1)
+            got[f"{method} <- {name}"] = _outcome(lambda: call(rest, run, value))  # noqa: B023
+    return got
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hostile_ids_and_paths_fail_as_in_the_sdk(service: Any, server: ServerProcess) -> None:
+    """Every RestClient look-up, given each ill-typed or hostile id or path, raises at once
+    or fails its future with the exception class the official SDK gets from `tinker-sr
+    serve`; none is an internal error."""
+    sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    try:
+        theirs = _swept(sdk_service)
+    finally:
+        sdk_service.close("success").result()
+    ours = _swept(service)
+    assert not [k for k, v in ours.items() if v.endswith("RequestFailedError")]
+    assert {k: v for k, v in ours.items() if v != theirs[k]} == {}
+    # The sweep reaches each kind of answer.
+    kinds = set(theirs.values())
+    for kind in ("fails NotFoundError", "fails BadRequestError", "fails InvalidURL", "ok"):
+        assert kind in kinds, kind
+    for kind in ("fails ValueError", "fails TypeError", "raises ValidationError"):
+        assert kind in kinds, kind
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_an_ill_typed_id_is_refused_naming_the_argument(embedded_service: Any) -> None:
+    """The embedded engine's refusals say which argument is wrong and what it should be."""
+    import tinker_sr
+
+    rest = embedded_service.create_rest_client()
+    with pytest.raises(tinker_sr.NotFoundError, match="training_run_id must be a str, got list"):
+        rest.get_training_run(["a"]).result()
+    with pytest.raises(tinker_sr.NotFoundError, match="sampler_id must be a str, got dict"):
+        rest.get_sampler({"a": 1}).result()
+    with pytest.raises(tinker_sr.BadRequestError, match="'tinker_path'.* valid string .*int"):
+        rest.get_weights_info_by_tinker_path(5).result()
+    with pytest.raises(httpx.InvalidURL, match="training_run_id='a\\\\x00b'"):
+        rest.list_checkpoints("a\x00b").result()
+    with pytest.raises(ValueError, match="non-empty value for `training_run_id`"):
+        rest.list_checkpoints("").result()
+    with pytest.raises(TypeError, match="ttl_seconds=.* cannot be sent as JSON"):
+        rest.set_checkpoint_ttl_from_tinker_path("tinker://r/weights/s", {1}).result()

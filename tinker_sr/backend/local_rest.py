@@ -226,6 +226,7 @@ class LocalRestQueries:
                 weights_access_token=weights_access_token,
             )
             expires_at = validation.expiry(ttl_seconds)
+            self.checkpoints.copyable(source_path)
             row, source_run = self.checkpoints.with_run(source_path)
             if session_id is None:
                 sid = self._add_session(

@@ -567,9 +567,10 @@ class _ModelIdResult(types.BaseModel):
 def _seg(value: object) -> str:
     """``value`` as one URL path segment: quoted, so "?", "#", "/" or "%" in an id cannot end
     or change the path (a REST call reaching another resource); "." and ".." (which a URL
-    resolves away) name nothing."""
+    resolves away) name nothing. A long one goes as it is (a server answers it, as for the
+    SDK; httpx refuses a URL over 64 KiB)."""
     text = str(value)
-    if text in ("", ".", "..") or len(text) > 4096:  # longer: no id is, and URLs cap it
+    if text in ("", ".", ".."):
         raise refusal(404, f"{text!r:.60} names no session, run, sampler or checkpoint")
     return quote(text, safe="")
 

@@ -9,6 +9,7 @@ from datetime import date, datetime
 from typing import Any, Literal, TypeVar
 
 from tinker_sr import types
+from tinker_sr.clients import rest_args
 from tinker_sr.clients.admin import AdminClient, AuditEventType
 from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.errors import refusal
@@ -39,20 +40,34 @@ class RestClient:
     def _f(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
         return AwaitableConcurrentFuture(self.holder.run(coro))
 
+    def _checked(self, coro: Coroutine[Any, Any, T], *problems: Exception | None) -> APIFuture[T]:
+        """``coro``, unless one of ``problems`` (`rest_args`) is one: then the first of them
+        fails the future, as the SDK's request fails."""
+        problem = rest_args.first(*problems)
+        if problem is None:
+            return self._f(coro)
+        coro.close()
+        return self._f(_fail(problem))
+
     def _scoped(
-        self, coro: Coroutine[Any, Any, T], access_scope: object, project_id: object = None
+        self,
+        coro: Coroutine[Any, Any, T],
+        access_scope: object,
+        project_id: object = None,
+        *,
+        url: Exception | None = None,
+        unknown: Exception | None = None,
     ) -> APIFuture[T]:
-        """``coro``, unless a server would refuse the query: an unknown ``access_scope`` or a
-        ``project_id`` filter fail the future (`BadRequestError`), as the SDK meets them."""
+        """``coro``, unless the SDK or a server would refuse the query: a URL httpx refuses
+        (``url``), an unknown ``access_scope`` or a ``project_id`` filter (`BadRequestError`),
+        an id that names nothing (``unknown``), in the order a request meets them."""
         problem = None
         if access_scope not in ("owned", "accessible"):
             problem = f"access_scope must be 'owned' or 'accessible', got {access_scope!r:.60}"
         elif project_id is not None:
             problem = "filtering training runs by project_id is not supported"
-        if problem is None:
-            return self._f(coro)
-        coro.close()
-        return self._f(_refuse(problem))
+        scope = None if problem is None else refusal(400, problem)
+        return self._checked(coro, url, scope, unknown)
 
     @property
     def _b(self) -> Any:
@@ -69,12 +84,23 @@ class RestClient:
     def get_training_run(
         self, training_run_id: str, access_scope: AccessScope = "owned"
     ) -> APIFuture[types.TrainingRun]:
-        return self._scoped(self._b.get_training_run(training_run_id), access_scope)
+        return self._scoped(
+            self._b.get_training_run(training_run_id),
+            access_scope,
+            url=rest_args.url(
+                f"/api/v1/training_runs/{training_run_id}", training_run_id=training_run_id
+            ),
+            unknown=rest_args.not_an_id("training run", training_run_id=training_run_id),
+        )
 
     def get_sampler(self, sampler_id: str) -> APIFuture[types.GetSamplerResponse]:
         """A sampling session's base model and, if it was created from a checkpoint, that
         checkpoint's path (``SamplingClient.sampler_id`` names it)."""
-        return self._f(self._b.get_sampler(sampler_id))
+        return self._checked(
+            self._b.get_sampler(sampler_id),
+            rest_args.url(f"/api/v1/samplers/{sampler_id}", sampler_id=sampler_id),
+            rest_args.not_an_id("sampler", sampler_id=sampler_id),
+        )
 
     def get_training_run_by_tinker_path(
         self, tinker_path: str, access_scope: AccessScope = "owned"
@@ -104,7 +130,12 @@ class RestClient:
     ) -> APIFuture[types.GetSessionResponse]:
         """A session's training run ids, sampler ids, ``user_metadata`` and ``display_name``
         (ids as `list_sessions` gives them)."""
-        return self._scoped(self._b.get_session(session_id), access_scope)
+        return self._scoped(
+            self._b.get_session(session_id),
+            access_scope,
+            url=rest_args.url(f"/api/v1/sessions/{session_id}", session_id=session_id),
+            unknown=rest_args.not_an_id("session", session_id=session_id),
+        )
 
     def search_sessions(
         self, request: types.SessionSearchRequest
@@ -123,12 +154,19 @@ class RestClient:
 
     def assign_session_project(self, session_id: str, project_id: str) -> APIFuture[None]:
         """Move a session into a project (a hosted-service endpoint; refused here: 400)."""
-        return self._f(self._b.assign_session_project(session_id, project_id))
+        return self._checked(
+            self._b.assign_session_project(session_id, project_id),
+            rest_args.url(f"/api/v1/sessions/{session_id}/project", session_id=session_id),
+        )
 
     def export_session_trace(self, session_id: str) -> APIFuture[str]:
         """A signed URL of the session's trace file (a hosted-service endpoint; refused here:
         400)."""
-        return self._f(self._b.export_session_trace(session_id))
+        route = f"/api/v1/sessions/{session_id}/trace_export"
+        return self._checked(
+            self._b.export_session_trace(session_id),
+            rest_args.url(route, session_id=session_id),
+        )
 
     def whoami(self) -> APIFuture[types.WhoamiResponse]:
         """The caller's identity, which the SDK reads from a JWT of the hosted service's auth;
@@ -144,7 +182,15 @@ class RestClient:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
-        return self._f(self._b.list_checkpoints(training_run_id))
+        return self._checked(
+            self._b.list_checkpoints(training_run_id),
+            rest_args.empty(training_run_id=training_run_id),
+            rest_args.url(
+                f"/api/v1/training_runs/{training_run_id}/checkpoints",
+                training_run_id=training_run_id,
+            ),
+            rest_args.not_an_id("training run", training_run_id=training_run_id),
+        )
 
     def list_user_checkpoints(
         self, limit: int = 100, offset: int = 0
@@ -157,10 +203,25 @@ class RestClient:
         """Base model and LoRA configuration (rank, trained layers) of a checkpoint of either
         kind: what is needed to load it. A malformed path fails the future
         (`BadRequestError`), as the SDK sends any path to the service."""
-        return self._f(self._b.get_weights_info(tinker_path))
+        return self._checked(
+            self._b.get_weights_info(tinker_path),
+            rest_args.body_str("weights_info", "tinker_path", tinker_path),
+        )
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
-        return self._f(self._b.delete_checkpoint(training_run_id, checkpoint_id))
+        route = f"/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"
+        return self._checked(
+            self._b.delete_checkpoint(training_run_id, checkpoint_id),
+            rest_args.url(
+                route,
+                path_args=("checkpoint_id",),
+                training_run_id=training_run_id,
+                checkpoint_id=checkpoint_id,
+            ),
+            rest_args.query_in_checkpoint_id(checkpoint_id),
+            rest_args.not_an_id("training run", training_run_id=training_run_id),
+            rest_args.not_an_id("checkpoint", checkpoint_id=checkpoint_id),
+        )
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
@@ -171,21 +232,24 @@ class RestClient:
     ) -> APIFuture[None]:
         """Expire the checkpoint ``ttl_seconds`` from now (3600 to 10 years), or never
         (``None``)."""
-        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
-        return self._f(self._b.set_checkpoint_ttl(tinker_path, ttl_seconds))
+        body = rest_args.unencodable("checkpoint ttl", "ttl_seconds", ttl_seconds)
+        url = _checkpoint_url(tinker_path, "/ttl", body=body)
+        return self._checked(self._b.set_checkpoint_ttl(tinker_path, ttl_seconds), url)
 
     def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         """Mark one of your checkpoints public (``Checkpoint.public`` becomes ``True``). On a
         server, other API keys may then load, sample from, copy and inspect it (not list,
         delete or change it). Publishing a public checkpoint is a no-op (the hosted service
         answers 409 instead)."""
-        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
-        return self._f(self._b.set_checkpoint_public(tinker_path, True))
+        url = _checkpoint_url(tinker_path, "/publish")
+        return self._checked(self._b.set_checkpoint_public(tinker_path, True), url)
 
     def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         """Make a published checkpoint private again (a no-op if it is private)."""
-        types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
-        return self._f(self._b.set_checkpoint_public(tinker_path, False))
+        url = _checkpoint_url(tinker_path, "/publish")
+        checkpoint_id = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).checkpoint_id
+        query = rest_args.query_in_checkpoint_id(f"{checkpoint_id}/publish")  # a DELETE too
+        return self._checked(self._b.set_checkpoint_public(tinker_path, False), url, query)
 
     def copy_weights(
         self,
@@ -210,11 +274,16 @@ class RestClient:
         """
         if destination_project_id is None:
             destination_project_id = os.environ.get("TINKER_PROJECT_ID") or None
+        # Built at once, as the SDK builds its request: an argument of the wrong type raises
+        # pydantic's ValidationError here, not a failed future.
+        request = types.CopyWeightsRequest(
+            source_path=path, destination_project_id=destination_project_id, ttl_seconds=ttl_seconds
+        )
         return self._f(
             self._b.copy_weights(
-                path,
-                destination_project_id=destination_project_id,
-                ttl_seconds=ttl_seconds,
+                request.source_path,
+                destination_project_id=request.destination_project_id,
+                ttl_seconds=request.ttl_seconds,
                 weights_access_token=weights_access_token,
             )
         )
@@ -236,7 +305,13 @@ class RestClient:
                 "get_external_weights_urls only accepts external weights checkpoints "
                 f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}"
             )
-        return self._f(self._b.get_external_weights_urls(tinker_path))
+        return self._checked(
+            self._b.get_external_weights_urls(tinker_path),
+            rest_args.empty(
+                training_run_id=parsed.training_run_id, checkpoint_id=parsed.checkpoint_id
+            ),
+            _checkpoint_url(tinker_path, "/external_weights_urls"),
+        )
 
     def get_checkpoint_by_tinker_path(self, tinker_path: str) -> APIFuture[types.Checkpoint]:
         """(tinker_sr addition) One checkpoint's metadata."""
@@ -388,5 +463,23 @@ class RestClient:
         return await self._admin().get_current_checkpoint_storage_usage_async(project_id)
 
 
-async def _refuse(problem: str) -> Any:
-    raise refusal(400, problem)
+async def _fail(problem: Exception) -> Any:
+    raise problem
+
+
+def _checkpoint_url(
+    tinker_path: str, suffix: str, *, body: Exception | None = None
+) -> Exception | None:
+    """Parse ``tinker_path`` (a malformed one raises `ValueError` at once, as in the SDK);
+    then what becomes of the SDK's request on that checkpoint (`rest_args.url`), its body's
+    encoding problem (``body``) met after the URL's own and before a server's 404."""
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+    run, checkpoint = parsed.training_run_id, parsed.checkpoint_id
+    route = f"/api/v1/training_runs/{run}/checkpoints/{checkpoint}{suffix}"
+    return rest_args.first(
+        rest_args.invalid_url(route, tinker_path=tinker_path),
+        body,
+        rest_args.no_endpoint(
+            route, path_args=("checkpoint_id",), training_run_id=run, checkpoint_id=checkpoint
+        ),
+    )

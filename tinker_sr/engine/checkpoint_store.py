@@ -245,6 +245,25 @@ class CheckpointStore:
             )
         return row
 
+    def known_run(self, path: str) -> types.ParsedCheckpointTinkerPath:
+        """``path`` parsed, in a training run this store knows; else not-found, before
+        anything about the checkpoint itself is checked (as a server checks the run's owner
+        first: a malformed TTL or the wrong kind is a 400 only in a run that exists)."""
+        parsed = parse_path(path)
+        if self.store.get_run(parsed.training_run_id) is None:
+            raise EngineNotFoundError(f"checkpoint {path} does not exist")
+        return parsed
+
+    def copyable(self, path: str) -> None:
+        """Refuse to copy ``path``, in this order: a run that does not exist (not-found), an
+        external weights export (even one that does not exist), a missing checkpoint."""
+        if self.known_run(path).checkpoint_type == "external":
+            raise EngineUserError(
+                f"copy_weights: {path} is an external weights export, which is not copied; "
+                "copy the training checkpoint (tinker://<run>/weights/<name>) instead"
+            )
+        self.live(path)
+
     def with_run(self, path: str) -> tuple[CheckpointRow, RunRow]:
         row = self.live(path)
         run = self.store.get_run(row.run_id)
@@ -360,13 +379,13 @@ class CheckpointStore:
         _remove(Path(row.file_path))
 
     def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
-        parse_path(path)
+        self.known_run(path)
         expires_at = expiry(ttl_seconds)
         self.live(path)
         self.store.set_checkpoint_expiry(path, expires_at)
 
     def set_public(self, path: str, public: bool) -> None:
-        if parse_path(path).checkpoint_type == "external":  # refused before it is looked up
+        if self.known_run(path).checkpoint_type == "external":  # before the checkpoint is looked up
             raise EngineUserError(
                 "external_weights checkpoints are not published; publish the training or "
                 "sampler checkpoint instead"

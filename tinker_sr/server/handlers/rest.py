@@ -4,6 +4,7 @@ delete, TTL, publish), and the endpoints this server deliberately does not offer
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +33,11 @@ _UNSUPPORTED = {
     "false); forward_backward_custom runs the loss client-side",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
-    "sessions": SESSION_QUERIES_UNSUPPORTED,
 }
+# The hosted service's session endpoints (search, project, trace export). Any other path under
+# sessions/ is no endpoint (404), as on the embedded engine: the SDK sends a session id
+# unquoted, so one holding "/" reaches no route.
+_HOSTED_SESSION_ROUTE = re.compile(r"sessions/(?:search|[^/]+/(?:project|trace_export))")
 
 
 async def capabilities(srv: TinkerServer, request: Request, owner: str) -> Response:
@@ -318,4 +322,7 @@ async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Respon
     for prefix, reason in _UNSUPPORTED.items():
         if path == prefix or path.startswith(prefix + "/"):
             raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
+    if _HOSTED_SESSION_ROUTE.fullmatch(path):
+        reason = SESSION_QUERIES_UNSUPPORTED
+        raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
     raise HTTPError(404, f"no such endpoint: {request.method} /api/v1/{path}")
