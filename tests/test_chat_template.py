@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 import jinja2  # noqa: E402
+import transformers  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
@@ -67,7 +70,8 @@ def test_a_hub_style_template_renders_as_in_transformers(
     assert ("<tools>" in text) == ("tools" in kwargs) and "ignored" not in text
     expected = theirs.apply_chat_template(CHAT, tokenize=True, return_dict=True, **kwargs)
     assert ours.apply_chat_template(CHAT, return_dict=True, **kwargs) == dict(expected)
-    assert ours.apply_chat_template(CHAT, **kwargs) == expected["input_ids"]
+    assert ours.apply_chat_template(CHAT, **kwargs) == dict(expected)
+    assert ours.apply_chat_template(CHAT, return_dict=False, **kwargs) == expected["input_ids"]
 
 
 def test_a_template_raise_exception_is_a_template_error_as_in_transformers(
@@ -98,3 +102,82 @@ def test_what_needs_transformers_is_refused_by_name(model_dir: Path, tmp_path: P
     assert FastTokenizer(bare).apply_chat_template(
         CHAT, chat_template=HUB_TEMPLATE, tokenize=False
     ) == ours.apply_chat_template(CHAT, tokenize=False)
+
+
+def _observed(out: Any) -> Any:
+    """What user code reads off an ``apply_chat_template`` result."""
+    if isinstance(out, (str, list)):
+        return type(out).__name__, out
+    if not hasattr(out, "keys"):  # a tensor or an array: return_dict=False with return_tensors
+        return type(out).__module__.split(".")[0], out.tolist(), tuple(out.shape)
+    values = {
+        k: v if isinstance(v, list) else (type(v).__module__, v.tolist()) for k, v in out.items()
+    }
+    return {
+        "isinstance dict": isinstance(out, dict),
+        "keys": list(out),
+        "len": len(out),
+        "['input_ids'] and .input_ids": (values["input_ids"], out.input_ids is out["input_ids"]),
+        "dict(out)": values,
+        "'input_ids' in out": "input_ids" in out,
+        "out[0] (the Encoding)": (out[0].ids, out[0].tokens, out[-1].attention_mask),
+        "out[:1]": [e.ids for e in out[:1]],
+        "is_fast": out.is_fast,
+    }
+
+
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5, reason="transformers 4 returns a list"
+)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"tokenize": True},
+        {"add_generation_prompt": True},
+        {"return_dict": True},
+        {"return_dict": False},
+        {"add_generation_prompt": True, "return_dict": False},
+        {"tokenize": False},
+        {"tokenize": False, "return_dict": True},
+        {"return_tensors": "pt"},
+        {"return_tensors": "np"},
+        {"return_tensors": "pt", "return_dict": False},
+    ],
+    ids=repr,
+)
+def test_tokenize_returns_what_transformers_5_returns(
+    model_dir: Path, kwargs: dict[str, Any]
+) -> None:
+    """Before: a plain list where transformers 5 returns its BatchEncoding (so
+    ``out["input_ids"]`` raised TypeError and ``len(out)`` counted tokens, not 2 fields), and
+    ``return_tensors`` was passed to the template unread."""
+    ours, theirs = FastTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    expected = _observed(theirs.apply_chat_template(CHAT, **kwargs))
+    assert _observed(ours.apply_chat_template(CHAT, **kwargs)) == expected
+
+
+def test_a_python_tokenizer_s_encoding_cuts_by_slice(tmp_path: Path) -> None:
+    """The built-in models' byte tokenizer has no `tokenizers.Encoding`: an integer index is
+    a KeyError and a slice cuts each field, as transformers' Python tokenizers give."""
+    from tinker_sr.tokenization.byte import ByteTokenizer
+
+    out = ByteTokenizer().apply_chat_template(CHAT, chat_template=HUB_TEMPLATE)
+    ids = ByteTokenizer().apply_chat_template(CHAT, chat_template=HUB_TEMPLATE, return_dict=False)
+    assert len(out) == 2 and out.input_ids == out["input_ids"] == ids and not out.is_fast
+    assert out[:3] == {"input_ids": ids[:3], "attention_mask": [1, 1, 1]}
+    with pytest.raises(KeyError, match="Invalid key"):
+        out[0]
+
+
+def test_tokenizing_a_chat_imports_no_transformers(model_dir: Path) -> None:
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tinker_sr.tokenization.hf import FastTokenizer\n"
+        f"tok = FastTokenizer(Path({str(model_dir)!r}))\n"
+        "out = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], return_tensors='pt')\n"
+        "assert out['input_ids'].shape[0] == 1 and len(out) == 2, out\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

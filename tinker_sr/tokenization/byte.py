@@ -117,12 +117,13 @@ class ByteTokenizer:
         *,
         tokenize: bool = True,
         add_generation_prompt: bool = False,
-        return_dict: bool = False,
+        return_dict: bool = True,
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """The built-in models have no chat template (they are not chat models): pass
-        ``chat_template=`` to render one, as with transformers (`chat_template.apply`)."""
+        ``chat_template=`` to render one, as with transformers (`chat_template.apply`): a
+        `ChatEncoding` as transformers 5 returns, or the ids with ``return_dict=False``."""
         from tinker_sr.tokenization.chat_template import apply
 
         return apply(

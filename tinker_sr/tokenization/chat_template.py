@@ -11,6 +11,7 @@ template renders to the same text with or without transformers installed.
 from __future__ import annotations
 
 import json
+from collections import UserDict
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -120,6 +121,69 @@ def render(
     )
 
 
+class ChatEncoding(UserDict[str, Any]):
+    """What transformers 5's ``apply_chat_template`` returns by default (its ``BatchEncoding``,
+    without importing transformers): a mapping (not a `dict`) of ``input_ids`` and
+    ``attention_mask``, so ``out["input_ids"]``, ``out.input_ids``, ``len(out) == 2``,
+    ``dict(out)``, ``model(**out)`` and ``out.to(device)`` work as there. An integer index is
+    the `tokenizers.Encoding` where a fast tokenizer made one (``out[0]``); otherwise, as for
+    transformers' Python tokenizers, a slice cuts every field and an integer is a `KeyError`."""
+
+    def __init__(self, data: dict[str, Any], encodings: list[Any] | None = None) -> None:
+        super().__init__(data)
+        self._encodings = encodings
+
+    def __getitem__(self, item: Any) -> Any:
+        if isinstance(item, str):
+            return self.data[item]
+        if self._encodings is not None:
+            return self._encodings[item]
+        if isinstance(item, slice):
+            return {key: value[item] for key, value in self.data.items()}
+        raise KeyError(
+            "Invalid key. Only three types of key are available: (1) string, (2) integers for "
+            "backend Encoding, and (3) slices for data subsetting."
+        )
+
+    def __getattr__(self, item: str) -> Any:
+        try:
+            return self.__dict__["data"][item]
+        except KeyError:
+            raise AttributeError(item) from None
+
+    @property
+    def encodings(self) -> list[Any] | None:
+        """The `tokenizers.Encoding` of the text (a fast tokenizer's), else ``None``."""
+        return self._encodings
+
+    @property
+    def is_fast(self) -> bool:
+        return self._encodings is not None
+
+    def to(self, device: Any) -> ChatEncoding:
+        """Tensors moved to ``device`` (``return_tensors="pt"``); self, as in transformers."""
+        self.data = {k: v.to(device) if hasattr(v, "to") else v for k, v in self.data.items()}
+        return self
+
+
+def _tensors(rows: list[int], kind: str | None, name: str) -> Any:
+    """``rows`` as ``return_tensors`` asks: a list, or a batch of one (shape ``[1, n]``)."""
+    if kind is None:
+        return rows
+    if kind == "pt":
+        import torch
+
+        return torch.tensor([rows], dtype=torch.long)
+    if kind == "np":
+        import numpy as np
+
+        return np.array([rows], dtype=np.int64)
+    raise EngineUserError(
+        f"{name}: apply_chat_template(return_tensors={kind!r}): this tokenizer returns 'pt', "
+        "'np' or lists (None); other frameworks need transformers"
+    )
+
+
 def apply(
     tokenizer: Any,
     conversation: Sequence[dict[str, Any]],
@@ -130,12 +194,14 @@ def apply(
     tokenize: bool,
     return_dict: bool,
     add_generation_prompt: bool,
+    return_tensors: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """A tokenizer's ``apply_chat_template``: `template` rendered (`render`; `missing` says
     what to do where there is none), then, unless ``tokenize=False``, its ids without added
-    special tokens (the template writes them), as a list or, with ``return_dict``, as
-    ``{"input_ids", "attention_mask"}``."""
+    special tokens (the template writes them): with ``return_dict`` (transformers 5's
+    default) a `ChatEncoding` of ``input_ids`` and ``attention_mask``, else the ids alone; as
+    lists, or tensors with a batch axis of one (``return_tensors``)."""
     name = str(tokenizer.name_or_path)
     if not template:
         raise EngineUserError(f"{name}: {missing}")
@@ -149,5 +215,18 @@ def apply(
     )
     if not tokenize:
         return text
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+    fast = getattr(tokenizer, "_fast_encoding", None)  # a `tokenizers.Encoding`, when it has one
+    encoding = fast(text) if fast is not None else None
+    ids = (
+        list(encoding.ids)
+        if encoding is not None
+        else tokenizer.encode(text, add_special_tokens=False)
+    )
+    input_ids = _tensors(ids, return_tensors, name)
+    if not return_dict:
+        return input_ids
+    data = {
+        "input_ids": input_ids,
+        "attention_mask": _tensors([1] * len(ids), return_tensors, name),
+    }
+    return ChatEncoding(data, None if encoding is None else [encoding])

@@ -355,6 +355,11 @@ class FastTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def _fast_encoding(self, text: str) -> Any:
+        """The `tokenizers.Encoding` of ``text`` without added special tokens (what
+        ``apply_chat_template`` indexes with an integer, as transformers' fast tokenizers)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
     def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = False, **_: Any) -> str:
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
@@ -391,15 +396,17 @@ class FastTokenizer:
         *,
         tokenize: bool = True,
         add_generation_prompt: bool = False,
-        return_dict: bool = False,
+        return_dict: bool = True,
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Render the model's chat template (or `chat_template`) in transformers' template
-        environment (`chat_template.apply`); token ids unless ``tokenize=False``, as a list
-        (transformers 4's default) or, with ``return_dict=True``, ``{"input_ids",
-        "attention_mask"}`` (transformers 5's default). Special tokens come from the template,
-        so none are added."""
+        environment (`chat_template.apply`); unless ``tokenize=False`` (the text), its tokens
+        as transformers 5 returns them: a `ChatEncoding` (``out["input_ids"]``,
+        ``out.input_ids``, ``out["attention_mask"]``; ``out[0]`` the `tokenizers.Encoding`), or
+        with ``return_dict=False`` the ids alone (a list, transformers 4's default).
+        ``return_tensors="pt"`` / ``"np"`` give a batch of one. Special tokens come from the
+        template, so none are added."""
         return apply(
             self,
             conversation,
