@@ -47,9 +47,13 @@ def test_hf_tokenizer_dir_loads_offline_and_matches(tmp_path) -> None:
         with pytest.raises(ValueError, match="chat.template"):
             tok.apply_chat_template(chat)
     template = "{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}"
-    assert ours.apply_chat_template(chat, chat_template=template) == hf.apply_chat_template(
+    assert ours.apply_chat_template(
         chat, chat_template=template, return_dict=False
-    )
+    ) == hf.apply_chat_template(chat, chat_template=template, return_dict=False)
+    # By default both return an encoding (transformers 5), not the list of ids.
+    theirs = hf.apply_chat_template(chat, chat_template=template)
+    mine = ours.apply_chat_template(chat, chat_template=template)
+    assert mine["input_ids"] == theirs["input_ids"] and len(mine) == len(theirs)
 
 
 def test_every_builtin_model_is_a_byte_tokenizer_model() -> None:
