@@ -354,3 +354,52 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+# ---- found in review (h36c) -------------------------------------------------------------------
+
+
+def test_a_run_just_started_beside_others_is_left_out(tmp_path: Path, capsys) -> None:
+    write_jsonl(tmp_path / "sweep" / "seed0" / "metrics.jsonl", rows(4))
+    (tmp_path / "sweep" / "seed1").mkdir()
+    (tmp_path / "sweep" / "seed1" / "metrics.jsonl").write_text('{"step": 0, "rew')
+    rc, out, err = run_plot(capsys, tmp_path / "sweep", "--out", tmp_path / "s.png")
+    assert rc == 0, err
+    assert "seed1: left out:" in out and "seed0: 4 steps" in out
+    (tmp_path / "sweep" / "seed0" / "metrics.jsonl").write_text("")
+    rc, _, err = run_plot(capsys, tmp_path / "sweep", "--out", tmp_path / "s.png")
+    assert_one_line_error(rc, err, "no metrics to plot")  # no run has any: still an error
+
+
+def test_a_dollar_in_a_key_or_run_name_is_drawn_literally(tmp_path: Path, capsys) -> None:
+    write_jsonl(tmp_path / "m$\\frac$" / "metrics.jsonl", rows(3, **{"a$\\frac{$b": 1.0}))
+    png = tmp_path / "d.png"
+    rc, _, err = run_plot(capsys, tmp_path / "m$\\frac$", "--keys", "a$\\frac{$b", "--out", png)
+    assert rc == 0, err
+    assert_png(png)
+
+
+def test_cookbook_timings_are_not_picked_as_rewards(tmp_path: Path, capsys) -> None:
+    extra = {"time/compute_group_rewards:total": 0.1, "env/all/reward/total": 0.5}
+    write_jsonl(tmp_path / "run" / "metrics.jsonl", rows(3, **extra))
+    rc, out, _ = run_plot(capsys, tmp_path / "run", "--out", tmp_path / "r.png")
+    assert rc == 0 and "time/" not in out.split("keys: ")[1]
+
+
+def test_a_deeply_nested_line_and_a_bom(tmp_path: Path, capsys) -> None:
+    deep = write_jsonl(tmp_path / "deep" / "metrics.jsonl", rows(1), '{"a":' * 100_000 + "\n")
+    rc, _, err = run_plot(capsys, deep)
+    assert_one_line_error(rc, err, ":2: not JSON (nested too deeply)")
+    bom = tmp_path / "bom" / "metrics.jsonl"
+    bom.parent.mkdir()
+    bom.write_text("".join(json.dumps(r) + "\n" for r in rows(3)), encoding="utf-8-sig")
+    rc, out, err = run_plot(capsys, bom, "--out", tmp_path / "b.png")
+    assert rc == 0 and "3 steps" in out, err
+
+
+def test_moving_average_is_linear_and_exact() -> None:
+    ys = [float(i % 7) if i % 11 else math.nan for i in range(20_000)]
+    fast = plot.moving_average(ys, 500)
+    for i in (1, 499, 500, 7_777, 19_999):
+        window = [y for y in ys[max(0, i - 499) : i + 1] if not math.isnan(y)]
+        assert fast[i] == math.fsum(window) / len(window)

@@ -362,3 +362,39 @@ def test_serve_refuses_a_bad_usage_query(
             timeout=30,
         )
     assert resp.status_code == 400 and message in resp.json()["detail"], resp.text
+
+
+# ---- found in review (h36c) ------------------------------------------------------------------
+
+
+def test_tinker_sr_usage_windows_and_cards_found_in_review(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tinker_sr.cli import main
+
+    store = Store(tmp_path / "engine.sqlite")
+    store.add_usage("sess-a", MODEL, {"training": 7})
+    store.close()
+    for hours in ("0.0001", "0.5", "1", "1e300"):  # the current hour, whatever the fraction
+        assert main(["usage", "--store", str(tmp_path), "--hours", hours, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["rows"][0]["training"] == 7, hours
+    for argv, message in [
+        (["--hours", "inf"], "--hours must be positive"),
+        (["--hours", "nan"], "--hours must be positive"),
+        (["--rate-card", str(tmp_path / "deep.json")], "not a rate card (JSON nested too deeply)"),
+        (["--rate-card", str(tmp_path / "huge.json")], "must be a non-negative number of USD"),
+    ]:
+        (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+        (tmp_path / "huge.json").write_text('{"*": {"training": 1e308}}')
+        assert main(["usage", "--store", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tinker-sr usage: ") and message in err, err
+    with pytest.raises(SystemExit):  # --since and --hours: one window, not two
+        main(["usage", "--store", str(tmp_path), "--since", "2026-01-01", "--hours", "3"])
+    capsys.readouterr()
+    (tmp_path / "other.json").write_text('{"some/other-model": {"training": 1.0}}')
+    assert (
+        main(["usage", "--store", str(tmp_path), "--rate-card", str(tmp_path / "other.json")]) == 0
+    )
+    total = [line for line in capsys.readouterr().out.splitlines() if line.startswith("total")]
+    assert total[0].split()[-1] == "-"  # nothing priced: no 0.000000 total

@@ -41,6 +41,10 @@ class PlotInputError(ValueError):
     """A path, file or option the command cannot use; the message is one line naming it."""
 
 
+class _NoMetricsYet(PlotInputError):
+    """A metrics file with no complete record (empty, or its first line being written)."""
+
+
 @dataclass(frozen=True)
 class Panel:
     """One subplot: ``key`` per step, titled ``title`` (default the key), on a log scale or not."""
@@ -100,10 +104,41 @@ def moving_average(ys: Sequence[float], n: int) -> list[float]:
     if n <= 1:
         return list(ys)
     out = []
-    for i in range(len(ys)):
-        window = [y for y in ys[max(0, i - n + 1) : i + 1] if not math.isnan(y)]
-        out.append(math.fsum(window) / len(window) if window else math.nan)
+    partials: list[float] = []  # the window's finite points, summed exactly (`_add_exact`)
+    count = 0
+    for i, y in enumerate(ys):
+        if not math.isnan(y):
+            _add_exact(partials, y)
+            count += 1
+        if i >= n and not math.isnan(old := ys[i - n]):
+            _add_exact(partials, -old)  # exact: an outlier leaves no residue
+            count -= 1
+        if not count:
+            out.append(math.nan)
+            partials.clear()
+            continue
+        total = math.fsum(partials)
+        if not math.isfinite(total):  # overflow inside the partials: sum the window itself
+            window = [v for v in ys[max(0, i - n + 1) : i + 1] if not math.isnan(v)]
+            total = math.fsum(window)
+        out.append(total / count)
     return out
+
+
+def _add_exact(partials: list[float], x: float) -> None:
+    """Add ``x`` to the exact sum held as non-overlapping ``partials`` (Shewchuk's algorithm,
+    what `math.fsum` does inside): O(len(ys)) moving averages, exact as ``fsum`` of a window."""
+    i = 0
+    for y in partials:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            partials[i] = lo
+            i += 1
+        x = hi
+    partials[i:] = [x]
 
 
 def sparkline(ys: Sequence[float], width: int = SPARK_WIDTH) -> str:
@@ -160,6 +195,8 @@ CATEGORIES = {"reward": 2, "loss": 2, "KL": 1, "entropy": 1}
 def _category(key: str) -> tuple[str, int] | None:
     """(category, rank: lower is the likelier headline metric) of a key, or None."""
     low = key.lower()
+    if low.startswith("time/"):  # tinker-cookbook's timings ("time/compute_group_rewards:total")
+        return None
     tokens = [t for t in re.split(r"[^a-z0-9]+", low) if t]
     if "reward" in low:
         headline = low in ("reward", "env/all/reward/total")
@@ -281,6 +318,22 @@ def plot_curves(
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
+    with plt.rc_context({"text.parse_math": False}):  # a '$' in a key or run name is literal
+        return _plot_curves(plt, Line2D, runs, path, panels, title=title, x=x, smooth=smooth)
+
+
+def _plot_curves(
+    plt: Any,
+    Line2D: Any,
+    runs: Mapping[str, Sequence[Record]],
+    path: str | Path,
+    panels: Sequence[Panel | str] | None,
+    *,
+    title: str,
+    x: XAxis,
+    smooth: int,
+) -> Path:
+
     if panels is None:
         panels = choose_keys(runs, x if isinstance(x, str) else "step")[0]
     chosen = [p if isinstance(p, Panel) else Panel(p) for p in panels]
@@ -371,7 +424,7 @@ def read_run(path: Path, name: str) -> Run:
     """The records of one metrics file. An unfinished last line (no newline: the run is still
     writing it) is skipped with a note; any other line that is not a JSON object is an error."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_text(encoding="utf-8-sig", errors="replace")  # a BOM is not data
     except OSError as e:
         raise PlotInputError(f"{path}: cannot read ({e.strerror or e})") from None
     lines = text.split("\n")
@@ -381,13 +434,20 @@ def read_run(path: Path, name: str) -> Run:
             continue
         try:
             record = json.loads(line)
-        except ValueError as e:  # JSONDecodeError, or an integer too long to convert
-            if number_ == len(lines):  # no newline after it: the writer is mid-line
+        except (ValueError, RecursionError) as e:  # + an integer too long, nesting too deep
+            # no newline after it: the writer is mid-line
+            if number_ == len(lines) and not isinstance(e, RecursionError):
                 run.notes.append(
                     f"skipped the unfinished last line {number_} (still being written?)"
                 )
                 continue
-            why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            why = (
+                e.msg
+                if isinstance(e, json.JSONDecodeError)
+                else "nested too deeply"
+                if isinstance(e, RecursionError)
+                else str(e)
+            )
             raise PlotInputError(f"{path}:{number_}: not JSON ({why}): {_clip(line)}") from None
         if not isinstance(record, dict):
             raise PlotInputError(
@@ -397,7 +457,7 @@ def read_run(path: Path, name: str) -> Run:
         run.records.append(record)
     if not run.records:
         what = "empty" if not text.strip() else "no complete line yet"
-        raise PlotInputError(f"{path}: {what}, no metrics to plot")
+        raise _NoMetricsYet(f"{path}: {what}, no metrics to plot")
     return run
 
 
@@ -412,11 +472,28 @@ def _labels(paths: Sequence[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-def load_runs(args: Sequence[str]) -> dict[str, Run]:
-    """Every run the paths name, by label (labels made unique; a file named twice read once)."""
+def load_runs(args: Sequence[str], skipped: list[str] | None = None) -> dict[str, Run]:
+    """Every run the paths name, by label (labels made unique; a file named twice read once).
+    Of several runs, one without metrics yet (empty, or its first line still being written:
+    a run just started beside the others) is left out with a line in ``skipped``; an error
+    only if no run has any."""
     paths = list(dict.fromkeys(p.resolve() for arg in args for p in metrics_files(arg)))
     labels = _labels(paths)
-    return {label: read_run(path, label) for label, path in zip(labels, paths, strict=True)}
+    runs: dict[str, Run] = {}
+    first_error: PlotInputError | None = None
+    for label, path in zip(labels, paths, strict=True):
+        try:
+            runs[label] = read_run(path, label)
+        except _NoMetricsYet as e:
+            if len(paths) == 1:
+                raise
+            first_error = first_error or e
+            if skipped is not None:
+                skipped.append(f"{label}: left out: {e}")
+    if not runs:
+        assert first_error is not None
+        raise first_error
+    return runs
 
 
 def resolve_x(run: Run, x: str, runs: Mapping[str, Sequence[Record]]) -> str | None:
@@ -424,7 +501,7 @@ def resolve_x(run: Run, x: str, runs: Mapping[str, Sequence[Record]]) -> str | N
     ``step`` when the run has none; any other key the run lacks is an error."""
     if x == INDEX:
         return None
-    if x in key_stats(run.records):
+    if any(number(r.get(x)) is not None for r in run.records):
         return x
     if x == "step":
         run.notes.append("no numeric 'step' key: x is the record number")
@@ -524,7 +601,10 @@ def _default_out(first: str) -> Path:
 def _plot(args: argparse.Namespace) -> int:
     if args.smooth < 1:
         raise PlotInputError(f"--smooth must be at least 1 (1: no smoothing), got {args.smooth}")
-    runs = load_runs(args.paths)
+    skipped: list[str] = []
+    runs = load_runs(args.paths, skipped)
+    for line in skipped:
+        print(line)
     if args.list:
         print(list_keys(runs))
         return 0

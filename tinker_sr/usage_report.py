@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -36,13 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="state directory (default $TINKER_SR_STORE or ~/.cache/tinker_sr)",
     )
-    p.add_argument(
+    window = p.add_mutually_exclusive_group()
+    window.add_argument(
         "--hours",
         type=float,
         default=24.0,
         help="the last this many hours, counted in whole UTC hours (default 24)",
     )
-    p.add_argument(
+    window.add_argument(
         "--since",
         default=None,
         metavar="TIME",
@@ -62,10 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _window(args: argparse.Namespace, now: float) -> tuple[int, int]:
     end = usage.hour_bucket(now) + usage.HOUR_S  # the current hour, whole
     if args.since is not None:
-        return usage.hour_bucket(usage.utc_time(args.since, "--since").timestamp()), end
-    if not args.hours > 0:
-        raise EngineUserError(f"--hours must be positive, got {args.hours}")
-    return usage.hour_bucket(now - args.hours * usage.HOUR_S + usage.HOUR_S), end
+        start = usage.hour_bucket(usage.utc_time(args.since, "--since").timestamp())
+        return min(max(start, 0), end), end  # a future --since: an empty window
+    if not (args.hours > 0 and math.isfinite(args.hours)):
+        raise EngineUserError(f"--hours must be positive and finite, got {args.hours}")
+    # Whole UTC hours, the current one included: 0.5 is the current hour, 1.5 two hours; a
+    # huge number is everything since 1970 (no usage is older).
+    hours = min(math.ceil(args.hours), end // usage.HOUR_S)
+    return end - hours * usage.HOUR_S, end
 
 
 def _key(row: usage.UsageRow, by: str) -> str:
@@ -100,7 +106,9 @@ def _table(groups: list[dict[str, Any]], by: str, priced: bool) -> str:
     body.append(["total", *(f"{total[k]:,}" for k, _ in COLUMNS)])
     if priced:
         costs = [g["cost_usd"] for g in groups]
-        for line, cost in zip(body, [*costs, sum(c or 0.0 for c in costs)], strict=True):
+        priced_costs = [c for c in costs if c is not None]
+        total_cost = math.fsum(priced_costs) if priced_costs else None  # nothing priced: "-"
+        for line, cost in zip(body, [*costs, total_cost], strict=True):
             line.append("-" if cost is None else f"{cost:.6f}")
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 

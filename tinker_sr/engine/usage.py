@@ -38,6 +38,7 @@ from tinker_sr.user_errors import EngineUserError
 HOUR_S = 3600
 MAX_WINDOW = timedelta(days=14)
 GB = 10**9  # the storage unit (decimal gigabytes, as storage is billed)
+MAX_RATE = 1e9  # USD per unit: above it a cost can overflow to inf (not JSON)
 
 TRAINING = "training"
 PREFILL = "sampling_prefill"
@@ -146,6 +147,8 @@ class RateCard:
             raise EngineUserError(f"{where}: cannot be read ({e.strerror or e})") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise EngineUserError(f"{where}: not JSON ({e})") from None
+        except RecursionError:
+            raise EngineUserError(f"{where}: not a rate card (JSON nested too deeply)") from None
         return cls.parse(raw, where)
 
     @classmethod
@@ -168,11 +171,11 @@ class RateCard:
                     isinstance(value, bool)
                     or not isinstance(value, int | float)
                     or not math.isfinite(value)
-                    or value < 0
+                    or not 0 <= value <= MAX_RATE
                 ):
                     raise EngineUserError(
-                        f"{where}: [{model!r}][{key!r}] must be a non-negative number of USD, "
-                        f"got {value!r:.40}"
+                        f"{where}: [{model!r}][{key!r}] must be a non-negative number of USD (at "
+                        f"most {MAX_RATE:g}), got {value!r:.40}"
                     )
             models[str(model)] = {k: float(v) for k, v in prices.items()}
         return cls(models)
