@@ -122,8 +122,7 @@ def _table(groups: list[dict[str, Any]], by: str, priced: bool) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tinker_sr.backend.local import default_store_dir
-    from tinker_sr.engine.store import Store
+    from tinker_sr.engine.store import Store, default_store_dir  # no torch: a quick report
 
     store_dir = Path(args.store) if args.store else default_store_dir()
     db = store_dir / "engine.sqlite"

@@ -50,7 +50,13 @@ from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_ali
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
-from tinker_sr.engine.store import OUT_OF_SPACE, Store, is_out_of_space, make_store_dir
+from tinker_sr.engine.store import (
+    OUT_OF_SPACE,
+    Store,
+    default_store_dir,
+    is_out_of_space,
+    make_store_dir,
+)
 from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.hf_files import is_model_dir
@@ -60,12 +66,6 @@ from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]
 
 T = TypeVar("T")
-
-
-def default_store_dir() -> Path:
-    """``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr``."""
-    env = os.environ.get("TINKER_SR_STORE")
-    return Path(env) if env else Path.home() / ".cache" / "tinker_sr"
 
 
 def _user(msg: str) -> RequestFailedError:

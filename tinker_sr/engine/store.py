@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -191,6 +192,13 @@ def is_out_of_space(e: BaseException) -> bool:
 def _unwritable(e: sqlite3.OperationalError) -> bool:
     text = str(e).lower()
     return "unable to open" in text or "readonly" in text or "read-only" in text
+
+
+def default_store_dir() -> Path:
+    """``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr`` (here, not in `backend.local`, so that a
+    reader of the store such as ``tinker-sr usage`` does not import torch)."""
+    env = os.environ.get("TINKER_SR_STORE")
+    return Path(env) if env else Path.home() / ".cache" / "tinker_sr"
 
 
 class Store:
