@@ -181,6 +181,31 @@ def test_a_script_that_never_closes_its_clients_exits_cleanly(tmp_path: Path) ->
         assert done.stdout.strip() == "16"
 
 
+def test_a_cached_prompt_is_never_another_sessions(
+    service: tinker.ServiceClient, backend_kind: str, request: pytest.FixtureRequest
+) -> None:
+    """The prompt cache is per session: another session (on a server, another API key) on the
+    same base model computes the prompt itself and learns nothing of what this one sent, not
+    even through ``prompt_cache_hit_tokens``, which it is billed by (engine.usage)."""
+    prompt = types.ModelInput.from_ints([5 + (i * 29) % 240 for i in range(40)])  # this test's
+    params = types.SamplingParams(max_tokens=2, seed=1)
+    mine = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+    assert mine.sample(prompt, 1, params).result().prompt_cache_hit_tokens == 0
+    if backend_kind == "local":
+        other = tinker.ServiceClient(backend=service.holder.backend)
+    else:
+        srv = request.getfixturevalue("remote_server")
+        other = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-another-tenant")
+    try:
+        theirs = other.create_sampling_client(base_model="tinker-sr/tiny").result()
+        first, again = (theirs.sample(prompt, 1, params).result() for _ in range(2))
+        assert (first.prompt_cache_hit_tokens, again.prompt_cache_hit_tokens) == (0, 40)
+        assert summary(first) == summary(again)  # the same tokens, computed or copied
+    finally:
+        other.close().result()
+    assert mine.sample(prompt, 1, params).result().prompt_cache_hit_tokens == 40
+
+
 def test_a_group_of_requests_for_one_prompt_prefills_it_once(
     service: tinker.ServiceClient,
     backend_kind: str,

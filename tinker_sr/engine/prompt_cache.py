@@ -30,7 +30,10 @@ where nothing is cached: `benchmarks/multi_turn.py` measured 1.26x the time of o
 700-token prompt and 1.21x for 2,000 tokens (the ~42M-parameter benchmark model, 2 threads),
 against rollouts 2.6x faster.
 
-Entries belong to one model object; sampling models are immutable (merged copies or the frozen
+Entries belong to one session (the ``scope`` of `lookup` and `put`): another session's request
+for the same prompt computes it itself, so nothing of what one client (on a server, one API
+key) sent shows to another, not in ``prompt_cache_hit_tokens``, which usage bills
+(`engine.usage`), nor in timing. Entries belong to one model object; sampling models are immutable (merged copies or the frozen
 base, never a trainer's live tensors: `engine.registry`), and an entry dies with its model. The
 least recently used entries go when the total passes the budget: ``$TINKER_SR_PROMPT_CACHE_MB``
 (default 256; 0 turns the cache off). An entry (a block or a tail) that would take more than a
@@ -77,9 +80,12 @@ def budget_from_env() -> int:
     return mb << 20
 
 
-def _key(kind: str, model: torch.nn.Module, parent: int, tokens: Sequence[int]) -> tuple[Any, ...]:
-    """A block's or a tail's entry: its tokens after block `parent`, on `model`."""
-    return (kind, id(model), parent, tuple(tokens))
+def _key(
+    kind: str, model: torch.nn.Module, parent: int, tokens: Sequence[int], scope: str
+) -> tuple[Any, ...]:
+    """A block's or a tail's entry: its tokens after block `parent`, on `model`, for `scope`
+    (whose prompts may share it: a session's, never another's)."""
+    return (kind, id(model), scope, parent, tuple(tokens))
 
 
 def _bytes(tensors: Iterable[Tensor]) -> int:
@@ -135,7 +141,12 @@ class PromptCache:
         return entry
 
     def lookup(
-        self, model: torch.nn.Module, prompt: Sequence[int], *, hybrid: bool = False
+        self,
+        model: torch.nn.Module,
+        prompt: Sequence[int],
+        *,
+        hybrid: bool = False,
+        scope: str = "",
     ) -> tuple[list[CachedPrompt], CachedPrompt | None]:
         """The cached leading full blocks of `prompt` (those before its last `BLOCK`-token
         chunk, up to the first not cached), and, where all of them are, its tail (the rest of
@@ -148,16 +159,15 @@ class PromptCache:
         n, parent = (len(prompt) - 1) // BLOCK, ROOT
         with self._lock:
             for j in range(n):
-                entry = self._find(
-                    model, _key("block", model, parent, prompt[j * BLOCK : (j + 1) * BLOCK])
-                )
+                block = prompt[j * BLOCK : (j + 1) * BLOCK]
+                entry = self._find(model, _key("block", model, parent, block, scope))
                 if entry is None:
                     break
                 found.append(entry)
                 parent = entry.uid
             tail = None
             if len(found) == n:
-                tail = self._find(model, _key("tail", model, parent, prompt[n * BLOCK :]))
+                tail = self._find(model, _key("tail", model, parent, prompt[n * BLOCK :], scope))
             if tail is None:
                 while hybrid and found and not found[-1].states:
                     found.pop()
@@ -176,13 +186,14 @@ class PromptCache:
         v: list[Tensor],
         logits: Tensor | None = None,
         states: dict[int, tuple[Tensor, Tensor]] | None = None,
+        scope: str = "",
     ) -> int | None:
         """Keep copies of what a prefill computed for `tokens` after block `parent`: a full
         block's keys and values, or with `logits` (those after the prompt's last token) its
         tail's; and a hybrid model's linear-attention states after them, where given (after a
         prefill's last full block and its tail). Returns the entry's id, the parent of the next
         block, or None where it was not kept (nothing after it can be found)."""
-        key = _key("tail" if logits is not None else "block", model, parent, tokens)
+        key = _key("tail" if logits is not None else "block", model, parent, tokens, scope)
         if self.budget <= 0:
             return None
         states = states or {}

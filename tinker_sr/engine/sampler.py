@@ -229,6 +229,7 @@ class DecodeGroup:
         seed: int,
         stability_k: int = 0,
         top_k_logprobs: int = 0,
+        cache_scope: str = "",
     ) -> None:
         _validate(
             model, prompt, num_samples, max_tokens, temperature, top_k, top_p,
@@ -256,6 +257,7 @@ class DecodeGroup:
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
         self.finished = False
         self.cache_hit_tokens = 0  # prompt tokens `prefill` copied from a PromptCache
+        self.cache_scope = cache_scope  # whose cached prompts it may use (a session's)
         self._active = torch.arange(n)
         self._fed = torch.zeros(n, dtype=torch.long)
 
@@ -299,7 +301,7 @@ class DecodeGroup:
         found, tail = (
             ([], None)
             if prompt_cache is None
-            else prompt_cache.lookup(self.model, prompt, hybrid=hybrid)
+            else prompt_cache.lookup(self.model, prompt, hybrid=hybrid, scope=self.cache_scope)
         )
         for j, block in enumerate(found):
             self._copy_in(block, j * BLOCK)
@@ -319,13 +321,20 @@ class DecodeGroup:
                     # extends this one resumes (only there: they are large).
                     states = self._states() if j == n - 1 else {}
                     parent = prompt_cache.put(
-                        self.model, parent, prompt[a:b], *self._kv(a, b), states=states
+                        self.model,
+                        parent,
+                        prompt[a:b],
+                        *self._kv(a, b),
+                        states=states,
+                        scope=self.cache_scope,
                     )
             a = n * BLOCK
             last = self.model.last_logits(tokens[:, a:], start_pos=a, cache=self.cache)
             if prompt_cache is not None and parent is not None:
                 kv = self._kv(a, P)
-                prompt_cache.put(self.model, parent, prompt[a:], *kv, last, self._states())
+                prompt_cache.put(
+                    self.model, parent, prompt[a:], *kv, last, self._states(), self.cache_scope
+                )
         self.logits.copy_(last.expand_as(self.logits))
         self._sample()
 

@@ -147,6 +147,7 @@ def begin(
         seed=plan.seed,
         stability_k=STABILITY_K if req.record_stability_info else 0,
         top_k_logprobs=req.topk_sample_logprobs,
+        cache_scope=s.session_id,  # a session's prompts are never another's to reuse
     )
     ids = (
         list(req.sequence_ids)
