@@ -123,6 +123,19 @@ def test_embedded_usage_is_what_the_engine_did(embedded_service: Any) -> None:
     assert admin.get_current_checkpoint_storage_usage("no-such-project").result().data == []
 
 
+def test_prompt_logprobs_count_the_whole_prompt_as_computed(embedded_service: Any) -> None:
+    """A request for prompt log-probs runs a forward over its whole prompt: billed as computed
+    prefill even where its decode copied the prompt from the cache."""
+    sampler = embedded_service.create_sampling_client(base_model=MODEL).result()
+    prompt, params = types.ModelInput.from_ints(PROMPT), types.SamplingParams(max_tokens=1)
+    sampler.sample(prompt, 1, params).result()
+    hit = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result()
+    assert hit.prompt_cache_hit_tokens == len(PROMPT)  # the decode's prefill was copied
+    sampler.compute_logprobs(prompt).result()
+    report = tinker_sr.AdminClient(embedded_service.holder).get_billing_usage(*this_hour())
+    assert totals(report.result()) == {"sampling_prefill": 3 * len(PROMPT), "sampling_sample": 3}
+
+
 @pytest.mark.parametrize(
     ("start", "end", "message"),
     [

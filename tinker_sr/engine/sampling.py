@@ -165,7 +165,9 @@ def begin(
             prompt_alt_tokens=alt,
             prompt_cache_hit_tokens=group.cache_hit_tokens,
         )
-        counts = usage.sample_counts(len(plan.tokens), resp)
+        # Prompt log-probs of any kind are a forward over the whole prompt: none of it cached.
+        whole = any(x is not None for x in (prompt_lps, topk_prompt, target_out, alt))
+        counts = usage.sample_counts(len(plan.tokens), resp, prompt_recomputed=whole)
         recorder.store.add_usage(s.session_id, s.base_model, counts)  # engine.usage
         return resp
 

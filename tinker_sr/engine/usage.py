@@ -55,10 +55,13 @@ def hour_bucket(t: float) -> int:
     return int(t // HOUR_S) * HOUR_S
 
 
-def sample_counts(prompt_tokens: int, response: types.SampleResponse) -> dict[str, int]:
+def sample_counts(
+    prompt_tokens: int, response: types.SampleResponse, *, prompt_recomputed: bool = False
+) -> dict[str, int]:
     """What one answered sample request used: its prompt, computed or served by the prompt
-    cache, and every token its sequences generated."""
-    cached = min(int(response.prompt_cache_hit_tokens), prompt_tokens)
+    cache (none of it when ``prompt_recomputed``: prompt log-probs ran a forward over all of
+    it), and every token its sequences generated."""
+    cached = 0 if prompt_recomputed else min(int(response.prompt_cache_hit_tokens), prompt_tokens)
     return {
         PREFILL: prompt_tokens - cached,
         PREFILL_CACHED: cached,
