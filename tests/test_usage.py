@@ -194,7 +194,8 @@ def test_a_rate_card_prices_the_tokens(tmp_path: Path, monkeypatch: pytest.Monke
     from tests.conftest import embedded_client
 
     card = tmp_path / "rates.json"
-    card.write_text(json.dumps({**RATES, MODEL: {"sampling_sample": 4.0, "storage_gb_month": 9}}))
+    prices = {"*": {**RATES["*"], "storage_gb_month": 9.0}, MODEL: {"sampling_sample": 4.0}}
+    card.write_text(json.dumps(prices))
     monkeypatch.setenv("TINKER_SR_RATE_CARD", str(card))
     with embedded_client(tmp_path) as service:
         expected = workload(service, tinker_sr)
@@ -210,7 +211,9 @@ def test_a_rate_card_prices_the_tokens(tmp_path: Path, monkeypatch: pytest.Monke
             continue
         assert e.effective_rate_usd_per_million_tokens == rates[kind]
         assert e.estimated_cost_usd == pytest.approx(rates[kind] * expected[kind] / 1e6)
-    assert storage.effective_rate_usd_per_gigabyte_month is None  # only "*" prices storage
+    assert storage.effective_rate_usd_per_gigabyte_month == 9.0
+    [item] = storage.data
+    assert item.estimated_monthly_cost_usd == pytest.approx(9.0 * item.size_bytes / 1e9)
 
 
 @pytest.mark.parametrize(
@@ -222,6 +225,7 @@ def test_a_rate_card_prices_the_tokens(tmp_path: Path, monkeypatch: pytest.Monke
         ('{"*": {"training": "cheap"}}', "must be a non-negative number"),
         ('{"*": 3}', "must be an object of prices"),
         ("{not json", "not JSON"),
+        ('{"m": {"storage_gb_month": 1}}', "prices storage_gb_month, which only '\\*' may"),
     ],
 )
 def test_a_bad_rate_card_is_refused_naming_the_entry(
@@ -255,6 +259,7 @@ def test_tinker_sr_usage_totals_a_store(
     [row] = report["rows"]
     assert {k: row[k] for k in expected_totals(expected)} == expected_totals(expected)
     assert report["storage"]["checkpoints"] == 2 and report["storage"]["bytes"] > 0
+    assert report["storage"]["monthly_cost_usd"] is None  # no rate card
 
     card = tmp_path / "rates.json"
     card.write_text(json.dumps(RATES))
@@ -280,6 +285,19 @@ def test_tinker_sr_usage_totals_a_store(
     later = datetime.now(UTC) + timedelta(hours=2)
     assert main(["usage", "--store", store, "--since", later.isoformat()]) == 0
     assert "nothing used in this window" in capsys.readouterr().out
+
+
+def test_the_demo_refuses_a_bad_rate_card_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinker_sr.cli import main
+
+    card = tmp_path / "rates.json"
+    card.write_text('{"*": {"training": "cheap"}}')
+    monkeypatch.setenv("TINKER_SR_RATE_CARD", str(card))
+    assert main(["demo", "--steps", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tinker-sr demo: rate card {card}: ") and err.count("\n") == 1, err
 
 
 # ---- from a server, to the official SDK and its command line --------------------------------

@@ -528,14 +528,17 @@ def _write_config(
 
 def _cannot_run(args: argparse.Namespace) -> tuple[int, str] | None:
     """(exit code, why) when the demo cannot run where it was asked to: a server that cannot
-    serve it (1), or an embedded engine on a device this machine lacks (2, as serve says)."""
+    serve it (1), or an embedded engine on a device this machine lacks or with a rate card
+    it cannot read (2, as serve says)."""
     if args.base_url is not None:
         problem = _server_problem(args.base_url, args.api_key)
         return None if problem is None else (1, problem)
     from tinker_sr.engine.device import resolve_device
+    from tinker_sr.engine.usage import RateCard
 
     try:
         resolve_device()  # $TINKER_SR_DEVICE
+        RateCard.resolve(None)  # $TINKER_SR_RATE_CARD
     except ValueError as e:
         return 2, str(e)
     return None

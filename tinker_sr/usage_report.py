@@ -144,9 +144,12 @@ def main(args: argparse.Namespace) -> int:
     finally:
         store.close()
     since, until = (datetime.fromtimestamp(t, UTC).isoformat() for t in (start, end))
-    stored = {
+    monthly = [i.estimated_monthly_cost_usd for i in storage.data]
+    priced = [c for c in monthly if c is not None]
+    stored: dict[str, Any] = {
         "checkpoints": sum(i.checkpoint_count for i in storage.data),
         "bytes": sum(i.size_bytes for i in storage.data),
+        "monthly_cost_usd": sum(priced) if priced and len(priced) == len(monthly) else None,
     }
     if args.json:
         print(
@@ -158,5 +161,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"usage in {store_dir}, {since} to {until} (tokens; UTC hours)")
     print(_table(groups, args.by, rates is not None) if groups else "nothing used in this window")
-    print(f"stored now: checkpoints {stored['checkpoints']}, {stored['bytes'] / 1e6:,.1f} MB")
+    cost = stored["monthly_cost_usd"]
+    per_month = "" if cost is None else f" ({cost:.6f} USD a month)"
+    print(
+        f"stored now: checkpoints {stored['checkpoints']}, {stored['bytes'] / 1e6:,.1f} MB{per_month}"
+    )
     return 0

@@ -165,6 +165,11 @@ class RateCard:
             if not isinstance(prices, dict):
                 raise EngineUserError(f"{where}: [{model!r}] must be an object of prices")
             for key, value in prices.items():
+                if key == STORAGE_RATE and model != "*":
+                    raise EngineUserError(
+                        f"{where}: [{model!r}] prices {STORAGE_RATE}, which only '*' may: "
+                        "storage is priced once, whatever the model"
+                    )
                 if key not in _RATE_KEYS:
                     raise EngineUserError(
                         f"{where}: [{model!r}] has unknown key {key!r}; the keys are "
