@@ -114,6 +114,16 @@ CASES: dict[str, tuple[str, Case]] = {
         "NotFoundError",  # no such route on a server
         lambda c: c.rest.delete_checkpoint(c.run, "a"),
     ),
+    # The official SDK builds its LoadWeightsRequest in the future: a path that is not a string
+    # fails it with pydantic's error naming `path` (ours: an AttributeError on .startswith).
+    "from_state(a list as the path)": (
+        "ValidationError",
+        lambda c: c.service.create_training_client_from_state(["tinker://a/weights/b"]),
+    ),
+    "from_state_with_optimizer(an int as the path)": (
+        "ValidationError",
+        lambda c: c.service.create_training_client_from_state_with_optimizer(3),
+    ),
     "sampling client on model_path=''": (
         "BadRequestError",
         lambda c: c.service.create_sampling_client(model_path=""),

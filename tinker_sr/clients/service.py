@@ -249,17 +249,21 @@ class ServiceClient:
         # Any path goes to the service, as the SDK sends it: a sampler or external-weights
         # path fails the future (RequestFailedError), a malformed one too (BadRequestError).
         backend = self.holder.backend
-        return self._training_client(
-            lambda sid, seq: backend.create_model_from_state(
+
+        def load(sid: str, seq: int) -> Awaitable[str]:
+            # The SDK's request model fails the future on a path that is not a string.
+            request = types.LoadWeightsRequest(path=path, optimizer=with_optimizer)
+            return backend.create_model_from_state(
                 sid,
                 seq,
-                path=path,
+                path=request.path,
                 with_optimizer=with_optimizer,
                 base_model=base_model,
                 optimizer_config=optimizer,
                 user_metadata=user_metadata,
             )
-        )
+
+        return self._training_client(load)
 
     def create_training_client_from_state(
         self,
