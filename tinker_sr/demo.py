@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +34,7 @@ import numpy as np
 import tinker_sr as tinker
 from tinker_sr import types
 from tinker_sr.clients.sr_lowering import LoweringOptions
+from tinker_sr.engine import usage
 from tinker_sr.plot import Panel, plot_curves
 from tinker_sr.provenance import build_datum
 
@@ -434,23 +435,23 @@ def usage_line(client: tinker.ServiceClient, since: float) -> str | None:
     """What the run used, as the service counts it (`AdminClient.get_billing_usage`, this
     session's events since the hour of ``since``); None from a service that does not say."""
     session = client.holder._session_id
-    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
-    start = datetime.fromtimestamp(since - since % 3600, UTC)
+    start, end = (
+        datetime.fromtimestamp(t, UTC)
+        for t in (usage.hour_bucket(since), usage.hour_bucket(time.time()) + usage.HOUR_S)
+    )
     try:
-        report = tinker.AdminClient(client.holder).get_billing_usage(
-            start, hour + timedelta(hours=1)
-        )
+        report = tinker.AdminClient(client.holder).get_billing_usage(start, end)
         events = [e.event_info for e in report.result(timeout=20).data if e.session_id == session]
     except (tinker.TinkerError, NotImplementedError, TimeoutError):
         return None
     n: dict[str, int] = {}
     for info in events:
-        kind = info.type + ("_cached" if getattr(info, "cached", False) else "")
+        kind = usage.event_kind(info)
         n[kind] = n.get(kind, 0) + getattr(info, "token_count", 0)
-    cached = n.get("sampling_prefill_cached", 0)
-    prompts = n.get("sampling_prefill", 0) + cached
+    cached = n.get(usage.PREFILL_CACHED, 0)
+    prompts = n.get(usage.PREFILL, 0) + cached
     return (
-        f"usage:   {n.get('training', 0):,} tokens trained, {n.get('sampling_sample', 0):,} "
+        f"usage:   {n.get(usage.TRAINING, 0):,} tokens trained, {n.get(usage.SAMPLE, 0):,} "
         f"sampled, {prompts:,} prompt tokens ({cached:,} from the prompt cache)"
     )
 

@@ -89,9 +89,9 @@ def summarize(
     for r in rows:
         g = groups.setdefault(_key(r, by), {by: _key(r, by), **{k: 0 for k, _ in COLUMNS}})
         g[r.kind] += r.quantity
-        rate = rates.rate(r.base_model, r.kind) if rates and r.kind in usage.TOKEN_KINDS else None
-        if rate is not None:
-            g["cost_usd"] = g.get("cost_usd", 0.0) + rate * r.quantity / 1e6
+        priced = rates.token_cost(r.base_model, r.kind, r.quantity) if rates else None
+        if priced is not None:
+            g["cost_usd"] = g.get("cost_usd", 0.0) + priced[1]
     out = [groups[k] for k in sorted(groups)]
     if rates is not None:
         for g in out:

@@ -132,6 +132,12 @@ class RateCard:
                 return prices[kind]
         return None
 
+    def token_cost(self, base_model: str, kind: str, tokens: int) -> tuple[float, float] | None:
+        """(USD per million tokens, USD) of ``tokens`` of ``kind`` on ``base_model``; None
+        where the card does not price them (a checkpoint, a kind without a price)."""
+        rate = self.rate(base_model, kind) if kind in TOKEN_KINDS else None
+        return None if rate is None else (rate, rate * tokens / 1e6)
+
     @classmethod
     def resolve(cls, card: str | Path | RateCard | None) -> RateCard | None:
         """``card`` itself, read from its file, or (None) from ``$TINKER_SR_RATE_CARD``'s."""
@@ -213,6 +219,12 @@ def _event_info(kind: str, quantity: int) -> types.BillingEventInfo:
     return types.CheckpointBillingEvent(count=quantity)
 
 
+def event_kind(info: Any) -> str:
+    """The stored kind of a billing event's ``event_info`` (`_event_info` read back; a cached
+    prefill is `PREFILL_CACHED`), from either SDK's types."""
+    return PREFILL_CACHED if info.type == PREFILL and info.cached else str(info.type)
+
+
 def billing_response(
     rows: Sequence[UsageRow],
     sessions: Mapping[str, tuple[dict[str, str] | None, str | None]],
@@ -222,7 +234,7 @@ def billing_response(
     first; ``sessions`` maps a session id to its (user_metadata, project_id)."""
     events = []
     for r in sorted(rows, key=lambda r: (r.bucket_start, -r.quantity, r.kind, r.session_id)):
-        rate = rates.rate(r.base_model, r.kind) if rates and r.kind in TOKEN_KINDS else None
+        priced = rates.token_cost(r.base_model, r.kind, r.quantity) if rates else None
         start = datetime.fromtimestamp(r.bucket_start, UTC)
         events.append(
             types.BillingUsageEvent(
@@ -231,8 +243,8 @@ def billing_response(
                 base_model=r.base_model,
                 session_id=r.session_id,
                 project_id=sessions.get(r.session_id, (None, None))[1],
-                estimated_cost_usd=None if rate is None else rate * r.quantity / 1e6,
-                effective_rate_usd_per_million_tokens=rate,
+                estimated_cost_usd=None if priced is None else priced[1],
+                effective_rate_usd_per_million_tokens=None if priced is None else priced[0],
                 event_info=_event_info(r.kind, r.quantity),
             )
         )
