@@ -35,7 +35,8 @@ from tinker_sr.wire import messages as m
 from . import downloads, http
 from .features import ServerFeatures
 from .futures import Background, Futures
-from .handlers import rest, sampling, session, training
+from .handlers import oai, rest, sampling, session, training
+from .oai_format import error_reply
 from .ordering import SeqWatcher
 from .sessions import Sessions
 from .state import ServerState
@@ -110,6 +111,7 @@ class TinkerServer:
         self.sessions = Sessions(self.state, backend, session_timeout_s)
         self.tokenizers = TokenizerIds(backend, store_dir)
         self.signer = downloads.UrlSigner(downloads.load_key(store_dir))
+        self.oai = oai.OaiSamplers(self)
 
     @property
     def _pending_samples(self) -> set[str]:
@@ -152,6 +154,10 @@ class TinkerServer:
     def owner(self, request: Request) -> str:
         return http.owner_of(request, self.api_keys)
 
+    def oai_owner(self, request: Request) -> str:
+        """The caller of an OpenAI-compatible route: its key as OpenAI clients send it."""
+        return http.owner_of(request, self.api_keys, bearer=True)
+
     async def body(self, request: Request) -> bytes:
         return await http.read_body(request, self.max_body_bytes)
 
@@ -165,6 +171,22 @@ class TinkerServer:
             return await fn(self, request, owner)
 
         return http.endpoint(bound, self.owner if auth else None)
+
+    def _oai_endpoint(self, fn: Handler) -> Endpoint:
+        async def bound(request: Request, owner: str) -> Response:
+            return await fn(self, request, owner)
+
+        return http.endpoint(bound, self.oai_owner, reply=error_reply)
+
+    def oai_routes(self) -> list[Route]:
+        """OpenAI-compatible inference (`handlers.oai`), where Tinker serves it."""
+        o, v = self._oai_endpoint, "/oai/api/v1"
+        return [
+            Route(v + "/completions", o(oai.completions), methods=["POST"]),
+            Route(v + "/chat/completions", o(oai.chat_completions), methods=["POST"]),
+            Route(v + "/models", o(oai.models), methods=["GET"]),
+            Route(v + "/{rest:path}", o(oai.unsupported), methods=["GET", "POST", "PUT", "DELETE"]),
+        ]
 
     def routes(self) -> list[Route]:
         e = self._endpoint
@@ -229,6 +251,7 @@ class TinkerServer:
                 methods=["GET"],
             ),
             Route(v + "/{rest:path}", e(rest.unsupported), methods=any_method),
+            *self.oai_routes(),
         ]
 
 
@@ -297,7 +320,8 @@ def create_app(
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return http.error(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        reply = error_reply if request.url.path.startswith("/oai/") else http.error
+        return reply(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
 
     app = Starlette(
         routes=server.routes(),

@@ -32,17 +32,31 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 
 
 class HTTPError(Exception):
-    """Answer the request with ``status`` and ``{"detail": detail}``."""
+    """Answer the request with ``status`` and ``{"detail": detail}`` (``param``: the request
+    field at fault, for APIs whose errors name one)."""
 
-    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.headers = headers
+        self.param = param
 
 
-def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error(
+    status: int, detail: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    """The Tinker API's error body, ``{"detail": ...}`` (it names no field: ``param`` unused)."""
     return JSONResponse({"detail": clip_message(detail)}, status_code=status, headers=headers)
+
+
+ErrorReply = Callable[..., Response]
 
 
 def json_reply(obj: Any, status: int = 200) -> Response:
@@ -58,9 +72,14 @@ def body_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
-def owner_of(request: Request, api_keys: list[bytes]) -> str:
-    """The caller's identity: a hash of its X-API-Key (checked against ``api_keys`` if any)."""
+def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -> str:
+    """The caller's identity: a hash of its X-API-Key (checked against ``api_keys`` if any);
+    with ``bearer``, ``Authorization: Bearer <key>`` (as OpenAI clients send it) is read when
+    there is no X-API-Key."""
     key = request.headers.get("x-api-key")
+    if not key and bearer:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else None
     if not key:
         raise HTTPError(
             401, "missing X-API-Key header; pass api_key='tml-...' or set TINKER_API_KEY"
@@ -137,24 +156,25 @@ def plain_error(e: Exception) -> tuple[int, str]:
 
 
 def endpoint(
-    fn: Handler, owner: Callable[[Request], str] | None
+    fn: Handler, owner: Callable[[Request], str] | None, *, reply: ErrorReply = error
 ) -> Callable[[Request], Awaitable[Response]]:
     """An ASGI handler: authenticate with ``owner`` (``None``: no auth), run ``fn``, and
-    turn every error into its HTTP answer."""
+    turn every error into its HTTP answer, written by ``reply(status, detail, headers,
+    param)`` (default: the Tinker API's `error`)."""
 
     async def handler(request: Request) -> Response:
         try:
             return await fn(request, owner(request) if owner is not None else "")
         except HTTPError as e:
-            return error(e.status, e.detail, e.headers)
+            return reply(e.status, e.detail, e.headers, e.param)
         except BodyTooLargeError as e:
-            return error(413, str(e))
+            return reply(413, str(e))
         except WireError as e:
-            return error(400, str(e))
+            return reply(400, str(e))
         except Exception as e:  # a backend failure on a plain (non-future) call
             status, detail = plain_error(e)
             if status >= 500:
                 log.exception("%s %s failed", request.method, request.url.path)
-            return error(status, detail)
+            return reply(status, detail)
 
     return handler

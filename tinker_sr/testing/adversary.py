@@ -229,9 +229,21 @@ def send(http: Any, req: AttackRequest) -> Any:
     return http.request(req.method, req.path, content=req.body, headers=headers)
 
 
+def _error_problem(resp: Any, ctype: str) -> str | None:
+    """An error answer without its message: the Tinker API's ``{"detail": ...}``, or under
+    ``/oai/`` OpenAI's ``{"error": {"message": ...}}``."""
+    body = resp.json() if ctype.startswith("application/json") else None
+    if resp.request.url.path.startswith("/oai/"):
+        err = body.get("error") if isinstance(body, dict) else None
+        detail = err.get("message") if isinstance(err, dict) else None
+    else:
+        detail = body.get("detail") if isinstance(body, dict) else None
+    return None if isinstance(detail, str) and detail else f"no JSON detail: {resp.text[:200]}"
+
+
 def judge(http: Any, resp: Any, *, future_timeout_s: float = 120.0) -> str | None:
     """What is wrong with the server's answer, or None. Wrong: a status >= 500, an error
-    without a JSON ``detail``, or an accepted request whose future fails as a "server" error
+    without its JSON message (`_error_problem`), or an accepted request whose future fails as a "server" error
     or is not done within ``future_timeout_s`` (a hang)."""
     import time
 
@@ -239,8 +251,7 @@ def judge(http: Any, resp: Any, *, future_timeout_s: float = 120.0) -> str | Non
         return f"HTTP {resp.status_code}: {resp.text[:200]}"
     ctype = resp.headers.get("content-type", "")
     if resp.status_code >= 400:
-        detail = resp.json().get("detail") if ctype.startswith("application/json") else None
-        return None if isinstance(detail, str) and detail else f"no JSON detail: {resp.text[:200]}"
+        return _error_problem(resp, ctype)
     if not ctype.startswith("application/json"):
         return None
     body = resp.json()

@@ -1,0 +1,324 @@
+"""OpenAI-compatible inference on `tinker-sr serve` (``/oai/api/v1``), driven by the real
+`openai` client as a user points it at the server: its answers are the engine's own samples
+(the same tokens and log-probs as the official SDK's `SamplingClient` with the same seed),
+chat prompts are the model's chat template, a trained checkpoint is served by its tinker://
+path, streaming reassembles to the same answer, what it samples is counted in the caller's
+usage, and what is not supported is refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+tinker = pytest.importorskip("tinker")
+
+from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._train import cross_entropy_steps  # noqa: E402
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
+from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
+
+HI = [{"role": "user", "content": "Hi there"}]
+
+
+# Qwen3's switch: with enable_thinking false the template writes an empty thought.
+NO_THINKING = (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] += NO_THINKING
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
+    store = tmp_path_factory.mktemp("oai") / "store"
+    with running_server(store, extra_args=["--model-dir", str(model_dir)]) as srv:
+        yield srv
+
+
+def client(server: ServerProcess, key: str = "tml-oai-user") -> Any:
+    return openai.OpenAI(base_url=server.base_url + "/oai/api/v1", api_key=key, max_retries=0)
+
+
+def sdk(server: ServerProcess, key: str = "tml-oai-user") -> Any:
+    return tinker.ServiceClient(base_url=server.base_url, api_key=key)
+
+
+def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: Path) -> None:
+    """Token ids in, the same tokens and log-probs out as the official SDK's sampler with the
+    same seed; the text is their decoding; usage counts both sides."""
+    tok = load_hf_tokenizer(model_dir)
+    prompt = tok.encode("The quick brown fox", add_special_tokens=True)
+    got = client(server).completions.create(
+        model=str(model_dir), prompt=prompt, max_tokens=12, n=3, seed=7, logprobs=0
+    )
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir))
+        params = tinker.SamplingParams(max_tokens=12, seed=7)
+        want = sampler.sample(tinker.ModelInput.from_ints(prompt), 3, params).result()
+    finally:
+        service.holder.close()
+    assert len({c.text for c in got.choices}) == 3  # samples within one request differ
+    for choice, seq in zip(got.choices, want.sequences, strict=True):
+        assert choice.text == tok.decode(seq.tokens, skip_special_tokens=True)
+        assert choice.logprobs.tokens == [tok.decode([t]) for t in seq.tokens]
+        assert choice.logprobs.token_logprobs == pytest.approx(seq.logprobs, abs=0, rel=1e-6)
+        assert choice.finish_reason == ("length" if seq.stop_reason == "length" else "stop")
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.usage.completion_tokens == sum(len(s.tokens) for s in want.sequences)
+
+
+def test_chat_renders_the_models_own_template(server: ServerProcess, model_dir: Path) -> None:
+    tok = load_hf_tokenizer(model_dir)
+    ids = tok.apply_chat_template(HI, add_generation_prompt=True, return_dict=False)
+    got = client(server).chat.completions.create(
+        model=str(model_dir), messages=HI, max_tokens=10, seed=3, logprobs=True, top_logprobs=3
+    )
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir))
+        params = tinker.SamplingParams(max_tokens=10, seed=3)
+        seq = sampler.sample(tinker.ModelInput.from_ints(ids), 1, params).result().sequences[0]
+    finally:
+        service.holder.close()
+    assert got.usage.prompt_tokens == len(ids)
+    msg = got.choices[0].message
+    assert msg.role == "assistant"
+    assert msg.content == tok.decode(seq.tokens, skip_special_tokens=True)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(seq.logprobs, rel=1e-6)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    # the drawn token is among the 3 most likely or scored below the third
+    assert all(c.logprob <= c.top_logprobs[0].logprob + 1e-6 for c in content)
+    # chat_template_kwargs reach the template (Qwen3's enable_thinking changes the prompt)
+    plain = client(server).chat.completions.create(
+        model=str(model_dir),
+        messages=HI,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    off = tok.apply_chat_template(
+        HI, add_generation_prompt=True, return_dict=False, enable_thinking=False
+    )
+    assert plain.usage.prompt_tokens == len(off) != len(ids)
+
+
+def test_stop_strings_end_the_text_before_them(server: ServerProcess, model_dir: Path) -> None:
+    oai = client(server)
+    free = oai.completions.create(model=str(model_dir), prompt="Once", max_tokens=24, seed=11)
+    text = free.choices[0].text
+    stop = text[6:9]
+    assert len(stop) == 3 and stop.strip(), text
+    cut = oai.completions.create(
+        model=str(model_dir), prompt="Once", max_tokens=24, seed=11, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_streaming_reassembles_to_the_same_answer(server: ServerProcess, model_dir: Path) -> None:
+    oai = client(server)
+    kw: dict[str, Any] = dict(model=str(model_dir), messages=HI, max_tokens=8, seed=5, n=2)
+    whole = oai.chat.completions.create(**kw)
+    parts: dict[int, str] = {0: "", 1: ""}
+    reasons, usage = {}, None
+    for chunk in oai.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert parts == {c.index: c.message.content for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.total_tokens == whole.usage.total_tokens
+    pieces = list(
+        oai.completions.create(model=str(model_dir), prompt="a", max_tokens=4, seed=1, stream=True)
+    )
+    plain = oai.completions.create(model=str(model_dir), prompt="a", max_tokens=4, seed=1)
+    assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
+
+
+def test_greedy_is_repeatable_without_a_seed(server: ServerProcess, model_dir: Path) -> None:
+    oai = client(server)
+    runs = [
+        oai.completions.create(model=str(model_dir), prompt="x y", max_tokens=8, temperature=0)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+
+
+def test_echo_scores_a_prompt_and_a_trained_checkpoint_is_served_by_its_path(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """lm-eval-harness's log-likelihood request (echo, max_tokens 0, logprobs) scores the
+    prompt; after training on a text, its checkpoint (by tinker:// path, alone or after its
+    base model) scores that text higher than the base model does."""
+    tok = load_hf_tokenizer(model_dir)
+    text = "the cat sat on the mat and the cat sat"
+    ids = tok.encode(text, add_special_tokens=True)
+
+    def score(model: str) -> float:
+        r = client(server).completions.create(
+            model=model, prompt=text, max_tokens=0, echo=True, logprobs=1
+        )
+        lps = r.choices[0].logprobs.token_logprobs
+        assert r.choices[0].text == text and lps[0] is None and len(lps) == len(ids)
+        return float(sum(lps[1:]))
+
+    service = sdk(server)
+    try:
+        training = service.create_lora_training_client(base_model=str(model_dir), rank=8)
+        cross_entropy_steps(training, tinker, ids, steps=4, lr=5e-3)
+        path = training.save_weights_for_sampler("oai").result().path
+        base_scored = sum(
+            x
+            for x in service.create_sampling_client(base_model=str(model_dir))
+            .compute_logprobs(tinker.ModelInput.from_ints(ids))
+            .result()[1:]
+        )
+    finally:
+        service.holder.close()
+    base = score(str(model_dir))
+    assert base == pytest.approx(base_scored, rel=1e-5)
+    trained = score(path)
+    assert trained > base + 1.0
+    assert score(f"{model_dir};{path}") == trained
+    with pytest.raises(openai.BadRequestError, match="was trained on") as e:
+        client(server).completions.create(model=f"tinker-sr/tiny;{path}", prompt="a")
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):  # another key cannot read it
+        client(server, "tml-someone-else").completions.create(model=path, prompt="a")
+
+
+def test_what_it_samples_is_in_the_callers_usage(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> None:
+    store = tmp_path_factory.mktemp("oai-usage") / "store"
+    with running_server(store, extra_args=["--model-dir", str(model_dir)]) as srv:
+        oai = client(srv, "tml-usage-oai")
+        a = oai.completions.create(model=str(model_dir), prompt=["ab", "cd e"], max_tokens=5, n=2)
+        b = oai.chat.completions.create(model=str(model_dir), messages=HI, max_tokens=3)
+        now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+        report = tinker.AdminClient(base_url=srv.base_url, api_key="tml-usage-oai")
+        usage = report.get_billing_usage(now, now + timedelta(hours=1)).result()
+    totals: dict[str, int] = {}
+    for e in usage.data:
+        kind = e.event_info.type + ("_cached" if getattr(e.event_info, "cached", False) else "")
+        totals[kind] = totals.get(kind, 0) + e.event_info.token_count
+    sampled = a.usage.completion_tokens + b.usage.completion_tokens
+    assert totals.get("sampling_sample") == sampled, totals
+    prompts = a.usage.prompt_tokens + b.usage.prompt_tokens
+    assert totals.get("sampling_prefill", 0) + totals.get("sampling_prefill_cached", 0) == prompts
+
+
+def test_models_lists_the_servers_base_models(server: ServerProcess, model_dir: Path) -> None:
+    ids = [m.id for m in client(server).models.list()]
+    assert str(model_dir) in ids and "tinker-sr/tiny" in ids
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty", "penalties are not implemented"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "penalties are not implemented"),
+        ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not implemented"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+        ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "only {'type': 'text'}"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "chat_template_kwargs"),
+        ({"n": 0}, "n", "n must be between 1 and"),
+        ({"temperature": "hot"}, "temperature", "temperature must be a number"),
+        ({"top_p": 0}, "top_p", "top_p must be above 0"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+        ({"stop": [""]}, "stop", "non-empty string"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "differ"),
+        ({"max_tokens": 100_000}, "max_tokens", "context"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+        ({"guided_json": {}}, "guided_json", "unrecognized request argument"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "only text content",
+        ),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be system"),
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"model": "no/such-model"}, "model", "is not available on this server"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "tokenize", "set by the server"),
+    ],
+)
+def test_chat_refuses_what_it_does_not_do_naming_the_field(
+    server: ServerProcess, model_dir: Path, extra: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"model": str(model_dir), "messages": HI, "max_tokens": 2, **extra}
+    with pytest.raises(openai.APIStatusError) as e:
+        client(server).chat.completions.create(
+            **{"model": body.pop("model"), "messages": body.pop("messages")}, extra_body=body
+        )
+    assert e.value.status_code in (400, 404)
+    assert e.value.body["param"] == param and message in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"prompt": []}, "prompt", "prompt must be a string"),
+        ({"prompt": [[1, 2], "x", 3]}, "prompt", "prompt must be a string"),
+        ({"max_tokens": 0}, "max_tokens", "needs echo: true"),
+        ({"best_of": 3}, "best_of", "only 1 is supported"),
+        ({"suffix": "end"}, "suffix", "fill-in-the-middle"),
+        ({"logprobs": 21}, "logprobs", "between 0 and 20"),
+        ({"echo": "yes"}, "echo", "true or false"),
+    ],
+)
+def test_completions_refuse_what_they_do_not_do_naming_the_field(
+    server: ServerProcess, model_dir: Path, extra: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"model": str(model_dir), "prompt": "hello", "max_tokens": 2, **extra}
+    resp = httpx.post(
+        server.base_url + "/oai/api/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer tml-oai-user"},
+        timeout=60,
+    )
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == param and message in err["message"], err
+
+
+def test_keys_bodies_and_routes_are_answered_as_openai_does(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    with pytest.raises(openai.AuthenticationError, match="must start with 'tml-'"):
+        client(server, "sk-not-tinker").models.list()
+    url = server.base_url + "/oai/api/v1"
+    auth = {"Authorization": "Bearer tml-oai-user"}
+    resp = httpx.post(url + "/completions", content=b"{not json", headers=auth, timeout=30)
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+    resp = httpx.post(url + "/embeddings", json={}, headers=auth, timeout=30)
+    assert resp.status_code == 404 and "/chat/completions" in resp.json()["error"]["message"]
+    # the built-in models have no chat template: said, with the way out
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(server).chat.completions.create(model="tinker-sr/tiny", messages=HI)
+    # the Tinker API's own routes keep their error format
+    resp = httpx.get(server.base_url + "/api/v1/nope", headers={"X-API-Key": "tml-a"}, timeout=30)
+    assert "detail" in resp.json()
+    assert json.loads(httpx.get(url + "/models", headers=auth, timeout=30).text)["object"] == "list"

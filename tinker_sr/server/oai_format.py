@@ -1,0 +1,444 @@
+"""The OpenAI-compatible inference API's formats (Tinker's ``/oai/api/v1``): requests checked
+into an `OaiRequest`, and sampled sequences written back as OpenAI completions, chat
+completions, their server-sent-event chunks and OpenAI's error body. No engine here (the
+routes are `server.handlers.oai`).
+
+What is honoured and what is refused (never accepted and ignored):
+
+* ``/completions``: ``model``, ``prompt`` (a string, a list of strings, a list of token ids or
+  a list of such lists), ``max_tokens`` (default 16, as OpenAI's; 0 with ``echo`` scores the
+  prompt), ``temperature``, ``top_p``, ``top_k`` (vLLM's extension), ``n``, ``stop``,
+  ``seed``, ``logprobs`` (0-20 alternatives per token), ``echo``, ``stream`` and
+  ``stream_options.include_usage``, ``skip_special_tokens`` (default true).
+* ``/chat/completions``: the same, with ``messages`` rendered by the model's own chat
+  template (``chat_template_kwargs`` passed to it, e.g. ``{"enable_thinking": false}``),
+  ``max_completion_tokens`` or ``max_tokens`` (default: the rest of the context, at most
+  ``$TINKER_SR_DEFAULT_MAX_TOKENS``), ``logprobs`` + ``top_logprobs``.
+* ``user``, ``metadata``, ``store``, ``service_tier`` and ``parallel_tool_calls`` change
+  nothing a sample depends on and are accepted. Penalties, ``logit_bias``, ``best_of`` > 1,
+  ``suffix``, tools and functions, a ``response_format`` other than text, non-text content
+  and anything unknown are refused with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from tinker_sr.user_errors import clip_message
+
+from .http import HTTPError
+
+__all__ = [
+    "OaiError",
+    "OaiRequest",
+    "Choice",
+    "parse_request",
+    "completion_body",
+    "stream_events",
+    "error_reply",
+]
+
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+    "stream_options", "logprobs", "skip_special_tokens", "user", "metadata", "store",
+    "service_tier",
+}  # fmt: skip
+_COMPLETIONS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+    "parallel_tool_calls", "tools", "tool_choice", "functions", "function_call",
+    "response_format",
+}  # fmt: skip
+_REFUSED = {
+    "frequency_penalty": "penalties are not implemented by the tinker_sr engine; remove it",
+    "presence_penalty": "penalties are not implemented by the tinker_sr engine; remove it",
+    "repetition_penalty": "penalties are not implemented by the tinker_sr engine; remove it",
+    "logit_bias": "logit_bias is not implemented by the tinker_sr engine; remove it",
+    "suffix": "suffix (fill-in-the-middle) is not supported; put the text in the prompt",
+    "tools": "tool calling is not supported here: render tools into the prompt yourself "
+    "(e.g. a tinker-cookbook renderer) and send it to /completions",
+    "functions": "function calling is not supported; see tools",
+    "reasoning_effort": "reasoning_effort is not supported; use chat_template_kwargs, e.g. "
+    '{"enable_thinking": false}',
+    "modalities": "only text output is supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+_MAX_TOP_LOGPROBS = 20
+
+
+class OaiError(HTTPError):
+    """A request the API refuses: a message naming the fix, and the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(status, message, param=param)
+
+
+@dataclass
+class OaiRequest:
+    """A checked request. ``prompts``: the completion prompts (text or token ids); for chat,
+    ``messages`` instead. ``logprobs``: alternatives per token, or None for no log-probs."""
+
+    chat: bool
+    model: str
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    skip_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Choice:
+    """One sampled answer, ready to write: its text, why it ended, and per-token log-probs
+    (``(token text, logprob or None, [(alternative text, logprob), ...])``)."""
+
+    text: str
+    finish_reason: str
+    tokens: list[tuple[str, float | None, list[tuple[str, float]]]] | None = None
+    completion_tokens: int = 0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise OaiError(f"{key} must be a number, got {v!r}", key)
+    if not lo <= v <= hi:
+        raise OaiError(f"{key} must be between {lo:g} and {hi:g}, got {v!r}", key)
+    return float(v)
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise OaiError(f"{key} must be an integer, got {v!r}", key)
+    if not lo <= v <= hi:
+        raise OaiError(f"{key} must be between {lo} and {hi}, got {v!r}", key)
+    return int(v)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise OaiError(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
+    for key, value in body.items():
+        if key in _REFUSED and value not in (None, 0, 0.0, {}, [], ""):
+            raise OaiError(f"{key}: {_REFUSED[key]}", key)
+        if key in _REFUSED:
+            continue
+        if key not in allowed:
+            raise OaiError(f"unrecognized request argument supplied: {key}", key)
+    choice = body.get("tool_choice", body.get("function_call"))
+    if choice not in (None, "none"):
+        raise OaiError("tool_choice: tool calling is not supported; remove it", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise OaiError(
+            "response_format: only {'type': 'text'} is supported (no JSON mode or schemas)",
+            "response_format",
+        )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise OaiError("best_of: only 1 is supported; ask for n samples and choose", "best_of")
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise OaiError("stop must be a non-empty string or a list of them", "stop")
+    if len(items) > 16:
+        raise OaiError(f"stop: at most 16 stop strings, got {len(items)}", "stop")
+    return list(items)
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of prompts."""
+    bad = OaiError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids (none of them empty)",
+        "prompt",
+    )
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise bad
+    if all(_is_int(t) for t in v):
+        return [list(v)]
+    out: list[str | list[int]] = []
+    for p in v:
+        if isinstance(p, str) and p:
+            out.append(p)
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            out.append(list(p))
+        else:
+            raise bad
+    return out
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OaiError(
+                    f"{where}: only text content is supported, got a {kind!r} part", where
+                )
+            if not isinstance(part.get("text"), str):
+                raise OaiError(f"{where}: a text part needs a string 'text'", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise OaiError(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or not v:
+        raise OaiError("messages must be a non-empty list of messages", "messages")
+    out = []
+    for i, msg in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise OaiError(f"{where} must be an object with 'role' and 'content'", where)
+        role = msg.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise OaiError(
+                f"{where}.role must be system, developer, user, assistant or tool, got {role!r}",
+                f"{where}.role",
+            )
+        if msg.get("tool_calls") or msg.get("function_call"):
+            raise OaiError(f"{where}: tool calls are not supported", where)
+        out.append({**msg, "content": _text_content(msg.get("content"), f"{where}.content")})
+    return out
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    if not chat:
+        return _int(body, "logprobs", None, 0, _MAX_TOP_LOGPROBS)
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, _MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise OaiError("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    limit = 1 << 20
+    if not chat:
+        return _int(body, "max_tokens", 16, 0, limit)
+    mt = _int(body, "max_tokens", None, 1, limit)
+    mct = _int(body, "max_completion_tokens", None, 1, limit)
+    if mt is not None and mct is not None and mt != mct:
+        raise OaiError(
+            "max_tokens and max_completion_tokens differ; send one", "max_completion_tokens"
+        )
+    return mct if mct is not None else mt
+
+
+def parse_request(body: Any, *, chat: bool, max_n: int) -> OaiRequest:
+    """Check a request body (parsed JSON) of ``/chat/completions`` (``chat``) or
+    ``/completions``; every problem is an `OaiError` naming the field."""
+    if not isinstance(body, dict):
+        raise OaiError("the request body must be a JSON object")
+    _refuse_unsupported(body, _CHAT if chat else _COMPLETIONS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise OaiError("model is required: a base model or a tinker:// sampler path", "model")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise OaiError("stream_options is only allowed with stream: true", "stream_options")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise OaiError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    req = OaiRequest(
+        chat=chat,
+        model=model.strip(),
+        max_tokens=_max_tokens(body, chat),
+        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", -1, -1, 1 << 31) or -1,
+        n=_int(body, "n", 1, 1, max_n) or 1,
+        stop=_stop(body),
+        seed=_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+        logprobs=_logprobs(body, chat),
+        echo=_bool(body, "echo", False),
+        stream=stream,
+        include_usage=bool(options and _bool(options, "include_usage", False)),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        chat_template_kwargs=dict(kwargs),
+    )
+    if req.top_p == 0.0:
+        raise OaiError("top_p must be above 0", "top_p")
+    if chat:
+        req.messages = _messages(body.get("messages"))
+    else:
+        req.prompts = _prompts(body.get("prompt"))
+        if req.max_tokens == 0 and not req.echo:
+            raise OaiError("max_tokens: 0 needs echo: true (to score the prompt)", "max_tokens")
+    return req
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text before the first stop string in it (OpenAI leaves stop strings out)."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def _completion_logprobs(choice: Choice, start: int = 0) -> dict[str, Any]:
+    tokens = choice.tokens or []
+    offsets, at = [], start
+    for text, _, _ in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": [t for t, _, _ in tokens],
+        "token_logprobs": [lp for _, lp, _ in tokens],
+        "top_logprobs": [({a: b for a, b in top} if lp is not None else None)
+                         for _, lp, top in tokens],
+        "text_offset": offsets,
+    }  # fmt: skip
+
+
+def _chat_logprobs(choice: Choice) -> dict[str, Any]:
+    def entry(text: str, lp: float | None) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+        for t, lp, top in choice.tokens or []
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _choice_body(req: OaiRequest, index: int, choice: Choice) -> dict[str, Any]:
+    lp = None
+    if req.logprobs is not None:
+        lp = _chat_logprobs(choice) if req.chat else _completion_logprobs(choice)
+    if req.chat:
+        message = {"role": "assistant", "content": choice.text, "refusal": None}
+        return {"index": index, "message": message, "logprobs": lp,
+                "finish_reason": choice.finish_reason}  # fmt: skip
+    return {"index": index, "text": choice.text, "logprobs": lp,
+            "finish_reason": choice.finish_reason}  # fmt: skip
+
+
+def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def completion_body(
+    req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int
+) -> dict[str, Any]:
+    """The whole (non-streamed) answer."""
+    return {
+        "id": new_id(req.chat),
+        "object": "chat.completion" if req.chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [_choice_body(req, i, c) for i, c in enumerate(choices)],
+        "usage": usage(prompt_tokens, choices),
+        "system_fingerprint": None,
+    }
+
+
+def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+    """The answer as server-sent events: per choice, its text in one chunk, then its finish
+    reason; a usage chunk if asked for; then ``[DONE]``."""
+    head = {
+        "id": new_id(req.chat),
+        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "system_fingerprint": None,
+    }
+    extra = {"usage": None} if req.include_usage else {}
+
+    def event(choice_list: list[dict[str, Any]], **more: Any) -> str:
+        return "data: " + json.dumps({**head, "choices": choice_list, **extra, **more}) + "\n\n"
+
+    out = []
+    for i, c in enumerate(choices):
+        body = _choice_body(req, i, c)
+        lp = body["logprobs"]
+        if req.chat:
+            out.append(event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}]))  # fmt: skip
+            delta = {"content": c.text}
+            out.append(event([{"index": i, "delta": delta, "logprobs": lp,
+                               "finish_reason": None}]))  # fmt: skip
+            out.append(event([{"index": i, "delta": {}, "logprobs": None,
+                               "finish_reason": c.finish_reason}]))  # fmt: skip
+        else:
+            out.append(event([{**body, "finish_reason": None}]))
+            out.append(event([{"index": i, "text": "", "logprobs": None,
+                               "finish_reason": c.finish_reason}]))  # fmt: skip
+    if req.include_usage:
+        out.append(event([], usage=usage(prompt_tokens, choices)))
+    out.append("data: [DONE]\n\n")
+    return out
+
+
+def error_reply(
+    status: int, detail: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    """An error as OpenAI writes it, ``{"error": {"message", "type", "param", "code"}}`` (its
+    clients raise ``openai.BadRequestError`` & co. with ``error.message``)."""
+    kind = {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"message": clip_message(detail), "type": kind, "param": param, "code": None}
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
