@@ -107,7 +107,8 @@ def serve(
         auth += f"; {features.describe()}"
     print(
         f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
-        f"{available_cpus()} usable CPUs, {describe_free_memory()})",
+        f"{available_cpus()} usable CPUs, {describe_free_memory()}); OpenAI-compatible API: "
+        f"http://{host}:{port}/oai/api/v1",
         file=sys.stderr,
         flush=True,
     )
