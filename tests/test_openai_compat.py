@@ -322,3 +322,156 @@ def test_keys_bodies_and_routes_are_answered_as_openai_does(
     resp = httpx.get(server.base_url + "/api/v1/nope", headers={"X-API-Key": "tml-a"}, timeout=30)
     assert "detail" in resp.json()
     assert json.loads(httpx.get(url + "/models", headers=auth, timeout=30).text)["object"] == "list"
+
+
+_SURROGATE = b'"\\ud800"'  # JSON can spell it; no tokenizer can encode it
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "message"),
+    [
+        ("chat", {"messages": [{"role": "user", "content": None}]}, "messages", "cannot render"),
+        ("chat", {"messages": [{"role": "user"}]}, "messages", "cannot render"),
+        ("chat", {"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs", "render"),
+        (
+            "chat",
+            {"chat_template_kwargs": {"continue_final_message": True}},
+            "chat_template_kwargs",
+            "cannot render",
+        ),  # fmt: skip
+        ("chat", {"chat_template_kwargs": {"messages": []}}, "messages", "set by the server"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "SURROGATE"}]},
+            "messages[0].content",
+            "not valid Unicode",
+        ),  # fmt: skip
+        ("completions", {"prompt": "SURROGATE"}, "prompt", "not valid Unicode"),
+        ("completions", {"stop": ["SURROGATE"]}, "stop[0]", "not valid Unicode"),
+        ("completions", {"user": 5}, "user", "must be a string"),
+        ("completions", {"metadata": "x"}, "metadata", "an object of strings"),
+        ("chat", {"store": "yes"}, "store", "true or false"),
+        ("chat", {"parallel_tool_calls": []}, "parallel_tool_calls", "true or false"),
+        ("completions", {"best_of": True}, "best_of", "only 1"),
+        ("completions", {"prompt": "NESTED"}, None, "nested too deeply"),
+    ],
+)
+def test_what_would_break_the_template_or_the_tokenizer_is_a_400_naming_it(
+    server: ServerProcess,
+    model_dir: Path,
+    route: str,
+    body: dict[str, Any],
+    param: str | None,
+    message: str,
+) -> None:
+    """Messages the chat template cannot render, template arguments that break it, strings
+    with lone surrogates, wrong types of the ignored fields and bodies nested too deeply to
+    read: each a 400 in OpenAI's shape naming the field (were 500s, or accepted)."""
+    base: dict[str, Any] = {"model": str(model_dir), "max_tokens": 2}
+    base |= {"messages": HI} if route == "chat" else {"prompt": "hello"}
+    raw = json.dumps({**base, **body}).encode()
+    raw = raw.replace(b'"SURROGATE"', _SURROGATE).replace(b'"NESTED"', b"[" * 5000 + b"]" * 5000)
+    resp = httpx.post(
+        f"{server.base_url}/oai/api/v1/{'chat/completions' if route == 'chat' else 'completions'}",
+        content=raw,
+        headers={"Authorization": "Bearer tml-oai-user", "Content-Type": "application/json"},
+        timeout=60,
+    )
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == param, err
+    assert message in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_a_kept_sampler_is_served_only_while_its_checkpoint_is_readable(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """A sampler kept for a tinker:// path serves it only while the key may still read the
+    checkpoint: once unpublished another key gets 404, once deleted its owner too (both were
+    still served from the kept sampler)."""
+    service = sdk(server, "tml-oai-owner")
+    try:
+        training = service.create_lora_training_client(base_model=str(model_dir), rank=4)
+        path = training.save_weights_for_sampler("kept").result().path
+        rest = tinker.RestClient(base_url=server.base_url, api_key="tml-oai-owner")
+        rest.publish_checkpoint_from_tinker_path(path).result()
+        owner, other = client(server, "tml-oai-owner"), client(server, "tml-oai-other")
+        for oai in (owner, other):
+            assert oai.completions.create(model=path, prompt="a", max_tokens=2).choices
+        rest.unpublish_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(openai.NotFoundError):
+            other.completions.create(model=path, prompt="a", max_tokens=2)
+        assert owner.completions.create(model=path, prompt="a", max_tokens=2).choices
+        rest.delete_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            owner.completions.create(model=path, prompt="a", max_tokens=2)
+    finally:
+        service.holder.close()
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(server: ServerProcess, model_dir: Path) -> None:
+    """``bytes`` is the token's own bytes (a token may be part of a UTF-8 character, whose
+    decoded text is U+FFFD), so joining them rebuilds the text; was the bytes of U+FFFD."""
+    from tinker_sr.tokenization.hf import ModelTokenizer
+
+    messages = [{"role": "user", "content": "日本語 🙂🎉 naïve"}]
+    tok = load_hf_tokenizer(model_dir)
+    table = ModelTokenizer(model_dir).token_bytes
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    got = client(server).chat.completions.create(
+        model=str(model_dir), messages=messages, max_tokens=40, seed=5, logprobs=True
+    )
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir))
+        params = tinker.SamplingParams(max_tokens=40, seed=5)
+        seq = sampler.sample(tinker.ModelInput.from_ints(ids), 1, params).result().sequences[0]
+    finally:
+        service.holder.close()
+    want = [table[t] or tok.decode([t]).encode() for t in seq.tokens]
+    assert [bytes(c.bytes) for c in got.choices[0].logprobs.content] == want
+    assert any(tok.decode([t]) == "\ufffd" for t in seq.tokens)  # some token is a part
+
+
+def _in_process(tmp_path: Path, **options: Any) -> Any:
+    from starlette.testclient import TestClient
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.limits import Limits
+    from tinker_sr.server.app import create_app
+
+    backend = LocalBackend(tmp_path, limits=Limits(**options.pop("limits", {})))
+    app = create_app(backend, store_dir=tmp_path, close_backend=True, **options)
+    return backend, TestClient(app, headers={"Authorization": "Bearer tml-in-process"})
+
+
+def test_a_request_keeps_its_keys_session_alive(tmp_path: Path) -> None:
+    """A request that waits longer than the session timeout is not cut off by its session's
+    expiry (it was: 404 "unknown sampling session"), as an SDK's heartbeats keep theirs."""
+    import asyncio
+
+    backend, http = _in_process(tmp_path, session_timeout_s=0.5)
+    sample = backend.sample
+
+    async def slow_sample(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(1.5)  # e.g. queued behind others
+        return await sample(*args, **kwargs)
+
+    backend.sample = slow_sample
+    body = {"model": "tinker-sr/tiny", "prompt": "hi", "max_tokens": 2}
+    with http:
+        for _ in range(2):
+            resp = http.post("/oai/api/v1/completions", json=body)
+            assert resp.status_code == 200, resp.json()
+
+
+def test_the_prompts_of_one_request_share_its_token_limit(tmp_path: Path) -> None:
+    """--max-sample-tokens bounds one request whatever number of prompts it lists (each
+    prompt was checked alone, so a list of them could ask for any amount of work)."""
+    _, http = _in_process(tmp_path, limits={"max_sample_tokens": 64})
+    body: dict[str, Any] = {"model": "tinker-sr/tiny", "max_tokens": 6, "n": 4}
+    with http:
+        assert http.post("/oai/api/v1/completions", json={**body, "prompt": "ab"}).is_success
+        resp = http.post("/oai/api/v1/completions", json={**body, "prompt": ["ab", "cd"]})
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == "prompt", err
+    assert "--max-sample-tokens" in err["message"], err

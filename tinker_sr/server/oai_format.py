@@ -40,6 +40,7 @@ __all__ = [
     "OaiError",
     "OaiRequest",
     "Choice",
+    "TokenEntry",
     "parse_request",
     "completion_body",
     "stream_events",
@@ -108,13 +109,24 @@ class OaiRequest:
 
 
 @dataclass
+class TokenEntry:
+    """One token's log-prob entry: its decoded text, its log-prob (None for a prompt's first
+    token), its bytes (the token's own, which may be part of a UTF-8 character its text cannot
+    show) and the most likely alternatives (entries without alternatives)."""
+
+    text: str
+    logprob: float | None
+    raw: bytes
+    top: list[TokenEntry] = field(default_factory=list)
+
+
+@dataclass
 class Choice:
-    """One sampled answer, ready to write: its text, why it ended, and per-token log-probs
-    (``(token text, logprob or None, [(alternative text, logprob), ...])``)."""
+    """One sampled answer, ready to write: its text, why it ended, and per-token log-probs."""
 
     text: str
     finish_reason: str
-    tokens: list[tuple[str, float | None, list[tuple[str, float]]]] | None = None
+    tokens: list[TokenEntry] | None = None
     completion_tokens: int = 0
 
 
@@ -153,6 +165,49 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _bad_text(v: Any, where: str) -> str | None:
+    """Where in ``v`` (JSON) a string is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``, which JSON can spell but no tokenizer can encode); None if nowhere."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _bad_text(x, f"{where}[{i}]")
+            if found:
+                return found
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            found = _bad_text(k, where) or _bad_text(x, f"{where}.{k}" if where else str(k))
+            if found:
+                return found
+    return None
+
+
+_IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    "user": (str, "a string"),
+    "service_tier": (str, "a string"),
+    "metadata": (dict, "an object of strings"),
+    "store": (bool, "true or false"),
+    "parallel_tool_calls": (bool, "true or false"),
+}
+
+
+def _check_ignored(body: dict[str, Any]) -> None:
+    """The fields accepted and ignored still have OpenAI's types."""
+    for key, (kind, what) in _IGNORED_TYPES.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, kind)
+        if ok and kind is dict:
+            ok = all(isinstance(x, str) for x in v.values())
+        if not ok:
+            raise OaiError(f"{key} must be {what}, got {clip_message(repr(v))}", key)
+
+
 def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
     for key, value in body.items():
         if key in _REFUSED and value not in (None, 0, 0.0, {}, [], ""):
@@ -171,7 +226,7 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
             "response_format",
         )
     best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
+    if best_of is not None and not (_is_int(best_of) and best_of == 1):
         raise OaiError("best_of: only 1 is supported; ask for n samples and choose", "best_of")
 
 
@@ -278,7 +333,15 @@ def parse_request(body: Any, *, chat: bool, max_n: int) -> OaiRequest:
     ``/completions``; every problem is an `OaiError` naming the field."""
     if not isinstance(body, dict):
         raise OaiError("the request body must be a JSON object")
+    bad = _bad_text(body, "")
+    if bad is not None:
+        raise OaiError(
+            f"{bad or 'the request'}: a string is not valid Unicode (a lone UTF-16 surrogate "
+            "escape such as \\ud800); send UTF-8 text",
+            bad or None,
+        )
     _refuse_unsupported(body, _CHAT if chat else _COMPLETIONS)
+    _check_ignored(body)
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise OaiError("model is required: a base model or a tinker:// sampler path", "model")
@@ -333,26 +396,23 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 def _completion_logprobs(choice: Choice, start: int = 0) -> dict[str, Any]:
     tokens = choice.tokens or []
     offsets, at = [], start
-    for text, _, _ in tokens:
+    for t in tokens:
         offsets.append(at)
-        at += len(text)
+        at += len(t.text)
     return {
-        "tokens": [t for t, _, _ in tokens],
-        "token_logprobs": [lp for _, lp, _ in tokens],
-        "top_logprobs": [({a: b for a, b in top} if lp is not None else None)
-                         for _, lp, top in tokens],
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [({a.text: a.logprob for a in t.top} if t.logprob is not None else None)
+                         for t in tokens],
         "text_offset": offsets,
     }  # fmt: skip
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any]:
-    def entry(text: str, lp: float | None) -> dict[str, Any]:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    def entry(t: TokenEntry) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.raw)}
 
-    content = [
-        {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-        for t, lp, top in choice.tokens or []
-    ]
+    content = [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in choice.tokens or []]
     return {"content": content, "refusal": None}
 
 

@@ -14,9 +14,11 @@ request (the last `SAMPLERS_KEPT`). Formats and the fields honoured: `server.oai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,7 @@ from ..oai_format import (
     Choice,
     OaiError,
     OaiRequest,
+    TokenEntry,
     completion_body,
     cut_at_stop,
     parse_request,
@@ -43,15 +46,45 @@ if TYPE_CHECKING:
 SAMPLERS_KEPT = 16
 """Samplers an API key keeps for its OpenAI-compatible requests (least recently used go)."""
 
-_RESERVED_TEMPLATE_KWARGS = ("conversation", "tokenize", "add_generation_prompt", "return_dict",
-                             "chat_template", "return_tensors")  # fmt: skip
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt",
+                             "return_dict", "chat_template", "return_tensors")  # fmt: skip
 
 
 @dataclass
 class _Target:
     sampler_id: str
     base_model: str
+    session_id: str = ""
+    path: str | None = None
+    saved_at: Any = None  # the checkpoint's time: a checkpoint saved anew is loaded anew
     seq: itertools.count[int] = field(default_factory=itertools.count)
+
+
+def _model_error(model: str, e: Exception) -> Exception:
+    """A failure to serve ``model``, named as the field this API calls it (5xx as is)."""
+    status, detail = (e.status, e.detail) if isinstance(e, HTTPError) else plain_error(e)
+    if status >= 500:
+        return e
+    return OaiError(f"model {model!r}: {detail}", "model", status)
+
+
+@contextlib.asynccontextmanager
+async def _kept_alive(srv: TinkerServer, session_id: str) -> AsyncIterator[None]:
+    """The key's session stays alive while a request of it runs (as an SDK's heartbeats keep
+    theirs): a request longer than the session timeout is not cut off by its expiry."""
+    timeout = srv.sessions.timeout_s
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(min(timeout / 4, 10.0) if timeout else 10.0)
+            srv.sessions.touch(session_id)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        srv.sessions.touch(session_id)
 
 
 class OaiSamplers:
@@ -69,17 +102,40 @@ class OaiSamplers:
             session_id = await self._session(owner)
             kept = self._targets.setdefault(owner, OrderedDict())
             found = kept.get(model)
-            if found is not None:
+            if found is not None and await self._still_readable(owner, model, found):
                 kept.move_to_end(model)
                 return found
-            found = await self._create(owner, session_id, model)
+            async with _kept_alive(self.srv, session_id):  # loading may take long
+                found = await self._create(owner, session_id, model)
             kept[model] = found
             while len(kept) > SAMPLERS_KEPT:
                 _, old = kept.popitem(last=False)
-                release = getattr(self.srv.backend, "release_sampler", None)
-                if release is not None:
-                    await release(old.sampler_id)
+                await self._release(old)
             return found
+
+    async def _release(self, target: _Target) -> None:
+        release = getattr(self.srv.backend, "release_sampler", None)
+        if release is not None:
+            await release(target.sampler_id)
+
+    async def _still_readable(self, owner: str, model: str, target: _Target) -> bool:
+        """Whether a kept sampler may serve this request: its checkpoint is still readable
+        by this key (not deleted, expired or unpublished since) and not saved anew. False:
+        make a new one; a checkpoint no longer readable raises as a new sampler would."""
+        if target.path is None:
+            return True
+        try:
+            await self.srv.sessions.readable_checkpoint(target.path, owner, field="model")
+            saved_at = (await self.srv.backend.get_checkpoint(target.path)).time
+        except Exception as e:
+            self._targets[owner].pop(model, None)
+            await self._release(target)
+            raise _model_error(model, e) from None
+        if saved_at == target.saved_at:
+            return True
+        self._targets[owner].pop(model, None)
+        await self._release(target)
+        return False
 
     async def _session(self, owner: str) -> str:
         """The key's session, made anew if it was finished (expired) since."""
@@ -106,31 +162,31 @@ class OaiSamplers:
             base, path = "", model
         base, path = base.strip(), path.strip()
         try:
+            saved_at = None
             if path:
                 await srv.sessions.readable_checkpoint(path, owner, field="model")
+                saved_at = (await srv.backend.get_checkpoint(path)).time
             sampler_id = await srv.backend.create_sampling_session(
                 session_id,
                 next(self._sampler_seq),
                 base_model=None if path else base,
                 model_path=path or None,
             )
-        except Exception as e:  # named as the field this API calls it
-            status, detail = (e.status, e.detail) if isinstance(e, HTTPError) else plain_error(e)
-            if status >= 500:
-                raise
-            raise OaiError(f"model {model!r}: {detail}", "model", status) from None
+        except Exception as e:
+            raise _model_error(model, e) from None
         srv.state.add_sampler(sampler_id, session_id, path or None)
         actual = await srv.backend.get_sampler_base_model(sampler_id)
         if path and base:
             resolve = getattr(srv.backend, "resolve_model", None)
             same = resolve(base) == resolve(actual) if resolve is not None else base == actual
             if not same:
+                await self._release(_Target(sampler_id, actual))
                 raise OaiError(
                     f"model: {path} was trained on {actual!r}, not {base!r}; name its own base "
                     "model before the ';', or send the tinker:// path alone",
                     "model",
                 )
-        return _Target(sampler_id, actual)
+        return _Target(sampler_id, actual, session_id, path or None, saved_at)
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -146,14 +202,28 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
     bad = [k for k in req.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
     if bad:
         raise OaiError(f"chat_template_kwargs: {bad[0]!r} is set by the server", bad[0])
-    ids = tok.apply_chat_template(
-        req.messages,
-        tokenize=True,
-        add_generation_prompt=True,
-        return_dict=False,
-        **req.chat_template_kwargs,
-    )
-    return [list(ids)]
+
+    def render(kwargs: dict[str, Any]) -> list[int]:
+        ids = tok.apply_chat_template(
+            req.messages, tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs
+        )
+        return [int(t) for t in ids]
+
+    try:
+        return [render(req.chat_template_kwargs)]
+    except Exception as e:  # the template's own failure (jinja2, transformers): the request's
+        param = "messages"
+        if req.chat_template_kwargs:
+            try:
+                render({})
+                param = "chat_template_kwargs"
+            except Exception:
+                pass
+        raise OaiError(
+            f"{param}: the model's chat template cannot render this request "
+            f"({type(e).__name__}: {e})",
+            param,
+        ) from None
 
 
 def _params(req: OaiRequest) -> types.SamplingParams:
@@ -167,24 +237,36 @@ def _params(req: OaiRequest) -> types.SamplingParams:
     )
 
 
+def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
+    """The bytes each token id of ``base_model`` stands for (a token can be part of a UTF-8
+    character, which its decoded text cannot show), where the engine has them."""
+    models = getattr(backend, "models", None)
+    try:
+        return models.tokenizer(base_model).token_bytes if models is not None else None
+    except Exception:  # e.g. no tokenizer.json: the decoded texts' bytes instead
+        return None
+
+
 def _token_entries(
-    tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None
-) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    def text(t: int) -> str:
-        return str(tok.decode([t], skip_special_tokens=False))
+    tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None, table: Any
+) -> list[TokenEntry]:
+    def entry(t: int, lp: float | None) -> TokenEntry:
+        text = str(tok.decode([t], skip_special_tokens=False))
+        raw = table[t] if table is not None and 0 <= t < len(table) else b""
+        return TokenEntry(text, lp, raw or text.encode("utf-8"))
 
     out = []
     for i, t in enumerate(ids):
         alts = (tops[i] or []) if tops is not None else []
         lp = lps[i]
-        out.append(
-            (text(t), None if lp is None else float(lp), [(text(a), float(b)) for a, b in alts])
-        )
+        e = entry(t, None if lp is None else float(lp))
+        e.top = [entry(a, float(b)) for a, b in alts]
+        out.append(e)
     return out
 
 
 def _choices(
-    tok: Any, req: OaiRequest, prompt: list[int], resp: types.SampleResponse
+    tok: Any, req: OaiRequest, prompt: list[int], resp: types.SampleResponse, table: Any
 ) -> list[Choice]:
     """The sampled sequences of one prompt as answers (text cut at stop strings; echo puts
     the prompt, and with log-probs its scores, in front)."""
@@ -198,37 +280,55 @@ def _choices(
         entries = None
         if req.logprobs is not None:
             tops = seq.topk_logprobs if req.logprobs else None
-            entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops)
+            entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table)
         if req.echo:
             text = str(tok.decode(prompt, skip_special_tokens=req.skip_special_tokens)) + text
             if entries is not None:
                 tops_p = resp.topk_prompt_logprobs if req.logprobs else None
                 entries = (
-                    _token_entries(tok, prompt, list(resp.prompt_logprobs or []), tops_p) + entries
+                    _token_entries(tok, prompt, list(resp.prompt_logprobs or []), tops_p, table)
+                    + entries
                 )
         reason = "length" if scoring_only or seq.stop_reason == "length" else "stop"
         out.append(Choice(text, reason, entries, len(tokens)))
     return out
 
 
+def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: list[list[int]],
+                params: types.SamplingParams) -> None:  # fmt: skip
+    """Each prompt fits the model's context, and all of them together this server's
+    ``--max-sample-tokens`` (one request, however many prompts it lists)."""
+    overflow = getattr(srv.backend, "sample_overflow", None)
+    for ids in prompts:
+        problem = overflow and overflow(target.sampler_id, types.ModelInput.from_ints(ids), params)
+        if problem:
+            raise OaiError(
+                problem, "max_tokens" if req.max_tokens else "messages" if req.chat else "prompt"
+            )
+    limit = getattr(srv.backend, "limits", DEFAULT_LIMITS).max_sample_tokens
+    total = sum(req.n * (len(ids) + (params.max_tokens or 0)) for ids in prompts)
+    if len(prompts) > 1 and total > limit:
+        raise OaiError(
+            f"prompt: {len(prompts)} prompts x n {req.n} x (prompt + max_tokens) = {total} "
+            f"tokens, above this server's limit of {limit} for one request "
+            "(--max-sample-tokens); send fewer prompts per request",
+            "prompt",
+        )
+
+
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
     target = await srv.oai.target(owner, req.model)
+    async with _kept_alive(srv, target.session_id):
+        return await _sampled(srv, target, req)
+
+
+async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> Response:
     from tinker_sr.clients.tokenizers import tokenizer_for
 
     tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
     prompts = await asyncio.to_thread(_encode, tok, req)
     params = _params(req)
-    overflow = getattr(srv.backend, "sample_overflow", None)
-    for ids in prompts:
-        problem = (
-            overflow(target.sampler_id, types.ModelInput.from_ints(ids), params)
-            if overflow
-            else None
-        )
-        if problem is not None:
-            raise OaiError(
-                problem, "max_tokens" if req.max_tokens else "messages" if req.chat else "prompt"
-            )
+    _check_fits(srv, target, req, prompts, params)
     top = req.logprobs or 0
     with_prompt = req.echo and req.logprobs is not None
 
@@ -245,8 +345,13 @@ async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
         )
 
     results = await asyncio.gather(*(one(ids) for ids in prompts))
+    table = None
+    if req.chat and req.logprobs is not None:
+        table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     choices = [
-        c for ids, r in zip(prompts, results, strict=True) for c in _choices(tok, req, ids, r)
+        c
+        for ids, r in zip(prompts, results, strict=True)
+        for c in _choices(tok, req, ids, r, table)
     ]
     prompt_tokens = sum(len(ids) for ids in prompts)
     if req.stream:
@@ -257,12 +362,15 @@ async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
 
 async def _serve(srv: TinkerServer, request: Request, owner: str, *, chat: bool) -> Response:
     raw = await srv.body(request)
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise OaiError(f"the request body is not valid JSON: {e}") from None
     limits = getattr(srv.backend, "limits", DEFAULT_LIMITS)
-    req = parse_request(body, chat=chat, max_n=limits.max_num_samples)
+    try:
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise OaiError(f"the request body is not valid JSON: {e}") from None
+        req = parse_request(body, chat=chat, max_n=limits.max_num_samples)
+    except RecursionError:  # reading or checking it
+        raise OaiError("the request body is nested too deeply to read") from None
     return await _answer(srv, owner, req)
 
 
