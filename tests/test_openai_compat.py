@@ -62,7 +62,10 @@ def sdk(server: ServerProcess, key: str = "tml-oai-user") -> Any:
 def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: Path) -> None:
     """Token ids in, the same tokens and log-probs out as the official SDK's sampler with the
     same seed; the text is their decoding; usage counts both sides."""
-    tok = load_hf_tokenizer(model_dir)
+    from tinker_sr.server.handlers.oai import token_text
+    from tinker_sr.tokenization.hf import ModelTokenizer
+
+    tok, table = load_hf_tokenizer(model_dir), ModelTokenizer(model_dir).token_bytes
     prompt = tok.encode("The quick brown fox", add_special_tokens=True)
     got = client(server).completions.create(
         model=str(model_dir), prompt=prompt, max_tokens=12, n=3, seed=7, logprobs=0
@@ -77,7 +80,7 @@ def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: P
     assert len({c.text for c in got.choices}) == 3  # samples within one request differ
     for choice, seq in zip(got.choices, want.sequences, strict=True):
         assert choice.text == tok.decode(seq.tokens, skip_special_tokens=True)
-        assert choice.logprobs.tokens == [tok.decode([t]) for t in seq.tokens]
+        assert choice.logprobs.tokens == [token_text(tok.decode([t]), table[t]) for t in seq.tokens]
         assert choice.logprobs.token_logprobs == pytest.approx(seq.logprobs, abs=0, rel=1e-6)
         assert choice.finish_reason == ("length" if seq.stop_reason == "length" else "stop")
     assert got.usage.prompt_tokens == len(prompt)
@@ -475,3 +478,79 @@ def test_the_prompts_of_one_request_share_its_token_limit(tmp_path: Path) -> Non
     err = resp.json()["error"]
     assert resp.status_code == 400 and err["param"] == "prompt", err
     assert "--max-sample-tokens" in err["message"], err
+
+
+def test_above_the_pending_limit_a_request_is_asked_to_wait(tmp_path: Path) -> None:
+    """OpenAI requests count among the server's pending sample requests (shared with
+    asample): above ``max_pending_samples`` a 429 with Retry-After, which OpenAI clients wait
+    out and retry; they were never throttled."""
+    import asyncio
+    import threading
+
+    backend, http = _in_process(tmp_path, max_pending_samples=1)
+    sample, release = backend.sample, threading.Event()
+
+    async def held_sample(*args: Any, **kwargs: Any) -> Any:
+        for _ in range(500):  # until released, at most ~5 s
+            if release.is_set():
+                break
+            await asyncio.sleep(0.01)
+        return await sample(*args, **kwargs)
+
+    backend.sample = held_sample
+    body = {"model": "tinker-sr/tiny", "prompt": "hi", "max_tokens": 2}
+    with http:
+        first: dict[str, Any] = {}
+        worker = threading.Thread(
+            target=lambda: first.update(r=http.post("/oai/api/v1/completions", json=body))
+        )
+        worker.start()
+        server = http.app.state.tinker_server
+        while not server.futures.pending_samples:
+            threading.Event().wait(0.01)
+        second = http.post("/oai/api/v1/completions", json=body)
+        release.set()
+        worker.join(60)
+        third = http.post("/oai/api/v1/completions", json=body)
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert "already pending" in second.json()["error"]["message"]
+    assert first["r"].status_code == 200 and third.status_code == 200
+    assert not server.futures.pending_samples
+
+
+def test_partial_character_tokens_are_written_as_bytes(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """A token that is part of a UTF-8 character decodes to U+FFFD; in log-probs it is
+    written ``bytes:\\xNN`` as OpenAI does, so such alternatives keep distinct keys."""
+    from tinker_sr.server.handlers.oai import token_text
+
+    assert token_text("\ufffd", b"\xe6\x97") == "bytes:\\xe6\\x97"
+    assert token_text("ab", b"ab") == "ab" and token_text("\ufffd", b"") == "\ufffd"
+    got = client(server).completions.create(
+        model=str(model_dir), prompt="日本語 🙂🎉", max_tokens=0, echo=True, logprobs=5
+    )
+    lp = got.choices[0].logprobs
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens), lp.tokens
+    assert "\ufffd" not in "".join(lp.tokens)
+    assert all(len(top) == 5 for top in lp.top_logprobs[1:])  # no two keys collapsed
+
+
+def test_the_field_at_fault_and_the_key_are_named(server: ServerProcess, model_dir: Path) -> None:
+    url = server.base_url + "/oai/api/v1/completions"
+    auth = {"Authorization": "Bearer tml-oai-user"}
+
+    def error(body: dict[str, Any], headers: dict[str, str] = auth) -> tuple[int, Any]:
+        resp = httpx.post(url, json={"model": str(model_dir), **body}, headers=headers, timeout=60)
+        return resp.status_code, resp.json()["error"]
+
+    status, err = error({"prompt": [5] * 50_000, "max_tokens": 1})  # the prompt alone
+    assert status == 400 and err["param"] == "prompt", err
+    status, err = error({"prompt": "hi", "max_tokens": 50_000})
+    assert status == 400 and err["param"] == "max_tokens", err
+    status, err = error({"prompt": [1, 10**6], "max_tokens": 1})
+    assert status == 400 and err["param"] == "prompt" and "outside the vocabulary" in err["message"]
+    status, err = error({"prompt": "hi"}, {})
+    assert status == 401 and "Authorization: Bearer" in err["message"], err
+    status, err = error({"prompt": "hi"}, {**auth, "X-API-Key": "tml-other"})
+    assert status == 401 and "different keys" in err["message"], err

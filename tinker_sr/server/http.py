@@ -77,9 +77,20 @@ def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -
     with ``bearer``, ``Authorization: Bearer <key>`` (as OpenAI clients send it) is read when
     there is no X-API-Key."""
     key = request.headers.get("x-api-key")
-    if not key and bearer:
+    if bearer:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        key = token.strip() if scheme.lower() == "bearer" else None
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if key and token and key != token:
+            raise HTTPError(
+                401, "X-API-Key and Authorization: Bearer name different keys; send one"
+            )
+        key = key or token
+        if not key:
+            raise HTTPError(
+                401,
+                "missing API key: send 'Authorization: Bearer tml-...' (an OpenAI client's "
+                "api_key='tml-...') or X-API-Key",
+            )
     if not key:
         raise HTTPError(
             401, "missing X-API-Key header; pass api_key='tml-...' or set TINKER_API_KEY"

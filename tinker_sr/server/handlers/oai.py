@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,13 +93,13 @@ class OaiSamplers:
 
     def __init__(self, srv: TinkerServer) -> None:
         self.srv = srv
-        self._lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}  # per key: one key's loading stalls no other
         self._sessions: dict[str, str] = {}
         self._targets: dict[str, OrderedDict[str, _Target]] = {}
         self._sampler_seq = itertools.count()
 
     async def target(self, owner: str, model: str) -> _Target:
-        async with self._lock:
+        async with self._locks.setdefault(owner, asyncio.Lock()):
             session_id = await self._session(owner)
             kept = self._targets.setdefault(owner, OrderedDict())
             found = kept.get(model)
@@ -247,13 +248,25 @@ def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
         return None
 
 
+def token_text(text: str, raw: bytes) -> str:
+    """A token's text in log-probs: its decoding, or for a token that is part of a UTF-8
+    character (decoded as U+FFFD), ``bytes:\\xNN...`` as OpenAI writes it, so that such
+    alternatives do not all collapse onto one "\ufffd" key."""
+    if "\ufffd" not in text or not raw:
+        return text
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def _token_entries(
     tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None, table: Any
 ) -> list[TokenEntry]:
     def entry(t: int, lp: float | None) -> TokenEntry:
         text = str(tok.decode([t], skip_special_tokens=False))
         raw = table[t] if table is not None and 0 <= t < len(table) else b""
-        return TokenEntry(text, lp, raw or text.encode("utf-8"))
+        return TokenEntry(token_text(text, raw), lp, raw or text.encode("utf-8"))
 
     out = []
     for i, t in enumerate(ids):
@@ -298,13 +311,16 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
                 params: types.SamplingParams) -> None:  # fmt: skip
     """Each prompt fits the model's context, and all of them together this server's
     ``--max-sample-tokens`` (one request, however many prompts it lists)."""
-    overflow = getattr(srv.backend, "sample_overflow", None)
-    for ids in prompts:
-        problem = overflow and overflow(target.sampler_id, types.ModelInput.from_ints(ids), params)
+    overflow: Callable[..., str | None] | None = getattr(srv.backend, "sample_overflow", None)
+    for ids in prompts if overflow is not None else ():
+        assert overflow is not None
+        prompt = types.ModelInput.from_ints(ids)
+        problem = overflow(target.sampler_id, prompt, params)
         if problem:
-            raise OaiError(
-                problem, "max_tokens" if req.max_tokens else "messages" if req.chat else "prompt"
-            )
+            # the field at fault: the prompt where it alone fills the context
+            alone = overflow(target.sampler_id, prompt, types.SamplingParams(max_tokens=1))
+            prompt_field = "messages" if req.chat else "prompt"
+            raise OaiError(problem, prompt_field if alone or not req.max_tokens else "max_tokens")
     limit = getattr(srv.backend, "limits", DEFAULT_LIMITS).max_sample_tokens
     total = sum(req.n * (len(ids) + (params.max_tokens or 0)) for ids in prompts)
     if len(prompts) > 1 and total > limit:
@@ -317,9 +333,25 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
 
 
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
-    target = await srv.oai.target(owner, req.model)
-    async with _kept_alive(srv, target.session_id):
-        return await _sampled(srv, target, req)
+    """Sample for ``req``, counted among the server's pending sample requests: above
+    ``max_pending_samples`` (shared with asample) a 429 with ``Retry-After``, which OpenAI
+    clients wait out and retry."""
+    futures = srv.futures
+    if len(futures.pending_samples) >= futures.max_pending_samples:
+        raise HTTPError(
+            429,
+            f"{len(futures.pending_samples)} sampling requests are already pending (this "
+            f"server's limit is {futures.max_pending_samples}); retry shortly",
+            {"Retry-After": "1"},
+        )
+    rid = "oai-" + secrets.token_hex(8)
+    futures.pending_samples.add(rid)
+    try:
+        target = await srv.oai.target(owner, req.model)
+        async with _kept_alive(srv, target.session_id):
+            return await _sampled(srv, target, req)
+    finally:
+        futures.pending_samples.discard(rid)
 
 
 async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> Response:
@@ -344,9 +376,15 @@ async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> Respo
             topk_sample_logprobs=top if req.logprobs is not None else 0,
         )
 
-    results = await asyncio.gather(*(one(ids) for ids in prompts))
+    try:
+        results = await asyncio.gather(*(one(ids) for ids in prompts))
+    except Exception as e:  # the engine's checks of the prompt: name the field
+        status, detail = plain_error(e)
+        if status != 400 or not detail.startswith("prompt token id"):
+            raise
+        raise OaiError(detail, "messages" if req.chat else "prompt") from None
     table = None
-    if req.chat and req.logprobs is not None:
+    if req.logprobs is not None:
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     choices = [
         c
