@@ -554,3 +554,36 @@ def test_the_field_at_fault_and_the_key_are_named(server: ServerProcess, model_d
     assert status == 401 and "Authorization: Bearer" in err["message"], err
     status, err = error({"prompt": "hi"}, {**auth, "X-API-Key": "tml-other"})
     assert status == 401 and "different keys" in err["message"], err
+
+
+def test_lm_evaluation_harness_loglikelihood_requests(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """lm-evaluation-harness's `local-completions` scores a continuation with this payload
+    (a batch of token-id prompts, echo, max_tokens 1, logprobs 1, temperature 0) and reads
+    ``sum(token_logprobs[ctxlen:-1])`` and whether each token was the top one: both must be
+    the model's own (lm_eval 0.4.13 run by hand against serve: 60 of 60 equal)."""
+    tok = load_hf_tokenizer(model_dir)
+    pairs = [("Question: 2 plus 2?\nAnswer:", " 4"), ("The sky is", " blue today")]
+    batch = [(tok.encode(c), tok.encode(c + x)) for c, x in pairs]
+    payload = {"model": str(model_dir), "prompt": [whole for _, whole in batch],
+               "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    out = httpx.post(
+        server.base_url + "/oai/api/v1/completions",
+        json=payload,
+        headers={"Authorization": "Bearer tml-oai-user"},
+        timeout=60,
+    ).json()
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir))
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        for (ctx, whole), choice in zip(batch, choices, strict=True):
+            lps = choice["logprobs"]["token_logprobs"][len(ctx) : -1]
+            tops = choice["logprobs"]["top_logprobs"][len(ctx) : -1]
+            want = sampler.compute_logprobs(tinker.ModelInput.from_ints(whole)).result()
+            assert lps == pytest.approx(want[len(ctx) :], rel=1e-6)
+            assert len(lps) == len(whole) - len(ctx) and all(len(t) == 1 for t in tops)
+            assert all(lp <= max(t.values()) + 1e-6 for lp, t in zip(lps, tops, strict=True))
+    finally:
+        service.holder.close()
