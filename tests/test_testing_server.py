@@ -129,3 +129,17 @@ def test_docs_real_server_example(tinker_server: ServerProcess) -> None:
     subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=300)
     assert tinker_server.trace.count("optim_step") == 3  # its 3 steps
     assert tinker_server.trace.calls("forward_backward")[0]["status"] is None  # the reset
+
+
+def test_tests_without_the_session_server_load_tokenizers_unpatched(
+    request: pytest.FixtureRequest,
+) -> None:
+    """After the tests above that used `tinker_server_session` (file order), a test that does
+    not use it gets transformers' own ``AutoTokenizer.from_pretrained``: the offline-name patch
+    lasts only for the tests that use the session server. It lasted to the end of the session,
+    so a later test loading a Hub name silently got the offline model's tokenizer."""
+    from transformers.models.auto.tokenization_auto import AutoTokenizer
+
+    assert "tinker_server_session" not in request.fixturenames
+    loader = AutoTokenizer.__dict__["from_pretrained"].__func__
+    assert loader.__module__.startswith("transformers."), loader.__module__

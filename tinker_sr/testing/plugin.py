@@ -40,12 +40,27 @@ def tinker_server(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def tinker_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """`tinker_server` shared by the whole session (start-up paid once; faults you add stay
-    planned until you ``clear_faults()``; hub tokenizer names load the offline tokenizer from
-    its first use to the end of the session)."""
-    from tinker_sr.testing.server import tinker_server_process
+    planned until you ``clear_faults()``). Hub tokenizer names load the offline tokenizer in
+    the tests that use it, and only there (`_tinker_server_session_names`)."""
+    from tinker_sr.testing.server import running_server
 
-    with tinker_server_process(tmp_path_factory.mktemp("tinker_server")) as srv:
+    with running_server(tmp_path_factory.mktemp("tinker_server"), testing=True) as srv:
         yield srv
+
+
+@pytest.fixture(autouse=True)
+def _tinker_server_session_names(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a test that uses `tinker_server_session` (directly or through its own fixtures):
+    offline tokenizer names and fresh SDK connections for that test's duration. Other tests of
+    the session load tokenizers as they would without the plugin (the patch used to last from
+    the fixture's first use to the end of the session)."""
+    if "tinker_server_session" not in request.fixturenames:
+        yield
+        return
+    from tinker_sr.testing.server import offline_clients
+
+    with offline_clients(request.getfixturevalue("tinker_server_session")):
+        yield
 
 
 @pytest.fixture

@@ -219,12 +219,20 @@ def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]
     """`running_server` in testing mode: offline model names, wire faults, trace. While it
     runs, ``AutoTokenizer.from_pretrained(<hub name>)`` in this process loads the offline
     model's tokenizer (the official SDK's ``SamplingClient.get_tokenizer()`` does that)."""
+    with running_server(store, testing=True, **kwargs) as srv, offline_clients(srv):
+        yield srv
+
+
+@contextmanager
+def offline_clients(srv: ServerProcess) -> Iterator[None]:
+    """While active, this process's clients see ``srv`` as `tinker_server_process` promises:
+    hub tokenizer names load the offline model's tokenizer, and the official SDK's cached
+    REST connections (from other servers) are set aside."""
     from tinker_sr.testing.offline_model import MODEL_DIR_NAME, hub_names_resolve_to
     from tinker_sr.testing.sdk_state import fresh_sdk_rest_clients
 
-    with running_server(store, testing=True, **kwargs) as srv:
-        with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME), fresh_sdk_rest_clients():
-            yield srv
+    with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME), fresh_sdk_rest_clients():
+        yield
 
 
 # ---- the testing server itself: ``python -m tinker_sr.testing.server`` ------------------------
