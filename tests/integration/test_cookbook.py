@@ -662,9 +662,9 @@ def test_the_gsm8k_benchmark_on_a_checkpoint_resumes_from_its_save_dir(
         if seq["stop_reason"] == "length":
             outcome = "truncated"
         else:
-            message, _ = renderer.parse_response(seq["tokens"])
+            message, end = renderer.parse_response(seq["tokens"])
             text = renderers.get_text_content(message)
-            outcome = "correct" if check_gsm8k(text, expected) else "wrong"
+            outcome = "correct" if end.is_clean and check_gsm8k(text, expected) else "wrong"
         for run in (0, 1) if i < 3 else (1,):
             graded.setdefault(outcome, [0, 0])[run] += 1
     for run, n in ((0, 3), (1, 5), (2, 5)):
