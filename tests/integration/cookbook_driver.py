@@ -8,8 +8,10 @@ Used by tests/integration/test_cookbook.py, both ways:
 
 The cookbook code runs unchanged; this script only builds its configs (tiny batches, a few
 steps, the ``role_colon`` renderer whose stop sequence is the string ``"\\n\\nUser:"``) and
-records every ``SamplingClient.sample`` call (its stop sequences and each sequence's tokens and
-stop reason) to ``LOG_DIR/samples.jsonl`` so the test can check how sampling stopped. It also
+records every ``SamplingClient.sample`` call (its sampler, prompt, sampling params and each
+sequence's tokens, log-probs and stop reason) to ``LOG_DIR/samples.jsonl`` so the test can
+check how sampling stopped and which weights sampled. The evaluation jobs (``eval_rl``,
+``eval_sl``, ``bench_gsm8k``) live in cookbook_evals.py. It also
 refuses any connection that is not to 127.0.0.1 (the cookbook fetches a pricing file; tests
 use no network).
 """
@@ -38,6 +40,7 @@ JOBS = (
     "rl_capture",
     "guess_number",
     "loop_sr",
+    *("eval_rl", "eval_sl", "bench_gsm8k"),  # cookbook_evals.py
 )
 RENDERER = "role_colon"
 
@@ -69,47 +72,49 @@ def forbid_network() -> None:
 
 
 def record_samples(path: Path) -> None:
-    """Wrap `tinker.SamplingClient.sample` (tinker_sr's or the SDK's) to log each call."""
+    """Wrap `tinker.SamplingClient.sample` (tinker_sr's or the SDK's) to log each call: the
+    sampler's id, the prompt, the sampling params and each sequence's tokens, logprobs and stop
+    reason."""
     import tinker
 
     original = tinker.SamplingClient.sample
 
-    def log(params: Any, response: Any) -> None:
+    def log(call: dict[str, Any], params: Any, response: Any) -> None:
+        sequences = [
+            {
+                "tokens": list(s.tokens),
+                "stop_reason": str(s.stop_reason),
+                "logprobs": list(s.logprobs or []),
+            }
+            for s in response.sequences
+        ]
+        row = {**call, "stop": params.stop, "max_tokens": params.max_tokens}
+        row.update(temperature=params.temperature, sequences=sequences)
         with path.open("a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "stop": params.stop,
-                        "max_tokens": params.max_tokens,
-                        "sequences": [
-                            {"tokens": list(s.tokens), "stop_reason": str(s.stop_reason)}
-                            for s in response.sequences
-                        ],
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(row) + "\n")
 
     class Recorded:
-        def __init__(self, future: Any, params: Any) -> None:
-            self._future, self._params = future, params
+        def __init__(self, future: Any, call: dict[str, Any], params: Any) -> None:
+            self._future, self._call, self._params = future, call, params
 
         def __await__(self) -> Any:
             response = yield from self._future.__await__()
-            log(self._params, response)
+            log(self._call, self._params, response)
             return response
 
         def result(self, timeout: float | None = None) -> Any:
             response = self._future.result(timeout)
-            log(self._params, response)
+            log(self._call, self._params, response)
             return response
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._future, name)
 
     def sample(self: Any, prompt: Any, num_samples: int, sampling_params: Any, *a: Any, **k: Any):
+        # The sampler's id (the SDK's private name, which tinker_sr mirrors) and the prompt.
+        call = {"sampler": self._sampling_session_id, "prompt": prompt.to_ints()}
         return Recorded(
-            original(self, prompt, num_samples, sampling_params, *a, **k), sampling_params
+            original(self, prompt, num_samples, sampling_params, *a, **k), call, sampling_params
         )
 
     tinker.SamplingClient.sample = sample  # type: ignore[method-assign]
@@ -144,9 +149,10 @@ def no_pricing_download() -> None:
     cost_estimation._pricing_fetched = True  # "already tried": no download, no prices
 
 
-def digits_builder(model: str, n_batches: int) -> Any:
+def digits_builder(model: str, n_batches: int, test_groups: int = 0) -> Any:
     """The cookbook's arithmetic problems, scored by the share of digits in the answer: a random
-    tiny model never gets a sum right, and RL needs rewards that differ within a group."""
+    tiny model never gets a sum right, and RL needs rewards that differ within a group. With
+    `test_groups`, a test split too (that many groups of two, other problems than training's)."""
     import chz
     from tinker_cookbook.recipes.math_rl import arithmetic_env as ar
 
@@ -155,6 +161,11 @@ def digits_builder(model: str, n_batches: int) -> Any:
             return sum(c.isdigit() for c in sample_str) / max(1, len(sample_str))
 
     class DigitsDataset(ar.ArithmeticDataset):
+        seed_offset = 0  # the test split's problems come from other seeds
+
+        def get_batch(self, index: int) -> Any:
+            return super().get_batch(index + self.seed_offset)
+
         def _make_env_group_builder(self, rng: Any) -> Any:
             builder = super()._make_env_group_builder(rng)
             thunk = builder.env_thunk
@@ -167,7 +178,7 @@ def digits_builder(model: str, n_batches: int) -> Any:
 
     @chz.chz
     class DigitsBuilder(ar.ArithmeticDatasetBuilder):
-        async def __call__(self) -> tuple[Any, None]:
+        async def __call__(self) -> tuple[Any, Any]:
             tokenizer = ar.get_tokenizer(self.model_name_for_tokenizer)
             renderer = ar.renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
             dataset = DigitsDataset(
@@ -176,7 +187,13 @@ def digits_builder(model: str, n_batches: int) -> Any:
                 group_size=self.group_size,
                 n_batches=self.n_batches,
             )
-            return dataset, None
+            if not test_groups:
+                return dataset, None
+            test = DigitsDataset(
+                batch_size=test_groups, renderer=renderer, group_size=2, n_batches=1
+            )
+            test.seed_offset = 1000
+            return dataset, test
 
     return DigitsBuilder(
         batch_size=2,
@@ -537,6 +554,10 @@ def main(argv: list[str]) -> int:
         summary = run_guess_number(model, log)
     elif job == "loop_sr":
         summary = run_rl_loop(model, log)
+    elif job in ("eval_rl", "eval_sl", "bench_gsm8k"):
+        from tests.integration import cookbook_evals
+
+        summary = cookbook_evals.run(job, model, log)
     else:
         summary = run_dpo(model, log)
     import tinker

@@ -300,6 +300,9 @@ _JOB_OF = {
     "test_the_cookbooks_trace_and_capture_record_the_run": "rl_capture",
     "test_a_multi_turn_game_reuses_each_turns_prompt": "guess_number",
     "test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance": "loop_sr",
+    "test_rl_train_evaluates_the_test_split_and_gsm8k_inline": "eval_rl",
+    "test_supervised_evals_score_the_test_split_on_the_pipelined_weights": "eval_sl",
+    "test_the_gsm8k_benchmark_on_a_checkpoint_resumes_from_its_save_dir": "bench_gsm8k",
 }
 JobKey = tuple[str, str, str | None]  # (way, job, Hub name or None: the model's directory)
 # Jobs at once. Each is a subprocess of its own (one torch thread; the sdk way's server
@@ -561,3 +564,120 @@ def test_the_minimal_rl_loop_names_provenance_with_datum_with_provenance(
     assert sent == [1, 12] * 2, sent
     lengths = [d["input_lengths"] for c in calls for d in c["datums"]]
     assert any(x[1] == 0 for x in lengths) and any(x[1] > 0 for x in lengths), lengths
+
+
+def test_rl_train_evaluates_the_test_split_and_gsm8k_inline(
+    way: str, model: Any, jobs: Jobs
+) -> None:
+    """``rl.train`` with ``eval_every=2`` over 2 steps: the test split (``RLTestSetEvaluator``)
+    and GSM8K through ``evaluator_builders`` (``BenchmarkEvaluator``, 3 examples) run before
+    step 0 on the initial weights and after step 1 on the final ones, their metrics logged at
+    steps 0 and 2. The samples of the first evaluation have the base model's log-probabilities
+    (LoRA starts at zero), the last's the final checkpoint's and not the base's."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.cookbook_evals import gsm8k_question
+
+    log = jobs.log((way, "eval_rl", None))
+    check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
+    keys = ("eval/gsm8k/score", "eval/gsm8k/num_examples", "test/env/all/reward/total")
+    evals = [r for r in jsonl(log / "metrics.jsonl") if keys[0] in r]
+    assert [r["step"] for r in evals] == [0, 2], evals
+    for row in evals:
+        assert all(math.isfinite(row[k]) for k in row if k.startswith(("eval/", "test/")))
+        assert row["eval/gsm8k/num_examples"] == 3 and row["eval/gsm8k/num_errors"] == 0
+        assert row["test/env/all/total_episodes"] == 4, row  # 2 test groups of 2
+    loads = jsonl(log / "dataset_loads.jsonl")
+    assert loads == [{"path": "openai/gsm8k", "name": "main", "split": "test"}] * 2, loads
+    tok = AutoTokenizer.from_pretrained(model.path)
+    calls = jsonl(log / "samples.jsonl")
+    samplers = list(dict.fromkeys(c["sampler"] for c in calls))
+    assert len(samplers) == 3, samplers  # step 0 (evals and rollouts), step 1, final evals
+    first = [c for c in calls if c["sampler"] == samplers[0]]
+    last = [c for c in calls if c["sampler"] == samplers[2]]
+    # The evaluations ran before step 0's 8 rollouts and after step 1's, nothing else.
+    assert len(first) == 7 + 8 and len(last) == 7 and calls[-7:] == last
+    for evaluation in (first[:7], last):
+        bench = [c for c in evaluation if gsm8k_question(tok, c) is not None]
+        assert sorted(gsm8k_question(tok, c) for c in bench) == [0, 1, 2]
+        assert all(c["max_tokens"] == 8 and c["temperature"] == 1.0 for c in bench), bench
+        assert all(c["max_tokens"] == 12 for c in evaluation if c not in bench)
+    test_split = sorted(tok.decode(c["prompt"]) for c in last if c["max_tokens"] == 12)
+    assert test_split == sorted(tok.decode(c["prompt"]) for c in first[:7] if c["max_tokens"] == 12)
+    assert not set(test_split) & {tok.decode(c["prompt"]) for c in first[7:]}
+    gaps = json.loads((log / "driver.json").read_text())["logprob_gaps"]
+    assert gaps["first_vs_base"] < 1e-4 and gaps["last_vs_final"] < 1e-4, gaps
+    assert gaps["last_vs_base"] > 1e-2, gaps
+
+
+def test_supervised_evals_score_the_test_split_on_the_pipelined_weights(
+    way: str, model: Any, jobs: Jobs
+) -> None:
+    """``supervised.train`` (``submit_ahead=1``) with ``test_size=4`` and ``eval_every=2``: at
+    steps 0 and 2 the test split's NLL from a ``save_weights_and_get_sampling_client``
+    snapshot's ``compute_logprobs`` (``test/nll``) equals the training client's ``forward``
+    (``test_forward/nll``), though step 2's evaluation was sent while step 1's update was in
+    flight: both ran on the weights after it, which have learned (the NLL fell)."""
+    log = jobs.log((way, "eval_sl", None))
+    check_steps(log, 3, ("train_mean_nll",))
+    rows = [r for r in jsonl(log / "metrics.jsonl") if "test/nll" in r]
+    assert [r["step"] for r in rows] == [0, 2], rows
+    for row in rows:
+        assert math.isfinite(row["test/bpb"]) and row["test/nll"] > 0, row
+        assert row["test/nll"] == pytest.approx(row["test_forward/nll"], abs=1e-4), row
+    assert rows[1]["test/nll"] < rows[0]["test/nll"] - 0.05, rows
+
+
+def test_the_gsm8k_benchmark_on_a_checkpoint_resumes_from_its_save_dir(
+    way: str, model: Any, jobs: Jobs
+) -> None:
+    """``run_benchmark("gsm8k")`` on a ``tinker://`` checkpoint, three times on one save_dir:
+    3 examples, then 5 (only the 2 new ones sampled), then 5 again (none). Each example is
+    sampled once, by that checkpoint's sampler, with the benchmark's settings (its default
+    temperature 0.6, max_tokens 10, the renderer's stop); the score is the cookbook's own
+    grading of what was sampled, and the saved trajectories and result.json agree."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.eval.benchmarks._common import check_gsm8k
+    from transformers import AutoTokenizer
+
+    from tests.integration.cookbook_evals import BENCH_TOKENS, GSM8K_ROWS, gsm8k_question
+
+    log = jobs.log((way, "bench_gsm8k", None))
+    summary = json.loads((log / "driver.json").read_text())
+    runs = summary["runs"]
+    assert [r["sample_calls"] for r in runs] == [3, 2, 0], runs
+    assert [r["result"]["num_examples"] for r in runs] == [3, 5, 5], runs
+    assert summary["sampler_path"].startswith("tinker://"), summary["sampler_path"]
+    tok = AutoTokenizer.from_pretrained(model.path)
+    renderer = renderers.get_renderer("role_colon", tokenizer=tok)
+    calls = jsonl(log / "samples.jsonl")
+    asked = [gsm8k_question(tok, c) for c in calls]
+    assert sorted(asked[:3]) == [0, 1, 2] and sorted(asked[3:]) == [3, 4], asked
+    graded = {"correct": [0, 0], "truncated": [0, 0]}  # after the first run, after the second
+    for i, call in enumerate(calls):
+        assert call["sampler"] == summary["sampler"] and call["stop"] == [STOP], call
+        assert call["temperature"] == 0.6 and call["max_tokens"] == BENCH_TOKENS, call
+        (seq,) = call["sequences"]
+        expected = GSM8K_ROWS[asked[i]]["answer"].split("####")[-1].strip()
+        if seq["stop_reason"] == "length":
+            outcome = "truncated"
+        else:
+            message, end = renderer.parse_response(seq["tokens"])
+            text = renderers.get_text_content(message)
+            outcome = "correct" if end.is_clean and check_gsm8k(text, expected) else "wrong"
+        for run in (0, 1) if i < 3 else (1,):
+            graded.setdefault(outcome, [0, 0])[run] += 1
+    for run, n in ((0, 3), (1, 5), (2, 5)):
+        result, k = runs[run]["result"], min(run, 1)
+        assert result["num_errors"] == 0, result
+        assert result["num_correct"] == graded["correct"][k], (result, graded)
+        assert result["num_truncated"] == graded["truncated"][k], (result, graded)
+        assert result["score"] == pytest.approx(graded["correct"][k] / n)
+    save = Path(summary["save_dir"])
+    stored = jsonl(save / "gsm8k" / "trajectories.jsonl")
+    assert len({t["example_id"] for t in stored}) == len(stored) == 5, stored
+    assert all(t["error"] is None for t in stored)
+    saved = json.loads((save / "gsm8k" / "result.json").read_text())
+    assert {k: saved[k] for k in ("score", "num_examples", "num_correct")} == {
+        k: runs[2]["result"][k] for k in ("score", "num_examples", "num_correct")
+    }
