@@ -32,10 +32,10 @@ from tinker_sr.backend.base import Backend
 from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
-from . import downloads, http
+from . import anthropic_format, downloads, http
 from .features import ServerFeatures
 from .futures import Background, Futures
-from .handlers import oai, rest, sampling, session, training
+from .handlers import anthropic, oai, rest, sampling, session, training
 from .oai_format import error_reply
 from .ordering import SeqWatcher
 from .sessions import Sessions
@@ -172,11 +172,11 @@ class TinkerServer:
 
         return http.endpoint(bound, self.owner if auth else None)
 
-    def _oai_endpoint(self, fn: Handler) -> Endpoint:
+    def _oai_endpoint(self, fn: Handler, reply: http.ErrorReply = error_reply) -> Endpoint:
         async def bound(request: Request, owner: str) -> Response:
             return await fn(self, request, owner)
 
-        return http.endpoint(bound, self.oai_owner, reply=error_reply)
+        return http.endpoint(bound, self.oai_owner, reply=reply)
 
     def oai_routes(self) -> list[Route]:
         """OpenAI-compatible inference (`handlers.oai`), where Tinker serves it."""
@@ -186,6 +186,23 @@ class TinkerServer:
             Route(v + "/chat/completions", o(oai.chat_completions), methods=["POST"]),
             Route(v + "/models", o(oai.models), methods=["GET"]),
             Route(v + "/{rest:path}", o(oai.unsupported), methods=["GET", "POST", "PUT", "DELETE"]),
+        ]
+
+    def anthropic_routes(self) -> list[Route]:
+        """Anthropic-compatible inference (`handlers.anthropic`), where Tinker serves it."""
+        v = "/anthropic/api/v1"
+
+        def a(fn: Handler) -> Endpoint:
+            return self._oai_endpoint(fn, anthropic_format.error_reply)
+
+        return [
+            Route(v + "/messages", a(anthropic.messages), methods=["POST"]),
+            Route(v + "/messages/count_tokens", a(anthropic.count_tokens), methods=["POST"]),
+            Route(
+                "/anthropic/{rest:path}",
+                a(anthropic.unsupported),
+                methods=["GET", "POST", "PUT", "DELETE"],
+            ),  # fmt: skip
         ]
 
     def routes(self) -> list[Route]:
@@ -252,6 +269,7 @@ class TinkerServer:
             ),
             Route(v + "/{rest:path}", e(rest.unsupported), methods=any_method),
             *self.oai_routes(),
+            *self.anthropic_routes(),
         ]
 
 
@@ -320,7 +338,14 @@ def create_app(
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        reply = error_reply if request.url.path.startswith("/oai/") else http.error
+        path = request.url.path
+        reply = (
+            error_reply
+            if path.startswith("/oai/")
+            else anthropic_format.error_reply
+            if path.startswith("/anthropic/")
+            else http.error
+        )
         return reply(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
 
     app = Starlette(

@@ -106,6 +106,7 @@ class OaiRequest:
     include_usage: bool = False
     skip_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    prefill: str = ""  # chat: the start of the answer, after the generation prompt
 
 
 @dataclass
@@ -128,13 +129,14 @@ class Choice:
     finish_reason: str
     tokens: list[TokenEntry] | None = None
     completion_tokens: int = 0
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -184,6 +186,17 @@ def _bad_text(v: Any, where: str) -> str | None:
             if found:
                 return found
     return None
+
+
+def check_unicode(body: Any) -> None:
+    """Refuse a body with a string that is not valid Unicode, naming where it is."""
+    bad = _bad_text(body, "")
+    if bad is not None:
+        raise OaiError(
+            f"{bad or 'the request'}: a string is not valid Unicode (a lone UTF-16 surrogate "
+            "escape such as \\ud800); send UTF-8 text",
+            bad or None,
+        )
 
 
 _IGNORED_TYPES: dict[str, tuple[type, str]] = {
@@ -333,13 +346,7 @@ def parse_request(body: Any, *, chat: bool, max_n: int) -> OaiRequest:
     ``/completions``; every problem is an `OaiError` naming the field."""
     if not isinstance(body, dict):
         raise OaiError("the request body must be a JSON object")
-    bad = _bad_text(body, "")
-    if bad is not None:
-        raise OaiError(
-            f"{bad or 'the request'}: a string is not valid Unicode (a lone UTF-16 surrogate "
-            "escape such as \\ud800); send UTF-8 text",
-            bad or None,
-        )
+    check_unicode(body)
     _refuse_unsupported(body, _CHAT if chat else _COMPLETIONS)
     _check_ignored(body)
     model = body.get("model")
@@ -356,8 +363,8 @@ def parse_request(body: Any, *, chat: bool, max_n: int) -> OaiRequest:
         chat=chat,
         model=model.strip(),
         max_tokens=_max_tokens(body, chat),
-        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=number_field(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),
         top_k=_int(body, "top_k", -1, -1, 1 << 31) or -1,
         n=_int(body, "n", 1, 1, max_n) or 1,
         stop=_stop(body),
@@ -387,10 +394,14 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """The text before the first stop string in it (OpenAI leaves stop strings out)."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(cuts)] if cuts else text
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """The text before the first stop string in it (OpenAI leaves stop strings out), and that
+    stop string (None if none occurs)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not found:
+        return text, None
+    at, stop = min(found, key=lambda f: f[0])
+    return text[:at], stop
 
 
 def _completion_logprobs(choice: Choice, start: int = 0) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def serve(
     print(
         f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
         f"{available_cpus()} usable CPUs, {describe_free_memory()}); OpenAI-compatible API: "
-        f"http://{host}:{port}/oai/api/v1",
+        f"http://{host}:{port}/oai/api/v1, Anthropic-compatible: http://{host}:{port}/anthropic/api",
         file=sys.stderr,
         flush=True,
     )

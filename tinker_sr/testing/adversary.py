@@ -231,9 +231,9 @@ def send(http: Any, req: AttackRequest) -> Any:
 
 def _error_problem(resp: Any, ctype: str) -> str | None:
     """An error answer without its message: the Tinker API's ``{"detail": ...}``, or under
-    ``/oai/`` OpenAI's ``{"error": {"message": ...}}``."""
+    ``/oai/`` and ``/anthropic/`` OpenAI's and Anthropic's ``{..., "error": {"message": ...}}``."""
     body = resp.json() if ctype.startswith("application/json") else None
-    if resp.request.url.path.startswith("/oai/"):
+    if resp.request.url.path.startswith(("/oai/", "/anthropic/")):
         err = body.get("error") if isinstance(body, dict) else None
         detail = err.get("message") if isinstance(err, dict) else None
     else:

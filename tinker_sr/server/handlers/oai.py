@@ -211,7 +211,7 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
         return [int(t) for t in ids]
 
     try:
-        return [render(req.chat_template_kwargs)]
+        ids = render(req.chat_template_kwargs)
     except Exception as e:  # the template's own failure (jinja2, transformers): the request's
         param = "messages"
         if req.chat_template_kwargs:
@@ -225,6 +225,17 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
             f"({type(e).__name__}: {e})",
             param,
         ) from None
+    # a prefill (Anthropic's last assistant message): the answer's start, after the prompt
+    return [ids + list(tok.encode(req.prefill, add_special_tokens=False)) if req.prefill else ids]
+
+
+async def prompt_token_count(srv: TinkerServer, owner: str, req: OaiRequest) -> int:
+    """How many tokens ``req``'s prompts are for its model (nothing sampled)."""
+    from tinker_sr.clients.tokenizers import tokenizer_for
+
+    target = await srv.oai.target(owner, req.model)
+    tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
+    return sum(len(ids) for ids in await asyncio.to_thread(_encode, tok, req))
 
 
 def _params(req: OaiRequest) -> types.SamplingParams:
@@ -287,7 +298,7 @@ def _choices(
     scoring_only = req.max_tokens == 0
     for seq in resp.sequences:
         tokens = [] if scoring_only else list(seq.tokens)
-        text = cut_at_stop(
+        text, stop_string = cut_at_stop(
             str(tok.decode(tokens, skip_special_tokens=req.skip_special_tokens)), req.stop
         )
         entries = None
@@ -303,7 +314,7 @@ def _choices(
                     + entries
                 )
         reason = "length" if scoring_only or seq.stop_reason == "length" else "stop"
-        out.append(Choice(text, reason, entries, len(tokens)))
+        out.append(Choice(text, reason, entries, len(tokens), stop_string))
     return out
 
 
@@ -333,9 +344,19 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
 
 
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
-    """Sample for ``req``, counted among the server's pending sample requests: above
-    ``max_pending_samples`` (shared with asample) a 429 with ``Retry-After``, which OpenAI
-    clients wait out and retry."""
+    choices, prompt_tokens = await sample_choices(srv, owner, req)
+    if req.stream:
+        events = stream_events(req, choices, prompt_tokens)
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+    return json_reply(completion_body(req, choices, prompt_tokens))
+
+
+async def sample_choices(
+    srv: TinkerServer, owner: str, req: OaiRequest
+) -> tuple[list[Choice], int]:
+    """The answers to ``req`` and its prompt tokens, sampled counted among the server's
+    pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
+    ``Retry-After``, which OpenAI and Anthropic clients wait out and retry."""
     futures = srv.futures
     if len(futures.pending_samples) >= futures.max_pending_samples:
         raise HTTPError(
@@ -354,7 +375,7 @@ async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
         futures.pending_samples.discard(rid)
 
 
-async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> Response:
+async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple[list[Choice], int]:
     from tinker_sr.clients.tokenizers import tokenizer_for
 
     tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
@@ -391,11 +412,7 @@ async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> Respo
         for ids, r in zip(prompts, results, strict=True)
         for c in _choices(tok, req, ids, r, table)
     ]
-    prompt_tokens = sum(len(ids) for ids in prompts)
-    if req.stream:
-        events = stream_events(req, choices, prompt_tokens)
-        return StreamingResponse(iter(events), media_type="text/event-stream")
-    return json_reply(completion_body(req, choices, prompt_tokens))
+    return choices, sum(len(ids) for ids in prompts)
 
 
 async def _serve(srv: TinkerServer, request: Request, owner: str, *, chat: bool) -> Response:

@@ -1,0 +1,200 @@
+"""The Anthropic-compatible inference API's formats (Tinker's ``/anthropic/api``): a Messages
+request checked into the `OaiRequest` the OpenAI-compatible routes sample with (one sample, the
+chat template of the model), and the answer written back as a Message, its stream events and
+Anthropic's error body. The routes are `server.handlers.anthropic`.
+
+Honoured: ``model``, ``max_tokens`` (required), ``messages`` (text content; a last assistant
+message is a prefill the answer continues), ``system``, ``stop_sequences``, ``temperature``
+(0-1), ``top_p``, ``top_k``, ``stream``; ``metadata``, ``service_tier`` and ``thinking:
+{"type": "disabled"}`` change nothing and are accepted. Tools, thinking, images, documents and
+unknown fields are refused with a 400 naming them (never accepted and ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from tinker_sr.user_errors import clip_message
+
+from .oai_format import Choice, OaiError, OaiRequest, check_unicode, number_field
+
+__all__ = ["parse_messages_request", "message_body", "message_events", "error_reply"]
+
+_FIELDS = {
+    "model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
+    "top_k", "stream", "metadata", "service_tier", "thinking", "tools", "tool_choice",
+}  # fmt: skip
+_COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice"}
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    """A content of text: a string, or a list of ``{"type": "text", "text": ...}`` blocks."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OaiError(f"{where} must be a string or a list of content blocks", where)
+    parts = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            raise OaiError(
+                f"{at}: only text blocks are supported here, got {kind or type(block).__name__!r}"
+                " (images, documents, tool use and thinking blocks are not)",
+                at,
+            )
+        if not isinstance(block.get("text"), str):
+            raise OaiError(f"{at}.text must be a string", f"{at}.text")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The conversation for the chat template (the system prompt first), and the text of a
+    last assistant message (a prefill), or ""."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise OaiError("messages: a non-empty list of messages is required", "messages")
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text_blocks(system, "system")})
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
+            raise OaiError(f"{where}.role must be 'user' or 'assistant'", f"{where}.role")
+        extra = sorted(set(msg) - {"role", "content"})
+        if extra:
+            raise OaiError(f"{where}: unexpected field {extra[0]!r}", f"{where}.{extra[0]}")
+        out.append({"role": msg["role"], "content": _text_blocks(msg.get("content"), f"{where}.content")})  # fmt: skip
+    prefill = ""
+    if out[-1]["role"] == "assistant":
+        prefill = out.pop()["content"]
+    return out, prefill
+
+
+def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise OaiError(f"{key}: Extra inputs are not permitted", key)
+    if body.get("tools") or body.get("tool_choice"):
+        key = "tools" if body.get("tools") else "tool_choice"
+        raise OaiError(f"{key}: tool use is not supported by this server", key)
+    thinking = body.get("thinking")
+    if thinking is not None and thinking != {"type": "disabled"}:
+        raise OaiError(
+            "thinking: only {'type': 'disabled'} is supported; a model's chat template decides "
+            "whether it thinks",
+            "thinking",
+        )
+    for key in ("metadata", "service_tier"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, dict if key == "metadata" else str):
+            raise OaiError(f"{key} has the wrong type: {v!r}", key)
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    v = body.get("stop_sequences")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise OaiError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    return list(v)
+
+
+def parse_messages_request(body: Any, *, count_only: bool = False) -> OaiRequest:
+    """A Messages request (or, ``count_only``, a count_tokens one) as the `OaiRequest` to
+    sample; every problem an `OaiError` naming the field."""
+    if not isinstance(body, dict):
+        raise OaiError("the request body must be a JSON object")
+    check_unicode(body)
+    _refuse(body, _COUNT_FIELDS if count_only else _FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise OaiError("model: a base model or a tinker:// sampler path is required", "model")
+    messages, prefill = _messages(body)
+    req = OaiRequest(chat=True, model=model.strip(), messages=messages, prefill=prefill)
+    if count_only:
+        return req
+    mt = body.get("max_tokens")
+    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        raise OaiError(f"max_tokens: a positive integer is required, got {mt!r}", "max_tokens")
+    req.max_tokens = mt
+    req.temperature = number_field(body, "temperature", 1.0, 0.0, 1.0)
+    req.top_p = number_field(body, "top_p", 1.0, 0.0, 1.0)
+    if req.top_p == 0.0:
+        raise OaiError("top_p must be above 0", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise OaiError(f"top_k must be a positive integer, got {top_k!r}", "top_k")
+    req.top_k = top_k or -1
+    req.stop = _stops(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise OaiError(f"stream must be true or false, got {stream!r}", "stream")
+    req.stream = stream
+    return req
+
+
+# ---- answers -------------------------------------------------------------------------------
+
+
+def _stop(choice: Choice) -> tuple[str, str | None]:
+    if choice.stop_string is not None:
+        return "stop_sequence", choice.stop_string
+    return ("max_tokens" if choice.finish_reason == "length" else "end_turn"), None
+
+
+def message_body(req: OaiRequest, choice: Choice, prompt_tokens: int) -> dict[str, Any]:
+    reason, sequence = _stop(choice)
+    return {
+        "id": "msg_" + secrets.token_hex(12),
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": [{"type": "text", "text": choice.text}],
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": choice.completion_tokens},
+    }
+
+
+def message_events(req: OaiRequest, choice: Choice, prompt_tokens: int) -> Sequence[str]:
+    """The answer as the Messages stream: message_start, one text block (its text in one
+    delta, sent once sampled), message_delta with the stop reason and usage, message_stop."""
+    whole = message_body(req, choice, prompt_tokens)
+    start = {**whole, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}  # fmt: skip
+    delta = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
+    events: list[dict[str, Any]] = [
+        {"type": "message_start", "message": start},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "text_delta", "text": choice.text}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": delta,
+         "usage": {"output_tokens": choice.completion_tokens}},
+        {"type": "message_stop"},
+    ]  # fmt: skip
+    return [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]
+
+
+def error_reply(
+    status: int, detail: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    """An error as Anthropic writes it, ``{"type": "error", "error": {"type", "message"}}``
+    (its clients raise ``anthropic.BadRequestError`` & co. with the message)."""
+    kind = {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+    }.get(status, "invalid_request_error" if status < 500 else "api_error")
+    body = {"type": "error", "error": {"type": kind, "message": clip_message(detail)}}
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,55 @@
+"""Anthropic-compatible inference, as Tinker serves it under ``/anthropic/api``: ``POST
+/v1/messages`` and ``POST /v1/messages/count_tokens``, for any Anthropic client pointed at
+``http://127.0.0.1:8000/anthropic/api`` with a Tinker API key (``x-api-key``, as the Anthropic
+SDK sends it, or ``Authorization: Bearer``). ``model`` is what the OpenAI-compatible routes
+take (a base model, a tinker:// sampler path, ``<base>;<path>``); the same per-key session and
+samplers serve both (`handlers.oai`). Formats: `server.anthropic_format`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..anthropic_format import message_body, message_events, parse_messages_request
+from ..http import json_reply
+from ..oai_format import OaiError, OaiRequest
+from .oai import prompt_token_count, sample_choices
+
+if TYPE_CHECKING:
+    from ..app import TinkerServer
+
+
+async def _request(srv: TinkerServer, request: Request, *, count_only: bool) -> OaiRequest:
+    raw = await srv.body(request)
+    try:
+        return parse_messages_request(json.loads(raw), count_only=count_only)
+    except ValueError as e:
+        raise OaiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise OaiError("the request body is nested too deeply to read") from None
+
+
+async def messages(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req = await _request(srv, request, count_only=False)
+    choices, prompt_tokens = await sample_choices(srv, owner, req)
+    if req.stream:
+        events = message_events(req, choices[0], prompt_tokens)
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+    return json_reply(message_body(req, choices[0], prompt_tokens))
+
+
+async def count_tokens(srv: TinkerServer, request: Request, owner: str) -> Response:
+    req = await _request(srv, request, count_only=True)
+    return json_reply({"input_tokens": await prompt_token_count(srv, owner, req)})
+
+
+async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Response:
+    raise OaiError(
+        f"{request.method} {request.url.path} is not part of this server's Anthropic-compatible "
+        "API (POST /v1/messages, POST /v1/messages/count_tokens)",
+        status=404,
+    )
