@@ -74,8 +74,8 @@ def body_hash(body: bytes) -> str:
 
 def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -> str:
     """The caller's identity: a hash of its X-API-Key (checked against ``api_keys`` if any);
-    with ``bearer``, ``Authorization: Bearer <key>`` (as OpenAI clients send it) is read when
-    there is no X-API-Key."""
+    with ``bearer``, ``Authorization: Bearer <key>`` (as OpenAI clients send it) too; both
+    naming different keys is refused."""
     key = request.headers.get("x-api-key")
     if bearer:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")

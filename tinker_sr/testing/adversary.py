@@ -243,8 +243,8 @@ def _error_problem(resp: Any, ctype: str) -> str | None:
 
 def judge(http: Any, resp: Any, *, future_timeout_s: float = 120.0) -> str | None:
     """What is wrong with the server's answer, or None. Wrong: a status >= 500, an error
-    without its JSON message (`_error_problem`), or an accepted request whose future fails as a "server" error
-    or is not done within ``future_timeout_s`` (a hang)."""
+    without its JSON message (`_error_problem`), or an accepted request whose future fails as
+    a "server" error or is not done within ``future_timeout_s`` (a hang)."""
     import time
 
     if resp.status_code >= 500:
