@@ -159,3 +159,17 @@ def test_keys_and_routes_are_answered_as_anthropic_does(
     resp = httpx.post(server.base_url + "/anthropic/api/v1/messages", content=b"{",
                       headers={"x-api-key": "tml-anthropic-user"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/anthropic/api/v1/messages", "/oai/api/v1/chat/completions"])
+def test_a_field_name_that_is_not_unicode_is_a_400(server: ServerProcess, route: str) -> None:
+    """A top-level field named with a lone surrogate escape was missed by the Unicode check
+    (its place is "", falsy) and then named in the 400, which could not be written: a 500."""
+    resp = httpx.post(
+        server.base_url + route,
+        content=b'{"\\ud800": 1, "model": "m", "max_tokens": 2, "messages": []}',
+        headers={"x-api-key": "tml-anthropic-user", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert resp.status_code == 400, resp.text
+    assert "not valid Unicode" in resp.json()["error"]["message"]

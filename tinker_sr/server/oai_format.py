@@ -178,12 +178,14 @@ def _bad_text(v: Any, where: str) -> str | None:
     elif isinstance(v, list):
         for i, x in enumerate(v):
             found = _bad_text(x, f"{where}[{i}]")
-            if found:
+            if found is not None:
                 return found
     elif isinstance(v, dict):
         for k, x in v.items():
-            found = _bad_text(k, where) or _bad_text(x, f"{where}.{k}" if where else str(k))
-            if found:
+            found = _bad_text(k, where)  # a field's name: where it is ("" at the top)
+            if found is None:
+                found = _bad_text(x, f"{where}.{k}" if where else str(k))
+            if found is not None:
                 return found
     return None
 
