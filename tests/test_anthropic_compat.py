@@ -126,6 +126,25 @@ def test_stop_sequences_and_streaming(server: ServerProcess, model_dir: Path) ->
         ),
         ({"system": [{"type": "text", "text": 5}]}, "system[0].text must be a string"),
         ({"model": "no/such-model"}, "is not available on this server"),
+        # checked, not ignored: fields in blocks, cache_control's shape, tools' and metadata's
+        ({"system": [{"type": "text", "text": "x", "bogus": 1}]}, "system[0].bogus: Extra"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": "yes"}],
+                    }
+                ]
+            },
+            "messages[0].content[0].cache_control must be",
+        ),  # fmt: skip
+        ({"cache_control": {"type": "ephemeral", "ttl": "1d"}}, "cache_control.ttl must be"),
+        ({"tools": {}}, "tools must be a list"),
+        ({"tool_choice": {}}, "tool_choice: tool use"),
+        ({"metadata": {"user": "me"}}, "metadata.user: Extra"),
+        ({"metadata": {"user_id": 5}}, "metadata.user_id must be a string"),
+        ({"service_tier": "fastest"}, "service_tier must be"),
     ],
 )
 def test_what_it_does_not_do_is_refused_as_anthropic_does(
@@ -173,3 +192,26 @@ def test_a_field_name_that_is_not_unicode_is_a_400(server: ServerProcess, route:
     )
     assert resp.status_code == 400, resp.text
     assert "not valid Unicode" in resp.json()["error"]["message"]
+
+
+def test_prompt_caching_is_accepted_and_changes_nothing(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """``cache_control`` (as Claude clients send it: on the request, system and message blocks)
+    changes no answer, only what a prompt costs: accepted (it was refused on the request) and
+    the answer and counts are those without it."""
+    ant, cache = client(server), {"type": "ephemeral"}
+    system = [{"type": "text", "text": "Be brief."}]
+    plain: dict[str, Any] = dict(model=str(model_dir), system=system, messages=HI)
+    cached: dict[str, Any] = dict(
+        model=str(model_dir),
+        system=[{**system[0], "cache_control": cache}],
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Hi there", "cache_control": {**cache, "ttl": "1h"}}]}],
+    )  # fmt: skip
+    want = ant.messages.create(max_tokens=6, **plain, extra_body=GREEDY)
+    got = ant.messages.create(max_tokens=6, **cached, extra_body={**GREEDY, "cache_control": cache})
+    assert got.content == want.content and got.usage == want.usage
+    counted = ant.messages.count_tokens(**cached, extra_body={"cache_control": cache})
+    assert counted.input_tokens == want.usage.input_tokens
+    assert ant.messages.count_tokens(**plain).input_tokens == want.usage.input_tokens

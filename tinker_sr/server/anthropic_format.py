@@ -5,9 +5,11 @@ Anthropic's error body. The routes are `server.handlers.anthropic`.
 
 Honoured: ``model``, ``max_tokens`` (required), ``messages`` (text content; a last assistant
 message is a prefill the answer continues), ``system``, ``stop_sequences``, ``temperature``
-(0-1), ``top_p``, ``top_k``, ``stream``; ``metadata``, ``service_tier`` and ``thinking:
-{"type": "disabled"}`` change nothing and are accepted. Tools, thinking, images, documents and
-unknown fields are refused with a 400 naming them (never accepted and ignored).
+(0-1), ``top_p``, ``top_k``, ``stream``; ``metadata``, ``service_tier``, ``thinking:
+{"type": "disabled"}`` and ``cache_control`` (prompt caching, on the request or a text block)
+change nothing and are accepted, in Anthropic's shapes. Tools, thinking, images, documents,
+citations and unknown fields (of the request, a message or a block) are refused with a 400
+naming them (never accepted and ignored).
 """
 
 from __future__ import annotations
@@ -28,8 +30,24 @@ __all__ = ["parse_messages_request", "message_body", "message_events", "error_re
 _FIELDS = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
     "top_k", "stream", "metadata", "service_tier", "thinking", "tools", "tool_choice",
+    "cache_control",
 }  # fmt: skip
-_COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice"}
+_COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice", "cache_control"}
+_BLOCK_FIELDS = {"type", "text", "cache_control", "citations"}
+
+
+def _cache_control(v: Any, where: str) -> None:
+    """Prompt caching (``cache_control``) changes no answer, only what a prompt costs: accepted
+    and ignored, in Anthropic's shape ``{"type": "ephemeral", "ttl"?: "5m" | "1h"}``."""
+    if v is None:
+        return
+    if not isinstance(v, dict) or v.get("type") != "ephemeral":
+        raise OaiError(f"{where} must be {{'type': 'ephemeral'}}, got {v!r}", where)
+    extra = sorted(set(v) - {"type", "ttl"})
+    if extra:
+        raise OaiError(f"{where}.{extra[0]}: Extra inputs are not permitted", f"{where}.{extra[0]}")
+    if v.get("ttl") not in (None, "5m", "1h"):
+        raise OaiError(f"{where}.ttl must be '5m' or '1h', got {v['ttl']!r}", f"{where}.ttl")
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -50,6 +68,12 @@ def _text_blocks(content: Any, where: str) -> str:
             )
         if not isinstance(block.get("text"), str):
             raise OaiError(f"{at}.text must be a string", f"{at}.text")
+        extra = sorted(set(block) - _BLOCK_FIELDS)
+        if extra:
+            raise OaiError(f"{at}.{extra[0]}: Extra inputs are not permitted", f"{at}.{extra[0]}")
+        _cache_control(block.get("cache_control"), f"{at}.cache_control")
+        if block.get("citations"):  # a document's citations: documents are not supported
+            raise OaiError(f"{at}.citations: citations are not supported here", f"{at}.citations")
         parts.append(block["text"])
     return "".join(parts)
 
@@ -82,8 +106,11 @@ def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
     for key in body:
         if key not in allowed:
             raise OaiError(f"{key}: Extra inputs are not permitted", key)
-    if body.get("tools") or body.get("tool_choice"):
-        key = "tools" if body.get("tools") else "tool_choice"
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise OaiError(f"tools must be a list of tools, got {tools!r}", "tools")
+    if tools or body.get("tool_choice") is not None:
+        key = "tools" if tools else "tool_choice"
         raise OaiError(f"{key}: tool use is not supported by this server", key)
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
@@ -92,10 +119,21 @@ def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
             "whether it thinks",
             "thinking",
         )
-    for key in ("metadata", "service_tier"):
-        v = body.get(key)
-        if v is not None and not isinstance(v, dict if key == "metadata" else str):
-            raise OaiError(f"{key} has the wrong type: {v!r}", key)
+    _cache_control(body.get("cache_control"), "cache_control")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise OaiError(f"metadata has the wrong type: {metadata!r}", "metadata")
+        for key, v in metadata.items():
+            if key != "user_id":
+                raise OaiError(f"metadata.{key}: Extra inputs are not permitted", f"metadata.{key}")
+            if v is not None and not isinstance(v, str):
+                raise OaiError(f"metadata.user_id must be a string, got {v!r}", "metadata.user_id")
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "standard_only"):
+        raise OaiError(
+            f"service_tier must be 'auto' or 'standard_only', got {tier!r}", "service_tier"
+        )
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
