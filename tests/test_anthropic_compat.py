@@ -215,3 +215,24 @@ def test_prompt_caching_is_accepted_and_changes_nothing(
     counted = ant.messages.count_tokens(**cached, extra_body={"cache_control": cache})
     assert counted.input_tokens == want.usage.input_tokens
     assert ant.messages.count_tokens(**plain).input_tokens == want.usage.input_tokens
+
+
+def test_consecutive_messages_of_a_role_are_one_turn(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """As Anthropic combines consecutive user or assistant messages into one turn (they were
+    separate turns of the chat template: two assistant messages ended the first one's turn and
+    the prefill began another), their text joined as one message's text blocks are."""
+    ant = client(server)
+    split = [
+        {"role": "user", "content": "Hi "},
+        {"role": "user", "content": [{"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "The answer"},
+        {"role": "assistant", "content": " is"},
+    ]
+    whole = [*HI, {"role": "assistant", "content": "The answer is"}]
+    kw: dict[str, Any] = dict(model=str(model_dir), max_tokens=6, extra_body=GREEDY)
+    got, want = ant.messages.create(messages=split, **kw), ant.messages.create(messages=whole, **kw)
+    assert got.content == want.content and got.usage == want.usage
+    counted = ant.messages.count_tokens(model=str(model_dir), messages=split).input_tokens
+    assert counted == want.usage.input_tokens

@@ -80,7 +80,8 @@ def _text_blocks(content: Any, where: str) -> str:
 
 def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """The conversation for the chat template (the system prompt first), and the text of a
-    last assistant message (a prefill), or ""."""
+    last assistant turn (a prefill), or "". Consecutive messages of one role are one turn (as
+    Anthropic combines them), their text joined as a message's text blocks are."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise OaiError("messages: a non-empty list of messages is required", "messages")
@@ -95,7 +96,11 @@ def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
         extra = sorted(set(msg) - {"role", "content"})
         if extra:
             raise OaiError(f"{where}: unexpected field {extra[0]!r}", f"{where}.{extra[0]}")
-        out.append({"role": msg["role"], "content": _text_blocks(msg.get("content"), f"{where}.content")})  # fmt: skip
+        text = _text_blocks(msg.get("content"), f"{where}.content")
+        if i and raw[i - 1]["role"] == msg["role"]:  # as Anthropic: one turn, its blocks joined
+            out[-1]["content"] += text
+        else:
+            out.append({"role": msg["role"], "content": text})
     prefill = ""
     if out[-1]["role"] == "assistant":
         prefill = out.pop()["content"]
