@@ -587,3 +587,13 @@ def test_lm_evaluation_harness_loglikelihood_requests(
             assert all(lp <= max(t.values()) + 1e-6 for lp, t in zip(lps, tops, strict=True))
     finally:
         service.holder.close()
+
+
+def test_of_two_stop_strings_at_one_place_the_one_that_ends_first_is_named() -> None:
+    """The engine stops at the first stop string to complete: at one starting place, the
+    shorter (it was the first listed, which the engine had not stopped on)."""
+    from tinker_sr.server.oai_format import cut_at_stop
+
+    assert cut_at_stop("the answer is here", [" is", " i"]) == ("the answer", " i")
+    assert cut_at_stop("ab cd ab", ["cd", "ab"]) == ("", "ab")
+    assert cut_at_stop("abc", ["x"]) == ("abc", None)

@@ -88,8 +88,8 @@ def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -
         if not key:
             raise HTTPError(
                 401,
-                "missing API key: send 'Authorization: Bearer tml-...' (an OpenAI client's "
-                "api_key='tml-...') or X-API-Key",
+                "missing API key: send X-API-Key or 'Authorization: Bearer tml-...' (your "
+                "client's api_key='tml-...')",
             )
     if not key:
         raise HTTPError(

@@ -402,7 +402,7 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
     if not found:
         return text, None
-    at, stop = min(found, key=lambda f: f[0])
+    at, stop = min(found, key=lambda f: (f[0], len(f[1])))  # the one that ends first
     return text[:at], stop
 
 
