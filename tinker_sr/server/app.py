@@ -166,17 +166,24 @@ class TinkerServer:
         return m.parse(model, m.parse_json(body, what), what), body  # type: ignore[type-var]
 
     # ---- routes --------------------------------------------------------------------------
-    def _endpoint(self, fn: Handler, *, auth: bool = True) -> Endpoint:
+    def _endpoint(
+        self,
+        fn: Handler,
+        *,
+        auth: bool = True,
+        owner: Callable[[Request], str] | None = None,
+        reply: http.ErrorReply = http.error,
+    ) -> Endpoint:
+        """``fn`` as a route: the caller by ``owner`` (default: the Tinker API's X-API-Key;
+        ``auth=False``: none), errors written by ``reply``."""
+
         async def bound(request: Request, owner: str) -> Response:
             return await fn(self, request, owner)
 
-        return http.endpoint(bound, self.owner if auth else None)
+        return http.endpoint(bound, (owner or self.owner) if auth else None, reply=reply)
 
     def _oai_endpoint(self, fn: Handler, reply: http.ErrorReply = error_reply) -> Endpoint:
-        async def bound(request: Request, owner: str) -> Response:
-            return await fn(self, request, owner)
-
-        return http.endpoint(bound, self.oai_owner, reply=reply)
+        return self._endpoint(fn, owner=self.oai_owner, reply=reply)
 
     def oai_routes(self) -> list[Route]:
         """OpenAI-compatible inference (`handlers.oai`), where Tinker serves it."""

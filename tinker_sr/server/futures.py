@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from starlette.responses import Response
@@ -135,12 +135,29 @@ class Futures:
             and self.state.find_future(dedupe_key) is None
         ):
             # Nothing is recorded: the client resubmits this seq_id later (spec §8.3).
-            raise HTTPError(
-                429,
-                f"asample: {len(self.pending_samples)} sampling requests are already pending "
-                f"(this server's limit is {self.max_pending_samples}); retry shortly",
-                {"Retry-After": "1"},
-            )
+            self._refuse_sample("asample: ")
+
+    def _refuse_sample(self, prefix: str) -> None:
+        raise HTTPError(
+            429,
+            f"{prefix}{len(self.pending_samples)} sampling requests are already pending "
+            f"(this server's limit is {self.max_pending_samples}); retry shortly",
+            {"Retry-After": "1"},
+        )
+
+    @contextlib.contextmanager
+    def pending_sample(self) -> Iterator[None]:
+        """Sampling done outside a future (the OpenAI- and Anthropic-compatible routes answer
+        in the request) counted among the pending samples while it runs: above
+        ``max_pending_samples``, the same 429 + Retry-After as asample."""
+        if len(self.pending_samples) >= self.max_pending_samples:
+            self._refuse_sample("")
+        rid = f"inline-{uuid.uuid4().hex}"
+        self.pending_samples.add(rid)
+        try:
+            yield
+        finally:
+            self.pending_samples.discard(rid)
 
     def _resubmission(
         self, row: FutureRow, kind: str, owner: str, digest: str, dedupe_key: str

@@ -8,7 +8,6 @@ samplers serve both (`handlers.oai`). Formats: `server.anthropic_format`.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -17,20 +16,16 @@ from starlette.responses import Response, StreamingResponse
 from ..anthropic_format import message_body, message_events, parse_messages_request
 from ..http import json_reply
 from ..oai_format import OaiError, OaiRequest
-from .oai import prompt_token_count, sample_choices
+from .oai import prompt_token_count, read_request, sample_choices
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
 
 
 async def _request(srv: TinkerServer, request: Request, *, count_only: bool) -> OaiRequest:
-    raw = await srv.body(request)
-    try:
-        return parse_messages_request(json.loads(raw), count_only=count_only)
-    except ValueError as e:
-        raise OaiError(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise OaiError("the request body is nested too deeply to read") from None
+    return await read_request(
+        srv, request, lambda body: parse_messages_request(body, count_only=count_only)
+    )
 
 
 async def messages(srv: TinkerServer, request: Request, owner: str) -> Response:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,17 +125,24 @@ class OaiSamplers:
         if target.path is None:
             return True
         try:
-            await self.srv.sessions.readable_checkpoint(target.path, owner, field="model")
-            saved_at = (await self.srv.backend.get_checkpoint(target.path)).time
+            saved_at = await self._saved_at(owner, target.path)
         except Exception as e:
-            self._targets[owner].pop(model, None)
-            await self._release(target)
+            await self._forget(owner, model, target)
             raise _model_error(model, e) from None
         if saved_at == target.saved_at:
             return True
+        await self._forget(owner, model, target)
+        return False
+
+    async def _saved_at(self, owner: str, path: str) -> Any:
+        """When checkpoint ``path`` was saved, if this key may read it (else the 404 of
+        `Sessions.readable_checkpoint`)."""
+        await self.srv.sessions.readable_checkpoint(path, owner, field="model")
+        return (await self.srv.backend.get_checkpoint(path)).time
+
+    async def _forget(self, owner: str, model: str, target: _Target) -> None:
         self._targets[owner].pop(model, None)
         await self._release(target)
-        return False
 
     async def _session(self, owner: str) -> str:
         """The key's session, made anew if it was finished (expired) since."""
@@ -163,10 +169,7 @@ class OaiSamplers:
             base, path = "", model
         base, path = base.strip(), path.strip()
         try:
-            saved_at = None
-            if path:
-                await srv.sessions.readable_checkpoint(path, owner, field="model")
-                saved_at = (await srv.backend.get_checkpoint(path)).time
+            saved_at = await self._saved_at(owner, path) if path else None
             sampler_id = await srv.backend.create_sampling_session(
                 session_id,
                 next(self._sampler_seq),
@@ -229,13 +232,19 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
     return [ids + list(tok.encode(req.prefill, add_special_tokens=False)) if req.prefill else ids]
 
 
-async def prompt_token_count(srv: TinkerServer, owner: str, req: OaiRequest) -> int:
-    """How many tokens ``req``'s prompts are for its model (nothing sampled)."""
+async def _prompt_ids(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple[Any, list[list[int]]]:  # fmt: skip
+    """The tokenizer of ``target``'s model, and ``req``'s prompts as its token ids (both off
+    the event loop: loading a tokenizer and rendering a template take a while)."""
     from tinker_sr.clients.tokenizers import tokenizer_for
 
-    target = await srv.oai.target(owner, req.model)
     tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
-    return sum(len(ids) for ids in await asyncio.to_thread(_encode, tok, req))
+    return tok, await asyncio.to_thread(_encode, tok, req)
+
+
+async def prompt_token_count(srv: TinkerServer, owner: str, req: OaiRequest) -> int:
+    """How many tokens ``req``'s prompts are for its model (nothing sampled)."""
+    _, prompts = await _prompt_ids(srv, await srv.oai.target(owner, req.model), req)
+    return sum(len(ids) for ids in prompts)
 
 
 def _params(req: OaiRequest) -> types.SamplingParams:
@@ -357,29 +366,14 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry."""
-    futures = srv.futures
-    if len(futures.pending_samples) >= futures.max_pending_samples:
-        raise HTTPError(
-            429,
-            f"{len(futures.pending_samples)} sampling requests are already pending (this "
-            f"server's limit is {futures.max_pending_samples}); retry shortly",
-            {"Retry-After": "1"},
-        )
-    rid = "oai-" + secrets.token_hex(8)
-    futures.pending_samples.add(rid)
-    try:
+    with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
             return await _sampled(srv, target, req)
-    finally:
-        futures.pending_samples.discard(rid)
 
 
 async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple[list[Choice], int]:
-    from tinker_sr.clients.tokenizers import tokenizer_for
-
-    tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
-    prompts = await asyncio.to_thread(_encode, tok, req)
+    tok, prompts = await _prompt_ids(srv, target, req)
     params = _params(req)
     _check_fits(srv, target, req, prompts, params)
     top = req.logprobs or 0
@@ -415,17 +409,27 @@ async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple
     return choices, sum(len(ids) for ids in prompts)
 
 
-async def _serve(srv: TinkerServer, request: Request, owner: str, *, chat: bool) -> Response:
+async def read_request(
+    srv: TinkerServer, request: Request, parse: Callable[[Any], OaiRequest]
+) -> OaiRequest:
+    """The request's JSON body, checked by ``parse``: not JSON, or nested too deeply to read
+    or check, is a 400 (of OpenAI's or Anthropic's API, whichever is asked)."""
     raw = await srv.body(request)
-    limits = getattr(srv.backend, "limits", DEFAULT_LIMITS)
     try:
         try:
             body = json.loads(raw)
         except ValueError as e:
             raise OaiError(f"the request body is not valid JSON: {e}") from None
-        req = parse_request(body, chat=chat, max_n=limits.max_num_samples)
+        return parse(body)
     except RecursionError:  # reading or checking it
         raise OaiError("the request body is nested too deeply to read") from None
+
+
+async def _serve(srv: TinkerServer, request: Request, owner: str, *, chat: bool) -> Response:
+    limits = getattr(srv.backend, "limits", DEFAULT_LIMITS)
+    req = await read_request(
+        srv, request, lambda body: parse_request(body, chat=chat, max_n=limits.max_num_samples)
+    )
     return await _answer(srv, owner, req)
 
 
