@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 anthropic = pytest.importorskip("anthropic")
 tinker = pytest.importorskip("tinker")
 
-from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._server import ServerProcess, official_sdk_sample, serving_model_dir  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
 
@@ -33,8 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    store = tmp_path_factory.mktemp("anthropic") / "store"
-    with running_server(store, extra_args=["--model-dir", str(model_dir)]) as srv:
+    with serving_model_dir(tmp_path_factory, model_dir) as srv:
         yield srv
 
 
@@ -46,13 +45,9 @@ def client(server: ServerProcess, key: str = "tml-anthropic-user") -> Any:
 
 def greedy_tokens(server: ServerProcess, model_dir: Path, ids: list[int], max_tokens: int) -> Any:
     """The official SDK's greedy sample of ``ids`` on the same server (the oracle)."""
-    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-anthropic-user")
-    try:
-        sampler = service.create_sampling_client(base_model=str(model_dir)).result()
-        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0)
-        return sampler.sample(tinker.ModelInput.from_ints(ids), 1, params).result().sequences[0]
-    finally:
-        service.holder.close()
+    return official_sdk_sample(
+        server, str(model_dir), ids, 1, "tml-anthropic-user", max_tokens=max_tokens, temperature=0
+    ).sequences[0]
 
 
 def test_a_message_is_the_engines_answer_to_the_chat_template(

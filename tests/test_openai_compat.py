@@ -20,7 +20,12 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 tinker = pytest.importorskip("tinker")
 
-from tests._server import ServerProcess, running_server  # noqa: E402
+from tests._server import (  # noqa: E402
+    ServerProcess,
+    official_sdk_sample,
+    running_server,
+    serving_model_dir,
+)
 from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
@@ -46,8 +51,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    store = tmp_path_factory.mktemp("oai") / "store"
-    with running_server(store, extra_args=["--model-dir", str(model_dir)]) as srv:
+    with serving_model_dir(tmp_path_factory, model_dir) as srv:
         yield srv
 
 
@@ -57,6 +61,11 @@ def client(server: ServerProcess, key: str = "tml-oai-user") -> Any:
 
 def sdk(server: ServerProcess, key: str = "tml-oai-user") -> Any:
     return tinker.ServiceClient(base_url=server.base_url, api_key=key)
+
+
+def sample_with_sdk(server: ServerProcess, model_dir: Path, ids: list[int], n: int, **params: Any) -> Any:  # fmt: skip
+    """The official SDK's sample of ``ids`` (the oracle), under this file's key."""
+    return official_sdk_sample(server, str(model_dir), ids, n, "tml-oai-user", **params)
 
 
 def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: Path) -> None:
@@ -70,13 +79,7 @@ def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: P
     got = client(server).completions.create(
         model=str(model_dir), prompt=prompt, max_tokens=12, n=3, seed=7, logprobs=0
     )
-    service = sdk(server)
-    try:
-        sampler = service.create_sampling_client(base_model=str(model_dir))
-        params = tinker.SamplingParams(max_tokens=12, seed=7)
-        want = sampler.sample(tinker.ModelInput.from_ints(prompt), 3, params).result()
-    finally:
-        service.holder.close()
+    want = sample_with_sdk(server, model_dir, prompt, 3, max_tokens=12, seed=7)
     assert len({c.text for c in got.choices}) == 3  # samples within one request differ
     for choice, seq in zip(got.choices, want.sequences, strict=True):
         assert choice.text == tok.decode(seq.tokens, skip_special_tokens=True)
@@ -93,13 +96,7 @@ def test_chat_renders_the_models_own_template(server: ServerProcess, model_dir: 
     got = client(server).chat.completions.create(
         model=str(model_dir), messages=HI, max_tokens=10, seed=3, logprobs=True, top_logprobs=3
     )
-    service = sdk(server)
-    try:
-        sampler = service.create_sampling_client(base_model=str(model_dir))
-        params = tinker.SamplingParams(max_tokens=10, seed=3)
-        seq = sampler.sample(tinker.ModelInput.from_ints(ids), 1, params).result().sequences[0]
-    finally:
-        service.holder.close()
+    seq = sample_with_sdk(server, model_dir, ids, 1, max_tokens=10, seed=3).sequences[0]
     assert got.usage.prompt_tokens == len(ids)
     msg = got.choices[0].message
     assert msg.role == "assistant"
@@ -423,13 +420,7 @@ def test_chat_logprob_bytes_are_each_tokens_own(server: ServerProcess, model_dir
     got = client(server).chat.completions.create(
         model=str(model_dir), messages=messages, max_tokens=40, seed=5, logprobs=True
     )
-    service = sdk(server)
-    try:
-        sampler = service.create_sampling_client(base_model=str(model_dir))
-        params = tinker.SamplingParams(max_tokens=40, seed=5)
-        seq = sampler.sample(tinker.ModelInput.from_ints(ids), 1, params).result().sequences[0]
-    finally:
-        service.holder.close()
+    seq = sample_with_sdk(server, model_dir, ids, 1, max_tokens=40, seed=5).sequences[0]
     want = [table[t] or tok.decode([t]).encode() for t in seq.tokens]
     assert [bytes(c.bytes) for c in got.choices[0].logprobs.content] == want
     assert any(tok.decode([t]) == "\ufffd" for t in seq.tokens)  # some token is a part
