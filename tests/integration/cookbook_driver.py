@@ -349,28 +349,38 @@ def run_captured(config: Any, log: Path) -> dict[str, Any]:
     return {}
 
 
-def run_sl(model: str, log: Path) -> dict[str, Any]:
+def conversations_builder(model: str, *, test_size: int = 0, **common: Any) -> Any:
+    """The cookbook's example conversations as its SL dataset builder (batches of 4, up to 192
+    tokens, ``common``: more of `ChatDatasetBuilderCommonConfig`; ``test_size`` held out)."""
     import importlib.resources
 
-    from tinker_cookbook.renderers import TrainOnWhat
-    from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.data import FromConversationFileBuilder
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
     data = importlib.resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
-    common = ChatDatasetBuilderCommonConfig(
+    config = ChatDatasetBuilderCommonConfig(
         model_name_for_tokenizer=model,
         renderer_name=renderer_for(model),
         max_length=192,
         batch_size=4,
-        train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES,
+        **common,
     )
+    return FromConversationFileBuilder(
+        common_config=config, file_path=str(data), test_size=test_size
+    )
+
+
+def run_sl(model: str, log: Path) -> dict[str, Any]:
+    from tinker_cookbook.renderers import TrainOnWhat
+    from tinker_cookbook.supervised import train
+
+    builder = conversations_builder(model, train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
     config = train.Config(
         log_path=str(log),
         model_name=model,
         recipe_name="tinker_sr_test_sl",
         renderer_name=renderer_for(model),
-        dataset_builder=FromConversationFileBuilder(common_config=common, file_path=str(data)),
+        dataset_builder=builder,
         learning_rate=1e-3,
         lora_rank=4,
         eval_every=0,

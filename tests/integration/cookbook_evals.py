@@ -28,7 +28,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.integration.cookbook_driver import checkpoints, digits_builder, renderer_for
+from tests.integration.cookbook_driver import (
+    checkpoints,
+    conversations_builder,
+    digits_builder,
+    renderer_for,
+)
 
 JOBS = ("eval_rl", "eval_sl", "bench_gsm8k")
 # GSM8K-shaped rows (the answer's last line is "#### <number>"), one with a thousands comma.
@@ -190,21 +195,10 @@ def run_bench_gsm8k(model: str, log: Path) -> dict[str, Any]:
 
 
 def run_eval_sl(model: str, log: Path) -> dict[str, Any]:
-    import importlib.resources
-
     from tinker_cookbook.supervised import train
-    from tinker_cookbook.supervised.data import FromConversationFileBuilder
     from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator
-    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-    data = importlib.resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
-    common = ChatDatasetBuilderCommonConfig(
-        model_name_for_tokenizer=model,
-        renderer_name=renderer_for(model),
-        max_length=192,
-        batch_size=4,
-    )
-    builder = FromConversationFileBuilder(common_config=common, file_path=str(data), test_size=4)
+    builder = conversations_builder(model, test_size=4)
 
     def forward_nll() -> NLLEvaluator:  # the same test split, through the training client
         _, test = builder()
