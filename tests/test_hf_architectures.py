@@ -184,7 +184,7 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         ({"model_type": None, "architectures": None}, "neither model_type nor architectures"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "\\['full_attention'\\]"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "x": 1}}, "\\['x'\\]"),
         ({"head_dim": 15}, "head_dim 15 must be even"),
         (_MOE | {"num_experts": 4, "num_local_experts": 8}, "num_experts and num_local_experts"),
@@ -429,6 +429,10 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2},
     "linear scaling": {"model_type": "llama", "rope_theta": 1e4,
         "rope_scaling": {"type": "linear", "factor": 4.0}},
+    # Qwen3's model cards enable YaRN this way for 131k tokens.
+    "Qwen3 with YaRN": {"model_type": "qwen3", **_WIDE, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 32768}},
 }  # fmt: skip
 
 

@@ -42,6 +42,27 @@ def moe_model() -> Transformer:
 
 
 @pytest.fixture(scope="module")
+def gpt_oss_model() -> Transformer:
+    """The tiny model as gpt-oss: attention sinks, a 6-position window in its first layer,
+    biased q/k/v/o, experts with biases and the clamped SwiGLU behind a biased router, YaRN."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    config = dataclasses.replace(
+        BUILTIN_CONFIGS["tinker-sr/tiny"],
+        name="tiny-gpt-oss", n_experts=8, experts_per_token=2, moe_ffn_dim=32,
+        moe_layers=(0, 1), gpt_oss=True, layer_types=("sliding_attention", "full_attention"),
+        sliding_window=6, attention_bias=True, attention_out_bias=True,
+        rope_scaling=tuple(sorted(yarn.items())),
+    )  # fmt: skip
+    model = build_model(config, seed=3).eval()
+    with torch.no_grad():  # sinks and biases that matter (build_model zeroes biases)
+        gen = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", ".sinks")):
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "sinks" in name else 0.1))
+    return model
+
+
+@pytest.fixture(scope="module")
 def hybrid_model() -> Transformer:
     return tiny_hybrid_model()
 
@@ -104,7 +125,7 @@ def assert_same(a: list[SampleOutput], b: list[SampleOutput]) -> None:
                 np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "hybrid_moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "hybrid_moe", "gpt_oss"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_requests_equal_each_request_alone(
     request: pytest.FixtureRequest, kind: str, threads: int

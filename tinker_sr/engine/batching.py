@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from tinker_sr.engine.fused import rotate_eager
 from tinker_sr.engine.gemm import packed_linear, stacked_linear
+from tinker_sr.engine.gpt_oss import ClampedMLP, sink_attention
 from tinker_sr.engine.hybrid import QKV, GatedDeltaNet, partial_rope, split_gate
 from tinker_sr.engine.lora import LoraLinear
 from tinker_sr.engine.model import (
@@ -239,9 +240,10 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
     return list(logits[:m].split(sizes))
 
 
-def _mlp_rows(mlp: MLP, h: Tensor) -> Tensor:
+def _mlp_rows(mlp: MLP | ClampedMLP, h: Tensor) -> Tensor:
     gate, up = linear_rows_many([mlp.gate_proj, mlp.up_proj], h)
-    return linear_rows(mlp.down_proj, F.silu(gate) * up)
+    act = mlp.activation(gate, up) if isinstance(mlp, ClampedMLP) else F.silu(gate) * up
+    return linear_rows(mlp.down_proj, act)
 
 
 def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
@@ -255,7 +257,7 @@ def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
         n = len(rows)
         xs = torch.zeros(padded_rows(n), h.shape[1], dtype=h.dtype, device=h.device)
         xs[:n] = h[rows]
-        y = _mlp_rows(cast(MLP, moe.experts[e]), xs)[:n]
+        y = _mlp_rows(cast(MLP | ClampedMLP, moe.experts[e]), xs)[:n]
         out.index_add_(0, rows, y * weights[rows, slot, None])
     if hasattr(moe, "shared_expert"):  # Qwen3.5-MoE: every row, as `SparseMoe.forward`
         # torch's vectorised sigmoid and its scalar tail round differently: on [rows, 1] a
@@ -295,7 +297,8 @@ def _attention(
     start = 0
     for g in groups:
         end = start + len(g.active)
-        y[start:end] = _group_attention(g, q[start:end], k[start:end], v[start:end], layer)
+        qkv = q[start:end], k[start:end], v[start:end]
+        y[start:end] = _group_attention(g, attn, *qkv, layer)
         start = end
     if gate is not None:
         y = y * torch.sigmoid(gate)
@@ -334,7 +337,7 @@ def _row_angles(
     cos, sin = [], []
     for g in groups:
         if g.pos not in by_pos:
-            by_pos[g.pos] = rope_angles(model.inv_freq, g.pos, 1, dtype, device)
+            by_pos[g.pos] = rope_angles(model.inv_freq, g.pos, 1, dtype, device, model.rope_scale)
         c, s = by_pos[g.pos]
         n = len(g.active)
         cos.append(c.expand(n, -1))
@@ -342,14 +345,20 @@ def _row_angles(
     return torch.cat(cos)[:, None], torch.cat(sin)[:, None]
 
 
-def _group_attention(g: DecodeRows, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+def _group_attention(
+    g: DecodeRows, attn: Attention, q: Tensor, k: Tensor, v: Tensor, layer: int
+) -> Tensor:
     """One request's attention for its active rows (q and k rotated). Runs on all of the
     request's rows (finished ones fed zeros), so its shapes never depend on anything but the
     request."""
     n = g.cache.batch_size
     qf, kf, vf = (_all_rows(t, g.active, n) for t in (q, k, v))  # [n, heads, 1, head_dim]
     keys, values = g.cache.update(layer, g.pos, kf, vf)
-    y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None or attn.window:  # gpt-oss
+        y = sink_attention(qf, keys, values, sinks, attn.window, g.pos)
+    else:
+        y = F.scaled_dot_product_attention(qf, keys, values, enable_gqa=True)
     y = y.reshape(n, -1)
     return y if len(g.active) == n else y[g.active]
 

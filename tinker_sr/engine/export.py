@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from tinker_sr.engine import gpt_oss
 from tinker_sr.engine.checkpoints import read_record, save_tensors
 from tinker_sr.engine.hf_config import QWEN3_VL, config_to_hf, vl_wrapper
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
@@ -38,7 +40,7 @@ from tinker_sr.engine.lora import (
     clone_for_sampling,
     load_lora_state_dict,
 )
-from tinker_sr.engine.model import Transformer
+from tinker_sr.engine.model import ModelConfig, Transformer
 from tinker_sr.hf_files import read_json
 from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -152,8 +154,7 @@ def export_merged(
     model = merged_model(base, ckpt)
     tied = model.config.tie_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    if model.config.qwen3_5_layout:  # Qwen3.5: its text model (Qwen3_5ForCausalLM), fused q/k/v
-        state = to_hf(state)
+    state = state_to_hf(model.config, state)  # Qwen3.5: its text model; gpt-oss: fused experts
     save_tensors(root / "model.safetensors", state, {"format": "pt"})
     dtype = str(model.dtype).removeprefix("torch.")
     if base_dir is not None:
@@ -173,6 +174,15 @@ def export_merged(
         config["torch_dtype"] = dtype
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return root
+
+
+def state_to_hf(config: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The engine's state dict in the checkpoint layout of ``config``'s architecture."""
+    if config.qwen3_5_layout:  # Qwen3.5's own names and norm offsets, fused q/k/v
+        return to_hf(state)
+    if config.gpt_oss:  # fused experts, the router's name
+        return gpt_oss.to_hf(state)
+    return state
 
 
 def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine import hybrid
+from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.hf_config import config_from_hf, vl_wrapper
@@ -157,7 +157,7 @@ def _check_tensors(
     unused: list[str] = []
     unused_in: set[str] = set()  # the files that hold them
     placed: dict[str, int] = {}
-    mapped = config.qwen3_5_layout or wrapped  # stored names are not the engine's
+    mapped = _mapped(config, wrapped)  # stored names are not the engine's
     for f, stored, sl in _tensors(files):
         if mapped and stored.startswith(hybrid.UNUSED_PREFIXES):
             continue  # a vision tower; Qwen3.5's multi-token-prediction head
@@ -216,19 +216,30 @@ def _check_tensors(
     return placed
 
 
+def _mapped(config: ModelConfig, wrapped: bool) -> bool:
+    """Are the stored names (some) not the engine's (`_engine_parts` maps them)?"""
+    return config.qwen3_5_layout or config.gpt_oss or wrapped
+
+
 def _fused_ndim(key: str) -> int | None:
     """How many dimensions a fused tensor has: 3 for experts ([E, ., .]), 2 for Qwen3.5's
-    in_proj_qkv; None for the rest (their shapes are checked against the model's)."""
+    in_proj_qkv and gpt-oss's expert biases; None for the rest (their shapes are checked
+    against the model's)."""
     if key.endswith((hybrid.FUSED_EXPERTS, hybrid.FUSED_EXPERTS_DOWN)):
         return 3
-    return 2 if key.endswith(hybrid.FUSED_QKV) else None
+    return 2 if key.endswith((hybrid.FUSED_QKV, *gpt_oss.FUSED_2D)) else None
+
+
+def _engine_key(key: str, config: ModelConfig) -> str:
+    """A stored tensor's engine name where it lands whole (`_mapped` checkpoints)."""
+    return gpt_oss.engine_key(key) if config.gpt_oss else hybrid.engine_key(key)
 
 
 def _engine_shapes(
     key: str, shape: tuple[int, ...], config: ModelConfig, wrapped: bool
 ) -> list[tuple[str, tuple[int, ...]]]:
     """Where a stored tensor lands: its name, or its parts' names and shapes."""
-    if not (config.qwen3_5_layout or wrapped):
+    if not _mapped(config, wrapped):
         return [(key, shape)]
     with torch.device("meta"):
         parts = _engine_parts(key, torch.empty(shape), config, wrapped)
@@ -245,6 +256,8 @@ def _engine_parts(
     does); anything else as it is."""
     if config.qwen3_5_layout:
         return hybrid.to_engine(key, tensor, config)
+    if config.gpt_oss:
+        return gpt_oss.to_engine(key, tensor, config)
     if not wrapped:
         return [(key, tensor)]
     d, f = config.dim, config.moe_ffn_dim or 0
@@ -288,9 +301,9 @@ def load_model_dir(
     start = time.perf_counter()
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
-        mapped = config.qwen3_5_layout or wrapped  # stored names are not the engine's
+        mapped = _mapped(config, wrapped)  # stored names are not the engine's
         for f, stored, sl in _tensors(files):
-            key = hybrid.engine_key(stored) if mapped else stored
+            key = _engine_key(stored, config) if mapped else stored
             if key in wanted or (mapped and _fused_ndim(key) is not None):
                 for name, tensor in _engine_parts(stored, sl[:], config, wrapped):
                     own[name].copy_(tensor)

@@ -14,6 +14,7 @@ of the checkpoint must land in the model.
 | Qwen3ForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | as Qwen2 |
 | Qwen3MoeForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | every layer if ``use_sliding_window`` |
 | Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM | yes | ``attention_bias`` | ``attention_bias`` | none |
+| GptOssForCausalLM | no | ``attention_bias`` (absent: yes) | as q/k/v | per ``layer_types``, exact |
 
 Qwen3.5 (and Qwen3.5-MoE) come as vision-language wrappers whose ``text_config`` is read
 (`_text_config`); their hybrid fields are `_qwen3_5`'s (see `tinker_sr.engine.hybrid`).
@@ -25,6 +26,7 @@ pre-training term that Tinker's losses do not add, so it is not computed.
 A sliding window W caps the context at W tokens (``max_seq_len = min(max_position_embeddings,
 W)``): within W tokens sliding-window attention *is* causal attention, so the model is exact;
 longer sequences fail with the usual context-length error instead of being computed wrong.
+gpt-oss's windowed layers are computed as such (`tinker_sr.engine.gpt_oss`): no cap.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine import gpt_oss
 from tinker_sr.engine.hybrid import LAYER_KINDS
 from tinker_sr.engine.model import ModelConfig, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError
@@ -48,7 +51,7 @@ MAX_EXPERTS = 1024  # experts per MoE layer (real models: 8 to 512)
 MAX_LAYERS = 1024
 MAX_TOTAL_EXPERTS = 2**16
 # intermediate_size when absent: Qwen3-MoE's; Qwen3.5-MoE has no dense feed-forward layer.
-_FFN_DEFAULTS = {"Qwen3MoeForCausalLM": 6144, "Qwen3_5MoeForCausalLM": 512}
+_FFN_DEFAULTS = {"Qwen3MoeForCausalLM": 6144, "Qwen3_5MoeForCausalLM": 512, gpt_oss.ARCH: 2880}
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,14 @@ ARCHITECTURES: dict[str, _Arch] = {
     "Qwen3MoeForCausalLM": _Arch(True, None, None, "flag", 32768, 4, None, mlp_bias=False),
     "Qwen3_5ForCausalLM": _Arch(True, None, None, "none", 32768, 4, 256, mlp_bias=False),
     "Qwen3_5MoeForCausalLM": _Arch(True, None, None, "none", 32768, 2, 256, mlp_bias=False),
+    # gpt-oss: windows per layer, computed exactly (`_gpt_oss`), so no context cap.
+    gpt_oss.ARCH: _Arch(False, None, None, "none", 131072, 8, 64, mlp_bias=False),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
-               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}  # fmt: skip
+               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM", gpt_oss.MODEL_TYPE: gpt_oss.ARCH}  # fmt: skip
 MOE = "Qwen3MoeForCausalLM"
 QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
@@ -106,6 +111,8 @@ ROPE_KEYS = {
     "linear": {"rope_type", "type", "rope_theta", "factor"},
     "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
+             "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"},
 }  # fmt: skip
 
 
@@ -203,6 +210,8 @@ def _rope(
     if kind == "linear":
         return rope_theta, tuple(sorted(scaling.items()))
     scaling.setdefault("original_max_position_embeddings", context)  # as transformers
+    if kind == "yarn":
+        return rope_theta, _yarn(scaling, name)
     for key in ("low_freq_factor", "high_freq_factor"):
         _number(scaling, key, f"{name}: rope_scaling")
     _count(scaling, "original_max_position_embeddings", f"{name}: rope_scaling")
@@ -211,6 +220,18 @@ def _rope(
             f"{name}: config.json llama3 rope_scaling needs high_freq_factor != low_freq_factor"
         )
     return rope_theta, tuple(sorted(scaling.items()))
+
+
+def _yarn(scaling: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...]:
+    """YaRN's parameters, checked (`rope.rope_inv_freq` computes them as transformers)."""
+    where = f"{name}: rope_scaling"
+    _count(scaling, "original_max_position_embeddings", where)
+    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        if scaling.get(key) is not None:
+            _number(scaling, key, where)
+    if scaling.get("truncate") is not None:
+        _flag(scaling, "truncate", where)
+    return tuple(sorted(scaling.items()))
 
 
 def _flag(hf: dict[str, Any], key: str, name: str) -> bool:
@@ -301,6 +322,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     hf = _text_config(hf, name)
     arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
+    if arch_name == gpt_oss.ARCH:
+        hf = gpt_oss.with_defaults(hf)
     _refuse_unsupported(hf, name, arch_name)
     dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
     n_layers = _count(hf, "num_hidden_layers", name)
@@ -314,6 +337,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         raise EngineUserError(f"{name}: config.json head_dim {head_dim} must be even (RoPE)")
     n_kv = hf.get("num_key_value_heads", arch.kv_heads)  # present but null: n_heads
     bias = _flag(hf, "attention_bias", name)
+    if arch_name == gpt_oss.ARCH and hf.get("attention_bias") is None:
+        bias = True  # transformers' GptOssConfig default
     context = _count(hf, "max_position_embeddings", name, arch.context)
     extra: frozenset[str] = frozenset()
     if arch_name in QWEN3_5_FAMILY:
@@ -345,6 +370,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         **(_moe(hf, name, n_layers) if arch_name == MOE else {}),
         **(_qwen3_5(hf, name, n_layers, head_dim) if arch_name in QWEN3_5_FAMILY else {}),
         **(_qwen3_5_moe(hf, name, n_layers) if arch_name == QWEN3_5_MOE else {}),
+        **(_gpt_oss(hf, name, n_layers) if arch_name == gpt_oss.ARCH else {}),
     )
     inv_freq = rope_inv_freq(config)
     if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
@@ -465,6 +491,38 @@ def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dic
     }
 
 
+def _gpt_oss(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
+    """gpt-oss: every layer a mixture of ``num_local_experts`` experts of width
+    ``intermediate_size``; ``layer_types`` (absent: sliding and full alternating, sliding
+    first) with ``sliding_window``; the experts' clamped SwiGLU (`tinker_sr.engine.gpt_oss`).
+    The router's auxiliary loss (``router_aux_loss_coef``) is not computed, as for Qwen3-MoE."""
+    fields = _moe({**hf, "decoder_sparse_step": 1, "mlp_only_layers": []}, name, n_layers, 128)
+    fields["moe_ffn_dim"] = _count(hf, "intermediate_size", name, 2880)
+    fields["norm_topk_prob"] = False  # the top-k logits are softmaxed: they sum to 1
+    types = hf.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    kinds = ["sliding_attention", "full_attention"]
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in kinds for t in types):
+        raise EngineUserError(
+            f"{name}: config.json layer_types={types!r} must list 'sliding_attention' or "
+            f"'full_attention' for each of the {n_layers} layers"
+        )
+    if "sliding_attention" in types and hf.get("sliding_window", 128) is None:
+        raise EngineUserError(  # as transformers refuses it when building the mask
+            f"{name}: config.json sliding_window is null but layer_types has sliding_attention "
+            "layers; give the window (gpt-oss: 128)"
+        )
+    window = _count(hf, "sliding_window", name, 128) if "sliding_attention" in types else 0
+    return fields | {
+        "layer_types": tuple(types),
+        "sliding_window": window,
+        "gpt_oss": True,
+        "swiglu_alpha": float(_number(hf, "swiglu_alpha", name, 1.702)),
+        "swiglu_limit": float(_number(hf, "swiglu_limit", name, 7.0)),
+    }
+
+
 def _qwen3_5_moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
     """Qwen3.5-MoE: every layer sparse, the top-k probabilities always renormalised, a shared
     expert (``shared_expert_intermediate_size``) beside the routed ones."""
@@ -529,6 +587,8 @@ def _hf_architecture(config: ModelConfig) -> tuple[str, str]:
             f"model config {config.name!r}: partial RoPE (rotary_dim={config.rotary_dim}) is "
             "written only as Qwen3.5"
         )
+    if config.gpt_oss:
+        return gpt_oss.ARCH, gpt_oss.MODEL_TYPE
     if config.moe_layers and not (config.qk_norm and same_bias):
         raise EngineUserError(
             f"model config {config.name!r}: mixture-of-experts layers need q/k norms and "
@@ -605,6 +665,16 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "num_experts_per_tok": config.experts_per_token,
             "moe_intermediate_size": config.moe_ffn_dim,
             "shared_expert_intermediate_size": config.shared_expert_ffn_dim,
+        }
+    if arch == gpt_oss.ARCH:
+        hf |= {
+            "num_local_experts": config.n_experts,
+            "num_experts_per_tok": config.experts_per_token,
+            "intermediate_size": config.moe_ffn_dim,
+            "layer_types": list(config.layer_types),
+            "sliding_window": config.sliding_window or None,
+            "swiglu_alpha": config.swiglu_alpha,
+            "swiglu_limit": config.swiglu_limit,
         }
     if config.rope_scaling:
         hf["rope_scaling"] = dict(config.rope_scaling)

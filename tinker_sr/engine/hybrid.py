@@ -58,13 +58,18 @@ UNUSED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token pre
 
 def check_config(config: ModelConfig) -> None:
     """`ModelConfig`'s checks of the hybrid fields (`EngineUserError` naming them)."""
+    kinds = LAYER_KINDS | {"sliding_attention"}  # gpt-oss's windowed layers
     if config.layer_types and (
-        len(config.layer_types) != config.n_layers or not set(config.layer_types) <= LAYER_KINDS
+        len(config.layer_types) != config.n_layers or not set(config.layer_types) <= kinds
     ):
         raise EngineUserError(
             f"model config {config.name!r}: layer_types must name each of the "
-            f"{config.n_layers} layers 'full_attention' or 'linear_attention', got "
-            f"{config.layer_types}"
+            f"{config.n_layers} layers one of {sorted(kinds)}, got {config.layer_types}"
+        )
+    if "sliding_attention" in config.layer_types and config.sliding_window < 1:
+        raise EngineUserError(
+            f"model config {config.name!r}: sliding_attention layers need sliding_window >= 1, "
+            f"got {config.sliding_window}"
         )
     rotary = config.rotary_dim
     if rotary is not None and not (0 < rotary <= config.head_dim and rotary % 2 == 0):

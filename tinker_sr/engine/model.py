@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 (and Qwen3-MoE) family.
+"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 (and -MoE) / gpt-oss family.
 
 RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention through
 `F.scaled_dot_product_attention`, SwiGLU feed-forward (or Qwen3-MoE's routed SwiGLU
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +38,8 @@ from tinker_sr.engine.fused import (
     rope,
     swiglu_mlp,
 )
+from tinker_sr.engine.gpt_oss import ClampedMLP, sink_attention
+from tinker_sr.engine.gpt_oss import route as top_logits_route
 from tinker_sr.engine.hybrid import (
     GatedDeltaNet,
     check_config,
@@ -47,6 +48,7 @@ from tinker_sr.engine.hybrid import (
     split_gate,
 )
 from tinker_sr.engine.kv_cache import KVCache
+from tinker_sr.engine.rope import rope_angles, rope_attention_factor, rope_inv_freq
 from tinker_sr.tokenization.byte import TOKENIZER_SIZE, ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -99,10 +101,23 @@ class ModelConfig:
     # The checkpoint's layout is Qwen3.5's: RMSNorm gains stored as offsets from 1 (the model
     # holds 1 + w), the linear attention's q/k/v fused (`hybrid.to_engine` / `hybrid.to_hf`).
     qwen3_5_layout: bool = False
+    # gpt-oss (`tinker_sr.engine.gpt_oss`): a learned sink logit per attention head, layers
+    # whose layer_types entry is "sliding_attention" attend to the last `sliding_window`
+    # positions, MoE experts with biases and a clamped SwiGLU (`swiglu_alpha`,
+    # `swiglu_limit`), a biased router whose top-k logits are softmaxed; its checkpoint layout.
+    gpt_oss: bool = False
+    sliding_window: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    def window(self, layer: int) -> int:
+        """The sliding window ``layer`` attends within (0: every earlier position)."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
 
     def is_linear(self, layer: int) -> bool:
         """Is ``layer`` a linear-attention (gated DeltaNet) layer?"""
@@ -183,46 +198,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    d = config.rotary_dim or config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = dict(config.rope_scaling or ())
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif kind == "linear":  # positions divided by the factor (Llama 2 long-context finetunes)
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind != "default":
-        raise EngineUserError(
-            f"model config {config.name!r}: rope_scaling type {kind!r} is not supported "
-            "(supported: default, linear, llama3)"
-        )
-    return inv_freq
-
-
-def rope_angles(
-    inv_freq: Tensor, start_pos: int, length: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """cos, sin [length, head_dim] for positions start_pos.. (each half repeats the other, the
-    HF "rotate_half" layout `fused.rope` takes). Computed on the CPU in float32, then moved and
-    cast: the same values on any device, in prefill, training and decode."""
-    freqs = torch.outer(torch.arange(start_pos, start_pos + length, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int = 0) -> None:
         super().__init__()
         hd, bias = config.head_dim, config.attention_bias
+        self.window = window  # `ModelConfig.window` of its layer (0: none)
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
         q_out = config.n_heads * hd * (2 if config.attn_output_gate else 1)
         self.q_proj = nn.Linear(config.dim, q_out, bias=bias)
@@ -232,6 +212,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
+        if config.gpt_oss:  # a learned sink logit per head (`gpt_oss.sink_attention`)
+            self.sinks = nn.Parameter(torch.zeros(config.n_heads))
 
     def forward(
         self,
@@ -251,7 +233,14 @@ class Attention(nn.Module):
         """Attention of q [B, H, T, D] over k, v (and the cache's earlier positions) ->
         [B, T, H * D], before the output projection."""
         B, _, T, _ = q.shape
-        if cache is None or start_pos == 0:
+        sinks = getattr(self, "sinks", None)
+        if sinks is not None or self.window:  # gpt-oss
+            if cache is not None:
+                k_all, v_all = cache.update(layer, start_pos, k, v)
+                if start_pos:
+                    k, v = k_all[:B], v_all[:B]
+            y = sink_attention(q, k, v, sinks, self.window, start_pos)
+        elif cache is None or start_pos == 0:
             # Fresh sequence: attend to this chunk only (a prefill of one row feeds all
             # cache rows; attention runs once, on the unbroadcast keys).
             if cache is not None:
@@ -388,9 +377,11 @@ class SparseMoe(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
-        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.top_logits = config.gpt_oss  # softmax over the top-k logits (`gpt_oss.route`)
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=config.gpt_oss)
+        expert = ClampedMLP if config.gpt_oss else MLP
         self.experts = nn.ModuleList(
-            MLP(config, config.moe_ffn_dim) for _ in range(config.n_experts)
+            expert(config, config.moe_ffn_dim) for _ in range(config.n_experts)
         )
         if config.shared_expert_ffn_dim:  # Qwen3.5-MoE: every token, scaled by a sigmoid gate
             self.shared_expert = MLP(config, config.shared_expert_ffn_dim)
@@ -398,6 +389,8 @@ class SparseMoe(nn.Module):
 
     def route(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Router logits [N, E] -> (weights [N, k] in ``dtype``, expert indices [N, k])."""
+        if self.top_logits:
+            return top_logits_route(logits, self.top_k, dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -435,7 +428,8 @@ class DecoderLayer(nn.Module):
         if config.is_linear(index):
             self.linear_attn = GatedDeltaNet(config)
         else:
-            self.self_attn = (GatedAttention if config.attn_output_gate else Attention)(config)
+            attention = GatedAttention if config.attn_output_gate else Attention
+            self.self_attn = attention(config, config.window(index))
         self.mlp: MLP | SparseMoe = SparseMoe(config) if index in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
@@ -504,6 +498,11 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def rope_scale(self) -> float:
+        """YaRN's scale on cos and sin (`rope.rope_attention_factor`; 1.0 otherwise)."""
+        return rope_attention_factor(self.config)
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
 
@@ -570,7 +569,7 @@ class Transformer(nn.Module):
             )
 
         x = self.model.embed_tokens(tokens)
-        cos, sin = rope_angles(self.inv_freq, start_pos, T, x.dtype, x.device)
+        cos, sin = rope_angles(self.inv_freq, start_pos, T, x.dtype, x.device, self.rope_scale)
         recompute = cache is None and torch.is_grad_enabled()
         if recompute and self.checkpoint_layers is None:
             recompute = checkpoint_pays(self.config, tokens.numel(), self.device)
@@ -672,6 +671,7 @@ def build_model(
 def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     """Write config.json + model.safetensors in the Hugging Face layout."""
     from tinker_sr.engine.checkpoints import save_tensors
+    from tinker_sr.engine.export import state_to_hf
     from tinker_sr.engine.hf_config import config_to_hf
 
     out = Path(path)
@@ -679,11 +679,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     sd = {k: v for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    if model.config.qwen3_5_layout:  # Qwen3.5's own names and norm offsets
-        from tinker_sr.engine.hybrid import to_hf
-
-        sd = to_hf(sd)
-    save_tensors(out / "model.safetensors", sd, {"format": "pt"})
+    save_tensors(out / "model.safetensors", state_to_hf(model.config, sd), {"format": "pt"})
     hf = config_to_hf(model.config)
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf, indent=2))

@@ -33,6 +33,8 @@ from typing import Any, Literal
 # beside the hybrid text model, weights under model.language_model.).
 # "qwen3_5_moe": likewise Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration: 2 of 8 routed experts
 # and a shared expert in every layer).
+# "gpt_oss": OpenAI's gpt-oss (GptOssForCausalLM: attention sinks, a 16-token window in every
+# other layer, 2 of 8 experts with biases, YaRN) with the harmony chat tokens.
 Family = Literal[
     "qwen3",
     "qwen3_moe",
@@ -44,6 +46,7 @@ Family = Literal[
     "llama",
     "llama3",
     "mistral",
+    "gpt_oss",
 ]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -51,6 +54,10 @@ IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 THINK, END_THINK = "<think>", "</think>"
 LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+# gpt-oss's harmony format (o200k_harmony's special tokens that tinker-cookbook's renderer uses).
+HARMONY = ("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+           "<|call|>")  # fmt: skip
+RETURN, CALL = "<|return|>", "<|call|>"
 
 # Qwen's template without tools/thinking: role header, content, <|im_end|>, newline.
 CHAT_TEMPLATE = (
@@ -67,6 +74,16 @@ LLAMA3_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# harmony without system/developer preambles, channels or tools: an assistant turn is final.
+HARMONY_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + message['role'] + '<|message|>' + message['content']"
+    " + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 
 _WORDS = (
@@ -106,8 +123,13 @@ def _corpus(seed: int) -> list[str]:
 
 
 def _qwen(family: Family) -> bool:
-    """Qwen's tokenizer layout (no BOS, <|endoftext|>), else Llama 3's (BOS prepended)."""
+    """Qwen's tokenizer layout (no BOS, <|endoftext|>)."""
     return family.startswith("qwen")
+
+
+def _bos(family: Family) -> bool:
+    """Llama's tokenizer layout (BOS prepended): not Qwen's, not gpt-oss's."""
+    return not _qwen(family) and family != "gpt_oss"
 
 
 def _specials(family: Family) -> list[str]:
@@ -118,6 +140,8 @@ def _specials(family: Family) -> list[str]:
         return [ENDOFTEXT, IM_START, IM_END]
     if family == "llama3":
         return [LLAMA_BOS, LLAMA_EOS, START_HEADER, END_HEADER, EOT]
+    if family == "gpt_oss":
+        return [ENDOFTEXT, *HARMONY]
     return [LLAMA_BOS, LLAMA_EOS, IM_START, IM_END]
 
 
@@ -137,7 +161,7 @@ def _train_tokenizer(family: Family, seed: int, n_merges: int) -> Any:
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     # Specials after training: their ids follow the learned vocabulary (all >= 259).
     tok.add_special_tokens(_specials(family))
-    if not _qwen(family):  # Llama prepends <|begin_of_text|> when special tokens are on
+    if _bos(family):  # Llama prepends <|begin_of_text|> when special tokens are on
         bos_id = tok.token_to_id(LLAMA_BOS)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{LLAMA_BOS} $A",
@@ -275,6 +299,8 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
     )
     if _qwen(family):
         return _qwen_config(family, common, qwen, layers)
+    if family == "gpt_oss":
+        return _gpt_oss_config(common, ids)
     if family == "mistral":
         # Like Mistral-7B-v0.1: a 4,096-token sliding window in a 32,768-token context.
         return MistralConfig(
@@ -309,12 +335,34 @@ def _hf_config(family: Family, vocab: int, ids: dict[str, int], layers: int) -> 
     )
 
 
+def _gpt_oss_config(common: dict[str, Any], ids: dict[str, int]) -> Any:
+    """Like gpt-oss-20b (4 of 32 experts of width 2,880, a 128-token window in every other
+    layer, YaRN from 4,096 to 131,072 tokens, EOS <|return|>) at 2 of 8 experts of width 32
+    and a 16-token window, so that short prompts already reach past it."""
+    from transformers import GptOssConfig
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+    return GptOssConfig(
+        **dict(common, intermediate_size=32, rms_norm_eps=1e-5),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        max_position_embeddings=131072,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        eos_token_id=ids[RETURN],
+        pad_token_id=ids[ENDOFTEXT],
+        architectures=["GptOssForCausalLM"],
+    )
+
+
 def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     """tokenizer.json plus a hand-written tokenizer_config.json in the long-standing layout
     (chat template inline, PreTrainedTokenizerFast) that transformers 4.x and 5.x both load."""
     tok.save(str(out / "tokenizer.json"))
     specials = _specials(family)
-    llama3 = family == "llama3"
+    llama3, harmony = family == "llama3", family == "gpt_oss"
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
                                   "rstrip": False, "single_word": False, "special": True}
@@ -323,13 +371,19 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "bos_token": None if _qwen(family) else LLAMA_BOS,
-        "eos_token": EOT if llama3 else IM_END,
-        "pad_token": ENDOFTEXT if _qwen(family) else LLAMA_EOS,
+        "bos_token": LLAMA_BOS if _bos(family) else None,
+        "eos_token": EOT if llama3 else RETURN if harmony else IM_END,
+        "pad_token": LLAMA_EOS if _bos(family) else ENDOFTEXT,
         "additional_special_tokens": [START_HEADER, END_HEADER, EOT]
         if llama3
+        else list(HARMONY)
+        if harmony
         else [IM_START, IM_END],
-        "chat_template": LLAMA3_CHAT_TEMPLATE if llama3 else CHAT_TEMPLATE,
+        "chat_template": LLAMA3_CHAT_TEMPLATE
+        if llama3
+        else HARMONY_CHAT_TEMPLATE
+        if harmony
+        else CHAT_TEMPLATE,
         "model_max_length": 131072,
         "clean_up_tokenization_spaces": False,
     }
@@ -366,7 +420,8 @@ def make_tiny_hf_model_dir(
     tok = _train_tokenizer(family, seed, n_merges)
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     vocab = -(-n_tok // pad_vocab_to_multiple) * pad_vocab_to_multiple
-    ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS, EOT)}
+    names = (ENDOFTEXT, IM_START, IM_END, LLAMA_BOS, LLAMA_EOS, EOT, RETURN, CALL)
+    ids = {t: tok.token_to_id(t) for t in names}
     ids = {k: v for k, v in ids.items() if v is not None}
     config = _hf_config(family, vocab, ids, n_layers)
     if attention_bias:
@@ -380,8 +435,10 @@ def make_tiny_hf_model_dir(
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "50GB")
     config = getattr(config, "text_config", config)  # Qwen3.5, Qwen3-VL: its text model's ids
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    extra = ids[ENDOFTEXT] if _qwen(family) else ids[LLAMA_EOS]
-    gen_eos = eos + ([extra] if extra not in eos else [])
+    # gpt-oss's generation_config: <|return|>, <|endoftext|>, <|call|>
+    extras = [ids[LLAMA_EOS]] if _bos(family) else [ids[ENDOFTEXT]]
+    extras += [ids[CALL]] if family == "gpt_oss" else []
+    gen_eos = eos + [e for e in extras if e not in eos]
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=gen_eos,
@@ -415,8 +472,10 @@ def _random_model(config: Any, family: Family) -> Any:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or name.endswith("_bias"):  # gpt-oss: experts' biases
                 p.normal_(0.0, 0.02)
+            elif family == "gpt_oss" and name.endswith(("self_attn.sinks", "router.weight")):
+                p.normal_(0.0, 1.0 if "sinks" in name else 0.5)  # sinks, routing that matter
             elif not family.startswith(("qwen3_5", "qwen3_vl")) or "visual" in name:
                 continue
             elif name.endswith("norm.weight") and family.startswith("qwen3_5"):
