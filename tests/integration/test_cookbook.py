@@ -53,6 +53,9 @@ Q35_HUB = "Qwen/Qwen3.5-4B"  # a tiny Qwen3.5 (hybrid linear attention): the coo
 VL_HUB = "Qwen/Qwen3-VL-30B-A3B-Instruct"
 VL_VARIANT = VL_HUB + ":peft:262144"
 LLAMA_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
+# A tiny gpt-oss (sinks, windows, biased experts) with the harmony tokens: the cookbook's
+# ``gpt_oss_no_sysprompt`` renderer stops on the <|return|> and <|call|> ids.
+GPT_OSS_HUB = "openai/gpt-oss-20b"
 
 
 def offline_env(tmp: Path, hf_home: Path | None = None) -> dict[str, str]:
@@ -147,6 +150,16 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir, tiny_model_info
+
+    path = make_tiny_hf_model_dir(tmp_path_factory.mktemp("models") / "tiny-gpt-oss", "gpt_oss")
+    info = tiny_model_info(path)
+    raise_eos_logit(path, info.special_ids["<|return|>"])
+    return info
+
+
+@pytest.fixture(scope="module")
 def hf_home(
     tmp_path_factory: pytest.TempPathFactory,
     model: Any,
@@ -154,6 +167,7 @@ def hf_home(
     moe_model: Any,
     q35_model: Any,
     vl_model: Any,
+    gpt_oss_model: Any,
 ) -> Path:
     """An HF_HOME whose hub cache holds the models as `HUB_NAME` and `LLAMA_HUB`, and the
     tokenizer repo the cookbook reads for Llama 3 (refs/main -> a snapshot), as
@@ -167,6 +181,7 @@ def hf_home(
         (MOE_HUB, moe_model),
         (Q35_HUB, q35_model),
         (VL_HUB, vl_model),
+        (GPT_OSS_HUB, gpt_oss_model),
     )
     for name, info in cached:
         repo, rev = home / "hub" / ("models--" + name.replace("/", "--")), "b" * 40
@@ -186,7 +201,7 @@ def server(
     flags = ["--model-dir", str(model.path)]
     flags += [
         arg
-        for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_HUB)
+        for hub in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_HUB, GPT_OSS_HUB)
         for arg in ("--model-dir", hub)
     ]
     with running_server(tmp / "store", env=offline_env(tmp, hf_home), extra_args=flags) as srv:
@@ -346,6 +361,7 @@ def jobs(
             MOE_HUB: request.getfixturevalue("moe_model"),
             Q35_HUB: request.getfixturevalue("q35_model"),
             VL_VARIANT: request.getfixturevalue("vl_model"),
+            GPT_OSS_HUB: request.getfixturevalue("gpt_oss_model"),
         }
     home = request.getfixturevalue("hf_home") if len(models) > 1 else None
     srv = request.getfixturevalue("server") if any(w == "sdk" for w, _, _ in keys) else None
@@ -473,7 +489,7 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
-@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_VARIANT])
+@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_VARIANT, GPT_OSS_HUB])
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
@@ -482,16 +498,19 @@ def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     or the Tinker variant id ``"Qwen/Qwen3-VL-30B-A3B-Instruct:peft:262144"``, found offline in
     the local HF cache (the engine's, the server's and the cookbook's tokenizer alike), and the
     renderer the cookbook recommends for it (``qwen3``, ``qwen3_5``, ``qwen3_vl_instruct``: stop
-    on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the ``<|eot_id|>`` id)."""
+    on the ``<|im_end|>`` id; ``llama3``: BOS, role headers, stop on the ``<|eot_id|>`` id);
+    ``"openai/gpt-oss-20b"`` with ``gpt_oss_no_sysprompt`` (harmony; stop on the ``<|return|>``
+    and ``<|call|>`` ids)."""
     fixture = {HUB_NAME: "model", LLAMA_HUB: "llama3_model", MOE_HUB: "moe_model",
-               Q35_HUB: "q35_model", VL_VARIANT: "vl_model"}[hub]  # fmt: skip
+               Q35_HUB: "q35_model", VL_VARIANT: "vl_model", GPT_OSS_HUB: "gpt_oss_model"}[hub]  # fmt: skip
     model = request.getfixturevalue(fixture)
     log = jobs.log((way, "rl_is", hub))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
     assert all(r["tokens/trained"] > 0 for r in rows)
     check_on_policy_numerics(rows)
-    end = model.special_ids["<|eot_id|>" if hub == LLAMA_HUB else "<|im_end|>"]
-    ends = check_rl_sampling(log, model, stop=[end])  # token ids, not strings
+    ends_on = {LLAMA_HUB: ["<|eot_id|>"], GPT_OSS_HUB: ["<|return|>", "<|call|>"]}
+    stop = [model.special_ids[t] for t in ends_on.get(hub, ["<|im_end|>"])]
+    ends = check_rl_sampling(log, model, stop=stop)  # token ids, not strings
     assert ends["stop_string"] == 0, ends
 
 
