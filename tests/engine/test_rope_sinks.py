@@ -4,7 +4,9 @@ closed form."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,3 +96,26 @@ def test_window_sees_the_last_positions_only_and_chunks_agree() -> None:
     tail = sink_attention(q[:, :, 8:], k, v, sinks, 5, 8)
     torch.testing.assert_close(tail, whole[:, :, 8:], rtol=0, atol=1e-6)
     assert not torch.allclose(whole, sink_attention(q, k, v, sinks, 0, 0), atol=1e-3)
+
+
+def test_a_qwen3_directory_with_yarn_computes_transformers_logits(tmp_path: Path) -> None:
+    """Qwen3's model cards switch YaRN on in config.json for long contexts; the original
+    context is set small here so that the ramp and the attention factor matter at 70 tokens."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tinker_sr.engine.hf import load_model_dir
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    root = make_tiny_hf_model_dir(tmp_path / "q", "qwen3")
+    hf = json.loads((root / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 16}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(hf | {"rope_parameters": yarn}))
+    ids = torch.randint(0, 400, (2, 70), generator=torch.Generator().manual_seed(1))
+    theirs = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    ours = load_model_dir(root)
+    assert ours.rope_scale == pytest.approx(0.1 * math.log(4.0) + 1)
+    with torch.no_grad():
+        want, got = theirs(ids).logits, ours(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
