@@ -167,7 +167,7 @@ def test_cookbook_merges_an_export_into_the_trained_model(
     assert torch.allclose(via_peft, trained, atol=1e-4), (via_peft - trained).abs().max()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_vl_moe", "gpt_oss"])
 def test_cookbook_merges_a_mixture_of_experts_export(
     family: Any, service: Any, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ tests/test_export.py, the cookbook's gpt-oss renderer in tests/integration/test_
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,10 @@ def test_bf16_logits_close_to_transformers(oss_dir: Path) -> None:
 
 def test_the_hubs_config_read_as_transformers_reads_it() -> None:
     ours = config_from_hf(GPT_OSS_20B, "gpt-oss-20b")
-    theirs = GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "architectures"})
+    # transformers writes rope_theta into the rope dict it is given: a copy each time
+    theirs = GptOssConfig(
+        **{k: v for k, v in copy.deepcopy(GPT_OSS_20B).items() if k != "architectures"}
+    )
     assert (ours.n_experts, ours.experts_per_token, ours.moe_ffn_dim) == (
         theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size)  # fmt: skip
     assert ours.moe_layers == (0, 1, 2, 3) and list(ours.layer_types) == theirs.layer_types
@@ -103,7 +107,7 @@ def test_the_hubs_config_read_as_transformers_reads_it() -> None:
     # transformers' defaults for what a config.json may leave out
     left_out = ("attention_bias", "layer_types", "sliding_window", "rope_scaling", "rope_theta")
     bare = {k: v for k, v in GPT_OSS_20B.items() if k not in left_out}
-    ours, theirs = config_from_hf(bare, "bare"), GptOssConfig(**bare)
+    ours, theirs = config_from_hf(bare, "bare"), GptOssConfig(**copy.deepcopy(bare))
     assert ours.attention_bias and list(ours.layer_types) == theirs.layer_types
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 150000
     assert ours.sliding_window == 128 and dict(ours.rope_scaling or ()) == {
@@ -122,6 +126,8 @@ def test_the_hubs_config_read_as_transformers_reads_it() -> None:
         ({"swiglu_limit": -1}, "swiglu_limit=-1"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 32, "beta_fast": "x"}}, "beta_fast"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 32, "truncate": 1}}, "truncate=1"),
+        # found by tests/fuzz/test_fuzz_hf_config.py: was a ZeroDivisionError
+        ({"rope_theta": 1}, "rope_theta=1 must be above 1"),
     ],
 )
 def test_what_the_engine_cannot_compute_is_refused_by_name(

@@ -185,6 +185,8 @@ def test_qwen_sliding_window_applies_only_when_switched_on_for_some_layer() -> N
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "\\['full_attention'\\]"),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
+        # found by the gpt-oss config fuzzer: was a TypeError (an unhashable rope type)
+        ({"rope_scaling": {"rope_type": []}}, "rope type \\[\\] is not supported"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "x": 1}}, "\\['x'\\]"),
         ({"head_dim": 15}, "head_dim 15 must be even"),
         (_MOE | {"num_experts": 4, "num_local_experts": 8}, "num_experts and num_local_experts"),

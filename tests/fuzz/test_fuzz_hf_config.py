@@ -214,3 +214,45 @@ def test_qwen3_vl_every_field_at_every_edge_value() -> None:
                 continue
             with torch.device("meta"):
                 Transformer(config)
+
+
+# gpt-oss as openai/gpt-oss-20b's config.json has it (sizes shrunk).
+GPT_OSS: dict[str, Any] = {
+    **{k: BASE[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                            "num_key_value_heads", "head_dim")},
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 2,
+    "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128,
+    "attention_bias": True, "swiglu_limit": 7.0, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+}  # fmt: skip
+GPT_OSS_KEYS = [*GPT_OSS, "swiglu_alpha", "experts_per_token", "rope_parameters"]
+YARN_EDGES: list[Any] = [
+    {"rope_type": "yarn", "factor": f, "beta_fast": b, "truncate": t, "mscale": m}
+    for f, b, t, m in ((0.5, 32, True, None), (32, 0, False, 1.0), (32, -1, "no", 0.7),
+                       (math.inf, 1e-9, None, math.nan), (None, 32, True, "x"))
+]  # fmt: skip
+
+
+@FUZZ
+@given(
+    st.dictionaries(
+        st.sampled_from(GPT_OSS_KEYS),
+        st.one_of(values, st.sampled_from(YARN_EDGES),
+                  st.lists(st.sampled_from(["sliding_attention", "full_attention", 1]))),
+        max_size=4,
+    ),
+    st.sets(st.sampled_from(GPT_OSS_KEYS)),
+)  # fmt: skip
+def test_any_gpt_oss_config_builds_or_is_refused_by_name(
+    over: dict[str, Any], dropped: set[str]
+) -> None:
+    _check({k: v for k, v in {**GPT_OSS, **over}.items() if k not in dropped})
+
+
+def test_gpt_oss_every_field_at_every_edge_value() -> None:
+    for key in GPT_OSS_KEYS:
+        for value in [*EDGES, *YARN_EDGES]:
+            _check({**GPT_OSS, key: value})
+        _check({k: v for k, v in GPT_OSS.items() if k != key})

@@ -29,9 +29,10 @@ DTYPES = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16"
           "BOOL", "F4", "X9"]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_vl_moe", "gpt_oss"])
 def base(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """A dense model, and a vision-language checkpoint whose experts are stored fused (3-D)."""
+    """A dense model, a vision-language checkpoint whose experts are stored fused (3-D), and
+    gpt-oss (fused experts with interleaved gate/up columns, their 2-D biases, sinks)."""
     root = tmp_path_factory.mktemp("fuzz_model") / request.param
     return make_tiny_hf_model_dir(root, request.param, n_layers=1)
 

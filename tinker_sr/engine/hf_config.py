@@ -187,7 +187,7 @@ def _rope(
             f"{name}: config.json rope_scaling / rope_parameters {rope!r} must be an object"
         )
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
         raise EngineUserError(
             f"{name}: config.json rope type {kind!r} is not supported (supported: "
             f"{', '.join(ROPE_KEYS)}); the positions would be encoded differently from the "
@@ -211,6 +211,8 @@ def _rope(
         return rope_theta, tuple(sorted(scaling.items()))
     scaling.setdefault("original_max_position_embeddings", context)  # as transformers
     if kind == "yarn":
+        if rope_theta <= 1:  # its ramp divides by log(theta)
+            raise EngineUserError(f"{name}: config.json rope_theta={theta!r} must be above 1")
         return rope_theta, _yarn(scaling, name)
     for key in ("low_freq_factor", "high_freq_factor"):
         _number(scaling, key, f"{name}: rope_scaling")
@@ -229,8 +231,7 @@ def _yarn(scaling: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...]:
     for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         if scaling.get(key) is not None:
             _number(scaling, key, where)
-    if scaling.get("truncate") is not None:
-        _flag(scaling, "truncate", where)
+    _flag(scaling, "truncate", where)  # absent or null: true, as transformers
     return tuple(sorted(scaling.items()))
 
 
