@@ -4,7 +4,8 @@ attention sinks, a sliding window in every other layer (computed, not capped), b
 harmony chat tokens. Checked against transformers (logits past the window, the config), LoRA
 on every expert (never the router or the sinks), sampling against teacher forcing past the
 window. Batched decode in tests/engine/test_batching.py, the merged export in
-tests/test_export.py, the cookbook's gpt-oss renderer in tests/integration/test_cookbook.py."""
+tests/test_export.py, the builder and the cookbook's gpt-oss renderer in
+tests/test_hf_model_dir_gpt_oss.py."""
 
 from __future__ import annotations
 

@@ -75,11 +75,20 @@ LLAMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-# harmony without system/developer preambles, channels or tools: an assistant turn is final.
+# harmony as tinker-cookbook's "gpt_oss_no_sysprompt" renderer writes it, so that the template
+# and the renderer give the same ids: no model-identity system preamble (the Hub's template
+# always writes one, with today's date), a system message becomes the developer's
+# "# Instructions", an assistant turn is one final-channel message ended by <|end|>, or by
+# <|return|> when it is the conversation's last (training; no generation prompt); no
+# analysis channel, tools or tool results.
 HARMONY_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] }}"
+    "{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+    "{%- elif message['role'] == 'system' %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + message['content']"
+    " + '\\n\\n<|end|>' }}"
     "{%- else %}{{- '<|start|>' + message['role'] + '<|message|>' + message['content']"
     " + '<|end|>' }}{%- endif %}"
     "{%- endfor %}"
@@ -343,8 +352,9 @@ def _gpt_oss_config(common: dict[str, Any], ids: dict[str, int]) -> Any:
 
     rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+    layers = max(common["num_hidden_layers"], 4)  # windowed and full layers, twice over
     return GptOssConfig(
-        **dict(common, intermediate_size=32, rms_norm_eps=1e-5),
+        **dict(common, num_hidden_layers=layers, intermediate_size=32, rms_norm_eps=1e-5),
         num_local_experts=8,
         num_experts_per_tok=2,
         sliding_window=16,
@@ -472,10 +482,12 @@ def _random_model(config: Any, family: Family) -> Any:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias") or name.endswith("_bias"):  # gpt-oss: experts' biases
+            if family == "gpt_oss" and name.endswith(("self_attn.sinks", "mlp.router.bias")):
+                p.normal_(0.0, 1.0 if "sinks" in name else 0.5)  # O(1): both matter
+            elif name.endswith(".bias") or name.endswith("_bias"):  # gpt-oss: experts' biases
                 p.normal_(0.0, 0.02)
-            elif family == "gpt_oss" and name.endswith(("self_attn.sinks", "router.weight")):
-                p.normal_(0.0, 1.0 if "sinks" in name else 0.5)  # sinks, routing that matter
+            elif family == "gpt_oss" and name.endswith("router.weight"):
+                p.normal_(0.0, 0.5)  # routing that differs by token
             elif not family.startswith(("qwen3_5", "qwen3_vl")) or "visual" in name:
                 continue
             elif name.endswith("norm.weight") and family.startswith("qwen3_5"):
