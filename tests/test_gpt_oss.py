@@ -5,7 +5,8 @@ harmony chat tokens. Checked against transformers (logits past the window, the c
 on every expert (never the router or the sinks), sampling against teacher forcing past the
 window. Batched decode in tests/engine/test_batching.py, the merged export in
 tests/test_export.py, the builder and the cookbook's gpt-oss renderer in
-tests/test_hf_model_dir_gpt_oss.py."""
+tests/test_hf_model_dir_gpt_oss.py, the cookbook's RL recipe on it (as "openai/gpt-oss-20b")
+in tests/integration/test_cookbook.py."""
 
 from __future__ import annotations
 
