@@ -50,6 +50,19 @@ def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
     assert type(moe.gate) is torch.nn.Linear  # the router: frozen, no adapter
     experts = [getattr(e, p) for e in moe.experts for p in ("gate_proj", "up_proj", "down_proj")]
     assert len(experts) == 24 and all(isinstance(m, LoraLinear) for m in experts)
+    # Tinker's shared-outer scheme: the hidden-side factor (gate's and up's A, down's B) is one
+    # per layer, the other factor each expert's own; r (3 D + 3 E F) parameters per layer.
+    first = moe.experts[0]
+    for e in moe.experts:
+        assert (
+            e.gate_proj.lora_A is first.gate_proj.lora_A
+            and e.up_proj.lora_A is first.up_proj.lora_A
+        )
+        assert e.down_proj.lora_B is first.down_proj.lora_B
+    assert e.gate_proj.lora_B is not first.gate_proj.lora_B
+    layer = [p for n, p in model.named_parameters() if p.requires_grad and ".layers.1.mlp." in n]
+    d, f, r = model.config.dim, model.config.moe_ffn_dim, 4
+    assert sum(p.numel() for p in layer) == r * (3 * d + 3 * 8 * f)
 
     ids = training.get_tokenizer().encode(PROMPT + " 42")
     # The experts the router picks for these tokens in the first step.
@@ -66,8 +79,8 @@ def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
     monkeypatch.setattr(moe, "route", route)
     routed = set(seen[0].flatten().tolist())
     assert 2 <= len(routed) < 8, routed  # a few tokens do not reach every expert
-    learned = {i for i, e in enumerate(moe.experts) if e.down_proj.lora_B.weight.abs().sum() > 0}
-    assert learned == routed  # Adam moved exactly the routed experts' B (all start at zero)
+    learned = {i for i, e in enumerate(moe.experts) if e.gate_proj.lora_B.weight.abs().sum() > 0}
+    assert learned == routed  # Adam moved exactly the routed experts' own B (all start at zero)
 
     losses = first + cross_entropy_steps(training, types, ids, steps=4, lr=1e-2)
     assert losses[-1] < 0.8 * losses[0], losses
@@ -76,6 +89,37 @@ def test_every_expert_has_an_adapter_and_only_the_routed_ones_learn(
     prompt = types.ModelInput.from_ints(ids[:-2])
     params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
     assert_sampled_logprobs_are_the_learners(sampler, types, prompt, 3, params)
+    client.close().result()
+    backend.close()
+
+
+def test_checkpoints_with_every_experts_own_adapters_still_load(
+    tmp_path: Path, moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint saved before the shared-outer scheme (each expert its own A and B; its
+    LoRA config has no ``moe_shared_outer``, read as false) resumes with that structure, the
+    same weights and optimizer state; loading it into a new run's shared structure is refused
+    naming the difference, not a shape error."""
+    from tinker_sr.engine import training as engine_training
+
+    new_spec = engine_training.lora_spec
+    monkeypatch.setattr(engine_training, "lora_spec", lambda cfg, experts=False: new_spec(cfg))
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    old = client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()
+    ids = old.get_tokenizer().encode(PROMPT + " 42")
+    cross_entropy_steps(old, types, ids, steps=2, lr=1e-2)
+    path = old.save_state("old").result().path
+    monkeypatch.undo()
+
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
+    moe = backend.models.trainer(resumed.model_id).model.model.layers[1].mlp
+    assert moe.experts[1].gate_proj.lora_A is not moe.experts[0].gate_proj.lora_A
+    want = cross_entropy_steps(old, types, ids, steps=1, lr=1e-2)
+    assert cross_entropy_steps(resumed, types, ids, steps=1, lr=1e-2) == want
+    fresh = client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()
+    with pytest.raises(Exception, match="moe_shared_outer"):
+        fresh.load_state(path).result()
     client.close().result()
     backend.close()
 
@@ -94,3 +138,47 @@ def test_the_official_sdk_trains_and_samples_a_moe_dir(
     names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     assert str(moe_dir) in names
     official_sdk_trains_and_samples(tinker, server.base_url, str(moe_dir), PROMPT + " 42")
+
+
+# Real checkpoints' config.json (the fields that size the adapters).
+_REAL_SIZES = {
+    "Qwen/Qwen3-30B-A3B": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "vocab_size": 151936, "tie_word_embeddings": False},
+    "openai/gpt-oss-20b": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088},
+    "Qwen/Qwen3-8B": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_REAL_SIZES))
+def test_adapter_sizes_are_tinkers(name: str) -> None:
+    """The adapters a run creates have exactly the parameters per rank that tinker-cookbook's
+    table of Tinker's models says (`hyperparam_utils.get_lora_param_count`), per component:
+    for a mixture of experts that is the shared-outer scheme's count."""
+    table = pytest.importorskip(
+        "tinker_cookbook.hyperparam_utils"
+    )._LORA_PARAMS_PER_RANK_BY_COMPONENT
+    from tinker_sr.engine.hf_config import config_from_hf
+    from tinker_sr.engine.lora import apply_lora
+    from tinker_sr.engine.model import Transformer
+    from tinker_sr.engine.training import lora_spec
+
+    config = config_from_hf(_REAL_SIZES[name], name)
+    with torch.device("meta"):  # shapes only
+        model = Transformer(config)
+    apply_lora(model, lora_spec(types.LoraConfig(rank=1), experts=bool(config.moe_layers)))
+    counts = {"mlp": 0, "attn": 0, "unembed": 0}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            counts["unembed" if n.startswith("lm_head") else "mlp" if ".mlp." in n else "attn"] += (
+                p.numel()
+            )
+    assert counts == table[name]

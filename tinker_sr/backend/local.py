@@ -360,7 +360,8 @@ class LocalBackend(LocalRestQueries):
             model_id = self._new_model_id(session_id, model_seq_id)
             resolved = self.models.resolve_model(base_model)
             self.limits.check_lora_rank(lora_config.rank)
-            spec = training.lora_spec(lora_config)
+            experts = bool(self.models.base(resolved).config.moe_layers)  # loads it, as training
+            spec = training.lora_spec(lora_config, experts=experts)
             model, optim = self.models.new_trainable(resolved, spec)
             name = self._recorded(base_model, resolved)
             self._register_trainer(

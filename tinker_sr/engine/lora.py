@@ -41,6 +41,11 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = True
     alpha: float = 32.0
+    # Tinker's "shared-outer" scheme for a mixture of experts' adapters: the factor on the
+    # model's hidden side is one per layer and projection, shared by the routed experts
+    # (gate's and up's A [r, D], down's B [D, r]); the other factor is each expert's own.
+    # Checkpoints written before it (no such field) have every expert's own pair: False.
+    moe_shared_outer: bool = False
 
 
 class LoraLinear(nn.Linear):
@@ -171,6 +176,27 @@ def apply_lora(model: Transformer, spec: LoraSpec) -> None:
     for parent, attr in _targets(model, spec):
         base = getattr(parent, attr)
         setattr(parent, attr, LoraLinear(base, spec.rank, spec.alpha, gen))
+    if spec.moe_shared_outer and spec.train_mlp:
+        _share_outer_factors(model)
+
+
+def _share_outer_factors(model: Transformer) -> None:
+    """Every routed expert of a layer uses its first expert's hidden-side factor (gate's and
+    up's ``lora_A``, down's ``lora_B``): one module, so one Parameter, whose gradient sums
+    over the experts (`LoraSpec.moe_shared_outer`). The shared expert of Qwen3.5-MoE is a
+    plain MLP and keeps its own adapters."""
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        first = experts[0]
+        for expert in list(experts)[1:]:
+            for proj, factor in (
+                ("gate_proj", "lora_A"),
+                ("up_proj", "lora_A"),
+                ("down_proj", "lora_B"),
+            ):
+                setattr(getattr(expert, proj), factor, getattr(getattr(first, proj), factor))
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

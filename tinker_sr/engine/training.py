@@ -326,7 +326,9 @@ def restore(
 
 
 # ---- LoRA config ------------------------------------------------------------------------
-def lora_spec(cfg: types.LoraConfig | None) -> LoraSpec:
+def lora_spec(cfg: types.LoraConfig | None, *, experts: bool = False) -> LoraSpec:
+    """A new run's LoRA spec; ``experts``: its base model has a mixture of experts, whose
+    adapters then follow Tinker's shared-outer scheme (`LoraSpec.moe_shared_outer`)."""
     cfg = validation.check_lora_config(cfg)
     return LoraSpec(
         rank=cfg.rank,
@@ -334,6 +336,7 @@ def lora_spec(cfg: types.LoraConfig | None) -> LoraSpec:
         train_attn=cfg.train_attn,
         train_mlp=cfg.train_mlp,
         train_unembed=cfg.train_unembed,
+        moe_shared_outer=experts,
     )
 
 
