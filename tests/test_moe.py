@@ -138,3 +138,50 @@ def test_the_official_sdk_trains_and_samples_a_moe_dir(
     names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     assert str(moe_dir) in names
     official_sdk_trains_and_samples(tinker, server.base_url, str(moe_dir), PROMPT + " 42")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_shared_factors_gradient_is_the_sum_over_its_experts(tmp_path: Path, family: str) -> None:
+    """The same adapter values held shared (one hidden-side factor per layer) and held per
+    expert (each expert a copy): the shared factor's gradient is the sum of the copies'
+    (through the training kernels: SwiGLU experts, gpt-oss's clamped ones), the others equal."""
+    import re
+
+    from tinker_sr.engine.hf import load_model_dir
+    from tinker_sr.engine.lora import LoraSpec, apply_lora
+
+    root = make_tiny_hf_model_dir(tmp_path / family, family)
+    models = {}
+    for shared in (True, False):
+        models[shared] = load_model_dir(root)
+        apply_lora(models[shared], LoraSpec(rank=4, seed=1, moe_shared_outer=shared))
+    outer = re.compile(
+        r"(.*\.mlp\.experts\.)\d+\.(gate_proj\.lora_A|up_proj\.lora_A|down_proj\.lora_B)\.weight"
+    )
+
+    def shared_name(name: str) -> str:
+        m = outer.fullmatch(name)
+        return name if m is None else f"{m[1]}0.{m[2]}.weight"
+
+    gen = torch.Generator().manual_seed(5)
+    values = {n: torch.randn(p.shape, generator=gen) * 0.05
+              for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for shared, model in models.items():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(values[shared_name(n)])
+        model(ids).logsumexp(-1).sum().backward()
+        grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    summed: dict[str, torch.Tensor] = {}
+    for n, g in grads[False].items():
+        if g is not None:
+            summed[shared_name(n)] = summed.get(shared_name(n), 0) + g
+    assert len(grads[True]) < len(grads[False])  # really shared
+    for n, g in grads[True].items():
+        if g is None:
+            assert n not in summed
+            continue
+        torch.testing.assert_close(g, summed[n], rtol=1e-5, atol=1e-7)
