@@ -8,6 +8,7 @@ tests/engine/test_batching.py."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,8 +146,6 @@ def test_a_shared_factors_gradient_is_the_sum_over_its_experts(tmp_path: Path, f
     """The same adapter values held shared (one hidden-side factor per layer) and held per
     expert (each expert a copy): the shared factor's gradient is the sum of the copies'
     (through the training kernels: SwiGLU experts, gpt-oss's clamped ones), the others equal."""
-    import re
-
     from tinker_sr.engine.hf import load_model_dir
     from tinker_sr.engine.lora import LoraSpec, apply_lora
 
@@ -155,14 +154,6 @@ def test_a_shared_factors_gradient_is_the_sum_over_its_experts(tmp_path: Path, f
     for shared in (True, False):
         models[shared] = load_model_dir(root)
         apply_lora(models[shared], LoraSpec(rank=4, seed=1, moe_shared_outer=shared))
-    outer = re.compile(
-        r"(.*\.mlp\.experts\.)\d+\.(gate_proj\.lora_A|up_proj\.lora_A|down_proj\.lora_B)\.weight"
-    )
-
-    def shared_name(name: str) -> str:
-        m = outer.fullmatch(name)
-        return name if m is None else f"{m[1]}0.{m[2]}.weight"
-
     gen = torch.Generator().manual_seed(5)
     values = {n: torch.randn(p.shape, generator=gen) * 0.05
               for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
@@ -175,13 +166,75 @@ def test_a_shared_factors_gradient_is_the_sum_over_its_experts(tmp_path: Path, f
                     p.copy_(values[shared_name(n)])
         model(ids).logsumexp(-1).sum().backward()
         grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    _assert_shared_grads_are_sums(grads[True], grads[False])
+
+
+_OUTER = re.compile(
+    r"(.*\.mlp\.experts\.)\d+\.(gate_proj\.lora_A|up_proj\.lora_A|down_proj\.lora_B)\.weight"
+)
+
+
+def shared_name(name: str) -> str:
+    """A per-expert adapter's name in the shared-outer scheme (expert 0's for a shared factor)."""
+    m = _OUTER.fullmatch(name)
+    return name if m is None else f"{m[1]}0.{m[2]}.weight"
+
+
+def _assert_shared_grads_are_sums(
+    shared: dict[str, torch.Tensor | None], own: dict[str, torch.Tensor | None]
+) -> None:
+    """The shared-outer model's gradients (``shared``) against the per-expert model's
+    (``own``) for the same adapter values: each shared factor's, the sum of its copies'."""
     summed: dict[str, torch.Tensor] = {}
-    for n, g in grads[False].items():
+    for n, g in own.items():
         if g is not None:
             summed[shared_name(n)] = summed.get(shared_name(n), 0) + g
-    assert len(grads[True]) < len(grads[False])  # really shared
-    for n, g in grads[True].items():
+    assert len(shared) < len(own)  # really shared
+    for n, g in shared.items():
         if g is None:
             assert n not in summed
             continue
-        torch.testing.assert_close(g, summed[n], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            g, summed[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+def test_bf16_training_sums_a_shared_factors_gradient_in_float32(
+    tmp_path: Path, moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 mixed precision (``TINKER_SR_TRAIN_DTYPE``) a shared factor's gradient is
+    still the float32 sum of what each expert sends it, as a per-expert copy's would be.
+    Before: autocast cast the shared float32 factor to bf16 once per step and reused the cast
+    for every expert (its cache of leaf casts), so the experts' gradients were summed in bf16
+    in that one cast's backward: elements up to 6 % (5e-3
+    absolute) off here, more with more experts."""
+    from tinker_sr.engine import training as engine_training
+
+    monkeypatch.setenv("TINKER_SR_TRAIN_DTYPE", "bf16-force")
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    clients = {True: client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()}
+    new_spec = engine_training.lora_spec  # each expert its own pair, as an older run's
+    monkeypatch.setattr(engine_training, "lora_spec", lambda cfg, experts=False: new_spec(cfg))
+    clients[False] = client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()
+    models = {k: backend.models.trainer(c.model_id).model for k, c in clients.items()}
+    assert models[True].autocast_dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    values = {n: torch.randn(p.shape, generator=gen) * 0.05
+              for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
+    ids = clients[True].get_tokenizer().encode(PROMPT + " 42")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    grads = {}
+    for shared, model in models.items():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(values[shared_name(n)])
+        clients[shared].forward_backward([datum], "cross_entropy").result()
+        grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    _assert_shared_grads_are_sums(grads[True], grads[False])
+    client.close().result()
+    backend.close()

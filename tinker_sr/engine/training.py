@@ -76,9 +76,14 @@ def forward_backward(
             < torch.tensor(lengths, device=device)[:, None]
         )
         # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
-        # trainer was created with it; see `registry.train_autocast_dtype`.
+        # trainer was created with it; see `registry.train_autocast_dtype`. No cache of casts
+        # (autocast keeps trainable leaves' only): it would cast a shared expert factor
+        # (`lora.LoraSpec.moe_shared_outer`) once for all its experts and sum their gradients
+        # in bf16 in that cast's backward; a cast per use sums them in float32.
         low = t.model.autocast_dtype
-        with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None):
+        with torch.autocast(
+            device.type, dtype=low or torch.bfloat16, enabled=low is not None, cache_enabled=False
+        ):
             # Hidden states, not logits: the loss unembeds them in chunks (no [B, T, V]).
             hidden = t.model.hidden_states(tokens, attn_mask=mask)
             # Rows through unbind, not hidden[i, :n]: each such slice's backward would zero-fill
