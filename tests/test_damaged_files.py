@@ -418,8 +418,10 @@ def test_serve_refuses_at_start_a_model_dir_whose_tensors_it_would_refuse(
 @pytest.mark.parametrize(
     ("field", "value"),
     [("lora", None), ("lora", "{not json"), ("lora", '{"rank": 3, "seed": null}'),
-     ("lora", '{"rank": 4, "seed": null, "colour": 1}'), ("steps", "x"), ("base_model", "")],
-    ids=["lora-dropped", "lora-not-json", "rank-edited", "lora-unknown-key", "steps", "base"],
+     ("lora", '{"rank": 4, "seed": null, "colour": 1}'), ("steps", "x"), ("base_model", ""),
+     ("lora", '{"rank": 4, "seed": null, "moe_shared_outer": "no"}')],
+    ids=["lora-dropped", "lora-not-json", "rank-edited", "lora-unknown-key", "steps", "base",
+         "moe-shared-outer-not-bool"],
 )  # fmt: skip
 def test_a_checkpoint_whose_metadata_is_damaged_is_refused_naming_the_field(
     embedded_service: tinker_sr.ServiceClient, tmp_path: Path, field: str, value: str | None

@@ -143,7 +143,7 @@ def read_record(
         spec = LoraSpec(**json.loads(meta["lora"]))
     except (KeyError, TypeError, ValueError) as e:
         raise damaged("lora") from e
-    flags = (spec.train_attn, spec.train_mlp, spec.train_unembed)
+    flags = (spec.train_attn, spec.train_mlp, spec.train_unembed, spec.moe_shared_outer)
     ranks = {t.shape[0] for k, t in tensors.items() if k.endswith("lora_A.weight") and t.ndim}
     if not (
         type(spec.rank) is int
