@@ -125,6 +125,34 @@ def test_checkpoints_with_every_experts_own_adapters_still_load(
     backend.close()
 
 
+def test_a_run_without_expert_adapters_loads_a_checkpoint_from_before_the_scheme(
+    tmp_path: Path, moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``train_mlp=False`` no expert has an adapter, so the shared-outer scheme changes
+    nothing: a checkpoint saved before it (no ``moe_shared_outer``: false) loads into a new
+    run with the same LoRA config. Before: refused, the new run's config saying true."""
+    from tinker_sr.engine import training as engine_training
+
+    new_spec = engine_training.lora_spec
+    monkeypatch.setattr(engine_training, "lora_spec", lambda cfg, experts=False: new_spec(cfg))
+    backend = LocalBackend(tmp_path / "store")
+    client = tinker_sr.ServiceClient(backend=backend)
+    old = client.create_lora_training_client(str(moe_dir), rank=4, seed=1, train_mlp=False).result()
+    ids = old.get_tokenizer().encode(PROMPT + " 42")
+    cross_entropy_steps(old, types, ids, steps=2, lr=1e-2)
+    path = old.save_state("old").result().path
+    monkeypatch.undo()
+
+    fresh = client.create_lora_training_client(
+        str(moe_dir), rank=4, seed=2, train_mlp=False
+    ).result()
+    fresh.load_state(path).result()  # the same weights: the same loss
+    want = cross_entropy_steps(old, types, ids, steps=1, lr=1e-2)
+    assert cross_entropy_steps(fresh, types, ids, steps=1, lr=1e-2) == want
+    client.close().result()
+    backend.close()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, moe_dir: Path) -> Iterator[ServerProcess]:
     with serving_model_dir(tmp_path_factory, moe_dir) as srv:

@@ -333,7 +333,8 @@ def restore(
 # ---- LoRA config ------------------------------------------------------------------------
 def lora_spec(cfg: types.LoraConfig | None, *, experts: bool = False) -> LoraSpec:
     """A new run's LoRA spec; ``experts``: its base model has a mixture of experts, whose
-    adapters then follow Tinker's shared-outer scheme (`LoraSpec.moe_shared_outer`)."""
+    adapters then follow Tinker's shared-outer scheme (`LoraSpec.moe_shared_outer`). Without
+    ``train_mlp`` no expert has an adapter: false, as in every checkpoint from before it."""
     cfg = validation.check_lora_config(cfg)
     return LoraSpec(
         rank=cfg.rank,
@@ -341,7 +342,7 @@ def lora_spec(cfg: types.LoraConfig | None, *, experts: bool = False) -> LoraSpe
         train_attn=cfg.train_attn,
         train_mlp=cfg.train_mlp,
         train_unembed=cfg.train_unembed,
-        moe_shared_outer=experts,
+        moe_shared_outer=experts and cfg.train_mlp,
     )
 
 
