@@ -588,3 +588,31 @@ def test_of_two_stop_strings_at_one_place_the_one_that_ends_first_is_named() -> 
     assert cut_at_stop("the answer is here", [" is", " i"]) == ("the answer", " i")
     assert cut_at_stop("ab cd ab", ["cd", "ab"]) == ("", "ab")
     assert cut_at_stop("abc", ["x"]) == ("abc", None)
+
+
+def test_a_special_tokens_stop_string_ends_the_answer_at_that_token(model_dir: Path) -> None:
+    """With ``skip_special_tokens: false`` a stop string can be a special token's text
+    (gpt-oss's "<|end|>" or "<|call|>", ChatML's "<|im_end|>"), which the engine's stop
+    matching never sees (special tokens add no bytes there): the answer still ends at the token
+    that completes it, as vLLM's does: finish_reason "stop", and its log-probs and completion
+    tokens end there too, not only its text."""
+    from tinker_sr import types
+    from tinker_sr.server.handlers.oai import _choices
+    from tinker_sr.server.oai_format import OaiRequest
+
+    tok = load_hf_tokenizer(model_dir)
+    ids = tok.encode("Hello world<|im_end|> and more", add_special_tokens=False)
+    end = ids.index(tok.convert_tokens_to_ids("<|im_end|>"))
+    for reason in ("length", "stop"):  # ran to max_tokens, or on to EOS
+        seq = types.SampledSequence(
+            stop_reason=reason, sequence_id="s", _tokens_list=ids, _logprobs_list=[-1.0] * len(ids)
+        )
+        for skip, kept, stop in ((False, end + 1, "<|im_end|>"), (True, len(ids), None)):
+            req = OaiRequest(
+                chat=False, model="m", stop=["<|im_end|>"], logprobs=0, skip_special_tokens=skip
+            )
+            (choice,) = _choices(tok, req, [1], types.SampleResponse(sequences=[seq]), None)
+            assert choice.text == tok.decode(ids[:kept], skip_special_tokens=True)
+            assert (choice.completion_tokens, choice.stop_string) == (kept, stop)
+            assert choice.tokens is not None and len(choice.tokens) == kept
+            assert choice.finish_reason == ("stop" if stop else reason)

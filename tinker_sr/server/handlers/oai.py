@@ -307,9 +307,11 @@ def _choices(
     scoring_only = req.max_tokens == 0
     for seq in resp.sequences:
         tokens = [] if scoring_only else list(seq.tokens)
-        text, stop_string = cut_at_stop(
-            str(tok.decode(tokens, skip_special_tokens=req.skip_special_tokens)), req.stop
-        )
+        text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
+        whole = len(tokens)
+        if stop_string is not None and (kept := _through_stop(tok, req, tokens)) < whole:
+            tokens = tokens[:kept]  # a special token's text, which the engine did not stop on
+            text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
         entries = None
         if req.logprobs is not None:
             tops = seq.topk_logprobs if req.logprobs else None
@@ -322,9 +324,28 @@ def _choices(
                     _token_entries(tok, prompt, list(resp.prompt_logprobs or []), tops_p, table)
                     + entries
                 )
-        reason = "length" if scoring_only or seq.stop_reason == "length" else "stop"
-        out.append(Choice(text, reason, entries, len(tokens), stop_string))
+        ended = scoring_only or (seq.stop_reason == "length" and len(tokens) == whole)
+        out.append(Choice(text, "length" if ended else "stop", entries, len(tokens), stop_string))
     return out
+
+
+def _decoded(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
+    return str(tok.decode(tokens, skip_special_tokens=req.skip_special_tokens))
+
+
+def _through_stop(tok: Any, req: OaiRequest, tokens: list[int]) -> int:
+    """How many of ``tokens`` the answer keeps, given that their text holds a stop string:
+    up to the token that completes the first one. The engine stops there itself, except on a
+    special token's text kept by ``skip_special_tokens: false`` (special tokens add no bytes
+    to its stop matching), as gpt-oss's "<|end|>" or "<|call|>"."""
+    lo, hi = 1, len(tokens)  # a prefix that holds a stop only grows into others that do
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut_at_stop(_decoded(tok, req, tokens[:mid]), req.stop)[1] is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return hi
 
 
 def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: list[list[int]],
