@@ -11,6 +11,7 @@ in tests/integration/test_cookbook.py."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,27 @@ def test_lora_on_every_expert_learns_and_samples_as_the_learner(
     learns_and_samples_as_the_learner(training, types, ids + tok.encode("<|message|>42"))
     client.close().result()
     backend.close()
+
+
+def test_a_config_written_back_is_the_same_model_in_transformers(
+    tmp_path: Path, oss_dir: Path
+) -> None:
+    """`save_pretrained` (`config_to_hf`) of a gpt-oss whose RoPE is plain (no YaRN) and whose
+    layers all attend fully: the RoPE type is written (left out, both readers would take
+    gpt-oss's YaRN default) and so is a window (transformers builds its sliding mask even
+    where no layer uses it, and fails on a null one)."""
+    from tinker_sr.engine.model import save_pretrained
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in oss_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    (src / "config.json").write_text(json.dumps(config))
+    want = _logits(load_model_dir(src))
+    save_pretrained(load_model_dir(src), tmp_path / "out")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(theirs), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_logits(load_model_dir(tmp_path / "out")), want, rtol=0, atol=0)

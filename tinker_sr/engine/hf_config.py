@@ -673,12 +673,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "num_experts_per_tok": config.experts_per_token,
             "intermediate_size": config.moe_ffn_dim,
             "layer_types": list(config.layer_types),
-            "sliding_window": config.sliding_window or None,
+            "sliding_window": config.sliding_window or 128,  # transformers' masks need one
             "swiglu_alpha": config.swiglu_alpha,
             "swiglu_limit": config.swiglu_limit,
         }
-    if config.rope_scaling:
-        hf["rope_scaling"] = dict(config.rope_scaling)
+    if config.rope_scaling or arch == gpt_oss.ARCH:  # gpt-oss's absent one reads as YaRN
+        hf["rope_scaling"] = dict(config.rope_scaling or {"rope_type": "default"})
     return hf
 
 
