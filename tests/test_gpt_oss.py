@@ -108,10 +108,14 @@ def test_the_hubs_config_read_as_transformers_reads_it() -> None:
     assert dict(ours.rope_scaling or ())["rope_type"] == "yarn"
     assert (ours.swiglu_alpha, ours.swiglu_limit) == (theirs.swiglu_alpha, theirs.swiglu_limit)
     # transformers' defaults for what a config.json may leave out
-    left_out = ("attention_bias", "layer_types", "sliding_window", "rope_scaling", "rope_theta")
+    left_out = ("attention_bias", "layer_types", "sliding_window", "rope_scaling", "rope_theta",
+                "num_experts_per_tok", "rms_norm_eps")  # fmt: skip
     bare = {k: v for k, v in GPT_OSS_20B.items() if k not in left_out}
     ours, theirs = config_from_hf(bare, "bare"), GptOssConfig(**copy.deepcopy(bare))
     assert ours.attention_bias and list(ours.layer_types) == theirs.layer_types
+    # 4 and 1e-5 for gpt-oss (8 and 1e-6 for the other architectures)
+    assert (ours.experts_per_token, ours.norm_eps) == (
+        theirs.num_experts_per_tok, theirs.rms_norm_eps)  # fmt: skip
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 150000
     assert ours.sliding_window == 128 and dict(ours.rope_scaling or ()) == {
         k: v for k, v in theirs.rope_parameters.items() if k != "rope_theta"}  # fmt: skip

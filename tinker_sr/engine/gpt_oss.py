@@ -50,6 +50,8 @@ FUSED_2D = (GATE_UP_BIAS, DOWN_BIAS)  # [E, .]
 DEFAULT_THETA = 150000.0
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+# ... and those where gpt-oss's default is not the other architectures' (8 experts, 1e-6)
+DEFAULTS = {"num_experts_per_tok": 4, "rms_norm_eps": 1e-5}
 _EXPERT = re.compile(r"(?P<stem>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)")  # fmt: skip
 
 
@@ -120,10 +122,11 @@ def route(logits: Tensor, top_k: int, dtype: torch.dtype) -> tuple[Tensor, Tenso
 
 
 def with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
-    """A gpt-oss config.json with transformers' RoPE defaults where it has none: YaRN
-    (`DEFAULT_ROPE`) and theta 150,000."""
+    """A gpt-oss config.json with transformers' defaults where it has none: YaRN RoPE
+    (`DEFAULT_ROPE`), theta 150,000, 4 experts per token and an RMSNorm epsilon of 1e-5."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")
     out = dict(hf) if rope else {**hf, "rope_scaling": dict(DEFAULT_ROPE)}
+    out |= {k: v for k, v in DEFAULTS.items() if out.get(k) is None}
     inner = rope.get("rope_theta") if isinstance(rope, dict) else None
     if out.get("rope_theta") is None and inner is None:
         out["rope_theta"] = DEFAULT_THETA
