@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,16 +183,10 @@ def test_a_shared_factors_gradient_is_the_sum_over_its_experts(tmp_path: Path, f
     for shared in (True, False):
         models[shared] = load_model_dir(root)
         apply_lora(models[shared], LoraSpec(rank=4, seed=1, moe_shared_outer=shared))
-    gen = torch.Generator().manual_seed(5)
-    values = {n: torch.randn(p.shape, generator=gen) * 0.05
-              for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
+    _same_adapter_values(models)
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     grads = {}
     for shared, model in models.items():
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    p.copy_(values[shared_name(n)])
         model(ids).logsumexp(-1).sum().backward()
         grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     _assert_shared_grads_are_sums(grads[True], grads[False])
@@ -206,6 +201,20 @@ def shared_name(name: str) -> str:
     """A per-expert adapter's name in the shared-outer scheme (expert 0's for a shared factor)."""
     m = _OUTER.fullmatch(name)
     return name if m is None else f"{m[1]}0.{m[2]}.weight"
+
+
+def _same_adapter_values(models: dict[bool, Any]) -> None:
+    """Random adapter values (seeded) into the shared-outer model (``models[True]``) and the
+    same into the per-expert one (``models[False]``): each expert's copy of a shared factor
+    gets the shared value."""
+    gen = torch.Generator().manual_seed(5)
+    values = {n: torch.randn(p.shape, generator=gen) * 0.05
+              for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
+    with torch.no_grad():
+        for model in models.values():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(values[shared_name(n)])
 
 
 def _assert_shared_grads_are_sums(
@@ -247,9 +256,7 @@ def test_bf16_training_sums_a_shared_factors_gradient_in_float32(
     clients[False] = client.create_lora_training_client(str(moe_dir), rank=4, seed=1).result()
     models = {k: backend.models.trainer(c.model_id).model for k, c in clients.items()}
     assert models[True].autocast_dtype == torch.bfloat16
-    gen = torch.Generator().manual_seed(5)
-    values = {n: torch.randn(p.shape, generator=gen) * 0.05
-              for n, p in models[True].named_parameters() if p.requires_grad}  # fmt: skip
+    _same_adapter_values(models)
     ids = clients[True].get_tokenizer().encode(PROMPT + " 42")
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(ids[:-1]),
@@ -257,10 +264,6 @@ def test_bf16_training_sums_a_shared_factors_gradient_in_float32(
     )
     grads = {}
     for shared, model in models.items():
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    p.copy_(values[shared_name(n)])
         clients[shared].forward_backward([datum], "cross_entropy").result()
         grads[shared] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     _assert_shared_grads_are_sums(grads[True], grads[False])
