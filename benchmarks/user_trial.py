@@ -51,7 +51,9 @@ def _busy() -> None:
         pass
 
 
-def trial(model_dir: str, steps: int, every: int = 0) -> None:
+def trial(
+    model_dir: str, steps: int, every: int = 0, lr: float = 1e-3, max_tokens: int = 12
+) -> None:
     import tinker_sr as tinker
     from tinker_sr.provenance import build_datum
 
@@ -70,7 +72,9 @@ def trial(model_dir: str, steps: int, every: int = 0) -> None:
         sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
         phases["new sampler"] += time.perf_counter() - mark
         mark = time.perf_counter()
-        params = types.SamplingParams(max_tokens=12, temperature=1.0, stop=["\n\nUser:"], seed=step)
+        params = types.SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, stop=["\n\nUser:"], seed=step
+        )
         futures = [
             (prompts[i % 2], sampler.sample(prompts[i % 2], num_samples=4, sampling_params=params))
             for i in range(4)
@@ -86,7 +90,7 @@ def trial(model_dir: str, steps: int, every: int = 0) -> None:
         phases["sampling"] += time.perf_counter() - mark
         mark = time.perf_counter()
         out = training.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.01}).result()
-        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        training.optim_step(types.AdamParams(learning_rate=lr)).result()
         phases["training"] += time.perf_counter() - mark
         digest.update(struct.pack("<d", out.metrics["loss:sum"]))
         if step in report:
@@ -142,6 +146,13 @@ def main() -> None:
         choices=[f for f in get_args(Family) if f not in ("qwen2", "llama", "mistral")],
         help="the tiny directory's architecture when no --model-dir is given",
     )
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=12,
+        help="sampled tokens per sequence (longer: lengths, so product shapes, vary more)",
+    )
     parser.add_argument("--real-size", action="store_true", help="Qwen3-0.6B's shapes, bf16")
     parser.add_argument("--busy", action="store_true", help="one busy process per usable CPU")
     parser.add_argument(
@@ -172,7 +183,7 @@ def main() -> None:
                 p.start()
         print(f"model {model_dir}; {args.steps} steps; busy processes: {len(busy)}")
         try:
-            trial(model_dir, args.steps, args.report_every)
+            trial(model_dir, args.steps, args.report_every, args.lr, args.max_tokens)
         finally:
             for p in busy:
                 p.terminate()

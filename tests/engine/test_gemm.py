@@ -276,3 +276,51 @@ def test_stacked_linear_is_the_projections_side_by_side_and_follows_their_change
     torch.testing.assert_close(again[:, 768:], 2 * got[:, 768:])
     assert gemm.stacked_linear(x.double(), [w.double() for w in ws], 8) is None
     assert gemm.stacked_linear(x[:, :64], [w[:4, :64] for w in ws], 8) is None  # too small
+
+
+def test_bucket_rows_are_few_and_waste_at_most_a_sixteenth() -> None:
+    buckets = {gemm.bucket_rows(m) for m in range(1, 40_001)}
+    for m in range(1, 40_001):
+        got = gemm.bucket_rows(m)
+        assert got >= m and got % 8 == 0 and gemm.bucket_rows(got) == got
+        assert got - m < 8 or (got - m) * 16 <= m
+    assert all(gemm.bucket_rows(m) == m for m in range(8, 256, 8))  # decode's padded batches
+    assert len(buckets) <= 32 + 16 * 8  # 8..248 by 8, then 16 per octave to 2**16
+
+
+@needs_onednn
+def test_onednn_meets_few_shapes_over_many_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's varying token counts (sequence lengths, per-expert rows) reach oneDNN at a
+    few bucketed row counts: each new shape is a kernel compiled and cached for good."""
+    real, seen = gemm._op(), set()
+
+    def recording(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.add((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, *rest)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(gemm, "_op", lambda: recording)
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(256, 96, generator=gen) / 96**0.5, torch.randn(256, generator=gen)
+    counts = sorted({int(m) for m in torch.randint(40, 1500, (300,), generator=gen)})
+    for m in counts:
+        x = torch.randn(m, 96, generator=gen)
+        _close(gemm.linear(x, w, bias), _reference(x, w, bias))
+        _close(gemm.packed_linear(x, w, rows=64), _reference(x, w))
+        a = torch.randn(m, 24, generator=gen) / m**0.5
+        _close(gemm.mm_over_rows(a, x), a.double().t() @ x.double())
+    rows = {shape[0][0] for shape in seen}
+    assert rows <= {gemm.bucket_rows(m) for m in range(1, 1501)} | {24}  # 24: mm_over_rows' a^T
+    summed = {shape[0][1] for shape in seen if shape[0][0] == 24}
+    assert len(counts) > 250 and len(seen) < 160, (len(counts), len(seen))
+    assert summed <= {gemm.bucket_rows(m) for m in range(1, 1501)}
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 7, 8, 255, 256, 257, 271, 272, 4097])
+def test_mm_over_rows_is_the_transposed_product(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    a, b = torch.randn(m, 16, generator=gen) / m**0.5, torch.randn(m, 3000, generator=gen)
+    got = gemm.mm_over_rows(a, b)
+    assert got.shape == (16, 3000)
+    torch.testing.assert_close(got.double(), a.double().t() @ b.double(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, gemm.mm_over_rows(a, b))

@@ -323,13 +323,13 @@ def _group_grads(
     # operands (measured on the bench shapes); oneDNN ran them at 310-400 GFLOP/s.
     b_blk = torch.block_diag(*[b_i.t() for b_i in b]).mul_(s)
     dy_b = gemm.mm(dy2, b_blk.to(low).t())  # s dy B
-    db_blk = gemm.mm(xa.t(), dy2)  # [g r, N]; member i's block, transposed, is dB_i
+    db_blk = gemm.mm_over_rows(xa, dy2)  # [g r, N]; member i's block, transposed, is dB_i
     r, row = a[0].shape[0], 0
     db = []
     for i, b_i in enumerate(b):
         db.append(db_blk[i * r : (i + 1) * r, row : row + b_i.shape[0]].t().to(b_i.dtype))
         row += b_i.shape[0]
-    da = list(gemm.mm(dy_b.t(), x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
+    da = list(gemm.mm_over_rows(dy_b, x2).to(a_cat.dtype).split(r))  # s (dy B)^T x
     return dx, da, db
 
 
@@ -457,7 +457,7 @@ class _SwiGLUDown(torch.autograd.Function):
             dy_b = gemm.mm(dy2, b * s) if fused is None else fused.dy_b
             got = _swiglu_grads_c(ctx.link, gate_up, dh_c, dy_b)
             if got is not None:
-                db_c = gemm.mm(xa.t(), dy2).t() if fused is None else fused.db[0]
+                db_c = gemm.mm_over_rows(xa, dy2).t() if fused is None else fused.db[0]
                 return got[0], None, None, got[1].to(a.dtype), db_c.to(b.dtype), None
         gate, up = gate_up.chunk(2, dim=-1)
         fuse = compiled.fusable(gate, up) or bf16_rows.takes_silu(gate, up)  # as _silu_mul chose

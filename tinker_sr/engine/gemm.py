@@ -20,6 +20,16 @@ fixed cost exceeds the work). The choice depends only on the build, the dtype an
 never on a timing: runs stay bit-identical. ``$TINKER_SR_GEMM=blas`` keeps torch's BLAS
 everywhere (for A/B benchmarks and to compare against another machine's results).
 
+Every oneDNN product runs at a bucketed row count (`bucket_rows`: a multiple of 8 below 256
+rows, then 16 steps per octave; the rows past the product's are zeros and their results are
+dropped), and products that sum over a varying number of rows (the tokens: LoRA weight
+gradients) through `mm_over_rows`. oneDNN compiles and caches a kernel per shape (about 1-2
+MiB each, in two caches of 1,024 entries each): a long run whose sequence lengths, prompt
+lengths or per-expert row counts vary met a new shape at almost every step, and its memory
+grew by hundreds of MiB over a few hundred steps (``benchmarks/user_trial.py --max-tokens 96``,
+``--family qwen3_moe``). With buckets the shapes of a run are few, so the caches stop growing
+once they have seen them; the padding costs at most 1/16 more rows.
+
 `packed_linear`/`packed_mm` multiply by a weight reordered once into oneDNN's blocked layout
 (`packed_weight`, cached on the weight like `fused.frozen_cast`): decode's products of a few
 rows, where reading the weight is the whole cost, and the unembedding's chunks, where a plain
@@ -38,8 +48,10 @@ from torch import Tensor
 
 __all__ = [
     "BACKEND_ENV",
+    "bucket_rows",
     "linear",
     "mm",
+    "mm_over_rows",
     "onednn_fp32",
     "packed_linear",
     "packed_mm",
@@ -86,6 +98,29 @@ def onednn_fp32() -> bool:
     return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4)) and torch.equal(got, packed)
 
 
+def bucket_rows(m: int) -> int:
+    """The row count a oneDNN product of ``m`` rows runs at: ``m`` rounded up to a multiple of
+    8 below 256 (decode's padded batches stay as they are), then to 16 steps per octave (at
+    most 1/16 more rows), so a run meets few distinct shapes."""
+    step = max(8, 1 << max(m.bit_length() - 5, 0))
+    return -(-m // step) * step
+
+
+def _run(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN's ``F.linear(x, w, bias)`` with x's rows padded with zeros to `bucket_rows` (the
+    padded rows' results are dropped: a view of the first rows)."""
+    k = x.shape[-1]
+    m = x.numel() // max(k, 1)
+    rows = bucket_rows(m)
+    if rows == m:
+        return _op()(x, w, bias, "none", [], "")  # type: ignore[misc,no-any-return]
+    padded = x.new_empty(rows, k)
+    padded[:m] = x.reshape(m, k)
+    padded[m:] = 0
+    y = _op()(padded, w, bias, "none", [], "")[:m]  # type: ignore[misc]
+    return y.view(*x.shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
+
+
 def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None) -> bool:
     """Would ``linear(x, w)`` run on oneDNN? ``rows``: judge the size at this many rows
     instead of x's (decode: the same choice whatever the batch)."""
@@ -110,7 +145,7 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
     )
     if not tracked and uses_onednn(x, w) and (bias is None or bias.dtype == torch.float32):
-        return _op()(x, w, bias, "none", [], "")  # type: ignore[misc,no-any-return]
+        return _run(x, w, bias)
     if x.dim() > 2:
         # As a 2-D product: torch's CPU linear of a [1, 1, K] bfloat16 input by a large weight
         # (a prefill's last position by a 151,936-row unembedding) took 1.1 s, 45x the time
@@ -123,6 +158,24 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for 2-D a [M, K], b [K, N] (strided views welcome), as `linear`."""
     return linear(a, b.t())
+
+
+def mm_over_rows(a: Tensor, b: Tensor) -> Tensor:
+    """``a.t() @ b`` for a [M, P], b [M, N]: a sum over M rows (the tokens: a weight gradient),
+    as `mm`, with ``a.t()`` laid out contiguous (rank-major: MKL runs rank-8 products 2-5x
+    faster that way round). Where oneDNN runs it, the sum is split at the largest
+    `bucket_rows` count in M and the rest (under 1/16 of the rows) padded with zero rows to
+    its own bucket, so the summed dimension takes few distinct sizes as well (`bucket_rows`)."""
+    m = a.shape[0]
+    if not uses_onednn(a.t(), b.t()) or bucket_rows(m) == m:
+        return mm(a.t().contiguous(), b)
+    step = max(8, 1 << max(m.bit_length() - 5, 0))
+    head = m // step * step  # a bucket itself: same bit length, so the same step
+    rest = bucket_rows(m - head)
+    pa, pb = a.new_zeros(rest, a.shape[1]), b.new_zeros(rest, b.shape[1])
+    pa[: m - head], pb[: m - head] = a[head:], b[head:]
+    out = mm(pa.t().contiguous(), pb)
+    return out if head == 0 else out.add_(mm(a[:head].t().contiguous(), b[:head]))
 
 
 def _reorder(w: Tensor, rows: int) -> Tensor:
@@ -167,7 +220,7 @@ def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 
     the same path at every batch size); where it does not, torch's own op."""
     if not _packs(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, w, bias)
-    return _op()(x, packed_weight(w, rows), bias, "none", [], "")  # type: ignore[misc,no-any-return]
+    return _run(x, packed_weight(w, rows), bias)
 
 
 def packed_mm(a: Tensor, w: Tensor, rows: int) -> Tensor:
@@ -175,7 +228,7 @@ def packed_mm(a: Tensor, w: Tensor, rows: int) -> Tensor:
     ``w``: the unembedding's ``softmax @ W``. Where oneDNN does not apply, `mm`."""
     if not _packs(a, w.t(), rows):
         return mm(a, w)
-    return _op()(a, packed_weight(w, rows, transpose=True), None, "none", [], "")  # type: ignore[misc,no-any-return]
+    return _run(a, packed_weight(w, rows, transpose=True), None)
 
 
 def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | None:
@@ -199,4 +252,4 @@ def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | 
             stacked = torch.cat([w.detach() for w in weights])
             hit = cache[rows] = (key, _reorder(stacked, rows))
             del stacked
-    return _op()(x, hit[1], None, "none", [], "")  # type: ignore[misc,no-any-return]
+    return _run(x, hit[1], None)

@@ -119,7 +119,7 @@ def _lora_dz_grads(
         elif need_dh:
             got = lora.input_grad(dz, dzb, chunk)
         da.addmm_(dzb.t(), hc.to(a.dtype), alpha=scaling)
-        db_t += gemm.mm(u.t().contiguous(), dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
+        db_t += gemm.mm_over_rows(u, dz)  # [r, V]: ~5x faster than dz^T u into [V, r]
     return got
 
 
