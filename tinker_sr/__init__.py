@@ -16,7 +16,7 @@ from tinker_sr.clients import (
 )
 from tinker_sr.clients.admin import AdminClient
 from tinker_sr.clients.custom_loss import LossHandle, PerDatumLossFn
-from tinker_sr.engine.cpu import prefer_passive_waits
+from tinker_sr.engine.cpu import bound_kernel_caches, prefer_passive_waits
 from tinker_sr.errors import (
     APIConnectionError,
     APIError,
@@ -72,6 +72,7 @@ from tinker_sr.types import (
 # Nothing above imports torch (checked by a test), so this runs before torch loads its OpenMP
 # runtime: idle OpenMP threads then sleep instead of spinning beside other busy processes.
 prefer_passive_waits()
+bound_kernel_caches()
 
 __title__ = "tinker_sr"
 __version__ = "0.1.0"

@@ -4,12 +4,15 @@ otherwise; the same products either way, to float32 rounding."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tinker_sr.engine import batching, fused, gemm
+from tinker_sr.engine import batching, cpu, fused, gemm
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 
 needs_onednn = pytest.mark.skipif(
@@ -324,3 +327,43 @@ def test_mm_over_rows_is_the_transposed_product(m: int) -> None:
     assert got.shape == (16, 3000)
     torch.testing.assert_close(got.double(), a.double().t() @ b.double(), rtol=1e-5, atol=1e-4)
     assert torch.equal(got, gemm.mm_over_rows(a, b))
+
+
+_CACHE_PROBE = """
+import os, sys
+import tinker_sr
+import torch
+from tinker_sr.engine import gemm
+
+print("caps", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), os.environ["LRU_CACHE_CAPACITY"])
+w = torch.randn(64, 32)
+for m in range(1000, 1201):  # 1000 then 200 other shapes
+    gemm._op()(torch.ones(m, 32), w, None, "none", [], "")
+print("MARK", flush=True)
+gemm._op()(torch.ones(1000, 32), w, None, "none", [], "")  # the first shape again
+print("MARK", flush=True)
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("user_set", [False, True])
+def test_kernel_caches_are_capped_unless_the_user_set_them(user_set: bool) -> None:
+    """oneDNN keeps a compiled kernel per product shape; ``import tinker_sr`` caps its caches
+    (`cpu.bound_kernel_caches`) so a run whose shapes vary cannot grow them without end: the
+    first shape, 200 shapes later, is compiled again (a cache miss). A user's own setting
+    wins: at 1,024 entries it is still cached."""
+    env = {k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k}
+    env["ONEDNN_VERBOSE"] = "all"  # prints each kernel creation: cache_hit / cache_miss
+    if user_set:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = "1024"
+    out = subprocess.run(
+        [sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    caps = next(line for line in out.splitlines() if line.startswith("caps"))
+    want = "1024" if user_set else str(cpu.KERNEL_CACHE_ENTRIES)
+    assert caps == f"caps {want} {want}"
+    last = out.split("MARK")[-2]  # the first shape's second use
+    creates = [line for line in last.splitlines() if ",create:cache_" in line]
+    if not creates:
+        pytest.skip("this oneDNN prints no kernel creations (ONEDNN_VERBOSE=all)")
+    assert ("create:cache_hit" if user_set else "create:cache_miss") in creates[0]

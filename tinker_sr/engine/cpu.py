@@ -12,6 +12,14 @@ a training script beside a browser, CI runners sharing cores):
   i.e. before ``import torch``: ``import tinker_sr`` calls `prefer_passive_waits`, which sets
   it unless the user did; child processes (a spawned server) inherit it. A program that
   imports torch before tinker_sr keeps torch's default (set the variable yourself then).
+* Memory that grows with every new product shape: oneDNN (torch's CPU GEMMs in bf16, the
+  engine's float32 ones, batched attention products) compiles a kernel per shape and keeps it,
+  ~1-3 MiB each, in two caches (oneDNN's and ideep's) of 1,024 entries each. A run whose
+  sequence lengths vary fills them: bf16 ``user_trial.py --max-tokens 96`` grew 0.7 MiB a step
+  for hundreds of steps. `bound_kernel_caches` (called by ``import tinker_sr``) caps both at
+  `KERNEL_CACHE_ENTRIES` unless the user set them (read when oneDNN makes its first kernel);
+  float32 products also run at bucketed row counts (`gemm.bucket_rows`) so a run's working set
+  of shapes fits.
 * More threads than cores: the default counts the CPUs of the machine, not the ones this
   process may run on (CPU affinity, a cgroup quota of a container).
 """
@@ -39,6 +47,7 @@ __all__ = [
     "fit_allocator_to_memory",
     "has_fast_bf16",
     "isa_flags",
+    "bound_kernel_caches",
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",
@@ -95,6 +104,22 @@ def default_torch_threads(requested: int | None = None) -> int:
     if not env.isdigit() or int(env) < 1:
         raise ValueError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
     return int(env)
+
+
+# oneDNN's and ideep's kernel cache capacities (entries each): a training step's float32
+# products at bucketed row counts take a few dozen shapes; a miss recompiles (~1 ms).
+KERNEL_CACHE_ENTRIES = 128
+KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's primitive cache and ideep's at `KERNEL_CACHE_ENTRIES` entries each, where
+    the user set neither (``DNNL_PRIMITIVE_CACHE_CAPACITY`` is oneDNN's older name). Takes
+    effect if no oneDNN kernel was made yet in this process (both are read then)."""
+    oned, ideep = KERNEL_CACHE_ENV
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
+        os.environ.setdefault(oned, str(KERNEL_CACHE_ENTRIES))
+    os.environ.setdefault(ideep, str(KERNEL_CACHE_ENTRIES))
 
 
 def prefer_passive_waits() -> bool:
