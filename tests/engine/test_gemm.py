@@ -4,9 +4,11 @@ otherwise; the same products either way, to float32 rounding."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,3 +369,46 @@ def test_kernel_caches_are_capped_unless_the_user_set_them(user_set: bool) -> No
     if not creates:
         pytest.skip("this oneDNN prints no kernel creations (ONEDNN_VERBOSE=all)")
     assert ("create:cache_hit" if user_set else "create:cache_miss") in creates[0]
+
+
+@needs_onednn
+def test_a_run_with_varying_lengths_reaches_onednn_at_bucketed_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training and sampling a tiny Qwen3-MoE directory on batches and prompts whose lengths
+    change every step: every oneDNN product's row count is a bucket, and so is every summed
+    size that is not one of the model's own widths (the tokens of a LoRA weight gradient)."""
+    import tinker_sr as tinker
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    model_dir = make_tiny_hf_model_dir(tmp_path / "model", "qwen3_moe")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    real, seen = gemm._op(), set()
+
+    def recording(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.add((x.shape[0], x.shape[1]))
+        return real(x, w, *rest)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(gemm, "_op", lambda: recording)
+    types = tinker.types
+    training = tinker.ServiceClient().create_lora_training_client(str(model_dir), rank=8, seed=0)
+    training = training.result()
+    gen = torch.Generator().manual_seed(0)
+    for step, seq in enumerate((37, 91, 58, 113, 70, 149)):
+        rows = torch.randint(0, vocab, (3, seq + 1), generator=gen).tolist()
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row[:-1]),
+                loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * seq},
+            )
+            for row in rows
+        ]
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = training.save_weights_and_get_sampling_client()
+        prompt = types.ModelInput.from_ints(rows[0][: seq + 3])
+        params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=step)
+        sampler.sample(prompt, 3, params).result()
+    assert len(seen) > 5
+    assert all(gemm.bucket_rows(m) == m for m, _ in seen), sorted(seen)
+    assert all(gemm.bucket_rows(k) == k or k == vocab for _, k in seen), sorted(seen)
