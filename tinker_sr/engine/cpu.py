@@ -14,7 +14,7 @@ a training script beside a browser, CI runners sharing cores):
   imports torch before tinker_sr keeps torch's default (set the variable yourself then).
 * Memory that grows with every new product shape: oneDNN (torch's CPU GEMMs in bf16, the
   engine's float32 ones, batched attention products) compiles a kernel per shape and keeps it,
-  ~1-3 MiB each, in two caches (oneDNN's and ideep's) of 1,024 entries each. A run whose
+  ~1-3 MiB each (by shape), in two caches (oneDNN's and ideep's) of 1,024 entries each. A run whose
   sequence lengths vary fills them: bf16 ``user_trial.py --max-tokens 96`` grew 0.7 MiB a step
   for hundreds of steps. `bound_kernel_caches` (called by ``import tinker_sr``) caps both at
   `KERNEL_CACHE_ENTRIES` unless the user set them (read when oneDNN makes its first kernel);
@@ -37,9 +37,10 @@ from typing import Any
 from tinker_sr.engine import cgroups
 
 __all__ = [
-    "available_cpus",
     "allocator_fitted_to",
+    "available_cpus",
     "available_memory",
+    "bound_kernel_caches",
     "cpu_model",
     "default_torch_threads",
     "describe_free_memory",
@@ -47,7 +48,6 @@ __all__ = [
     "fit_allocator_to_memory",
     "has_fast_bf16",
     "isa_flags",
-    "bound_kernel_caches",
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",

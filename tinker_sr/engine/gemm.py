@@ -23,10 +23,11 @@ everywhere (for A/B benchmarks and to compare against another machine's results)
 Every oneDNN product runs at a bucketed row count (`bucket_rows`: a multiple of 8 below 256
 rows, then 16 steps per octave; the rows past the product's are zeros and their results are
 dropped), and products that sum over a varying number of rows (the tokens: LoRA weight
-gradients) through `mm_over_rows`. oneDNN compiles and caches a kernel per shape (about 1-2
-MiB each, in two caches of 1,024 entries each): a long run whose sequence lengths, prompt
-lengths or per-expert row counts vary met a new shape at almost every step, and its memory
-grew by hundreds of MiB over a few hundred steps (``benchmarks/user_trial.py --max-tokens 96``,
+gradients) through `mm_over_rows`. oneDNN compiles and caches a kernel per shape (about 1-3
+MiB each, by shape, in two caches of 1,024 entries each by default; `cpu.bound_kernel_caches`
+lowers that to 128): a long run whose sequence lengths, prompt lengths or per-expert row
+counts vary met a new shape at almost every step, and its memory grew by hundreds of MiB over
+a few hundred steps (``benchmarks/user_trial.py --max-tokens 96``,
 ``--family qwen3_moe``). With buckets the shapes of a run are few, so the caches stop growing
 once they have seen them; the padding costs at most 1/16 more rows.
 
@@ -98,11 +99,16 @@ def onednn_fp32() -> bool:
     return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4)) and torch.equal(got, packed)
 
 
+def _bucket_step(m: int) -> int:
+    """The spacing of the row buckets around ``m``: 8 below 256 rows, then 16 per octave."""
+    return max(8, 1 << max(m.bit_length() - 5, 0))
+
+
 def bucket_rows(m: int) -> int:
     """The row count a oneDNN product of ``m`` rows runs at: ``m`` rounded up to a multiple of
     8 below 256 (decode's padded batches stay as they are), then to 16 steps per octave (at
     most 1/16 more rows), so a run meets few distinct shapes."""
-    step = max(8, 1 << max(m.bit_length() - 5, 0))
+    step = _bucket_step(m)
     return -(-m // step) * step
 
 
@@ -169,7 +175,7 @@ def mm_over_rows(a: Tensor, b: Tensor) -> Tensor:
     m = a.shape[0]
     if not uses_onednn(a.t(), b.t()) or bucket_rows(m) == m:
         return mm(a.t().contiguous(), b)
-    step = max(8, 1 << max(m.bit_length() - 5, 0))
+    step = _bucket_step(m)
     head = m // step * step  # a bucket itself: same bit length, so the same step
     rest = bucket_rows(m - head)
     pa, pb = a.new_zeros(rest, a.shape[1]), b.new_zeros(rest, b.shape[1])
