@@ -130,6 +130,7 @@ class Choice:
     tokens: list[TokenEntry] | None = None
     completion_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended it, if one did
+    reasoning: str | None = None  # gpt-oss's analysis channel (`harmony`), chat only
 
 
 def _is_int(v: Any) -> bool:
@@ -435,6 +436,8 @@ def _choice_body(req: OaiRequest, index: int, choice: Choice) -> dict[str, Any]:
         lp = _chat_logprobs(choice) if req.chat else _completion_logprobs(choice)
     if req.chat:
         message = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = choice.reasoning
         return {"index": index, "message": message, "logprobs": lp,
                 "finish_reason": choice.finish_reason}  # fmt: skip
     return {"index": index, "text": choice.text, "logprobs": lp,
@@ -487,6 +490,9 @@ def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int
         if req.chat:
             out.append(event([{"index": i, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}]))  # fmt: skip
+            if c.reasoning is not None:
+                out.append(event([{"index": i, "delta": {"reasoning_content": c.reasoning},
+                                   "logprobs": None, "finish_reason": None}]))  # fmt: skip
             delta = {"content": c.text}
             out.append(event([{"index": i, "delta": delta, "logprobs": lp,
                                "finish_reason": None}]))  # fmt: skip

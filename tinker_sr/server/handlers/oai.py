@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from tinker_sr import types
 from tinker_sr.limits import DEFAULT_LIMITS
 
+from ..harmony import split_channels
 from ..http import HTTPError, json_reply, plain_error
 from ..oai_format import (
     Choice,
@@ -324,8 +325,13 @@ def _choices(
                     _token_entries(tok, prompt, list(resp.prompt_logprobs or []), tops_p, table)
                     + entries
                 )
+        reasoning = None
+        if req.chat and req.skip_special_tokens and (parts := split_channels(tok, prompt, tokens)):
+            text = cut_at_stop(parts[1], req.stop)[0]
+            reasoning = None if parts[0] is None else cut_at_stop(parts[0], req.stop)[0]
         ended = scoring_only or (seq.stop_reason == "length" and len(tokens) == whole)
-        out.append(Choice(text, "length" if ended else "stop", entries, len(tokens), stop_string))
+        reason = "length" if ended else "stop"
+        out.append(Choice(text, reason, entries, len(tokens), stop_string, reasoning))
     return out
 
 
