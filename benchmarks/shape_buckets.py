@@ -36,15 +36,36 @@ BATCH = 8
 VOCAB = 32000
 
 
-def run_side(side: str, model_dir: str, steps: int, lengths: tuple[int, int]) -> dict[str, Any]:
+def rl_step(training: Any, types: Any, rng: random.Random, gen: Any, lengths: tuple[int, int], step: int) -> float:  # fmt: skip
+    """One step of the benchmarks' RL-shaped work (the module docstring); its seconds."""
+    import torch
+
+    seq = rng.randint(*lengths)
+    rows = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=gen).tolist()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(row[:-1]),
+            loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * seq},
+        )
+        for row in rows
+    ]
+    prompt = torch.randint(0, VOCAB, (rng.randint(*lengths),), generator=gen).tolist()
+    start = time.perf_counter()
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    sampler = training.save_weights_and_get_sampling_client()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=step)
+    sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+    return time.perf_counter() - start
+
+
+def run_steps(model_dir: str, steps: int, lengths: tuple[int, int]) -> dict[str, Any]:
+    """``steps`` of `rl_step` on a LoRA r8 client of ``model_dir``: seconds per step after the
+    first, RSS after each, and when each began (``marks``: ms since the epoch)."""
     import torch
 
     import tinker_sr as tinker
-    from tinker_sr.engine import gemm
 
-    if side == "exact":
-        gemm.bucket_rows = lambda m: m  # the baseline: every product at its own row count
-    types = tinker.types
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     training = (
@@ -52,27 +73,20 @@ def run_side(side: str, model_dir: str, steps: int, lengths: tuple[int, int]) ->
         .create_lora_training_client(base_model=model_dir, rank=8, seed=0, train_unembed=False)
         .result()
     )
-    times, rss = [], []
+    times, rss, marks = [], [], []
     for step in range(steps):
-        seq = rng.randint(*lengths)
-        rows = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=gen).tolist()
-        data = [
-            types.Datum(
-                model_input=types.ModelInput.from_ints(row[:-1]),
-                loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * seq},
-            )
-            for row in rows
-        ]
-        prompt = torch.randint(0, VOCAB, (rng.randint(*lengths),), generator=gen).tolist()
-        start = time.perf_counter()
-        training.forward_backward(data, "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-        sampler = training.save_weights_and_get_sampling_client()
-        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=step)
-        sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
-        times.append(time.perf_counter() - start)
+        marks.append(time.time() * 1000)
+        times.append(rl_step(training, tinker.types, rng, gen, lengths, step))
         rss.append(rss_bytes())
-    return {"seconds_per_step": sum(times[1:]) / (steps - 1), "rss": rss}
+    return {"seconds_per_step": sum(times[1:]) / max(steps - 1, 1), "rss": rss, "marks": marks}
+
+
+def run_side(side: str, model_dir: str, steps: int, lengths: tuple[int, int]) -> dict[str, Any]:
+    from tinker_sr.engine import gemm
+
+    if side == "exact":
+        gemm.bucket_rows = lambda m: m  # the baseline: every product at its own row count
+    return run_steps(model_dir, steps, lengths)
 
 
 def main() -> None:

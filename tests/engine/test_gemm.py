@@ -371,6 +371,51 @@ def test_kernel_caches_are_capped_unless_the_user_set_them(user_set: bool) -> No
     assert ("create:cache_hit" if user_set else "create:cache_miss") in creates[0]
 
 
+_MODEL_THEN_PROBE = """
+import os, sys
+from pathlib import Path
+import tinker_sr
+from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+path = make_tiny_hf_model_dir(Path(sys.argv[1]), sys.argv[2])
+service = tinker_sr.ServiceClient()
+service.create_lora_training_client(base_model=str(path), rank=4).result()
+""" + _CACHE_PROBE.replace("import tinker_sr", "")
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("family", "user_set", "want"),
+    [("qwen3_moe", None, "512"), ("qwen3", None, "128"), ("qwen3_moe", "128", "128")],
+)
+def test_a_mixture_of_experts_widens_the_kernel_caches(
+    tmp_path: Path, family: str, user_set: str | None, want: str
+) -> None:
+    """Building a mixture-of-experts model (a training client on a Qwen3-MoE directory, as a
+    user makes one) raises the caps to `cpu.MOE_KERNEL_CACHE_ENTRIES` before oneDNN's first
+    kernel: its steps take 256-512 shapes (``benchmarks/moe_kernel_cache.py``), which at 128
+    entries were recompiled every step. The first shape is still cached 200 shapes later. A
+    dense model keeps 128; a user's own setting is kept."""
+    env = {k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k}
+    env["ONEDNN_VERBOSE"] = "all"
+    if user_set:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = user_set
+    out = subprocess.run(
+        [sys.executable, "-c", _MODEL_THEN_PROBE, str(tmp_path / "model"), family],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert next(line for line in out.splitlines() if line.startswith("caps")) == (
+        f"caps {want} {want}"
+    )
+    creates = [line for line in out.split("MARK")[-2].splitlines() if ",create:cache_" in line]
+    if not creates:
+        pytest.skip("this oneDNN prints no kernel creations (ONEDNN_VERBOSE=all)")
+    assert ("create:cache_hit" if want == "512" else "create:cache_miss") in creates[0]
+
+
 @needs_onednn
 def test_a_run_with_varying_lengths_reaches_onednn_at_bucketed_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

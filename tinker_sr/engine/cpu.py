@@ -17,7 +17,8 @@ a training script beside a browser, CI runners sharing cores):
   ~1-3 MiB each (by shape), in two caches (oneDNN's and ideep's) of 1,024 entries each. A run whose
   sequence lengths vary fills them: bf16 ``user_trial.py --max-tokens 96`` grew 0.7 MiB a step
   for hundreds of steps. `bound_kernel_caches` (called by ``import tinker_sr``) caps both at
-  `KERNEL_CACHE_ENTRIES` unless the user set them (read when oneDNN makes its first kernel);
+  `KERNEL_CACHE_ENTRIES` unless the user set them (read when oneDNN makes its first kernel;
+  building a mixture-of-experts model raises them, `widen_kernel_caches`);
   float32 products also run at bucketed row counts (`gemm.bucket_rows`) so a run's working set
   of shapes fits.
 * More threads than cores: the default counts the CPUs of the machine, not the ones this
@@ -51,6 +52,7 @@ __all__ = [
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",
+    "widen_kernel_caches",
 ]
 
 THREADS_ENV = "TINKER_SR_TORCH_THREADS"
@@ -106,10 +108,17 @@ def default_torch_threads(requested: int | None = None) -> int:
     return int(env)
 
 
-# oneDNN's and ideep's kernel cache capacities (entries each): a training step's float32
-# products at bucketed row counts take a few dozen shapes; a miss recompiles (~1 ms).
+# oneDNN's and ideep's kernel cache capacities (entries each): a dense model's training step
+# takes a few dozen float32 product shapes at bucketed row counts; a miss recompiles (~0.3-2
+# ms). A mixture of experts runs each expert on its own rows, four products per bucketed
+# row count (forward and backward, the backward's weights transposed: kernels of their own):
+# 128 experts choosing 8 for 8 x 100-400 tokens took 256-512 shapes a step
+# (``benchmarks/moe_kernel_cache.py``: 269 recompiles a step at 128 entries, 207 at 256, 12
+# at 512), so building one raises the caps to `MOE_KERNEL_CACHE_ENTRIES`.
 KERNEL_CACHE_ENTRIES = 128
+MOE_KERNEL_CACHE_ENTRIES = 512
 KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+_capped: dict[str, str] = {}  # the capacities `bound_kernel_caches` set (the user set none)
 
 
 def bound_kernel_caches() -> None:
@@ -117,9 +126,19 @@ def bound_kernel_caches() -> None:
     the user set neither (``DNNL_PRIMITIVE_CACHE_CAPACITY`` is oneDNN's older name). Takes
     effect if no oneDNN kernel was made yet in this process (both are read then)."""
     oned, ideep = KERNEL_CACHE_ENV
-    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
-        os.environ.setdefault(oned, str(KERNEL_CACHE_ENTRIES))
-    os.environ.setdefault(ideep, str(KERNEL_CACHE_ENTRIES))
+    names = [ideep] if "DNNL_PRIMITIVE_CACHE_CAPACITY" in os.environ else [oned, ideep]
+    for name in names:
+        if name not in os.environ:
+            os.environ[name] = _capped[name] = str(KERNEL_CACHE_ENTRIES)
+
+
+def widen_kernel_caches(entries: int) -> None:
+    """Raise the caps `bound_kernel_caches` set (never a user's) to at least ``entries``: a
+    model whose steps take more kernel shapes is being built. Takes effect only if no oneDNN
+    kernel was made yet in this process (the first model built decides, as a rule)."""
+    for name, value in list(_capped.items()):
+        if os.environ.get(name) == value and int(value) < entries:
+            os.environ[name] = _capped[name] = str(entries)
 
 
 def prefer_passive_waits() -> bool:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tinker_sr.engine import attention_inputs, compiled
+from tinker_sr.engine import attention_inputs, compiled, cpu
 from tinker_sr.engine.bf16_attention import bf16_causal_attention, suits_bf16_weights
 from tinker_sr.engine.device import free_memory
 from tinker_sr.engine.fused import (
@@ -625,6 +625,8 @@ def _stable_seed(*parts: object) -> int:
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
     """Allocate without nn.Linear's default init (slow, and it consumes the global torch RNG)."""
+    if config.moe_layers:  # more product shapes a step than a dense model's
+        cpu.widen_kernel_caches(cpu.MOE_KERNEL_CACHE_ENTRIES)
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     model.to_empty(device="cpu")
