@@ -131,6 +131,9 @@ def test_the_hubs_config_read_as_transformers_reads_it() -> None:
         # transformers refuses it too (its sliding mask needs the window)
         ({"sliding_window": None}, "sliding_window is null but layer_types has sliding"),
         ({"swiglu_limit": -1}, "swiglu_limit=-1"),
+        # transformers refuses null too (was: silently the default 7.0)
+        ({"swiglu_limit": None}, "swiglu_limit is null; give a positive number"),
+        ({"swiglu_alpha": None}, "swiglu_alpha is null.*default \\(1.702\\)"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 32, "beta_fast": "x"}}, "beta_fast"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 32, "truncate": 1}}, "truncate=1"),
         # found by tests/fuzz/test_fuzz_hf_config.py: was a ZeroDivisionError

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import apply_linear
+from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from tinker_sr.engine.model import ModelConfig
@@ -52,6 +53,7 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
 # ... and those where gpt-oss's default is not the other architectures' (8 experts, 1e-6)
 DEFAULTS = {"num_experts_per_tok": 4, "rms_norm_eps": 1e-5}
+SWIGLU_DEFAULTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 _EXPERT = re.compile(r"(?P<stem>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)")  # fmt: skip
 
 
@@ -121,9 +123,17 @@ def route(logits: Tensor, top_k: int, dtype: torch.dtype) -> tuple[Tensor, Tenso
     return torch.softmax(top, dim=-1, dtype=top.dtype).to(dtype), chosen
 
 
-def with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+def with_defaults(hf: dict[str, Any], name: str = "gpt-oss") -> dict[str, Any]:
     """A gpt-oss config.json with transformers' defaults where it has none: YaRN RoPE
-    (`DEFAULT_ROPE`), theta 150,000, 4 experts per token and an RMSNorm epsilon of 1e-5."""
+    (`DEFAULT_ROPE`), theta 150,000, 4 experts per token and an RMSNorm epsilon of 1e-5. A
+    null SwiGLU constant is `EngineUserError` (transformers refuses it too; null is not "no
+    clamp" there, and a silent default would compute another model)."""
+    for key, default in SWIGLU_DEFAULTS.items():
+        if key in hf and hf[key] is None:
+            raise EngineUserError(
+                f"{name}: config.json {key} is null; give a positive number, or leave the "
+                f"field out for transformers' default ({default})"
+            )
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")
     out = dict(hf) if rope else {**hf, "rope_scaling": dict(DEFAULT_ROPE)}
     out |= {k: v for k, v in DEFAULTS.items() if out.get(k) is None}

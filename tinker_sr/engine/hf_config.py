@@ -324,7 +324,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
     if arch_name == gpt_oss.ARCH:
-        hf = gpt_oss.with_defaults(hf)
+        hf = gpt_oss.with_defaults(hf, name)
     _refuse_unsupported(hf, name, arch_name)
     dim, n_heads = _count(hf, "hidden_size", name), _count(hf, "num_attention_heads", name)
     n_layers = _count(hf, "num_hidden_layers", name)
@@ -515,13 +515,15 @@ def _gpt_oss(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
             "layers; give the window (gpt-oss: 128)"
         )
     window = _count(hf, "sliding_window", name, 128) if "sliding_attention" in types else 0
-    return fields | {
-        "layer_types": tuple(types),
-        "sliding_window": window,
-        "gpt_oss": True,
-        "swiglu_alpha": float(_number(hf, "swiglu_alpha", name, 1.702)),
-        "swiglu_limit": float(_number(hf, "swiglu_limit", name, 7.0)),
-    }
+    return (
+        fields
+        | {
+            "layer_types": tuple(types),
+            "sliding_window": window,
+            "gpt_oss": True,
+        }
+        | {k: float(_number(hf, k, name, v)) for k, v in gpt_oss.SWIGLU_DEFAULTS.items()}
+    )
 
 
 def _qwen3_5_moe(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
