@@ -72,10 +72,11 @@ def test_a_harmony_answer_is_its_final_channel_with_the_analysis_as_reasoning(to
     # No analysis (low effort, or a template that opens the final channel): no reasoning.
     direct = _answer(tok, "<|channel|>final<|message|>the answer is 42<|return|>")
     assert (direct.reasoning, direct.text) == (None, "the answer is 42")
-    # A tool-call preamble or a commentary message is content too, its recipient not text.
-    tool = _answer(tok, THINK + "<|start|>assistant<|channel|>commentary to=functions.add "
+    # A commentary preamble is content; a message to a recipient (a tool call) is not text.
+    tool = _answer(tok, THINK + "<|start|>assistant<|channel|>commentary<|message|>adding"
+                   "<|end|><|start|>assistant<|channel|>commentary to=functions.add "
                    "<|constrain|>json<|message|>{}<|call|>")  # fmt: skip
-    assert (tool.reasoning, tool.text) == ("add 40 and 2", "{}")
+    assert (tool.reasoning, tool.text) == ("add 40 and 2", "adding")
     # A stop string ends the part it is in (and nothing after it was kept).
     stopped = _answer(tok, THINK + FINAL, stop=["is 42"])
     assert (stopped.reasoning, stopped.text, stopped.stop_string) == (
@@ -107,6 +108,33 @@ def test_raw_text_where_asked_for_or_where_the_answer_is_not_harmony(
     ids = tok.encode("add 40 and 2", add_special_tokens=False)
     assert split_channels(tok, opened, ids) == ("add 40 and 2", "")
     assert split_channels(tok, opened, []) == ("", "")
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        THINK + FINAL,
+        "<|channel|>final<|message|>the answer is 42<|return|>",
+        THINK + "<|start|>assistant<|channel|>commentary<|message|>adding<|end|>" + FINAL,
+        THINK + "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json"
+        '<|message|>{"a": 40}<|call|>',
+        "<|channel|>analysis<|message|>add<|end|><|start|>assistant<|channel|>analysis"
+        "<|message|> 40 and 2<|end|>" + FINAL,
+    ],
+)
+def test_the_split_is_tinker_cookbooks_parse_of_the_answer(tok: Any, completion: str) -> None:
+    """tinker-cookbook's gpt-oss renderer (``parse_response``, what an RL script reads a
+    sample with) is the oracle: its thinking parts are the reasoning, its text parts the
+    content, and a tool call neither."""
+    renderers = pytest.importorskip("tinker_cookbook.renderers")
+    renderer = renderers.get_renderer("gpt_oss_no_sysprompt", tok)
+    ids = tok.encode(completion, add_special_tokens=False)
+    message, _ = renderer.parse_response(ids)
+    parts = message["content"]
+    thinking = "".join(p["thinking"] for p in parts if p["type"] == "thinking")
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    got = split_channels(tok, _prompt(tok), ids)
+    assert got == (thinking or None, text)
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,12 @@ def _harmony_ids(tok: Any) -> dict[str, int] | None:
 
 
 def _channel(tok: Any, header: list[int]) -> str | None:
-    """The channel a message header names (``<|start|>assistant<|channel|>final``, with
-    perhaps `` to=...`` or ``<|constrain|>json`` after it), or None."""
+    """The channel a message header names (``<|start|>assistant<|channel|>final``), or None;
+    "to=" for a message addressed to a recipient (a tool call: ``<|channel|>commentary
+    to=functions.add <|constrain|>json``), which is not text of the answer."""
     text = str(tok.decode(header, skip_special_tokens=False))
+    if "to=" in text:
+        return "to="
     at = text.rfind("<|channel|>")
     if at < 0:
         return None
@@ -50,7 +53,8 @@ def split_channels(
 ) -> tuple[str | None, str] | None:
     """``(reasoning, content)`` of a harmony completion: the analysis channel's text (None if
     the completion has no analysis message) and the other channels' (final, commentary
-    preambles), each decoded without special tokens. The message the prompt opened (after its
+    preambles), each decoded without special tokens; a message to a recipient (a tool call)
+    is neither, as tinker-cookbook's gpt-oss renderer parses it. The message the prompt opened (after its
     last ``<|start|>``: the generation prompt's ``<|start|>assistant``, or a prefill's
     ``...<|channel|>final<|message|>``) is continued. None where this is not harmony: the
     tokenizer lacks its tokens, the prompt opens no message, or the prompt left a header open
@@ -85,7 +89,7 @@ def split_channels(
             if channel == "analysis":
                 reasoning = [] if reasoning is None else reasoning
                 reasoning.append(t)
-            else:
+            elif channel != "to=":
                 content.append(t)
     decode = tok.decode
     return (
