@@ -14,8 +14,8 @@ a training script beside a browser, CI runners sharing cores):
   imports torch before tinker_sr keeps torch's default (set the variable yourself then).
 * Memory that grows with every new product shape: oneDNN (torch's CPU GEMMs in bf16, the
   engine's float32 ones, batched attention products) compiles a kernel per shape and keeps it,
-  ~1-3 MiB each (by shape), in two caches (oneDNN's and ideep's) of 1,024 entries each. A run whose
-  sequence lengths vary fills them: bf16 ``user_trial.py --max-tokens 96`` grew 0.7 MiB a step
+  ~1-3 MiB each (by shape), in two caches (oneDNN's and ideep's) of 1,024 entries each. A run
+  whose sequence lengths vary fills them: bf16 ``user_trial.py --max-tokens 96`` grew 0.7 MiB a step
   for hundreds of steps. `bound_kernel_caches` (called by ``import tinker_sr``) caps both at
   `KERNEL_CACHE_ENTRIES` unless the user set them (read when oneDNN makes its first kernel;
   building a mixture-of-experts model raises them, `widen_kernel_caches`);

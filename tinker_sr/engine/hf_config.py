@@ -515,14 +515,9 @@ def _gpt_oss(hf: dict[str, Any], name: str, n_layers: int) -> dict[str, Any]:
             "layers; give the window (gpt-oss: 128)"
         )
     window = _count(hf, "sliding_window", name, 128) if "sliding_attention" in types else 0
+    swiglu = {k: float(_number(hf, k, name, v)) for k, v in gpt_oss.SWIGLU_DEFAULTS.items()}
     return (
-        fields
-        | {
-            "layer_types": tuple(types),
-            "sliding_window": window,
-            "gpt_oss": True,
-        }
-        | {k: float(_number(hf, k, name, v)) for k, v in gpt_oss.SWIGLU_DEFAULTS.items()}
+        fields | swiglu | {"layer_types": tuple(types), "sliding_window": window, "gpt_oss": True}
     )
 
 

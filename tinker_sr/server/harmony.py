@@ -54,12 +54,12 @@ def split_channels(
     """``(reasoning, content)`` of a harmony completion: the analysis channel's text (None if
     the completion has no analysis message) and the other channels' (final, commentary
     preambles), each decoded without special tokens; a message to a recipient (a tool call)
-    is neither, as tinker-cookbook's gpt-oss renderer parses it. The message the prompt opened (after its
-    last ``<|start|>``: the generation prompt's ``<|start|>assistant``, or a prefill's
-    ``...<|channel|>final<|message|>``) is continued. None where this is not harmony: the
-    tokenizer lacks its tokens, the prompt opens no message, or the prompt left a header open
-    and the completion holds none of harmony's structural tokens (a model that does not write
-    harmony: its text is the answer)."""
+    is neither, as tinker-cookbook's gpt-oss renderer parses it. The message the prompt
+    opened (after its last ``<|start|>``: the generation prompt's ``<|start|>assistant``, or a
+    prefill's ``...<|channel|>final<|message|>``) is continued. None where this is not
+    harmony: the tokenizer lacks its tokens, the prompt opens no message, or the prompt left a
+    header open and the completion holds none of harmony's structural tokens (a model that
+    does not write harmony: its text is the answer)."""
     ids = _harmony_ids(tok)
     if ids is None or ids["<|start|>"] not in prompt:
         return None
