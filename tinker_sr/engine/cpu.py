@@ -112,9 +112,9 @@ def default_torch_threads(requested: int | None = None) -> int:
 # takes a few dozen float32 product shapes at bucketed row counts; a miss recompiles (~0.3-2
 # ms). A mixture of experts runs each expert on its own rows, four products per bucketed
 # row count (forward and backward, the backward's weights transposed: kernels of their own):
-# 128 experts choosing 8 for 8 x 100-400 tokens took 256-512 shapes a step
-# (``benchmarks/moe_kernel_cache.py``: 269 recompiles a step at 128 entries, 207 at 256, 12
-# at 512), so building one raises the caps to `MOE_KERNEL_CACHE_ENTRIES`.
+# 128 experts choosing 8 for 8 x 100-400 tokens took 256-512 kernels a step
+# (``benchmarks/moe_kernel_cache.py``: 240 recompiles a step at 128 entries, 167 at 256, 15
+# at 512 or 1,024), so building one raises the caps to `MOE_KERNEL_CACHE_ENTRIES`.
 KERNEL_CACHE_ENTRIES = 128
 MOE_KERNEL_CACHE_ENTRIES = 512
 KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
