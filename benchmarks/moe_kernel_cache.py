@@ -37,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
+from engine_vs_hf import save_random_model  # noqa: E402 - the benchmarks' model directories
 from memory import MIB  # noqa: E402 - benchmarks/memory.py, beside this script
 from shape_buckets import BATCH, VOCAB, run_steps  # noqa: E402 - the same RL-shaped steps
 
@@ -46,39 +47,30 @@ CAP_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 def make_moe_dir(path: Path, hidden: int, expert_dim: int, layers: int) -> Path:
     """A Qwen3-MoE directory: the test helper's tokenizer files, 8 of 128 experts per token,
     random weights (seeded)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+    def config_of(**special_ids: Any) -> Any:
+        return Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=max(1, hidden // 256),
+            head_dim=64,
+            max_position_embeddings=4096,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=expert_dim,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=True,
+            architectures=["Qwen3MoeForCausalLM"],
+            **special_ids,
+        )
 
-    make_tiny_hf_model_dir(path, "qwen3_moe", pad_vocab_to_multiple=VOCAB)
-    hf = json.loads((path / "config.json").read_text())
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        max_position_embeddings=4096,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=expert_dim,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=True,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-        architectures=["Qwen3MoeForCausalLM"],
-    )
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
+    return save_random_model(path, "qwen3_moe", VOCAB, config_of)
 
 
 def recompiles(verbose: str, since_ms: float) -> tuple[int, float]:
