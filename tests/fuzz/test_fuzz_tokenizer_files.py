@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,10 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> None:
     doc[path[-1]] = value
 
 
-EDGES: list[Any] = [None, True, -1, 0, 259, 300, 10**6, 2.5, "x", "</s>", [], [300], [None],
-                    {}, {"id": 1}, {"content": 3}, {"type": "Metaspace"}]  # fmt: skip
+# JSON as Python writes and reads it: Infinity and NaN included (json.loads takes them).
+EDGES: list[Any] = [None, True, -1, 0, 259, 300, 10**6, 2**32, 2.5, 260.0, math.inf, math.nan,
+                    "x", "260", "</s>", [], [300], [None], [math.inf], {}, {"id": 1},
+                    {"content": 3}, {"type": "Metaspace"}]  # fmt: skip
 
 
 def _check(root: Path, edits: list[tuple[tuple[str, tuple[Any, ...]], Any]]) -> None:

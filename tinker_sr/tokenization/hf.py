@@ -82,7 +82,7 @@ def token_bytes_table(spec: dict[str, Any], vocab_size: int) -> list[bytes]:
     else:
         table = _decode_each(spec, vocab_size)
     for added in spec.get("added_tokens") or []:
-        i = int(added["id"])
+        i = _token_id(added["id"])
         if 0 <= i < vocab_size:
             table[i] = b"" if added.get("special") else str(added["content"]).encode()
     return table
@@ -141,11 +141,19 @@ def _special_token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _token_id(value: Any) -> int:
+    """An added token's id as the `tokenizers` library reads it (an unsigned 32-bit integer:
+    not a float, a string or a bool), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ValueError(f"an added token's id is {value!r}, not an integer in [0, 2**32)")
+    return value
+
+
 def _special_token_ids(root: Path, config: dict[str, Any]) -> dict[str, int]:
     """Added-token ids by content, from tokenizer.json or tokenizer_config.json."""
     if (root / "tokenizer.json").is_file():
         added = read_json(root / "tokenizer.json").get("added_tokens") or []
-        return {str(t["content"]): int(t["id"]) for t in added}
+        return {str(t["content"]): _token_id(t["id"]) for t in added}
     decoder = config.get("added_tokens_decoder") or {}
     return {str(t.get("content")): int(i) for i, t in decoder.items() if isinstance(t, dict)}
 
