@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinker_sr
-from tests.fuzz.conftest import FUZZ
+from tests.fuzz.conftest import FUZZ, scaled
 from tests.fuzz.test_fuzz_model_files import DTYPES, SPECIAL, _join, _split
 from tinker_sr.backend.local import LocalBackend
 
@@ -75,7 +75,7 @@ def _mutate(raw: bytes, kind: str, where: int, what: Any) -> bytes:
     return _join(header, data)
 
 
-@settings(FUZZ, max_examples=60)
+@settings(FUZZ, max_examples=scaled(60))
 @given(mutation=MUTATIONS)
 def test_a_damaged_checkpoint_resumes_finite_or_is_refused_by_name(
     saved: tuple[Any, str, Path, bytes], mutation: tuple

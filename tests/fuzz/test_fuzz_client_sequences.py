@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import tinker_sr as tinker
-from tests.fuzz.conftest import FUZZ
+from tests.fuzz.conftest import FUZZ, scaled
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.errors import RequestFailedError
@@ -189,6 +189,6 @@ TestClientSequences = ClientSequences.TestCase
 # 8 derandomized runs of 14 steps each reach a released sampler (its "most recently used"
 # error) as often as the 15 / 12 runs did, with up to 5 / 4 samplers made: the sequences past
 # the eighth repeated those paths at ~1.8 s a run.
-TestClientSequences.settings = settings(FUZZ, max_examples=8, stateful_step_count=14)
+TestClientSequences.settings = settings(FUZZ, max_examples=scaled(8), stateful_step_count=14)
 TestSDKClientSequences = SDKClientSequences.TestCase
-TestSDKClientSequences.settings = settings(FUZZ, max_examples=8, stateful_step_count=14)
+TestSDKClientSequences.settings = settings(FUZZ, max_examples=scaled(8), stateful_step_count=14)

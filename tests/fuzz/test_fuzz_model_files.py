@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz.conftest import FUZZ
+from tests.fuzz.conftest import FUZZ, scaled
 
 pytest.importorskip("transformers")
 import torch  # noqa: E402
@@ -92,7 +92,7 @@ def _mutate(raw: bytes, kind: str, where: int, what: object) -> bytes:
     return _join(header, data)
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=scaled(80))
 @given(mutation=MUTATIONS)
 def test_a_damaged_weights_file_loads_finite_or_is_refused_by_name(
     base: Path, tmp_path_factory: pytest.TempPathFactory, mutation: tuple
