@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
+from tinker_sr.engine.hybrid import UNUSED_PREFIXES  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 from tinker_sr.user_errors import EngineUserError  # noqa: E402
 
@@ -106,10 +107,11 @@ def test_a_damaged_weights_file_loads_finite_or_is_refused_by_name(
     except EngineUserError as e:
         assert str(root) in str(e) or "tensor " in str(e), e
         return
-    # What the engine reads: not the vision tower of a vision-language checkpoint (text only:
-    # docs/models.md), whose damage a text model never meets.
+    # What the engine reads: not what it skips by name (a vision-language checkpoint's vision
+    # tower: text only, docs/models.md), whose damage a text model never meets.
     header = _split(weights.read_bytes())[0]
-    stored = {v["dtype"] for k, v in header.items() if k != "__metadata__" and ".visual." not in k}
+    read = [k for k in header if k != "__metadata__" and not k.startswith(UNUSED_PREFIXES)]
+    stored = {header[k]["dtype"] for k in read}
     assert stored <= {"F64", "F32", "F16", "BF16"}, f"{mutation}: loaded {stored} as weights"
     for name, tensor in model.state_dict().items():
         assert torch.isfinite(tensor).all(), f"{mutation}: {name} loaded non-finite"
