@@ -1,11 +1,10 @@
 """Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 (and -MoE) / gpt-oss family.
 
 RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU feed-forward (or Qwen3-MoE's routed SwiGLU
-experts, `SparseMoe`), optional tied embeddings, optional
-per-head q/k RMSNorm (Qwen3) and attention projection biases (Qwen2: q/k/v; Llama: all four).
-Submodules carry Hugging Face names, so a real checkpoint's state dict loads by name
-(`load_pretrained`).
+`F.scaled_dot_product_attention`, SwiGLU feed-forward (or Qwen3-MoE's routed SwiGLU experts,
+`SparseMoe`), optional tied embeddings, optional per-head q/k RMSNorm (Qwen3) and attention
+projection biases (Qwen2: q/k/v; Llama: all four). Submodules carry Hugging Face names, so a
+real checkpoint's state dict loads by name (`load_pretrained`).
 
 Two call shapes:
 - training / scoring: `model(tokens[B, T], attn_mask=valid[B, T])` on a right-padded batch;
@@ -533,9 +532,12 @@ class Transformer(nn.Module):
         start_pos: int = 0,
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
+        kept_tokens: int | None = None,
     ) -> Tensor:
         """tokens [B, T] → the final-normed hidden states [B, T, D] that `lm_head` unembeds
         (a loss can unembed them in chunks instead of materialising [B, T, V] logits).
+        kept_tokens: what backward holds at once when this is one of several forwards before it
+        (a call's length groups; default B x T), as `checkpoint_pays` counts them.
 
         attn_mask [B, T] (bool or 0/1) marks real tokens of a right-padded batch. Under causal
         attention a real token never attends to a later position, so right padding cannot leak
@@ -572,7 +574,7 @@ class Transformer(nn.Module):
         cos, sin = rope_angles(self.inv_freq, start_pos, T, x.dtype, x.device, self.rope_scale)
         recompute = cache is None and torch.is_grad_enabled()
         if recompute and self.checkpoint_layers is None:
-            recompute = checkpoint_pays(self.config, tokens.numel(), self.device)
+            recompute = checkpoint_pays(self.config, kept_tokens or tokens.numel(), self.device)
         else:
             recompute = recompute and bool(self.checkpoint_layers)
         norm = self.model.norm
