@@ -146,3 +146,38 @@ def test_exiting_with_undropped_clients_prints_nothing(tmp_path: Path) -> None:
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert out.stderr == "", out.stderr
+
+
+def test_clients_dropped_as_the_script_exits_let_it_exit_cleanly(tmp_path: Path) -> None:
+    """Clients in a function's locals, dropped as it returns just before the interpreter exits
+    (benchmarks/mixed_lengths.py): ending their session (`_end_dropped`) on the SDK loop's
+    thread let go of the whole engine there while Python finalized, torch released the GIL
+    inside a tensor's deallocation, and the thread, killed as it retook it, aborted the process
+    (`terminate called without an active exception`, exit status 134) in 4 of 5 runs of that
+    benchmark and 6 of 8 of this script. The ballast stands for a big model's many tensors."""
+    script = (
+        "import sys, torch\n"
+        "import tinker_sr as tinker\n"
+        "from tinker_sr.backend.local import LocalBackend\n"
+        "from tinker_sr import types\n"
+        "def main():\n"
+        "    backend = LocalBackend(sys.argv[1])\n"
+        "    backend.ballast = [torch.ones(1) for _ in range(200_000)]\n"
+        "    service = tinker.ServiceClient(backend=backend)\n"
+        "    training = service.create_lora_training_client('tinker-sr/tiny', rank=4).result()\n"
+        "    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),\n"
+        "        loss_fn_inputs={'target_tokens': [6, 7, 8], 'weights': [1.0, 1.0, 1.0]})\n"
+        "    training.forward_backward([datum], 'cross_entropy').result()\n"
+        "    print('ok')\n"
+        "main()\n"
+    )
+    for i in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / f"store{i}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parents[1],
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+        assert out.stderr == "", out.stderr[-2000:]

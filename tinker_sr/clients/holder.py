@@ -8,6 +8,7 @@ scripts (``.result()``), from async code (``await``), and across threads.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import ipaddress
 import itertools
@@ -50,6 +51,40 @@ def sdk_loop() -> asyncio.AbstractEventLoop:
             ready.wait()
             _loop, _loop_thread = loop, t
         return _loop
+
+
+EXIT_GRACE_S = 5.0  # how long the exit hook lets the SDK loop's cancelled tasks unwind
+
+
+@atexit.register
+def _stop_loop_at_exit() -> None:
+    """Stop the SDK loop's thread before the interpreter finalizes: cancel its tasks, let them
+    unwind, stop the loop, join the thread, close the loop. A daemon thread still running as
+    Python finalizes is killed when it retakes the GIL, and torch releases the GIL inside
+    every tensor's deallocation, so the kill could unwind through torch's C++ frames and
+    abort the process (`terminate called without an active exception`, exit status 134).
+    The loop did free tensors then: the clients of a function's locals are dropped as it
+    returns, and ending their session (`_end_dropped`) let go of a whole engine there.
+    Atexit hooks run after the engine's worker thread has finished its queued work."""
+    loop, thread = _loop, _loop_thread
+    if loop is None or thread is None or loop.is_closed() or not thread.is_alive():
+        return
+
+    async def wind_down() -> None:
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=EXIT_GRACE_S)
+
+    try:
+        asyncio.run_coroutine_threadsafe(wind_down(), loop).result(2 * EXIT_GRACE_S)
+        loop.call_soon_threadsafe(loop.stop)
+    except (RuntimeError, concurrent.futures.TimeoutError):  # closed meanwhile; stuck
+        return
+    thread.join(EXIT_GRACE_S)
+    if not thread.is_alive():
+        loop.close()  # a finalizer run later finds it closed and schedules nothing
 
 
 def on_sdk_loop_thread() -> bool:
