@@ -104,11 +104,11 @@ PAD_SLACK = 1.25
 
 
 def length_groups(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:
-    """A call's datum indices in groups that each run as one right-padded batch: longest
-    first, a datum joining the group before it while the group, padded to its longest, holds at
-    most ``slack`` times its real tokens. Each group lists its datums in call order. Padding every datum to the call's longest made one 2,048-token datum
-    beside seven of 64-1,024 cost ~4.3x the same datums one per call
-    (`benchmarks/mixed_lengths.py`); equal lengths stay one batch."""
+    """A call's datum indices in groups that each run as one right-padded batch: longest first, a
+    datum joining the group before it while the group, padded to its longest, holds at most
+    ``slack`` times its real tokens. Each group lists its datums in call order. Padding every
+    datum to the call's longest made one 2,048-token datum beside seven of 64-1,024 cost ~4.3x
+    the same datums one per call (`benchmarks/mixed_lengths.py`); equal lengths stay one batch."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties in order
     groups: list[list[int]] = []
     longest = real = 0  # the last group's longest datum and its real tokens
