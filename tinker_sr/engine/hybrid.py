@@ -33,12 +33,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import apply_linear, linear_group
+from tinker_sr.engine.tri_solve import unit_lower_solve
 from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
     from tinker_sr.engine.model import KVCache, ModelConfig
 
 CHUNK = 64  # positions per chunk of the WY form (transformers and FLA use 64)
+# Decays below exp(DECAY_FLOOR) (~9e-14, far below float32's precision beside the undecayed
+# terms every sum holds) are exact zeros in the chunked form: left as they were, the tails of
+# fast-decaying heads ran into float32's subnormal range, whose arithmetic is ~100x slower on
+# x86, and made a Qwen3.5 step ~1.4x slower (`benchmarks/linear_attention.py`).
+DECAY_FLOOR = -30.0
 QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 LAYER_KINDS = frozenset({"full_attention", "linear_attention"})  # config layer_types entries
 # Gains stored as offsets from 1 in a Qwen3.5 checkpoint (the linear attention's gated norm,
@@ -117,7 +123,8 @@ def gated_delta_rule(
     <= 0) and beta [B, T, H], state [B, H, Dk, Dv] or None (zeros). Returns (out [B, T, H, Dv],
     the state after the last position). Within a chunk the updates are condensed by the
     UT transform, ``(I + strictly_lower(beta K K^T * decay))^-1``, into matrix products; the
-    state is carried from chunk to chunk. No in-place writes: autograd differentiates it."""
+    state is carried from chunk to chunk. No in-place writes: autograd differentiates it.
+    Decays under ``exp(DECAY_FLOOR)`` are zeros (`decay_exp`)."""
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     q = q * Dk**-0.5
@@ -133,24 +140,34 @@ def gated_delta_rule(
     kb, vb = k * beta[..., None], v * beta[..., None]
     gc = g.cumsum(-1)
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    decay = decay_exp((gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")))
     system = (kb @ k.transpose(-1, -2)) * decay  # the solve reads its strictly lower part
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, kb * gc.exp()[..., None], upper=False, unitriangular=True
-    )
+    u = unit_lower_solve(system, vb)
+    from_start = decay_exp(gc)[..., None]  # each position's decay since the chunk's start
+    # w's rows past the floor are zeros: their rows of the system are zeroed too, or the solve
+    # would form them from products (decay from j times j's from_start) below the floor.
+    w_system = system * (from_start > 0)
+    w = unit_lower_solve(w_system, kb * from_start)
     inner = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * gc.exp()[..., None]
-    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
-    chunk_decay = gc[..., -1].exp()[..., None, None]
+    q_dec = q * from_start
+    k_dec = k * decay_exp(gc[..., -1:] - gc)[..., None]
+    chunk_decay = decay_exp(gc[..., -1])[..., None, None]
     s = torch.zeros(B, H, Dk, Dv, dtype=q.dtype, device=q.device) if state is None else state
     outs = []
-    for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ s
-        outs.append(q_dec[:, :, i] @ s + inner[:, :, i] @ v_new)
-        s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    # Chunks through unbind, not t[:, :, i]: each such slice's backward would zero-fill and add
+    # a whole [B, H, n, CHUNK, CHUNK] gradient (n per tensor).
+    chunks = zip(*(t.unbind(2) for t in (u, w, q_dec, inner, k_dec, chunk_decay)), strict=True)
+    for u_i, w_i, q_i, inner_i, k_i, decay_i in chunks:
+        v_new = u_i - w_i @ s
+        outs.append(q_i @ s + inner_i @ v_new)
+        s = s * decay_i + k_i.transpose(-1, -2) @ v_new
     out = torch.stack(outs, 2).reshape(B, H, n * CHUNK, Dv)[:, :, :T]
     return out.transpose(1, 2), s
+
+
+def decay_exp(log_decay: Tensor) -> Tensor:
+    """``exp(log_decay)``, zero where ``log_decay < DECAY_FLOOR`` (gradient zero there too)."""
+    return log_decay.masked_fill(log_decay < DECAY_FLOOR, float("-inf")).exp()
 
 
 def gated_delta_step(
