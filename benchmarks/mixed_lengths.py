@@ -83,8 +83,8 @@ def main() -> None:
     print(describe_machine())
     total, padded = sum(lengths), len(lengths) * max(lengths)
     print(
-        f"model: {args.arch}; datums: {len(lengths)} of {lengths} tokens = {total} tokens; padded to the longest "
-        f"{padded} ({padded / total:.2f}x)"
+        f"model: {args.arch}; datums: {len(lengths)} of {lengths} tokens = {total} tokens; "
+        f"padded to the longest {padded} ({padded / total:.2f}x)"
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", args.arch)

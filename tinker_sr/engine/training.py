@@ -139,6 +139,9 @@ def _hidden_rows(
         # and add a whole [B, T, D] gradient (B of them per step).
         for i, r, n in zip(group, hidden.unbind(0), lengths, strict=True):
             rows[i] = r if n == r.shape[0] else r[:n]
+    missing = [i for i, r in enumerate(rows) if r is None]
+    if missing:  # `length_groups` partitions the call: a datum left out is a bug, not input
+        raise AssertionError(f"datums {missing} are in no length group")
     return [r for r in rows if r is not None]
 
 
