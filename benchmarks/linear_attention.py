@@ -1,32 +1,37 @@
-"""Qwen3.5's linear attention in a training step: subnormal floats and per-matrix solves.
+"""Qwen3.5's linear attention: subnormal floats, per-matrix solves, the decode step.
 
-Two costs of the gated DeltaNet's chunked (WY) form, which the training step and prefill run:
+Three costs of the gated DeltaNet on a CPU:
 
-* Subnormal floats. The state decays by ``exp(g)`` per token; within a chunk the decays and
-  their products reach ``exp(-87)`` and below, float32's subnormal range, wherever a head
-  decays by more than ~1.4 per token on average (a random Qwen3.5's heads do: transformers
-  draws ``A`` from U(0, 16); fast heads of real checkpoints do too). x86 cores compute with
-  subnormal operands or results through slow microcode: the step's small batched GEMMs ran
-  ~16x below their speed. The engine zeroes decays under ``exp(hybrid.DECAY_FLOOR)``
-  (~9e-14) and the rows of the solve past it (`hybrid.decay_exp`).
+* Subnormal floats. The state decays by ``exp(g)`` per token; in the chunked (WY) form that
+  training and prefill run, a chunk's decays and their products reach ``exp(-87)`` and below,
+  float32's subnormal range, wherever a head decays by more than ~1.4 per token on average (a
+  random Qwen3.5's heads do: transformers draws ``A`` from U(0, 16); fast heads of real
+  checkpoints do too). x86 cores compute with subnormal operands or results through slow
+  microcode: the step's small batched GEMMs ran ~16x below their speed. The engine zeroes
+  decays under ``exp(hybrid.DECAY_FLOOR)`` (~9e-14) and the rows of the solve past it.
 * Per-matrix solves. torch's triangular solve calls the BLAS once per 64 x 64 matrix, each
   call a parallel region; with the engine's passive OpenMP waits each wakes the other
-  threads. The engine solves the whole batch in one C region (`engine.tri_solve`).
+  threads. The engine solves the whole batch in one C region (`engine.delta_native`).
+* The decode step. torch's elementwise form of one position makes five passes over every
+  row's state, each a parallel region; the engine's C kernel makes one region.
 
 This script times, in this one process, one LoRA training client of engine_vs_hf.py's random
 ~42M-parameter Qwen3.5 (an HF directory with its BPE tokenizer; six DeltaNet layers, two
-gated-attention layers), one ``forward_backward`` of the same datums:
+gated-attention layers), ``--work train``: one ``forward_backward`` of the same datums;
+``--work sample``: 8 samples of 128 new tokens from a 64-token prompt:
 
 * now: the engine as it is;
-* baseline: the same with the floor off (``DECAY_FLOOR = -inf``) and torch's solve
-  (``--baseline floor`` or ``solve``: only that one undone);
+* baseline: the same with the changes of ``--baseline`` undone (default all: the floor off,
+  ``DECAY_FLOOR = -inf``; torch's solve; torch's decode step);
 
 alternating the order per round, and prints now / baseline per round, their median and the
-largest difference between the two ways' per-datum log-probs.
+largest difference between the two ways' log-probs (training: per datum; sampling: the
+sampled tokens', where both ways sampled the same tokens).
 
-    python benchmarks/linear_attention.py                # 8 datums of 256 tokens, 3 rounds
-    python benchmarks/linear_attention.py --lengths 2048 --rounds 5
-    python benchmarks/linear_attention.py --quick        # smoke test
+    python benchmarks/linear_attention.py                # train, 8 datums of 256 tokens
+    python benchmarks/linear_attention.py --work sample
+    python benchmarks/linear_attention.py --baseline solve --lengths 2048 --rounds 5
+    python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
 from __future__ import annotations
@@ -47,76 +52,126 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
+UNDO = ("floor", "solve", "step")
+
 
 @contextlib.contextmanager
-def undone(which: str) -> Iterator[None]:
-    """The engine with ``which`` ("floor", "solve" or "both") of this script's changes undone."""
-    from tinker_sr.engine import hybrid, tri_solve
+def undone(which: set[str]) -> Iterator[None]:
+    """The engine with ``which`` (of `UNDO`) of this script's changes undone."""
+    from tinker_sr.engine import delta_native, hybrid
 
-    floor, ready = hybrid.DECAY_FLOOR, tri_solve.native_solve_ready
-    if which in ("floor", "both"):
+    saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
+    if "floor" in which:
         hybrid.DECAY_FLOOR = float("-inf")  # read per call by `hybrid.decay_exp`
-    if which in ("solve", "both"):
-        tri_solve.native_solve_ready = lambda *_: False  # type: ignore[assignment]
+    if "solve" in which:
+        delta_native.native_solve_ready = lambda *_: False  # type: ignore[assignment]
+    if "step" in which:
+        hybrid.gated_delta_step_ = lambda *_: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        hybrid.DECAY_FLOOR, tri_solve.native_solve_ready = floor, ready  # type: ignore[assignment]
+        hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_ = saved  # type: ignore[assignment]
+
+
+def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
+    """(run once -> its outputs, max |log-prob difference| between two runs' outputs)."""
+    import tinker_sr as tinker
+
+    types = tinker.types
+    if work == "train":
+        data = make_data(lengths)
+
+        def train() -> Any:
+            return training.forward_backward(data, "cross_entropy").result().loss_fn_outputs
+
+        def train_diff(a: Any, b: Any) -> float:
+            return max(
+                float(abs(x["logprobs"].to_torch() - y["logprobs"].to_torch()).max())
+                for x, y in zip(a, b, strict=True)
+            )
+
+        return train, train_diff
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(list(range(1000, 1064)))
+    params = types.SamplingParams(max_tokens=lengths[0], seed=1, temperature=1.0)
+
+    def sample() -> Any:
+        return sampler.sample(prompt, 8, params).result().sequences
+
+    def sample_diff(a: Any, b: Any) -> float:
+        same = [(x, y) for x, y in zip(a, b, strict=True) if x.tokens == y.tokens]
+        return max(
+            (max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) for x, y in same),
+            default=float("nan"),
+        )
+
+    return sample, sample_diff
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default=",".join(["256"] * 8), help="comma-separated")
+    parser.add_argument("--work", choices=["train", "sample"], default="train")
+    parser.add_argument(
+        "--lengths",
+        help="train: comma-separated datum lengths (default 8 x 256); sample: the new tokens (128)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline", choices=["both", "floor", "solve"], default="both")
-    parser.add_argument("--quick", action="store_true", help="lengths 128,128 and 1 round")
+    parser.add_argument(
+        "--baseline", default="all", help=f"comma-separated of {', '.join(UNDO)}, or all"
+    )
+    parser.add_argument("--quick", action="store_true", help="short lengths, 1 round, both works")
     args = parser.parse_args()
+    which = set(UNDO) if args.baseline == "all" else set(args.baseline.split(","))
+    if which - set(UNDO):
+        parser.error(f"--baseline: {sorted(which - set(UNDO))} are not of {UNDO}")
+    works = ["train", "sample"] if args.quick else [args.work]
     if args.quick:
-        args.lengths, args.rounds = "128,128", 1
-    lengths = [int(x) for x in args.lengths.split(",")]
+        args.rounds = 1
 
     import tinker_sr as tinker
     from tinker_sr.backend.local import LocalBackend
     from tinker_sr.engine.cpu import describe_machine
 
     print(describe_machine())
-    print(f"model: qwen3_5; forward_backward of {len(lengths)} datums of {lengths} tokens")
-    print(f"baseline: {args.baseline} undone")
+    print(f"model: qwen3_5; baseline: {', '.join(sorted(which))} undone")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5")
         service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
         training = service.create_lora_training_client(
             base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False
         ).result()
-        data = make_data(lengths)
-
-        def now() -> Any:
-            return training.forward_backward(data, "cross_entropy").result()
-
-        def baseline() -> Any:
-            with undone(args.baseline):
-                return now()
-
-        # Warm-up (kernel caches, allocator) and the two ways' outputs compared.
-        a, b = now().loss_fn_outputs, baseline().loss_fn_outputs
-        diff = max(
-            float(abs(x["logprobs"].to_torch() - y["logprobs"].to_torch()).max())
-            for x, y in zip(a, b, strict=True)
-        )
-        print(f"per-datum log-probs, now vs baseline: max |difference| {diff:.2e}")
-        ratios = []
-        for r in range(args.rounds):
-            ways = [("now", now), ("baseline", baseline)]
-            t = {name: _seconds(fn) for name, fn in (ways if r % 2 == 0 else ways[::-1])}
-            ratios.append(t["now"] / t["baseline"])
-            print(
-                f"round {r}: now {t['now']:.2f} s, baseline {t['baseline']:.2f} s "
-                f"-> {ratios[-1]:.2f}x"
+        for work in works:
+            default = "128,128" if args.quick else "256," * 7 + "256"
+            if work == "sample":
+                default = "16" if args.quick else "128"
+            lengths = [int(x) for x in (args.lengths or default).split(",")]
+            what = (
+                f"forward_backward of {lengths} tokens"
+                if work == "train"
+                else f"8 samples of {lengths[0]} tokens"
             )
-    print(
-        f"step now / baseline ({args.baseline} undone): {statistics.median(ratios):.2f}x time "
-        f"(median of {len(ratios)}; per round {', '.join(f'{x:.2f}' for x in ratios)})"
-    )
+            print(f"{work}: {what}")
+            run, differ = _work(training, work, lengths)
+
+            def baseline(run: Any = run) -> Any:
+                with undone(which):
+                    return run()
+
+            # Warm-up (kernel caches, allocator) and the two ways' outputs compared.
+            print(f"log-probs, now vs baseline: max |difference| {differ(run(), baseline()):.2e}")
+            ratios = []
+            for r in range(args.rounds):
+                ways = [("now", run), ("baseline", baseline)]
+                t = {name: _seconds(fn) for name, fn in (ways if r % 2 == 0 else ways[::-1])}
+                ratios.append(t["now"] / t["baseline"])
+                print(
+                    f"round {r}: now {t['now']:.2f} s, baseline {t['baseline']:.2f} s "
+                    f"-> {ratios[-1]:.2f}x"
+                )
+            print(
+                f"{work} now / baseline: {statistics.median(ratios):.2f}x time (median of "
+                f"{len(ratios)}; per round {', '.join(f'{x:.2f}' for x in ratios)})"
+            )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinker_sr.engine.delta_native import gated_delta_step_, unit_lower_solve
 from tinker_sr.engine.fused import apply_linear, linear_group
-from tinker_sr.engine.tri_solve import unit_lower_solve
 from tinker_sr.user_errors import EngineUserError
 
 if TYPE_CHECKING:
@@ -279,8 +279,10 @@ class GatedDeltaNet(nn.Module):
         conv.copy_(window[..., 1:])
         mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
         q, k, v, g, beta = self._heads(mixed, a, b)
-        y, s = gated_delta_step(q, k, v, g, beta, state)
-        state.copy_(s)
+        y = gated_delta_step_(q, k, v, g, beta, state)  # the C kernel, in place
+        if y is None:
+            y, s = gated_delta_step(q, k, v, g, beta, state)
+            state.copy_(s)
         y = self.norm(y.to(qkv.dtype), z.view(n, self.v_heads, self.v_dim))
         return y.reshape(n, -1)
 

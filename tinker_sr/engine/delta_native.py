@@ -1,13 +1,19 @@
-"""Batched unit lower triangular solves for Qwen3.5's chunked gated delta rule.
+"""C kernels of Qwen3.5's gated delta rule (``csrc/delta_rule.c``), torch's ops where the C
+kernels are unavailable.
 
 `unit_lower_solve` is ``torch.linalg.solve_triangular(system, rhs, upper=False,
-unitriangular=True)`` with its gradient, computed by ``csrc/tri_solve.c`` where the C kernels
+unitriangular=True)`` with its gradient, computed by ``csrc/delta_rule.c`` where the C kernels
 are available (`compiled.native_mode`; float32 and float64 on the CPU): one OpenMP region for
 the whole batch. torch's own solve calls the BLAS once per matrix, and each call opens a
 parallel region; with the engine's passive OpenMP waits (`cpu.prefer_passive_waits`) each of
 them costs a wake-up of the other threads, and the 256 solves of 64 x 64 in one layer of a
 Qwen3.5 step (8 x 256 tokens) took ~16 ms instead of ~1.5 (`benchmarks/linear_attention.py` times the
 step). Elsewhere (no compiler, ``$TINKER_SR_NATIVE=0``, another device) torch's solve runs.
+
+`gated_delta_step_` is a decode position of the recurrence (`hybrid.gated_delta_step`) with
+the state advanced in place, in one C pass per (row, head) where torch's elementwise form makes
+five passes over the whole state, each a parallel region (`benchmarks/linear_attention.py
+--decode`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import Tensor
 
 from tinker_sr.engine import compiled
 
-__all__ = ["native_solve_ready", "unit_lower_solve"]
+__all__ = ["gated_delta_step_", "native_solve_ready", "unit_lower_solve"]
 
 log = logging.getLogger("tinker_sr.engine")
 
@@ -33,14 +39,19 @@ _FUNCTIONS = {torch.float32: "tsr_unit_lower_solve_f32", torch.float64: "tsr_uni
 def _library() -> Any | None:
     from tinker_sr.engine import native
 
-    lib = native.load("tri_solve")
+    lib = native.load("delta_rule")
     if lib is None:
-        log.info("the C triangular solve is unavailable (%s): torch's", native.failure("tri_solve"))
+        log.info(
+            "the C triangular solve is unavailable (%s): torch's", native.failure("delta_rule")
+        )
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in _FUNCTIONS.values():
         getattr(lib, name).argtypes = [p, p, p, n, i, i, i, i]
         getattr(lib, name).restype = None
+    f = ctypes.c_float
+    lib.tsr_gated_delta_step.argtypes = [p] * 7 + [n, i, i, f, i]
+    lib.tsr_gated_delta_step.restype = None
     return lib
 
 
@@ -96,3 +107,32 @@ class _UnitLowerSolve(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # only the strictly lower part is an input of the solve
             grad_system = -(grad_rhs @ out.transpose(-1, -2)).tril(-1)
         return grad_system, grad_rhs if ctx.needs_input_grad[1] else None
+
+
+def gated_delta_step_(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> Tensor | None:
+    """`hybrid.gated_delta_step` with ``state`` [B, H, Dk, Dv] advanced in place by the C
+    kernel -> out [B, H, Dv]; None (nothing done) where the kernel cannot take the operands
+    (the caller runs torch's form): not all float32 on the CPU, a state not contiguous, shapes
+    other than these, the C kernels off or unavailable, or Dv over 1,024."""
+    operands = (q, k, v, g, beta, state)
+    *lead, dk, dv = state.shape
+    lib = _library() if compiled.native_mode() != "off" else None
+    if (
+        lib is None
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in operands)
+        or not state.is_contiguous()
+        or dv > 1024
+        or not q.shape == k.shape == (*lead, dk)
+        or v.shape != (*lead, dv)
+        or not g.shape == beta.shape == tuple(lead)
+    ):
+        return None
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = v.new_empty(*lead, dv)
+    lib.tsr_gated_delta_step(
+        *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, g, beta, state, out)),
+        state.numel() // (dk * dv), dk, dv, dk**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

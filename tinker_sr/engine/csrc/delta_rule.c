@@ -1,5 +1,7 @@
-/* Batched solves with small unit lower triangular matrices (Qwen3.5's chunked gated delta rule:
-   `batch` systems of n x n, n = 64, each with m right-hand sides), in one OpenMP region.
+/* Qwen3.5's gated delta rule: the chunked form's batched triangular solves and the decode step.
+
+   Batched solves with small unit lower triangular matrices (the chunked form: `batch` systems
+   of n x n, n = 64, each with m right-hand sides), in one OpenMP region.
 
    torch's CPU triangular solve calls the BLAS once per matrix of the batch, and MKL opens a
    parallel region in each call: with OpenMP's passive waits (engine/cpu.py) every region wakes
@@ -11,7 +13,8 @@
    with `transposed`, X = L^-T B (back substitution with the transpose, which the gradient
    needs). L is [batch, n, n], B and X [batch, n, m], all contiguous; X may not alias B.
 
-   Part of tinker_sr (engine/native.py builds it; engine/tri_solve.py calls it). */
+   Part of tinker_sr (engine/native.py builds it; engine/delta_native.py calls it). */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -50,3 +53,44 @@
 
 DEFINE_SOLVE(float, tsr_unit_lower_solve_f32)
 DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
+
+/* One decode position of the gated delta rule for `heads` (row, value head) pairs, the state
+   [heads, dk, dv] advanced in place: S = S exp(g); r = S^T k; S += k (beta (v - r))^T;
+   out = S^T q * scale. q, k [heads, dk], v and out [heads, dv], g and beta [heads]; all
+   contiguous float32. torch's elementwise form makes five passes over the whole state (each a
+   parallel region) and copies it back; here each pair's state (16 KB at 64 x 64) is read and
+   written twice while in cache, all in one region. Pairs are independent: a row's values do
+   not depend on the rows beside it (decode batches many requests). dv <= 1024. */
+void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
+                          const float *beta, float *state, float *out, int64_t heads, int dk,
+                          int dv, float scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t h = 0; h < heads; h++) {
+    float read[1024], delta[1024], o[1024];
+    float *s = state + h * dk * dv;
+    const float *qh = q + h * dk, *kh = k + h * dk, *vh = v + h * dv;
+    const float decay = expf(g[h]), bt = beta[h];
+    for (int b = 0; b < dv; b++) read[b] = 0.0f;
+    for (int a = 0; a < dk; a++) {
+      float *sa = s + (int64_t)a * dv;
+      const float ka = kh[a];
+      for (int b = 0; b < dv; b++) {
+        sa[b] *= decay;
+        read[b] += sa[b] * ka;
+      }
+    }
+    for (int b = 0; b < dv; b++) {
+      delta[b] = (vh[b] - read[b]) * bt;
+      o[b] = 0.0f;
+    }
+    for (int a = 0; a < dk; a++) {
+      float *sa = s + (int64_t)a * dv;
+      const float ka = kh[a], qa = qh[a] * scale;
+      for (int b = 0; b < dv; b++) {
+        sa[b] += ka * delta[b];
+        o[b] += sa[b] * qa;
+      }
+    }
+    memcpy(out + h * dv, o, sizeof(float) * (size_t)dv);
+  }
+}

@@ -1,0 +1,120 @@
+"""The C kernels of Qwen3.5's gated delta rule (`engine.delta_native`, ``csrc/delta_rule.c``).
+The chunked form's batched triangular solve: torch's solve in values and gradients, float32
+and float64, the same bits at any thread count, torch's own solve where the C kernels are off.
+The decode step: torch's form in values, the state advanced in place, a row's bits the same
+alone as in a batch, and what the kernel cannot take left to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinker_sr.engine import compiled, delta_native
+from tinker_sr.engine.hybrid import gated_delta_step
+
+
+def _operands(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randn(3, 5, 64, 64, generator=gen, dtype=dtype) * 0.2
+    system[0, 1, 7] = 0.0  # a zeroed row (the gated delta rule's rows past the decay floor)
+    return system, torch.randn(3, 5, 64, 48, generator=gen, dtype=dtype)
+
+
+def _solve_and_grads(fn, system, rhs, weights):  # type: ignore[no-untyped-def]
+    a, b = system.clone().requires_grad_(), rhs.clone().requires_grad_()
+    out = fn(a, b)
+    (out * weights).sum().backward()
+    return out.detach(), a.grad, b.grad
+
+
+def _torch_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_the_c_solve_is_torchs_in_values_and_gradients(dtype: torch.dtype, tol: float) -> None:
+    if delta_native._library() is None:
+        pytest.skip("no C compiler: torch's solve runs")
+    system, rhs = _operands(dtype)
+    assert delta_native.native_solve_ready(system, rhs)
+    weights = torch.randn(rhs.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    ours = _solve_and_grads(delta_native.unit_lower_solve, system, rhs, weights)
+    theirs = _solve_and_grads(_torch_solve, system, rhs, weights)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert torch.equal(ours[1].triu(), torch.zeros_like(ours[1]))  # the diagonal is not read
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one() -> None:
+    system, rhs = _operands(torch.float32)
+    for needs in ((True, False), (False, True)):
+        a, b = system.clone().requires_grad_(needs[0]), rhs.clone().requires_grad_(needs[1])
+        delta_native.unit_lower_solve(a, b).sum().backward()
+        assert (a.grad is not None, b.grad is not None) == needs
+
+
+def test_the_same_bits_at_any_thread_count() -> None:
+    system, rhs = _operands(torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = delta_native.unit_lower_solve(system, rhs)
+        torch.set_num_threads(max(2, threads))
+        many = delta_native.unit_lower_solve(system, rhs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_torchs_solve_runs_where_the_c_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    system, rhs = _operands(torch.float32)
+    assert not delta_native.native_solve_ready(system, rhs)
+    out = delta_native.unit_lower_solve(system.requires_grad_(), rhs)
+    assert type(out.grad_fn).__name__.startswith("LinalgSolveTriangular")
+    assert torch.equal(out, _torch_solve(system, rhs))
+
+
+def _step_operands(rows: int = 3, heads: int = 4, dk: int = 16, dv: int = 24) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=gen), dim=-1)
+        for _ in "qk"
+    )
+    v = torch.randn(rows, heads, dv, generator=gen)
+    g = -torch.rand(rows, heads, generator=gen) * 3
+    beta = torch.rand(rows, heads, generator=gen)
+    return [q, k, v, g, beta, torch.randn(rows, heads, dk, dv, generator=gen)]
+
+
+def test_the_c_decode_step_is_torchs_and_advances_the_state_in_place() -> None:
+    if delta_native._library() is None:
+        pytest.skip("no C compiler: torch's step runs")
+    *inputs, state = _step_operands()
+    want_out, want_state = gated_delta_step(*inputs, state)
+    ours = state.clone()
+    out = delta_native.gated_delta_step_(*inputs, ours)
+    assert out is not None
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, want_state, rtol=1e-5, atol=1e-6)
+    # Each row alone gives the same bits as the batch (decode batches many requests).
+    for r in range(state.shape[0]):
+        alone = state[r : r + 1].clone()
+        row = delta_native.gated_delta_step_(*(t[r : r + 1] for t in inputs), alone)
+        assert row is not None and torch.equal(row, out[r : r + 1])
+        assert torch.equal(alone, ours[r : r + 1])
+
+
+def test_the_decode_step_leaves_what_the_kernel_cannot_take_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    *inputs, state = _step_operands()
+    before = state.clone()
+    wide = [t.double() for t in inputs]
+    assert delta_native.gated_delta_step_(*wide, state.double()) is None  # float64
+    strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert delta_native.gated_delta_step_(*inputs, strided) is None  # not contiguous
+    assert delta_native.gated_delta_step_(*inputs, state[:, :2]) is None  # shapes disagree
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    assert delta_native.gated_delta_step_(*inputs, state) is None
+    assert torch.equal(state, before)  # nothing done
