@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinker_sr.engine import compiled, delta_native
-from tinker_sr.engine.hybrid import gated_delta_step
+from tinker_sr.engine.hybrid import DECAY_FLOOR, gated_delta_step
 
 
 def _operands(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +83,7 @@ def _step_operands(rows: int = 3, heads: int = 4, dk: int = 16, dv: int = 24) ->
     )
     v = torch.randn(rows, heads, dv, generator=gen)
     g = -torch.rand(rows, heads, generator=gen) * 3
+    g[0, :2] = torch.tensor([-50.0, -95.0])  # under the floor; exp(-95) is a subnormal float
     beta = torch.rand(rows, heads, generator=gen)
     return [q, k, v, g, beta, torch.randn(rows, heads, dk, dv, generator=gen)]
 
@@ -93,14 +94,14 @@ def test_the_c_decode_step_is_torchs_and_advances_the_state_in_place() -> None:
     *inputs, state = _step_operands()
     want_out, want_state = gated_delta_step(*inputs, state)
     ours = state.clone()
-    out = delta_native.gated_delta_step_(*inputs, ours)
+    out = delta_native.gated_delta_step_(*inputs, ours, DECAY_FLOOR)
     assert out is not None
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours, want_state, rtol=1e-5, atol=1e-6)
     # Each row alone gives the same bits as the batch (decode batches many requests).
     for r in range(state.shape[0]):
         alone = state[r : r + 1].clone()
-        row = delta_native.gated_delta_step_(*(t[r : r + 1] for t in inputs), alone)
+        row = delta_native.gated_delta_step_(*(t[r : r + 1] for t in inputs), alone, DECAY_FLOOR)
         assert row is not None and torch.equal(row, out[r : r + 1])
         assert torch.equal(alone, ours[r : r + 1])
 
@@ -111,10 +112,12 @@ def test_the_decode_step_leaves_what_the_kernel_cannot_take_to_torch(
     *inputs, state = _step_operands()
     before = state.clone()
     wide = [t.double() for t in inputs]
-    assert delta_native.gated_delta_step_(*wide, state.double()) is None  # float64
+    assert delta_native.gated_delta_step_(*wide, state.double(), DECAY_FLOOR) is None  # float64
     strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)
-    assert delta_native.gated_delta_step_(*inputs, strided) is None  # not contiguous
-    assert delta_native.gated_delta_step_(*inputs, state[:, :2]) is None  # shapes disagree
+    assert delta_native.gated_delta_step_(*inputs, strided, DECAY_FLOOR) is None  # not contiguous
+    assert (
+        delta_native.gated_delta_step_(*inputs, state[:, :2], DECAY_FLOOR) is None
+    )  # shapes disagree
     monkeypatch.setattr(compiled, "native_mode", lambda: "off")
-    assert delta_native.gated_delta_step_(*inputs, state) is None
+    assert delta_native.gated_delta_step_(*inputs, state, DECAY_FLOOR) is None
     assert torch.equal(state, before)  # nothing done

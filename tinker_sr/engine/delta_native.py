@@ -50,7 +50,7 @@ def _library() -> Any | None:
         getattr(lib, name).argtypes = [p, p, p, n, i, i, i, i]
         getattr(lib, name).restype = None
     f = ctypes.c_float
-    lib.tsr_gated_delta_step.argtypes = [p] * 7 + [n, i, i, f, i]
+    lib.tsr_gated_delta_step.argtypes = [p] * 7 + [n, i, i, f, f, i]
     lib.tsr_gated_delta_step.restype = None
     return lib
 
@@ -110,10 +110,10 @@ class _UnitLowerSolve(torch.autograd.Function):
 
 
 def gated_delta_step_(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, floor: float
 ) -> Tensor | None:
     """`hybrid.gated_delta_step` with ``state`` [B, H, Dk, Dv] advanced in place by the C
-    kernel -> out [B, H, Dv]; None (nothing done) where the kernel cannot take the operands
+    kernel, decays under ``exp(floor)`` zero -> out [B, H, Dv]; None (nothing done) where the kernel cannot take the operands
     (the caller runs torch's form): not all float32 on the CPU, a state not contiguous, shapes
     other than these, the C kernels off or unavailable, or Dv over 1,024."""
     operands = (q, k, v, g, beta, state)
@@ -133,6 +133,6 @@ def gated_delta_step_(
     out = v.new_empty(*lead, dv)
     lib.tsr_gated_delta_step(
         *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, g, beta, state, out)),
-        state.numel() // (dk * dv), dk, dv, dk**-0.5, torch.get_num_threads(),
+        state.numel() // (dk * dv), dk, dv, dk**-0.5, floor, torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -175,9 +175,10 @@ def gated_delta_step(
 ) -> tuple[Tensor, Tensor]:
     """One position of the gated delta rule: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H],
     state [B, H, Dk, Dv] -> (out [B, H, Dv], new state). Elementwise products and reductions
-    over each row's own values only, so a row's result does not depend on the rows beside it."""
+    over each row's own values only, so a row's result does not depend on the rows beside it.
+    A decay under ``exp(DECAY_FLOOR)`` is zero, as in the chunked form."""
     q = q * q.shape[-1] ** -0.5
-    s = state * g.exp()[..., None, None]
+    s = state * decay_exp(g)[..., None, None]
     read = (s * k[..., None]).sum(-2)
     s = s + k[..., None] * ((v - read) * beta[..., None])[..., None, :]
     return (s * q[..., None]).sum(-2), s
@@ -279,7 +280,7 @@ class GatedDeltaNet(nn.Module):
         conv.copy_(window[..., 1:])
         mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
         q, k, v, g, beta = self._heads(mixed, a, b)
-        y = gated_delta_step_(q, k, v, g, beta, state)  # the C kernel, in place
+        y = gated_delta_step_(q, k, v, g, beta, state, DECAY_FLOOR)  # the C kernel, in place
         if y is None:
             y, s = gated_delta_step(q, k, v, g, beta, state)
             state.copy_(s)

@@ -57,19 +57,20 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
 /* One decode position of the gated delta rule for `heads` (row, value head) pairs, the state
    [heads, dk, dv] advanced in place: S = S exp(g); r = S^T k; S += k (beta (v - r))^T;
    out = S^T q * scale. q, k [heads, dk], v and out [heads, dv], g and beta [heads]; all
-   contiguous float32. torch's elementwise form makes five passes over the whole state (each a
+   contiguous float32; a decay under exp(floor) is zero (the chunked form's floor, hybrid.py).
+   torch's elementwise form makes five passes over the whole state (each a
    parallel region) and copies it back; here each pair's state (16 KB at 64 x 64) is read and
    written twice while in cache, all in one region. Pairs are independent: a row's values do
    not depend on the rows beside it (decode batches many requests). dv <= 1024. */
 void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
                           const float *beta, float *state, float *out, int64_t heads, int dk,
-                          int dv, float scale, int threads) {
+                          int dv, float scale, float floor, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t h = 0; h < heads; h++) {
     float read[1024], delta[1024], o[1024];
     float *s = state + h * dk * dv;
     const float *qh = q + h * dk, *kh = k + h * dk, *vh = v + h * dv;
-    const float decay = expf(g[h]), bt = beta[h];
+    const float decay = g[h] < floor ? 0.0f : expf(g[h]), bt = beta[h];
     for (int b = 0; b < dv; b++) read[b] = 0.0f;
     for (int a = 0; a < dk; a++) {
       float *sa = s + (int64_t)a * dv;
