@@ -98,15 +98,20 @@ def check_config(config: ModelConfig) -> None:
 def linear_activations(config: ModelConfig) -> int:
     """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
     projections, the convolution's output before and after SiLU, q/k/v in float32 before and
-    after normalising (q and k repeated per value head), the chunk's per-head decay, system
-    and attention rows (64 each) and its u and w, the output and its gated norm."""
+    after normalising (q and k repeated per value head), what the chunked rule saves, the
+    output and its gated norm. The chunked rule's share per value head and token, ``7 * CHUNK +
+    9 * Dk + 2 * Dv + Dk * Dv / CHUNK`` (its decay, system and attention rows, the masks, u, w,
+    the decayed q and k, one state per chunk), was counted with saved-tensor hooks over head
+    widths 32-128 (6.3 CHUNK-wide rows, rounded up); the 3 rows this estimate counted before
+    left a Qwen3.5 step's saved activations 1.3x over it."""
     keys, values = (
         config.linear_k_heads * config.linear_k_dim,
         config.linear_v_heads * config.linear_v_dim,
     )
-    repeated = config.linear_v_heads * config.linear_k_dim
+    k, v = config.linear_k_dim, config.linear_v_dim
+    repeated = config.linear_v_heads * k
     channels = 2 * keys + values
-    chunk = config.linear_v_heads * (3 * 64) + values + repeated
+    chunk = config.linear_v_heads * (7 * CHUNK + 9 * k + 2 * v + k * v // CHUNK)
     return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
 
 
