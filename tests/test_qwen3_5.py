@@ -185,9 +185,9 @@ class _Subnormals(TorchDispatchMode):
 @pytest.mark.parametrize("decay_scale", [0.5, 5.0, 40.0])
 def test_fast_decays_make_no_subnormal_floats_and_keep_the_values(decay_scale: float) -> None:
     """Decays of a few units per token (a random Qwen3.5's, and fast heads of real ones) ran into
-    float32's subnormal range inside the chunked form, ~100x slower arithmetic on x86: the step
-    cost 1.4x (`benchmarks/linear_attention.py`). Forward and backward now make none, and the values
-    still follow the float64 recurrence."""
+    float32's subnormal range inside the chunked form, whose arithmetic x86 does in slow
+    microcode: the step cost 1.3x (`benchmarks/linear_attention.py --baseline floor`). Forward
+    and backward now make none, and the values still follow the float64 recurrence."""
     gen = torch.Generator().manual_seed(1)
     B, T, H, D = 2, 200, 2, 16
     q, k = (

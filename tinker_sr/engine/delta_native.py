@@ -1,19 +1,18 @@
 """C kernels of Qwen3.5's gated delta rule (``csrc/delta_rule.c``), torch's ops where the C
-kernels are unavailable.
+kernels are unavailable (no compiler, ``$TINKER_SR_NATIVE=0``, another device).
 
 `unit_lower_solve` is ``torch.linalg.solve_triangular(system, rhs, upper=False,
-unitriangular=True)`` with its gradient, computed by ``csrc/delta_rule.c`` where the C kernels
-are available (`compiled.native_mode`; float32 and float64 on the CPU): one OpenMP region for
-the whole batch. torch's own solve calls the BLAS once per matrix, and each call opens a
-parallel region; with the engine's passive OpenMP waits (`cpu.prefer_passive_waits`) each of
-them costs a wake-up of the other threads, and the 256 solves of 64 x 64 in one layer of a
-Qwen3.5 step (8 x 256 tokens) took ~16 ms instead of ~1.5 (`benchmarks/linear_attention.py` times the
-step). Elsewhere (no compiler, ``$TINKER_SR_NATIVE=0``, another device) torch's solve runs.
+unitriangular=True)`` with its gradient, for the chunked form (training, prefill): one OpenMP
+region for the whole batch, float32 and float64 on the CPU. torch's own solve calls the BLAS
+once per matrix, and each call opens a parallel region; with the engine's passive OpenMP waits
+(`cpu.prefer_passive_waits`) each of them costs a wake-up of the other threads, and the 256
+solves of 64 x 64 in one layer of a Qwen3.5 step (8 x 256 tokens) took ~16 ms instead of ~1.5.
 
 `gated_delta_step_` is a decode position of the recurrence (`hybrid.gated_delta_step`) with
 the state advanced in place, in one C pass per (row, head) where torch's elementwise form makes
-five passes over the whole state, each a parallel region (`benchmarks/linear_attention.py
---decode`).
+five passes over the whole state, each a parallel region.
+
+`benchmarks/linear_attention.py` times both in the step and in sampling (``--work sample``).
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ def _library() -> Any | None:
 
     lib = native.load("delta_rule")
     if lib is None:
-        log.info(
-            "the C triangular solve is unavailable (%s): torch's", native.failure("delta_rule")
-        )
+        why = native.failure("delta_rule")
+        log.info("the gated delta rule's C kernels are unavailable (%s): torch's ops run", why)
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in _FUNCTIONS.values():

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 CHUNK = 64  # positions per chunk of the WY form (transformers and FLA use 64)
 # Decays below exp(DECAY_FLOOR) (~9e-14, far below float32's precision beside the undecayed
 # terms every sum holds) are exact zeros in the chunked form: left as they were, the tails of
-# fast-decaying heads ran into float32's subnormal range, whose arithmetic is ~100x slower on
-# x86, and made a Qwen3.5 step ~1.4x slower (`benchmarks/linear_attention.py`).
+# fast-decaying heads ran into float32's subnormal range, whose arithmetic x86 does in slow
+# microcode, and made a Qwen3.5 step ~1.3x slower (`linear_attention.py --baseline floor`).
 DECAY_FLOOR = -30.0
 QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 LAYER_KINDS = frozenset({"full_attention", "linear_attention"})  # config layer_types entries

@@ -11,7 +11,8 @@
 
    Only the strictly lower part of L is read (its diagonal is taken as ones). X = L^-1 B, or
    with `transposed`, X = L^-T B (back substitution with the transpose, which the gradient
-   needs). L is [batch, n, n], B and X [batch, n, m], all contiguous; X may not alias B.
+   needs). L is [batch, n, n], B and X [batch, n, m], all contiguous; X may not alias B. Zero
+   coefficients are skipped: the rows the gated delta rule zeroes cost nothing.
 
    Part of tinker_sr (engine/native.py builds it; engine/delta_native.py calls it). */
 #include <math.h>
