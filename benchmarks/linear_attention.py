@@ -70,7 +70,9 @@ def undone(which: set[str]) -> Iterator[None]:
     try:
         yield
     finally:
-        hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_ = saved  # type: ignore[assignment]
+        floor, ready, step = saved
+        hybrid.DECAY_FLOOR, hybrid.gated_delta_step_ = floor, step
+        delta_native.native_solve_ready = ready
 
 
 def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:

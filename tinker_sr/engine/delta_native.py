@@ -98,7 +98,9 @@ class _UnitLowerSolve(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
         system, out = ctx.saved_tensors
         grad_rhs = _solve(system, grad, transposed=True)  # (I + L)^-T grad
         grad_system = None
@@ -111,9 +113,10 @@ def gated_delta_step_(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, floor: float
 ) -> Tensor | None:
     """`hybrid.gated_delta_step` with ``state`` [B, H, Dk, Dv] advanced in place by the C
-    kernel, decays under ``exp(floor)`` zero -> out [B, H, Dv]; None (nothing done) where the kernel cannot take the operands
-    (the caller runs torch's form): not all float32 on the CPU, a state not contiguous, shapes
-    other than these, the C kernels off or unavailable, or Dv over 1,024."""
+    kernel, decays under ``exp(floor)`` zero -> out [B, H, Dv]; None (nothing done) where the
+    kernel cannot take the operands (the caller runs torch's form): not all float32 on the
+    CPU, a state not contiguous, shapes other than these, the C kernels off or unavailable, or
+    Dv over 1,024."""
     operands = (q, k, v, g, beta, state)
     *lead, dk, dv = state.shape
     lib = _library() if compiled.native_mode() != "off" else None
