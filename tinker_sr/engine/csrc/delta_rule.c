@@ -19,10 +19,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Below this many multiply-adds (about 2 n^2 m per matrix: ~0.1 ms of one core) a kernel
+   runs on the calling thread alone: waking the other threads (passive OpenMP waits) would cost
+   more than it saves, as for a tiny model's heads. */
+#define PARALLEL_WORK (1 << 20)
+
 #define DEFINE_SOLVE(T, NAME)                                                                   \
   void NAME(const T *L, const T *B, T *X, int64_t batch, int n, int m, int transposed,         \
             int threads) {                                                                      \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                          \
+    const int parallel = (int64_t)n * n * m * batch >= PARALLEL_WORK;                          \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (parallel)")            \
     for (int64_t b = 0; b < batch; b++) {                                                       \
       const T *l = L + b * n * n;                                                               \
       const T *rhs = B + b * n * m;                                                             \
@@ -66,7 +72,8 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
 void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
                           const float *beta, float *state, float *out, int64_t heads, int dk,
                           int dv, float scale, float floor, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+  const int parallel = 2 * heads * dk * dv >= PARALLEL_WORK / 16; /* a pass is memory-bound */
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t h = 0; h < heads; h++) {
     float read[1024], delta[1024], o[1024];
     float *s = state + h * dk * dv;
