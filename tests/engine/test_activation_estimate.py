@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 import tinker_sr  # noqa: E402
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
+from tinker_sr.engine import compiled, training  # noqa: E402
 from tinker_sr.engine import model as model_mod  # noqa: E402
-from tinker_sr.engine import training  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 
 
@@ -98,6 +98,8 @@ def test_the_activation_estimate_covers_what_a_step_saves(
 ) -> None:
     saved, estimate = _saved_and_estimated(tmp_path, family, [320, 320], monkeypatch)
     # The estimate leaves out per-token terms of a few floats (norm scales, LoRA rank products:
-    # ~1 % here, less at real widths); Qwen3.5's linear attention was 1.27x over it.
-    assert saved <= 1.05 * estimate, (saved, estimate)
+    # ~1 % here, less at real widths); Qwen3.5's linear attention was 1.27x over it. torch's
+    # kernels ($TINKER_SR_NATIVE=0: its attention and norms) save ~8 % more than the C ones.
+    limit = 1.05 if compiled.native_mode() != "off" else 1.15
+    assert saved <= limit * estimate, (saved, estimate)
     assert estimate <= 1.5 * saved, (saved, estimate)
