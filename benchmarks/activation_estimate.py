@@ -5,8 +5,8 @@
 instead of checkpointing. This script runs one LoRA ``forward_backward`` on engine_vs_hf.py's
 random ~42M-parameter models (``--arch qwen3`` and ``qwen3_5`` by default, an HF directory
 with its BPE tokenizer each) and counts every tensor autograd saves during the forward
-(saved-tensor hooks; weights left out; each storage once), beside the estimate for the same
-tokens. Counts, not timings: the same on any machine.
+(`tinker_sr.testing.saved_activations`: saved-tensor hooks; weights left out; each storage
+once), beside the estimate for the same tokens. Counts, not timings: the same on any machine.
 
     python benchmarks/activation_estimate.py
     python benchmarks/activation_estimate.py --arch qwen3_5 --lengths 2048
@@ -18,7 +18,6 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
@@ -32,45 +31,17 @@ MIB = 1 << 20
 
 def count_saved(lengths: list[int], arch: str) -> tuple[int, int]:
     """(bytes the forward saved for backward, `activation_bytes` for the same call)."""
-    import torch
-
     import tinker_sr as tinker
     from tinker_sr.backend.local import LocalBackend
-    from tinker_sr.engine import model as model_mod
-    from tinker_sr.engine import training
+    from tinker_sr.testing.saved_activations import counting_saved_activations
 
-    counted: dict[str, int] = {}
-    hidden_rows = training._hidden_rows
-
-    def counting(model: Any, batch: Any, groups: Any, kept: int) -> Any:
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-        alive = []  # no storage freed (and its address reused) while counting
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
-            alive.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = hidden_rows(model, batch, groups, kept)
-        counted["saved"] = sum(saved.values())
-        counted["estimate"] = model_mod.activation_bytes(model.config, kept)
-        return out
-
-    training._hidden_rows = counting  # type: ignore[assignment]
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = make_model_dir(Path(tmp) / "model", arch)
-            service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
-            client = service.create_lora_training_client(
-                base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False
-            ).result()
-            client.forward_backward(make_data(lengths), "cross_entropy").result()
-    finally:
-        training._hidden_rows = hidden_rows  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp, counting_saved_activations() as counted:
+        model_dir = make_model_dir(Path(tmp) / "model", arch)
+        service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
+        client = service.create_lora_training_client(
+            base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False
+        ).result()
+        client.forward_backward(make_data(lengths), "cross_entropy").result()
     return counted["saved"], counted["estimate"]
 
 

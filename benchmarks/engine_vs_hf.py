@@ -63,30 +63,13 @@ LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 RANK, ALPHA = 8, 32
 
 
-def save_random_model(path: Path, family: str, vocab: int, config_of: Any) -> Path:
-    """A benchmark directory: the test helper's tokenizer files (``family``'s, its vocabulary
-    padded to ``vocab``) beside random weights (seed 0) of ``config_of(**special_ids)``, a
-    transformers config given the tokenizer's bos/eos/pad ids."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
-
-    make_tiny_hf_model_dir(path, family, pad_vocab_to_multiple=vocab)  # type: ignore[arg-type]
-    hf = json.loads((path / "config.json").read_text())
-    config = config_of(**{k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
-
-
 def make_model_dir(path: Path, arch: str = "qwen3") -> Path:
     """The benchmark's directory: tokenizer files of the test helper, bigger weights. ``arch``
     "qwen3_5": the same sizes as Qwen3.5's text model, six gated DeltaNet layers (4 key / 8
     value heads of 64) and two gated-attention layers."""
     from transformers import Qwen3_5TextConfig, Qwen3Config
+
+    from tinker_sr.testing.hf_model_dir import save_random_model
 
     sizes: dict[str, Any] = dict(
         vocab_size=32000,

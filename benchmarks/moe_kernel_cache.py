@@ -37,7 +37,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from engine_vs_hf import save_random_model  # noqa: E402 - the benchmarks' model directories
 from memory import MIB  # noqa: E402 - benchmarks/memory.py, beside this script
 from shape_buckets import BATCH, VOCAB, run_steps  # noqa: E402 - the same RL-shaped steps
 
@@ -48,6 +47,8 @@ def make_moe_dir(path: Path, hidden: int, expert_dim: int, layers: int) -> Path:
     """A Qwen3-MoE directory: the test helper's tokenizer files, 8 of 128 experts per token,
     random weights (seeded)."""
     from transformers import Qwen3MoeConfig
+
+    from tinker_sr.testing.hf_model_dir import save_random_model
 
     def config_of(**special_ids: Any) -> Any:
         return Qwen3MoeConfig(

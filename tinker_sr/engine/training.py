@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ def _hidden_rows(
     missing = [i for i, r in enumerate(rows) if r is None]
     if missing:  # `length_groups` partitions the call: a datum left out is a bug, not input
         raise AssertionError(f"datums {missing} are in no length group")
-    return [r for r in rows if r is not None]
+    return cast(list[torch.Tensor], rows)
 
 
 def _check_datum_types(data: Sequence[types.Datum]) -> None:

@@ -460,6 +460,26 @@ def make_tiny_hf_model_dir(
     return out
 
 
+def save_random_model(
+    path: str | os.PathLike[str], family: Family, vocab: int, config_of: Any
+) -> Path:
+    """A directory of wider weights than `make_tiny_hf_model_dir`'s (benchmarks, and tests
+    that need realistic widths): its tokenizer files (``family``'s, the vocabulary padded to
+    ``vocab``) beside random weights (seed 0) of ``config_of(**special_ids)``, a transformers
+    config given the tokenizer's bos/eos/pad ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = make_tiny_hf_model_dir(path, family, pad_vocab_to_multiple=vocab)
+    hf = json.loads((out / "config.json").read_text())
+    config = config_of(**{k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    for f in out.glob("model*.safetensors*"):
+        f.unlink()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
 def _random_model(config: Any, family: Family) -> Any:
     """transformers' initialisation, then biases drawn like the weights (transformers would zero
     them, hiding a bias that is not applied); Qwen3.5's zero-centred norm gains drawn too (at
