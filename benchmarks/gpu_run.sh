@@ -11,6 +11,8 @@
 #   (with --python-version / --platform for the target), then there:
 #   pip install --no-index --no-deps .whl/*.whl
 # In order, each with a time cap:
+#  0. the CUDA-graph decode (engine/cuda_graphs.py): tests/engine/test_cuda_graphs.py, then
+#     benchmarks/cuda_graphs.py (graphs vs eager decode, one request and 32 at once);
 #  1. benchmarks/gpu_check.py on tinker-sr/small: a LoRA step and 8 x 128 samples on cpu, cuda
 #     and cuda + bf16, the fp32 loss / log-probs against the CPU's, then every policy loss on
 #     StableReinforce provenance datums on each device (exits non-zero on a failed tolerance);
@@ -34,6 +36,11 @@ if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
     echo "no CUDA device: nothing to check (python benchmarks/gpu_check.py --dry-run-on-cpu runs its code on the CPU)"
     exit 2
 fi
+step "0. CUDA-graph decode"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda_graphs.py 2>&1 |
+    tee "$OUT/cuda_graphs_tests.log" | tail -15
+timeout 240 python3 benchmarks/cuda_graphs.py --rounds 2 2>&1 | grep -v "Writing model" |
+    tee "$OUT/cuda_graphs_bench.log"
 step "1. gpu_check tinker-sr/small"
 timeout 240 python3 benchmarks/gpu_check.py 2>&1 | tee "$OUT/gpu_check_small.log"
 echo "rc=${PIPESTATUS[0]}"
@@ -53,5 +60,6 @@ TINKER_SR_DEVICE=cuda timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -p no:c
     tests/test_hf_architectures.py tests/test_moe.py tests/engine/test_mixed_precision.py \
     tests/engine/test_sampler.py tests/test_batched_sampling.py tests/test_sampling_extras.py \
     tests/test_rl_loop.py tests/test_provenance_validate.py tests/test_official_sdk.py \
+    tests/test_qwen3_5.py \
     2>&1 | tee "$OUT/tests_cuda.log" | tail -60
 step "done"

@@ -234,13 +234,13 @@ def decode_step(model: Transformer, groups: Sequence[DecodeRows]) -> list[Tensor
             x = x + _attention(layer.self_attn, h, groups, ropes, i)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
-        x = x + (_moe_rows(mlp, h, m) if isinstance(mlp, SparseMoe) else _mlp_rows(mlp, h))
+        x = x + (_moe_rows(mlp, h, m) if isinstance(mlp, SparseMoe) else mlp_rows(mlp, h))
     logits = linear_rows(model.lm_head, model.model.norm(x)).float().cpu()  # samplers: CPU
     sizes = [len(g.active) for g in groups]
     return list(logits[:m].split(sizes))
 
 
-def _mlp_rows(mlp: MLP | ClampedMLP, h: Tensor) -> Tensor:
+def mlp_rows(mlp: MLP | ClampedMLP, h: Tensor) -> Tensor:
     gate, up = linear_rows_many([mlp.gate_proj, mlp.up_proj], h)
     act = mlp.activation(gate, up) if isinstance(mlp, ClampedMLP) else F.silu(gate) * up
     return linear_rows(mlp.down_proj, act)
@@ -257,7 +257,7 @@ def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
         n = len(rows)
         xs = torch.zeros(padded_rows(n), h.shape[1], dtype=h.dtype, device=h.device)
         xs[:n] = h[rows]
-        y = _mlp_rows(cast(MLP | ClampedMLP, moe.experts[e]), xs)[:n]
+        y = mlp_rows(cast(MLP | ClampedMLP, moe.experts[e]), xs)[:n]
         out.index_add_(0, rows, y * weights[rows, slot, None])
     if hasattr(moe, "shared_expert"):  # Qwen3.5-MoE: every row, as `SparseMoe.forward`
         # torch's vectorised sigmoid and its scalar tail round differently: on [rows, 1] a
@@ -265,7 +265,7 @@ def _moe_rows(moe: SparseMoe, h: Tensor, m: int) -> Tensor:
         # element takes the vector path whatever the row count (a multiple of CHUNK).
         logit = linear_rows(moe.shared_expert_gate, h)
         gate = torch.sigmoid(logit.expand(-1, GATE_WIDTH).contiguous())[:, :1]
-        out = out + gate * _mlp_rows(moe.shared_expert, h)
+        out = out + gate * mlp_rows(moe.shared_expert, h)
     return out
 
 
@@ -280,16 +280,7 @@ def _attention(
     elementwise rotation, `fused.rotate_eager`, so a row's values do not depend on the others);
     cache update and SDPA per group."""
     rows = h.shape[0]
-    gated = isinstance(attn, GatedAttention)
-    q, k, v = linear_rows_many([attn.q_proj, attn.k_proj, attn.v_proj], h)
-    gate = None
-    if gated:  # Qwen3.5: each head's query, then its output gate
-        q, gate = split_gate(q, attn.n_heads, attn.head_dim)
-    q = q.reshape(rows, attn.n_heads, attn.head_dim)
-    k = k.view(rows, attn.n_kv_heads, attn.head_dim)
-    v = v.view(rows, attn.n_kv_heads, attn.head_dim)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v, gate = attention_rows(attn, h)
     cos, sin = ropes
     m = cos.shape[0]
     q, k = (partial_rope(t[:m], cos, sin, rotate_eager) for t in (q, k))
@@ -305,14 +296,36 @@ def _attention(
     return linear_rows(attn.o_proj, y)
 
 
+def attention_rows(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q [rows, heads, D], k, v [rows, kv heads, D] (q and k normed where the model norms
+    them, not rotated) and Qwen3.5's output gate [rows, heads * D] (else None) of h's rows."""
+    rows = h.shape[0]
+    q, k, v = linear_rows_many([attn.q_proj, attn.k_proj, attn.v_proj], h)
+    gate = None
+    if isinstance(attn, GatedAttention):  # Qwen3.5: each head's query, then its output gate
+        q, gate = split_gate(q, attn.n_heads, attn.head_dim)
+    q = q.reshape(rows, attn.n_heads, attn.head_dim)
+    k = k.view(rows, attn.n_kv_heads, attn.head_dim)
+    v = v.view(rows, attn.n_kv_heads, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v, gate
+
+
+def delta_rows(net: GatedDeltaNet, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The linear attention's projections of h's rows: qkv, z, b, a (`GatedDeltaNet.step`)."""
+    qkv = torch.cat([linear_rows(getattr(net, p), h) for p in QKV], -1)
+    z, b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h) for p in "zba")
+    return qkv, z, b, a
+
+
 def _linear_attention(
     net: GatedDeltaNet, h: Tensor, groups: Sequence[DecodeRows], layer: int, m: int
 ) -> Tensor:
     """Qwen3.5's linear attention for one decode position: batched projections; the
     convolution and the recurrent step per group on its own rows' states (elementwise, so a
     row's values do not depend on the others), as `GatedDeltaNet.step` does alone."""
-    qkv = torch.cat([linear_rows(getattr(net, p), h) for p in QKV], -1)[:m]
-    z, b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h)[:m] for p in "zba")
+    qkv, z, b, a = (t[:m] for t in delta_rows(net, h))
     y = torch.zeros(h.shape[0], net.v_heads * net.v_dim, dtype=h.dtype, device=h.device)
     start = 0
     for g in groups:

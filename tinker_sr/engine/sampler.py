@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from tinker_sr.engine import prompt_cache as blocks
-from tinker_sr.engine.batching import decode_step
+from tinker_sr.engine.cuda_graphs import decode
 from tinker_sr.engine.model import KVCache, Transformer, _stable_seed
 from tinker_sr.engine.prompt_cache import ROOT, CachedPrompt, PromptCache
 from tinker_sr.engine.stops import StopStrings
@@ -190,7 +190,7 @@ def decode_alone(group: DecodeGroup) -> list[SampleOutput]:
     """Prefill ``group`` and decode it to the end on its own."""
     group.prefill()
     while not group.finished:
-        group.receive(decode_step(group.model, [group])[0])
+        group.receive(decode(group.model, [group])[0])
     return group.outputs()
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tinker_sr.engine.batching import decode_step
+from tinker_sr.engine.cuda_graphs import decode
 from tinker_sr.engine.prompt_cache import PromptCache
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
 
@@ -227,7 +227,7 @@ class DecodeScheduler:
         for batch in by_model.values():
             groups = [a.group for a in batch]
             try:
-                logits = decode_step(groups[0].model, groups)
+                logits = decode(groups[0].model, groups)
                 self.rows_per_step.append(sum(len(g.active) for g in groups))
                 for g, lg in zip(groups, logits, strict=True):
                     g.receive(lg)
