@@ -22,7 +22,8 @@ gated-attention layers), ``--work train``: one ``forward_backward`` of the same 
 
 * now: the engine as it is;
 * baseline: the same with the changes of ``--baseline`` undone (default all: the floor off,
-  ``DECAY_FLOOR = -inf``; torch's solve; torch's decode step);
+  ``DECAY_FLOOR = -inf``; torch's solve; torch's decode step; ``rule``: the chunked form in
+  place of the C rule, session 44);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -31,6 +32,7 @@ sampled tokens', where both ways sampled the same tokens).
     python benchmarks/linear_attention.py                # train, 8 datums of 256 tokens
     python benchmarks/linear_attention.py --work sample
     python benchmarks/linear_attention.py --baseline solve --lengths 2048 --rounds 5
+    python benchmarks/linear_attention.py --baseline rule     # the C rule vs the chunked form
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -52,7 +54,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step")
+UNDO = ("floor", "solve", "step", "rule")
 
 
 @contextlib.contextmanager
@@ -61,6 +63,9 @@ def undone(which: set[str]) -> Iterator[None]:
     from tinker_sr.engine import delta_native, hybrid
 
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
+    rule = hybrid.delta_rule
+    if "rule" in which:
+        hybrid.delta_rule = lambda *_: None  # type: ignore[assignment]
     if "floor" in which:
         hybrid.DECAY_FLOOR = float("-inf")  # read per call by `hybrid.decay_exp`
     if "solve" in which:
@@ -72,6 +77,7 @@ def undone(which: set[str]) -> Iterator[None]:
     finally:
         floor, ready, step = saved
         hybrid.DECAY_FLOOR, hybrid.gated_delta_step_ = floor, step
+        hybrid.delta_rule = rule
         delta_native.native_solve_ready = ready
 
 

@@ -33,7 +33,7 @@ from tests._train import (  # noqa: E402
 )
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
-from tinker_sr.engine import registry  # noqa: E402
+from tinker_sr.engine import compiled, registry  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.engine.hf_config import config_from_hf  # noqa: E402
 from tinker_sr.engine.hybrid import gated_delta_rule, gated_delta_step  # noqa: E402
@@ -138,8 +138,18 @@ def _recurrence(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[
     return torch.stack(outs, 1), state
 
 
+C_RULE = [pytest.param(True, id="c-rule"), pytest.param(False, id="chunked")]
+
+
+@pytest.mark.parametrize("c_rule", C_RULE)
 @pytest.mark.parametrize("length", [1, 63, 64, 130])
-def test_the_chunked_form_is_the_recurrence_in_values_and_gradients(length: int) -> None:
+def test_the_chunked_form_is_the_recurrence_in_values_and_gradients(
+    length: int, c_rule: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways the engine runs the rule on a CPU (the C kernels, position by position; the
+    chunked form, with them off) follow the float64 recurrence, values and gradients."""
+    if not c_rule:
+        monkeypatch.setattr(compiled, "native_mode", lambda: "off")
     gen = torch.Generator().manual_seed(length)
     B, H, Dk, Dv = 2, 3, 8, 6
 
@@ -182,12 +192,18 @@ class _Subnormals(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("c_rule", C_RULE)
 @pytest.mark.parametrize("decay_scale", [0.5, 5.0, 40.0])
-def test_fast_decays_make_no_subnormal_floats_and_keep_the_values(decay_scale: float) -> None:
+def test_fast_decays_make_no_subnormal_floats_and_keep_the_values(
+    decay_scale: float, c_rule: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decays of a few units per token (a random Qwen3.5's, and fast heads of real ones) ran into
     float32's subnormal range inside the chunked form, whose arithmetic x86 does in slow
     microcode: the step cost 1.3x (`benchmarks/linear_attention.py --baseline floor`). Forward
-    and backward now make none, and the values still follow the float64 recurrence."""
+    and backward now make none, and the values still follow the float64 recurrence. (The C
+    rule flushes subnormals to zero inside its kernels.)"""
+    if not c_rule:
+        monkeypatch.setattr(compiled, "native_mode", lambda: "off")
     gen = torch.Generator().manual_seed(1)
     B, T, H, D = 2, 200, 2, 16
     q, k = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinker_sr.engine import compiled, delta_native
+from tinker_sr.engine import compiled, delta_native, hybrid
 from tinker_sr.engine.hybrid import DECAY_FLOOR, gated_delta_step
 
 
@@ -125,3 +125,88 @@ def test_the_decode_step_leaves_what_the_kernel_cannot_take_to_torch(
     monkeypatch.setattr(compiled, "native_mode", lambda: "off")
     assert delta_native.gated_delta_step_(*inputs, state, DECAY_FLOOR) is None
     assert torch.equal(state, before)  # nothing done
+
+
+def _rule_operands(
+    B: int, T: int, H: int, dk: int, dv: int, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1) for _ in "qk"
+    )
+    v = torch.randn(B, T, H, dv, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 3
+    g[0, min(5, T - 1), 0] = -60.0  # under the floor
+    beta = torch.rand(B, T, H, generator=gen)
+    return [t.to(dtype) for t in (q, k, v, g, beta)]
+
+
+def _rule_and_grads(
+    inputs: list[torch.Tensor], state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    start = None if state is None else state.clone().requires_grad_()
+    out, final = hybrid.gated_delta_rule(*leaves, start)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
+    grads = torch.autograd.grad(
+        (out * weights).sum() + final.square().sum(),
+        leaves + ([start] if start is not None else []),
+    )
+    return out.detach(), final.detach(), grads
+
+
+@pytest.mark.parametrize("length", [1, 64, 150])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("widths", [(16, 24), (64, 64), (128, 128)])
+def test_the_c_rule_is_the_chunked_forms_in_values_and_gradients(
+    length: int, with_state: bool, widths: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32, chunk boundaries crossed or not, a decay under the floor, a starting state or
+    none, key and value widths the kernel has fixed-width loops for (64, 128) and others: the
+    C rule (position by position) against the chunked form torch runs with the C kernels off."""
+    if not _c_kernels():
+        pytest.skip("the C kernels are off or unavailable: the chunked form runs")
+    dk, dv = widths
+    inputs = _rule_operands(2, length, 3, dk, dv)
+    state = torch.randn(2, 3, dk, dv, generator=torch.Generator().manual_seed(4))
+    start = state if with_state else None
+    ours = _rule_and_grads(inputs, start)
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    want = _rule_and_grads(inputs, start)
+    torch.testing.assert_close(ours[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[1], want[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(ours[2], want[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_the_c_rule_is_the_same_bits_alone_in_a_batch_at_any_thread_count() -> None:
+    """Each (row, head) pair runs whole in one thread: a row's values and gradients do not
+    depend on the rows beside it or on the thread count; without autograd the forward gives
+    the same values."""
+    if not _c_kernels():
+        pytest.skip("the C kernels are off or unavailable: the chunked form runs")
+    inputs = _rule_operands(4, 200, 2, 64, 64, seed=1)  # over the one-thread threshold
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = _rule_and_grads(inputs, None)
+        torch.set_num_threads(1)
+        one = _rule_and_grads(inputs, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert all(torch.equal(a, b) for a, b in zip(one[2], two[2], strict=True))
+    alone = _rule_and_grads([t[2:3] for t in inputs], None)
+    assert torch.equal(alone[0], two[0][2:3]) and torch.equal(alone[1], two[1][2:3])
+    with torch.no_grad():
+        out, final = hybrid.gated_delta_rule(*inputs)
+    assert torch.equal(out, two[0]) and torch.equal(final, two[1])
+
+
+def test_the_rule_leaves_what_the_kernel_cannot_take_to_the_chunked_form() -> None:
+    inputs = _rule_operands(1, 8, 1, 4, 4)
+    assert delta_native.delta_rule(*inputs[:4], inputs[4].double(), None, -30.0, 64) is None
+    wide = _rule_operands(1, 8, 1, 4, 1025)
+    assert delta_native.delta_rule(*wide, None, -30.0, 64) is None  # Dv over 1,024
+    half = [t.half() for t in inputs]
+    assert delta_native.delta_rule(*half, None, -30.0, 64) is None

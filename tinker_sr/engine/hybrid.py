@@ -10,8 +10,9 @@ three ``linear_attention`` layers, then one ``full_attention``):
   softplus(a + dt_bias)`` and a write strength ``beta = sigmoid(b)`` per value head; the state
   decays by ``exp(g)`` and takes the delta-rule update ``S += k (beta (v - S^T k))^T``; the
   output ``S^T q / sqrt(d_k)`` goes through an RMSNorm gated by ``silu(z)`` and ``out_proj``.
-  Training and prefill run the chunked (WY) form of the same recurrence (`gated_delta_rule`);
-  decode runs one step per token (`gated_delta_step`).
+  Training and prefill run the recurrence over whole sequences (`gated_delta_rule`: position
+  by position in C on a CPU, else its chunked (WY) form); decode runs one step per token
+  (`gated_delta_step`).
 - `GatedAttention`, causal softmax attention whose ``q_proj`` also yields a per-head output gate
   (``sigmoid``, applied before ``o_proj``), with q/k RMSNorms and RoPE on the first
   ``partial_rotary_factor`` of each head (a quarter).
@@ -32,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinker_sr.engine.delta_native import gated_delta_step_, unit_lower_solve
+from tinker_sr.engine.delta_native import (
+    delta_rule,
+    delta_rule_runs,
+    gated_delta_step_,
+    unit_lower_solve,
+)
 from tinker_sr.engine.fused import apply_linear, linear_group
 from tinker_sr.user_errors import EngineUserError
 
@@ -95,15 +101,16 @@ def check_config(config: ModelConfig) -> None:
         )
 
 
-def linear_activations(config: ModelConfig) -> int:
+def linear_activations(config: ModelConfig, device: torch.device | str = "cpu") -> int:
     """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
     projections, the convolution's output before and after SiLU, q/k/v in float32 before and
-    after normalising (q and k repeated per value head), what the chunked rule saves, the
-    output and its gated norm. The chunked rule's share per value head and token, ``7 * CHUNK +
-    9 * Dk + 2 * Dv + Dk * Dv / CHUNK`` (its decay, system and attention rows, the masks, u, w,
-    the decayed q and k, one state per chunk), was counted with saved-tensor hooks over head
-    widths 32-128 (6.3 CHUNK-wide rows, rounded up); the 3 rows this estimate counted before
-    left a Qwen3.5 step's saved activations 1.3x over it."""
+    after normalising (q and k repeated per value head), what the rule saves, the output and
+    its gated norm. The chunked rule's share per value head and token, ``7 * CHUNK + 9 * Dk +
+    2 * Dv + Dk * Dv / CHUNK`` (its decay, system and attention rows, the masks, u, w, the
+    decayed q and k, one state per chunk), was counted with saved-tensor hooks over head
+    widths 32-128 (6.3 CHUNK-wide rows, rounded up). The C rule, where it runs on ``device``
+    (`delta_native.delta_rule`), keeps its inputs (q, k, v, g, beta: ``2 * Dk + Dv + 2``) and
+    one state per CHUNK positions."""
     keys, values = (
         config.linear_k_heads * config.linear_k_dim,
         config.linear_v_heads * config.linear_v_dim,
@@ -111,7 +118,8 @@ def linear_activations(config: ModelConfig) -> int:
     k, v = config.linear_k_dim, config.linear_v_dim
     repeated = config.linear_v_heads * k
     channels = 2 * keys + values
-    chunk = config.linear_v_heads * (7 * CHUNK + 9 * k + 2 * v + k * v // CHUNK)
+    share = 2 * k + v + 2 if delta_rule_runs(torch.device(device)) else 7 * CHUNK + 9 * k + 2 * v
+    chunk = config.linear_v_heads * (share + k * v // CHUNK)
     return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
 
 
@@ -129,7 +137,14 @@ def gated_delta_rule(
     the state after the last position). Within a chunk the updates are condensed by the
     UT transform, ``(I + strictly_lower(beta K K^T * decay))^-1``, into matrix products; the
     state is carried from chunk to chunk. No in-place writes: autograd differentiates it.
-    Decays under ``exp(DECAY_FLOOR)`` are zeros (`decay_exp`)."""
+    Decays under ``exp(DECAY_FLOOR)`` are zeros (`decay_exp`).
+
+    On the CPU in float32 or float64 the same recurrence runs position by position in C
+    (`delta_native.delta_rule`: at these sizes faster than the chunked form's small products,
+    forward and backward); this chunked form runs elsewhere and with the C kernels off."""
+    native = delta_rule(q, k, v, g, beta, state, DECAY_FLOOR, CHUNK)
+    if native is not None:
+        return native
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     q = q * Dk**-0.5

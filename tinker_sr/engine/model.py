@@ -589,10 +589,10 @@ class Transformer(nn.Module):
         return add_rms_norm(x, pending, norm.weight, norm.eps)[1]
 
 
-def activation_bytes(config: ModelConfig, tokens: int) -> int:
-    """Estimated bytes a training forward of ``tokens`` tokens keeps for backward in float32:
-    per layer and token the two norms' inputs and outputs, q/k before their norms, q/k/v and
-    the output of attention, and the MLP's gate and up projections."""
+def activation_bytes(config: ModelConfig, tokens: int, device: torch.device | str = "cpu") -> int:
+    """Estimated bytes a training forward of ``tokens`` tokens on ``device`` keeps for backward
+    in float32: per layer and token the two norms' inputs and outputs, q/k before their norms,
+    q/k/v and the output of attention, and the MLP's gate and up projections."""
     q = config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
     attention = 4 * config.dim + (4 if config.attn_output_gate else 3) * q + 3 * kv
@@ -600,7 +600,7 @@ def activation_bytes(config: ModelConfig, tokens: int) -> int:
     moe = len(config.moe_layers)  # each token keeps k experts' gate and up, and its input
     moe_token = config.experts_per_token * (2 * config.moe_ffn_dim + config.dim)
     mlp = (config.n_layers - moe) * 2 * config.ffn_dim + moe * moe_token
-    mixers = (config.n_layers - linear) * attention + linear * linear_activations(config)
+    mixers = (config.n_layers - linear) * attention + linear * linear_activations(config, device)
     return 4 * tokens * (mixers + mlp)
 
 
@@ -611,7 +611,7 @@ def checkpoint_pays(
     for backward's transients) would take more than half of the memory still available on
     ``device`` (host memory for the CPU, the GPU's free memory for CUDA)."""
     room = free_memory(device)
-    return room is not None and 2 * activation_bytes(config, tokens) > room // 2
+    return room is not None and 2 * activation_bytes(config, tokens, device) > room // 2
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

@@ -46,7 +46,7 @@ def counting_saved_activations() -> Iterator[dict[str, int]]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = hidden_rows(model, batch, groups, kept)
         counted["saved"] = sum(saved.values())
-        counted["estimate"] = model_mod.activation_bytes(model.config, kept)
+        counted["estimate"] = model_mod.activation_bytes(model.config, kept, model.device)
         return out
 
     training._hidden_rows = counting  # type: ignore[assignment]  # read per call

@@ -17,6 +17,7 @@
    Part of tinker_sr (engine/native.py builds it; engine/delta_native.py calls it). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Below this many multiply-adds (about 2 n^2 m per matrix: ~0.1 ms of one core) a kernel
@@ -103,3 +104,260 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
     memcpy(out + h * dv, o, sizeof(float) * (size_t)dv);
   }
 }
+
+/* The gated delta rule over whole sequences, position by position (training and prefill), for
+   `pairs` (row, value head) pairs, forward and backward. Per position t of a pair:
+
+     S' = S exp(g_t)   r = S'^T k_t   d = beta_t (v_t - r)   S = S' + k_t d^T   o_t = S^T q_t scale
+
+   (a decay under exp(floor) is zero). The chunked (WY) form turns the positions of a chunk into
+   small matrix products and triangular solves; on a CPU those run far below the machine's rate
+   at these sizes (64 x 64) and every op of the form is a parallel region. Here each pair runs
+   in one thread, position by position, its state in cache (16 KB at 64 x 64), and all pairs in
+   one OpenMP region: a pair's results do not depend on the thread count or the pairs beside it.
+
+   Layouts (contiguous): q, k [pairs, steps, dk]; v, out [pairs, steps, dv]; g, beta [pairs,
+   steps]; state0 (NULL: zeros), final [pairs, dk, dv]; saved (NULL: none) [pairs, chunks, dk,
+   dv], the state before positions 0, chunk, 2 chunk, ... for backward, which recomputes each
+   chunk's states from them. dv <= 1024. Flush-to-zero and denormals-are-zero are on inside the
+   kernels: the decayed state of a fast head would otherwise reach float32's subnormal range,
+   whose arithmetic x86 does in slow microcode. Each pair's work is a function inlined once for
+   widths of 64 and of 128 (Qwen3.5's), whose loops the compiler then unrolls, and once for any
+   other width (`WIDTHS`). */
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#define FAST_DENORMALS_BEGIN                                                                    \
+  const unsigned int saved_csr = _mm_getcsr();                                                  \
+  _mm_setcsr(saved_csr | 0x8040u);
+#define FAST_DENORMALS_END _mm_setcsr(saved_csr);
+#else
+#define FAST_DENORMALS_BEGIN
+#define FAST_DENORMALS_END
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* CALL(SUF, dk, dv) with literal widths where they are 64 or 128 (each an inlined copy). */
+#define WIDTHS(CALL, SUF)                                                                       \
+  do {                                                                                          \
+    if (dk == 64 && dv == 64)                                                                   \
+      CALL(SUF, 64, 64);                                                                        \
+    else if (dk == 128 && dv == 128)                                                            \
+      CALL(SUF, 128, 128);                                                                      \
+    else                                                                                        \
+      CALL(SUF, dk, dv);                                                                        \
+  } while (0)
+
+/* Pair p of tsr_delta_rule_fwd / _bwd at widths DK x DV (their locals). */
+#define FWD_PAIR(SUF, DK, DV)                                                                   \
+  fwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, s0, out + i * dv,        \
+                 final + p * size, kept, steps, DK, DV, chunk, scale, floor, read, delta)
+#define BWD_PAIR(SUF, DK, DV)                                                                   \
+  bwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, kept, dout + i * dv,     \
+                 d_final, dq + i * dk, dk_ + i * dk, dv_ + i * dv, dg + i, dbeta + i,           \
+                 dstate0 + p * size, steps, DK, DV, chunk, scale, floor, work)
+
+#define DEFINE_RULE(T, EXP, SUF)                                                                \
+  /* A position's r and d without advancing the state s. */                                    \
+  INLINE void rule_read_##SUF(const T *s, const T *kt, const T *vt, T decay, T bt, T *read,    \
+                              T *delta, int dk, int dv) {                                       \
+    for (int b = 0; b < dv; b++) read[b] = 0;                                                   \
+    for (int a = 0; a < dk; a++) {                                                              \
+      const T *sa = s + (int64_t)a * dv;                                                        \
+      const T ka = kt[a];                                                                       \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
+        const T decayed = sa[b] * decay;                                                        \
+        read[b] += decayed * ka;                                                                \
+      }                                                                                         \
+    }                                                                                           \
+    _Pragma("omp simd") for (int b = 0; b < dv; b++) delta[b] = (vt[b] - read[b]) * bt;        \
+  }                                                                                             \
+                                                                                                \
+  /* One position: s advanced in place, o_t into ot, r and d into read and delta. */            \
+  INLINE void rule_step_##SUF(T *s, const T *qt, const T *kt, const T *vt, T decay, T bt,      \
+                              T *ot, T *read, T *delta, int dk, int dv, T scale) {              \
+    for (int b = 0; b < dv; b++) read[b] = 0;                                                   \
+    for (int a = 0; a < dk; a++) {                                                              \
+      T *sa = s + (int64_t)a * dv;                                                              \
+      const T ka = kt[a];                                                                       \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
+        sa[b] *= decay;                                                                         \
+        read[b] += sa[b] * ka;                                                                  \
+      }                                                                                         \
+    }                                                                                           \
+    _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                          \
+      delta[b] = (vt[b] - read[b]) * bt;                                                        \
+      ot[b] = 0;                                                                                \
+    }                                                                                           \
+    for (int a = 0; a < dk; a++) {                                                              \
+      T *sa = s + (int64_t)a * dv;                                                              \
+      const T ka = kt[a], qa = qt[a] * scale;                                                   \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
+        sa[b] += ka * delta[b];                                                                 \
+        ot[b] += sa[b] * qa;                                                                    \
+      }                                                                                         \
+    }                                                                                           \
+  }                                                                                             \
+                                                                                                \
+  INLINE T rule_decay_##SUF(T gt, T floor) { return gt < floor ? (T)0 : EXP(gt); }             \
+                                                                                                \
+  /* Pair p's positions in order: s (its final state) from state0, out, the saved states. */    \
+  INLINE void fwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
+                             const T *state0, T *out, T *s, T *saved, int64_t steps, int dk,    \
+                             int dv, int chunk, T scale, T floor, T *read, T *delta) {          \
+    const int64_t size = (int64_t)dk * dv;                                                      \
+    if (state0)                                                                                 \
+      memcpy(s, state0, sizeof(T) * (size_t)size);                                              \
+    else                                                                                        \
+      memset(s, 0, sizeof(T) * (size_t)size);                                                   \
+    for (int64_t t = 0; t < steps; t++) {                                                       \
+      if (saved && t % chunk == 0)                                                              \
+        memcpy(saved + (t / chunk) * size, s, sizeof(T) * (size_t)size);                        \
+      rule_step_##SUF(s, q + t * dk, k + t * dk, v + t * dv, rule_decay_##SUF(g[t], floor),    \
+                      beta[t], out + t * dv, read, delta, dk, dv, scale);                       \
+    }                                                                                           \
+  }                                                                                             \
+                                                                                                \
+  void tsr_delta_rule_fwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta, \
+                                const T *state0, T *out, T *final, T *saved, int64_t pairs,    \
+                                int64_t steps, int dk, int dv, int chunk, T scale, T floor,    \
+                                int threads) {                                                  \
+    const int64_t chunks = (steps + chunk - 1) / chunk, size = (int64_t)dk * dv;               \
+    const int parallel = 4 * pairs * steps * size >= PARALLEL_WORK;                             \
+    _Pragma("omp parallel num_threads(threads) if (parallel)") {                                \
+      FAST_DENORMALS_BEGIN                                                                      \
+      T read[1024], delta[1024];                                                                \
+      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                 \
+        const int64_t i = p * steps;                                                            \
+        const T *s0 = state0 ? state0 + p * size : NULL;                                        \
+        T *kept = saved ? saved + p * chunks * size : NULL;                                     \
+        WIDTHS(FWD_PAIR, SUF);                                                                  \
+      }                                                                                         \
+      FAST_DENORMALS_END                                                                        \
+    }                                                                                           \
+  }
+
+#define DEFINE_RULE_BACKWARD(T, EXP, SUF)                                                       \
+  /* One position back: ds, the gradient of the state after it, becomes that of the state      \
+     before it (prev, whose r and d were read and delta); writes the position's dq, dk, dv and  \
+     returns the gradients of its g and beta through dg and dbeta. */                           \
+  INLINE void rule_back_##SUF(T *ds, const T *prev, const T *qt, const T *kt, const T *vt,     \
+                              const T *read, const T *delta, T gt, T bt, const T *dot, T *dqt, \
+                              T *dkt, T *dvt, T *dg, T *dbeta, T *ddelta, int dk, int dv,       \
+                              T scale, T floor) {                                               \
+    const T decay = rule_decay_##SUF(gt, floor);                                                \
+    for (int b = 0; b < dv; b++) ddelta[b] = 0;                                                 \
+    for (int a = 0; a < dk; a++) { /* through o = S^T q scale and S = S' + k d^T */             \
+      const T *pa = prev + (int64_t)a * dv;                                                     \
+      T *da = ds + (int64_t)a * dv;                                                             \
+      const T ka = kt[a], qa = qt[a] * scale;                                                   \
+      T dq = 0, dkk = 0;                                                                        \
+      _Pragma("omp simd reduction(+ : dq, dkk)") for (int b = 0; b < dv; b++) {                 \
+        const T after = pa[b] * decay + ka * delta[b];                                          \
+        dq += after * dot[b];                                                                   \
+        da[b] += qa * dot[b];                                                                   \
+        dkk += da[b] * delta[b];                                                                \
+        ddelta[b] += da[b] * ka;                                                                \
+      }                                                                                         \
+      dqt[a] = dq * scale;                                                                      \
+      dkt[a] = dkk;                                                                             \
+    }                                                                                           \
+    T db = 0; /* through d = beta (v - r) */                                                    \
+    _Pragma("omp simd reduction(+ : db)") for (int b = 0; b < dv; b++) {                        \
+      db += ddelta[b] * (vt[b] - read[b]);                                                      \
+      dvt[b] = bt * ddelta[b];                                                                  \
+      ddelta[b] = -bt * ddelta[b]; /* now the gradient of r */                                  \
+    }                                                                                           \
+    T dd = 0;                                                                                   \
+    for (int a = 0; a < dk; a++) { /* through r = S'^T k and S' = S exp(g) */                   \
+      const T *pa = prev + (int64_t)a * dv;                                                     \
+      T *da = ds + (int64_t)a * dv;                                                             \
+      const T ka = kt[a];                                                                       \
+      T dkk = 0, dda = 0;                                                                       \
+      _Pragma("omp simd reduction(+ : dkk, dda)") for (int b = 0; b < dv; b++) {                \
+        const T decayed_grad = da[b] + ka * ddelta[b];                                          \
+        dkk += pa[b] * decay * ddelta[b];                                                       \
+        dda += decayed_grad * pa[b];                                                            \
+        da[b] = decayed_grad * decay;                                                           \
+      }                                                                                         \
+      dkt[a] += dkk;                                                                            \
+      dd += dda;                                                                                \
+    }                                                                                           \
+    *dg = gt < floor ? (T)0 : dd * decay;                                                       \
+    *dbeta = db;                                                                                \
+  }                                                                                             \
+                                                                                                \
+  /* Pair p's gradients, its chunks last to first: each chunk's states recomputed from the one \
+     saved before it into work (chunk states, then chunk r and d vectors, then two more). */   \
+  INLINE void bwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
+                             const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,     \
+                             T *dv_, T *dg, T *dbeta, T *ds, int64_t steps, int dk, int dv,     \
+                             int chunk, T scale, T floor, T *work) {                            \
+    const int64_t size = (int64_t)dk * dv, chunks = (steps + chunk - 1) / chunk;               \
+    T *reads = work + chunk * size, *deltas = reads + (int64_t)chunk * dv;                      \
+    T *ddelta = deltas + (int64_t)chunk * dv, *scratch = ddelta + dv;                           \
+    if (dfinal)                                                                                 \
+      memcpy(ds, dfinal, sizeof(T) * (size_t)size);                                             \
+    else                                                                                        \
+      memset(ds, 0, sizeof(T) * (size_t)size);                                                  \
+    for (int64_t c = chunks - 1; c >= 0; c--) {                                                 \
+      const int64_t t0 = c * chunk, n = steps - t0 < chunk ? steps - t0 : chunk;               \
+      memcpy(work, saved + c * size, sizeof(T) * (size_t)size);                                 \
+      for (int64_t j = 0; j < n; j++) { /* work[j]: the state before position t0 + j */        \
+        const int64_t t = t0 + j;                                                               \
+        const T decay = rule_decay_##SUF(g[t], floor);                                          \
+        T *r = reads + j * dv, *d = deltas + j * dv;                                            \
+        if (j + 1 == n) { /* the last: only its r and d are needed */                           \
+          rule_read_##SUF(work + j * size, k + t * dk, v + t * dv, decay, beta[t], r, d, dk, dv); \
+          continue;                                                                             \
+        }                                                                                       \
+        T *next = work + (j + 1) * size;                                                        \
+        memcpy(next, work + j * size, sizeof(T) * (size_t)size);                                \
+        rule_step_##SUF(next, q + t * dk, k + t * dk, v + t * dv, decay, beta[t], scratch, r,   \
+                        d, dk, dv, scale);                                                      \
+      }                                                                                         \
+      for (int64_t j = n - 1; j >= 0; j--) {                                                    \
+        const int64_t t = t0 + j;                                                               \
+        rule_back_##SUF(ds, work + j * size, q + t * dk, k + t * dk, v + t * dv,                \
+                        reads + j * dv, deltas + j * dv, g[t], beta[t], dout + t * dv,          \
+                        dq + t * dk, dk_ + t * dk, dv_ + t * dv, dg + t, dbeta + t, ddelta,     \
+                        dk, dv, scale, floor);                                                  \
+      }                                                                                         \
+    }                                                                                           \
+  }                                                                                             \
+                                                                                                \
+  /* Gradients of tsr_delta_rule_fwd from those of out (dout) and of final (dfinal; NULL:      \
+     zeros), with the states it saved: dq, dk [pairs, steps, dk], dv [pairs, steps, dv], dg,   \
+     dbeta [pairs, steps], dstate0 [pairs, dk, dv]. Returns 0, or -1 where a thread's work      \
+     buffer (chunk states of dk x dv) could not be allocated. */                                \
+  int tsr_delta_rule_bwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,  \
+                               const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,  \
+                               T *dv_, T *dg, T *dbeta, T *dstate0, int64_t pairs,              \
+                               int64_t steps, int dk, int dv, int chunk, T scale, T floor,      \
+                               int threads) {                                                   \
+    const int64_t chunks = (steps + chunk - 1) / chunk, size = (int64_t)dk * dv;               \
+    const int parallel = 12 * pairs * steps * size >= PARALLEL_WORK;                            \
+    const size_t work_size =                                                                    \
+        sizeof(T) * (size_t)(chunk * size + 2 * (int64_t)chunk * dv + 2 * dv);                  \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel num_threads(threads) if (parallel) reduction(| : failed)") {          \
+      FAST_DENORMALS_BEGIN                                                                      \
+      T *work = malloc(work_size);                                                              \
+      failed = work == NULL;                                                                    \
+      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                 \
+        if (!work) continue;                                                                    \
+        const int64_t i = p * steps;                                                            \
+        const T *kept = saved + p * chunks * size;                                              \
+        const T *d_final = dfinal ? dfinal + p * size : NULL;                                   \
+        WIDTHS(BWD_PAIR, SUF);                                                                  \
+      }                                                                                         \
+      free(work);                                                                               \
+      FAST_DENORMALS_END                                                                        \
+    }                                                                                           \
+    return failed ? -1 : 0;                                                                     \
+  }
+
+DEFINE_RULE(float, expf, f32)
+DEFINE_RULE(double, exp, f64)
+DEFINE_RULE_BACKWARD(float, expf, f32)
+DEFINE_RULE_BACKWARD(double, exp, f64)
