@@ -155,6 +155,25 @@ def _rule_and_grads(
     return out.detach(), final.detach(), grads
 
 
+def _matches_the_chunked_form(
+    inputs: list[torch.Tensor],
+    state: torch.Tensor | None,
+    monkeypatch: pytest.MonkeyPatch,
+    values: tuple[float, float],
+    grads: tuple[float, float],
+) -> None:
+    """The C rule's outputs and gradients against the chunked form's (the C kernels off then),
+    within (rtol, atol) ``values`` and ``grads``."""
+    ours = _rule_and_grads(inputs, state)
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    want = _rule_and_grads(inputs, state)
+    monkeypatch.undo()
+    for a, b in zip(ours[:2], want[:2], strict=True):
+        torch.testing.assert_close(a, b, rtol=values[0], atol=values[1])
+    for a, b in zip(ours[2], want[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=grads[0], atol=grads[1])
+
+
 @pytest.mark.parametrize("length", [1, 64, 150])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("widths", [(16, 24), (64, 64), (128, 128)])
@@ -170,13 +189,7 @@ def test_the_c_rule_is_the_chunked_forms_in_values_and_gradients(
     inputs = _rule_operands(2, length, 3, dk, dv)
     state = torch.randn(2, 3, dk, dv, generator=torch.Generator().manual_seed(4))
     start = state if with_state else None
-    ours = _rule_and_grads(inputs, start)
-    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
-    want = _rule_and_grads(inputs, start)
-    torch.testing.assert_close(ours[0], want[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ours[1], want[1], rtol=1e-4, atol=1e-5)
-    for a, b in zip(ours[2], want[2], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    _matches_the_chunked_form(inputs, start, monkeypatch, (1e-4, 1e-5), (1e-3, 1e-4))
 
 
 def test_the_c_rule_is_the_same_bits_alone_in_a_batch_at_any_thread_count() -> None:
@@ -210,3 +223,16 @@ def test_the_rule_leaves_what_the_kernel_cannot_take_to_the_chunked_form() -> No
     assert delta_native.delta_rule(*wide, None, -30.0, 64) is None  # Dv over 1,024
     half = [t.half() for t in inputs]
     assert delta_native.delta_rule(*half, None, -30.0, 64) is None
+
+
+def test_wide_states_recompute_in_parts_and_keep_the_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float64 states of 256 x 256 (512 KB): backward recomputes each 64-position chunk 8
+    positions at a time (its buffer stays within 4 MiB), from states it marks first; values and
+    gradients are still the chunked form's, a partial last chunk included."""
+    if not _c_kernels():
+        pytest.skip("the C kernels are off or unavailable: the chunked form runs")
+    inputs = _rule_operands(1, 130, 1, 256, 256, dtype=torch.float64, seed=3)
+    state = torch.randn(1, 1, 256, 256, generator=torch.Generator().manual_seed(5)).double()
+    _matches_the_chunked_form(inputs, state, monkeypatch, (1e-9, 1e-9), (1e-8, 1e-8))

@@ -25,38 +25,38 @@
    more than it saves, as for a tiny model's heads. */
 #define PARALLEL_WORK (1 << 20)
 
-#define DEFINE_SOLVE(T, NAME)                                                                   \
+#define DEFINE_SOLVE(T, NAME)                                                                  \
   void NAME(const T *L, const T *B, T *X, int64_t batch, int n, int m, int transposed,         \
-            int threads) {                                                                      \
+            int threads) {                                                                     \
     const int parallel = (int64_t)n * n * m * batch >= PARALLEL_WORK;                          \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if (parallel)")            \
-    for (int64_t b = 0; b < batch; b++) {                                                       \
-      const T *l = L + b * n * n;                                                               \
-      const T *rhs = B + b * n * m;                                                             \
-      T *x = X + b * n * m;                                                                     \
-      memcpy(x, rhs, sizeof(T) * (size_t)n * (size_t)m);                                        \
-      if (!transposed) {                                                                        \
-        for (int i = 1; i < n; i++) {                                                           \
-          T *xi = x + (int64_t)i * m;                                                           \
-          for (int j = 0; j < i; j++) {                                                         \
-            const T c = l[(int64_t)i * n + j];                                                  \
-            const T *xj = x + (int64_t)j * m;                                                   \
-            if (c != 0)                                                                         \
-              for (int k = 0; k < m; k++) xi[k] -= c * xj[k];                                   \
-          }                                                                                     \
-        }                                                                                       \
-      } else {                                                                                  \
-        for (int i = n - 2; i >= 0; i--) {                                                      \
-          T *xi = x + (int64_t)i * m;                                                           \
-          for (int j = n - 1; j > i; j--) {                                                     \
-            const T c = l[(int64_t)j * n + i];                                                  \
-            const T *xj = x + (int64_t)j * m;                                                   \
-            if (c != 0)                                                                         \
-              for (int k = 0; k < m; k++) xi[k] -= c * xj[k];                                   \
-          }                                                                                     \
-        }                                                                                       \
-      }                                                                                         \
-    }                                                                                           \
+    for (int64_t b = 0; b < batch; b++) {                                                      \
+      const T *l = L + b * n * n;                                                              \
+      const T *rhs = B + b * n * m;                                                            \
+      T *x = X + b * n * m;                                                                    \
+      memcpy(x, rhs, sizeof(T) * (size_t)n * (size_t)m);                                       \
+      if (!transposed) {                                                                       \
+        for (int i = 1; i < n; i++) {                                                          \
+          T *xi = x + (int64_t)i * m;                                                          \
+          for (int j = 0; j < i; j++) {                                                        \
+            const T c = l[(int64_t)i * n + j];                                                 \
+            const T *xj = x + (int64_t)j * m;                                                  \
+            if (c != 0)                                                                        \
+              for (int k = 0; k < m; k++) xi[k] -= c * xj[k];                                  \
+          }                                                                                    \
+        }                                                                                      \
+      } else {                                                                                 \
+        for (int i = n - 2; i >= 0; i--) {                                                     \
+          T *xi = x + (int64_t)i * m;                                                          \
+          for (int j = n - 1; j > i; j--) {                                                    \
+            const T c = l[(int64_t)j * n + i];                                                 \
+            const T *xj = x + (int64_t)j * m;                                                  \
+            if (c != 0)                                                                        \
+              for (int k = 0; k < m; k++) xi[k] -= c * xj[k];                                  \
+          }                                                                                    \
+        }                                                                                      \
+      }                                                                                        \
+    }                                                                                          \
   }
 
 DEFINE_SOLVE(float, tsr_unit_lower_solve_f32)
@@ -126,8 +126,8 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
    other width (`WIDTHS`). */
 #if defined(__SSE__)
 #include <xmmintrin.h>
-#define FAST_DENORMALS_BEGIN                                                                    \
-  const unsigned int saved_csr = _mm_getcsr();                                                  \
+#define FAST_DENORMALS_BEGIN                                                                   \
+  const unsigned int saved_csr = _mm_getcsr();                                                 \
   _mm_setcsr(saved_csr | 0x8040u);
 #define FAST_DENORMALS_END _mm_setcsr(saved_csr);
 #else
@@ -138,223 +138,306 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
 #define INLINE static inline __attribute__((always_inline))
 
 /* CALL(SUF, dk, dv) with literal widths where they are 64 or 128 (each an inlined copy). */
-#define WIDTHS(CALL, SUF)                                                                       \
-  do {                                                                                          \
-    if (dk == 64 && dv == 64)                                                                   \
-      CALL(SUF, 64, 64);                                                                        \
-    else if (dk == 128 && dv == 128)                                                            \
-      CALL(SUF, 128, 128);                                                                      \
-    else                                                                                        \
-      CALL(SUF, dk, dv);                                                                        \
+#define WIDTHS(CALL, SUF)                                                                      \
+  do {                                                                                         \
+    if (dk == 64 && dv == 64)                                                                  \
+      CALL(SUF, 64, 64);                                                                       \
+    else if (dk == 128 && dv == 128)                                                           \
+      CALL(SUF, 128, 128);                                                                     \
+    else                                                                                       \
+      CALL(SUF, dk, dv);                                                                       \
   } while (0)
 
 /* Pair p of tsr_delta_rule_fwd / _bwd at widths DK x DV (their locals). */
-#define FWD_PAIR(SUF, DK, DV)                                                                   \
+#define FWD_PAIR(SUF, DK, DV)                                                                  \
   fwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, s0, out + i * dv,        \
                  final + p * size, kept, steps, DK, DV, chunk, scale, floor, read, delta)
-#define BWD_PAIR(SUF, DK, DV)                                                                   \
+#define BWD_PAIR(SUF, DK, DV)                                                                  \
   bwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, kept, dout + i * dv,     \
-                 d_final, dq + i * dk, dk_ + i * dk, dv_ + i * dv, dg + i, dbeta + i,           \
-                 dstate0 + p * size, steps, DK, DV, chunk, scale, floor, work)
+                 d_final, dq + i * dk, dk_ + i * dk, dv_ + i * dv, dg + i, dbeta + i,          \
+                 dstate0 + p * size, steps, DK, DV, chunk, sub, scale, floor, work)
 
-#define DEFINE_RULE(T, EXP, SUF)                                                                \
+#define DEFINE_RULE(T, EXP, SUF)                                                               \
   /* A position's r and d without advancing the state s. */                                    \
-  INLINE void rule_read_##SUF(const T *s, const T *kt, const T *vt, T decay, T bt, T *read,    \
-                              T *delta, int dk, int dv) {                                       \
-    for (int b = 0; b < dv; b++) read[b] = 0;                                                   \
-    for (int a = 0; a < dk; a++) {                                                              \
-      const T *sa = s + (int64_t)a * dv;                                                        \
-      const T ka = kt[a];                                                                       \
-      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
-        const T decayed = sa[b] * decay;                                                        \
-        read[b] += decayed * ka;                                                                \
-      }                                                                                         \
-    }                                                                                           \
+  INLINE void rule_read_##SUF(const T *restrict s, const T *restrict kt, const T *restrict vt, \
+                              T decay, T bt, T *restrict read, T *restrict delta, int dk,      \
+                              int dv) {                                                        \
+    for (int b = 0; b < dv; b++) read[b] = 0;                                                  \
+    for (int a = 0; a < dk; a++) {                                                             \
+      const T *sa = s + (int64_t)a * dv;                                                       \
+      const T ka = kt[a];                                                                      \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
+        const T decayed = sa[b] * decay;                                                       \
+        read[b] += decayed * ka;                                                               \
+      }                                                                                        \
+    }                                                                                          \
     _Pragma("omp simd") for (int b = 0; b < dv; b++) delta[b] = (vt[b] - read[b]) * bt;        \
-  }                                                                                             \
-                                                                                                \
-  /* One position: s advanced in place, o_t into ot, r and d into read and delta. */            \
-  INLINE void rule_step_##SUF(T *s, const T *qt, const T *kt, const T *vt, T decay, T bt,      \
-                              T *ot, T *read, T *delta, int dk, int dv, T scale) {              \
-    for (int b = 0; b < dv; b++) read[b] = 0;                                                   \
-    for (int a = 0; a < dk; a++) {                                                              \
-      T *sa = s + (int64_t)a * dv;                                                              \
-      const T ka = kt[a];                                                                       \
-      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
-        sa[b] *= decay;                                                                         \
-        read[b] += sa[b] * ka;                                                                  \
-      }                                                                                         \
-    }                                                                                           \
-    _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                          \
-      delta[b] = (vt[b] - read[b]) * bt;                                                        \
-      ot[b] = 0;                                                                                \
-    }                                                                                           \
-    for (int a = 0; a < dk; a++) {                                                              \
-      T *sa = s + (int64_t)a * dv;                                                              \
-      const T ka = kt[a], qa = qt[a] * scale;                                                   \
-      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                        \
-        sa[b] += ka * delta[b];                                                                 \
-        ot[b] += sa[b] * qa;                                                                    \
-      }                                                                                         \
-    }                                                                                           \
-  }                                                                                             \
-                                                                                                \
+  }                                                                                            \
+                                                                                               \
+  /* One position: s advanced in place, o_t into ot, r and d into read and delta. */           \
+  INLINE void rule_step_##SUF(T *restrict s, const T *restrict qt, const T *restrict kt,       \
+                              const T *restrict vt, T decay, T bt, T *restrict ot,             \
+                              T *restrict read, T *restrict delta, int dk, int dv, T scale) {  \
+    for (int b = 0; b < dv; b++) read[b] = 0;                                                  \
+    for (int a = 0; a < dk; a++) {                                                             \
+      T *sa = s + (int64_t)a * dv;                                                             \
+      const T ka = kt[a];                                                                      \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
+        sa[b] *= decay;                                                                        \
+        read[b] += sa[b] * ka;                                                                 \
+      }                                                                                        \
+    }                                                                                          \
+    _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                         \
+      delta[b] = (vt[b] - read[b]) * bt;                                                       \
+      ot[b] = 0;                                                                               \
+    }                                                                                          \
+    for (int a = 0; a < dk; a++) {                                                             \
+      T *sa = s + (int64_t)a * dv;                                                             \
+      const T ka = kt[a], qa = qt[a] * scale;                                                  \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
+        sa[b] += ka * delta[b];                                                                \
+        ot[b] += sa[b] * qa;                                                                   \
+      }                                                                                        \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
   INLINE T rule_decay_##SUF(T gt, T floor) { return gt < floor ? (T)0 : EXP(gt); }             \
-                                                                                                \
-  /* Pair p's positions in order: s (its final state) from state0, out, the saved states. */    \
+                                                                                               \
+  /* Pair p's positions in order: s (its final state) from state0, out, the saved states. */   \
   INLINE void fwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
-                             const T *state0, T *out, T *s, T *saved, int64_t steps, int dk,    \
-                             int dv, int chunk, T scale, T floor, T *read, T *delta) {          \
-    const int64_t size = (int64_t)dk * dv;                                                      \
-    if (state0)                                                                                 \
-      memcpy(s, state0, sizeof(T) * (size_t)size);                                              \
-    else                                                                                        \
-      memset(s, 0, sizeof(T) * (size_t)size);                                                   \
-    for (int64_t t = 0; t < steps; t++) {                                                       \
-      if (saved && t % chunk == 0)                                                              \
-        memcpy(saved + (t / chunk) * size, s, sizeof(T) * (size_t)size);                        \
+                             const T *state0, T *out, T *s, T *saved, int64_t steps, int dk,   \
+                             int dv, int chunk, T scale, T floor, T *read, T *delta) {         \
+    const int64_t size = (int64_t)dk * dv;                                                     \
+    if (state0)                                                                                \
+      memcpy(s, state0, sizeof(T) * (size_t)size);                                             \
+    else                                                                                       \
+      memset(s, 0, sizeof(T) * (size_t)size);                                                  \
+    for (int64_t t = 0; t < steps; t++) {                                                      \
+      if (saved && t % chunk == 0)                                                             \
+        memcpy(saved + (t / chunk) * size, s, sizeof(T) * (size_t)size);                       \
       rule_step_##SUF(s, q + t * dk, k + t * dk, v + t * dv, rule_decay_##SUF(g[t], floor),    \
-                      beta[t], out + t * dv, read, delta, dk, dv, scale);                       \
-    }                                                                                           \
-  }                                                                                             \
-                                                                                                \
+                      beta[t], out + t * dv, read, delta, dk, dv, scale);                      \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
   void tsr_delta_rule_fwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta, \
                                 const T *state0, T *out, T *final, T *saved, int64_t pairs,    \
                                 int64_t steps, int dk, int dv, int chunk, T scale, T floor,    \
-                                int threads) {                                                  \
+                                int threads) {                                                 \
     const int64_t chunks = (steps + chunk - 1) / chunk, size = (int64_t)dk * dv;               \
-    const int parallel = 4 * pairs * steps * size >= PARALLEL_WORK;                             \
-    _Pragma("omp parallel num_threads(threads) if (parallel)") {                                \
-      FAST_DENORMALS_BEGIN                                                                      \
-      T read[1024], delta[1024];                                                                \
-      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                 \
-        const int64_t i = p * steps;                                                            \
-        const T *s0 = state0 ? state0 + p * size : NULL;                                        \
-        T *kept = saved ? saved + p * chunks * size : NULL;                                     \
-        WIDTHS(FWD_PAIR, SUF);                                                                  \
-      }                                                                                         \
-      FAST_DENORMALS_END                                                                        \
-    }                                                                                           \
+    const int parallel = 4 * pairs * steps * size >= PARALLEL_WORK;                            \
+    _Pragma("omp parallel num_threads(threads) if (parallel)") {                               \
+      FAST_DENORMALS_BEGIN                                                                     \
+      T read[1024], delta[1024];                                                               \
+      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                \
+        const int64_t i = p * steps;                                                           \
+        const T *s0 = state0 ? state0 + p * size : NULL;                                       \
+        T *kept = saved ? saved + p * chunks * size : NULL;                                    \
+        WIDTHS(FWD_PAIR, SUF);                                                                 \
+      }                                                                                        \
+      FAST_DENORMALS_END                                                                       \
+    }                                                                                          \
   }
 
-#define DEFINE_RULE_BACKWARD(T, EXP, SUF)                                                       \
-  /* One position back: ds, the gradient of the state after it, becomes that of the state      \
-     before it (prev, whose r and d were read and delta); writes the position's dq, dk, dv and  \
-     returns the gradients of its g and beta through dg and dbeta. */                           \
-  INLINE void rule_back_##SUF(T *ds, const T *prev, const T *qt, const T *kt, const T *vt,     \
-                              const T *read, const T *delta, T gt, T bt, const T *dot, T *dqt, \
-                              T *dkt, T *dvt, T *dg, T *dbeta, T *ddelta, int dk, int dv,       \
-                              T scale, T floor) {                                               \
-    const T decay = rule_decay_##SUF(gt, floor);                                                \
-    for (int b = 0; b < dv; b++) ddelta[b] = 0;                                                 \
-    for (int a = 0; a < dk; a++) { /* through o = S^T q scale and S = S' + k d^T */             \
-      const T *pa = prev + (int64_t)a * dv;                                                     \
-      T *da = ds + (int64_t)a * dv;                                                             \
-      const T ka = kt[a], qa = qt[a] * scale;                                                   \
-      T dq = 0, dkk = 0;                                                                        \
-      _Pragma("omp simd reduction(+ : dq, dkk)") for (int b = 0; b < dv; b++) {                 \
-        const T after = pa[b] * decay + ka * delta[b];                                          \
-        dq += after * dot[b];                                                                   \
-        da[b] += qa * dot[b];                                                                   \
-        dkk += da[b] * delta[b];                                                                \
-        ddelta[b] += da[b] * ka;                                                                \
-      }                                                                                         \
-      dqt[a] = dq * scale;                                                                      \
-      dkt[a] = dkk;                                                                             \
-    }                                                                                           \
-    T db = 0; /* through d = beta (v - r) */                                                    \
-    _Pragma("omp simd reduction(+ : db)") for (int b = 0; b < dv; b++) {                        \
-      db += ddelta[b] * (vt[b] - read[b]);                                                      \
-      dvt[b] = bt * ddelta[b];                                                                  \
-      ddelta[b] = -bt * ddelta[b]; /* now the gradient of r */                                  \
-    }                                                                                           \
-    T dd = 0;                                                                                   \
-    for (int a = 0; a < dk; a++) { /* through r = S'^T k and S' = S exp(g) */                   \
-      const T *pa = prev + (int64_t)a * dv;                                                     \
-      T *da = ds + (int64_t)a * dv;                                                             \
-      const T ka = kt[a];                                                                       \
-      T dkk = 0, dda = 0;                                                                       \
-      _Pragma("omp simd reduction(+ : dkk, dda)") for (int b = 0; b < dv; b++) {                \
-        const T decayed_grad = da[b] + ka * ddelta[b];                                          \
-        dkk += pa[b] * decay * ddelta[b];                                                       \
-        dda += decayed_grad * pa[b];                                                            \
-        da[b] = decayed_grad * decay;                                                           \
-      }                                                                                         \
-      dkt[a] += dkk;                                                                            \
-      dd += dda;                                                                                \
-    }                                                                                           \
-    *dg = gt < floor ? (T)0 : dd * decay;                                                       \
-    *dbeta = db;                                                                                \
-  }                                                                                             \
-                                                                                                \
-  /* Pair p's gradients, its chunks last to first: each chunk's states recomputed from the one \
-     saved before it into work (chunk states, then chunk r and d vectors, then two more). */   \
+#define DEFINE_RULE_BACKWARD(T, EXP, SUF)                                                      \
+  /* Position t back through o = S^T q scale and S = S' + k d^T, S the state after t (given,   \
+     or formed from prev and delta where after is NULL): ds gains q dO^T; writes dq and the    \
+     first part of dk, and ddelta, the gradient of d. */                                       \
+  INLINE void back_out_##SUF(T *restrict ds, const T *restrict after, const T *restrict prev,  \
+                             T decay, const T *restrict qt, const T *restrict kt,              \
+                             const T *restrict delta, const T *restrict dot, T *restrict dqt,  \
+                             T *restrict dkt, T *restrict ddelta, int dk, int dv, T scale) {   \
+    for (int b = 0; b < dv; b++) ddelta[b] = 0;                                                \
+    for (int a = 0; a < dk; a++) {                                                             \
+      const T *pa = prev + (int64_t)a * dv, *sa = after ? after + (int64_t)a * dv : NULL;      \
+      T *da = ds + (int64_t)a * dv;                                                            \
+      const T ka = kt[a], qa = qt[a] * scale;                                                  \
+      T dq = 0, dkk = 0;                                                                       \
+      _Pragma("omp simd reduction(+ : dq, dkk)") for (int b = 0; b < dv; b++) {                \
+        const T s_ab = sa ? sa[b] : pa[b] * decay + ka * delta[b];                             \
+        dq += s_ab * dot[b];                                                                   \
+        da[b] += qa * dot[b];                                                                  \
+        dkk += da[b] * delta[b];                                                               \
+        ddelta[b] += da[b] * ka;                                                               \
+      }                                                                                        \
+      dqt[a] = dq * scale;                                                                     \
+      dkt[a] = dkk;                                                                            \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
+  /* Through d = beta (v - r): dv, the gradient of beta, and ddelta turned into that of r. */  \
+  INLINE T back_delta_##SUF(const T *vt, const T *read, T bt, T *dvt, T *ddelta, int dv) {     \
+    T db = 0;                                                                                  \
+    _Pragma("omp simd reduction(+ : db)") for (int b = 0; b < dv; b++) {                       \
+      db += ddelta[b] * (vt[b] - read[b]);                                                     \
+      dvt[b] = bt * ddelta[b];                                                                 \
+      ddelta[b] = -bt * ddelta[b];                                                             \
+    }                                                                                          \
+    return db;                                                                                 \
+  }                                                                                            \
+                                                                                               \
+  /* Position t back through r = S'^T k and S' = S exp(g) (prev: the state before t, dr the    \
+     gradient of r): ds becomes the gradient of prev; adds to dk; returns that of the decay.   \
+     With a previous position u = t - 1 (qu not NULL), its back_out runs in the same pass over \
+     the rows (the state after u is prev), accumulating u's ddelta into ddu. */                \
+  INLINE T back_state_##SUF(T *restrict ds, const T *restrict prev, T decay,                   \
+                            const T *restrict kt, const T *restrict dr, T *restrict dkt,       \
+                            const T *restrict qu, const T *restrict ku, const T *restrict du,  \
+                            const T *restrict dou, T *restrict dqu, T *restrict dku,           \
+                            T *restrict ddu, int dk, int dv, T scale) {                        \
+    T dd = 0;                                                                                  \
+    if (qu)                                                                                    \
+      for (int b = 0; b < dv; b++) ddu[b] = 0;                                                 \
+    for (int a = 0; a < dk; a++) {                                                             \
+      const T *pa = prev + (int64_t)a * dv;                                                    \
+      T *da = ds + (int64_t)a * dv;                                                            \
+      const T ka = kt[a];                                                                      \
+      T dkk = 0, dda = 0;                                                                      \
+      if (!qu) {                                                                               \
+        _Pragma("omp simd reduction(+ : dkk, dda)") for (int b = 0; b < dv; b++) {             \
+          const T decayed_grad = da[b] + ka * dr[b];                                           \
+          dkk += pa[b] * decay * dr[b];                                                        \
+          dda += decayed_grad * pa[b];                                                         \
+          da[b] = decayed_grad * decay;                                                        \
+        }                                                                                      \
+      } else {                                                                                 \
+        const T kua = ku[a], qua = qu[a] * scale;                                              \
+        T dq = 0, dkacc = 0;                                                                   \
+        _Pragma("omp simd reduction(+ : dkk, dda, dq, dkacc)") for (int b = 0; b < dv; b++) {  \
+          const T decayed_grad = da[b] + ka * dr[b];                                           \
+          dkk += pa[b] * decay * dr[b];                                                        \
+          dda += decayed_grad * pa[b];                                                         \
+          const T g_after = decayed_grad * decay + qua * dou[b];                               \
+          dq += pa[b] * dou[b];                                                                \
+          dkacc += g_after * du[b];                                                            \
+          ddu[b] += g_after * kua;                                                             \
+          da[b] = g_after;                                                                     \
+        }                                                                                      \
+        dqu[a] = dq * scale;                                                                   \
+        dku[a] = dkacc;                                                                        \
+      }                                                                                        \
+      dkt[a] += dkk;                                                                           \
+      dd += dda;                                                                               \
+    }                                                                                          \
+    return dd;                                                                                 \
+  }                                                                                            \
+                                                                                               \
+  /* The positions t0 .. t0 + n - 1 back, from the state before t0 (start): their states       \
+     recomputed into work (n states, then n r and d vectors), then ds taken back through them, \
+     each position's second pass fused with the first of the one before it. dd: two dv. */     \
+  INLINE void bwd_run_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,     \
+                            const T *start, const T *dout, T *dq, T *dk_, T *dv_, T *dg,       \
+                            T *dbeta, T *ds, int64_t t0, int64_t n, int dk, int dv, T scale,   \
+                            T floor, T *work, T *dd, T *scratch) {                             \
+    const int64_t size = (int64_t)dk * dv;                                                     \
+    T *reads = work + n * size, *deltas = reads + n * dv;                                      \
+    memcpy(work, start, sizeof(T) * (size_t)size);                                             \
+    for (int64_t j = 0; j < n; j++) { /* work[j]: the state before position t0 + j */          \
+      const int64_t t = t0 + j;                                                                \
+      const T decay = rule_decay_##SUF(g[t], floor);                                           \
+      T *r = reads + j * dv, *d = deltas + j * dv;                                             \
+      if (j + 1 == n) { /* the last: only its r and d are needed */                            \
+        rule_read_##SUF(work + j * size, k + t * dk, v + t * dv, decay, beta[t], r, d, dk, dv); \
+        continue;                                                                              \
+      }                                                                                        \
+      T *next = work + (j + 1) * size;                                                         \
+      memcpy(next, work + j * size, sizeof(T) * (size_t)size);                                 \
+      rule_step_##SUF(next, q + t * dk, k + t * dk, v + t * dv, decay, beta[t], scratch, r, d, \
+                      dk, dv, scale);                                                          \
+    }                                                                                          \
+    int64_t t = t0 + n - 1;                                                                    \
+    back_out_##SUF(ds, NULL, work + (n - 1) * size, rule_decay_##SUF(g[t], floor), q + t * dk, \
+                   k + t * dk, deltas + (n - 1) * dv, dout + t * dv, dq + t * dk, dk_ + t * dk, \
+                   dd + ((n - 1) % 2) * dv, dk, dv, scale);                                    \
+    for (int64_t j = n - 1; j >= 0; j--, t--) {                                                \
+      T *dr = dd + (j % 2) * dv, *du = dd + ((j + 1) % 2) * dv;                                \
+      dbeta[t] = back_delta_##SUF(v + t * dv, reads + j * dv, beta[t], dv_ + t * dv, dr, dv);  \
+      const T decay = rule_decay_##SUF(g[t], floor);                                           \
+      const int64_t u = t - 1; /* the position before, fused where it is in this run */        \
+      const int fuse = j > 0;                                                                  \
+      const T ddecay = back_state_##SUF(                                                       \
+          ds, work + j * size, decay, k + t * dk, dr, dk_ + t * dk, fuse ? q + u * dk : NULL,  \
+          fuse ? k + u * dk : NULL, fuse ? deltas + (j - 1) * dv : NULL,                       \
+          fuse ? dout + u * dv : NULL, fuse ? dq + u * dk : NULL, fuse ? dk_ + u * dk : NULL, du, \
+          dk, dv, scale);                                                                      \
+      dg[t] = g[t] < floor ? (T)0 : ddecay * decay;                                            \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
+                                                                                               \
+  /* Pair p's gradients, its chunks last to first, each from the state saved before it. A      \
+     chunk's states are recomputed `sub` positions at a time (work holds `sub` of them: at most \
+     4 MiB; for 64 positions of 128 x 128 float32, all of them), from states before every      \
+     `sub`-th position recomputed first (kept in marks) where a chunk holds more. Smaller      \
+     parts that fit a 2 MiB L2 measured no faster at 128 x 128 (an extra forward pass). */     \
   INLINE void bwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
-                             const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,     \
-                             T *dv_, T *dg, T *dbeta, T *ds, int64_t steps, int dk, int dv,     \
-                             int chunk, T scale, T floor, T *work) {                            \
+                             const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,    \
+                             T *dv_, T *dg, T *dbeta, T *ds, int64_t steps, int dk, int dv,    \
+                             int chunk, int sub, T scale, T floor, T *work) {                  \
     const int64_t size = (int64_t)dk * dv, chunks = (steps + chunk - 1) / chunk;               \
-    T *reads = work + chunk * size, *deltas = reads + (int64_t)chunk * dv;                      \
-    T *ddelta = deltas + (int64_t)chunk * dv, *scratch = ddelta + dv;                           \
-    if (dfinal)                                                                                 \
-      memcpy(ds, dfinal, sizeof(T) * (size_t)size);                                             \
-    else                                                                                        \
-      memset(ds, 0, sizeof(T) * (size_t)size);                                                  \
-    for (int64_t c = chunks - 1; c >= 0; c--) {                                                 \
+    const int64_t most = (chunk + sub - 1) / sub;                                              \
+    T *marks = work + sub * (size + 2 * (int64_t)dv), *cur = marks + most * size;              \
+    T *ddelta = cur + size, *scratch = ddelta + 2 * dv, *read = scratch + dv, *delta = read + dv; \
+    if (dfinal)                                                                                \
+      memcpy(ds, dfinal, sizeof(T) * (size_t)size);                                            \
+    else                                                                                       \
+      memset(ds, 0, sizeof(T) * (size_t)size);                                                 \
+    for (int64_t c = chunks - 1; c >= 0; c--) {                                                \
       const int64_t t0 = c * chunk, n = steps - t0 < chunk ? steps - t0 : chunk;               \
-      memcpy(work, saved + c * size, sizeof(T) * (size_t)size);                                 \
-      for (int64_t j = 0; j < n; j++) { /* work[j]: the state before position t0 + j */        \
-        const int64_t t = t0 + j;                                                               \
-        const T decay = rule_decay_##SUF(g[t], floor);                                          \
-        T *r = reads + j * dv, *d = deltas + j * dv;                                            \
-        if (j + 1 == n) { /* the last: only its r and d are needed */                           \
-          rule_read_##SUF(work + j * size, k + t * dk, v + t * dv, decay, beta[t], r, d, dk, dv); \
-          continue;                                                                             \
-        }                                                                                       \
-        T *next = work + (j + 1) * size;                                                        \
-        memcpy(next, work + j * size, sizeof(T) * (size_t)size);                                \
-        rule_step_##SUF(next, q + t * dk, k + t * dk, v + t * dv, decay, beta[t], scratch, r,   \
-                        d, dk, dv, scale);                                                      \
-      }                                                                                         \
-      for (int64_t j = n - 1; j >= 0; j--) {                                                    \
-        const int64_t t = t0 + j;                                                               \
-        rule_back_##SUF(ds, work + j * size, q + t * dk, k + t * dk, v + t * dv,                \
-                        reads + j * dv, deltas + j * dv, g[t], beta[t], dout + t * dv,          \
-                        dq + t * dk, dk_ + t * dk, dv_ + t * dv, dg + t, dbeta + t, ddelta,     \
-                        dk, dv, scale, floor);                                                  \
-      }                                                                                         \
-    }                                                                                           \
-  }                                                                                             \
-                                                                                                \
+      const int64_t parts = (n + sub - 1) / sub;                                               \
+      if (parts > 1) { /* the states before positions t0, t0 + sub, ... */                     \
+        memcpy(cur, saved + c * size, sizeof(T) * (size_t)size);                               \
+        for (int64_t j = 0; j < (parts - 1) * sub; j++) {                                      \
+          const int64_t t = t0 + j;                                                            \
+          if (j % sub == 0) memcpy(marks + (j / sub) * size, cur, sizeof(T) * (size_t)size);   \
+          rule_step_##SUF(cur, q + t * dk, k + t * dk, v + t * dv,                             \
+                          rule_decay_##SUF(g[t], floor), beta[t], scratch, read, delta, dk, dv, \
+                          scale);                                                              \
+        }                                                                                      \
+        memcpy(marks + (parts - 1) * size, cur, sizeof(T) * (size_t)size);                     \
+      }                                                                                        \
+      for (int64_t part = parts - 1; part >= 0; part--) {                                      \
+        const int64_t a = part * sub, m = n - a < sub ? n - a : sub;                           \
+        const T *start = parts > 1 ? marks + part * size : saved + c * size;                   \
+        bwd_run_##SUF(q, k, v, g, beta, start, dout, dq, dk_, dv_, dg, dbeta, ds, t0 + a, m, dk, \
+                      dv, scale, floor, work, ddelta, scratch);                                \
+      }                                                                                        \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
+                                                                                               \
   /* Gradients of tsr_delta_rule_fwd from those of out (dout) and of final (dfinal; NULL:      \
      zeros), with the states it saved: dq, dk [pairs, steps, dk], dv [pairs, steps, dv], dg,   \
-     dbeta [pairs, steps], dstate0 [pairs, dk, dv]. Returns 0, or -1 where a thread's work      \
-     buffer (chunk states of dk x dv) could not be allocated. */                                \
+     dbeta [pairs, steps], dstate0 [pairs, dk, dv]. Returns 0, or -1 where a thread's work     \
+     buffer (chunk states of dk x dv) could not be allocated. */                               \
   int tsr_delta_rule_bwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,  \
                                const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,  \
-                               T *dv_, T *dg, T *dbeta, T *dstate0, int64_t pairs,              \
-                               int64_t steps, int dk, int dv, int chunk, T scale, T floor,      \
-                               int threads) {                                                   \
+                               T *dv_, T *dg, T *dbeta, T *dstate0, int64_t pairs,             \
+                               int64_t steps, int dk, int dv, int chunk, T scale, T floor,     \
+                               int threads) {                                                  \
     const int64_t chunks = (steps + chunk - 1) / chunk, size = (int64_t)dk * dv;               \
-    const int parallel = 12 * pairs * steps * size >= PARALLEL_WORK;                            \
-    const size_t work_size =                                                                    \
-        sizeof(T) * (size_t)(chunk * size + 2 * (int64_t)chunk * dv + 2 * dv);                  \
-    int failed = 0;                                                                             \
-    _Pragma("omp parallel num_threads(threads) if (parallel) reduction(| : failed)") {          \
-      FAST_DENORMALS_BEGIN                                                                      \
-      T *work = malloc(work_size);                                                              \
-      failed = work == NULL;                                                                    \
-      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                 \
-        if (!work) continue;                                                                    \
-        const int64_t i = p * steps;                                                            \
-        const T *kept = saved + p * chunks * size;                                              \
-        const T *d_final = dfinal ? dfinal + p * size : NULL;                                   \
-        WIDTHS(BWD_PAIR, SUF);                                                                  \
-      }                                                                                         \
-      free(work);                                                                               \
-      FAST_DENORMALS_END                                                                        \
-    }                                                                                           \
-    return failed ? -1 : 0;                                                                     \
+    const int parallel = 12 * pairs * steps * size >= PARALLEL_WORK;                           \
+    int sub = chunk; /* states recomputed at a time: at most 4 MiB of them per thread */       \
+    while (sub > 1 && (int64_t)sub * size * (int64_t)sizeof(T) > (1 << 22)) sub /= 2;          \
+    const int64_t marks = (chunk + sub - 1) / sub;                                             \
+    const size_t work_size = sizeof(T) * (size_t)(sub * (size + 2 * (int64_t)dv) +             \
+                                                  (marks + 1) * size + 5 * (int64_t)dv);       \
+    int failed = 0;                                                                            \
+    _Pragma("omp parallel num_threads(threads) if (parallel) reduction(| : failed)") {         \
+      FAST_DENORMALS_BEGIN                                                                     \
+      T *work = malloc(work_size);                                                             \
+      failed = work == NULL;                                                                   \
+      _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                \
+        if (!work) continue;                                                                   \
+        const int64_t i = p * steps;                                                           \
+        const T *kept = saved + p * chunks * size;                                             \
+        const T *d_final = dfinal ? dfinal + p * size : NULL;                                  \
+        WIDTHS(BWD_PAIR, SUF);                                                                 \
+      }                                                                                        \
+      free(work);                                                                              \
+      FAST_DENORMALS_END                                                                       \
+    }                                                                                          \
+    return failed ? -1 : 0;                                                                    \
   }
 
 DEFINE_RULE(float, expf, f32)
