@@ -19,8 +19,8 @@
 #  2. tests/engine/test_device.py (its CUDA test runs only where there is a GPU);
 #  3. gpu_check.py again on a 42M-parameter Qwen3 HF directory (benchmarks/engine_vs_hf.py's
 #     sizes, random weights) at 16 x 256, the training batch;
-#  4. the loss, StableReinforce, custom-loss, checkpoint, architecture, sampling, RL-loop and
-#     official-SDK tests with TINKER_SR_DEVICE=cuda (their `tinker-sr serve` subprocesses
+#  4. the loss, StableReinforce, custom-loss, checkpoint, architecture, Qwen3.5, sampling,
+#     RL-loop and official-SDK tests with TINKER_SR_DEVICE=cuda (their `tinker-sr serve` subprocesses
 #     inherit it); tests written for the CPU: a failure is either a tolerance that assumes CPU
 #     arithmetic or a device bug, and the summary says which test. The official-SDK tests need
 #     tinker==0.38.0 and its requirements among the wheels.

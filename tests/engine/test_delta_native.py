@@ -223,6 +223,11 @@ def test_the_rule_leaves_what_the_kernel_cannot_take_to_the_chunked_form() -> No
     assert delta_native.delta_rule(*wide, None, -30.0, 64) is None  # Dv over 1,024
     half = [t.half() for t in inputs]
     assert delta_native.delta_rule(*half, None, -30.0, 64) is None
+    q, k, v, g, beta = inputs
+    assert delta_native.delta_rule(q, k[:, :4], v, g, beta, None, -30.0, 64) is None
+    assert delta_native.delta_rule(q, k, v, g[..., None], beta, None, -30.0, 64) is None
+    state = torch.zeros(1, 1, 4, 5)  # not [B, H, Dk, Dv]
+    assert delta_native.delta_rule(q, k, v, g, beta, state, -30.0, 64) is None
 
 
 def test_wide_states_recompute_in_parts_and_keep_the_gradients(

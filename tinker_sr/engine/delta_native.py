@@ -14,8 +14,9 @@ five passes over the whole state, each a parallel region.
 
 `delta_rule` is the whole recurrence over sequences for training and prefill, position by
 position, each (row, head) pair in one thread with its state in cache, with its gradient (which
-recomputes each chunk of states from one saved per 64 positions): ~2.8x faster than the
-chunked form of `hybrid.gated_delta_rule` at 8 heads of 64 x 64, and less kept for backward.
+recomputes each chunk of states from one saved per 64 positions): ~3x faster than the chunked
+form of `hybrid.gated_delta_rule` at heads of 64 x 64 (at 128 x 128 the forward 2x, the backward
+about even), and less kept for backward.
 
 `benchmarks/linear_attention.py` times them in the step and in sampling (``--work sample``).
 """
@@ -184,10 +185,16 @@ def delta_rule(
     saved before it): q, k [B, T, H, Dk] (not yet scaled), v [B, T, H, Dv], g, beta [B, T, H],
     state [B, H, Dk, Dv] or None -> (out [B, T, H, Dv], final state). None where the kernel
     cannot take the operands (the caller runs the chunked form): not all float32 or all
-    float64 on the CPU, Dv over 1,024, the C kernels off or unavailable."""
+    float64 on the CPU, Dv over 1,024, shapes other than these, the C kernels off or
+    unavailable."""
     operands = [q, k, v, g, beta] + ([] if state is None else [state])
+    B, T, H, Dk = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    Dv = v.shape[-1]
+    shapes = [(B, T, H, Dk), (B, T, H, Dk), (B, T, H, Dv), (B, T, H), (B, T, H), (B, H, Dk, Dv)]
     if (
-        compiled.native_mode() == "off"
+        q.dim() != 4
+        or any(tuple(t.shape) != shape for t, shape in zip(operands, shapes, strict=False))
+        or compiled.native_mode() == "off"
         or any(t.device.type != "cpu" or t.dtype != q.dtype for t in operands)
         or q.dtype not in _RULE_TYPES
         or v.shape[-1] > 1024
@@ -260,8 +267,8 @@ class _DeltaRule(torch.autograd.Function):
         )  # fmt: skip
         if failed:
             raise MemoryError(
-                f"the gated delta rule's backward could not allocate {ctx.chunk} states of "
-                f"{Dk} x {Dv} per thread; free memory or use fewer threads"
+                f"the gated delta rule's backward could not allocate its buffer of recomputed "
+                f"{Dk} x {Dv} states (up to 4 MiB per thread); free memory or use fewer threads"
             )
         grads = [t.transpose(1, 2) for t in (dq, dk, dv, dg, dbeta)]
         return (None, None, dstate if ctx.needs_input_grad[2] else None, *grads)
