@@ -47,15 +47,14 @@ def test_the_fixed_shape_step_gives_eager_decodes_logits(make: Callable[[], Tran
     eager, fixed = _groups(model, stops), _groups(model, stops)
     for g in eager + fixed:
         g.prefill()
-    inputs = cuda_graphs.StaticInputs.allocate(model, fixed)
     steps = stopped = 0
     while not all(g.finished for g in eager):
         running = [i for i, g in enumerate(eager) if not g.finished]
         want = decode_step(model, [eager[i] for i in running])
-        inputs = cuda_graphs.StaticInputs.allocate(model, [fixed[i] for i in running])
-        inputs.fill(model, [fixed[i] for i in running])
-        out = cuda_graphs.static_step(model, [fixed[i] for i in running], inputs)
-        got = cuda_graphs._per_group(out, [fixed[i] for i in running], inputs)
+        rows = [fixed[i] for i in running]
+        inputs = cuda_graphs.StaticInputs.allocate(model, rows)
+        inputs.fill(model, rows)
+        got = cuda_graphs._per_group(cuda_graphs.static_step(model, rows, inputs), rows, inputs)
         for i, w, g in zip(running, want, got, strict=True):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
             stopped += int(len(eager[i].active) < eager[i].rows)
