@@ -143,7 +143,7 @@ C_RULE = [pytest.param(True, id="c-rule"), pytest.param(False, id="chunked")]
 
 @pytest.mark.parametrize("c_rule", C_RULE)
 @pytest.mark.parametrize("length", [1, 63, 64, 130])
-def test_the_chunked_form_is_the_recurrence_in_values_and_gradients(
+def test_both_forms_of_the_rule_are_the_recurrence_in_values_and_gradients(
     length: int, c_rule: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both ways the engine runs the rule on a CPU (the C kernels, position by position; the
