@@ -93,6 +93,10 @@ def unit_lower_solve(system: Tensor, rhs: Tensor) -> Tensor:
     return _UnitLowerSolve.apply(system, rhs)  # type: ignore[no-any-return]
 
 
+def _pointer(t: Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
 def _solve(system: Tensor, rhs: Tensor, transposed: bool) -> Tensor:
     """The C kernel on contiguous copies of the operands flattened to one batch dimension."""
     n, m = rhs.shape[-2], rhs.shape[-1]
@@ -102,8 +106,7 @@ def _solve(system: Tensor, rhs: Tensor, transposed: bool) -> Tensor:
     out = torch.empty_like(b)
     fn = getattr(_library(), _FUNCTIONS[b.dtype])
     fn(
-        ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()),
-        ctypes.c_void_p(out.data_ptr()), b.shape[0], n, m, int(transposed),
+        _pointer(a), _pointer(b), _pointer(out), b.shape[0], n, m, int(transposed),
         torch.get_num_threads(),
     )  # fmt: skip
     return out.reshape(*lead, n, m)
@@ -152,7 +155,7 @@ def gated_delta_step_(
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     out = v.new_empty(*lead, dv)
     lib.tsr_gated_delta_step(
-        *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, g, beta, state, out)),
+        *(_pointer(t) for t in (q, k, v, g, beta, state, out)),
         state.numel() // (dk * dv), dk, dv, dk**-0.5, floor, torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -162,12 +165,8 @@ _RULE_TYPES = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def delta_rule_runs(device: torch.device) -> bool:
-    """Does `delta_rule` run the C kernels for float32 operands on ``device``?"""
+    """Does `delta_rule` run the C kernels for float32 / float64 operands on ``device``?"""
     return device.type == "cpu" and compiled.native_mode() != "off" and _library() is not None
-
-
-def _pointer(t: Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
 def delta_rule(
@@ -194,11 +193,10 @@ def delta_rule(
     if (
         q.dim() != 4
         or any(tuple(t.shape) != shape for t, shape in zip(operands, shapes, strict=False))
-        or compiled.native_mode() == "off"
-        or any(t.device.type != "cpu" or t.dtype != q.dtype for t in operands)
+        or any(t.device != q.device or t.dtype != q.dtype for t in operands)
         or q.dtype not in _RULE_TYPES
         or v.shape[-1] > 1024
-        or _library() is None
+        or not delta_rule_runs(q.device)
     ):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):

@@ -62,49 +62,6 @@
 DEFINE_SOLVE(float, tsr_unit_lower_solve_f32)
 DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
 
-/* One decode position of the gated delta rule for `heads` (row, value head) pairs, the state
-   [heads, dk, dv] advanced in place: S = S exp(g); r = S^T k; S += k (beta (v - r))^T;
-   out = S^T q * scale. q, k [heads, dk], v and out [heads, dv], g and beta [heads]; all
-   contiguous float32; a decay under exp(floor) is zero (the chunked form's floor, hybrid.py).
-   torch's elementwise form makes five passes over the whole state (each a
-   parallel region) and copies it back; here each pair's state (16 KB at 64 x 64) is read and
-   written twice while in cache, all in one region. Pairs are independent: a row's values do
-   not depend on the rows beside it (decode batches many requests). dv <= 1024. */
-void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
-                          const float *beta, float *state, float *out, int64_t heads, int dk,
-                          int dv, float scale, float floor, int threads) {
-  const int parallel = 2 * heads * dk * dv >= PARALLEL_WORK / 16; /* a pass is memory-bound */
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-  for (int64_t h = 0; h < heads; h++) {
-    float read[1024], delta[1024], o[1024];
-    float *s = state + h * dk * dv;
-    const float *qh = q + h * dk, *kh = k + h * dk, *vh = v + h * dv;
-    const float decay = g[h] < floor ? 0.0f : expf(g[h]), bt = beta[h];
-    for (int b = 0; b < dv; b++) read[b] = 0.0f;
-    for (int a = 0; a < dk; a++) {
-      float *sa = s + (int64_t)a * dv;
-      const float ka = kh[a];
-      for (int b = 0; b < dv; b++) {
-        sa[b] *= decay;
-        read[b] += sa[b] * ka;
-      }
-    }
-    for (int b = 0; b < dv; b++) {
-      delta[b] = (vh[b] - read[b]) * bt;
-      o[b] = 0.0f;
-    }
-    for (int a = 0; a < dk; a++) {
-      float *sa = s + (int64_t)a * dv;
-      const float ka = kh[a], qa = qh[a] * scale;
-      for (int b = 0; b < dv; b++) {
-        sa[b] += ka * delta[b];
-        o[b] += sa[b] * qa;
-      }
-    }
-    memcpy(out + h * dv, o, sizeof(float) * (size_t)dv);
-  }
-}
-
 /* The gated delta rule over whole sequences, position by position (training and prefill), for
    `pairs` (row, value head) pairs, forward and backward. Per position t of a pair:
 
@@ -240,21 +197,21 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
   }
 
 #define DEFINE_RULE_BACKWARD(T, EXP, SUF)                                                      \
-  /* Position t back through o = S^T q scale and S = S' + k d^T, S the state after t (given,   \
-     or formed from prev and delta where after is NULL): ds gains q dO^T; writes dq and the    \
-     first part of dk, and ddelta, the gradient of d. */                                       \
-  INLINE void back_out_##SUF(T *restrict ds, const T *restrict after, const T *restrict prev,  \
-                             T decay, const T *restrict qt, const T *restrict kt,              \
+  /* Position t back through o = S^T q scale and S = S' + k d^T, S the state after t (formed   \
+     from prev, the state before it, and delta): ds gains q dO^T; writes dq and the first part \
+     of dk, and ddelta, the gradient of d. */                                                  \
+  INLINE void back_out_##SUF(T *restrict ds, const T *restrict prev, T decay,                  \
+                             const T *restrict qt, const T *restrict kt,                       \
                              const T *restrict delta, const T *restrict dot, T *restrict dqt,  \
                              T *restrict dkt, T *restrict ddelta, int dk, int dv, T scale) {   \
     for (int b = 0; b < dv; b++) ddelta[b] = 0;                                                \
     for (int a = 0; a < dk; a++) {                                                             \
-      const T *pa = prev + (int64_t)a * dv, *sa = after ? after + (int64_t)a * dv : NULL;      \
+      const T *pa = prev + (int64_t)a * dv;                                                    \
       T *da = ds + (int64_t)a * dv;                                                            \
       const T ka = kt[a], qa = qt[a] * scale;                                                  \
       T dq = 0, dkk = 0;                                                                       \
       _Pragma("omp simd reduction(+ : dq, dkk)") for (int b = 0; b < dv; b++) {                \
-        const T s_ab = sa ? sa[b] : pa[b] * decay + ka * delta[b];                             \
+        const T s_ab = pa[b] * decay + ka * delta[b];                                          \
         dq += s_ab * dot[b];                                                                   \
         da[b] += qa * dot[b];                                                                  \
         dkk += da[b] * delta[b];                                                               \
@@ -346,7 +303,7 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
                       dk, dv, scale);                                                          \
     }                                                                                          \
     int64_t t = t0 + n - 1;                                                                    \
-    back_out_##SUF(ds, NULL, work + (n - 1) * size, rule_decay_##SUF(g[t], floor), q + t * dk, \
+    back_out_##SUF(ds, work + (n - 1) * size, rule_decay_##SUF(g[t], floor), q + t * dk,       \
                    k + t * dk, deltas + (n - 1) * dv, dout + t * dv, dq + t * dk, dk_ + t * dk, \
                    dd + ((n - 1) % 2) * dv, dk, dv, scale);                                    \
     for (int64_t j = n - 1; j >= 0; j--, t--) {                                                \
@@ -363,7 +320,6 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
       dg[t] = g[t] < floor ? (T)0 : ddecay * decay;                                            \
     }                                                                                          \
   }                                                                                            \
-                                                                                               \
                                                                                                \
   /* Pair p's gradients, its chunks last to first, each from the state saved before it. A      \
      chunk's states are recomputed `sub` positions at a time (work holds `sub` of them: at most \
@@ -405,11 +361,10 @@ void tsr_gated_delta_step(const float *q, const float *k, const float *v, const 
     }                                                                                          \
   }                                                                                            \
                                                                                                \
-                                                                                               \
   /* Gradients of tsr_delta_rule_fwd from those of out (dout) and of final (dfinal; NULL:      \
      zeros), with the states it saved: dq, dk [pairs, steps, dk], dv [pairs, steps, dv], dg,   \
      dbeta [pairs, steps], dstate0 [pairs, dk, dv]. Returns 0, or -1 where a thread's work     \
-     buffer (chunk states of dk x dv) could not be allocated. */                               \
+     buffer (up to 4 MiB of recomputed states, see bwd_pair) could not be allocated. */        \
   int tsr_delta_rule_bwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,  \
                                const T *saved, const T *dout, const T *dfinal, T *dq, T *dk_,  \
                                T *dv_, T *dg, T *dbeta, T *dstate0, int64_t pairs,             \
@@ -444,3 +399,24 @@ DEFINE_RULE(float, expf, f32)
 DEFINE_RULE(double, exp, f64)
 DEFINE_RULE_BACKWARD(float, expf, f32)
 DEFINE_RULE_BACKWARD(double, exp, f64)
+
+/* One decode position of the gated delta rule for `heads` (row, value head) pairs, the state
+   [heads, dk, dv] advanced in place: S = S exp(g); r = S^T k; S += k (beta (v - r))^T;
+   out = S^T q * scale. q, k [heads, dk], v and out [heads, dv], g and beta [heads]; all
+   contiguous float32; a decay under exp(floor) is zero (the chunked form's floor, hybrid.py).
+   The rule's own position (rule_step). torch's elementwise form makes five passes over the
+   whole state (each a parallel region) and copies it back; here each pair's state (16 KB at
+   64 x 64) is read and written twice while in cache, all in one region. Pairs are
+   independent: a row's values do not depend on the rows beside it (decode batches many
+   requests). dv <= 1024. */
+void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
+                          const float *beta, float *state, float *out, int64_t heads, int dk,
+                          int dv, float scale, float floor, int threads) {
+  const int parallel = 2 * heads * dk * dv >= PARALLEL_WORK / 16; /* a pass is memory-bound */
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+  for (int64_t h = 0; h < heads; h++) {
+    float read[1024], delta[1024];
+    rule_step_f32(state + h * dk * dv, q + h * dk, k + h * dk, v + h * dv,
+                  rule_decay_f32(g[h], floor), beta[h], out + h * dv, read, delta, dk, dv, scale);
+  }
+}
