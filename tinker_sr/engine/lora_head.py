@@ -218,20 +218,21 @@ class _KnownGrads:
         if not bool(live.any()):
             return  # no loss on these rows: dz = 0
         dz = e.mul_((-g.sum(dim=1) / total)[:, None]).scatter_add_(1, cols, g)
-        rows = None
-        if not bool(live.all()):  # multiply only the rows that carry a loss
-            rows = torch.nonzero(live).squeeze(1)
+        # Multiply only the rows that carry a loss: a slice of them where they are consecutive
+        # (a prompt's rows before a completion's), else gathered.
+        rows = live_rows(live)
+        if not (isinstance(rows, slice) and rows.stop - rows.start == n):
             dz, hc, u = dz[rows], hc[rows], u[rows]
         at = None  # the rows' places in h, for the deferred product
         if self.deferred is not None:
-            at = torch.arange(start, start + n, device=hc.device) if rows is None else rows + start
+            at = torch.arange(n, device=hc.device)[rows] + start
         got = _lora_dz_grads(
             self.lora, dz, hc, u, self.da, self.db_t, self.chunk_rows, self.dh is not None,
             self.deferred, at,
         )  # fmt: skip
         if self.dh is not None and got is not None:
-            if rows is None:
-                self.dh[start : start + n] = got
+            if isinstance(rows, slice):
+                self.dh[start + rows.start : start + rows.stop] = got
             else:
                 self.dh.index_copy_(0, rows + start, got.to(self.dh.dtype))
 
@@ -242,6 +243,18 @@ class _KnownGrads:
 
     def param_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return _in_order(self.lora, params, self.da, self.db_t)
+
+
+def live_rows(live: torch.Tensor) -> slice | torch.Tensor:
+    """The rows marked in the boolean ``live`` (a chunk's rows that carry a loss): a slice
+    where they are consecutive, so that a [rows, V] chunk's live rows are a view of it rather
+    than a gathered copy (for 192 of 256 rows at V = 32,000 a 24 MiB copy, ~5 ms), else their
+    indices. Every row, or none: a slice too."""
+    idx = torch.nonzero(live).squeeze(1)
+    if idx.numel() == 0:
+        return slice(0, 0)
+    first, last = int(idx[0]), int(idx[-1])
+    return slice(first, last + 1) if last - first + 1 == idx.numel() else idx
 
 
 def _softmax_times(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

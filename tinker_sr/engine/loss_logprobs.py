@@ -404,8 +404,12 @@ def _expected_rows(
     n = e.shape[0]
     rows: torch.Tensor | slice = slice(a, a + n)  # every row of the chunk: no index tensors
     if hint is not None and not bool(hint[a : a + n].all()):
-        keep = hint[a : a + n]
-        rows, e, total = torch.arange(a, a + n, device=e.device)[keep], e[keep], total[keep]
+        keep = lora_head.live_rows(hint[a : a + n])  # a slice of e where they are consecutive
+        e, total = e[keep], total[keep]
+        if isinstance(keep, slice):
+            rows = slice(a + keep.start, a + keep.stop)
+        else:
+            rows = keep + a
     e = e.to(weight.dtype)
     got = gemm.packed_mm(e, weight, chunk) if _packs_head(weight) else gemm.mm(e, weight)
     got, total = got.to(out.dtype), total[:, None].to(out.dtype)
