@@ -23,7 +23,9 @@ gated-attention layers), ``--work train``: one ``forward_backward`` of the same 
 * now: the engine as it is;
 * baseline: the same with the changes of ``--baseline`` undone (default all: the floor off,
   ``DECAY_FLOOR = -inf``; torch's solve; torch's decode step; ``rule``: the chunked form in
-  place of the C rule, session 44);
+  place of the C rule, session 44; ``conv``: torch's conv1d and silu over transposed copies
+  in place of the C short convolution, session 45; ``norm``: torch's ops for the gated
+  RMSNorm, session 45);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -33,6 +35,7 @@ sampled tokens', where both ways sampled the same tokens).
     python benchmarks/linear_attention.py --work sample
     python benchmarks/linear_attention.py --baseline solve --lengths 2048 --rounds 5
     python benchmarks/linear_attention.py --baseline rule     # the C rule vs the chunked form
+    python benchmarks/linear_attention.py --baseline conv     # the C convolution vs torch's
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -54,7 +57,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule")
+UNDO = ("floor", "solve", "step", "rule", "conv", "norm")
 
 
 @contextlib.contextmanager
@@ -63,7 +66,11 @@ def undone(which: set[str]) -> Iterator[None]:
     from tinker_sr.engine import delta_native, hybrid
 
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
-    rule = hybrid.delta_rule
+    rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
+    if "norm" in which:
+        hybrid.gated_rms_norm = lambda *_: None  # type: ignore[assignment]
+    if "conv" in which:
+        hybrid.short_conv_silu = lambda *_: None  # type: ignore[assignment]
     if "rule" in which:
         hybrid.delta_rule = lambda *_: None  # type: ignore[assignment]
     if "floor" in which:
@@ -77,7 +84,7 @@ def undone(which: set[str]) -> Iterator[None]:
     finally:
         floor, ready, step = saved
         hybrid.DECAY_FLOOR, hybrid.gated_delta_step_ = floor, step
-        hybrid.delta_rule = rule
+        hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
         delta_native.native_solve_ready = ready
 
 

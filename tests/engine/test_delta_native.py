@@ -241,3 +241,181 @@ def test_wide_states_recompute_in_parts_and_keep_the_gradients(
     inputs = _rule_operands(1, 130, 1, 256, 256, dtype=torch.float64, seed=3)
     state = torch.randn(1, 1, 256, 256, generator=torch.Generator().manual_seed(5)).double()
     _matches_the_chunked_form(inputs, state, monkeypatch, (1e-9, 1e-9), (1e-8, 1e-8))
+
+
+def _torch_conv(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
+    """The layer's torch form: silu(conv1d) over [B, C, T] with the window before x."""
+    xt = x.transpose(1, 2)
+    k = w.shape[-1]
+    window = torch.nn.functional.pad(xt, (k - 1, 0)) if init is None else torch.cat([init, xt], -1)
+    conv = torch.nn.functional.conv1d(window, w, groups=x.shape[-1])
+    return torch.nn.functional.silu(conv).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("batch", "length", "channels"), [(3, 150, 80), (2, 64, 37), (1, 2, 16)])
+def test_the_c_short_convolution_is_torchs_in_values_and_gradients(
+    batch: int, length: int, channels: int
+) -> None:
+    """Forward and the input's gradient against torch's conv1d + silu, over unit boundaries
+    (64 positions), channel counts off the 16-float vectors, and fewer positions than taps."""
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(batch, length, channels, generator=gen)
+    w = torch.randn(channels, 1, 4, generator=gen)
+    dy = torch.randn(batch, length, channels, generator=gen)
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = delta_native.short_conv_silu(got_x, w)
+    assert got is not None and got.is_contiguous()
+    want = _torch_conv(want_x, w, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (got * dy).sum().backward()
+    (want * dy).sum().backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, atol=1e-5, rtol=1e-5)
+    init = torch.randn(batch, channels, 3, generator=gen)  # a decode cache's window
+    with torch.no_grad():
+        got = delta_native.short_conv_silu(x, w, init)
+        assert got is not None
+        torch.testing.assert_close(got, _torch_conv(x, w, init), atol=1e-5, rtol=1e-5)
+
+
+def test_the_short_convolution_is_the_same_bits_at_any_thread_count() -> None:
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 200, 96, generator=gen, requires_grad=True)
+    w = torch.randn(96, 1, 4, generator=gen)
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            x.grad = None
+            out = delta_native.short_conv_silu(x, w)
+            assert out is not None
+            (out * out).sum().backward()
+            assert x.grad is not None
+            runs.append((out.detach(), x.grad.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for out, grad in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(grad, runs[0][1])
+
+
+def test_the_short_convolution_leaves_what_it_cannot_take_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(2, 8, 16)
+    w = torch.randn(16, 1, 4)
+    assert delta_native.short_conv_silu(x.double(), w.double()) is None
+    assert delta_native.short_conv_silu(x, w.clone().requires_grad_()) is None
+    init = torch.randn(2, 16, 3)
+    assert delta_native.short_conv_silu(x.clone().requires_grad_(), w, init) is None
+    assert delta_native.short_conv_silu(x, w, init[:, :, :2]) is None
+    assert delta_native.short_conv_silu(x, torch.randn(16, 1, 17)) is None  # over MAX_TAPS
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert delta_native.short_conv_silu(x, w) is None
+    monkeypatch.setattr(compiled, "native_mode", lambda: "off")
+    assert delta_native.short_conv_silu(x, w) is None
+
+
+def test_a_qwen3_5_layer_takes_the_c_convolution_with_the_same_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The DeltaNet layer's output and input gradient with the C convolution and with torch's
+    (the C kernels' other passes the same both times)."""
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    from tests.engine._hybrid import tiny_hybrid_model
+
+    layer = tiny_hybrid_model().model.layers[0].linear_attn
+    assert isinstance(layer, hybrid.GatedDeltaNet)
+    x = torch.randn(2, 70, layer.in_proj_q.in_features, generator=torch.Generator().manual_seed(0))
+    calls: list[object] = []
+    conv = delta_native.short_conv_silu
+    results = []
+
+    def recording(*args: torch.Tensor | None) -> torch.Tensor | None:
+        calls.append(1)
+        return conv(*args)  # type: ignore[arg-type]
+
+    for way in (recording, lambda *args: None):
+        monkeypatch.setattr(hybrid, "short_conv_silu", way)
+        xi = x.clone().requires_grad_()
+        out = layer(xi, 0, None, 0)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad))
+    assert calls == [1]
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
+
+
+def _torch_gated_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * h * torch.nn.functional.silu(z)
+
+
+@pytest.mark.parametrize("width", [64, 24])
+def test_the_c_gated_norm_is_torchs_in_values_and_gradients(width: int) -> None:
+    """y heads-major as the rule returns it (a transposed view): read through its strides,
+    its gradient written with them; widths on and off the 16-float vectors."""
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(6)
+    y_heads = torch.randn(2, 3, 70, width, generator=gen)  # [B, H, T, n]
+    z = torch.randn(2, 70, 3, width, generator=gen)
+    w = torch.rand(width, generator=gen) + 0.5
+    dout = torch.randn(2, 70, 3, width, generator=gen)
+    grads = []
+    ways = (
+        lambda y, z: delta_native.gated_rms_norm(y, z, w, 1e-6),
+        lambda y, z: _torch_gated_norm(y, z, w),
+    )
+    for fn in ways:
+        yh, zz = y_heads.clone().requires_grad_(), z.clone().requires_grad_()
+        out = fn(yh.transpose(1, 2), zz)
+        assert out is not None
+        (out * dout).sum().backward()
+        grads.append((out.detach(), yh.grad, zz.grad))
+    (got, got_dy, got_dz), (want, want_dy, want_dz) = grads
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_dy, want_dy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_dz, want_dz, atol=1e-5, rtol=1e-5)
+    decode = delta_native.gated_rms_norm(y_heads[:, :, 0], z[:, 0], w, 1e-6)  # [rows, H, n]
+    assert decode is not None
+    torch.testing.assert_close(decode, _torch_gated_norm(y_heads[:, :, 0], z[:, 0], w))
+
+
+def test_the_gated_norm_is_the_same_bits_at_any_thread_count_and_alone_in_a_batch() -> None:
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(7)
+    y, z = torch.randn(5, 40, 4, 64, generator=gen), torch.randn(5, 40, 4, 64, generator=gen)
+    w = torch.rand(64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(delta_native.gated_rms_norm(y, z, w, 1e-6))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(r is not None and torch.equal(r, runs[0]) for r in runs)
+    alone = delta_native.gated_rms_norm(y[2:3], z[2:3], w, 1e-6)
+    assert alone is not None and runs[0] is not None and torch.equal(alone, runs[0][2:3])
+
+
+def test_the_gated_norm_leaves_what_it_cannot_take_to_torch() -> None:
+    y, z, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(8)
+    assert delta_native.gated_rms_norm(y.double(), z.double(), w.double(), 1e-6) is None
+    assert delta_native.gated_rms_norm(y, z, w.clone().requires_grad_(), 1e-6) is None
+    assert delta_native.gated_rms_norm(y, z[:, :2], w, 1e-6) is None
+    assert (
+        delta_native.gated_rms_norm(y.transpose(1, 2), z.transpose(1, 2), torch.ones(3), 1e-6)
+        is None
+    )
+    layer = hybrid.GatedRMSNorm(8, 1e-6)  # its own forward: torch's form for float64
+    out = layer(y.double(), z.double())
+    torch.testing.assert_close(
+        out, _torch_gated_norm(y.double(), z.double(), torch.ones(8).double())
+    )

@@ -18,6 +18,12 @@ recomputes each chunk of states from one saved per 64 positions): ~3x faster tha
 form of `hybrid.gated_delta_rule` at heads of 64 x 64 (at 128 x 128 the forward 2x, the backward
 about even), and less kept for backward.
 
+`short_conv_silu` is the layer's short causal convolution and its SiLU (``csrc/deltanet.c``)
+on the q/k/v projection's [B, T, C] rows as they are, where torch's conv1d wants [B, C, T]:
+a transposed, padded copy in forward and transposed strides again in backward.
+`gated_rms_norm` is its gated RMSNorm, one pass a row (torch's eager form: ~8 passes forward,
+~12 backward), reading the rule's heads-major output through its strides.
+
 `benchmarks/linear_attention.py` times them in the step and in sampling (``--work sample``).
 """
 
@@ -38,7 +44,10 @@ __all__ = [
     "delta_rule",
     "delta_rule_runs",
     "gated_delta_step_",
+    "gated_rms_norm",
     "native_solve_ready",
+    "short_conv_runs",
+    "short_conv_silu",
     "unit_lower_solve",
 ]
 
@@ -47,14 +56,21 @@ log = logging.getLogger("tinker_sr.engine")
 _FUNCTIONS = {torch.float32: "tsr_unit_lower_solve_f32", torch.float64: "tsr_unit_lower_solve_f64"}
 
 
-@functools.cache
-def _library() -> Any | None:
+def _load(name: str, what: str) -> Any | None:
+    """The library of ``csrc/<name>.c``, or None (logged, with why) where it is unavailable."""
     from tinker_sr.engine import native
 
-    lib = native.load("delta_rule")
+    lib = native.load(name)
     if lib is None:
-        why = native.failure("delta_rule")
-        log.info("the gated delta rule's C kernels are unavailable (%s): torch's ops run", why)
+        why = native.failure(name)
+        log.info("%s's C kernels are unavailable (%s): torch's ops run", what, why)
+    return lib
+
+
+@functools.cache
+def _library() -> Any | None:
+    lib = _load("delta_rule", "the gated delta rule")
+    if lib is None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in _FUNCTIONS.values():
@@ -270,3 +286,164 @@ class _DeltaRule(torch.autograd.Function):
             )
         grads = [t.transpose(1, 2) for t in (dq, dk, dv, dg, dbeta)]
         return (None, None, dstate if ctx.needs_input_grad[2] else None, *grads)
+
+
+# The most taps `short_conv_silu` takes (Qwen3.5's convolution has 4).
+MAX_TAPS = 16
+
+
+@functools.cache
+def _conv_library() -> Any | None:
+    lib = _load("deltanet", "the DeltaNet layer's convolution and gated norm")
+    if lib is None:
+        return None
+    p, n, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {  # name: (argument types, result type)
+        "tsr_short_conv_silu_fwd": ([p] * 4 + [n, n, n, i, i], None),
+        "tsr_short_conv_silu_bwd": ([p] * 4 + [n, n, n, i, i], ctypes.c_int),
+        "tsr_gated_rms_norm_fwd": ([p] + [n] * 5 + [p] * 3 + [n, i, f, i], None),
+        "tsr_gated_rms_norm_bwd": ([p] + [n] * 5 + [p] * 5 + [n, i, f, i], None),
+    }
+    for name, (args, result) in signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    return lib
+
+
+def short_conv_runs(device: torch.device) -> bool:
+    """Does `short_conv_silu` run the C kernels for float32 operands on ``device``?"""
+    return device.type == "cpu" and compiled.native_mode() != "off" and _conv_library() is not None
+
+
+def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Tensor | None:
+    """``silu(conv1d(pad(x^T), weight, groups=C))^T`` from x's rows as they are: x [B, T, C],
+    ``weight`` the depthwise conv1d's [C, 1, K], ``init`` [B, C, K - 1] the inputs before
+    x's first position (a decode cache's window; None: zeros) -> [B, T, C]. Differentiable in
+    x (without ``init``). None where the C kernels do not apply (the caller runs torch's
+    conv1d): not float32 on the CPU, under autocast (whose conv1d runs in bfloat16), a weight
+    or window that needs a gradient, more than `MAX_TAPS` taps, the C kernels off or
+    unavailable."""
+    operands = [x, weight] + ([] if init is None else [init])
+    B, T, C = x.shape if x.dim() == 3 else (0, 0, 0)
+    K = weight.shape[-1]
+    grad = torch.is_grad_enabled()
+    if (
+        x.dim() != 3
+        or tuple(weight.shape) != (C, 1, K)
+        or not 1 <= K <= MAX_TAPS
+        or (init is not None and tuple(init.shape) != (B, C, K - 1))
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in operands)
+        or torch.is_autocast_enabled("cpu")
+        or (grad and (weight.requires_grad or (init is not None and init.requires_grad)))
+        or (grad and x.requires_grad and init is not None)
+        or not short_conv_runs(x.device)
+    ):
+        return None
+    taps = weight.detach().reshape(C, K).t().contiguous()  # [K, C]
+    if grad and x.requires_grad:
+        return _ShortConvSilu.apply(x, taps)  # type: ignore[no-any-return]
+    window = None if init is None else init.transpose(1, 2).contiguous()  # [B, K - 1, C]
+    return _conv_forward(x.contiguous(), taps, window)
+
+
+def _conv_forward(x: Tensor, taps: Tensor, window: Tensor | None) -> Tensor:
+    B, T, C = x.shape
+    out = torch.empty_like(x)
+    cast(Any, _conv_library()).tsr_short_conv_silu_fwd(
+        *(_pointer(t) for t in (x, taps, window, out)), B, T, C, taps.shape[0],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+class _ShortConvSilu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, taps: Tensor) -> Tensor:  # type: ignore[override]
+        x = x.contiguous()
+        ctx.save_for_backward(x, taps)
+        return _conv_forward(x, taps, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        x, taps = ctx.saved_tensors
+        B, T, C = x.shape
+        dx = torch.empty_like(x)
+        failed = cast(Any, _conv_library()).tsr_short_conv_silu_bwd(
+            *(_pointer(t) for t in (x, taps, grad.contiguous(), dx)), B, T, C, taps.shape[0],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(
+                f"the short convolution's backward could not allocate its buffer "
+                f"({(64 + taps.shape[0]) * C * 4} bytes per thread); free memory or use fewer "
+                f"threads"
+            )
+        return dx, None
+
+
+def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """`hybrid.GatedRMSNorm`'s ``weight * (y / sqrt(mean(y^2) + eps)) * silu(z)`` over the last
+    dimension, in C: y [..., n] (2 to 4 dimensions, any strides with the last dimension's
+    1: the rule's heads-major output as it is), z of y's shape, ``weight`` [n] -> a contiguous
+    result of y's shape. Differentiable in y and z. None where the C kernels do not apply (the
+    caller runs torch's ops): not all float32 on the CPU, a weight that needs a gradient,
+    other shapes, the C kernels off or unavailable."""
+    n = y.shape[-1] if y.dim() else 0
+    if (
+        not 2 <= y.dim() <= 4
+        or z.shape != y.shape
+        or tuple(weight.shape) != (n,)
+        or y.stride(-1) != 1
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (y, z, weight))
+        or (torch.is_grad_enabled() and weight.requires_grad)
+        or not short_conv_runs(y.device)
+    ):
+        return None
+    shape = y.shape
+    y4 = y[(None,) * (4 - y.dim())]  # unit leading dimensions: views
+    z4 = z.contiguous().view((1,) * (4 - z.dim()) + tuple(z.shape))
+    if torch.is_grad_enabled() and (y.requires_grad or z.requires_grad):
+        out = _GatedRMSNorm.apply(y4, z4, weight.detach(), eps)
+    else:
+        out = _norm_forward(y4, z4, weight, eps)
+    return out.view(shape)  # type: ignore[no-any-return]
+
+
+# Below this many values the gated norm runs on one thread: a decode step's few rows cost less
+# than waking the other threads (~90 us with passive waits on some VMs), as torch's elementwise
+# ops stay serial under their grain size. Rows are independent: the same bits either way.
+_SERIAL_VALUES = 1 << 16
+
+
+def _threads(values: int) -> int:
+    return 1 if values < _SERIAL_VALUES else torch.get_num_threads()
+
+
+def _norm_forward(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    out = torch.empty_like(z)
+    cast(Any, _conv_library()).tsr_gated_rms_norm_fwd(
+        _pointer(y), y.shape[1], y.shape[2], *y.stride()[:3],
+        *(_pointer(t) for t in (z, weight.contiguous(), out)), out.numel() // y.shape[3],
+        y.shape[3], eps, _threads(out.numel()),
+    )  # fmt: skip
+    return out
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        if torch.empty_like(y).stride() != y.stride():  # not dense: its gradient could not
+            y = y.contiguous()  # take its strides
+        ctx.save_for_backward(y, z, weight)
+        ctx.eps = eps
+        return _norm_forward(y, z, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        y, z, weight = ctx.saved_tensors
+        dy, dz = torch.empty_like(y), torch.empty_like(z)  # dy: y's strides
+        cast(Any, _conv_library()).tsr_gated_rms_norm_bwd(
+            _pointer(y), y.shape[1], y.shape[2], *y.stride()[:3],
+            *(_pointer(t) for t in (z, weight.contiguous(), grad.contiguous(), dy, dz)),
+            z.numel() // y.shape[3], y.shape[3], ctx.eps, _threads(z.numel()),
+        )  # fmt: skip
+        return dy, dz, None, None

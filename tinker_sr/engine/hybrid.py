@@ -37,6 +37,9 @@ from tinker_sr.engine.delta_native import (
     delta_rule,
     delta_rule_runs,
     gated_delta_step_,
+    gated_rms_norm,
+    short_conv_runs,
+    short_conv_silu,
     unit_lower_solve,
 )
 from tinker_sr.engine.fused import apply_linear, linear_group
@@ -103,9 +106,10 @@ def check_config(config: ModelConfig) -> None:
 
 def linear_activations(config: ModelConfig, device: torch.device | str = "cpu") -> int:
     """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
-    projections, the convolution's output before and after SiLU, q/k/v in float32 before and
+    projections, the convolution's input window and its output before and after SiLU (the C
+    convolution, where it runs on ``device``, keeps its input and output only), q/k/v before and
     after normalising (q and k repeated per value head), what the rule saves, the output and
-    its gated norm. The chunked rule's share per value head and token, ``7 * CHUNK + 9 * Dk +
+    its gated norm (the C norm keeps its two inputs only). The chunked rule's share per value head and token, ``7 * CHUNK + 9 * Dk +
     2 * Dv + Dk * Dv / CHUNK`` (its decay, system and attention rows, the masks, u, w, the
     decayed q and k, one state per chunk), was counted with saved-tensor hooks over head
     widths 32-128 (6.3 CHUNK-wide rows, rounded up). The C rule, where it runs on ``device``
@@ -120,7 +124,9 @@ def linear_activations(config: ModelConfig, device: torch.device | str = "cpu") 
     channels = 2 * keys + values
     share = 2 * k + v + 2 if delta_rule_runs(torch.device(device)) else 7 * CHUNK + 9 * k + 2 * v
     chunk = config.linear_v_heads * (share + k * v // CHUNK)
-    return 4 * config.dim + 3 * channels + 2 * (2 * repeated + values) + chunk + 4 * values
+    in_c = short_conv_runs(torch.device(device))  # the C convolution and gated norm
+    conv, norm = (2 * channels, 2 * values) if in_c else (3 * channels, 4 * values)
+    return 4 * config.dim + conv + 2 * (2 * repeated + values) + chunk + norm
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -213,6 +219,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        out = gated_rms_norm(x, z, self.weight, self.eps)  # one C pass a row, where it applies
+        if out is not None:
+            return out
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -250,18 +259,28 @@ class GatedDeltaNet(nn.Module):
         every cache row) or a continuation from the cache's states."""
         B, T, _ = x.shape
         qkv = linear_group(x, [getattr(self, n) for n in QKV], split=False)  # merged: whole
-        qkv = (qkv if isinstance(qkv, Tensor) else torch.cat(qkv, -1)).transpose(1, 2)
+        qkv = qkv if isinstance(qkv, Tensor) else torch.cat(qkv, -1)  # [B, T, channels]
         z, b, a = (apply_linear(getattr(self, f"in_proj_{n}"), x) for n in "zba")
         resume = cache is not None and start_pos > 0
-        if resume:  # B may be 1 for every cache row (a prefill chunk): all rows hold the same
-            assert cache is not None
-            window = torch.cat([cache.conv[layer][:B].to(qkv.dtype), qkv], -1)
-        else:
-            window = F.pad(qkv, (self.kernel - 1, 0))
-        if cache is not None:
-            cache.conv[layer].copy_(window[..., window.shape[-1] - self.kernel + 1 :])
-        mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.channels))
-        q, k, v, g, beta = self._heads(mixed.transpose(1, 2), a, b)
+        # B may be 1 for every cache row (a prefill chunk): all rows hold the same window.
+        before = cache.conv[layer][:B].to(qkv.dtype) if resume and cache is not None else None
+        mixed = short_conv_silu(qkv, self.conv1d.weight, before)  # [B, T, channels], in C
+        if mixed is None:
+            qkv_t = qkv.transpose(1, 2)
+            window = (
+                F.pad(qkv_t, (self.kernel - 1, 0))
+                if before is None
+                else torch.cat([before, qkv_t], -1)
+            )
+            conv = F.conv1d(window, self.conv1d.weight, groups=self.channels)
+            mixed = F.silu(conv).transpose(1, 2)
+        if cache is not None:  # the window after x (``before`` is a view of it): its last inputs
+            keep = self.kernel - 1
+            prev = before if before is not None else qkv.new_zeros(B, self.channels, keep)
+            tail = qkv[:, max(T - keep, 0) :].transpose(1, 2)
+            window = torch.cat([prev, tail], -1)
+            cache.conv[layer].copy_(window[..., window.shape[-1] - keep :])
+        q, k, v, g, beta = self._heads(mixed, a, b)
         state = cache.state[layer][:B] if resume and cache is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the recurrence stays in float32
             y, s = gated_delta_rule(q, k, v, g, beta, state)
