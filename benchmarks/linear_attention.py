@@ -25,7 +25,8 @@ gated-attention layers), ``--work train``: one ``forward_backward`` of the same 
   ``DECAY_FLOOR = -inf``; torch's solve; torch's decode step; ``rule``: the chunked form in
   place of the C rule, session 44; ``conv``: torch's conv1d and silu over transposed copies
   in place of the C short convolution, session 45; ``norm``: torch's ops for the gated
-  RMSNorm, session 45);
+  RMSNorm, session 45; ``heads``: torch's ops for q/k's norms and their repeat per value head,
+  session 45);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -57,7 +58,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule", "conv", "norm")
+UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads")
 
 
 @contextlib.contextmanager
@@ -67,6 +68,9 @@ def undone(which: set[str]) -> Iterator[None]:
 
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
     rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
+    heads = hybrid.deltanet_heads
+    if "heads" in which:
+        hybrid.deltanet_heads = lambda *_: None  # type: ignore[assignment]
     if "norm" in which:
         hybrid.gated_rms_norm = lambda *_: None  # type: ignore[assignment]
     if "conv" in which:
@@ -85,6 +89,7 @@ def undone(which: set[str]) -> Iterator[None]:
         floor, ready, step = saved
         hybrid.DECAY_FLOOR, hybrid.gated_delta_step_ = floor, step
         hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
+        hybrid.deltanet_heads = heads
         delta_native.native_solve_ready = ready
 
 

@@ -419,3 +419,45 @@ def test_the_gated_norm_leaves_what_it_cannot_take_to_torch() -> None:
     torch.testing.assert_close(
         out, _torch_gated_norm(y.double(), z.double(), torch.ones(8).double())
     )
+
+
+@pytest.mark.parametrize(("key_heads", "heads", "dk", "dv"), [(2, 4, 64, 64), (3, 3, 24, 40)])
+def test_the_c_heads_are_torchs_in_values_and_gradients(
+    key_heads: int, heads: int, dk: int, dv: int
+) -> None:
+    """q, k normalised and repeated per value head, v: the layer's torch form, heads-major
+    underneath, over unit boundaries (64 positions) and widths off the 16-float vectors."""
+    if not _c_kernels() or delta_native._conv_library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(8)
+    B, T = 2, 70
+    mixed = torch.randn(B, T, 2 * key_heads * dk + heads * dv, generator=gen)
+    mixed[0, 3, :dk] = 0.0  # a zero row: the norm's eps keeps it finite
+    upstream = [torch.randn(B, T, heads, d, generator=gen) for d in (dk, dk, dv)]
+
+    def torch_heads(m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = m.split([key_heads * dk, key_heads * dk, heads * dv], -1)
+        rep = heads // key_heads
+        q, k = (t.reshape(B, T, key_heads, dk).repeat_interleave(rep, -2) for t in (q, k))
+        return hybrid.l2norm(q), hybrid.l2norm(k), v.reshape(B, T, heads, dv)
+
+    results = []
+    for fn in (lambda m: delta_native.deltanet_heads(m, key_heads, heads, dk, dv), torch_heads):
+        m = mixed.clone().requires_grad_()
+        out = fn(m)
+        assert out is not None
+        sum((o * u).sum() for o, u in zip(out, upstream, strict=True)).backward()  # type: ignore[union-attr]
+        results.append(([o.detach() for o in out], m.grad))
+    (got, got_grad), (want, want_grad) = results
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert got[0].transpose(1, 2).is_contiguous()  # heads-major underneath: the rule's layout
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_the_heads_leave_what_they_cannot_take_to_torch() -> None:
+    mixed = torch.randn(2, 5, 2 * 2 * 8 + 4 * 8)
+    assert delta_native.deltanet_heads(mixed.double(), 2, 4, 8, 8) is None
+    assert delta_native.deltanet_heads(mixed[:, :, :-8], 2, 4, 8, 8) is None  # widths
+    assert delta_native.deltanet_heads(mixed.transpose(0, 1), 2, 4, 8, 8) is None  # strides
+    assert delta_native.deltanet_heads(torch.randn(2, 5, 2 * 2 * 8 + 3 * 8), 2, 3, 8, 8) is None

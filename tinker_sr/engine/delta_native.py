@@ -21,6 +21,8 @@ about even), and less kept for backward.
 `short_conv_silu` is the layer's short causal convolution and its SiLU (``csrc/deltanet.c``)
 on the q/k/v projection's [B, T, C] rows as they are, where torch's conv1d wants [B, C, T]:
 a transposed, padded copy in forward and transposed strides again in backward.
+`deltanet_heads` forms the rule's q, k (L2-normalised, repeated per value head) and v from
+the convolution's output in one pass, heads-major as the rule reads them.
 `gated_rms_norm` is its gated RMSNorm, one pass a row (torch's eager form: ~8 passes forward,
 ~12 backward), reading the rule's heads-major output through its strides.
 
@@ -43,6 +45,7 @@ from tinker_sr.engine import compiled
 __all__ = [
     "delta_rule",
     "delta_rule_runs",
+    "deltanet_heads",
     "gated_delta_step_",
     "gated_rms_norm",
     "native_solve_ready",
@@ -303,6 +306,8 @@ def _conv_library() -> Any | None:
         "tsr_short_conv_silu_bwd": ([p] * 4 + [n, n, n, i, i], ctypes.c_int),
         "tsr_gated_rms_norm_fwd": ([p] + [n] * 5 + [p] * 3 + [n, i, f, i], None),
         "tsr_gated_rms_norm_bwd": ([p] + [n] * 5 + [p] * 5 + [n, i, f, i], None),
+        "tsr_deltanet_heads_fwd": ([p] * 4 + [n, n, i, i, i, i, f, i], None),
+        "tsr_deltanet_heads_bwd": ([p] * 5 + [n, n, i, i, i, i, f, i], None),
     }
     for name, (args, result) in signatures.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
@@ -447,3 +452,73 @@ class _GatedRMSNorm(torch.autograd.Function):
             z.numel() // y.shape[3], y.shape[3], ctx.eps, _threads(z.numel()),
         )  # fmt: skip
         return dy, dz, None, None
+
+
+def deltanet_heads(
+    mixed: Tensor, key_heads: int, heads: int, dk: int, dv: int, eps: float = 1e-6
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """`hybrid.GatedDeltaNet`'s q, k, v from the convolution's output ``mixed`` [B, T, C]
+    (C = 2 key_heads dk + heads dv: q | k | v) in C: q and k L2-normalised (``x / sqrt(sum(x^2)
+    + eps)``) and repeated for the consecutive value heads each key head serves, as
+    [B, T, heads, dk] and v [B, T, heads, dv], each a transposed view of a heads-major
+    [B, heads, T, d] tensor (what the rule reads: no copy there). Differentiable in mixed.
+    None where the C kernels do not apply (the caller runs torch's ops): not a contiguous
+    float32 [B, T, C] on the CPU, heads not a multiple of key_heads, the C kernels off or
+    unavailable."""
+    if (
+        mixed.dim() != 3
+        or mixed.shape[-1] != 2 * key_heads * dk + heads * dv
+        or key_heads < 1
+        or heads % key_heads
+        or mixed.dtype != torch.float32
+        or not mixed.is_contiguous()
+        or not short_conv_runs(mixed.device)
+    ):
+        return None
+    dims = (key_heads, heads, dk, dv, eps)
+    if torch.is_grad_enabled() and mixed.requires_grad:
+        qh, kh, vh = _DeltaNetHeads.apply(mixed, *dims)
+    else:
+        qh, kh, vh = _heads_forward(mixed, *dims)
+    return qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)
+
+
+def _heads_forward(
+    mixed: Tensor, key_heads: int, heads: int, dk: int, dv: int, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, T, _ = mixed.shape
+    q, k = (mixed.new_empty(B, heads, T, dk) for _ in "qk")
+    v = mixed.new_empty(B, heads, T, dv)
+    cast(Any, _conv_library()).tsr_deltanet_heads_fwd(
+        *(_pointer(t) for t in (mixed, q, k, v)), B, T, key_heads, heads, dk, dv, eps,
+        _threads(mixed.numel()),
+    )  # fmt: skip
+    return q, k, v
+
+
+class _DeltaNetHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, mixed: Tensor, key_heads: int, heads: int, dk: int, dv: int, eps: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.save_for_backward(mixed)
+        ctx.dims = (key_heads, heads, dk, dv, eps)
+        return _heads_forward(mixed, key_heads, heads, dk, dv, eps)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        (mixed,) = ctx.saved_tensors
+        key_heads, heads, width_k, width_v, eps = ctx.dims
+        B, T, _ = mixed.shape
+        grads = [
+            mixed.new_zeros(B, heads, T, w) if g is None else g.contiguous()
+            for g, w in ((dq, width_k), (dk, width_k), (dv, width_v))
+        ]
+        dmixed = torch.empty_like(mixed)
+        cast(Any, _conv_library()).tsr_deltanet_heads_bwd(
+            *(_pointer(t) for t in (mixed, *grads, dmixed)), B, T, key_heads, heads, width_k,
+            width_v, eps, _threads(mixed.numel()),
+        )  # fmt: skip
+        return dmixed, None, None, None, None, None

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from tinker_sr.engine.delta_native import (
     delta_rule,
     delta_rule_runs,
+    deltanet_heads,
     gated_delta_step_,
     gated_rms_norm,
     short_conv_runs,
@@ -293,6 +294,12 @@ class GatedDeltaNet(nn.Module):
         """mixed [..., channels] (after the convolution) and the a, b projections -> float32
         q, k (L2-normalised, repeated per value head), v [..., heads, dims], g and beta
         [..., v_heads]."""
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        dims = (self.k_heads, self.v_heads, self.k_dim, self.v_dim)
+        heads = deltanet_heads(mixed, *dims)  # one C pass, heads-major views, where it applies
+        if heads is not None:
+            return (*heads, g, beta)
         keys = self.k_heads * self.k_dim
         q, k, v = mixed.split([keys, keys, self.v_heads * self.v_dim], -1)
         lead = mixed.shape[:-1]
@@ -302,8 +309,6 @@ class GatedDeltaNet(nn.Module):
         if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
             rep = self.v_heads // self.k_heads
             q, k = q.repeat_interleave(rep, -2), k.repeat_interleave(rep, -2)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return l2norm(q), l2norm(k), v, g, beta
 
     def step(

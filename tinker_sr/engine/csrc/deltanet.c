@@ -33,6 +33,14 @@
 
 #define TB 64 /* positions per unit */
 
+/* Unit u's batch row b and positions [t0, t1) (per_row units of TB positions a row). */
+static inline void unit_range(int64_t u, int64_t per_row, int64_t T, int64_t *b, int64_t *t0,
+                              int64_t *t1) {
+  *b = u / per_row;
+  *t0 = (u % per_row) * TB;
+  *t1 = *t0 + TB < T ? *t0 + TB : T;
+}
+
 static inline float sigmoid1(float y) { return 1.f / (1.f + expf(-y)); }
 static inline v16 vsigmoid1(v16 y) { return vset1(1.f) / (vset1(1.f) + vexp(-y)); }
 
@@ -68,7 +76,8 @@ void tsr_short_conv_silu_fwd(const float *x, const float *w, const float *init, 
   int64_t per_row = (T + TB - 1) / TB, units = B * per_row;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t u = 0; u < units; u++) {
-    int64_t b = u / per_row, t0 = (u % per_row) * TB, t1 = t0 + TB < T ? t0 + TB : T;
+    int64_t b, t0, t1;
+    unit_range(u, per_row, T, &b, &t0, &t1);
     const float *xb = x + b * T * C, *ib = init ? init + b * (int64_t)(K - 1) * C : NULL;
     for (int64_t t = t0; t < t1; t++) {
       float *o = out + (b * T + t) * C;
@@ -135,7 +144,8 @@ int tsr_short_conv_silu_bwd(const float *x, const float *w, const float *dout, f
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
       if (!g) continue;
-      int64_t b = u / per_row, t0 = (u % per_row) * TB, t1 = t0 + TB < T ? t0 + TB : T;
+      int64_t b, t0, t1;
+    unit_range(u, per_row, T, &b, &t0, &t1);
       backward_unit(x + b * T * C, w, dout + b * T * C, dx + b * T * C, t0, t1, T, C, K, g);
     }
     free(g);
@@ -150,14 +160,19 @@ static inline int64_t strided_row(int64_t i, int64_t Bd, int64_t Cd, int64_t s0,
   return (ab / Bd) * s0 + (ab % Bd) * s1 + c * s2;
 }
 
-/* 1 / sqrt(mean(y^2) + eps) over one row of n values. */
-static inline float inv_rms(const float *y, int n, float eps) {
+/* sum(y^2) over one row of n values. */
+static inline float sum_squares(const float *y, int n) {
   v16 acc = vset1(0.f);
   int j = 0;
   for (; j + VL <= n; j += VL) acc += vload(y + j) * vload(y + j);
   float ss = vhsum(acc);
   for (; j < n; j++) ss += y[j] * y[j];
-  return 1.f / sqrtf(ss / (float)n + eps);
+  return ss;
+}
+
+/* 1 / sqrt(mean(y^2) + eps) over one row of n values. */
+static inline float inv_rms(const float *y, int n, float eps) {
+  return 1.f / sqrtf(sum_squares(y, n) / (float)n + eps);
 }
 
 void tsr_gated_rms_norm_fwd(const float *y, int64_t Bd, int64_t Cd, int64_t s0, int64_t s1,
@@ -210,5 +225,87 @@ void tsr_gated_rms_norm_bwd(const float *y, int64_t Bd, int64_t Cd, int64_t s0, 
     for (j = 0; j + VL <= n; j += VL)
       vstore(dyi + j, vset1(r) * (vload(dyi + j) - vload(yi + j) * vset1(r * mean)));
     for (; j < n; j++) dyi[j] = r * (dyi[j] - yi[j] * (r * mean));
+  }
+}
+
+/* The heads of the rule from the convolution's output: mixed [B, T, C] rows (q | k | v, with
+   C = 2 KH Dk + H Dv) -> q, k [B, H, T, Dk] L2-normalised (x / sqrt(sum(x^2) + eps)) and
+   repeated for the rep = H / KH value heads each key head serves (consecutive), and v
+   [B, H, T, Dv]: heads-major, as the rule reads them, in one pass where torch's form makes a
+   copy per reshape and repeat and ~4 passes per norm (and twice that back). */
+static inline void scale_row(const float *x, float r, float *out, int n) {
+  int j = 0;
+  for (; j + VL <= n; j += VL) vstore(out + j, vload(x + j) * vset1(r));
+  for (; j < n; j++) out[j] = x[j] * r;
+}
+
+static inline float inv_norm(const float *x, int n, float eps) {
+  return 1.f / sqrtf(sum_squares(x, n) + eps);
+}
+
+void tsr_deltanet_heads_fwd(const float *mixed, float *q, float *k, float *v, int64_t B,
+                            int64_t T, int KH, int H, int Dk, int Dv, float eps, int threads) {
+  int64_t C = 2 * (int64_t)KH * Dk + (int64_t)H * Dv, per_row = (T + TB - 1) / TB;
+  int rep = H / KH;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t u = 0; u < B * per_row; u++) {
+    int64_t b, t0, t1;
+    unit_range(u, per_row, T, &b, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+      const float *row = mixed + (b * T + t) * C;
+      for (int which = 0; which < 2; which++)
+        for (int kh = 0; kh < KH; kh++) {
+          const float *x = row + ((int64_t)which * KH + kh) * Dk;
+          float r = inv_norm(x, Dk, eps);
+          for (int h = kh * rep; h < (kh + 1) * rep; h++)
+            scale_row(x, r, (which ? k : q) + ((b * H + h) * T + t) * Dk, Dk);
+        }
+      for (int h = 0; h < H; h++)
+        scale_row(row + 2 * (int64_t)KH * Dk + (int64_t)h * Dv, 1.f,
+                  v + ((b * H + h) * T + t) * Dv, Dv);
+    }
+  }
+}
+
+/* dmixed [B, T, C] from dq, dk [B, H, T, Dk] and dv [B, H, T, Dv] (heads-major): per key head,
+   g = the sum of its value heads' gradients (in head order), then the norm's backward
+   r (g - n (g . n)) with n = x r. */
+void tsr_deltanet_heads_bwd(const float *mixed, const float *dq, const float *dk, const float *dv,
+                            float *dmixed, int64_t B, int64_t T, int KH, int H, int Dk, int Dv,
+                            float eps, int threads) {
+  int64_t C = 2 * (int64_t)KH * Dk + (int64_t)H * Dv, per_row = (T + TB - 1) / TB;
+  int rep = H / KH;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t u = 0; u < B * per_row; u++) {
+    int64_t b, t0, t1;
+    unit_range(u, per_row, T, &b, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+      const float *row = mixed + (b * T + t) * C;
+      float *drow = dmixed + (b * T + t) * C;
+      for (int which = 0; which < 2; which++)
+        for (int kh = 0; kh < KH; kh++) {
+          const float *x = row + ((int64_t)which * KH + kh) * Dk, *grads = which ? dk : dq;
+          float *dx = drow + ((int64_t)which * KH + kh) * Dk, r = inv_norm(x, Dk, eps);
+          scale_row(grads + ((b * H + kh * rep) * T + t) * Dk, 1.f, dx, Dk);
+          for (int h = kh * rep + 1; h < (kh + 1) * rep; h++) {
+            const float *gh = grads + ((b * H + h) * T + t) * Dk;
+            int j = 0;
+            for (; j + VL <= Dk; j += VL) vstore(dx + j, vload(dx + j) + vload(gh + j));
+            for (; j < Dk; j++) dx[j] += gh[j];
+          }
+          v16 dot = vset1(0.f);
+          float dot_tail = 0.f;
+          int j = 0;
+          for (; j + VL <= Dk; j += VL) dot += vload(dx + j) * (vload(x + j) * vset1(r));
+          for (; j < Dk; j++) dot_tail += dx[j] * (x[j] * r);
+          float d = vhsum(dot) + dot_tail;
+          for (j = 0; j + VL <= Dk; j += VL)
+            vstore(dx + j, vset1(r) * (vload(dx + j) - vload(x + j) * vset1(r * d)));
+          for (; j < Dk; j++) dx[j] = r * (dx[j] - x[j] * (r * d));
+        }
+      for (int h = 0; h < H; h++)
+        scale_row(dv + ((b * H + h) * T + t) * Dv, 1.f,
+                  drow + 2 * (int64_t)KH * Dk + (int64_t)h * Dv, Dv);
+    }
   }
 }
