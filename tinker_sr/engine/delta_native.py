@@ -435,7 +435,9 @@ def _norm_forward(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float
+    ) -> Tensor:
         if torch.empty_like(y).stride() != y.stride():  # not dense: its gradient could not
             y = y.contiguous()  # take its strides
         ctx.save_for_backward(y, z, weight)

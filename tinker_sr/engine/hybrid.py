@@ -108,9 +108,10 @@ def check_config(config: ModelConfig) -> None:
 def linear_activations(config: ModelConfig, device: torch.device | str = "cpu") -> int:
     """Float32 values per token a gated DeltaNet layer keeps (estimate): the norms, the
     projections, the convolution's input window and its output before and after SiLU (the C
-    convolution, where it runs on ``device``, keeps its input and output only), q/k/v before and
-    after normalising (q and k repeated per value head), what the rule saves, the output and
-    its gated norm (the C norm keeps its two inputs only). The chunked rule's share per value head and token, ``7 * CHUNK + 9 * Dk +
+    convolution, where it runs on ``device``, keeps its input and output only), q/k/v before
+    and after normalising (q and k repeated per value head), what the rule saves, the output
+    and its gated norm (the C norm keeps its two inputs only). The chunked rule's share per
+    value head and token, ``7 * CHUNK + 9 * Dk +
     2 * Dv + Dk * Dv / CHUNK`` (its decay, system and attention rows, the masks, u, w, the
     decayed q and k, one state per chunk), was counted with saved-tensor hooks over head
     widths 32-128 (6.3 CHUNK-wide rows, rounded up). The C rule, where it runs on ``device``
