@@ -258,7 +258,7 @@ def test_the_c_short_convolution_is_torchs_in_values_and_gradients(
 ) -> None:
     """Forward and the input's gradient against torch's conv1d + silu, over unit boundaries
     (64 positions), channel counts off the 16-float vectors, and fewer positions than taps."""
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(batch, length, channels, generator=gen)
@@ -280,7 +280,7 @@ def test_the_c_short_convolution_is_torchs_in_values_and_gradients(
 
 
 def test_the_short_convolution_is_the_same_bits_at_any_thread_count() -> None:
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4, 200, 96, generator=gen, requires_grad=True)
@@ -324,7 +324,7 @@ def test_a_qwen3_5_layer_takes_the_c_convolution_with_the_same_results(
 ) -> None:
     """The DeltaNet layer's output and input gradient with the C convolution and with torch's
     (the C kernels' other passes the same both times)."""
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     from tests.engine._hybrid import tiny_hybrid_model
 
@@ -359,7 +359,7 @@ def _torch_gated_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torc
 def test_the_c_gated_norm_is_torchs_in_values_and_gradients(width: int) -> None:
     """y heads-major as the rule returns it (a transposed view): read through its strides,
     its gradient written with them; widths on and off the 16-float vectors."""
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(6)
     y_heads = torch.randn(2, 3, 70, width, generator=gen)  # [B, H, T, n]
@@ -387,7 +387,7 @@ def test_the_c_gated_norm_is_torchs_in_values_and_gradients(width: int) -> None:
 
 
 def test_the_gated_norm_is_the_same_bits_at_any_thread_count_and_alone_in_a_batch() -> None:
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(7)
     y, z = torch.randn(5, 40, 4, 64, generator=gen), torch.randn(5, 40, 4, 64, generator=gen)
@@ -427,7 +427,7 @@ def test_the_c_heads_are_torchs_in_values_and_gradients(
 ) -> None:
     """q, k normalised and repeated per value head, v: the layer's torch form, heads-major
     underneath, over unit boundaries (64 positions) and widths off the 16-float vectors."""
-    if not _c_kernels() or delta_native._conv_library() is None:
+    if not _c_kernels() or delta_native._deltanet_library() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(8)
     B, T = 2, 70

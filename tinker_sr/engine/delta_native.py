@@ -46,10 +46,10 @@ __all__ = [
     "delta_rule",
     "delta_rule_runs",
     "deltanet_heads",
+    "deltanet_runs",
     "gated_delta_step_",
     "gated_rms_norm",
     "native_solve_ready",
-    "short_conv_runs",
     "short_conv_silu",
     "unit_lower_solve",
 ]
@@ -296,8 +296,8 @@ MAX_TAPS = 16
 
 
 @functools.cache
-def _conv_library() -> Any | None:
-    lib = _load("deltanet", "the DeltaNet layer's convolution and gated norm")
+def _deltanet_library() -> Any | None:
+    lib = _load("deltanet", "the DeltaNet layer's convolution, heads and gated norm")
     if lib is None:
         return None
     p, n, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -314,9 +314,12 @@ def _conv_library() -> Any | None:
     return lib
 
 
-def short_conv_runs(device: torch.device) -> bool:
-    """Does `short_conv_silu` run the C kernels for float32 operands on ``device``?"""
-    return device.type == "cpu" and compiled.native_mode() != "off" and _conv_library() is not None
+def deltanet_runs(device: torch.device) -> bool:
+    """Do the DeltaNet layer's C passes (`short_conv_silu`, `deltanet_heads`, `gated_rms_norm`)
+    run for float32 operands on ``device``?"""
+    return (
+        device.type == "cpu" and compiled.native_mode() != "off" and _deltanet_library() is not None
+    )
 
 
 def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Tensor | None:
@@ -340,7 +343,7 @@ def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Te
         or torch.is_autocast_enabled("cpu")
         or (grad and (weight.requires_grad or (init is not None and init.requires_grad)))
         or (grad and x.requires_grad and init is not None)
-        or not short_conv_runs(x.device)
+        or not deltanet_runs(x.device)
     ):
         return None
     taps = weight.detach().reshape(C, K).t().contiguous()  # [K, C]
@@ -353,7 +356,7 @@ def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Te
 def _conv_forward(x: Tensor, taps: Tensor, window: Tensor | None) -> Tensor:
     B, T, C = x.shape
     out = torch.empty_like(x)
-    cast(Any, _conv_library()).tsr_short_conv_silu_fwd(
+    cast(Any, _deltanet_library()).tsr_short_conv_silu_fwd(
         *(_pointer(t) for t in (x, taps, window, out)), B, T, C, taps.shape[0],
         torch.get_num_threads(),
     )  # fmt: skip
@@ -372,7 +375,7 @@ class _ShortConvSilu(torch.autograd.Function):
         x, taps = ctx.saved_tensors
         B, T, C = x.shape
         dx = torch.empty_like(x)
-        failed = cast(Any, _conv_library()).tsr_short_conv_silu_bwd(
+        failed = cast(Any, _deltanet_library()).tsr_short_conv_silu_bwd(
             *(_pointer(t) for t in (x, taps, grad.contiguous(), dx)), B, T, C, taps.shape[0],
             torch.get_num_threads(),
         )  # fmt: skip
@@ -400,7 +403,7 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor |
         or y.stride(-1) != 1
         or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (y, z, weight))
         or (torch.is_grad_enabled() and weight.requires_grad)
-        or not short_conv_runs(y.device)
+        or not deltanet_runs(y.device)
     ):
         return None
     shape = y.shape
@@ -425,7 +428,7 @@ def _threads(values: int) -> int:
 
 def _norm_forward(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = torch.empty_like(z)
-    cast(Any, _conv_library()).tsr_gated_rms_norm_fwd(
+    cast(Any, _deltanet_library()).tsr_gated_rms_norm_fwd(
         _pointer(y), y.shape[1], y.shape[2], *y.stride()[:3],
         *(_pointer(t) for t in (z, weight.contiguous(), out)), out.numel() // y.shape[3],
         y.shape[3], eps, _threads(out.numel()),
@@ -448,7 +451,7 @@ class _GatedRMSNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         y, z, weight = ctx.saved_tensors
         dy, dz = torch.empty_like(y), torch.empty_like(z)  # dy: y's strides
-        cast(Any, _conv_library()).tsr_gated_rms_norm_bwd(
+        cast(Any, _deltanet_library()).tsr_gated_rms_norm_bwd(
             _pointer(y), y.shape[1], y.shape[2], *y.stride()[:3],
             *(_pointer(t) for t in (z, weight.contiguous(), grad.contiguous(), dy, dz)),
             z.numel() // y.shape[3], y.shape[3], ctx.eps, _threads(z.numel()),
@@ -474,7 +477,7 @@ def deltanet_heads(
         or heads % key_heads
         or mixed.dtype != torch.float32
         or not mixed.is_contiguous()
-        or not short_conv_runs(mixed.device)
+        or not deltanet_runs(mixed.device)
     ):
         return None
     dims = (key_heads, heads, dk, dv, eps)
@@ -491,7 +494,7 @@ def _heads_forward(
     B, T, _ = mixed.shape
     q, k = (mixed.new_empty(B, heads, T, dk) for _ in "qk")
     v = mixed.new_empty(B, heads, T, dv)
-    cast(Any, _conv_library()).tsr_deltanet_heads_fwd(
+    cast(Any, _deltanet_library()).tsr_deltanet_heads_fwd(
         *(_pointer(t) for t in (mixed, q, k, v)), B, T, key_heads, heads, dk, dv, eps,
         _threads(mixed.numel()),
     )  # fmt: skip
@@ -519,7 +522,7 @@ class _DeltaNetHeads(torch.autograd.Function):
             for g, w in ((dq, width_k), (dk, width_k), (dv, width_v))
         ]
         dmixed = torch.empty_like(mixed)
-        cast(Any, _conv_library()).tsr_deltanet_heads_bwd(
+        cast(Any, _deltanet_library()).tsr_deltanet_heads_bwd(
             *(_pointer(t) for t in (mixed, *grads, dmixed)), B, T, key_heads, heads, width_k,
             width_v, eps, _threads(mixed.numel()),
         )  # fmt: skip

@@ -37,9 +37,9 @@ from tinker_sr.engine.delta_native import (
     delta_rule,
     delta_rule_runs,
     deltanet_heads,
+    deltanet_runs,
     gated_delta_step_,
     gated_rms_norm,
-    short_conv_runs,
     short_conv_silu,
     unit_lower_solve,
 )
@@ -126,7 +126,7 @@ def linear_activations(config: ModelConfig, device: torch.device | str = "cpu") 
     channels = 2 * keys + values
     share = 2 * k + v + 2 if delta_rule_runs(torch.device(device)) else 7 * CHUNK + 9 * k + 2 * v
     chunk = config.linear_v_heads * (share + k * v // CHUNK)
-    in_c = short_conv_runs(torch.device(device))  # the C convolution and gated norm
+    in_c = deltanet_runs(torch.device(device))  # the C convolution, heads and gated norm
     conv, norm = (2 * channels, 2 * values) if in_c else (3 * channels, 4 * values)
     return 4 * config.dim + conv + 2 * (2 * repeated + values) + chunk + norm
 

@@ -145,7 +145,7 @@ int tsr_short_conv_silu_bwd(const float *x, const float *w, const float *dout, f
     for (int64_t u = 0; u < units; u++) {
       if (!g) continue;
       int64_t b, t0, t1;
-    unit_range(u, per_row, T, &b, &t0, &t1);
+      unit_range(u, per_row, T, &b, &t0, &t1);
       backward_unit(x + b * T * C, w, dout + b * T * C, dx + b * T * C, t0, t1, T, C, K, g);
     }
     free(g);
@@ -243,8 +243,34 @@ static inline float inv_norm(const float *x, int n, float eps) {
   return 1.f / sqrtf(sum_squares(x, n) + eps);
 }
 
-void tsr_deltanet_heads_fwd(const float *mixed, float *q, float *k, float *v, int64_t B,
-                            int64_t T, int KH, int H, int Dk, int Dv, float eps, int threads) {
+/* Key head x's gradient dx (Dk values) from its rep value heads' gradients (rows `grads`, one
+   every `stride` floats): their sum in head order g, then the norm's backward r (g - n (g . n))
+   with n = x r. */
+static void norm_backward(const float *x, float r, const float *grads, int64_t stride, int rep,
+                          float *dx, int Dk) {
+  scale_row(grads, 1.f, dx, Dk);
+  for (int h = 1; h < rep; h++) {
+    const float *gh = grads + h * stride;
+    int j = 0;
+    for (; j + VL <= Dk; j += VL) vstore(dx + j, vload(dx + j) + vload(gh + j));
+    for (; j < Dk; j++) dx[j] += gh[j];
+  }
+  v16 dot = vset1(0.f);
+  float dot_tail = 0.f;
+  int j = 0;
+  for (; j + VL <= Dk; j += VL) dot += vload(dx + j) * (vload(x + j) * vset1(r));
+  for (; j < Dk; j++) dot_tail += dx[j] * (x[j] * r);
+  float d = vhsum(dot) + dot_tail;
+  for (j = 0; j + VL <= Dk; j += VL)
+    vstore(dx + j, vset1(r) * (vload(dx + j) - vload(x + j) * vset1(r * d)));
+  for (; j < Dk; j++) dx[j] = r * (dx[j] - x[j] * (r * d));
+}
+
+/* Both directions of the heads: forward (`out` = {q, k, v}) from mixed, or backward
+   (`grads` = {dq, dk, dv}) into dmixed; the other pair NULL. */
+static void heads(const float *mixed, float *const *out, const float *const *grads,
+                  float *dmixed, int64_t B, int64_t T, int KH, int H, int Dk, int Dv, float eps,
+                  int threads) {
   int64_t C = 2 * (int64_t)KH * Dk + (int64_t)H * Dv, per_row = (T + TB - 1) / TB;
   int rep = H / KH;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -253,59 +279,39 @@ void tsr_deltanet_heads_fwd(const float *mixed, float *q, float *k, float *v, in
     unit_range(u, per_row, T, &b, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
       const float *row = mixed + (b * T + t) * C;
+      float *drow = grads ? dmixed + (b * T + t) * C : NULL;
       for (int which = 0; which < 2; which++)
         for (int kh = 0; kh < KH; kh++) {
-          const float *x = row + ((int64_t)which * KH + kh) * Dk;
+          int64_t at = ((int64_t)which * KH + kh) * Dk, first = ((b * H + kh * rep) * T + t) * Dk;
+          const float *x = row + at;
           float r = inv_norm(x, Dk, eps);
-          for (int h = kh * rep; h < (kh + 1) * rep; h++)
-            scale_row(x, r, (which ? k : q) + ((b * H + h) * T + t) * Dk, Dk);
+          if (grads)
+            norm_backward(x, r, grads[which] + first, T * Dk, rep, drow + at, Dk);
+          else
+            for (int h = 0; h < rep; h++) scale_row(x, r, out[which] + first + h * T * Dk, Dk);
         }
-      for (int h = 0; h < H; h++)
-        scale_row(row + 2 * (int64_t)KH * Dk + (int64_t)h * Dv, 1.f,
-                  v + ((b * H + h) * T + t) * Dv, Dv);
+      for (int h = 0; h < H; h++) {
+        int64_t at = 2 * (int64_t)KH * Dk + (int64_t)h * Dv, vh = ((b * H + h) * T + t) * Dv;
+        if (grads)
+          scale_row(grads[2] + vh, 1.f, drow + at, Dv);
+        else
+          scale_row(row + at, 1.f, out[2] + vh, Dv);
+      }
     }
   }
 }
 
+void tsr_deltanet_heads_fwd(const float *mixed, float *q, float *k, float *v, int64_t B,
+                            int64_t T, int KH, int H, int Dk, int Dv, float eps, int threads) {
+  float *const out[3] = {q, k, v};
+  heads(mixed, out, NULL, NULL, B, T, KH, H, Dk, Dv, eps, threads);
+}
+
 /* dmixed [B, T, C] from dq, dk [B, H, T, Dk] and dv [B, H, T, Dv] (heads-major): per key head,
-   g = the sum of its value heads' gradients (in head order), then the norm's backward
-   r (g - n (g . n)) with n = x r. */
+   its value heads' gradients summed in head order, then the norm's backward. */
 void tsr_deltanet_heads_bwd(const float *mixed, const float *dq, const float *dk, const float *dv,
                             float *dmixed, int64_t B, int64_t T, int KH, int H, int Dk, int Dv,
                             float eps, int threads) {
-  int64_t C = 2 * (int64_t)KH * Dk + (int64_t)H * Dv, per_row = (T + TB - 1) / TB;
-  int rep = H / KH;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t u = 0; u < B * per_row; u++) {
-    int64_t b, t0, t1;
-    unit_range(u, per_row, T, &b, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) {
-      const float *row = mixed + (b * T + t) * C;
-      float *drow = dmixed + (b * T + t) * C;
-      for (int which = 0; which < 2; which++)
-        for (int kh = 0; kh < KH; kh++) {
-          const float *x = row + ((int64_t)which * KH + kh) * Dk, *grads = which ? dk : dq;
-          float *dx = drow + ((int64_t)which * KH + kh) * Dk, r = inv_norm(x, Dk, eps);
-          scale_row(grads + ((b * H + kh * rep) * T + t) * Dk, 1.f, dx, Dk);
-          for (int h = kh * rep + 1; h < (kh + 1) * rep; h++) {
-            const float *gh = grads + ((b * H + h) * T + t) * Dk;
-            int j = 0;
-            for (; j + VL <= Dk; j += VL) vstore(dx + j, vload(dx + j) + vload(gh + j));
-            for (; j < Dk; j++) dx[j] += gh[j];
-          }
-          v16 dot = vset1(0.f);
-          float dot_tail = 0.f;
-          int j = 0;
-          for (; j + VL <= Dk; j += VL) dot += vload(dx + j) * (vload(x + j) * vset1(r));
-          for (; j < Dk; j++) dot_tail += dx[j] * (x[j] * r);
-          float d = vhsum(dot) + dot_tail;
-          for (j = 0; j + VL <= Dk; j += VL)
-            vstore(dx + j, vset1(r) * (vload(dx + j) - vload(x + j) * vset1(r * d)));
-          for (; j < Dk; j++) dx[j] = r * (dx[j] - x[j] * (r * d));
-        }
-      for (int h = 0; h < H; h++)
-        scale_row(dv + ((b * H + h) * T + t) * Dv, 1.f,
-                  drow + 2 * (int64_t)KH * Dk + (int64_t)h * Dv, Dv);
-    }
-  }
+  const float *const grads[3] = {dq, dk, dv};
+  heads(mixed, NULL, grads, dmixed, B, T, KH, H, Dk, Dv, eps, threads);
 }
