@@ -63,10 +63,12 @@ LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 RANK, ALPHA = 8, 32
 
 
-def make_model_dir(path: Path, arch: str = "qwen3") -> Path:
+def make_model_dir(path: Path, arch: str = "qwen3", linear_head_dim: int = 64) -> Path:
     """The benchmark's directory: tokenizer files of the test helper, bigger weights. ``arch``
     "qwen3_5": the same sizes as Qwen3.5's text model, six gated DeltaNet layers (4 key / 8
-    value heads of 64) and two gated-attention layers."""
+    value heads of 64; ``linear_head_dim`` 128, Qwen3.5's own width: 2 / 4 heads of 128, the
+    same projections, twice the rule's state per token) and two gated-attention layers."""
+    linear_heads = 256 // linear_head_dim
     from transformers import Qwen3_5TextConfig, Qwen3Config
 
     from tinker_sr.testing.hf_model_dir import save_random_model
@@ -89,10 +91,10 @@ def make_model_dir(path: Path, arch: str = "qwen3") -> Path:
         return Qwen3_5TextConfig(
             **sizes,
             **special_ids,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
+            linear_num_key_heads=linear_heads,
+            linear_num_value_heads=2 * linear_heads,
+            linear_key_head_dim=linear_head_dim,
+            linear_value_head_dim=linear_head_dim,
             architectures=["Qwen3_5ForCausalLM"],
         )
 

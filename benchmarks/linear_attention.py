@@ -18,7 +18,9 @@ Three costs of the gated DeltaNet on a CPU:
 This script times, in this one process, one LoRA training client of engine_vs_hf.py's random
 ~42M-parameter Qwen3.5 (an HF directory with its BPE tokenizer; six DeltaNet layers, two
 gated-attention layers), ``--work train``: one ``forward_backward`` of the same datums;
-``--work sample``: 8 samples of 128 new tokens from a 64-token prompt:
+``--work sample``: 8 samples of 128 new tokens from a 64-token prompt; ``--work rule``: the
+C rule's forward alone on the model's DeltaNet shapes (8 rows x 256 positions), as prefill and
+the training forward run it:
 
 * now: the engine as it is;
 * baseline: the same with the changes of ``--baseline`` undone (default all: the floor off,
@@ -26,7 +28,9 @@ gated-attention layers), ``--work train``: one ``forward_backward`` of the same 
   place of the C rule, session 44; ``conv``: torch's conv1d and silu over transposed copies
   in place of the C short convolution, session 45; ``norm``: torch's ops for the gated
   RMSNorm, session 45; ``heads``: torch's ops for q/k's norms and their repeat per value head,
-  session 45);
+  session 45; ``wide``: the C rule's forward and decode step built as before session 46, each
+  state's rows whole at GCC's default 256-bit vectors, in place of column blocks of 64 at 512
+  bits, ``TSR_RULE_NARROW``);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -37,6 +41,7 @@ sampled tokens', where both ways sampled the same tokens).
     python benchmarks/linear_attention.py --baseline solve --lengths 2048 --rounds 5
     python benchmarks/linear_attention.py --baseline rule     # the C rule vs the chunked form
     python benchmarks/linear_attention.py --baseline conv     # the C convolution vs torch's
+    python benchmarks/linear_attention.py --baseline wide --head-dim 128   # Qwen3.5's width
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -58,7 +63,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads")
+UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide")
 
 
 @contextlib.contextmanager
@@ -68,7 +73,10 @@ def undone(which: set[str]) -> Iterator[None]:
 
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
     rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
-    heads = hybrid.deltanet_heads
+    heads, library = hybrid.deltanet_heads, delta_native._library
+    if "wide" in which:
+        narrow = delta_native._library(("TSR_RULE_NARROW",))
+        delta_native._library = lambda *_: narrow  # type: ignore[assignment]
     if "heads" in which:
         hybrid.deltanet_heads = lambda *_: None  # type: ignore[assignment]
     if "norm" in which:
@@ -89,8 +97,32 @@ def undone(which: set[str]) -> Iterator[None]:
         floor, ready, step = saved
         hybrid.DECAY_FLOOR, hybrid.gated_delta_step_ = floor, step
         hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
-        hybrid.deltanet_heads = heads
+        hybrid.deltanet_heads, delta_native._library = heads, library
         delta_native.native_solve_ready = ready
+
+
+def _rule_alone(lengths: list[int], head_dim: int) -> tuple[Any, Any]:
+    """The C rule's forward alone (as prefill and the training forward run it) on the model's
+    DeltaNet shapes: len(lengths) rows of max(lengths) positions, 2 x 256 / head_dim value heads
+    of head_dim x head_dim states, a starting state; (run, max |output difference|)."""
+    import torch
+
+    from tinker_sr.engine import delta_native
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (len(lengths), max(lengths), 512 // head_dim)
+    q, k = (torch.nn.functional.normalize(torch.randn(*shape, head_dim, generator=gen), dim=-1)
+            for _ in "qk")  # fmt: skip
+    v = torch.randn(*shape, head_dim, generator=gen)
+    g, beta = -torch.rand(*shape, generator=gen) * 3, torch.rand(*shape, generator=gen)
+    state = torch.randn(shape[0], shape[2], head_dim, head_dim, generator=gen) * 0.1
+
+    def run() -> Any:  # 20 calls: one takes a few milliseconds
+        for _ in range(20):
+            out = delta_native.delta_rule(q, k, v, g, beta, state, -30.0, 64)
+        return out
+
+    return run, lambda a, b: float(max((x - y).abs().max() for x, y in zip(a, b, strict=True)))
 
 
 def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
@@ -130,7 +162,7 @@ def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", choices=["train", "sample"], default="train")
+    parser.add_argument("--work", choices=["train", "sample", "rule"], default="train")
     parser.add_argument(
         "--lengths",
         help="train: comma-separated datum lengths (default 8 x 256); sample: the new tokens (128)",
@@ -140,6 +172,13 @@ def main() -> None:
         "--baseline", default="all", help=f"comma-separated of {', '.join(UNDO)}, or all"
     )
     parser.add_argument("--quick", action="store_true", help="short lengths, 1 round, both works")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        choices=[64, 128],
+        default=64,
+        help="the DeltaNet heads' width (128: Qwen3.5's own; 2 key / 4 value heads)",
+    )
     args = parser.parse_args()
     which = set(UNDO) if args.baseline == "all" else set(args.baseline.split(","))
     if which - set(UNDO):
@@ -153,9 +192,12 @@ def main() -> None:
     from tinker_sr.engine.cpu import describe_machine
 
     print(describe_machine())
-    print(f"model: qwen3_5; baseline: {', '.join(sorted(which))} undone")
+    print(
+        f"model: qwen3_5, DeltaNet heads of {args.head_dim}; "
+        f"baseline: {', '.join(sorted(which))} undone"
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5")
+        model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5", args.head_dim)
         service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
         training = service.create_lora_training_client(
             base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False
@@ -165,20 +207,25 @@ def main() -> None:
             if work == "sample":
                 default = "16" if args.quick else "128"
             lengths = [int(x) for x in (args.lengths or default).split(",")]
-            what = (
-                f"forward_backward of {lengths} tokens"
-                if work == "train"
-                else f"8 samples of {lengths[0]} tokens"
-            )
+            what = {
+                "train": f"forward_backward of {lengths} tokens",
+                "sample": f"8 samples of {lengths[0]} tokens",
+                "rule": f"20 forwards of the C rule, {len(lengths)} x {max(lengths)} positions",
+            }[work]
             print(f"{work}: {what}")
-            run, differ = _work(training, work, lengths)
+            run, differ = (
+                _rule_alone(lengths, args.head_dim)
+                if work == "rule"
+                else _work(training, work, lengths)
+            )
 
             def baseline(run: Any = run) -> Any:
                 with undone(which):
                     return run()
 
             # Warm-up (kernel caches, allocator) and the two ways' outputs compared.
-            print(f"log-probs, now vs baseline: max |difference| {differ(run(), baseline()):.2e}")
+            compared = "the rule's outputs" if work == "rule" else "log-probs"
+            print(f"{compared}, now vs baseline: max |difference| {differ(run(), baseline()):.2e}")
             ratios = []
             for r in range(args.rounds):
                 ways = [("now", run), ("baseline", baseline)]

@@ -243,6 +243,42 @@ def test_wide_states_recompute_in_parts_and_keep_the_gradients(
     _matches_the_chunked_form(inputs, state, monkeypatch, (1e-9, 1e-9), (1e-8, 1e-8))
 
 
+@pytest.mark.parametrize(
+    ("widths", "dtype"),
+    [((128, 128), torch.float32), ((48, 192), torch.float32), ((128, 128), torch.float64)],
+)
+def test_the_forward_in_column_blocks_is_the_same_bits_as_whole_rows(
+    widths: tuple[int, int], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward takes a wide state's columns in blocks of 64 through all positions (with
+    512-bit vectors where GCC would pick 256), the decode step whole rows with them: outputs,
+    the final state and the states kept for backward are the same bits as the build that runs
+    whole rows at 256 bits (``TSR_RULE_NARROW``, the benchmark's baseline), chunk edges, a
+    partial last chunk and a starting state included."""
+    if not _c_kernels():
+        pytest.skip("the C kernels are off or unavailable: the chunked form runs")
+    narrow = delta_native._library(("TSR_RULE_NARROW",))
+    if narrow is None:
+        pytest.skip("the baseline build of the rule is unavailable")
+    dk, dv = widths
+    inputs = [t.to(dtype) for t in _rule_operands(2, 150, 2, dk, dv, seed=6)]
+    state = torch.randn(2, 2, dk, dv, generator=torch.Generator().manual_seed(7)).to(dtype)
+    blocked = delta_native._rule_forward(inputs, state, -30.0, 64, keep=True)
+    monkeypatch.setattr(delta_native, "_library", lambda: narrow)
+    whole = delta_native._rule_forward(inputs, state, -30.0, 64, keep=True)
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    assert torch.equal(blocked[2][-1], whole[2][-1])  # the saved states
+    if dtype == torch.float32:  # the decode step (float32 only)
+        one = [t[:, 0].contiguous() for t in inputs]
+        whole_state = state.clone()
+        whole_out = delta_native.gated_delta_step_(*one, whole_state, -30.0)  # narrow build
+        monkeypatch.undo()
+        wide_state = state.clone()
+        wide_out = delta_native.gated_delta_step_(*one, wide_state, -30.0)
+        assert wide_out is not None and whole_out is not None
+        assert torch.equal(wide_out, whole_out) and torch.equal(wide_state, whole_state)
+
+
 def _torch_conv(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
     """The layer's torch form: silu(conv1d) over [B, C, T] with the window before x."""
     xt = x.transpose(1, 2)

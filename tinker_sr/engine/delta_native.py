@@ -59,11 +59,11 @@ log = logging.getLogger("tinker_sr.engine")
 _FUNCTIONS = {torch.float32: "tsr_unit_lower_solve_f32", torch.float64: "tsr_unit_lower_solve_f64"}
 
 
-def _load(name: str, what: str) -> Any | None:
+def _load(name: str, what: str, defines: tuple[str, ...] = ()) -> Any | None:
     """The library of ``csrc/<name>.c``, or None (logged, with why) where it is unavailable."""
     from tinker_sr.engine import native
 
-    lib = native.load(name)
+    lib = native.load(name, defines)
     if lib is None:
         why = native.failure(name)
         log.info("%s's C kernels are unavailable (%s): torch's ops run", what, why)
@@ -71,8 +71,10 @@ def _load(name: str, what: str) -> Any | None:
 
 
 @functools.cache
-def _library() -> Any | None:
-    lib = _load("delta_rule", "the gated delta rule")
+def _library(defines: tuple[str, ...] = ()) -> Any | None:
+    """csrc/delta_rule.c's library, its functions typed; ``defines``: a build variant
+    (`native.load`: benchmarks' baselines)."""
+    lib = _load("delta_rule", "the gated delta rule", defines)
     if lib is None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

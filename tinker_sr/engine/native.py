@@ -63,16 +63,18 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The library built from ``csrc/<name>.c``, or None (see `failure`)."""
+def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from ``csrc/<name>.c``, or None (see `failure`). ``defines``: macros
+    defined for the build (``-D``), a variant cached apart; benchmarks build their baselines
+    so (e.g. ``TSR_RULE_NARROW``, delta_rule.c's forward as before session 46)."""
     try:
-        return _build_and_load(name)
+        return _build_and_load(name, defines)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         _failures[name] = f"{type(exc).__name__}: {exc}"[:500]
         return None
 
 
-def library_path(name: str, cc: str) -> Path:
+def library_path(name: str, cc: str, defines: tuple[str, ...] = ()) -> Path:
     """Where the library of ``csrc/<name>.c`` built by ``cc`` for this CPU is cached."""
     version = subprocess.run(
         [cc, "--version"], capture_output=True, text=True, timeout=60, check=True
@@ -83,7 +85,7 @@ def library_path(name: str, cc: str) -> Path:
         (SOURCE_DIR / f"{name}.c").read_bytes(),
         *headers,
         version.encode(),
-        " ".join(FLAGS).encode(),
+        " ".join(FLAGS + tuple(f"-D{d}" for d in defines)).encode(),
         platform.machine().encode(),
         _cpuinfo_field("model name").encode(),
         _cpuinfo_field("flags").encode(),
@@ -92,11 +94,11 @@ def library_path(name: str, cc: str) -> Path:
     return cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
 
 
-def _build_and_load(name: str) -> ctypes.CDLL:
+def _build_and_load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set $CC)")
-    target = library_path(name, cc)
+    target = library_path(name, cc, defines)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -105,6 +107,7 @@ def _build_and_load(name: str) -> ctypes.CDLL:
             cmd = [
                 cc,
                 *FLAGS,
+                *(f"-D{d}" for d in defines),
                 "-I",
                 str(SOURCE_DIR),
                 "-o",

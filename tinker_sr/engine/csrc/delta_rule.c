@@ -105,10 +105,39 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       CALL(SUF, dk, dv);                                                                       \
   } while (0)
 
+/* The forward's CALL(SUF, dk, dv, w): the state's columns in blocks of w = COLUMN_BLOCK where
+   they divide into them, else all at once; each width a literal where it is Qwen3.5's (an
+   inlined copy). */
+#ifndef TSR_RULE_NARROW
+#define COLUMN_BLOCK 64
+#else /* the forward as before session 46 (a benchmark's baseline): whole rows, 256 bits */
+#define COLUMN_BLOCK 1024
+#endif
+#define FORWARD_WIDTHS(CALL, SUF)                                                              \
+  do {                                                                                         \
+    if (dk == 64 && dv == 64)                                                                  \
+      CALL(SUF, 64, 64, 64);                                                                   \
+    else if (dk == 128 && dv == 128)                                                           \
+      CALL(SUF, 128, 128, COLUMN_BLOCK);                                                       \
+    else                                                                                       \
+      CALL(SUF, dk, dv, dv % COLUMN_BLOCK == 0 ? COLUMN_BLOCK : dv);                           \
+  } while (0)
+
+/* The forward and the decode step with 512-bit vectors where the CPU has them: GCC's
+   auto-vectorizer prefers 256 bits on Intel's AVX-512 cores unless told, and these loops have
+   no sums across a vector's lanes, so the width changes no result (measured: the forward
+   0.82x at 64 x 64, with the column blocks 0.57x at 128 x 128). The backward's loops end each
+   row in such sums and ran slower at 512 bits. */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(TSR_RULE_NARROW)
+#define WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
+#else
+#define WIDE_VECTORS
+#endif
+
 /* Pair p of tsr_delta_rule_fwd / _bwd at widths DK x DV (their locals). */
-#define FWD_PAIR(SUF, DK, DV)                                                                  \
+#define FWD_PAIR(SUF, DK, DV, W)                                                               \
   fwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, s0, out + i * dv,        \
-                 final + p * size, kept, steps, DK, DV, chunk, scale, floor, read, delta)
+                 final + p * size, kept, steps, DK, DV, W, chunk, scale, floor, read, delta, blk)
 #define BWD_PAIR(SUF, DK, DV)                                                                  \
   bwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, kept, dout + i * dv,     \
                  d_final, dq + i * dk, dk_ + i * dk, dv_ + i * dv, dg + i, dbeta + i,          \
@@ -131,13 +160,15 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     _Pragma("omp simd") for (int b = 0; b < dv; b++) delta[b] = (vt[b] - read[b]) * bt;        \
   }                                                                                            \
                                                                                                \
-  /* One position: s advanced in place, o_t into ot, r and d into read and delta. */           \
+  /* One position: s advanced in place, o_t into ot, r and d into read and delta. The state's \
+     rows lie ld apart: dv of its columns (a column block, see fwd_pair) or all of them. */    \
   INLINE void rule_step_##SUF(T *restrict s, const T *restrict qt, const T *restrict kt,       \
                               const T *restrict vt, T decay, T bt, T *restrict ot,             \
-                              T *restrict read, T *restrict delta, int dk, int dv, T scale) {  \
+                              T *restrict read, T *restrict delta, int dk, int dv, int64_t ld, \
+                              T scale) {                                                       \
     for (int b = 0; b < dv; b++) read[b] = 0;                                                  \
     for (int a = 0; a < dk; a++) {                                                             \
-      T *sa = s + (int64_t)a * dv;                                                             \
+      T *sa = s + (int64_t)a * ld;                                                             \
       const T ka = kt[a];                                                                      \
       _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
         sa[b] *= decay;                                                                        \
@@ -149,7 +180,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       ot[b] = 0;                                                                               \
     }                                                                                          \
     for (int a = 0; a < dk; a++) {                                                             \
-      T *sa = s + (int64_t)a * dv;                                                             \
+      T *sa = s + (int64_t)a * ld;                                                             \
       const T ka = kt[a], qa = qt[a] * scale;                                                  \
       _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
         sa[b] += ka * delta[b];                                                                \
@@ -160,24 +191,52 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
                                                                                                \
   INLINE T rule_decay_##SUF(T gt, T floor) { return gt < floor ? (T)0 : EXP(gt); }             \
                                                                                                \
-  /* Pair p's positions in order: s (its final state) from state0, out, the saved states. */   \
+  /* n rows of w values: dst's rows ldd apart, src's lds apart (a column block in or out). */  \
+  INLINE void copy_columns_##SUF(T *dst, int64_t ldd, const T *src, int64_t lds, int n, int w) { \
+    for (int a = 0; a < n; a++)                                                                \
+      memcpy(dst + (int64_t)a * ldd, src + (int64_t)a * lds, sizeof(T) * (size_t)w);           \
+  }                                                                                            \
+                                                                                               \
+  /* Pair p's positions in order: s (its final state) from state0, out, the saved states.      \
+     Each column of the state, with its entries of r, d and o_t, evolves on its own, so with   \
+     a buffer blk (dk x w) the columns run in blocks of w, each block copied out, taken through \
+     all positions while it sits in L1 (Qwen3.5's 128 x 128 state is 64 KB, a 128 x 64 block   \
+     32 KB; read in place, its rows 512 B apart would share a quarter of L1's sets) and copied  \
+     back: the same operations in the same order per column, so the same bits as one pass of   \
+     all columns a position (blk NULL). */                                                     \
   INLINE void fwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
                              const T *state0, T *out, T *s, T *saved, int64_t steps, int dk,   \
-                             int dv, int chunk, T scale, T floor, T *read, T *delta) {         \
+                             int dv, int w, int chunk, T scale, T floor, T *read, T *delta,    \
+                             T *blk) {                                                         \
     const int64_t size = (int64_t)dk * dv;                                                     \
     if (state0)                                                                                \
       memcpy(s, state0, sizeof(T) * (size_t)size);                                             \
     else                                                                                       \
       memset(s, 0, sizeof(T) * (size_t)size);                                                  \
-    for (int64_t t = 0; t < steps; t++) {                                                      \
-      if (saved && t % chunk == 0)                                                             \
-        memcpy(saved + (t / chunk) * size, s, sizeof(T) * (size_t)size);                       \
-      rule_step_##SUF(s, q + t * dk, k + t * dk, v + t * dv, rule_decay_##SUF(g[t], floor),    \
-                      beta[t], out + t * dv, read, delta, dk, dv, scale);                      \
+    if (!blk || w >= dv) { /* whole rows (literal widths in both branches: unrolled loops) */  \
+      for (int64_t t = 0; t < steps; t++) {                                                    \
+        if (saved && t % chunk == 0)                                                           \
+          memcpy(saved + (t / chunk) * size, s, sizeof(T) * (size_t)size);                     \
+        rule_step_##SUF(s, q + t * dk, k + t * dk, v + t * dv, rule_decay_##SUF(g[t], floor),  \
+                        beta[t], out + t * dv, read, delta, dk, dv, dv, scale);                \
+      }                                                                                        \
+      return;                                                                                  \
+    }                                                                                          \
+    for (int b0 = 0; b0 < dv; b0 += w) {                                                       \
+      copy_columns_##SUF(blk, w, s + b0, dv, dk, w);                                           \
+      for (int64_t t = 0; t < steps; t++) {                                                    \
+        if (saved && t % chunk == 0)                                                           \
+          copy_columns_##SUF(saved + (t / chunk) * size + b0, dv, blk, w, dk, w);              \
+        rule_step_##SUF(blk, q + t * dk, k + t * dk, v + t * dv + b0,                          \
+                        rule_decay_##SUF(g[t], floor), beta[t], out + t * dv + b0, read, delta, \
+                        dk, w, w, scale);                                                      \
+      }                                                                                        \
+      copy_columns_##SUF(s + b0, dv, blk, w, dk, w);                                           \
     }                                                                                          \
   }                                                                                            \
                                                                                                \
-  void tsr_delta_rule_fwd_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta, \
+  WIDE_VECTORS void tsr_delta_rule_fwd_##SUF(const T *q, const T *k, const T *v, const T *g,   \
+                                             const T *beta,                                    \
                                 const T *state0, T *out, T *final, T *saved, int64_t pairs,    \
                                 int64_t steps, int dk, int dv, int chunk, T scale, T floor,    \
                                 int threads) {                                                 \
@@ -186,12 +245,14 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     _Pragma("omp parallel num_threads(threads) if (parallel)") {                               \
       FAST_DENORMALS_BEGIN                                                                     \
       T read[1024], delta[1024];                                                               \
+      T *blk = COLUMN_BLOCK < dv ? malloc(sizeof(T) * (size_t)dk * COLUMN_BLOCK) : NULL;       \
       _Pragma("omp for schedule(static)") for (int64_t p = 0; p < pairs; p++) {                \
         const int64_t i = p * steps;                                                           \
         const T *s0 = state0 ? state0 + p * size : NULL;                                       \
         T *kept = saved ? saved + p * chunks * size : NULL;                                    \
-        WIDTHS(FWD_PAIR, SUF);                                                                 \
+        FORWARD_WIDTHS(FWD_PAIR, SUF);                                                         \
       }                                                                                        \
+      free(blk);                                                                               \
       FAST_DENORMALS_END                                                                       \
     }                                                                                          \
   }
@@ -300,7 +361,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       T *next = work + (j + 1) * size;                                                         \
       memcpy(next, work + j * size, sizeof(T) * (size_t)size);                                 \
       rule_step_##SUF(next, q + t * dk, k + t * dk, v + t * dv, decay, beta[t], scratch, r, d, \
-                      dk, dv, scale);                                                          \
+                      dk, dv, dv, scale);                                                      \
     }                                                                                          \
     int64_t t = t0 + n - 1;                                                                    \
     back_out_##SUF(ds, work + (n - 1) * size, rule_decay_##SUF(g[t], floor), q + t * dk,       \
@@ -348,7 +409,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
           if (j % sub == 0) memcpy(marks + (j / sub) * size, cur, sizeof(T) * (size_t)size);   \
           rule_step_##SUF(cur, q + t * dk, k + t * dk, v + t * dv,                             \
                           rule_decay_##SUF(g[t], floor), beta[t], scratch, read, delta, dk, dv, \
-                          scale);                                                              \
+                          dv, scale);                                                          \
         }                                                                                      \
         memcpy(marks + (parts - 1) * size, cur, sizeof(T) * (size_t)size);                     \
       }                                                                                        \
@@ -409,14 +470,20 @@ DEFINE_RULE_BACKWARD(double, exp, f64)
    64 x 64) is read and written twice while in cache, all in one region. Pairs are
    independent: a row's values do not depend on the rows beside it (decode batches many
    requests). dv <= 1024. */
-void tsr_gated_delta_step(const float *q, const float *k, const float *v, const float *g,
-                          const float *beta, float *state, float *out, int64_t heads, int dk,
-                          int dv, float scale, float floor, int threads) {
+INLINE void step_pair(const float *q, const float *k, const float *v, float decay, float bt,
+                      float *s, float *out, int dk, int dv, float scale) {
+  float read[1024], delta[1024];
+  rule_step_f32(s, q, k, v, decay, bt, out, read, delta, dk, dv, dv, scale);
+}
+#define STEP_PAIR(SUF, DK, DV)                                                                 \
+  step_pair(q + h * dk, k + h * dk, v + h * dv, rule_decay_f32(g[h], floor), beta[h],          \
+            state + h * dk * dv, out + h * dv, DK, DV, scale)
+
+WIDE_VECTORS void tsr_gated_delta_step(const float *q, const float *k, const float *v,
+                                       const float *g, const float *beta, float *state,
+                                       float *out, int64_t heads, int dk, int dv, float scale,
+                                       float floor, int threads) {
   const int parallel = 2 * heads * dk * dv >= PARALLEL_WORK / 16; /* a pass is memory-bound */
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-  for (int64_t h = 0; h < heads; h++) {
-    float read[1024], delta[1024];
-    rule_step_f32(state + h * dk * dv, q + h * dk, k + h * dk, v + h * dv,
-                  rule_decay_f32(g[h], floor), beta[h], out + h * dv, read, delta, dk, dv, scale);
-  }
+  for (int64_t h = 0; h < heads; h++) WIDTHS(STEP_PAIR, f32);
 }
