@@ -235,11 +235,10 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     }                                                                                          \
   }                                                                                            \
                                                                                                \
-  WIDE_VECTORS void tsr_delta_rule_fwd_##SUF(const T *q, const T *k, const T *v, const T *g,   \
-                                             const T *beta,                                    \
-                                const T *state0, T *out, T *final, T *saved, int64_t pairs,    \
-                                int64_t steps, int dk, int dv, int chunk, T scale, T floor,    \
-                                int threads) {                                                 \
+  WIDE_VECTORS void tsr_delta_rule_fwd_##SUF(                                                 \
+      const T *q, const T *k, const T *v, const T *g, const T *beta, const T *state0, T *out,  \
+      T *final, T *saved, int64_t pairs, int64_t steps, int dk, int dv, int chunk, T scale,    \
+      T floor, int threads) {                                                                  \
     const int64_t chunks = (steps + chunk - 1) / chunk, size = (int64_t)dk * dv;               \
     const int parallel = 4 * pairs * steps * size >= PARALLEL_WORK;                            \
     _Pragma("omp parallel num_threads(threads) if (parallel)") {                               \
