@@ -105,23 +105,14 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       CALL(SUF, dk, dv);                                                                       \
   } while (0)
 
-/* The forward's CALL(SUF, dk, dv, w): the state's columns in blocks of w = COLUMN_BLOCK where
-   they divide into them, else all at once; each width a literal where it is Qwen3.5's (an
-   inlined copy). */
+/* The forward takes a state's columns in blocks of COLUMN_BLOCK where they divide into them,
+   else all at once (fwd_pair; a constant at the literal widths WIDTHS inlines). */
 #ifndef TSR_RULE_NARROW
 #define COLUMN_BLOCK 64
 #else /* the forward as before session 46 (a benchmark's baseline): whole rows, 256 bits */
 #define COLUMN_BLOCK 1024
 #endif
-#define FORWARD_WIDTHS(CALL, SUF)                                                              \
-  do {                                                                                         \
-    if (dk == 64 && dv == 64)                                                                  \
-      CALL(SUF, 64, 64, 64);                                                                   \
-    else if (dk == 128 && dv == 128)                                                           \
-      CALL(SUF, 128, 128, COLUMN_BLOCK);                                                       \
-    else                                                                                       \
-      CALL(SUF, dk, dv, dv % COLUMN_BLOCK == 0 ? COLUMN_BLOCK : dv);                           \
-  } while (0)
+#define COLUMNS_OF(DV) ((DV) % COLUMN_BLOCK == 0 ? COLUMN_BLOCK : (DV))
 
 /* The forward and the decode step with 512-bit vectors where the CPU has them: GCC's
    auto-vectorizer prefers 256 bits on Intel's AVX-512 cores unless told, and these loops have
@@ -135,9 +126,10 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
 #endif
 
 /* Pair p of tsr_delta_rule_fwd / _bwd at widths DK x DV (their locals). */
-#define FWD_PAIR(SUF, DK, DV, W)                                                               \
+#define FWD_PAIR(SUF, DK, DV)                                                                  \
   fwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, s0, out + i * dv,        \
-                 final + p * size, kept, steps, DK, DV, W, chunk, scale, floor, read, delta, blk)
+                 final + p * size, kept, steps, DK, DV, COLUMNS_OF(DV), chunk, scale, floor,   \
+                 read, delta, blk)
 #define BWD_PAIR(SUF, DK, DV)                                                                  \
   bwd_pair_##SUF(q + i * dk, k + i * dk, v + i * dv, g + i, beta + i, kept, dout + i * dv,     \
                  d_final, dq + i * dk, dk_ + i * dk, dv_ + i * dv, dg + i, dbeta + i,          \
@@ -249,7 +241,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
         const int64_t i = p * steps;                                                           \
         const T *s0 = state0 ? state0 + p * size : NULL;                                       \
         T *kept = saved ? saved + p * chunks * size : NULL;                                    \
-        FORWARD_WIDTHS(FWD_PAIR, SUF);                                                         \
+        WIDTHS(FWD_PAIR, SUF);                                                                 \
       }                                                                                        \
       free(blk);                                                                               \
       FAST_DENORMALS_END                                                                       \
