@@ -20,7 +20,8 @@ This script times, in this one process, one LoRA training client of engine_vs_hf
 gated-attention layers), ``--work train``: one ``forward_backward`` of the same datums;
 ``--work sample``: 8 samples of 128 new tokens from a 64-token prompt; ``--work rule``: the
 C rule's forward alone on the model's DeltaNet shapes (8 rows x 256 positions), as prefill and
-the training forward run it:
+the training forward run it; ``--work rule-backward``: one forward of it and its backward 10
+times:
 
 * now: the engine as it is;
 * baseline: the same with the changes of ``--baseline`` undone (default all: the floor off,
@@ -30,7 +31,10 @@ the training forward run it:
   RMSNorm, session 45; ``heads``: torch's ops for q/k's norms and their repeat per value head,
   session 45; ``wide``: the C rule's forward and decode step built as before session 46, each
   state's rows whole at GCC's default 256-bit vectors, in place of column blocks of 64 at 512
-  bits, ``TSR_RULE_NARROW``);
+  bits, ``TSR_RULE_NARROW``; ``vectors``: the C rule's backward built as before session 47,
+  GCC's 256-bit loops with a row's sums each in one register and the recomputed states copied
+  then stepped, in place of explicit 512-bit vectors with rows' sums reduced 16 at a time and
+  one pass per recomputed state, ``TSR_RULE_PLAIN_BACKWARD``);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -42,6 +46,7 @@ sampled tokens', where both ways sampled the same tokens).
     python benchmarks/linear_attention.py --baseline rule     # the C rule vs the chunked form
     python benchmarks/linear_attention.py --baseline conv     # the C convolution vs torch's
     python benchmarks/linear_attention.py --baseline wide --head-dim 128   # Qwen3.5's width
+    python benchmarks/linear_attention.py --baseline vectors --work rule-backward --head-dim 128
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -63,7 +68,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide")
+UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors")
+# the C rule's build macros that undo a change (native.load builds each variant apart)
+BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 
 
 @contextlib.contextmanager
@@ -74,9 +81,10 @@ def undone(which: set[str]) -> Iterator[None]:
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
     rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
     heads, library = hybrid.deltanet_heads, delta_native._library
-    if "wide" in which:
-        narrow = delta_native._library(("TSR_RULE_NARROW",))
-        delta_native._library = lambda *_: narrow  # type: ignore[assignment]
+    defines = tuple(define for name, define in BUILDS.items() if name in which)
+    if defines:
+        built = delta_native._library(defines)
+        delta_native._library = lambda *_: built  # type: ignore[assignment]
     if "heads" in which:
         hybrid.deltanet_heads = lambda *_: None  # type: ignore[assignment]
     if "norm" in which:
@@ -101,10 +109,11 @@ def undone(which: set[str]) -> Iterator[None]:
         delta_native.native_solve_ready = ready
 
 
-def _rule_alone(lengths: list[int], head_dim: int) -> tuple[Any, Any]:
-    """The C rule's forward alone (as prefill and the training forward run it) on the model's
-    DeltaNet shapes: len(lengths) rows of max(lengths) positions, 2 x 256 / head_dim value heads
-    of head_dim x head_dim states, a starting state; (run, max |output difference|)."""
+def _rule_alone(lengths: list[int], head_dim: int, backward: bool) -> tuple[Any, Any]:
+    """The C rule alone on the model's DeltaNet shapes: len(lengths) rows of max(lengths)
+    positions, 2 x 256 / head_dim value heads of head_dim x head_dim states, a starting state.
+    Its forward 20 times (as prefill and the training forward run it), or with ``backward``
+    one forward and its backward 10 times; (run, max |output or gradient difference|)."""
     import torch
 
     from tinker_sr.engine import delta_native
@@ -121,6 +130,21 @@ def _rule_alone(lengths: list[int], head_dim: int) -> tuple[Any, Any]:
         for _ in range(20):
             out = delta_native.delta_rule(q, k, v, g, beta, state, -30.0, 64)
         return out
+
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta, state)]
+    weights = torch.randn(*shape, head_dim, generator=gen)
+
+    def run_backward() -> Any:
+        out, final = delta_native.delta_rule(*leaves[:5], leaves[5], -30.0, 64) or ()
+        loss = (out * weights).sum() + final.square().sum()
+        for _ in range(10):
+            grads = torch.autograd.grad(loss, leaves, retain_graph=True)
+        return grads
+
+    if backward:
+        return run_backward, lambda a, b: float(
+            max((x - y).abs().max() for x, y in zip(a, b, strict=True))
+        )
 
     return run, lambda a, b: float(max((x - y).abs().max() for x, y in zip(a, b, strict=True)))
 
@@ -162,7 +186,9 @@ def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", choices=["train", "sample", "rule"], default="train")
+    parser.add_argument(
+        "--work", choices=["train", "sample", "rule", "rule-backward"], default="train"
+    )
     parser.add_argument(
         "--lengths",
         help="train: comma-separated datum lengths (default 8 x 256); sample: the new tokens (128)",
@@ -211,11 +237,13 @@ def main() -> None:
                 "train": f"forward_backward of {lengths} tokens",
                 "sample": f"8 samples of {lengths[0]} tokens",
                 "rule": f"20 forwards of the C rule, {len(lengths)} x {max(lengths)} positions",
+                "rule-backward": f"one forward of the C rule and 10 backwards, {len(lengths)} x "
+                f"{max(lengths)} positions",
             }[work]
             print(f"{work}: {what}")
             run, differ = (
-                _rule_alone(lengths, args.head_dim)
-                if work == "rule"
+                _rule_alone(lengths, args.head_dim, work == "rule-backward")
+                if work.startswith("rule")
                 else _work(training, work, lengths)
             )
 
@@ -224,7 +252,9 @@ def main() -> None:
                     return run()
 
             # Warm-up (kernel caches, allocator) and the two ways' outputs compared.
-            compared = "the rule's outputs" if work == "rule" else "log-probs"
+            compared = {"rule": "the rule's outputs", "rule-backward": "its gradients"}.get(
+                work, "log-probs"
+            )
             print(f"{compared}, now vs baseline: max |difference| {differ(run(), baseline()):.2e}")
             ratios = []
             for r in range(args.rounds):

@@ -279,6 +279,43 @@ def test_the_forward_in_column_blocks_is_the_same_bits_as_whole_rows(
         assert torch.equal(wide_out, whole_out) and torch.equal(wide_state, whole_state)
 
 
+@pytest.mark.parametrize(
+    ("widths", "dtype"),
+    [
+        ((64, 64), torch.float32),
+        ((128, 128), torch.float32),
+        ((48, 64), torch.float32),
+        ((32, 64), torch.float64),
+        ((16, 24), torch.float32),
+    ],
+)
+@pytest.mark.parametrize("length", [129, 150])
+def test_the_backward_in_vectors_is_the_plain_backward_within_rounding(
+    widths: tuple[int, int], dtype: torch.dtype, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU has AVX-512 the backward runs in explicit 64-byte vectors, a state's rows
+    a vector's lanes at a time with their sums reduced together, its recomputed states in one
+    pass: the gradients are the build's before it (``TSR_RULE_PLAIN_BACKWARD``, the
+    benchmark's baseline) within rounding, at widths it takes (64, 128; rows in groups of 16
+    float32 or 8 float64) and one it leaves to the plain loops (16 x 24), a chunk of one
+    position (129) and a starting state included. The forward is the same bits."""
+    if not _c_kernels():
+        pytest.skip("the C kernels are off or unavailable: the chunked form runs")
+    plain = delta_native._library(("TSR_RULE_PLAIN_BACKWARD",))
+    if plain is None:
+        pytest.skip("the baseline build of the rule is unavailable")
+    dk, dv = widths
+    inputs = [t.to(dtype) for t in _rule_operands(2, length, 2, dk, dv, seed=8)]
+    state = torch.randn(2, 2, dk, dv, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ours = _rule_and_grads(inputs, state)
+    monkeypatch.setattr(delta_native, "_library", lambda *_: plain)
+    want = _rule_and_grads(inputs, state)
+    assert torch.equal(ours[0], want[0]) and torch.equal(ours[1], want[1])
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for a, b in zip(ours[2], want[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def _torch_conv(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
     """The layer's torch form: silu(conv1d) over [B, C, T] with the window before x."""
     xt = x.transpose(1, 2)

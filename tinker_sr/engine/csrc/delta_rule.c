@@ -93,6 +93,9 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+/* 64-byte vectors passed between inlined functions expose no ABI (GCC warns of one where the
+   CPU has no AVX-512) */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 /* CALL(SUF, dk, dv) with literal widths where they are 64 or 128 (each an inlined copy). */
 #define WIDTHS(CALL, SUF)                                                                      \
@@ -152,7 +155,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     _Pragma("omp simd") for (int b = 0; b < dv; b++) delta[b] = (vt[b] - read[b]) * bt;        \
   }                                                                                            \
                                                                                                \
-  /* One position: s advanced in place, o_t into ot, r and d into read and delta. The state's \
+  /* One position: s advanced in place, o_t into ot, r and d into read and delta. The state's  \
      rows lie ld apart: dv of its columns (a column block, see fwd_pair) or all of them. */    \
   INLINE void rule_step_##SUF(T *restrict s, const T *restrict qt, const T *restrict kt,       \
                               const T *restrict vt, T decay, T bt, T *restrict ot,             \
@@ -181,6 +184,29 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     }                                                                                          \
   }                                                                                            \
                                                                                                \
+  /* rule_step's state out of place and without o_t (the backward's recomputed states): next   \
+     from prev, the same operations in the same order, so the same bits. */                    \
+  INLINE void rule_next_##SUF(T *restrict next, const T *restrict prev, const T *restrict kt,  \
+                              const T *restrict vt, T decay, T bt, T *restrict read,           \
+                              T *restrict delta, int dk, int dv) {                             \
+    for (int b = 0; b < dv; b++) read[b] = 0;                                                  \
+    for (int a = 0; a < dk; a++) {                                                             \
+      const T *pa = prev + (int64_t)a * dv;                                                    \
+      T *na = next + (int64_t)a * dv;                                                          \
+      const T ka = kt[a];                                                                      \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) {                                       \
+        na[b] = pa[b] * decay;                                                                 \
+        read[b] += na[b] * ka;                                                                 \
+      }                                                                                        \
+    }                                                                                          \
+    _Pragma("omp simd") for (int b = 0; b < dv; b++) delta[b] = (vt[b] - read[b]) * bt;        \
+    for (int a = 0; a < dk; a++) {                                                             \
+      T *na = next + (int64_t)a * dv;                                                          \
+      const T ka = kt[a];                                                                      \
+      _Pragma("omp simd") for (int b = 0; b < dv; b++) na[b] += ka * delta[b];                 \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
   INLINE T rule_decay_##SUF(T gt, T floor) { return gt < floor ? (T)0 : EXP(gt); }             \
                                                                                                \
   /* n rows of w values: dst's rows ldd apart, src's lds apart (a column block in or out). */  \
@@ -193,7 +219,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
      Each column of the state, with its entries of r, d and o_t, evolves on its own, so with   \
      a buffer blk (dk x w) the columns run in blocks of w, each block copied out, taken through \
      all positions while it sits in L1 (Qwen3.5's 128 x 128 state is 64 KB, a 128 x 64 block   \
-     32 KB; read in place, its rows 512 B apart would share a quarter of L1's sets) and copied  \
+     32 KB; read in place, its rows 512 B apart would share a quarter of L1's sets) and copied \
      back: the same operations in the same order per column, so the same bits as one pass of   \
      all columns a position (blk NULL). */                                                     \
   INLINE void fwd_pair_##SUF(const T *q, const T *k, const T *v, const T *g, const T *beta,    \
@@ -227,7 +253,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     }                                                                                          \
   }                                                                                            \
                                                                                                \
-  WIDE_VECTORS void tsr_delta_rule_fwd_##SUF(                                                 \
+  WIDE_VECTORS void tsr_delta_rule_fwd_##SUF(                                                  \
       const T *q, const T *k, const T *v, const T *g, const T *beta, const T *state0, T *out,  \
       T *final, T *saved, int64_t pairs, int64_t steps, int dk, int dv, int chunk, T scale,    \
       T floor, int threads) {                                                                  \
@@ -247,6 +273,95 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       FAST_DENORMALS_END                                                                       \
     }                                                                                          \
   }
+
+/* The backward in explicit 64-byte vectors (GCC's and clang's vector extensions) where the
+   CPU has AVX-512 (the build is -march=native). GCC vectorized its loops at 256 bits, each of
+   a row's four sums in one register (a chain of dependent adds, then summed across its lanes
+   alone), and each recomputed state was copied and then stepped in two more passes over it.
+   Here: 512-bit vectors, the rows' sums reduced a vector's lanes of rows at a time (vsums), a
+   recomputed state made in one pass (rule_advance_v); session 47 measured the backward at
+   ~0.6x the time at widths 64 and 128. Without AVX-512 each such vector would be split in two
+   and its shuffles emulated (measured 2.8-5x slower): the loops as they were run there. */
+#define DEFINE_VECTORS(T, SUF)                                                                 \
+  typedef T vec_##SUF __attribute__((vector_size(64)));                                        \
+  enum { LANES_##SUF = 64 / sizeof(T) };                                                       \
+  INLINE vec_##SUF vload_##SUF(const T *p) {                                                   \
+    vec_##SUF x;                                                                               \
+    memcpy(&x, p, sizeof x);                                                                   \
+    return x;                                                                                  \
+  }                                                                                            \
+  INLINE void vstore_##SUF(T *p, vec_##SUF x) { memcpy(p, &x, sizeof x); }
+
+DEFINE_VECTORS(float, f32)
+DEFINE_VECTORS(double, f64)
+
+/* Shuffles of 64-byte vectors: SHUFFLE2(SUF, a, b, i...): lane j is (a's lanes, then b's)[i_j]. */
+typedef int32_t mask_f32 __attribute__((vector_size(64)));
+typedef int64_t mask_f64 __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define SHUFFLE2(SUF, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(SUF, a, b, ...) __builtin_shuffle(a, b, (mask_##SUF){__VA_ARGS__})
+#endif
+
+/* Lane i: the sum of x[i]'s lanes, for x[0 .. lanes - 1]: a transposing tree (pairs of vectors
+   to one of half-rows each, then quarter-rows, ...; a fixed order), its lanes in bit-reversed
+   row order put back by a last shuffle: ~3 operations per row where summing each row's lanes
+   alone takes ~8. */
+INLINE vec_f32 vsums_f32(const vec_f32 *x) {
+  vec_f32 y[8], z[4], w[2], f;
+  for (int p = 0; p < 8; p++)
+    y[p] = SHUFFLE2(f32, x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                    22, 23) +
+           SHUFFLE2(f32, x[2 * p], x[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                    29, 30, 31);
+  for (int p = 0; p < 4; p++)
+    z[p] = SHUFFLE2(f32, y[2 * p], y[2 * p + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                    26, 27) +
+           SHUFFLE2(f32, y[2 * p], y[2 * p + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                    30, 31);
+  for (int p = 0; p < 2; p++)
+    w[p] = SHUFFLE2(f32, z[2 * p], z[2 * p + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                    28, 29) +
+           SHUFFLE2(f32, z[2 * p], z[2 * p + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                    30, 31);
+  f = SHUFFLE2(f32, w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+      SHUFFLE2(f32, w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return SHUFFLE2(f32, f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+INLINE vec_f64 vsums_f64(const vec_f64 *x) {
+  vec_f64 y[4], z[2], f;
+  for (int p = 0; p < 4; p++)
+    y[p] = SHUFFLE2(f64, x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE2(f64, x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int p = 0; p < 2; p++)
+    z[p] = SHUFFLE2(f64, y[2 * p], y[2 * p + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE2(f64, y[2 * p], y[2 * p + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  f = SHUFFLE2(f64, z[0], z[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+      SHUFFLE2(f64, z[0], z[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return SHUFFLE2(f64, f, f, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+
+#if !defined(TSR_RULE_PLAIN_BACKWARD) && defined(__AVX512F__)
+/* Does the backward run in vec_SUF: dk and dv multiples of its lanes, dv at most 8 vectors
+   (their sums kept in registers)? */
+#define VECTORS(SUF, DK, DV)                                                                   \
+  ((DK) % LANES_##SUF == 0 && (DV) % LANES_##SUF == 0 && (DV) <= 8 * LANES_##SUF)
+#else
+#define VECTORS(SUF, DK, DV) 0
+#endif
+#ifndef TSR_RULE_PLAIN_BACKWARD
+/* The backward's recomputed state where it does not run in vectors: next from prev */
+#define RULE_NEXT(SUF, next, prev, kt, vt, decay, bt, r, d, dk, dv, qt, scratch, scale)        \
+  ((void)(qt), (void)(scratch), rule_next_##SUF(next, prev, kt, vt, decay, bt, r, d, dk, dv))
+#else /* the backward as before session 47 (a benchmark's baseline): copied, then stepped */
+#define RULE_NEXT(SUF, next, prev, kt, vt, decay, bt, r, d, dk, dv, qt, scratch, scale)        \
+  do {                                                                                         \
+    memcpy(next, prev, sizeof(*next) * (size_t)(dk) * (size_t)(dv));                           \
+    rule_step_##SUF(next, qt, kt, vt, decay, bt, scratch, r, d, dk, dv, dv, scale);            \
+  } while (0)
+#endif
 
 #define DEFINE_RULE_BACKWARD(T, EXP, SUF)                                                      \
   /* Position t back through o = S^T q scale and S = S' + k d^T, S the state after t (formed   \
@@ -331,6 +446,88 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     return dd;                                                                                 \
   }                                                                                            \
                                                                                                \
+  /* A position's state recomputed in vec_##SUF (dv = n vectors, n <= 8) and read: cur, the    \
+     state before it, from prev, the one before that (kp, dp, dc: that position's k, d and     \
+     decay; kp NULL: cur is already there), then r and d into read and delta. One pass over the \
+     state where rule_step makes two, reading one state and writing one; the same operations   \
+     per entry as rule_step (the decay's product computed again), so the same bits. */         \
+  INLINE void rule_advance_v_##SUF(const T *restrict prev, T *restrict cur, const T *restrict kp, \
+                                   const T *restrict dp, T dc, const T *restrict kt,           \
+                                   const T *restrict vt, T decay, T bt, T *restrict read,      \
+                                   T *restrict delta, int dk, int dv) {                        \
+    const int n = dv / LANES_##SUF;                                                            \
+    vec_##SUF r[8] = {0}, d[8] = {0};                                                          \
+    for (int i = 0; i < n && kp; i++) d[i] = vload_##SUF(dp + i * LANES_##SUF);                \
+    for (int a = 0; a < dk; a++) {                                                             \
+      const T ka = kt[a], kpa = kp ? kp[a] : 0;                                                \
+      _Pragma("GCC unroll 8") for (int i = 0; i < n; i++) {                                    \
+        const int64_t at = (int64_t)a * dv + i * LANES_##SUF;                                  \
+        vec_##SUF s;                                                                           \
+        if (kp) {                                                                              \
+          const vec_##SUF before = vload_##SUF(prev + at) * dc;                                \
+          s = before + kpa * d[i];                                                             \
+          vstore_##SUF(cur + at, s);                                                           \
+        } else {                                                                               \
+          s = vload_##SUF(cur + at);                                                           \
+        }                                                                                      \
+        const vec_##SUF decayed = s * decay;                                                   \
+        r[i] += decayed * ka;                                                                  \
+      }                                                                                        \
+    }                                                                                          \
+    for (int i = 0; i < n; i++) {                                                              \
+      d[i] = (vload_##SUF(vt + i * LANES_##SUF) - r[i]) * bt;                                  \
+      vstore_##SUF(read + i * LANES_##SUF, r[i]);                                              \
+      vstore_##SUF(delta + i * LANES_##SUF, d[i]);                                             \
+    }                                                                                          \
+  }                                                                                            \
+                                                                                               \
+  /* back_state with a previous position (qu, ...) in vec_##SUF, where dv is n vectors (n <= 8) \
+     and dk a multiple of their lanes: the rows taken a vector's lanes at a time, their sums   \
+     reduced together (vsums); the decay's gradient summed in one vector over all rows. */     \
+  INLINE T back_state_v_##SUF(T *restrict ds, const T *restrict prev, T decay,                 \
+                              const T *restrict kt, const T *restrict dr, T *restrict dkt,     \
+                              const T *restrict qu, const T *restrict ku, const T *restrict du, \
+                              const T *restrict dou, T *restrict dqu, T *restrict dku,         \
+                              T *restrict ddu, int dk, int dv, T scale) {                      \
+    enum { L = LANES_##SUF };                                                                  \
+    const int n = dv / L;                                                                      \
+    vec_##SUF sda[8] = {0}, ddv[8] = {0};                                                      \
+    for (int a0 = 0; a0 < dk; a0 += L) {                                                       \
+      vec_##SUF skk[L], sq[L], sku[L];                                                         \
+      for (int row = 0; row < L; row++) {                                                      \
+        const int a = a0 + row;                                                                \
+        const T *pa = prev + (int64_t)a * dv;                                                  \
+        T *da = ds + (int64_t)a * dv;                                                          \
+        const T ka = kt[a], kua = ku[a], qua = qu[a] * scale;                                  \
+        vec_##SUF ck = {0}, cq = {0}, cu = {0};                                                \
+        _Pragma("GCC unroll 8") for (int i = 0; i < n; i++) {                                  \
+          const int b = i * L;                                                                 \
+          const vec_##SUF p = vload_##SUF(pa + b), r = vload_##SUF(dr + b);                    \
+          const vec_##SUF o = vload_##SUF(dou + b);                                            \
+          const vec_##SUF grad = vload_##SUF(da + b) + ka * r;                                 \
+          const vec_##SUF after = grad * decay + qua * o;                                      \
+          ck += p * r;                                                                         \
+          sda[i] += grad * p;                                                                  \
+          cq += p * o;                                                                         \
+          cu += after * vload_##SUF(du + b);                                                   \
+          ddv[i] += after * kua;                                                               \
+          vstore_##SUF(da + b, after);                                                         \
+        }                                                                                      \
+        skk[row] = ck;                                                                         \
+        sq[row] = cq;                                                                          \
+        sku[row] = cu;                                                                         \
+      }                                                                                        \
+      vstore_##SUF(dkt + a0, vload_##SUF(dkt + a0) + vsums_##SUF(skk) * decay);                \
+      vstore_##SUF(dqu + a0, vsums_##SUF(sq) * scale);                                         \
+      vstore_##SUF(dku + a0, vsums_##SUF(sku));                                                \
+    }                                                                                          \
+    for (int i = 1; i < n; i++) sda[0] += sda[i];                                              \
+    for (int i = 0; i < n; i++) vstore_##SUF(ddu + i * L, ddv[i]);                             \
+    T dd = 0; /* once a position: its lanes in order */                                        \
+    for (int i = 0; i < L; i++) dd += sda[0][i];                                               \
+    return dd;                                                                                 \
+  }                                                                                            \
+                                                                                               \
   /* The positions t0 .. t0 + n - 1 back, from the state before t0 (start): their states       \
      recomputed into work (n states, then n r and d vectors), then ds taken back through them, \
      each position's second pass fused with the first of the one before it. dd: two dv. */     \
@@ -345,14 +542,19 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       const int64_t t = t0 + j;                                                                \
       const T decay = rule_decay_##SUF(g[t], floor);                                           \
       T *r = reads + j * dv, *d = deltas + j * dv;                                             \
-      if (j + 1 == n) { /* the last: only its r and d are needed */                            \
+      T *cur = work + j * size;                                                                \
+      if (VECTORS(SUF, dk, dv) && j == 0) /* a literal NULL: an inlined copy without the step */ \
+        rule_advance_v_##SUF(NULL, cur, NULL, NULL, 0, k + t * dk, v + t * dv, decay, beta[t], r, \
+                             d, dk, dv);                                                       \
+      else if (VECTORS(SUF, dk, dv))                                                           \
+        rule_advance_v_##SUF(cur - size, cur, k + (t - 1) * dk, deltas + (j - 1) * dv,         \
+                             rule_decay_##SUF(g[t - 1], floor), k + t * dk, v + t * dv, decay, \
+                             beta[t], r, d, dk, dv);                                           \
+      else if (j + 1 == n) /* the last: only its r and d are needed */                         \
         rule_read_##SUF(work + j * size, k + t * dk, v + t * dv, decay, beta[t], r, d, dk, dv); \
-        continue;                                                                              \
-      }                                                                                        \
-      T *next = work + (j + 1) * size;                                                         \
-      memcpy(next, work + j * size, sizeof(T) * (size_t)size);                                 \
-      rule_step_##SUF(next, q + t * dk, k + t * dk, v + t * dv, decay, beta[t], scratch, r, d, \
-                      dk, dv, dv, scale);                                                      \
+      else                                                                                     \
+        RULE_NEXT(SUF, work + (j + 1) * size, work + j * size, k + t * dk, v + t * dv, decay,  \
+                  beta[t], r, d, dk, dv, q + t * dk, scratch, scale);                          \
     }                                                                                          \
     int64_t t = t0 + n - 1;                                                                    \
     back_out_##SUF(ds, work + (n - 1) * size, rule_decay_##SUF(g[t], floor), q + t * dk,       \
@@ -364,7 +566,13 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
       const T decay = rule_decay_##SUF(g[t], floor);                                           \
       const int64_t u = t - 1; /* the position before, fused where it is in this run */        \
       const int fuse = j > 0;                                                                  \
-      const T ddecay = back_state_##SUF(                                                       \
+      T ddecay;                                                                                \
+      if (fuse && VECTORS(SUF, dk, dv))                                                        \
+        ddecay = back_state_v_##SUF(ds, work + j * size, decay, k + t * dk, dr, dk_ + t * dk,  \
+                                    q + u * dk, k + u * dk, deltas + (j - 1) * dv, dout + u * dv, \
+                                    dq + u * dk, dk_ + u * dk, du, dk, dv, scale);             \
+      else                                                                                     \
+        ddecay = back_state_##SUF(                                                             \
           ds, work + j * size, decay, k + t * dk, dr, dk_ + t * dk, fuse ? q + u * dk : NULL,  \
           fuse ? k + u * dk : NULL, fuse ? deltas + (j - 1) * dv : NULL,                       \
           fuse ? dout + u * dv : NULL, fuse ? dq + u * dk : NULL, fuse ? dk_ + u * dk : NULL, du, \
