@@ -483,7 +483,8 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
                                                                                                \
   /* back_state with a previous position (qu, ...) in vec_##SUF, where dv is n vectors (n <= 8) \
      and dk a multiple of their lanes: the rows taken a vector's lanes at a time, their sums   \
-     reduced together (vsums); the decay's gradient summed in one vector over all rows. */     \
+     reduced together (vsums); the decay's gradient kept a vector per column block until the   \
+     end. */                                                                                   \
   INLINE T back_state_v_##SUF(T *restrict ds, const T *restrict prev, T decay,                 \
                               const T *restrict kt, const T *restrict dr, T *restrict dkt,     \
                               const T *restrict qu, const T *restrict ku, const T *restrict du, \
