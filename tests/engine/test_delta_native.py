@@ -290,23 +290,31 @@ def test_the_forward_in_column_blocks_is_the_same_bits_as_whole_rows(
     ],
 )
 @pytest.mark.parametrize("length", [129, 150])
+@pytest.mark.parametrize("build", [(), ("TSR_RULE_VECTOR_BYTES=32",)], ids=["own", "32-byte"])
 def test_the_backward_in_vectors_is_the_plain_backward_within_rounding(
-    widths: tuple[int, int], dtype: torch.dtype, length: int, monkeypatch: pytest.MonkeyPatch
+    widths: tuple[int, int],
+    dtype: torch.dtype,
+    length: int,
+    build: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where the CPU has AVX-512 the backward runs in explicit 64-byte vectors, a state's rows
-    a vector's lanes at a time with their sums reduced together, its recomputed states in one
-    pass: the gradients are the build's before it (``TSR_RULE_PLAIN_BACKWARD``, the
-    benchmark's baseline) within rounding, at widths it takes (64, 128; rows in groups of 16
-    float32 or 8 float64) and one it leaves to the plain loops (16 x 24), a chunk of one
-    position (129) and a starting state included. The forward is the same bits."""
+    """Where the CPU has AVX2 or AVX-512 the backward runs in explicit vectors of its width
+    (32 or 64 bytes; a build of 32 bytes tested on either), a state's rows a vector's lanes
+    at a time with their sums reduced together, its recomputed states in one pass: the
+    gradients are the build's before it (``TSR_RULE_PLAIN_BACKWARD``, the benchmark's
+    baseline) within rounding, at widths it takes (64, 128; rows in groups of 16 or 8 float32,
+    8 or 4 float64) and one it leaves to the plain loops (16 x 24), a chunk of one position
+    (129) and a starting state included. The forward is the same bits."""
     if not _c_kernels():
         pytest.skip("the C kernels are off or unavailable: the chunked form runs")
     plain = delta_native._library(("TSR_RULE_PLAIN_BACKWARD",))
-    if plain is None:
-        pytest.skip("the baseline build of the rule is unavailable")
+    vectors = delta_native._library(build)
+    if plain is None or vectors is None:
+        pytest.skip("a build of the rule is unavailable")
     dk, dv = widths
     inputs = [t.to(dtype) for t in _rule_operands(2, length, 2, dk, dv, seed=8)]
     state = torch.randn(2, 2, dk, dv, generator=torch.Generator().manual_seed(2)).to(dtype)
+    monkeypatch.setattr(delta_native, "_library", lambda *_: vectors)
     ours = _rule_and_grads(inputs, state)
     monkeypatch.setattr(delta_native, "_library", lambda *_: plain)
     want = _rule_and_grads(inputs, state)

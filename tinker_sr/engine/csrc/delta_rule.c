@@ -274,80 +274,20 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
     }                                                                                          \
   }
 
-/* The backward in explicit 64-byte vectors (GCC's and clang's vector extensions) where the
-   CPU has AVX-512 (the build is -march=native). GCC vectorized its loops at 256 bits, each of
-   a row's four sums in one register (a chain of dependent adds, then summed across its lanes
-   alone), and each recomputed state was copied and then stepped in two more passes over it.
-   Here: 512-bit vectors, the rows' sums reduced a vector's lanes of rows at a time (vsums), a
-   recomputed state made in one pass (rule_advance_v); session 47 measured the backward at
-   ~0.6x the time at widths 64 and 128. Without AVX-512 each such vector would be split in two
-   and its shuffles emulated (measured 2.8-5x slower): the loops as they were run there. */
-#define DEFINE_VECTORS(T, SUF)                                                                 \
-  typedef T vec_##SUF __attribute__((vector_size(64)));                                        \
-  enum { LANES_##SUF = 64 / sizeof(T) };                                                       \
-  INLINE vec_##SUF vload_##SUF(const T *p) {                                                   \
-    vec_##SUF x;                                                                               \
-    memcpy(&x, p, sizeof x);                                                                   \
-    return x;                                                                                  \
-  }                                                                                            \
-  INLINE void vstore_##SUF(T *p, vec_##SUF x) { memcpy(p, &x, sizeof x); }
+/* The backward in explicit vectors (delta_vectors.h: 64 bytes with AVX-512, 32 with AVX2).
+   GCC vectorized its loops at 256 bits, each of a row's four sums in one register (a chain of
+   dependent adds, then summed across its lanes alone), and each recomputed state was copied
+   and then stepped in two more passes over it. Here the rows' sums are reduced a vector's
+   lanes of rows at a time (vsums) and a recomputed state is made in one pass
+   (rule_advance_v); session 47 measured the backward at ~0.6x the time at widths 64 and 128
+   with AVX-512, ~0.7x with an AVX2 build. Without AVX2 the loops stay GCC's. */
+#include "delta_vectors.h"
 
-DEFINE_VECTORS(float, f32)
-DEFINE_VECTORS(double, f64)
-
-/* Shuffles of 64-byte vectors: SHUFFLE2(SUF, a, b, i...): lane j is (a's lanes, then b's)[i_j]. */
-typedef int32_t mask_f32 __attribute__((vector_size(64)));
-typedef int64_t mask_f64 __attribute__((vector_size(64)));
-#if defined(__clang__)
-#define SHUFFLE2(SUF, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE2(SUF, a, b, ...) __builtin_shuffle(a, b, (mask_##SUF){__VA_ARGS__})
-#endif
-
-/* Lane i: the sum of x[i]'s lanes, for x[0 .. lanes - 1]: a transposing tree (pairs of vectors
-   to one of half-rows each, then quarter-rows, ...; a fixed order), its lanes in bit-reversed
-   row order put back by a last shuffle: ~3 operations per row where summing each row's lanes
-   alone takes ~8. */
-INLINE vec_f32 vsums_f32(const vec_f32 *x) {
-  vec_f32 y[8], z[4], w[2], f;
-  for (int p = 0; p < 8; p++)
-    y[p] = SHUFFLE2(f32, x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                    22, 23) +
-           SHUFFLE2(f32, x[2 * p], x[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                    29, 30, 31);
-  for (int p = 0; p < 4; p++)
-    z[p] = SHUFFLE2(f32, y[2 * p], y[2 * p + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
-                    26, 27) +
-           SHUFFLE2(f32, y[2 * p], y[2 * p + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
-                    30, 31);
-  for (int p = 0; p < 2; p++)
-    w[p] = SHUFFLE2(f32, z[2 * p], z[2 * p + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
-                    28, 29) +
-           SHUFFLE2(f32, z[2 * p], z[2 * p + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
-                    30, 31);
-  f = SHUFFLE2(f32, w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-      SHUFFLE2(f32, w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  return SHUFFLE2(f32, f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-INLINE vec_f64 vsums_f64(const vec_f64 *x) {
-  vec_f64 y[4], z[2], f;
-  for (int p = 0; p < 4; p++)
-    y[p] = SHUFFLE2(f64, x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           SHUFFLE2(f64, x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int p = 0; p < 2; p++)
-    z[p] = SHUFFLE2(f64, y[2 * p], y[2 * p + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           SHUFFLE2(f64, y[2 * p], y[2 * p + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  f = SHUFFLE2(f64, z[0], z[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-      SHUFFLE2(f64, z[0], z[1], 1, 9, 3, 11, 5, 13, 7, 15);
-  return SHUFFLE2(f64, f, f, 0, 4, 2, 6, 1, 5, 3, 7);
-}
-
-#if !defined(TSR_RULE_PLAIN_BACKWARD) && defined(__AVX512F__)
-/* Does the backward run in vec_SUF: dk and dv multiples of its lanes, dv at most 8 vectors
-   (their sums kept in registers)? */
+#if !defined(TSR_RULE_PLAIN_BACKWARD) && (VBYTES == 64 || defined(__AVX2__))
+/* Does the backward run in vec_SUF: dk and dv multiples of its lanes, dv at most 128 float32
+   or 64 float64 (a row's sums and reads kept in at most MOST_VECTORS vectors)? */
 #define VECTORS(SUF, DK, DV)                                                                   \
-  ((DK) % LANES_##SUF == 0 && (DV) % LANES_##SUF == 0 && (DV) <= 8 * LANES_##SUF)
+  ((DK) % LANES_##SUF == 0 && (DV) % LANES_##SUF == 0 && (DV) <= MOST_VECTORS * LANES_##SUF)
 #else
 #define VECTORS(SUF, DK, DV) 0
 #endif
@@ -446,7 +386,7 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
     return dd;                                                                                 \
   }                                                                                            \
                                                                                                \
-  /* A position's state recomputed in vec_##SUF (dv = n vectors, n <= 8) and read: cur, the    \
+  /* A position's state recomputed in vec_##SUF (dv = n vectors, VECTORS) and read: cur, the   \
      state before it, from prev, the one before that (kp, dp, dc: that position's k, d and     \
      decay; kp NULL: cur is already there), then r and d into read and delta. One pass over the \
      state where rule_step makes two, reading one state and writing one; the same operations   \
@@ -456,11 +396,11 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
                                    const T *restrict vt, T decay, T bt, T *restrict read,      \
                                    T *restrict delta, int dk, int dv) {                        \
     const int n = dv / LANES_##SUF;                                                            \
-    vec_##SUF r[8] = {0}, d[8] = {0};                                                          \
+    vec_##SUF r[MOST_VECTORS] = {0}, d[MOST_VECTORS] = {0};                                    \
     for (int i = 0; i < n && kp; i++) d[i] = vload_##SUF(dp + i * LANES_##SUF);                \
     for (int a = 0; a < dk; a++) {                                                             \
       const T ka = kt[a], kpa = kp ? kp[a] : 0;                                                \
-      _Pragma("GCC unroll 8") for (int i = 0; i < n; i++) {                                    \
+      _Pragma("GCC unroll 16") for (int i = 0; i < n; i++) {                                   \
         const int64_t at = (int64_t)a * dv + i * LANES_##SUF;                                  \
         vec_##SUF s;                                                                           \
         if (kp) {                                                                              \
@@ -481,10 +421,9 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
     }                                                                                          \
   }                                                                                            \
                                                                                                \
-  /* back_state with a previous position (qu, ...) in vec_##SUF, where dv is n vectors (n <= 8) \
-     and dk a multiple of their lanes: the rows taken a vector's lanes at a time, their sums   \
-     reduced together (vsums); the decay's gradient kept a vector per column block until the   \
-     end. */                                                                                   \
+  /* back_state with a previous position (qu, ...) in vec_##SUF (VECTORS: dv is n vectors, dk  \
+     a multiple of their lanes): the rows taken a vector's lanes at a time, their sums reduced \
+     together (vsums); the decay's gradient kept a vector per column block until the end. */   \
   INLINE T back_state_v_##SUF(T *restrict ds, const T *restrict prev, T decay,                 \
                               const T *restrict kt, const T *restrict dr, T *restrict dkt,     \
                               const T *restrict qu, const T *restrict ku, const T *restrict du, \
@@ -492,7 +431,7 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
                               T *restrict ddu, int dk, int dv, T scale) {                      \
     enum { L = LANES_##SUF };                                                                  \
     const int n = dv / L;                                                                      \
-    vec_##SUF sda[8] = {0}, ddv[8] = {0};                                                      \
+    vec_##SUF sda[MOST_VECTORS] = {0}, ddv[MOST_VECTORS] = {0};                                \
     for (int a0 = 0; a0 < dk; a0 += L) {                                                       \
       vec_##SUF skk[L], sq[L], sku[L];                                                         \
       for (int row = 0; row < L; row++) {                                                      \
@@ -501,7 +440,7 @@ INLINE vec_f64 vsums_f64(const vec_f64 *x) {
         T *da = ds + (int64_t)a * dv;                                                          \
         const T ka = kt[a], kua = ku[a], qua = qu[a] * scale;                                  \
         vec_##SUF ck = {0}, cq = {0}, cu = {0};                                                \
-        _Pragma("GCC unroll 8") for (int i = 0; i < n; i++) {                                  \
+        _Pragma("GCC unroll 16") for (int i = 0; i < n; i++) {                                 \
           const int b = i * L;                                                                 \
           const vec_##SUF p = vload_##SUF(pa + b), r = vload_##SUF(dr + b);                    \
           const vec_##SUF o = vload_##SUF(dou + b);                                            \
