@@ -33,8 +33,9 @@ times:
   state's rows whole at GCC's default 256-bit vectors, in place of column blocks of 64 at 512
   bits, ``TSR_RULE_NARROW``; ``vectors``: the C rule's backward built as before session 47,
   GCC's 256-bit loops with a row's sums each in one register and the recomputed states copied
-  then stepped, in place of explicit 512-bit vectors with rows' sums reduced 16 at a time and
-  one pass per recomputed state, ``TSR_RULE_PLAIN_BACKWARD``);
+  then stepped, in place of explicit vectors of the CPU's width (64 bytes with AVX-512, 32 with
+  AVX2) with rows' sums reduced a vector's lanes at a time and one pass per recomputed state,
+  ``TSR_RULE_PLAIN_BACKWARD``);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
