@@ -132,7 +132,7 @@ def _rule_alone(lengths: list[int], head_dim: int, backward: bool) -> tuple[Any,
             out = delta_native.delta_rule(q, k, v, g, beta, state, -30.0, 64)
         return out
 
-    leaves = [t.requires_grad_() for t in (q, k, v, g, beta, state)]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta, state)]
     weights = torch.randn(*shape, head_dim, generator=gen)
 
     def run_backward() -> Any:
@@ -142,12 +142,10 @@ def _rule_alone(lengths: list[int], head_dim: int, backward: bool) -> tuple[Any,
             grads = torch.autograd.grad(loss, leaves, retain_graph=True)
         return grads
 
-    if backward:
-        return run_backward, lambda a, b: float(
-            max((x - y).abs().max() for x, y in zip(a, b, strict=True))
-        )
+    def differ(a: Any, b: Any) -> float:
+        return float(max((x - y).abs().max() for x, y in zip(a, b, strict=True)))
 
-    return run, lambda a, b: float(max((x - y).abs().max() for x, y in zip(a, b, strict=True)))
+    return (run_backward if backward else run), differ
 
 
 def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
