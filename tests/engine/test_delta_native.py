@@ -6,6 +6,9 @@ alone as in a batch, and what the kernel cannot take left to torch."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -322,6 +325,59 @@ def test_the_backward_in_vectors_is_the_plain_backward_within_rounding(
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     for a, b in zip(ours[2], want[2], strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+_STATES_PROGRAM = r"""
+#include "delta_rule.c"
+#include <stdio.h>
+static float draw(unsigned *s) {
+  *s = *s * 1103515245u + 12345u;
+  return (*s >> 8) / 16777216.0f - 0.5f;
+}
+/* the state after a position and the next one's read: rule_step's vs rule_advance_v's */
+int main(void) {
+  enum { DK = 128, DV = 128 };
+  static float prev[DK * DV], fwd[DK * DV], vec[DK * DV], k0[DK], k1[DK], q[DK], v0[DV], v1[DV];
+  static float r0[DV], d0[DV], r1[DV], d1[DV], r[DV], d[DV], o[DV];
+  unsigned s = 7;
+  for (int i = 0; i < DK * DV; i++) prev[i] = draw(&s);
+  for (int i = 0; i < DK; i++) { k0[i] = draw(&s); k1[i] = draw(&s); q[i] = draw(&s); }
+  for (int i = 0; i < DV; i++) { v0[i] = draw(&s); v1[i] = draw(&s); }
+  memcpy(fwd, prev, sizeof fwd);
+  rule_step_f32(fwd, q, k0, v0, 0.93f, 0.4f, o, r0, d0, DK, DV, DV, 1.0f);
+  rule_read_f32(fwd, k1, v1, 0.87f, 0.6f, r1, d1, DK, DV);
+  rule_advance_v_f32(prev, vec, k0, d0, 0.93f, k1, v1, 0.87f, 0.6f, r, d, DK, DV);
+  printf("%d %d\n", memcmp(vec, fwd, sizeof vec) != 0,
+         memcmp(r, r1, sizeof r) != 0 || memcmp(d, d1, sizeof d) != 0);
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("build", [(), ("TSR_RULE_VECTOR_BYTES=32",)], ids=["own", "32-byte"])
+def test_the_backwards_recomputed_states_are_the_forwards_bits(
+    build: tuple[str, ...], tmp_path: Path
+) -> None:
+    """The backward's recomputed state (one vector pass: the previous position's decay and
+    step, this one's read) is the forward's to the bit, with the build's compiler and flags:
+    the decayed product is rounded alone before the step's fused multiply-add, as the
+    forward's two passes round it (GNU C may otherwise fuse it instead)."""
+    from tinker_sr.engine import cpu, native
+
+    cc = native._compiler()
+    if cc is None or "avx2" not in cpu.isa_flags():
+        pytest.skip("the backward's vectors run with a C compiler on a CPU with AVX2")
+    source = tmp_path / "states.c"
+    source.write_text(_STATES_PROGRAM)
+    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC")]
+    program = tmp_path / "states"
+    subprocess.run(
+        [cc, *flags, *(f"-D{d}" for d in build), f"-I{native.SOURCE_DIR}", str(source),
+         "-o", str(program), "-lm"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    out = subprocess.run([str(program)], check=True, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["0", "0"], "recomputed state, then r and d: 1 where they differ"
 
 
 def _torch_conv(x: torch.Tensor, w: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:

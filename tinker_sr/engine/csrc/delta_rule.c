@@ -404,7 +404,7 @@ DEFINE_SOLVE(double, tsr_unit_lower_solve_f64)
         const int64_t at = (int64_t)a * dv + i * LANES_##SUF;                                  \
         vec_##SUF s;                                                                           \
         if (kp) {                                                                              \
-          const vec_##SUF before = vload_##SUF(prev + at) * dc;                                \
+          const vec_##SUF before = vround_##SUF(vload_##SUF(prev + at) * dc);                  \
           s = before + kpa * d[i];                                                             \
           vstore_##SUF(cur + at, s);                                                           \
         } else {                                                                               \

@@ -18,6 +18,11 @@
 #define VBYTES 32
 #endif
 #define MOST_VECTORS (512 / VBYTES) /* a row of 128 float32 */
+#if defined(__x86_64__) || defined(__i386__)
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else /* the vectors run on x86 only (AVX2, AVX-512) */
+#define KEEP_IN_REGISTER(x) (void)(x)
+#endif
 #define DEFINE_VECTORS(T, SUF)                                                                 \
   typedef T vec_##SUF __attribute__((vector_size(VBYTES)));                                    \
   enum { LANES_##SUF = VBYTES / sizeof(T) };                                                   \
@@ -26,7 +31,14 @@
     memcpy(&x, p, sizeof x);                                                                   \
     return x;                                                                                  \
   }                                                                                            \
-  VINLINE void vstore_##SUF(T *p, vec_##SUF x) { memcpy(p, &x, sizeof x); }
+  VINLINE void vstore_##SUF(T *p, vec_##SUF x) { memcpy(p, &x, sizeof x); }                    \
+  /* x as computed: GNU C contracts a * b + c into one fused multiply-add, and with two        \
+     products in a sum it may fuse either; an empty asm holding x in a register (no            \
+     instruction) keeps x's product rounded on its own, as a separate step rounds it */        \
+  VINLINE vec_##SUF vround_##SUF(vec_##SUF x) {                                                \
+    KEEP_IN_REGISTER(x);                                                                       \
+    return x;                                                                                  \
+  }
 
 DEFINE_VECTORS(float, f32)
 DEFINE_VECTORS(double, f64)
