@@ -652,6 +652,27 @@ def test_the_kernel_library_is_cached_per_cpu(
     assert native.library_path("causal_attention", compiler) != built  # never reused there
 
 
+def test_a_build_variants_failure_is_kept_apart_from_the_main_builds(
+    fresh_kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library built with macros (``native.load(name, defines)``: a benchmark's or a test's
+    baseline) that fails does not replace why the main build failed, nor vice versa."""
+    monkeypatch.setattr(native, "load", native.load.__wrapped__)  # uncached, for this test
+    monkeypatch.setattr(native, "_failures", {})  # what it records goes with it
+
+    def fails(name: str, defines: tuple[str, ...] = ()) -> Any:
+        raise RuntimeError(f"{name} built with {list(defines)} failed")
+
+    monkeypatch.setattr(native, "_build_and_load", fails)
+    assert native.load("delta_rule") is None
+    assert native.load("delta_rule", ("TSR_RULE_NARROW",)) is None
+    assert native.failure("delta_rule") == "RuntimeError: delta_rule built with [] failed"
+    assert native.failure("delta_rule", ("TSR_RULE_NARROW",)) == (
+        "RuntimeError: delta_rule built with ['TSR_RULE_NARROW'] failed"
+    )
+    assert native.failure("delta_rule", ("TSR_RULE_PLAIN_BACKWARD",)) is None
+
+
 def test_no_compiler_falls_back_to_torch_attention(
     fresh_kernel_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,7 +65,7 @@ def _load(name: str, what: str, defines: tuple[str, ...] = ()) -> Any | None:
 
     lib = native.load(name, defines)
     if lib is None:
-        why = native.failure(name)
+        why = native.failure(name, defines)
         log.info("%s's C kernels are unavailable (%s): torch's ops run", what, why)
     return lib
 

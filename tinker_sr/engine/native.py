@@ -42,12 +42,13 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # torch's own variable
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
-_failures: dict[str, str] = {}
+_failures: dict[tuple[str, tuple[str, ...]], str] = {}
 
 
-def failure(name: str) -> str | None:
-    """Why kernel library ``name`` is unavailable in this process, or None."""
-    return _failures.get(name)
+def failure(name: str, defines: tuple[str, ...] = ()) -> str | None:
+    """Why kernel library ``name`` (the build with ``defines``, see `load`) is unavailable in
+    this process, or None."""
+    return _failures.get((name, defines))
 
 
 def cache_dir() -> Path:
@@ -65,12 +66,13 @@ def _compiler() -> str | None:
 @functools.cache
 def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library built from ``csrc/<name>.c``, or None (see `failure`). ``defines``: macros
-    defined for the build (``-D``), a variant cached apart; benchmarks build their baselines
-    so (e.g. ``TSR_RULE_NARROW``, delta_rule.c's forward as before session 46)."""
+    defined for the build (``-D``), a variant cached (and its failure kept) apart; benchmarks
+    and tests build baselines so (e.g. ``TSR_RULE_NARROW``, delta_rule.c's forward as before
+    session 46)."""
     try:
         return _build_and_load(name, defines)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        _failures[name] = f"{type(exc).__name__}: {exc}"[:500]
+        _failures[name, defines] = f"{type(exc).__name__}: {exc}"[:500]
         return None
 
 
