@@ -35,11 +35,15 @@ times:
   GCC's 256-bit loops with a row's sums each in one register and the recomputed states copied
   then stepped, in place of explicit vectors of the CPU's width (64 bytes with AVX-512, 32 with
   AVX2) with rows' sums reduced a vector's lanes at a time and one pass per recomputed state,
-  ``TSR_RULE_PLAIN_BACKWARD``);
+  ``TSR_RULE_PLAIN_BACKWARD``; ``half``: the C convolution and gated norm refusing bfloat16
+  operands and autocast, as before session 48, torch's ops in their place);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
-sampled tokens', where both ways sampled the same tokens).
+sampled tokens', where both ways sampled the same tokens). ``--dtype bfloat16`` writes the
+model's weights in bfloat16 (a bf16 checkpoint, which the engine trains and samples in
+bfloat16); ``--dtype autocast`` trains float32 weights under bfloat16 autocast
+(``TINKER_SR_TRAIN_DTYPE=bf16``, where the CPU has fast bf16).
 
     python benchmarks/linear_attention.py                # train, 8 datums of 256 tokens
     python benchmarks/linear_attention.py --work sample
@@ -48,6 +52,7 @@ sampled tokens', where both ways sampled the same tokens).
     python benchmarks/linear_attention.py --baseline conv     # the C convolution vs torch's
     python benchmarks/linear_attention.py --baseline wide --head-dim 128   # Qwen3.5's width
     python benchmarks/linear_attention.py --baseline vectors --work rule-backward --head-dim 128
+    python benchmarks/linear_attention.py --baseline half --dtype bfloat16 --head-dim 128
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -69,7 +74,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors")
+UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors", "half")
 # the C rule's build macros that undo a change (native.load builds each variant apart)
 BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 
@@ -86,6 +91,8 @@ def undone(which: set[str]) -> Iterator[None]:
     if defines:
         built = delta_native._library(defines)
         delta_native._library = lambda *_: built  # type: ignore[assignment]
+    if "half" in which:
+        hybrid.short_conv_silu, hybrid.gated_rms_norm = _float32_only(conv), _float32_only(norm)
     if "heads" in which:
         hybrid.deltanet_heads = lambda *_: None  # type: ignore[assignment]
     if "norm" in which:
@@ -108,6 +115,23 @@ def undone(which: set[str]) -> Iterator[None]:
         hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
         hybrid.deltanet_heads, delta_native._library = heads, library
         delta_native.native_solve_ready = ready
+
+
+def _float32_only(fn: Any) -> Any:
+    """``fn`` (a DeltaNet C pass) refusing what it refused before session 48: an operand not
+    float32 (a bfloat16 checkpoint's), or autocast (the convolution; the gated norm then saw
+    autocast's bfloat16 gate). None: the caller runs torch's ops."""
+    import torch
+
+    def refusing(*args: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(t.dtype != torch.float32 for t in tensors) or (
+            fn.__name__ == "short_conv_silu" and torch.is_autocast_enabled("cpu")
+        ):
+            return None
+        return fn(*args)
+
+    return refusing
 
 
 def _rule_alone(lengths: list[int], head_dim: int, backward: bool) -> tuple[Any, Any]:
@@ -183,6 +207,36 @@ def _work(training: Any, work: str, lengths: list[int]) -> tuple[Any, Any]:
     return sample, sample_diff
 
 
+def _dtype_note(dtype: str) -> str:
+    """What ``--dtype`` runs as (autocast: set here, before the training client is built)."""
+    if dtype != "autocast":
+        return f"{dtype} weights"
+    import os
+
+    from tinker_sr.engine.registry import TRAIN_DTYPE_ENV, train_autocast_dtype
+
+    os.environ[TRAIN_DTYPE_ENV] = "bf16"
+    if train_autocast_dtype() is None:
+        return "float32 weights, no autocast: this CPU has no fast bf16 (TINKER_SR_TRAIN_DTYPE)"
+    return "float32 weights under bfloat16 autocast"
+
+
+def _to_bfloat16(model_dir: Path) -> None:
+    """The directory's weights rewritten in bfloat16, its config saying so."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in model_dir.glob("*.safetensors"):
+        tensors = {k: t.to(torch.bfloat16) for k, t in load_file(f).items()}
+        save_file(tensors, f, metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config.pop("torch_dtype", None)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -204,6 +258,13 @@ def main() -> None:
         default=64,
         help="the DeltaNet heads' width (128: Qwen3.5's own; 2 key / 4 value heads)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "autocast"],
+        default="float32",
+        help="bfloat16: the weights saved in bfloat16 (a bf16 checkpoint); autocast: float32 "
+        "weights trained under bfloat16 autocast (TINKER_SR_TRAIN_DTYPE=bf16)",
+    )
     args = parser.parse_args()
     which = set(UNDO) if args.baseline == "all" else set(args.baseline.split(","))
     if which - set(UNDO):
@@ -218,11 +279,13 @@ def main() -> None:
 
     print(describe_machine())
     print(
-        f"model: qwen3_5, DeltaNet heads of {args.head_dim}; "
+        f"model: qwen3_5, DeltaNet heads of {args.head_dim}, {_dtype_note(args.dtype)}; "
         f"baseline: {', '.join(sorted(which))} undone"
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5", args.head_dim)
+        if args.dtype == "bfloat16":
+            _to_bfloat16(model_dir)
         service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
         training = service.create_lora_training_client(
             base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False

@@ -24,7 +24,9 @@ a transposed, padded copy in forward and transposed strides again in backward.
 `deltanet_heads` forms the rule's q, k (L2-normalised, repeated per value head) and v from
 the convolution's output in one pass, heads-major as the rule reads them.
 `gated_rms_norm` is its gated RMSNorm, one pass a row (torch's eager form: ~8 passes forward,
-~12 backward), reading the rule's heads-major output through its strides.
+~12 backward), reading the rule's heads-major output through its strides. The convolution and
+the norm compute in float32 whatever their operands' floating types: a bfloat16 checkpoint's
+projections, or autocast's, are read as float32 (no bf16 ops and casts around them).
 
 `benchmarks/linear_attention.py` times them in the step and in sampling (``--work sample``).
 """
@@ -55,6 +57,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("tinker_sr.engine")
+
+# The floating types the DeltaNet layer's C passes take (`short_conv_silu`, `gated_rms_norm`):
+# they compute in float32, a half-precision operand read as float32 (a bfloat16 checkpoint's
+# projections, autocast's), its gradient returned in its own type.
+TAKEN = (torch.float32, torch.bfloat16, torch.float16)
 
 _FUNCTIONS = {torch.float32: "tsr_unit_lower_solve_f32", torch.float64: "tsr_unit_lower_solve_f64"}
 
@@ -318,7 +325,7 @@ def _deltanet_library() -> Any | None:
 
 def deltanet_runs(device: torch.device) -> bool:
     """Do the DeltaNet layer's C passes (`short_conv_silu`, `deltanet_heads`, `gated_rms_norm`)
-    run for float32 operands on ``device``?"""
+    run on ``device`` (in float32; the convolution and norm read a bfloat16 operand too)?"""
     return (
         device.type == "cpu" and compiled.native_mode() != "off" and _deltanet_library() is not None
     )
@@ -327,11 +334,12 @@ def deltanet_runs(device: torch.device) -> bool:
 def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Tensor | None:
     """``silu(conv1d(pad(x^T), weight, groups=C))^T`` from x's rows as they are: x [B, T, C],
     ``weight`` the depthwise conv1d's [C, 1, K], ``init`` [B, C, K - 1] the inputs before
-    x's first position (a decode cache's window; None: zeros) -> [B, T, C]. Differentiable in
-    x (without ``init``). None where the C kernels do not apply (the caller runs torch's
-    conv1d): not float32 on the CPU, under autocast (whose conv1d runs in bfloat16), a weight
-    or window that needs a gradient, more than `MAX_TAPS` taps, the C kernels off or
-    unavailable."""
+    x's first position (a decode cache's window; None: zeros) -> float32 [B, T, C], computed in
+    float32 whatever the operands' floating types (a bfloat16 checkpoint's, or autocast's
+    bfloat16 projection: read as float32, the gradient returned in x's type). Differentiable
+    in x (without ``init``). None where the C kernels do not apply (the caller runs torch's
+    conv1d): not on the CPU, not a floating type of `TAKEN`, a weight or window that needs a
+    gradient, more than `MAX_TAPS` taps, the C kernels off or unavailable."""
     operands = [x, weight] + ([] if init is None else [init])
     B, T, C = x.shape if x.dim() == 3 else (0, 0, 0)
     K = weight.shape[-1]
@@ -341,23 +349,22 @@ def short_conv_silu(x: Tensor, weight: Tensor, init: Tensor | None = None) -> Te
         or tuple(weight.shape) != (C, 1, K)
         or not 1 <= K <= MAX_TAPS
         or (init is not None and tuple(init.shape) != (B, C, K - 1))
-        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in operands)
-        or torch.is_autocast_enabled("cpu")
+        or any(t.dtype not in TAKEN or t.device.type != "cpu" for t in operands)
         or (grad and (weight.requires_grad or (init is not None and init.requires_grad)))
         or (grad and x.requires_grad and init is not None)
         or not deltanet_runs(x.device)
     ):
         return None
-    taps = weight.detach().reshape(C, K).t().contiguous()  # [K, C]
+    taps = weight.detach().float().reshape(C, K).t().contiguous()  # [K, C]
     if grad and x.requires_grad:
         return _ShortConvSilu.apply(x, taps)  # type: ignore[no-any-return]
-    window = None if init is None else init.transpose(1, 2).contiguous()  # [B, K - 1, C]
-    return _conv_forward(x.contiguous(), taps, window)
+    window = None if init is None else init.float().transpose(1, 2).contiguous()  # [B, K - 1, C]
+    return _conv_forward(x.float().contiguous(), taps, window)
 
 
 def _conv_forward(x: Tensor, taps: Tensor, window: Tensor | None) -> Tensor:
     B, T, C = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(B, T, C, dtype=torch.float32)
     cast(Any, _deltanet_library()).tsr_short_conv_silu_fwd(
         *(_pointer(t) for t in (x, taps, window, out)), B, T, C, taps.shape[0],
         torch.get_num_threads(),
@@ -368,13 +375,13 @@ def _conv_forward(x: Tensor, taps: Tensor, window: Tensor | None) -> Tensor:
 class _ShortConvSilu(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, taps: Tensor) -> Tensor:  # type: ignore[override]
-        x = x.contiguous()
-        ctx.save_for_backward(x, taps)
-        return _conv_forward(x, taps, None)
+        ctx.save_for_backward(x, taps)  # in its own type: a bfloat16 x is read again as float32
+        return _conv_forward(x.float().contiguous(), taps, None)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
-        x, taps = ctx.saved_tensors
+        given, taps = ctx.saved_tensors
+        x = given.float().contiguous()
         B, T, C = x.shape
         dx = torch.empty_like(x)
         failed = cast(Any, _deltanet_library()).tsr_short_conv_silu_bwd(
@@ -387,15 +394,17 @@ class _ShortConvSilu(torch.autograd.Function):
                 f"({(64 + taps.shape[0]) * C * 4} bytes per thread); free memory or use fewer "
                 f"threads"
             )
-        return dx, None
+        return dx.to(given.dtype), None
 
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     """`hybrid.GatedRMSNorm`'s ``weight * (y / sqrt(mean(y^2) + eps)) * silu(z)`` over the last
     dimension, in C: y [..., n] (2 to 4 dimensions, any strides with the last dimension's
     1: the rule's heads-major output as it is), z of y's shape, ``weight`` [n] -> a contiguous
-    result of y's shape. Differentiable in y and z. None where the C kernels do not apply (the
-    caller runs torch's ops): not all float32 on the CPU, a weight that needs a gradient,
+    float32 result of y's shape, computed in float32 whatever the operands' floating types
+    (`TAKEN`: a bfloat16 z or weight read as float32, gradients returned in their operand's
+    type). Differentiable in y and z. None where the C kernels do not apply (the caller runs
+    torch's ops): not all on the CPU in a type of `TAKEN`, a weight that needs a gradient,
     other shapes, the C kernels off or unavailable."""
     n = y.shape[-1] if y.dim() else 0
     if (
@@ -403,7 +412,7 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor |
         or z.shape != y.shape
         or tuple(weight.shape) != (n,)
         or y.stride(-1) != 1
-        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (y, z, weight))
+        or any(t.dtype not in TAKEN or t.device.type != "cpu" for t in (y, z, weight))
         or (torch.is_grad_enabled() and weight.requires_grad)
         or not deltanet_runs(y.device)
     ):
@@ -411,10 +420,11 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor |
     shape = y.shape
     y4 = y[(None,) * (4 - y.dim())]  # unit leading dimensions: views
     z4 = z.contiguous().view((1,) * (4 - z.dim()) + tuple(z.shape))
+    gain = weight.detach().float()
     if torch.is_grad_enabled() and (y.requires_grad or z.requires_grad):
-        out = _GatedRMSNorm.apply(y4, z4, weight.detach(), eps)
+        out = _GatedRMSNorm.apply(y4, z4, gain, eps)
     else:
-        out = _norm_forward(y4, z4, weight, eps)
+        out = _norm_forward(y4.float(), z4.float(), gain, eps)
     return out.view(shape)  # type: ignore[no-any-return]
 
 
@@ -445,20 +455,21 @@ class _GatedRMSNorm(torch.autograd.Function):
     ) -> Tensor:
         if torch.empty_like(y).stride() != y.stride():  # not dense: its gradient could not
             y = y.contiguous()  # take its strides
-        ctx.save_for_backward(y, z, weight)
+        ctx.save_for_backward(y, z, weight)  # in their own types: read again as float32
         ctx.eps = eps
-        return _norm_forward(y, z, weight, eps)
+        return _norm_forward(y.float(), z.float(), weight, eps)  # float(): y's strides kept
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        y, z, weight = ctx.saved_tensors
+        y_given, z_given, weight = ctx.saved_tensors
+        y, z = y_given.float(), z_given.float()
         dy, dz = torch.empty_like(y), torch.empty_like(z)  # dy: y's strides
         cast(Any, _deltanet_library()).tsr_gated_rms_norm_bwd(
             _pointer(y), y.shape[1], y.shape[2], *y.stride()[:3],
             *(_pointer(t) for t in (z, weight.contiguous(), grad.contiguous(), dy, dz)),
             z.numel() // y.shape[3], y.shape[3], ctx.eps, _threads(z.numel()),
         )  # fmt: skip
-        return dy, dz, None, None
+        return dy.to(y_given.dtype), dz.to(z_given.dtype), None, None
 
 
 def deltanet_heads(

@@ -220,11 +220,14 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+    def forward(self, x: Tensor, z: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """-> ``dtype`` (default x's). The C pass computes in float32 from x as it is (the
+        rule's float32 output); torch's ops round x to ``dtype`` first, as transformers does."""
+        dtype = dtype or x.dtype
         out = gated_rms_norm(x, z, self.weight, self.eps)  # one C pass a row, where it applies
         if out is not None:
-            return out
-        dtype = x.dtype
+            return out.to(dtype)
+        x = x.to(dtype)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
@@ -288,7 +291,7 @@ class GatedDeltaNet(nn.Module):
             y, s = gated_delta_rule(q, k, v, g, beta, state)
         if cache is not None:
             cache.state[layer].copy_(s)
-        y = self.norm(y.to(x.dtype), z.view(B, T, self.v_heads, self.v_dim))
+        y = self.norm(y, z.view(B, T, self.v_heads, self.v_dim), x.dtype)
         return apply_linear(self.out_proj, y.reshape(B, T, -1))
 
     def _heads(self, mixed: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
@@ -323,13 +326,14 @@ class GatedDeltaNet(nn.Module):
         n = qkv.shape[0]
         window = torch.cat([conv.to(qkv.dtype), qkv[..., None]], -1)  # [n, C, kernel]
         conv.copy_(window[..., 1:])
-        mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
+        # in float32 whatever the weights' type, as the C convolution of prefill and training
+        mixed = F.silu((window.float() * self.conv1d.weight[:, 0].float()).sum(-1))
         q, k, v, g, beta = self._heads(mixed, a, b)
         y = gated_delta_step_(q, k, v, g, beta, state, DECAY_FLOOR)  # the C kernel, in place
         if y is None:
             y, s = gated_delta_step(q, k, v, g, beta, state)
             state.copy_(s)
-        y = self.norm(y.to(qkv.dtype), z.view(n, self.v_heads, self.v_dim))
+        y = self.norm(y, z.view(n, self.v_heads, self.v_dim), qkv.dtype)
         return y.reshape(n, -1)
 
 
