@@ -36,7 +36,9 @@ times:
   then stepped, in place of explicit vectors of the CPU's width (64 bytes with AVX-512, 32 with
   AVX2) with rows' sums reduced a vector's lanes at a time and one pass per recomputed state,
   ``TSR_RULE_PLAIN_BACKWARD``; ``half``: the C convolution and gated norm refusing bfloat16
-  operands and autocast, as before session 48, torch's ops in their place);
+  operands and autocast, as before session 48, torch's ops in their place; ``stream``: a bf16
+  checkpoint's residual adds and RMSNorms as torch's eager bf16 ops, in place of
+  `bf16_rows.bf16_stream_rms_norm`'s C passes, session 48);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -53,6 +55,7 @@ bfloat16); ``--dtype autocast`` trains float32 weights under bfloat16 autocast
     python benchmarks/linear_attention.py --baseline wide --head-dim 128   # Qwen3.5's width
     python benchmarks/linear_attention.py --baseline vectors --work rule-backward --head-dim 128
     python benchmarks/linear_attention.py --baseline half --dtype bfloat16 --head-dim 128
+    python benchmarks/linear_attention.py --baseline stream --dtype bfloat16 --head-dim 128
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -74,7 +77,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from engine_vs_hf import RANK, _seconds, make_model_dir  # noqa: E402
 from mixed_lengths import make_data  # noqa: E402
 
-UNDO = ("floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors", "half")
+UNDO = (
+    "floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors", "half", "stream",
+)  # fmt: skip
 # the C rule's build macros that undo a change (native.load builds each variant apart)
 BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 
@@ -82,8 +87,11 @@ BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 @contextlib.contextmanager
 def undone(which: set[str]) -> Iterator[None]:
     """The engine with ``which`` (of `UNDO`) of this script's changes undone."""
-    from tinker_sr.engine import delta_native, hybrid
+    from tinker_sr.engine import bf16_rows, delta_native, hybrid
 
+    stream = bf16_rows.bf16_stream_rms_norm
+    if "stream" in which:
+        bf16_rows.bf16_stream_rms_norm = lambda *_: None  # type: ignore[assignment]
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
     rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
     heads, library = hybrid.deltanet_heads, delta_native._library
@@ -115,6 +123,7 @@ def undone(which: set[str]) -> Iterator[None]:
         hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
         hybrid.deltanet_heads, delta_native._library = heads, library
         delta_native.native_solve_ready = ready
+        bf16_rows.bf16_stream_rms_norm = stream
 
 
 def _float32_only(fn: Any) -> Any:

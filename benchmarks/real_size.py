@@ -13,8 +13,16 @@ non-zero B, as after a step):
 2. **A prefill's unembedding of its last position**: ``gemm.linear`` on the [1, 1, 1024]
    hidden state (folded to 2-D) against ``F.linear`` on the same 3-D input.
 
+3. **A training step's residual adds and RMSNorms**: the 57 of a forward (two a layer and
+   the final norm) and their backward, on RL-sized batches (``--tokens``, default 400: 16
+   sequences of 25) with the residual stream in bfloat16, as a bf16 checkpoint trains. Now
+   `bf16_rows.bf16_stream_rms_norm` (one C pass a row each way); before, torch's eager bf16
+   ops (`fused.rms_norm`'s node after the add).
+
 Rounds alternate (new, old) and report medians; the outputs are compared (the merge: within
-bfloat16's rounding, equal but for near-ties; the unembedding: equal).
+bfloat16's rounding, equal but for near-ties; the unembedding: equal; the norms: the share of
+gradients equal to the eager ones' bits, and the largest difference against the largest
+gradient).
 
     python benchmarks/real_size.py
     python benchmarks/real_size.py --rounds 5
@@ -121,14 +129,62 @@ def unembed(rounds: int) -> None:
     )
 
 
+def norms(rounds: int, tokens: int) -> None:
+    from tinker_sr.engine import bf16_rows, fused
+
+    gen = torch.Generator().manual_seed(2)
+    x0 = torch.randn(1, tokens, HIDDEN, generator=gen).bfloat16()
+    ys = [torch.randn(1, tokens, HIDDEN, generator=gen).bfloat16() for _ in range(2 * LAYERS)]
+    gains = [(torch.rand(HIDDEN, generator=gen) + 0.5).bfloat16() for _ in range(2 * LAYERS + 1)]
+    grads = [torch.randn(1, tokens, HIDDEN, generator=gen).bfloat16() for _ in range(len(gains))]
+
+    def chain() -> torch.Tensor:
+        """The residual stream through 56 add + norms and the final one; backward from each
+        normalised row (what the sublayers' products would send back); x0's gradient."""
+        h = x0.clone().requires_grad_()
+        leaves = [y.clone().requires_grad_() for y in ys]
+        outs = []
+        for y, w in zip(leaves, gains, strict=False):
+            h, out = fused.add_rms_norm(h, y, w, 1e-6)
+            outs.append(out)
+        outs.append(fused.rms_norm(h, gains[-1], 1e-6))
+        torch.autograd.backward(outs, grads)
+        assert leaves[0].grad is not None
+        return leaves[0].grad
+
+    real = bf16_rows.bf16_stream_rms_norm
+
+    def eager() -> torch.Tensor:
+        bf16_rows.bf16_stream_rms_norm = lambda *_: None  # type: ignore[assignment]
+        try:
+            return chain()
+        finally:
+            bf16_rows.bf16_stream_rms_norm = real
+
+    t_new, t_old = _pair(chain, eager, rounds)
+    got, want = chain().float(), eager().float()
+    print(
+        f"\n3. a bf16 step's {2 * LAYERS + 1} residual adds + RMSNorms, forward and backward, "
+        f"[1, {tokens}, {HIDDEN}]"
+    )
+    print(
+        f"   C passes {t_new * 1e3:.1f} ms vs torch's bf16 ops {t_old * 1e3:.1f} ms: "
+        f"{t_new / t_old:.2f}x time; first sublayer's gradient: "
+        f"{(got == want).float().mean().item():.6f} equal, largest difference "
+        f"{((got - want).abs().max() / want.abs().max()).item():.1e} of the largest value"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=400, help="the norms' rows (3.)")
     args = parser.parse_args()
     torch.set_num_threads(default_torch_threads())
     print(describe_machine())
     merge(args.rounds)
     unembed(args.rounds)
+    norms(args.rounds, args.tokens)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from tinker_sr.engine.compiled import _ptr
 
 __all__ = [
     "add_rms_norm",
+    "bf16_stream_rms_norm",
     "causal_softmax",
     "causal_softmax_backward",
     "library",
@@ -76,6 +77,8 @@ def _library() -> Any | None:
     lib.tsr_add_rms_norm_bf16.argtypes = [p, p, p, p, p, p, n, i, f32, i]
     lib.tsr_rms_norm_backward_bf16.argtypes = [p, p, p, p, p, p, p, n, i, i]
     lib.tsr_causal_softmax_backward_bf16.argtypes = [p, p, n, i, i]
+    lib.tsr_add_rms_norm_bf16_stream.argtypes = [p, p, p, p, p, p, n, i, f32, i]
+    lib.tsr_rms_norm_backward_bf16_stream.argtypes = [p, p, p, p, p, p, n, i, i]
     for name in (
         "tsr_softmax_rows_bf16",
         "tsr_norm_rope_bf16",
@@ -86,6 +89,8 @@ def _library() -> Any | None:
         "tsr_causal_softmax_backward_bf16",
         "tsr_add_rms_norm_bf16",
         "tsr_rms_norm_backward_bf16",
+        "tsr_add_rms_norm_bf16_stream",
+        "tsr_rms_norm_backward_bf16_stream",
     ):
         getattr(lib, name).restype = None
     return lib
@@ -289,3 +294,77 @@ class _AddRMSNorm(torch.autograd.Function):
             _ptr(d), _ptr(d_low), h.numel() // n, n, torch.get_num_threads(),
         )  # fmt: skip
         return d, d_low, None, None
+
+
+def bf16_stream_rms_norm(
+    x: Tensor, y: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor] | None:
+    """A bf16 checkpoint's residual add and RMSNorm (weights and residual stream in bf16, no
+    autocast): ``(h, out)`` with h = x + y in bf16 (``y`` None: h is x) and out =
+    ``weight * rms_norm(h)`` as torch's eager bf16 ops round it (`fused.rms_norm`: the
+    normalised row cast to bf16 before the gain), in one C pass a row each way where those
+    ops take ~6 forward and ~8 backward. Values within a bf16 unit of theirs (the mean of
+    squares summed in another order). None where it does not apply (the caller runs torch's
+    ops): not all bf16 on the CPU, under autocast, a gain that needs a gradient, rows not a
+    multiple of 16 long, inference mode (`ready`)."""
+    n = x.shape[-1]
+    operands = (x, weight) if y is None else (x, y, weight)
+    if not (
+        not torch.is_autocast_enabled("cpu")
+        and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in operands)
+        and (y is None or y.shape == x.shape)
+        and weight.shape == (n,)
+        and n % 16 == 0
+        and not weight.requires_grad
+        and ready(*operands)
+        and library() is not None
+    ):
+        return None
+    gain = weight.float()  # a bf16 gain widened exactly
+    if torch.is_grad_enabled() and (x.requires_grad or (y is not None and y.requires_grad)):
+        got = _StreamRMSNorm.apply(x, y, gain, eps)
+        return (x, got) if y is None else got  # type: ignore[return-value]
+    h, out, _ = _stream_forward(x, y, gain, eps)
+    return h, out
+
+
+def _stream_forward(
+    x: Tensor, y: Tensor | None, gain: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    h = x if y is None else torch.empty_like(x)
+    out = torch.empty_like(x)
+    r = torch.empty(*x.shape[:-1], 1)
+    _library().tsr_add_rms_norm_bf16_stream(  # type: ignore[union-attr]
+        _ptr(x), None if y is None else _ptr(y), _ptr(gain), _ptr(h), _ptr(out), _ptr(r),
+        x.numel() // n, n, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return h, out, r
+
+
+class _StreamRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, y: Tensor | None, gain: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor] | Tensor:
+        """-> (h, out), or out alone without y (h is x)."""
+        h, out, r = _stream_forward(x, y, gain, eps)
+        ctx.save_for_backward(h, gain, r)
+        ctx.set_materialize_grads(False)  # the last layer's h feeds nothing but its norm
+        ctx.added = y is not None
+        return (h, out) if ctx.added else out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, gain, r = ctx.saved_tensors
+        dh, dout = grads if ctx.added else (None, grads[0])
+        if dout is None:  # only the residual path
+            return dh, dh, None, None
+        add = None if dh is None else dh.contiguous()
+        g, d = dout.contiguous(), torch.empty_like(h)
+        n = h.shape[-1]
+        _library().tsr_rms_norm_backward_bf16_stream(  # type: ignore[union-attr]
+            _ptr(g), _ptr(h), _ptr(gain), _ptr(r), None if add is None else _ptr(add), _ptr(d),
+            h.numel() // n, n, torch.get_num_threads(),
+        )  # fmt: skip
+        return d, d if ctx.added else None, None, None

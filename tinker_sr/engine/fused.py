@@ -506,6 +506,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _float32_under_cpu_autocast(x, weight):
         with torch.autocast("cpu", enabled=False):
             return rms_norm(x, weight, eps)
+    if (got := bf16_rows.bf16_stream_rms_norm(x, None, weight, eps)) is not None:
+        return got[1]  # a bf16 checkpoint's, in C
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)  # type: ignore[no-any-return]
     return _rms_norm_forward(x, weight, eps)[0]
@@ -592,6 +594,8 @@ def add_rms_norm(
         # (`float()` of a float32 y is y itself).
         with torch.autocast("cpu", enabled=False):
             return add_rms_norm(x, y.float(), weight, eps)
+    if (got := bf16_rows.bf16_stream_rms_norm(x, y, weight, eps)) is not None:
+        return got  # a bf16 checkpoint's residual stream, in C
     tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if (
         weight.requires_grad

@@ -187,3 +187,63 @@ void tsr_rms_norm_backward_bf16(const uint16_t *g, const float *x, const float *
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < rows; i++) rms_norm_grad_unit(i, g, x, w, r, add, dx, dx_low, n, 1);
 }
+
+/* A bf16 checkpoint's residual add and RMSNorm (its weights and residual stream in bf16, no
+   autocast), rounding where torch's eager bf16 ops round: h = bf16(x + y) (y NULL: h is x,
+   not written), r = 1 / sqrt(mean(h^2) + eps) from h widened, out = bf16(bf16(h r) w), the
+   normalised row cast to bf16 before the gain as transformers does (w is the bf16 gain
+   widened, so that product is exact before its rounding). One pass over x and y writing h,
+   one reading h and writing out, where the eager form takes ~6 passes. */
+void tsr_add_rms_norm_bf16_stream(const uint16_t *x, const uint16_t *y, const float *w,
+                                  uint16_t *h, uint16_t *out, float *r, int64_t rows, int n,
+                                  float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const uint16_t *xi = x + i * n;
+    uint16_t *oi = out + i * n;
+    v16 acc = vset1(0.f);
+    if (y) {
+      const uint16_t *yi = y + i * n;
+      uint16_t *hi = h + i * n;
+      for (int j = 0; j < n; j += VL) {
+        v16 v = vround_bf16(vload_bf16(xi + j) + vload_bf16(yi + j));
+        vstore_bf16(hi + j, v); /* already a bf16 value: stored exactly */
+        acc += v * v;
+      }
+      xi = hi;
+    } else {
+      for (int j = 0; j < n; j += VL) {
+        v16 v = vload_bf16(xi + j);
+        acc += v * v;
+      }
+    }
+    float ri = 1.0f / sqrtf(vhsum(acc) / (float)n + eps);
+    v16 rv = vset1(ri);
+    for (int j = 0; j < n; j += VL)
+      vstore_bf16(oi + j, vround_bf16(vload_bf16(xi + j) * rv) * vload(w + j));
+    r[i] = ri;
+  }
+}
+
+/* Its gradient, as torch's eager bf16 ops compute it: gw = bf16(g w) widened, n = h r (float32),
+   d = bf16(r (gw - n mean(gw n))), then d = bf16(d + add) where the residual path's bf16
+   gradient `add` is given (autograd's sum of the two at h), written to dx. */
+void tsr_rms_norm_backward_bf16_stream(const uint16_t *g, const uint16_t *h, const float *w,
+                                       const float *r, const uint16_t *add, uint16_t *dx,
+                                       int64_t rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    int64_t row = i * n;
+    v16 rv = vset1(r[i]), acc = vset1(0.f);
+    for (int j = 0; j < n; j += VL)
+      acc += vround_bf16(vload_bf16(g + row + j) * vload(w + j)) * (vload_bf16(h + row + j) * rv);
+    v16 mv = vset1(vhsum(acc) / (float)n);
+    for (int j = 0; j < n; j += VL) {
+      v16 nv = vkeep(vload_bf16(h + row + j) * rv);
+      v16 gw = vround_bf16(vload_bf16(g + row + j) * vload(w + j));
+      v16 d = (gw - vkeep(nv * mv)) * rv;
+      if (add) d = vround_bf16(d) + vload_bf16(add + row + j);
+      vstore_bf16(dx + row + j, d);
+    }
+  }
+}
