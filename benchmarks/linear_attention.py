@@ -38,7 +38,9 @@ times:
   ``TSR_RULE_PLAIN_BACKWARD``; ``half``: the C convolution and gated norm refusing bfloat16
   operands and autocast, as before session 48, torch's ops in their place; ``stream``: a bf16
   checkpoint's residual adds and RMSNorms as torch's eager bf16 ops, in place of
-  `bf16_rows.bf16_stream_rms_norm`'s C passes, session 48);
+  `bf16_rows.bf16_stream_rms_norm`'s C passes, session 48; ``stack``: decode's q, k, v and z
+  projections of the DeltaNet layers as four products, in place of one by their weights
+  stacked, session 48);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -56,6 +58,7 @@ bfloat16); ``--dtype autocast`` trains float32 weights under bfloat16 autocast
     python benchmarks/linear_attention.py --baseline vectors --work rule-backward --head-dim 128
     python benchmarks/linear_attention.py --baseline half --dtype bfloat16 --head-dim 128
     python benchmarks/linear_attention.py --baseline stream --dtype bfloat16 --head-dim 128
+    python benchmarks/linear_attention.py --baseline stack --work sample --head-dim 128
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -79,6 +82,7 @@ from mixed_lengths import make_data  # noqa: E402
 
 UNDO = (
     "floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors", "half", "stream",
+    "stack",
 )  # fmt: skip
 # the C rule's build macros that undo a change (native.load builds each variant apart)
 BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
@@ -87,11 +91,13 @@ BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 @contextlib.contextmanager
 def undone(which: set[str]) -> Iterator[None]:
     """The engine with ``which`` (of `UNDO`) of this script's changes undone."""
-    from tinker_sr.engine import bf16_rows, delta_native, hybrid
+    from tinker_sr.engine import batching, bf16_rows, delta_native, hybrid
 
-    stream = bf16_rows.bf16_stream_rms_norm
+    stream, delta_rows = bf16_rows.bf16_stream_rms_norm, batching.delta_rows
     if "stream" in which:
         bf16_rows.bf16_stream_rms_norm = lambda *_: None  # type: ignore[assignment]
+    if "stack" in which:
+        batching.delta_rows = _separate_delta_rows
     saved = hybrid.DECAY_FLOOR, delta_native.native_solve_ready, hybrid.gated_delta_step_
     rule, conv, norm = hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm
     heads, library = hybrid.deltanet_heads, delta_native._library
@@ -123,7 +129,19 @@ def undone(which: set[str]) -> Iterator[None]:
         hybrid.delta_rule, hybrid.short_conv_silu, hybrid.gated_rms_norm = rule, conv, norm
         hybrid.deltanet_heads, delta_native._library = heads, library
         delta_native.native_solve_ready = ready
-        bf16_rows.bf16_stream_rms_norm = stream
+        bf16_rows.bf16_stream_rms_norm, batching.delta_rows = stream, delta_rows
+
+
+def _separate_delta_rows(net: Any, h: Any) -> Any:
+    """`batching.delta_rows` as before session 48: q, k, v, z, b and a one product each."""
+    import torch
+
+    from tinker_sr.engine.batching import linear_rows
+    from tinker_sr.engine.hybrid import QKV
+
+    qkv = torch.cat([linear_rows(getattr(net, p), h) for p in QKV], -1)
+    z, b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h) for p in "zba")
+    return qkv, z, b, a
 
 
 def _float32_only(fn: Any) -> Any:

@@ -313,10 +313,13 @@ def attention_rows(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor, 
 
 
 def delta_rows(net: GatedDeltaNet, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The linear attention's projections of h's rows: qkv, z, b, a (`GatedDeltaNet.step`)."""
-    qkv = torch.cat([linear_rows(getattr(net, p), h) for p in QKV], -1)
-    z, b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h) for p in "zba")
-    return qkv, z, b, a
+    """The linear attention's projections of h's rows: qkv, z, b, a (`GatedDeltaNet.step`).
+    q, k, v and z as one product by their weights stacked where `linear_rows_many`'s probe
+    allows (one parallel region, one wake-up of the cores, instead of four); b and a, a few
+    rows each, by torch's op as alone."""
+    *qkv, z = linear_rows_many([getattr(net, p) for p in (*QKV, "in_proj_z")], h)
+    b, a = (linear_rows(getattr(net, f"in_proj_{p}"), h) for p in "ba")
+    return torch.cat(qkv, -1), z, b, a
 
 
 def _linear_attention(
