@@ -307,6 +307,8 @@ def bf16_stream_rms_norm(
     squares summed in another order). None where it does not apply (the caller runs torch's
     ops): not all bf16 on the CPU, under autocast, a gain that needs a gradient, rows not a
     multiple of 16 long, inference mode (`ready`)."""
+    if x.dtype != torch.bfloat16:  # the float32 steps' calls: out at once
+        return None
     n = x.shape[-1]
     operands = (x, weight) if y is None else (x, y, weight)
     if not (
@@ -334,7 +336,7 @@ def _stream_forward(
     n = x.shape[-1]
     h = x if y is None else torch.empty_like(x)
     out = torch.empty_like(x)
-    r = torch.empty(*x.shape[:-1], 1)
+    r = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
     _library().tsr_add_rms_norm_bf16_stream(  # type: ignore[union-attr]
         _ptr(x), None if y is None else _ptr(y), _ptr(gain), _ptr(h), _ptr(out), _ptr(r),
         x.numel() // n, n, eps, torch.get_num_threads(),

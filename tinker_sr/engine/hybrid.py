@@ -326,8 +326,10 @@ class GatedDeltaNet(nn.Module):
         n = qkv.shape[0]
         window = torch.cat([conv.to(qkv.dtype), qkv[..., None]], -1)  # [n, C, kernel]
         conv.copy_(window[..., 1:])
-        # in float32 whatever the weights' type, as the C convolution of prefill and training
-        mixed = F.silu((window.float() * self.conv1d.weight[:, 0].float()).sum(-1))
+        taps = self.conv1d.weight[:, 0]
+        if deltanet_runs(qkv.device):  # in float32, as prefill's and training's C convolution
+            window, taps = window.float(), taps.float()
+        mixed = F.silu((window * taps).sum(-1))
         q, k, v, g, beta = self._heads(mixed, a, b)
         y = gated_delta_step_(q, k, v, g, beta, state, DECAY_FLOOR)  # the C kernel, in place
         if y is None:
