@@ -139,21 +139,17 @@ def test_a_half_precision_deltanet_layer_takes_the_c_passes_nearer_float32(
         assert error(got, i) < error(before, i)
 
 
-def test_a_bf16_qwen3_5_checkpoints_samples_carry_its_forwards_log_probs(tmp_path: Path) -> None:
-    """Sampling (prefill, then decode steps) and training's forward of a bfloat16 Qwen3.5
-    directory compute the short convolution in float32 alike, so a sampled token's log-prob
-    is the forward's within bfloat16's products' noise (the decode step's convolution in
-    bfloat16 had twice the gap, the C passes without it three times)."""
+def _sampled_against_forward(model_dir: Path, store: Path) -> float:
+    """The largest difference between a sampled token's log-prob and the training forward's
+    for the same sequence (4 samples of 40 tokens from the public client)."""
     import tinker_sr as tinker
     from tinker_sr.backend.local import LocalBackend
-    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
     types = tinker.types
-    model_dir = make_tiny_hf_model_dir(tmp_path / "model", "qwen3_5", dtype="bfloat16")
-    service = tinker.ServiceClient(backend=LocalBackend(tmp_path / "store"))
-    training = service.create_lora_training_client(base_model=str(model_dir), rank=8, seed=0)
-    trainer = training.result()
-    sampler = trainer.save_weights_and_get_sampling_client().result()
+    service = tinker.ServiceClient(backend=LocalBackend(store))
+    trainer = service.create_lora_training_client(base_model=str(model_dir), rank=8, seed=0)
+    training = trainer.result()
+    sampler = training.save_weights_and_get_sampling_client().result()
     prompt = list(range(100, 140))
     params = types.SamplingParams(max_tokens=40, seed=3, temperature=1.0)
     sequences = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
@@ -167,11 +163,27 @@ def test_a_bf16_qwen3_5_checkpoints_samples_carry_its_forwards_log_probs(tmp_pat
         )
         for seq in sequences
     ]
-    outputs = trainer.forward(data, "cross_entropy").result().loss_fn_outputs
+    outputs = training.forward(data, "cross_entropy").result().loss_fn_outputs
     start = len(prompt) - 1  # the first sampled token's position
-    gap = max(
+    service.close()
+    return max(
         float((out["logprobs"].to_torch()[start:] - torch.tensor(seq.logprobs)).abs().max())
         for out, seq in zip(outputs, sequences, strict=True)
     )
-    service.close()
-    assert gap < 1.5e-3, gap
+
+
+def test_a_bf16_qwen3_5_checkpoints_samples_carry_its_forwards_log_probs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling (prefill, then decode steps) and training's forward of a bfloat16 Qwen3.5
+    directory compute the short convolution in float32 alike, so a sampled token's log-prob
+    is the forward's within bfloat16's products' noise: well under the gap with the decode
+    step's convolution left in bfloat16 (measured in the same run: the products' rounding
+    differs between CPUs). Here ~1e-3 against ~3e-3 (and 2e-3 before the C passes took bf16)."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    model_dir = make_tiny_hf_model_dir(tmp_path / "model", "qwen3_5", dtype="bfloat16")
+    gap = _sampled_against_forward(model_dir, tmp_path / "now")
+    monkeypatch.setattr(hybrid, "deltanet_runs", lambda device: False)  # decode's conv in bf16
+    in_bf16 = _sampled_against_forward(model_dir, tmp_path / "decode in bf16")
+    assert gap < 0.6 * in_bf16 and gap < 5e-3, (gap, in_bf16)
