@@ -63,11 +63,14 @@ LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 RANK, ALPHA = 8, 32
 
 
-def make_model_dir(path: Path, arch: str = "qwen3", linear_head_dim: int = 64) -> Path:
-    """The benchmark's directory: tokenizer files of the test helper, bigger weights. ``arch``
-    "qwen3_5": the same sizes as Qwen3.5's text model, six gated DeltaNet layers (4 key / 8
-    value heads of 64; ``linear_head_dim`` 128, Qwen3.5's own width: 2 / 4 heads of 128, the
-    same projections, twice the rule's state per token) and two gated-attention layers."""
+def make_model_dir(
+    path: Path, arch: str = "qwen3", linear_head_dim: int = 64, dtype: str = "float32"
+) -> Path:
+    """The benchmark's directory: tokenizer files of the test helper, bigger weights (saved in
+    ``dtype``: "bfloat16" is a bf16 checkpoint). ``arch`` "qwen3_5": the same sizes as Qwen3.5's
+    text model, six gated DeltaNet layers (4 key / 8 value heads of 64; ``linear_head_dim`` 128,
+    Qwen3.5's own width: 2 / 4 heads of 128, the same projections, twice the rule's state per
+    token) and two gated-attention layers."""
     linear_heads = 256 // linear_head_dim
     from transformers import Qwen3_5TextConfig, Qwen3Config
 
@@ -98,7 +101,7 @@ def make_model_dir(path: Path, arch: str = "qwen3", linear_head_dim: int = 64) -
             architectures=["Qwen3_5ForCausalLM"],
         )
 
-    return save_random_model(path, "qwen3", 32000, config_of)
+    return save_random_model(path, "qwen3", 32000, config_of, dtype)
 
 
 # ---- one measurement per process ------------------------------------------------------------

@@ -248,22 +248,6 @@ def _dtype_note(dtype: str) -> str:
     return "float32 weights under bfloat16 autocast"
 
 
-def _to_bfloat16(model_dir: Path) -> None:
-    """The directory's weights rewritten in bfloat16, its config saying so."""
-    import json
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    for f in model_dir.glob("*.safetensors"):
-        tensors = {k: t.to(torch.bfloat16) for k, t in load_file(f).items()}
-        save_file(tensors, f, metadata={"format": "pt"})
-    config = json.loads((model_dir / "config.json").read_text())
-    config["dtype"] = "bfloat16"
-    config.pop("torch_dtype", None)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -310,9 +294,8 @@ def main() -> None:
         f"baseline: {', '.join(sorted(which))} undone"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5", args.head_dim)
-        if args.dtype == "bfloat16":
-            _to_bfloat16(model_dir)
+        saved = "bfloat16" if args.dtype == "bfloat16" else "float32"
+        model_dir = make_model_dir(Path(tmp) / "model", "qwen3_5", args.head_dim, saved)
         service = tinker.ServiceClient(backend=LocalBackend(Path(tmp) / "store"))
         training = service.create_lora_training_client(
             base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False

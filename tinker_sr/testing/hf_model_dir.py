@@ -461,12 +461,17 @@ def make_tiny_hf_model_dir(
 
 
 def save_random_model(
-    path: str | os.PathLike[str], family: Family, vocab: int, config_of: Any
+    path: str | os.PathLike[str],
+    family: Family,
+    vocab: int,
+    config_of: Any,
+    dtype: DTypeName = "float32",
 ) -> Path:
     """A directory of wider weights than `make_tiny_hf_model_dir`'s (benchmarks, and tests
     that need realistic widths): its tokenizer files (``family``'s, the vocabulary padded to
-    ``vocab``) beside random weights (seed 0) of ``config_of(**special_ids)``, a transformers
-    config given the tokenizer's bos/eos/pad ids."""
+    ``vocab``) beside random weights (seed 0, drawn in float32 and saved in ``dtype``, as
+    `make_tiny_hf_model_dir` does) of ``config_of(**special_ids)``, a transformers config given
+    the tokenizer's bos/eos/pad ids."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -476,7 +481,8 @@ def save_random_model(
     for f in out.glob("model*.safetensors*"):
         f.unlink()
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     return out
 
 
