@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine.test_bf16_rows import _ulps
 from tinker_sr.engine import bf16_rows, compiled, fused
 
 BF16 = torch.bfloat16
@@ -18,13 +19,6 @@ BF16 = torch.bfloat16
 def _needs_the_kernels() -> None:
     if compiled.native_mode() == "off" or bf16_rows.library() is None:
         pytest.skip("no C compiler here")
-
-
-def _units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units of b's last bf16 place (2^-133 floor for zeros)."""
-    b32 = b.float()
-    unit = torch.ldexp(torch.ones_like(b32), torch.frexp(b32).exponent - 8).clamp_min(2.0**-133)
-    return (a.float() - b32).abs() / unit
 
 
 def _eager(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> Any:
@@ -59,7 +53,7 @@ def test_a_bf16_residual_norm_is_torchs_eager_bf16_within_a_unit(with_y: bool) -
     got, want = _run(kernel, with_y), _run(_eager, with_y)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == BF16 and a.shape == b.shape
-        assert float(_units(a, b).max()) <= 1.0
+        assert float(_ulps(a, b).max()) <= 1.0
         assert float((a == b).float().mean()) > 0.999
     before = torch.get_num_threads()
     torch.set_num_threads(1)
