@@ -397,3 +397,30 @@ def test_released_seq_ids_do_not_block_later_requests(tmp_path: object) -> None:
 
     assert asyncio.run(main()) > 0
     backend.close()
+
+
+def test_a_scripts_own_random_streams_are_left_alone(tmp_path, embedded_service) -> None:
+    """A script that seeds torch, `random` and numpy for its own shuffles and draws gets the
+    numbers it gets with the official SDK (which builds nothing locally): training, sampling
+    and a real model directory's client draw nothing from the global generators."""
+    import random
+
+    import torch
+
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    root = make_tiny_hf_model_dir(tmp_path / "model")
+
+    def seeded() -> None:
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+    seeded()
+    want = (torch.rand(3).tolist(), random.random(), np.random.rand())
+    seeded()
+    for base in (MODEL, str(root)):
+        tc = embedded_service.create_lora_training_client(base_model=base, rank=4)
+        tc.forward_backward([sft_datum(b"hello")], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = tc.save_weights_and_get_sampling_client("rng")
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params()).result()
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == want

@@ -57,10 +57,11 @@ def test_adapter_sizes_are_tinkers(name: str) -> None:
     from tinker_sr.engine.hf_config import config_from_hf
     from tinker_sr.engine.lora import apply_lora
     from tinker_sr.engine.model import Transformer
+    from tinker_sr.engine.skeleton import on_meta
     from tinker_sr.engine.training import lora_spec
 
     config = config_from_hf(_REAL_SIZES[name], name)
-    with torch.device("meta"):  # shapes only
+    with on_meta():  # shapes only, as the engine builds its skeletons
         model = Transformer(config)
     apply_lora(model, lora_spec(types.LoraConfig(rank=1), experts=bool(config.moe_layers)))
     counts = {"mlp": 0, "attn": 0, "unembed": 0}

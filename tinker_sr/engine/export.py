@@ -41,6 +41,7 @@ from tinker_sr.engine.lora import (
     load_lora_state_dict,
 )
 from tinker_sr.engine.model import ModelConfig, Transformer
+from tinker_sr.engine.skeleton import on_meta
 from tinker_sr.hf_files import read_json
 from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -220,7 +221,7 @@ def _check_fits(resolved: str, base_dir: Path | None, ckpt: LoraCheckpoint) -> N
     from tinker_sr.engine.model import BUILTIN_CONFIGS
 
     config = BUILTIN_CONFIGS[resolved] if base_dir is None else check_model_dir(base_dir)[3]
-    with torch.device("meta"):
+    with on_meta():
         skeleton = Transformer(config)
         apply_lora(skeleton, dataclasses.replace(ckpt.spec, seed=0))
     check_lora_state_dict(skeleton, ckpt.adapters)

@@ -30,6 +30,7 @@ from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory
 from tinker_sr.engine.hf_config import config_from_hf, vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
+from tinker_sr.engine.skeleton import on_meta
 from tinker_sr.hf_files import is_model_dir, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -152,7 +153,7 @@ def _check_tensors(
     """The checkpoint's tensors (names and shapes from the safetensors headers) against the
     model `config` describes: each must have a place of its shape, and each place a tensor.
     Returns the tensors that will load, each with its number of elements."""
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     unused: list[str] = []
     unused_in: set[str] = set()  # the files that hold them

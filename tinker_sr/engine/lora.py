@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tinker_sr.engine.fused import fits, frozen_linear, merged_weight
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
+from tinker_sr.engine.skeleton import on_meta, without_init
 from tinker_sr.user_errors import EngineUserError, check_same_names
 
 # F.linear's signature: (x, weight, bias) -> x @ weight.T + bias.
@@ -60,8 +61,9 @@ class LoraLinear(nn.Linear):
         self.bias = base.bias
         self.scaling = alpha / rank
         device = base.weight.device  # the adapter lives with its base (CPU or GPU)
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
+        with without_init():  # both are written below, A from ``generator``
+            self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
+            self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
         with torch.no_grad():
             # PEFT's default: kaiming_uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(in), 1/sqrt(in)),
             # drawn from a CPU generator on every device (copy_ moves it).
@@ -266,7 +268,7 @@ def clone_for_sampling(
     lm_head_adapted = isinstance(model.lm_head, LoraLinear)
     if config.tie_embeddings and lm_head_adapted:
         config = dataclasses.replace(config, tie_embeddings=False)
-    with torch.device("meta"):  # every parameter is assigned below; nothing to allocate now
+    with on_meta():  # every parameter is assigned below; nothing to allocate now
         clone = Transformer(config)
     clone.inv_freq = rope_inv_freq(config)
     src: dict[str, Tensor] = {}
@@ -336,7 +338,7 @@ def share_frozen(model: Transformer) -> Transformer:
     """
     if any(p.requires_grad for p in model.parameters()):
         raise ValueError("share_frozen: the model must be frozen (requires_grad False)")
-    with torch.device("meta"):
+    with on_meta():
         view = Transformer(model.config)
     view.inv_freq = model.inv_freq
     for name, p in model.named_parameters():

@@ -6,9 +6,8 @@ RMSNorm, rotary embeddings (HF "rotate_half" layout), grouped-query attention th
 projection biases (Qwen2: q/k/v; Llama: all four). Submodules carry Hugging Face names, so a
 real checkpoint's state dict loads by name (`load_pretrained`).
 
-Two call shapes:
-- training / scoring: `model(tokens[B, T], attn_mask=valid[B, T])` on a right-padded batch;
-- generation: `model(tokens, start_pos=p, cache=kv)` with a `KVCache` allocated once per request.
+Two call shapes: training / scoring, `model(tokens[B, T], attn_mask=valid[B, T])` on a
+right-padded batch; generation, `model(tokens, start_pos=p, cache=kv)` (a `KVCache` per request).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from tinker_sr.engine.hybrid import (
 )
 from tinker_sr.engine.kv_cache import KVCache
 from tinker_sr.engine.rope import rope_angles, rope_attention_factor, rope_inv_freq
+from tinker_sr.engine.skeleton import on_meta
 from tinker_sr.tokenization.byte import TOKENIZER_SIZE, ByteTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -626,10 +626,10 @@ def _stable_seed(*parts: object) -> int:
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """Allocate without nn.Linear's default init (slow, and it consumes the global torch RNG)."""
+    """Allocate without nn.Linear's default init (`skeleton`)."""
     if config.moe_layers:  # more product shapes a step than a dense model's
         cpu.widen_kernel_caches(cpu.MOE_KERNEL_CACHE_ENTRIES)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(config).to(dtype)
     model.to_empty(device="cpu")
     if config.tie_embeddings:  # to_empty allocates each module's parameters separately
