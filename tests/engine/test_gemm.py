@@ -205,13 +205,16 @@ def test_merged_sampler_budget_counts_the_packed_copy(monkeypatch: pytest.Monkey
     model = build_model("tinker-sr/tiny", seed=0)
     apply_lora(model, LoraSpec(rank=2, seed=0))
     one = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, LoraLinear))
-    assert _merged_bytes(model, torch.float32, packed=True) == 2 * one
-    assert _merged_bytes(model, torch.float32, packed=False) == one
-    size = sum(p.numel() * 2 for p in {id(p): p for p in model.parameters()}.values())
-    assert _merged_bytes(model, torch.bfloat16, packed=True) == 2 * size  # every one converted
-    assert gemm.decode_packs(torch.float32) == gemm.onednn_fp32()
+    expected = 2 * one if gemm.onednn_fp32() else one
+    assert _merged_bytes(model, torch.float32) == expected
     monkeypatch.setattr(gemm, "onednn_fp32", lambda: False)
-    assert not gemm.decode_packs(torch.float32)
+    assert _merged_bytes(model, torch.float32) == one
+    # a bf16 copy: every parameter in bf16, twice where decode packs bf16 weights
+    size = sum(p.numel() * 2 for p in {id(p): p for p in model.parameters()}.values())
+    monkeypatch.setattr(gemm, "onednn_bf16", lambda: True)
+    assert _merged_bytes(model, torch.bfloat16) == 2 * size
+    monkeypatch.setattr(gemm, "onednn_bf16", lambda: False)
+    assert _merged_bytes(model, torch.bfloat16) == size
 
 
 def test_bf16_products_are_packed_only_for_decode_and_only_with_bf16_arithmetic(

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinker_sr.engine import gemm
 from tinker_sr.engine.lora import LoraSpec, lora_state_dict
 from tinker_sr.engine.optim import AdamHParams
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, snapshot
@@ -252,30 +251,3 @@ def test_a_sampler_in_use_is_never_missing_to_a_lock_free_lookup() -> None:
         user.join()
         sys.setswitchinterval(interval)
     assert misses == 0
-
-
-def test_a_bf16_copy_is_merged_without_packed_weights_where_twice_would_not_fit(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Decode keeps packed copies of a bf16 sampler's merged weights where the budget holds
-    both; where it holds the merged weights alone, the copy is merged and left unpacked
-    (plain bf16 products) rather than falling back to adapters on the base, and nothing is
-    said about low memory."""
-    real = gemm.decode_packs  # as on a CPU with bf16 arithmetic, whatever this one has
-    monkeypatch.setattr(gemm, "decode_packs", lambda dtype: dtype == torch.bfloat16 or real(dtype))
-    reg = ModelRegistry({}, sampler_dtype=torch.bfloat16)
-    t = _trainer(reg, "t")
-    adapters = _perturbed(t, 0.05)
-    reg.register_sampler(Sampler("p0", "s", MODEL, MODEL, SPEC, None), adapters)
-    packed = reg.stats()["merged_bytes"]
-    weights = dict(reg._merged["p0"][0].named_parameters())
-    assert all(gemm.marked_packable(w) for w in weights.values())  # all converted: its own
-    tight = ModelRegistry({}, sampler_dtype=torch.bfloat16)
-    tight.merged_budget = packed * 3 // 4  # the merged weights (half of it), not twice them
-    tight.register_sampler(Sampler("p0", "s", MODEL, MODEL, SPEC, None), adapters)
-    stats = tight.stats()
-    assert stats["merged"] == 1 and stats["merged_bytes"] == packed // 2
-    assert stats["unmerged_low_memory"] == 0 and "low memory" not in caplog.text
-    model = tight.sampler("p0").model
-    assert not any(gemm.marked_packable(w) for w in model.parameters())
-    assert all(len(t) == 6 for t in _tokens(model))

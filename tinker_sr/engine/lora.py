@@ -251,7 +251,6 @@ def clone_for_sampling(
     *,
     dtype: torch.dtype = torch.float32,
     reuse: Mapping[str, Tensor] | None = None,
-    packable: bool = True,
 ) -> Transformer:
     """An independent, adapter-free inference copy holding the current weights in `dtype`.
 
@@ -264,8 +263,6 @@ def clone_for_sampling(
     own weights, `registry`): a merged or converted weight is written into its name's tensor
     where that fits (`fused.fits`) instead of new memory, sparing the first touch of every
     page of a new allocation (a Qwen3-0.6B-shaped bf16 copy: ~1.2 GB, ~300K page faults).
-    ``packable``: decode may keep packed copies of the merged and converted weights
-    (`gemm.mark_packable`; bfloat16 only, float32 weights are packed in any case).
     """
     reuse = reuse or {}
     config = model.config
@@ -293,7 +290,7 @@ def clone_for_sampling(
                 own.add(name)
             # Parameter(t) aliases t's storage: frozen base weights are shared, not copied.
             param = nn.Parameter(t, requires_grad=False)
-            if packable and name in own:
+            if name in own:
                 mark_packable(param)
             _set_param(clone, name, param)
         if config.tie_embeddings:

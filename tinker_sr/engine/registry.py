@@ -7,10 +7,11 @@ Memory model (docs/architecture.md, "Memory"):
   `share_frozen(base)` plus its own LoRA adapters and optimizer state, never a copy of the base;
   a base is dropped when nothing uses it any more;
 * a sampler holds only its LoRA adapters. Adapters live in memory up to
-  ``adapter_budget_bytes`` (least recently used first out), beyond that in a spill file;
+  ``adapter_budget_bytes`` (least recently used first out), beyond that in a spill file
+  that is read back on use;
 * sampling runs on merged weights (W + s·BA, the fastest decode) kept in an LRU cache of at
   most ``merged_budget_bytes``; a sampler whose merged weights would not fit samples through
-  its adapters on the shared base;
+  its adapters on the shared base instead;
 * everything of a session goes when it closes or expires (`release_session`).
 
 Threads: the training worker and the sampling scheduler share one registry, so every public
@@ -19,8 +20,9 @@ method runs under one reentrant lock. What a sampler decodes with is an immutabl
 and a decode holds its model object, so a release or eviction meanwhile only drops the
 registry's reference: the memory goes when the decode finishes.
 
-Every entry goes in through a ``register_*`` method and out through a ``release_*`` method;
-in memory only (runs, checkpoints, recorded sequences persist in `Store`, `CheckpointStore`).
+Every entry goes in through a ``register_*`` method and out through a ``release_*`` method.
+The registry is in-memory only; persistence (runs, checkpoints, recorded sequences) lives in
+`Store` and `CheckpointStore`.
 """
 
 from __future__ import annotations
@@ -539,17 +541,13 @@ class ModelRegistry:
             return self._build_sampling_model(s, s.lora)
 
     def _build_sampling_model(self, s: Sampler, spec: LoraSpec) -> Transformer:
-        # Merge on the base as loaded (as the trainer would), then cast; only the fallback runs
-        # on a base already in the sampler dtype. Decode packs merged weights (`decode_packs`):
-        # a bf16 copy is built without them where twice won't fit, not as adapters on the base.
+        # Merge on the base as loaded (as the trainer would), then cast; only the fallback
+        # runs on a base already in the sampler dtype.
         adapted = self._adapted(s.resolved, spec)
         load_lora_state_dict(adapted, self._sampler_adapters(s.sampler_id))
         adapted.requires_grad_(False)
         dtype = self.sampler_dtype or adapted.dtype
-        pack = adapted.device.type == "cpu" and gemm.decode_packs(dtype)
-        size = _merged_bytes(adapted, dtype, pack)
-        if pack and dtype != torch.float32 and size > self._merged_budget_for(size, quiet=True):
-            pack, size = False, _merged_bytes(adapted, dtype, False)  # bf16: merged, unpacked
+        size = _merged_bytes(adapted, dtype)
         budget = self._merged_budget_for(size)
         reuse = self._trim_merged(budget - size if size <= budget else budget, adapted, dtype)
         room = size - _nbytes(reuse or {})  # an evicted copy's own weights are written again
@@ -566,7 +564,7 @@ class ModelRegistry:
             while len(self._unmerged) > UNMERGED_KEPT:
                 self._unmerged.popitem(last=False)
             return adapted
-        merged = clone_for_sampling(adapted, dtype=dtype, reuse=reuse, packable=pack)
+        merged = clone_for_sampling(adapted, dtype=dtype, reuse=reuse)
         self._merged[s.sampler_id] = (merged, size)
         return merged
 
@@ -602,10 +600,10 @@ class ModelRegistry:
         self._note_low_memory(size, room, headroom)
         return False
 
-    def _merged_budget_for(self, size: int, quiet: bool = False) -> int:
+    def _merged_budget_for(self, size: int) -> int:
         """The merged cache's budget when adding a copy of ``size`` bytes: the configured one,
-        else `MERGED_DEFAULT_COPIES` copies, fewer where the device's free memory (counting the
-        copies held, which eviction frees) would keep less than the headroom (``quiet``: ask)."""
+        else `MERGED_DEFAULT_COPIES` copies, fewer where the device's free memory (counting
+        the copies held, which eviction frees) would keep less than the headroom after it."""
         if self.merged_budget is not None:
             return self.merged_budget
         budget = MERGED_DEFAULT_COPIES * size
@@ -615,7 +613,7 @@ class ModelRegistry:
         held = self._merged_held()
         headroom = _merged_headroom(size)
         allowed = max(0, held + room - headroom)
-        if allowed < size and not quiet:
+        if allowed < size:
             self._note_low_memory(size, room, headroom)
         return min(budget, allowed)
 
@@ -689,12 +687,15 @@ def _merged_headroom(size: int) -> int:
     return max(MERGED_HEADROOM, size // 2)
 
 
-def _merged_bytes(adapted: Transformer, dtype: torch.dtype, packed: bool) -> int:
+def _merged_bytes(adapted: Transformer, dtype: torch.dtype) -> int:
     """Bytes a merged copy allocates: one full weight per adapted layer, or (in another dtype
-    than the base's) every parameter; twice that with ``packed`` (`gemm.decode_packs`)."""
+    than the base's) every parameter; twice that where decode keeps a oneDNN-packed copy of
+    each weight beside it (`gemm.decode_packs`: float32, or bfloat16 on a CPU with bf16
+    arithmetic, with oneDNN)."""
     size = torch.empty((), dtype=dtype).element_size()
     if dtype == adapted.dtype:
         total = sum(m.weight.numel() * size for m in adapted.modules() if isinstance(m, LoraLinear))
     else:
         total = sum(p.numel() * size for p in {id(p): p for p in adapted.parameters()}.values())
-    return 2 * total if packed else total
+    packs = adapted.device.type == "cpu" and gemm.decode_packs(dtype)
+    return 2 * total if packs else total
