@@ -21,9 +21,8 @@ non-zero B, as after a step):
 
 4. **A decode step's products** for 8 rows (a request's 8 samples): the 28 layers' q/k/v,
    o, gate/up and down and the unembedding. Now `batching.linear_rows_many` /
-   `linear_rows` as decode calls them on a LoRA sampler's merged weights (oneDNN on bfloat16
-   weights packed once, where the CPU has bf16 arithmetic, and stacked where the probe
-   allows); before, torch's plain bfloat16
+   `linear_rows` as decode calls them (oneDNN on bfloat16 weights packed once, where the CPU
+   has bf16 arithmetic, and stacked where the probe allows); before, torch's plain bfloat16
    ``F.linear`` per product, as decode ran a bf16 checkpoint's products until session 49.
 
 Rounds alternate (new, old) and report medians; the outputs are compared (the merge: within
@@ -192,7 +191,6 @@ def decode_products(rounds: int) -> None:
     def linear(out: int, k: int) -> nn.Linear:
         mod = nn.Linear(k, out, bias=False, device="meta")
         mod.weight = nn.Parameter(torch.randn(out, k, generator=gen).bfloat16(), False)
-        gemm.mark_packable(mod.weight)  # a sampler's merged weights (a shared base's are not)
         return mod
 
     widths = {name: (n, k) for name, n, k, _ in SHAPES}

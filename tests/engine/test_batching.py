@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from tests.engine._hybrid import tiny_hybrid_model
 from tinker_sr.engine import batching, gemm
 from tinker_sr.engine.batching import CHUNK, decode_step, gemm_mode, padded_rows
-from tinker_sr.engine.lora import LoraSpec, apply_lora, clone_for_sampling, share_frozen
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput, generate
 from tinker_sr.tokenization.hf import byte_token_table
@@ -292,22 +291,18 @@ def test_stacked_projections_give_the_separate_products_results(
 
 @pytest.mark.skipif(not gemm.onednn_bf16(), reason="no bf16 arithmetic for oneDNN here")
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_a_bf16_samplers_decode_multiplies_by_packed_weights(
+def test_a_bf16_models_decode_multiplies_by_packed_weights(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 sampler's merged copy (its own weights, `gemm.mark_packable`) decodes on weights
-    packed for oneDNN, stacked where the probe allows, as float32's do: its requests still give
-    the same bits alone or batched, and the first decode step's logits are those of torch's
-    plain bf16 products within bf16 rounding. The bf16 base it shares is never packed (its
-    copy would double what a loaded checkpoint takes)."""
+    """A bf16 checkpoint's decode products run on weights packed for oneDNN (stacked where the
+    probe allows), as float32's do: its requests still give the same bits alone or batched,
+    and the first decode step's logits are those of torch's plain bf16 products within bf16
+    rounding."""
     bf16 = torch.bfloat16
-    base = build_model("tinker-sr/tiny", seed=3) if kind == "dense" else tiny_hybrid_model()
-    base = base.to(bf16).eval().requires_grad_(False)
-    adapted = share_frozen(base)
-    apply_lora(adapted, LoraSpec(rank=2, seed=0))
-    model = clone_for_sampling(adapted, dtype=bf16)
+    model = build_model("tinker-sr/tiny", seed=3) if kind == "dense" else tiny_hybrid_model()
+    model = model.to(bf16).eval()
     reqs = requests()[:5]
-    packed: list[bool] = []
+    packed: list[int] = []
     real_run = gemm._run
 
     def counted(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -321,12 +316,8 @@ def test_a_bf16_samplers_decode_multiplies_by_packed_weights(
     for a, b in zip(alone, together, strict=True):
         assert_same(a, b)
     assert sum(packed) > 10 and used  # packed products, the stacked ones among them
-    downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
-    assert all(hasattr(w, "_tinker_sr_packed") for w in downs)  # merged: its own
-    packed.clear()
-    generate(base, **reqs[0])
-    assert not any(packed)
-    assert not any(hasattr(p, "_tinker_sr_packed") for p in base.parameters())
+    alone_products = [layer.mlp.down_proj.weight for layer in model.model.layers]
+    assert all(hasattr(w, "_tinker_sr_packed") for w in alone_products + [model.lm_head.weight])
 
     def first_logits() -> torch.Tensor:
         group = DecodeGroup(model, **reqs[1])

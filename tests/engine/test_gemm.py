@@ -220,16 +220,14 @@ def test_merged_sampler_budget_counts_the_packed_copy(monkeypatch: pytest.Monkey
 def test_bf16_products_are_packed_only_for_decode_and_only_with_bf16_arithmetic(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`packed_linear(..., low=True)` (decode) takes bfloat16 by a weight marked packable
-    where the CPU has bf16 arithmetic and the check product agrees; training's products
-    (`linear`, `uses_onednn` without ``low``) stay float32 only."""
+    """`packed_linear(..., low=True)` (decode) takes bfloat16 where the CPU has bf16
+    arithmetic and the check product agrees; training's products (`linear`, `uses_onednn`
+    without ``low``) stay float32 only."""
     from tinker_sr.engine import cpu
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 512, generator=gen).bfloat16()
     w, b = torch.randn(640, 512, generator=gen).bfloat16(), torch.randn(640).bfloat16()
-    assert not gemm.uses_onednn(x, w, low=True)  # a weight nobody marked: a shared base's
-    gemm.mark_packable(w)
     assert not gemm.uses_onednn(x, w)
     assert gemm.uses_onednn(x, w, low=True) == gemm.onednn_bf16()
     assert gemm.onednn_bf16() == cpu.has_fast_bf16()  # oneDNN's bf16 runs where the ISA has it

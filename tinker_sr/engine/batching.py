@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import rotate_eager
-from tinker_sr.engine.gemm import mark_packable, marked_packable, packed_linear, stacked_linear
+from tinker_sr.engine.gemm import packed_linear, stacked_linear
 from tinker_sr.engine.gpt_oss import ClampedMLP, sink_attention
 from tinker_sr.engine.hybrid import QKV, GatedDeltaNet, partial_rope, split_gate
 from tinker_sr.engine.lora import LoraLinear
@@ -166,7 +166,7 @@ def _stack_probe(weights: list[Tensor], m: int) -> bool:
         x = torch.randn(n, w.shape[1], generator=gen).to(w.device, w.dtype)
         got = stacked_linear(x, weights, CHUNK)
         # a fresh tensor object per weight: its packed copy is not kept (see gemm.packed_weight)
-        want = torch.cat([_decode_linear(x, _fresh(v), None) for v in weights], dim=1)
+        want = torch.cat([_decode_linear(x, v.detach(), None) for v in weights], dim=1)
         if got is None or not torch.equal(got, want):
             return False
 
@@ -176,14 +176,6 @@ def _stack_probe(weights: list[Tensor], m: int) -> bool:
         return y
 
     return _rows_agree(stacked, w, m) and (m == CHUNK or _rows_agree(stacked, w, CHUNK))
-
-
-def _fresh(w: Tensor) -> Tensor:
-    """A new tensor object for ``w``'s values, packable where it is (`gemm.mark_packable`)."""
-    out = w.detach()
-    if marked_packable(w):
-        mark_packable(out)
-    return out
 
 
 def linear_rows_many(mods: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:

@@ -54,8 +54,6 @@ __all__ = [
     "mm",
     "mm_over_rows",
     "decode_packs",
-    "mark_packable",
-    "marked_packable",
     "onednn_bf16",
     "onednn_fp32",
     "packed_linear",
@@ -125,31 +123,9 @@ def onednn_bf16() -> bool:
     return packed.dtype == torch.bfloat16 and torch.equal(packed, F.linear(x, w))
 
 
-# The attribute that lets decode pack a bfloat16 weight (`mark_packable`).
-_PACKABLE = "_tinker_sr_packable"
-
-
-def mark_packable(w: Tensor) -> None:
-    """Let decode keep a packed copy of bfloat16 ``w`` (`packed_linear` with ``low``). Only a
-    sampler's own merged or converted weights are marked, whose copies the merged-sampler
-    budget counts twice (`registry`); a shared base's weights are not (a bf16 checkpoint as
-    loaded fills much of the memory a machine has, and its packed copy would double it)."""
-    setattr(w, _PACKABLE, True)
-
-
-def marked_packable(w: Tensor) -> bool:
-    """Did `mark_packable` mark ``w``?"""
-    return bool(getattr(w, _PACKABLE, False))
-
-
-def _packable(x: Tensor, w: Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and marked_packable(w) and onednn_bf16()
-
-
 def decode_packs(dtype: torch.dtype) -> bool:
     """Decode's products of this weight dtype run on packed weights (`packed_linear` with
-    ``low=True``; bfloat16 where the weight is `mark_packable`'s), each weight kept beside
-    its packed copy."""
+    ``low=True``), each weight kept beside its packed copy."""
     return (dtype == torch.float32 and onednn_fp32()) or (dtype == torch.bfloat16 and onednn_bf16())
 
 
@@ -184,11 +160,11 @@ def _run(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None, low: bool = False) -> bool:
     """Would ``linear(x, w)`` run on oneDNN? ``rows``: judge the size at this many rows
     instead of x's (decode: the same choice whatever the batch). ``low``: bfloat16 operands
-    too, by a weight `mark_packable` marked, where `onednn_bf16` (decode's products only)."""
+    too, where `onednn_bf16` (decode's packed products only)."""
     m = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    dtype = x.dtype if x.dtype == w.dtype else None
     return (
-        x.dtype == w.dtype
-        and (x.dtype == torch.float32 or (low and _packable(x, w)))
+        (dtype == torch.float32 or (low and dtype == torch.bfloat16 and onednn_bf16()))
         and x.device.type == "cpu"
         and w.device.type == "cpu"
         and m * w.numel() >= MIN_MACS
@@ -304,8 +280,9 @@ def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | 
     then multiplies them one by one. Whether the values equal the separate products is the
     caller's to check."""
     first = weights[0]
-    if not all(_packs(x, w, rows, low=True) for w in weights) or any(
-        w.device != first.device or w.shape[1] != first.shape[1] for w in weights
+    if not _packs(x, first, rows, low=True) or any(
+        w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1]
+        for w in weights
     ):
         return None
     key = tuple((id(w), 0 if w.is_inference() else w._version) for w in weights)

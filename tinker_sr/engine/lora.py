@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinker_sr.engine.fused import fits, frozen_linear, merged_weight
-from tinker_sr.engine.gemm import mark_packable
 from tinker_sr.engine.model import Transformer, _stable_seed, rope_inv_freq
 from tinker_sr.engine.skeleton import on_meta, without_init
 from tinker_sr.user_errors import EngineUserError, check_same_names
@@ -278,7 +277,6 @@ def clone_for_sampling(
             if isinstance(mod, LoraLinear):
                 key = f"{name}.weight"
                 src[key] = mod.merged_weight(reuse.get(key) if mod.weight.dtype == dtype else None)
-        own = set(src)  # the clone's own weights, which decode may pack (`gemm.mark_packable`)
         for name, p in model.named_parameters(remove_duplicate=False):
             if not _is_adapter(name):
                 src.setdefault(name, p if not p.requires_grad else p.detach().clone())
@@ -287,12 +285,8 @@ def clone_for_sampling(
             if t.dtype != dtype:
                 into = reuse.get(name)
                 t = into.copy_(t) if fits(into, tuple(t.shape), dtype, t.device) else t.to(dtype)
-                own.add(name)
             # Parameter(t) aliases t's storage: frozen base weights are shared, not copied.
-            param = nn.Parameter(t, requires_grad=False)
-            if name in own:
-                mark_packable(param)
-            _set_param(clone, name, param)
+            _set_param(clone, name, nn.Parameter(t, requires_grad=False))
         if config.tie_embeddings:
             clone.lm_head.weight = clone.model.embed_tokens.weight
     clone.eval()
