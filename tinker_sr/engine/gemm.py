@@ -126,7 +126,9 @@ def onednn_bf16() -> bool:
 def decode_packs(dtype: torch.dtype) -> bool:
     """Decode's products of this weight dtype run on packed weights (`packed_linear` with
     ``low=True``), each weight kept beside its packed copy."""
-    return (dtype == torch.float32 and onednn_fp32()) or (dtype == torch.bfloat16 and onednn_bf16())
+    return (dtype == torch.float32 and onednn_fp32()) or (
+        dtype == torch.bfloat16 and onednn_bf16()
+    )
 
 
 def _bucket_step(m: int) -> int:
