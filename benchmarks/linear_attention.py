@@ -40,8 +40,7 @@ times:
   checkpoint's residual adds and RMSNorms as torch's eager bf16 ops, in place of
   `bf16_rows.bf16_stream_rms_norm`'s C passes, session 48; ``stack``: decode's q, k, v and z
   projections of the DeltaNet layers as four products, in place of one by their weights
-  stacked, session 48; ``pack``: a bf16 checkpoint's decode products by torch's plain bf16
-  ``F.linear``, in place of oneDNN's on weights packed once (and stacked), session 49);
+  stacked, session 48);
 
 alternating the order per round, and prints now / baseline per round, their median and the
 largest difference between the two ways' log-probs (training: per datum; sampling: the
@@ -60,7 +59,6 @@ bfloat16); ``--dtype autocast`` trains float32 weights under bfloat16 autocast
     python benchmarks/linear_attention.py --baseline half --dtype bfloat16 --head-dim 128
     python benchmarks/linear_attention.py --baseline stream --dtype bfloat16 --head-dim 128
     python benchmarks/linear_attention.py --baseline stack --work sample --head-dim 128
-    python benchmarks/linear_attention.py --baseline pack --work sample --dtype bfloat16
     python benchmarks/linear_attention.py --quick        # smoke test of both works
 """
 
@@ -84,7 +82,7 @@ from mixed_lengths import make_data  # noqa: E402
 
 UNDO = (
     "floor", "solve", "step", "rule", "conv", "norm", "heads", "wide", "vectors", "half", "stream",
-    "stack", "pack",
+    "stack",
 )  # fmt: skip
 # the C rule's build macros that undo a change (native.load builds each variant apart)
 BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
@@ -93,15 +91,9 @@ BUILDS = {"wide": "TSR_RULE_NARROW", "vectors": "TSR_RULE_PLAIN_BACKWARD"}
 @contextlib.contextmanager
 def undone(which: set[str]) -> Iterator[None]:
     """The engine with ``which`` (of `UNDO`) of this script's changes undone."""
-    from tinker_sr.engine import batching, bf16_rows, delta_native, gemm, hybrid
+    from tinker_sr.engine import batching, bf16_rows, delta_native, hybrid
 
-    stream, delta_rows, packs = (
-        bf16_rows.bf16_stream_rms_norm,
-        batching.delta_rows,
-        gemm.onednn_bf16,
-    )
-    if "pack" in which:
-        gemm.onednn_bf16 = lambda: False  # type: ignore[assignment]
+    stream, delta_rows = bf16_rows.bf16_stream_rms_norm, batching.delta_rows
     if "stream" in which:
         bf16_rows.bf16_stream_rms_norm = lambda *_: None  # type: ignore[assignment]
     if "stack" in which:
@@ -138,7 +130,6 @@ def undone(which: set[str]) -> Iterator[None]:
         hybrid.deltanet_heads, delta_native._library = heads, library
         delta_native.native_solve_ready = ready
         bf16_rows.bf16_stream_rms_norm, batching.delta_rows = stream, delta_rows
-        gemm.onednn_bf16 = packs  # type: ignore[method-assign]
 
 
 def _separate_delta_rows(net: Any, h: Any) -> Any:

@@ -19,16 +19,10 @@ non-zero B, as after a step):
    `bf16_rows.bf16_stream_rms_norm` (one C pass a row each way); before, torch's eager bf16
    ops (`fused.rms_norm`'s node after the add).
 
-4. **A decode step's products** for 8 rows (a request's 8 samples): the 28 layers' q/k/v,
-   o, gate/up and down and the unembedding. Now `batching.linear_rows_many` /
-   `linear_rows` as decode calls them (oneDNN on bfloat16 weights packed once, where the CPU
-   has bf16 arithmetic, and stacked where the probe allows); before, torch's plain bfloat16
-   ``F.linear`` per product, as decode ran a bf16 checkpoint's products until session 49.
-
 Rounds alternate (new, old) and report medians; the outputs are compared (the merge: within
 bfloat16's rounding, equal but for near-ties; the unembedding: equal; the norms: the share of
 gradients equal to the eager ones' bits, and the largest difference against the largest
-gradient; the decode products: equal or not, and the largest difference).
+gradient).
 
     python benchmarks/real_size.py
     python benchmarks/real_size.py --rounds 5
@@ -181,51 +175,6 @@ def norms(rounds: int, tokens: int) -> None:
     )
 
 
-def decode_products(rounds: int) -> None:
-    from torch import nn
-
-    from tinker_sr.engine import batching
-
-    gen = torch.Generator().manual_seed(3)
-
-    def linear(out: int, k: int) -> nn.Linear:
-        mod = nn.Linear(k, out, bias=False, device="meta")
-        mod.weight = nn.Parameter(torch.randn(out, k, generator=gen).bfloat16(), False)
-        return mod
-
-    widths = {name: (n, k) for name, n, k, _ in SHAPES}
-    layers = [{name: linear(*widths[name]) for name, *_ in SHAPES[:-1]} for _ in range(LAYERS)]
-    head = linear(VOCAB, HIDDEN)
-    x = {k: torch.randn(8, k, generator=gen).bfloat16() for k in (HIDDEN, 2048, 3072)}
-    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
-    def now() -> list[torch.Tensor]:
-        out = []
-        for layer in layers:
-            for group in groups:
-                mods = [layer[name] for name in group]
-                out += batching.linear_rows_many(mods, x[mods[0].in_features])
-        return out + [batching.linear_rows(head, x[HIDDEN])]
-
-    def before() -> list[torch.Tensor]:
-        out = []
-        for layer in layers:
-            out += [F.linear(x[mod.in_features], mod.weight) for mod in layer.values()]
-        return out + [F.linear(x[HIDDEN], head.weight)]
-
-    with torch.inference_mode():
-        t_new, t_old = _pair(now, before, rounds)  # type: ignore[arg-type]
-        got, want = now(), before()
-    same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want, strict=True))
-    print(f"\n4. a decode step's products for 8 rows, bfloat16 ({LAYERS} layers + unembedding)")
-    print(
-        f"   decode's products {t_new * 1e3:.1f} ms vs plain F.linear {t_old * 1e3:.1f} ms: "
-        f"{t_new / t_old:.2f}x time; equal: {same} (largest difference {worst:.1e}); "
-        f"packed bf16: {gemm.onednn_bf16()}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -236,7 +185,6 @@ def main() -> None:
     merge(args.rounds)
     unembed(args.rounds)
     norms(args.rounds, args.tokens)
-    decode_products(args.rounds)
 
 
 if __name__ == "__main__":

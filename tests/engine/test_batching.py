@@ -289,50 +289,6 @@ def test_stacked_projections_give_the_separate_products_results(
         assert_same(b, c)
 
 
-@pytest.mark.skipif(not gemm.onednn_bf16(), reason="no bf16 arithmetic for oneDNN here")
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_a_bf16_models_decode_multiplies_by_packed_weights(
-    kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A bf16 checkpoint's decode products run on weights packed for oneDNN (stacked where the
-    probe allows), as float32's do: its requests still give the same bits alone or batched,
-    and the first decode step's logits are those of torch's plain bf16 products within bf16
-    rounding."""
-    bf16 = torch.bfloat16
-    model = build_model("tinker-sr/tiny", seed=3) if kind == "dense" else tiny_hybrid_model()
-    model = model.to(bf16).eval()
-    reqs = requests()[:5]
-    packed: list[int] = []
-    real_run = gemm._run
-
-    def counted(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed.append(x.dtype == bf16 and w.dtype == bf16)
-        return real_run(x, w, bias)
-
-    monkeypatch.setattr(gemm, "_run", counted)
-    used = _count_stacked(monkeypatch)
-    alone = [generate(model, **r) for r in reqs]
-    together, _ = run_together(model, reqs)
-    for a, b in zip(alone, together, strict=True):
-        assert_same(a, b)
-    assert sum(packed) > 10 and used  # packed products, the stacked ones among them
-    alone_products = [layer.mlp.down_proj.weight for layer in model.model.layers]
-    assert all(hasattr(w, "_tinker_sr_packed") for w in alone_products + [model.lm_head.weight])
-
-    def first_logits() -> torch.Tensor:
-        group = DecodeGroup(model, **reqs[1])
-        with torch.inference_mode():
-            group.prefill()
-            return decode_step(model, [group])[0]
-
-    got = first_logits()
-    monkeypatch.setattr(gemm, "onednn_bf16", lambda: False)  # torch's plain bf16 products
-    packed.clear()
-    want = first_logits()
-    assert not any(packed)
-    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
-
-
 @pytest.mark.skipif(not gemm.onednn_fp32(), reason="no usable oneDNN float32 GEMM")
 def test_a_stacked_product_that_rounds_differently_is_not_used(
     model: Transformer, monkeypatch: pytest.MonkeyPatch

@@ -209,39 +209,6 @@ def test_merged_sampler_budget_counts_the_packed_copy(monkeypatch: pytest.Monkey
     assert _merged_bytes(model, torch.float32) == expected
     monkeypatch.setattr(gemm, "onednn_fp32", lambda: False)
     assert _merged_bytes(model, torch.float32) == one
-    # a bf16 copy: every parameter in bf16, twice where decode packs bf16 weights
-    size = sum(p.numel() * 2 for p in {id(p): p for p in model.parameters()}.values())
-    monkeypatch.setattr(gemm, "onednn_bf16", lambda: True)
-    assert _merged_bytes(model, torch.bfloat16) == 2 * size
-    monkeypatch.setattr(gemm, "onednn_bf16", lambda: False)
-    assert _merged_bytes(model, torch.bfloat16) == size
-
-
-def test_bf16_products_are_packed_only_for_decode_and_only_with_bf16_arithmetic(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`packed_linear(..., low=True)` (decode) takes bfloat16 where the CPU has bf16
-    arithmetic and the check product agrees; training's products (`linear`, `uses_onednn`
-    without ``low``) stay float32 only."""
-    from tinker_sr.engine import cpu
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 512, generator=gen).bfloat16()
-    w, b = torch.randn(640, 512, generator=gen).bfloat16(), torch.randn(640).bfloat16()
-    assert not gemm.uses_onednn(x, w)
-    assert gemm.uses_onednn(x, w, low=True) == gemm.onednn_bf16()
-    assert gemm.onednn_bf16() == cpu.has_fast_bf16()  # oneDNN's bf16 runs where the ISA has it
-    with torch.inference_mode():
-        got = gemm.packed_linear(x[:5], w, b, 8, low=True)
-    torch.testing.assert_close(got, F.linear(x[:5], w, b), rtol=1e-2, atol=1e-2)
-    assert hasattr(w, "_tinker_sr_packed") == gemm.onednn_bf16()
-    try:
-        gemm.onednn_bf16.cache_clear()
-        monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
-        assert not gemm.onednn_bf16() and not gemm.uses_onednn(x, w, low=True)
-        assert not gemm.decode_packs(torch.bfloat16) and not gemm.decode_packs(torch.float16)
-    finally:
-        gemm.onednn_bf16.cache_clear()
 
 
 def test_linear_keeps_autograd_where_a_graph_is_recorded() -> None:

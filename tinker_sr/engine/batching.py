@@ -19,9 +19,8 @@ depend on the other rows, and a request alone runs the very same code.
 ``$TINKER_SR_DECODE_CHUNKED=1`` forces the slice-by-slice path.
 
 The products run through `gemm.packed_linear` (oneDNN on weights reordered once, where the
-torch build has it: float32, and bfloat16 on a CPU with bf16 arithmetic; whether it applies
-is decided at CHUNK rows, so a row never changes library with the batch), and the probe
-checks exactly that path. Projections of one input
+torch build has it; whether it applies is decided at CHUNK rows, so a row never changes
+library with the batch), and the probe checks exactly that path. Projections of one input
 (q/k/v, gate/up) run as one product by their weights stacked (`linear_rows_many`) where a
 second probe per shape and row count shows that gives the very same values; each parallel
 product wakes the other cores once, and on some VMs a wake-up costs ~90 us.
@@ -69,7 +68,7 @@ def padded_rows(m: int) -> int:
 
 def _probe(weight: Tensor, bias: Tensor | None, m: int) -> bool:
     """`_rows_agree` for the GEMM by ``weight`` (and ``bias``) as decode runs it."""
-    return _rows_agree(lambda x: _decode_linear(x, weight, bias), weight, m)
+    return _rows_agree(lambda x: packed_linear(x, weight, bias, CHUNK), weight, m)
 
 
 def _rows_agree(product: Callable[[Tensor], Tensor], like: Tensor, m: int) -> bool:
@@ -132,7 +131,7 @@ def _linear(mod: nn.Linear, x: Tensor) -> Tensor:
 
 
 def _decode_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    return packed_linear(x, w, bias, CHUNK, low=True)
+    return packed_linear(x, w, bias, CHUNK)
 
 
 def linear_rows(mod: nn.Linear, x: Tensor) -> Tensor:
@@ -166,7 +165,7 @@ def _stack_probe(weights: list[Tensor], m: int) -> bool:
         x = torch.randn(n, w.shape[1], generator=gen).to(w.device, w.dtype)
         got = stacked_linear(x, weights, CHUNK)
         # a fresh tensor object per weight: its packed copy is not kept (see gemm.packed_weight)
-        want = torch.cat([_decode_linear(x, v.detach(), None) for v in weights], dim=1)
+        want = torch.cat([packed_linear(x, v.detach(), None, CHUNK) for v in weights], dim=1)
         if got is None or not torch.equal(got, want):
             return False
 

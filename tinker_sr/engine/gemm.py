@@ -53,8 +53,6 @@ __all__ = [
     "linear",
     "mm",
     "mm_over_rows",
-    "decode_packs",
-    "onednn_bf16",
     "onednn_fp32",
     "packed_linear",
     "packed_mm",
@@ -101,36 +99,6 @@ def onednn_fp32() -> bool:
     return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4)) and torch.equal(got, packed)
 
 
-@functools.cache
-def onednn_bf16() -> bool:
-    """Decode may multiply bfloat16 rows by bfloat16 weights packed for oneDNN: float32's
-    oneDNN products are on (`onednn_fp32`), the CPU has bf16 arithmetic (AVX512-BF16 or AMX,
-    `cpu.has_fast_bf16`), and on a check product the packed weight gives torch's own bf16
-    ``F.linear``'s values. A bf16 checkpoint's decode products read their weights ~1.4-2x
-    faster packed than plain (torch reorders a plain weight inside every call)."""
-    from tinker_sr.engine.cpu import has_fast_bf16
-
-    op = _op()
-    if not (onednn_fp32() and has_fast_bf16()) or op is None:
-        return False
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 256, generator=gen).bfloat16()
-    w = torch.randn(96, 256, generator=gen).bfloat16()
-    try:
-        packed = op(x, _reorder(w, 8), None, "none", [], "")
-    except RuntimeError:
-        return False
-    return packed.dtype == torch.bfloat16 and torch.equal(packed, F.linear(x, w))
-
-
-def decode_packs(dtype: torch.dtype) -> bool:
-    """Decode's products of this weight dtype run on packed weights (`packed_linear` with
-    ``low=True``), each weight kept beside its packed copy."""
-    return (dtype == torch.float32 and onednn_fp32()) or (
-        dtype == torch.bfloat16 and onednn_bf16()
-    )
-
-
 def _bucket_step(m: int) -> int:
     """The spacing of the row buckets around ``m``: 8 below 256 rows, then 16 per octave."""
     return max(8, 1 << max(m.bit_length() - 5, 0))
@@ -159,14 +127,13 @@ def _run(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
 
 
-def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None, low: bool = False) -> bool:
+def uses_onednn(x: Tensor, w: Tensor, rows: int | None = None) -> bool:
     """Would ``linear(x, w)`` run on oneDNN? ``rows``: judge the size at this many rows
-    instead of x's (decode: the same choice whatever the batch). ``low``: bfloat16 operands
-    too, where `onednn_bf16` (decode's packed products only)."""
+    instead of x's (decode: the same choice whatever the batch)."""
     m = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    dtype = x.dtype if x.dtype == w.dtype else None
     return (
-        (dtype == torch.float32 or (low and dtype == torch.bfloat16 and onednn_bf16()))
+        x.dtype == torch.float32
+        and w.dtype == torch.float32
         and x.device.type == "cpu"
         and w.device.type == "cpu"
         and m * w.numel() >= MIN_MACS
@@ -247,20 +214,17 @@ def packed_weight(w: Tensor, rows: int, transpose: bool = False) -> Tensor:
     return hit[1]
 
 
-def _packs(x: Tensor, w: Tensor, rows: int, low: bool = False) -> bool:
+def _packs(x: Tensor, w: Tensor, rows: int) -> bool:
     tracked = torch.is_grad_enabled() and x.requires_grad  # decode runs in inference mode
-    return not tracked and uses_onednn(x, w, rows, low)
+    return not tracked and uses_onednn(x, w, rows)
 
 
-def packed_linear(
-    x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 8, low: bool = False
-) -> Tensor:
+def packed_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = 8) -> Tensor:
     """``F.linear(x, w, bias)`` with ``w`` packed for ``rows`` rows (`packed_weight`): decode's
     products of a few rows, where reading the weight is the whole cost, and the unembedding's
     chunks. Whether oneDNN applies is judged at ``rows`` rows, whatever x's row count (decode:
-    the same path at every batch size); where it does not, torch's own op. ``low``: bfloat16
-    too (`onednn_bf16`; decode, whose results are probed per shape)."""
-    if not _packs(x, w, rows, low) or (bias is not None and bias.dtype != w.dtype):
+    the same path at every batch size); where it does not, torch's own op."""
+    if not _packs(x, w, rows) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, w, bias)
     return _run(x, packed_weight(w, rows), bias)
 
@@ -278,11 +242,10 @@ def stacked_linear(x: Tensor, weights: list[Tensor], rows: int = 8) -> Tensor | 
     stacked and reordered once for ``rows`` rows (kept on ``weights[0]`` while none of them
     changes; no plain stacked copy is kept): decode's q/k/v and gate/up, one parallel region
     instead of several (each wakes the cores: ~90 us on some VMs). None where oneDNN does not
-    apply (judged at ``rows`` rows, as `packed_linear` with ``low``: bfloat16 too); the caller
-    then multiplies them one by one. Whether the values equal the separate products is the
-    caller's to check."""
+    apply (judged at ``rows`` rows, as `packed_linear`); the caller then multiplies them
+    one by one. Whether the values equal the separate products is the caller's to check."""
     first = weights[0]
-    if not _packs(x, first, rows, low=True) or any(
+    if not _packs(x, first, rows) or any(
         w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1]
         for w in weights
     ):

@@ -690,12 +690,11 @@ def _merged_headroom(size: int) -> int:
 def _merged_bytes(adapted: Transformer, dtype: torch.dtype) -> int:
     """Bytes a merged copy allocates: one full weight per adapted layer, or (in another dtype
     than the base's) every parameter; twice that where decode keeps a oneDNN-packed copy of
-    each weight beside it (`gemm.decode_packs`: float32, or bfloat16 on a CPU with bf16
-    arithmetic, with oneDNN)."""
+    each weight beside it (`gemm.packed_linear`: float32 on a CPU with oneDNN)."""
     size = torch.empty((), dtype=dtype).element_size()
     if dtype == adapted.dtype:
         total = sum(m.weight.numel() * size for m in adapted.modules() if isinstance(m, LoraLinear))
     else:
         total = sum(p.numel() * size for p in {id(p): p for p in adapted.parameters()}.values())
-    packs = adapted.device.type == "cpu" and gemm.decode_packs(dtype)
+    packs = dtype == torch.float32 and adapted.device.type == "cpu" and gemm.onednn_fp32()
     return 2 * total if packs else total
