@@ -7,7 +7,6 @@ checkpoints' config.json fields: no weights."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tinker_sr import types
 
