@@ -157,6 +157,78 @@ def test_streaming_reassembles_to_the_same_answer(server: ServerProcess, model_d
     assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
 
 
+def _streamed(oai: Any, chat: bool, **kw: Any) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """Each choice's text pieces, in order, and its finish reason, from a streamed request."""
+    pieces: dict[int, list[str]] = {}
+    reasons: dict[int, str] = {}
+    create = oai.chat.completions.create if chat else oai.completions.create
+    for chunk in create(**kw, stream=True):
+        for c in chunk.choices:
+            text = (c.delta.content if chat else c.text) or ""
+            if text:
+                pieces.setdefault(c.index, []).append(text)
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return pieces, reasons
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_streamed_answer_comes_as_it_is_sampled(
+    server: ServerProcess, model_dir: Path, chat: bool
+) -> None:
+    """The text is sent while the engine decodes, in many pieces (before: one piece after the
+    whole sample), and they join to the very answer of the same request unstreamed, with a
+    stop string cut where the whole answer cuts it (a piece never runs past a stop string
+    that later tokens complete)."""
+    oai = client(server)
+    ask: dict[str, Any] = {"messages": HI} if chat else {"prompt": "The quick brown fox"}
+    kw: dict[str, Any] = dict(model=str(model_dir), max_tokens=40, seed=11, n=2, **ask)
+
+    def whole(**more: Any) -> list[Any]:
+        if chat:
+            return oai.chat.completions.create(**kw, **more).choices
+        return oai.completions.create(**kw, **more).choices
+
+    def text(c: Any) -> str:
+        return str(c.message.content if chat else c.text)
+
+    plain = whole()
+    pieces, reasons = _streamed(oai, chat, **kw)
+    assert {i: "".join(p) for i, p in pieces.items()} == {c.index: text(c) for c in plain}
+    assert reasons == {c.index: c.finish_reason for c in plain}
+    assert all(len(p) > 3 for p in pieces.values()), pieces  # sent as it was sampled
+    answer = text(plain[0])
+    stop = answer[len(answer) // 2 : len(answer) // 2 + 3]
+    cut = whole(stop=[stop])
+    pieces, reasons = _streamed(oai, chat, **kw, stop=[stop])
+    assert {i: "".join(p) for i, p in pieces.items()} == {c.index: text(c) for c in cut if text(c)}
+    assert reasons == {c.index: c.finish_reason for c in cut} and reasons[0] == "stop"
+    assert stop not in "".join(pieces[0])
+
+
+def test_a_stream_left_early_stops_its_sample(server: ServerProcess, model_dir: Path) -> None:
+    """A client that closes a stream after its first pieces: the server stops decoding it, so
+    only what it finished counts in the caller's usage. The same request sent whole right
+    after decodes the same tokens beside it, so had the first gone on it would have finished
+    (and been counted) no later than the second."""
+    key = "tml-oai-leaver"
+    oai = client(server, key)
+    kw: dict[str, Any] = dict(model=str(model_dir), prompt="a b", max_tokens=200, seed=3)
+    stream = oai.completions.create(**kw, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    whole = oai.completions.create(**kw)
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    report = tinker.AdminClient(base_url=server.base_url, api_key=key)
+    usage = report.get_billing_usage(now, now + timedelta(hours=1)).result()
+    sampled = sum(
+        e.event_info.token_count for e in usage.data if e.event_info.type == "sampling_sample"
+    )
+    assert whole.usage.completion_tokens > 10 and sampled == whole.usage.completion_tokens
+
+
 def test_greedy_is_repeatable_without_a_seed(server: ServerProcess, model_dir: Path) -> None:
     oai = client(server)
     runs = [

@@ -254,6 +254,7 @@ class DecodeGroup:
         )
         self.logits = torch.zeros(n, V)
         self.t = 0  # index of the next token to sample
+        self.sampled = 0  # tokens sampled so far per row (stopped rows: up to their stop)
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
         self.finished = False
         self.cache_hit_tokens = 0  # prompt tokens `prefill` copied from a PromptCache
@@ -366,6 +367,7 @@ class DecodeGroup:
     def _sample(self) -> None:
         t = self.t
         tok = self._draw(t)
+        self.sampled = t + 1
         hit = (
             ~self.done & torch.isin(tok, self.stop_ids)
             if len(self.stop_ids)
@@ -408,6 +410,13 @@ class DecodeGroup:
             self.out_topk_ids[:, t] = top_ids.to(torch.int32)
             self.out_topk_lp[:, t] = top_lp
         return tok
+
+    def tokens_so_far(self) -> list[list[int]]:
+        """Each row's tokens sampled so far, a stopped row's up to its stop (what `outputs`
+        will hold of them): a streaming answer's progress."""
+        ends = self.lengths.clamp(max=self.sampled).tolist()
+        rows = self.out_tok[:, : self.sampled].tolist()
+        return [row[:end] for row, end in zip(rows, ends, strict=True)]
 
     def outputs(self) -> list[SampleOutput]:
         return _outputs(

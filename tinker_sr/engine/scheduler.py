@@ -42,6 +42,8 @@ STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
 EXIT_JOIN_SECONDS = 10.0
 
 Finish = Callable[[list[SampleOutput]], Any]
+# Called on the worker after a request's prefill and each of its decode steps (streaming).
+Progress = Callable[[DecodeGroup], None]
 # A request's first half, run on the worker: checks and prompt work, then the rows to decode
 # and what turns their outputs into the result; None when there is nothing to decode.
 Begin = Callable[[], tuple[DecodeGroup, Finish] | None]
@@ -73,6 +75,7 @@ class _Job:
     rows: int
     future: Future[Any]
     barrier: bool = False  # runs once everything submitted before it has finished
+    progress: Progress | None = None
 
 
 @dataclass
@@ -80,6 +83,15 @@ class _Active:
     group: DecodeGroup
     finish: Finish
     future: Future[Any]
+    progress: Progress | None = None
+
+    def report(self) -> None:
+        """Tell ``progress`` where the request stands; its failure is never the request's."""
+        if self.progress is not None:
+            try:
+                self.progress(self.group)
+            except Exception:  # a listener's bug (or a closed stream) must not stop decoding
+                self.progress = None
 
 
 class DecodeScheduler:
@@ -106,9 +118,10 @@ class DecodeScheduler:
         self._thread.start()
         _live.add(self)
 
-    def submit(self, begin: Begin, rows: int) -> Future[Any]:
-        """Queue a request of ``rows`` rows (its num_samples); FIFO admission."""
-        return self._put(_Job(begin, max(1, rows), Future()))
+    def submit(self, begin: Begin, rows: int, progress: Progress | None = None) -> Future[Any]:
+        """Queue a request of ``rows`` rows (its num_samples); FIFO admission. ``progress``
+        is called with its rows after its prefill and each decode step (on the worker)."""
+        return self._put(_Job(begin, max(1, rows), Future(), progress=progress))
 
     def barrier(self, fn: Callable[[], Any] = lambda: None) -> Future[Any]:
         """Run ``fn`` on the worker once every request submitted before has finished."""
@@ -195,7 +208,7 @@ class DecodeScheduler:
         if begun is None:
             _settle(job.future, None)
             return
-        self._ready.append(_Active(*begun, job.future))
+        self._ready.append(_Active(*begun, job.future, job.progress))
         self._admit_ready()
 
     def _admit_ready(self) -> None:
@@ -215,6 +228,7 @@ class DecodeScheduler:
                 _settle(a.future, error=e)
                 continue
             self._active.append(a)
+            a.report()
 
     def _step(self) -> None:
         """One decode step per model over its active requests, then retire finished ones."""
@@ -235,6 +249,9 @@ class DecodeScheduler:
                 for a in batch:
                     _settle(a.future, error=e)
                     self._active.remove(a)
+                continue
+            for a in batch:
+                a.report()
         for a in [a for a in self._active if a.group.finished]:
             self._active.remove(a)
             try:

@@ -18,6 +18,11 @@ __all__ = ["split_channels"]
 _NAMES = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 
 
+def speaks_harmony(tok: Any) -> bool:
+    """Does ``tok`` have harmony's structural tokens (gpt-oss)?"""
+    return _harmony_ids(tok) is not None
+
+
 def _harmony_ids(tok: Any) -> dict[str, int] | None:
     """The ids of harmony's structural tokens in ``tok``, or None if it lacks any (not a
     harmony tokenizer)."""

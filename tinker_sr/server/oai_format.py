@@ -44,6 +44,7 @@ __all__ = [
     "parse_request",
     "completion_body",
     "stream_events",
+    "Chunks",
     "error_reply",
 ]
 
@@ -468,44 +469,63 @@ def completion_body(
     }
 
 
-def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
-    """The answer as server-sent events: per choice, its text in one chunk, then its finish
-    reason; a usage chunk if asked for; then ``[DONE]``."""
-    head = {
-        "id": new_id(req.chat),
-        "object": "chat.completion.chunk" if req.chat else "text_completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "system_fingerprint": None,
-    }
-    extra = {"usage": None} if req.include_usage else {}
+class Chunks:
+    """One streamed answer's server-sent events: each a chunk of one id, ``created`` and
+    model (``usage: null`` in each where the request asked for usage at the end)."""
 
-    def event(choice_list: list[dict[str, Any]], **more: Any) -> str:
-        return "data: " + json.dumps({**head, "choices": choice_list, **extra, **more}) + "\n\n"
+    def __init__(self, req: OaiRequest) -> None:
+        self.req = req
+        self.head = {
+            "id": new_id(req.chat),
+            "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "system_fingerprint": None,
+        }
 
-    out = []
-    for i, c in enumerate(choices):
-        body = _choice_body(req, i, c)
-        lp = body["logprobs"]
-        if req.chat:
-            out.append(event([{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]))  # fmt: skip
-            if c.reasoning is not None:
-                out.append(event([{"index": i, "delta": {"reasoning_content": c.reasoning},
-                                   "logprobs": None, "finish_reason": None}]))  # fmt: skip
-            delta = {"content": c.text}
-            out.append(event([{"index": i, "delta": delta, "logprobs": lp,
-                               "finish_reason": None}]))  # fmt: skip
-            out.append(event([{"index": i, "delta": {}, "logprobs": None,
-                               "finish_reason": c.finish_reason}]))  # fmt: skip
+    def event(self, choice_list: list[dict[str, Any]], **more: Any) -> str:
+        extra = {"usage": None} if self.req.include_usage else {}
+        return (
+            "data: " + json.dumps({**self.head, "choices": choice_list, **extra, **more}) + "\n\n"
+        )
+
+    def role(self, index: int) -> str:
+        """A chat answer's first chunk: the assistant's role, no content yet."""
+        return self.event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}])  # fmt: skip
+
+    def text(self, index: int, text: str, logprobs: Any = None, key: str = "content") -> str:
+        """A piece of answer ``index``'s text (chat: its ``delta``'s ``key``)."""
+        if self.req.chat:
+            piece = {"index": index, "delta": {key: text}, "logprobs": logprobs}
         else:
-            out.append(event([{**body, "finish_reason": None}]))
-            out.append(event([{"index": i, "text": "", "logprobs": None,
-                               "finish_reason": c.finish_reason}]))  # fmt: skip
-    if req.include_usage:
-        out.append(event([], usage=usage(prompt_tokens, choices)))
-    out.append("data: [DONE]\n\n")
-    return out
+            piece = {"index": index, "text": text, "logprobs": logprobs}
+        return self.event([{**piece, "finish_reason": None}])
+
+    def finish(self, index: int, reason: str) -> str:
+        piece: dict[str, Any] = {"delta": {}} if self.req.chat else {"text": ""}
+        return self.event([{"index": index, **piece, "logprobs": None, "finish_reason": reason}])
+
+    def end(self, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+        """A usage chunk if asked for, then ``[DONE]``."""
+        out = (
+            [self.event([], usage=usage(prompt_tokens, choices))] if self.req.include_usage else []
+        )
+        return out + ["data: [DONE]\n\n"]
+
+
+def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+    """A whole answer as server-sent events: per choice, its text in one chunk, then its
+    finish reason; a usage chunk if asked for; then ``[DONE]``."""
+    chunks, out = Chunks(req), []
+    for i, c in enumerate(choices):
+        lp = _choice_body(req, i, c)["logprobs"]
+        if req.chat:
+            out.append(chunks.role(i))
+            if c.reasoning is not None:
+                out.append(chunks.text(i, c.reasoning, key="reasoning_content"))
+        out += [chunks.text(i, c.text, lp), chunks.finish(i, c.finish_reason)]
+    return out + chunks.end(choices, prompt_tokens)
 
 
 def error_reply(

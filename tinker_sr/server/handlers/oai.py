@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import json
 from collections import OrderedDict
@@ -28,10 +29,11 @@ from starlette.responses import Response, StreamingResponse
 from tinker_sr import types
 from tinker_sr.limits import DEFAULT_LIMITS
 
-from ..harmony import split_channels
+from ..harmony import speaks_harmony, split_channels
 from ..http import HTTPError, json_reply, plain_error
 from ..oai_format import (
     Choice,
+    Chunks,
     OaiError,
     OaiRequest,
     TokenEntry,
@@ -380,6 +382,8 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
 
 
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
+    if req.stream and req.logprobs is None and not req.echo and _streams(srv):
+        return await _live(srv, owner, req)
     choices, prompt_tokens = await sample_choices(srv, owner, req)
     if req.stream:
         events = stream_events(req, choices, prompt_tokens)
@@ -387,24 +391,121 @@ async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
     return json_reply(completion_body(req, choices, prompt_tokens))
 
 
+# What a streamed answer learns as it is sampled: the tokenizer and each row's tokens so far.
+Progress = Callable[[Any, list[list[int]]], None]
+
+
+def _streams(srv: TinkerServer) -> bool:
+    """Does the server's engine report a sample's tokens as it decodes them?"""
+    return "progress" in inspect.signature(srv.backend.sample).parameters
+
+
+async def _live(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
+    """A streamed answer whose text is sent as it is sampled (one prompt; no log-probs, no
+    echo; not harmony's channels). It answers once the request has started decoding, so
+    whatever fails before that (the prompt, the model, the server's load) is an error reply
+    as for any request; what fails later ends the stream with an error event."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue[tuple[Any, list[list[int]]]] = asyncio.Queue()
+
+    def progress(tok: Any, rows: list[list[int]]) -> None:  # on the sampling worker
+        loop.call_soon_threadsafe(updates.put_nowait, (tok, rows))
+
+    task = asyncio.ensure_future(sample_choices(srv, owner, req, progress))
+    first = asyncio.ensure_future(updates.get())
+    try:
+        await asyncio.wait([task, first], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the client left before the answer began
+        task.cancel()
+        first.cancel()
+        raise
+    if not first.done():  # finished (or failed) before any progress: as a whole
+        first.cancel()
+        choices, prompt_tokens = task.result()
+        events = stream_events(req, choices, prompt_tokens)
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+    live = _live_events(req, first.result(), updates, task)
+    return StreamingResponse(live, media_type="text/event-stream")
+
+
+async def _live_events(
+    req: OaiRequest,
+    latest: tuple[Any, list[list[int]]],
+    updates: asyncio.Queue[tuple[Any, list[list[int]]]],
+    task: asyncio.Future[tuple[list[Choice], int]],
+) -> AsyncIterator[str]:
+    chunks, sent = Chunks(req), [""] * req.n
+    try:
+        if req.chat:
+            for i in range(req.n):
+                yield chunks.role(i)
+        while True:
+            tok, rows = latest
+            for i, tokens in enumerate(rows):
+                text = _settled_text(tok, req, tokens)
+                if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                    yield chunks.text(i, text[len(sent[i]) :])
+                    sent[i] = text
+            if task.done():
+                break
+            update: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
+            await asyncio.wait([update, task], return_when=asyncio.FIRST_COMPLETED)
+            if not update.done():
+                update.cancel()
+                continue
+            latest = update.result()
+            while not updates.empty():  # only the newest counts
+                latest = updates.get_nowait()
+        choices, prompt_tokens = task.result()
+    except Exception as e:  # after the reply began: an error event ends the stream
+        status, detail = plain_error(e)
+        yield chunks.event([], error={"message": detail, "code": status})
+        return
+    finally:
+        task.cancel()  # the client went away: stop sampling (nothing if already done)
+    for i, c in enumerate(choices):
+        if c.text.startswith(sent[i]) and len(c.text) > len(sent[i]):
+            yield chunks.text(i, c.text[len(sent[i]) :])
+        yield chunks.finish(i, c.finish_reason)
+    for event in chunks.end(choices, prompt_tokens):
+        yield event
+
+
+def _settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
+    """The part of an answer's text so far that later tokens cannot change: up to a stop
+    string, without its last token (a merge or a character's bytes may still complete it),
+    a tail that may begin a stop string, or an incomplete character."""
+    text, stop = cut_at_stop(_decoded(tok, req, tokens[:-1]), req.stop)
+    if stop is None:
+        tail = [k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])]
+        text = text[: len(text) - max(tail, default=0)]
+    return text.rstrip("\ufffd")
+
+
 async def sample_choices(
-    srv: TinkerServer, owner: str, req: OaiRequest
+    srv: TinkerServer, owner: str, req: OaiRequest, progress: Progress | None = None
 ) -> tuple[list[Choice], int]:
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
-    ``Retry-After``, which OpenAI and Anthropic clients wait out and retry."""
+    ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
+    hears each row's tokens as they are sampled (one prompt, not harmony's channels)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
-            return await _sampled(srv, target, req)
+            return await _sampled(srv, target, req, progress)
 
 
-async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple[list[Choice], int]:
+async def _sampled(
+    srv: TinkerServer, target: _Target, req: OaiRequest, progress: Progress | None = None
+) -> tuple[list[Choice], int]:
     tok, prompts = await _prompt_ids(srv, target, req)
     params = _params(req)
     _check_fits(srv, target, req, prompts, params)
     top = req.logprobs or 0
     with_prompt = req.echo and req.logprobs is not None
+    live: dict[str, Any] = {}
+    if progress is not None and len(prompts) == 1 and not speaks_harmony(tok):
+        live["progress"] = lambda rows: progress(tok, rows)
 
     async def one(ids: list[int]) -> types.SampleResponse:
         return await srv.backend.sample(
@@ -416,6 +517,7 @@ async def _sampled(srv: TinkerServer, target: _Target, req: OaiRequest) -> tuple
             include_prompt_logprobs=with_prompt,
             topk_prompt_logprobs=top if with_prompt else 0,
             topk_sample_logprobs=top if req.logprobs is not None else 0,
+            **live,
         )
 
     try:
