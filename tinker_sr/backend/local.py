@@ -628,8 +628,8 @@ class LocalBackend(LocalRestQueries):
         sequence_ids: Sequence[str] | None = None,
         progress: Callable[[list[list[int]]], None] | None = None,
     ) -> types.SampleResponse:
-        """``progress``: called (on the sampling worker) with each row's tokens so far after
-        the prefill and each decode step, for a server that streams its answer."""
+        """``progress``: called (on the sampling worker) with each row's new tokens after the
+        prefill and each decode step, for a server that streams its answer."""
         req = SampleRequest(
             prompt=prompt,
             num_samples=num_samples,
@@ -665,7 +665,7 @@ class LocalBackend(LocalRestQueries):
         if (overflow := self.sample_overflow(sampler_id, prompt, sampling_params)) is not None:
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
-        listen = None if progress is None else lambda g: progress(g.tokens_so_far())
+        listen = None if progress is None else lambda g: progress(g.new_tokens())
         return await self._on_sampler(self._scheduler.submit(begin, rows, listen))
 
     async def save_weights_external(

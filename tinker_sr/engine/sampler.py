@@ -255,6 +255,7 @@ class DecodeGroup:
         self.logits = torch.zeros(n, V)
         self.t = 0  # index of the next token to sample
         self.sampled = 0  # tokens sampled so far per row (stopped rows: up to their stop)
+        self._reported = 0  # tokens `new_tokens` has handed out
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
         self.finished = False
         self.cache_hit_tokens = 0  # prompt tokens `prefill` copied from a PromptCache
@@ -411,12 +412,13 @@ class DecodeGroup:
             self.out_topk_lp[:, t] = top_lp
         return tok
 
-    def tokens_so_far(self) -> list[list[int]]:
-        """Each row's tokens sampled so far, a stopped row's up to its stop (what `outputs`
-        will hold of them): a streaming answer's progress."""
+    def new_tokens(self) -> list[list[int]]:
+        """Each row's tokens sampled since the last call, a stopped row's up to its stop (what
+        `outputs` will hold of them): a streaming answer's progress."""
+        start, self._reported = self._reported, self.sampled
         ends = self.lengths.clamp(max=self.sampled).tolist()
-        rows = self.out_tok[:, : self.sampled].tolist()
-        return [row[:end] for row, end in zip(rows, ends, strict=True)]
+        rows = self.out_tok[:, start : self.sampled].tolist()
+        return [row[: max(0, end - start)] for row, end in zip(rows, ends, strict=True)]
 
     def outputs(self) -> list[SampleOutput]:
         return _outputs(

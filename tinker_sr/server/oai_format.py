@@ -496,11 +496,18 @@ class Chunks:
 
     def text(self, index: int, text: str, logprobs: Any = None, key: str = "content") -> str:
         """A piece of answer ``index``'s text (chat: its ``delta``'s ``key``)."""
+        return self.event([self._piece(index, text, logprobs, key)])
+
+    def texts(self, pieces: Sequence[tuple[int, str]]) -> str:
+        """Pieces of several answers' texts, ``(index, text)`` each, in one event."""
+        return self.event([self._piece(i, text) for i, text in pieces])
+
+    def _piece(self, index: int, text: str, logprobs: Any = None, key: str = "content") -> dict[str, Any]:  # fmt: skip
         if self.req.chat:
             piece = {"index": index, "delta": {key: text}, "logprobs": logprobs}
         else:
             piece = {"index": index, "text": text, "logprobs": logprobs}
-        return self.event([{**piece, "finish_reason": None}])
+        return {**piece, "finish_reason": None}
 
     def finish(self, index: int, reason: str) -> str:
         piece: dict[str, Any] = {"delta": {}} if self.req.chat else {"text": ""}

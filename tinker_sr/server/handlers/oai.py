@@ -391,7 +391,9 @@ async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
     return json_reply(completion_body(req, choices, prompt_tokens))
 
 
-# What a streamed answer learns as it is sampled: the tokenizer and each row's tokens so far.
+# A streamed answer's events, at most this often once it has run 10x as long (`_live_events`).
+STREAM_INTERVAL_S = 0.025
+# What a streamed answer learns as it is sampled: the tokenizer and each row's new tokens.
 Progress = Callable[[Any, list[list[int]]], None]
 
 
@@ -430,32 +432,52 @@ async def _live(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
 
 async def _live_events(
     req: OaiRequest,
-    latest: tuple[Any, list[list[int]]],
+    update: tuple[Any, list[list[int]]],
     updates: asyncio.Queue[tuple[Any, list[list[int]]]],
     task: asyncio.Future[tuple[list[Choice], int]],
 ) -> AsyncIterator[str]:
+    """The answer's events: each choice's settled text as its tokens come (the choices that
+    moved, in one event per update), then what the whole answer adds and the finish. Updates
+    are paced: each event wakes the server and the client beside the decoding worker, so they
+    come at most every `STREAM_INTERVAL_S` once the answer has run ten times that (every step
+    before: the first words come at once), and each re-decodes the texts, so the next waits at
+    least 4x as long as that took (however long the answers grow)."""
     chunks, sent = Chunks(req), [""] * req.n
+    tokens: list[list[int]] = [[] for _ in range(req.n)]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
         if req.chat:
             for i in range(req.n):
                 yield chunks.role(i)
         while True:
-            tok, rows = latest
-            for i, tokens in enumerate(rows):
-                text = _settled_text(tok, req, tokens)
+            began = loop.time()
+            tok, new = update
+            for i, more in enumerate(new):
+                tokens[i] += more
+            while not updates.empty():  # what came meanwhile, in order
+                for i, more in enumerate(updates.get_nowait()[1]):
+                    tokens[i] += more
+            pieces = []
+            for i, row in enumerate(tokens):
+                text = _settled_text(tok, req, row)
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                    yield chunks.text(i, text[len(sent[i]) :])
+                    pieces.append((i, text[len(sent[i]) :]))
                     sent[i] = text
+            if pieces:
+                yield chunks.texts(pieces)
             if task.done():
                 break
-            update: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
-            await asyncio.wait([update, task], return_when=asyncio.FIRST_COMPLETED)
-            if not update.done():
-                update.cancel()
+            now = loop.time()
+            pace = min(STREAM_INTERVAL_S, (now - started) / 10)
+            await asyncio.wait([task], timeout=max(pace, 4 * (now - began)))
+            waiting: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
+            await asyncio.wait([waiting, task], return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                waiting.cancel()
+                update = (tok, [])
                 continue
-            latest = update.result()
-            while not updates.empty():  # only the newest counts
-                latest = updates.get_nowait()
+            update = waiting.result()
         choices, prompt_tokens = task.result()
     except Exception as e:  # after the reply began: an error event ends the stream
         status, detail = plain_error(e)
