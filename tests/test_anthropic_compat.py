@@ -101,6 +101,25 @@ def test_stop_sequences_and_streaming(server: ServerProcess, model_dir: Path) ->
     assert final.usage.output_tokens == cut.usage.output_tokens
 
 
+def test_a_streamed_message_comes_as_it_is_sampled(server: ServerProcess, model_dir: Path) -> None:
+    """The text deltas are sent while the engine decodes (before: one delta after the whole
+    sample) and join to the unstreamed Message's text; the final Message (stop reason,
+    usage) is the unstreamed one's."""
+    ant = client(server)
+    kw: dict[str, Any] = dict(model=str(model_dir), messages=HI, max_tokens=40)
+    whole = ant.messages.create(**kw, extra_body=GREEDY)
+    with ant.messages.stream(**kw, extra_body=GREEDY) as stream:
+        pieces = [t for t in stream.text_stream if t]
+        final = stream.get_final_message()
+    assert "".join(pieces) == whole.content[0].text == final.content[0].text
+    assert len(pieces) > 3, pieces
+    assert (final.stop_reason, final.usage.output_tokens) == (
+        whole.stop_reason,
+        whole.usage.output_tokens,
+    )
+    assert final.usage.input_tokens == whole.usage.input_tokens
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

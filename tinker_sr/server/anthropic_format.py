@@ -208,23 +208,75 @@ def message_body(req: OaiRequest, choice: Choice, prompt_tokens: int) -> dict[st
 
 
 def message_events(req: OaiRequest, choice: Choice, prompt_tokens: int) -> Sequence[str]:
-    """The answer as the Messages stream: message_start, one text block (its text in one
-    delta, sent once sampled), message_delta with the stop reason and usage, message_stop."""
-    whole = message_body(req, choice, prompt_tokens)
-    start = {**whole, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}  # fmt: skip
-    delta = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
-    events: list[dict[str, Any]] = [
-        {"type": "message_start", "message": start},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        {"type": "content_block_delta", "index": 0,
-         "delta": {"type": "text_delta", "text": choice.text}},
-        {"type": "content_block_stop", "index": 0},
-        {"type": "message_delta", "delta": delta,
-         "usage": {"output_tokens": choice.completion_tokens}},
-        {"type": "message_stop"},
-    ]  # fmt: skip
-    return [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]
+    """A whole answer as the Messages stream: message_start, one text block (its text in one
+    delta), message_delta with the stop reason and usage, message_stop."""
+    stream = MessageStream(req)
+    return stream.begin(prompt_tokens) + stream.end([choice], [""], prompt_tokens)
+
+
+class MessageStream:
+    """The Messages stream of an answer as it is sampled (`live_stream.Writer`): message_start
+    and the text block's start, a text_delta per piece, then the block's stop, message_delta
+    (stop reason, usage) and message_stop."""
+
+    def __init__(self, req: OaiRequest) -> None:
+        self.req, self.id = req, "msg_" + secrets.token_hex(12)
+
+    @staticmethod
+    def _event(e: dict[str, Any]) -> str:
+        return f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+
+    def _text(self, text: str) -> str:
+        delta = {"type": "text_delta", "text": text}
+        return self._event({"type": "content_block_delta", "index": 0, "delta": delta})
+
+    def begin(self, prompt_tokens: int) -> list[str]:
+        start: dict[str, Any] = {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        }  # fmt: skip
+        block = {"type": "text", "text": ""}
+        return [
+            self._event({"type": "message_start", "message": start}),
+            self._event({"type": "content_block_start", "index": 0, "content_block": block}),
+        ]
+
+    def pieces(self, pieces: Sequence[tuple[int, str]]) -> str:
+        return self._text("".join(text for _, text in pieces))  # one answer: index 0
+
+    def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
+        choice, done = choices[0], sent[0]
+        more = choice.text[len(done) :] if choice.text.startswith(done) else ""
+        reason, sequence = _stop(choice)
+        return ([self._text(more)] if more else []) + [
+            self._event({"type": "content_block_stop", "index": 0}),
+            self._event(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": choice.completion_tokens},
+                }
+            ),  # fmt: skip
+            self._event({"type": "message_stop"}),
+        ]
+
+    def error(self, status: int, detail: str) -> str:
+        error = {"type": _error_kind(status), "message": clip_message(detail)}
+        return self._event({"type": "error", "error": error})
+
+    def whole(self, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+        return list(message_events(self.req, choices[0], prompt_tokens))
+
+
+def _error_kind(status: int) -> str:
+    return {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+    }.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
 def error_reply(
@@ -232,12 +284,8 @@ def error_reply(
 ) -> JSONResponse:
     """An error as Anthropic writes it, ``{"type": "error", "error": {"type", "message"}}``
     (its clients raise ``anthropic.BadRequestError`` & co. with the message)."""
-    kind = {
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "request_too_large",
-        429: "rate_limit_error",
-    }.get(status, "invalid_request_error" if status < 500 else "api_error")
-    body = {"type": "error", "error": {"type": kind, "message": clip_message(detail)}}
+    body = {
+        "type": "error",
+        "error": {"type": _error_kind(status), "message": clip_message(detail)},
+    }
     return JSONResponse(body, status_code=status, headers=headers)

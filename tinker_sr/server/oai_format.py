@@ -45,6 +45,7 @@ __all__ = [
     "completion_body",
     "stream_events",
     "Chunks",
+    "OaiStream",
     "error_reply",
 ]
 
@@ -513,12 +514,35 @@ class Chunks:
         piece: dict[str, Any] = {"delta": {}} if self.req.chat else {"text": ""}
         return self.event([{"index": index, **piece, "logprobs": None, "finish_reason": reason}])
 
-    def end(self, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+    def closing(self, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
         """A usage chunk if asked for, then ``[DONE]``."""
         out = (
             [self.event([], usage=usage(prompt_tokens, choices))] if self.req.include_usage else []
         )
         return out + ["data: [DONE]\n\n"]
+
+
+class OaiStream(Chunks):
+    """A streamed answer's events as it is sampled (`live_stream.Writer`)."""
+
+    def begin(self, prompt_tokens: int) -> list[str]:
+        return [self.role(i) for i in range(self.req.n)] if self.req.chat else []
+
+    def pieces(self, pieces: Sequence[tuple[int, str]]) -> str:
+        return self.texts(pieces)
+
+    def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
+        out = []
+        for i, (c, done) in enumerate(zip(choices, sent, strict=True)):
+            more = c.text[len(done) :] if c.text.startswith(done) else ""
+            out += ([self.text(i, more)] if more else []) + [self.finish(i, c.finish_reason)]
+        return out + self.closing(choices, prompt_tokens)
+
+    def error(self, status: int, detail: str) -> str:
+        return self.event([], error={"message": detail, "code": status})
+
+    def whole(self, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
+        return stream_events(self.req, choices, prompt_tokens)
 
 
 def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int) -> list[str]:
@@ -532,7 +556,7 @@ def stream_events(req: OaiRequest, choices: Sequence[Choice], prompt_tokens: int
             if c.reasoning is not None:
                 out.append(chunks.text(i, c.reasoning, key="reasoning_content"))
         out += [chunks.text(i, c.text, lp), chunks.finish(i, c.finish_reason)]
-    return out + chunks.end(choices, prompt_tokens)
+    return out + chunks.closing(choices, prompt_tokens)
 
 
 def error_reply(

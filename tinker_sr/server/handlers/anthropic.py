@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..anthropic_format import message_body, message_events, parse_messages_request
+from ..anthropic_format import (
+    MessageStream,
+    message_body,
+    message_events,
+    parse_messages_request,
+)
 from ..http import json_reply
+from ..live_stream import engine_streams, live_stream
 from ..oai_format import OaiError, OaiRequest
 from .oai import prompt_token_count, read_request, sample_choices
 
@@ -30,6 +36,10 @@ async def _request(srv: TinkerServer, request: Request, *, count_only: bool) -> 
 
 async def messages(srv: TinkerServer, request: Request, owner: str) -> Response:
     req = await _request(srv, request, count_only=False)
+    if req.stream and engine_streams(srv.backend):
+        return await live_stream(
+            lambda progress: sample_choices(srv, owner, req, progress), req, MessageStream(req)
+        )
     choices, prompt_tokens = await sample_choices(srv, owner, req)
     if req.stream:
         events = message_events(req, choices[0], prompt_tokens)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import json
 from collections import OrderedDict
@@ -31,11 +30,12 @@ from tinker_sr.limits import DEFAULT_LIMITS
 
 from ..harmony import speaks_harmony, split_channels
 from ..http import HTTPError, json_reply, plain_error
+from ..live_stream import Progress, engine_streams, live_stream
 from ..oai_format import (
     Choice,
-    Chunks,
     OaiError,
     OaiRequest,
+    OaiStream,
     TokenEntry,
     completion_body,
     cut_at_stop,
@@ -382,126 +382,15 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
 
 
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
-    if req.stream and req.logprobs is None and not req.echo and _streams(srv):
-        return await _live(srv, owner, req)
+    if req.stream and req.logprobs is None and not req.echo and engine_streams(srv.backend):
+        return await live_stream(
+            lambda progress: sample_choices(srv, owner, req, progress), req, OaiStream(req)
+        )
     choices, prompt_tokens = await sample_choices(srv, owner, req)
     if req.stream:
         events = stream_events(req, choices, prompt_tokens)
         return StreamingResponse(iter(events), media_type="text/event-stream")
     return json_reply(completion_body(req, choices, prompt_tokens))
-
-
-# A streamed answer's events, at most this often once it has run 10x as long (`_live_events`).
-STREAM_INTERVAL_S = 0.025
-# What a streamed answer learns as it is sampled: the tokenizer and each row's new tokens.
-Progress = Callable[[Any, list[list[int]]], None]
-
-
-def _streams(srv: TinkerServer) -> bool:
-    """Does the server's engine report a sample's tokens as it decodes them?"""
-    return "progress" in inspect.signature(srv.backend.sample).parameters
-
-
-async def _live(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
-    """A streamed answer whose text is sent as it is sampled (one prompt; no log-probs, no
-    echo; not harmony's channels). It answers once the request has started decoding, so
-    whatever fails before that (the prompt, the model, the server's load) is an error reply
-    as for any request; what fails later ends the stream with an error event."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue[tuple[Any, list[list[int]]]] = asyncio.Queue()
-
-    def progress(tok: Any, rows: list[list[int]]) -> None:  # on the sampling worker
-        loop.call_soon_threadsafe(updates.put_nowait, (tok, rows))
-
-    task = asyncio.ensure_future(sample_choices(srv, owner, req, progress))
-    first = asyncio.ensure_future(updates.get())
-    try:
-        await asyncio.wait([task, first], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the client left before the answer began
-        task.cancel()
-        first.cancel()
-        raise
-    if not first.done():  # finished (or failed) before any progress: as a whole
-        first.cancel()
-        choices, prompt_tokens = task.result()
-        events = stream_events(req, choices, prompt_tokens)
-        return StreamingResponse(iter(events), media_type="text/event-stream")
-    live = _live_events(req, first.result(), updates, task)
-    return StreamingResponse(live, media_type="text/event-stream")
-
-
-async def _live_events(
-    req: OaiRequest,
-    update: tuple[Any, list[list[int]]],
-    updates: asyncio.Queue[tuple[Any, list[list[int]]]],
-    task: asyncio.Future[tuple[list[Choice], int]],
-) -> AsyncIterator[str]:
-    """The answer's events: each choice's settled text as its tokens come (the choices that
-    moved, in one event per update), then what the whole answer adds and the finish. Updates
-    are paced: each event wakes the server and the client beside the decoding worker, so they
-    come at most every `STREAM_INTERVAL_S` once the answer has run ten times that (every step
-    before: the first words come at once), and each re-decodes the texts, so the next waits at
-    least 4x as long as that took (however long the answers grow)."""
-    chunks, sent = Chunks(req), [""] * req.n
-    tokens: list[list[int]] = [[] for _ in range(req.n)]
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    try:
-        if req.chat:
-            for i in range(req.n):
-                yield chunks.role(i)
-        while True:
-            began = loop.time()
-            tok, new = update
-            for i, more in enumerate(new):
-                tokens[i] += more
-            while not updates.empty():  # what came meanwhile, in order
-                for i, more in enumerate(updates.get_nowait()[1]):
-                    tokens[i] += more
-            pieces = []
-            for i, row in enumerate(tokens):
-                text = _settled_text(tok, req, row)
-                if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                    pieces.append((i, text[len(sent[i]) :]))
-                    sent[i] = text
-            if pieces:
-                yield chunks.texts(pieces)
-            if task.done():
-                break
-            now = loop.time()
-            pace = min(STREAM_INTERVAL_S, (now - started) / 10)
-            await asyncio.wait([task], timeout=max(pace, 4 * (now - began)))
-            waiting: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
-            await asyncio.wait([waiting, task], return_when=asyncio.FIRST_COMPLETED)
-            if not waiting.done():
-                waiting.cancel()
-                update = (tok, [])
-                continue
-            update = waiting.result()
-        choices, prompt_tokens = task.result()
-    except Exception as e:  # after the reply began: an error event ends the stream
-        status, detail = plain_error(e)
-        yield chunks.event([], error={"message": detail, "code": status})
-        return
-    finally:
-        task.cancel()  # the client went away: stop sampling (nothing if already done)
-    for i, c in enumerate(choices):
-        if c.text.startswith(sent[i]) and len(c.text) > len(sent[i]):
-            yield chunks.text(i, c.text[len(sent[i]) :])
-        yield chunks.finish(i, c.finish_reason)
-    for event in chunks.end(choices, prompt_tokens):
-        yield event
-
-
-def _settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
-    """The part of an answer's text so far that later tokens cannot change: up to a stop
-    string, without its last token (a merge or a character's bytes may still complete it),
-    a tail that may begin a stop string, or an incomplete character."""
-    text, stop = cut_at_stop(_decoded(tok, req, tokens[:-1]), req.stop)
-    if stop is None:
-        tail = [k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])]
-        text = text[: len(text) - max(tail, default=0)]
-    return text.rstrip("\ufffd")
 
 
 async def sample_choices(
@@ -527,7 +416,7 @@ async def _sampled(
     with_prompt = req.echo and req.logprobs is not None
     live: dict[str, Any] = {}
     if progress is not None and len(prompts) == 1 and not speaks_harmony(tok):
-        live["progress"] = lambda rows: progress(tok, rows)
+        live["progress"] = lambda rows: progress(tok, len(prompts[0]), rows)
 
     async def one(ids: list[int]) -> types.SampleResponse:
         return await srv.backend.sample(
