@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from tinker_sr.user_errors import clip_message
 
-from .oai_format import Choice, OaiError, OaiRequest, check_unicode, number_field
+from .oai_format import Choice, OaiError, OaiRequest, check_unicode, number_field, unsent
 
 __all__ = ["parse_messages_request", "message_body", "message_events", "error_reply"]
 
@@ -246,8 +246,7 @@ class MessageStream:
         return self._text("".join(text for _, text in pieces))  # one answer: index 0
 
     def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
-        choice, done = choices[0], sent[0]
-        more = choice.text[len(done) :] if choice.text.startswith(done) else ""
+        choice, more = choices[0], unsent(choices[0], sent[0])
         reason, sequence = _stop(choice)
         return ([self._text(more)] if more else []) + [
             self._event({"type": "content_block_stop", "index": 0}),
@@ -257,7 +256,7 @@ class MessageStream:
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": {"output_tokens": choice.completion_tokens},
                 }
-            ),  # fmt: skip
+            ),
             self._event({"type": "message_stop"}),
         ]
 

@@ -46,6 +46,7 @@ __all__ = [
     "stream_events",
     "Chunks",
     "OaiStream",
+    "unsent",
     "error_reply",
 ]
 
@@ -522,6 +523,11 @@ class Chunks:
         return out + ["data: [DONE]\n\n"]
 
 
+def unsent(choice: Choice, sent: str) -> str:
+    """What ``choice``'s text adds to the part of it streamed so far (``sent``)."""
+    return choice.text[len(sent) :] if choice.text.startswith(sent) else ""
+
+
 class OaiStream(Chunks):
     """A streamed answer's events as it is sampled (`live_stream.Writer`)."""
 
@@ -534,7 +540,7 @@ class OaiStream(Chunks):
     def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
         out = []
         for i, (c, done) in enumerate(zip(choices, sent, strict=True)):
-            more = c.text[len(done) :] if c.text.startswith(done) else ""
+            more = unsent(c, done)
             out += ([self.text(i, more)] if more else []) + [self.finish(i, c.finish_reason)]
         return out + self.closing(choices, prompt_tokens)
 
