@@ -2,8 +2,9 @@
 `openai` client as a user points it at the server: its answers are the engine's own samples
 (the same tokens and log-probs as the official SDK's `SamplingClient` with the same seed),
 chat prompts are the model's chat template, a trained checkpoint is served by its tinker://
-path, streaming reassembles to the same answer, what it samples is counted in the caller's
-usage, and what is not supported is refused with a 400 naming the field."""
+path, a streamed answer comes while it is sampled and reassembles to the same answer, what it
+samples is counted in the caller's usage, and what is not supported is refused with a 400
+naming the field."""
 
 from __future__ import annotations
 
