@@ -2,8 +2,8 @@
 real `anthropic` client as a user points it at the server: a Message is the engine's own
 greedy answer to the model's chat template (system prompt first; a last assistant message is a
 prefill the answer continues), stop sequences are reported as Anthropic does, a stream's
-deltas come while it is sampled and reassemble to the same Message, count_tokens counts the rendered prompt, and what is not
-supported is refused with Anthropic's 400."""
+deltas come while it is sampled and reassemble to the same Message, count_tokens counts the
+rendered prompt, and what is not supported is refused with Anthropic's 400."""
 
 from __future__ import annotations
 
