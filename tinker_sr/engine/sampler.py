@@ -254,7 +254,6 @@ class DecodeGroup:
         )
         self.logits = torch.zeros(n, V)
         self.t = 0  # index of the next token to sample
-        self.sampled = 0  # tokens sampled so far per row (stopped rows: up to their stop)
         self._reported = 0  # tokens `new_tokens` has handed out
         self.pos = len(prompt)  # position of the tokens fed at the next decode step
         self.finished = False
@@ -368,7 +367,6 @@ class DecodeGroup:
     def _sample(self) -> None:
         t = self.t
         tok = self._draw(t)
-        self.sampled = t + 1
         hit = (
             ~self.done & torch.isin(tok, self.stop_ids)
             if len(self.stop_ids)
@@ -411,6 +409,11 @@ class DecodeGroup:
             self.out_topk_ids[:, t] = top_ids.to(torch.int32)
             self.out_topk_lp[:, t] = top_lp
         return tok
+
+    @property
+    def sampled(self) -> int:
+        """Tokens sampled so far per row (a stopped row's: up to its stop)."""
+        return self.t + 1 if self.finished else self.t
 
     def new_tokens(self) -> list[list[int]]:
         """Each row's tokens sampled since the last call, a stopped row's up to its stop (what

@@ -64,8 +64,8 @@ async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
     """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (several prompts, harmony's channels: `sample` does
-    not pass it on), the whole answer's events."""
+    progress comes before it finishes (several prompts, log-probs or echo, harmony's
+    channels: `sample` does not pass it on), the whole answer's events."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[tuple[Any, int, list[list[int]]]] = asyncio.Queue()
 

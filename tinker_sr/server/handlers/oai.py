@@ -382,7 +382,7 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
 
 
 async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
-    if req.stream and req.logprobs is None and not req.echo and engine_streams(srv.backend):
+    if req.stream and engine_streams(srv.backend):
         return await live_stream(
             lambda progress: sample_choices(srv, owner, req, progress), req, OaiStream(req)
         )
@@ -399,7 +399,8 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
-    hears each row's tokens as they are sampled (one prompt, not harmony's channels)."""
+    hears each row's tokens as they are sampled (one prompt, no log-probs or echo, not
+    harmony's channels: otherwise nothing until the whole answer)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
@@ -415,7 +416,8 @@ async def _sampled(
     top = req.logprobs or 0
     with_prompt = req.echo and req.logprobs is not None
     live: dict[str, Any] = {}
-    if progress is not None and len(prompts) == 1 and not speaks_harmony(tok):
+    streams = req.logprobs is None and not req.echo and len(prompts) == 1
+    if progress is not None and streams and not speaks_harmony(tok):
         live["progress"] = lambda rows: progress(tok, len(prompts[0]), rows)
 
     async def one(ids: list[int]) -> types.SampleResponse:
