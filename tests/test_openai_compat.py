@@ -207,6 +207,61 @@ def test_a_streamed_answer_comes_as_it_is_sampled(
     assert stop not in "".join(pieces[0])
 
 
+def _streamed_logprobs(oai: Any, chat: bool, **kw: Any) -> dict[int, list[Any]]:
+    """Each choice's log-probs, as the chunks of a streamed request carry them, in order."""
+    got: dict[int, list[Any]] = {}
+    create = oai.chat.completions.create if chat else oai.completions.create
+    for chunk in create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                got.setdefault(c.index, []).append(c.logprobs)
+    return got
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_log_probs_come_as_they_are_sampled(
+    server: ServerProcess, model_dir: Path, chat: bool
+) -> None:
+    """With log-probs asked for, a stream still comes while the engine decodes (before: whole,
+    in one chunk per choice), and each choice's chunks' log-probs join to the unstreamed
+    answer's: entries, alternatives and (`/completions`) text offsets; also where a stop
+    string cuts the answer."""
+    oai = client(server)
+    ask: dict[str, Any] = (
+        {"messages": HI, "logprobs": True, "top_logprobs": 3}
+        if chat
+        else {"prompt": "The quick brown fox", "logprobs": 2}
+    )
+    kw: dict[str, Any] = dict(model=str(model_dir), max_tokens=40, seed=11, n=2, **ask)
+    create = oai.chat.completions.create if chat else oai.completions.create
+
+    def joined(parts: list[Any]) -> Any:
+        if chat:
+            return [e.model_dump() for p in parts for e in p.content]
+        return {k: [v for p in parts for v in getattr(p, k)]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+
+    for more in ({}, {"stop": None}):
+        plain = create(**kw, **more).choices
+        if "stop" in more:  # a stop string from the middle of the first answer
+            text = str(plain[0].message.content if chat else plain[0].text)
+            more = {"stop": [text[len(text) // 2 : len(text) // 2 + 3]]}
+            plain = create(**kw, **more).choices
+            assert plain[0].finish_reason == "stop"
+        streamed = _streamed_logprobs(oai, chat, **kw, **more)
+        assert {i: joined(parts) for i, parts in streamed.items()} == {
+            c.index: joined([c.logprobs]) for c in plain
+        }
+        pieces, _ = _streamed(oai, chat, **kw, **more)
+        assert {i: "".join(p) for i, p in pieces.items()} == {
+            c.index: (c.message.content if chat else c.text) for c in plain if c.index in pieces
+        }
+    scored = [
+        [p for p in parts if (p.content if chat else p.tokens)] for parts in streamed.values()
+    ]
+    assert all(len(parts) > 3 for parts in scored), scored  # sent as it was sampled
+
+
 def test_a_stream_left_early_stops_its_sample(server: ServerProcess, model_dir: Path) -> None:
     """A client that closes a stream after its first pieces: the server stops decoding it, so
     only what it finished counts in the caller's usage. The same request sent whole right

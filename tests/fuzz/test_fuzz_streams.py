@@ -1,8 +1,9 @@
 """Property: a streamed answer of the OpenAI- and Anthropic-compatible routes, sent while it is
 sampled (`server.live_stream`), joins to the very answer the same request gets unstreamed,
 whatever its prompt, stop strings (pieces of the answer itself, texts of the vocabulary's odd
-characters, partial UTF-8), ``n``, length, sampling parameters and special-token handling;
-and the request is refused the same way streamed or not. Against a real server on a tiny
+characters, partial UTF-8), ``n``, length, sampling parameters, log-probs (joined across the
+chunks: entries, alternatives, text offsets) and special-token handling; and the request is
+refused the same way streamed or not. Against a real server on a tiny
 BPE model directory."""
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def _events(body: str) -> list[dict[str, Any]]:
     return out
 
 
-def _streamed_oai(events: list[dict[str, Any]], chat: bool) -> tuple[dict[int, str], dict[int, str]]:  # fmt: skip
+def _streamed_oai(events: list[dict[str, Any]], chat: bool) -> tuple[dict[int, str], dict[int, str], dict[int, Any]]:  # fmt: skip
+    """Each choice's joined text, finish reason and joined log-probs."""
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
+    scores: dict[int, Any] = {}
     for e in events:
         assert "error" not in e, e
         for c in e["choices"]:
@@ -50,7 +53,18 @@ def _streamed_oai(events: list[dict[str, Any]], chat: bool) -> tuple[dict[int, s
             texts[c["index"]] = texts.get(c["index"], "") + piece
             if c["finish_reason"]:
                 reasons[c["index"]] = c["finish_reason"]
-    return texts, reasons
+            if c["logprobs"] is not None:
+                scores[c["index"]] = _joined(scores.get(c["index"]), c["logprobs"], chat)
+    return texts, reasons, scores
+
+
+def _joined(before: Any, more: Any, chat: bool) -> Any:
+    """Two pieces' log-probs as one."""
+    if before is None:
+        return more
+    if chat:
+        return {**before, "content": before["content"] + more["content"]}
+    return {k: before[k] + more[k] for k in before}
 
 
 stops = st.lists(
@@ -79,6 +93,7 @@ requests = st.fixed_dictionaries(
     chat=st.booleans(),
     prompt=st.text(max_size=20),
     from_answer=st.integers(0, 8),
+    logprobs=st.one_of(st.none(), st.integers(0, 4)),
 )
 def test_a_streamed_answer_joins_to_the_unstreamed_one(
     served: tuple[ServerProcess, str],
@@ -86,8 +101,11 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(
     chat: bool,
     prompt: str,
     from_answer: int,
+    logprobs: int | None,
 ) -> None:
     srv, model = served
+    if logprobs is not None:
+        body = {**body, **({"logprobs": True, "top_logprobs": logprobs} if chat else {"logprobs": logprobs})}  # fmt: skip
     route = "chat/completions" if chat else "completions"
     ask = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt or " "}
     url = f"{srv.base_url}/oai/api/v1/{route}"
@@ -109,9 +127,11 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(
         c["index"]: (c["message"]["content"] if chat else c["text"])
         for c in whole.json()["choices"]
     }
-    texts, reasons = _streamed_oai(_events(streamed.text), chat)
+    texts, reasons, scores = _streamed_oai(_events(streamed.text), chat)
     assert {i: t for i, t in texts.items() if t} == {i: t for i, t in want.items() if t}
     assert reasons == {c["index"]: c["finish_reason"] for c in whole.json()["choices"]}
+    if logprobs is not None:
+        assert scores == {c["index"]: c["logprobs"] for c in whole.json()["choices"]}
 
 
 @settings(FUZZ, max_examples=scaled(25))
@@ -142,3 +162,90 @@ def test_a_streamed_message_joins_to_the_unstreamed_one(
     last = next(e for e in events if e["type"] == "message_delta")
     assert last["delta"]["stop_reason"] == message["stop_reason"]
     assert last["usage"]["output_tokens"] == message["usage"]["output_tokens"]
+
+
+@pytest.fixture(scope="module")
+def bpe(served: tuple[ServerProcess, str]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(served[1])
+
+
+@settings(FUZZ, max_examples=scaled(200))
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_a_stream_sends_only_what_the_answer_keeps(
+    bpe: Any, data: st.DataObject, skip_special_tokens: bool
+) -> None:
+    """Token by token, whatever the tokens (special ones, pieces of UTF-8 characters) and stop
+    strings (texts of the tokens themselves, special tokens', U+FFFD), a stream's pieces are a
+    prefix of the answer it ends with (`_choices`, as the unstreamed answer is written): its
+    text, and the entries of the tokens it keeps (up to the one completing a stop string,
+    which the engine runs past on a special token's text)."""
+    specials = sorted(bpe.all_special_ids)
+    partial = [t for t in range(len(bpe)) if bpe.decode([t]) == "\ufffd"]  # a character's bytes
+    ids = st.one_of(
+        st.integers(0, len(bpe) - 1), st.sampled_from(specials), st.sampled_from(partial)
+    )
+    tokens = data.draw(st.lists(ids, min_size=1, max_size=24), label="tokens")
+    pieces = [str(bpe.decode([t], skip_special_tokens=False)) for t in tokens]
+    stop = data.draw(
+        st.lists(
+            st.one_of(
+                st.sampled_from(pieces).map(lambda p: p[:2] or "x"),
+                st.sampled_from([*bpe.all_special_tokens, "\ufffd", " "]),
+            ),
+            max_size=2,
+        ),
+        label="stop",
+    )
+    _check_stream_prefix(bpe, tokens, stop, skip_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "skip"),
+    [
+        (["\xa1", "\xa1", "!"], ["\ufffd"], True),  # stray bytes: the answer keeps one token
+        (["\xe0", "\xa1", "\xa1", "\xa1"], ["\ufffd"], True),  # a character, then a stray byte
+        (["!", "\xc2", "\xa1", "\xa1"], ["\ufffd"], False),  # a shorter prefix holds the stop
+        (["H", "<|im_end|>", "x", "y"], ["<|im_end|>"], False),  # the engine ran past it
+        # a character's first bytes are U+FFFD until the next complete it into a stop string
+        (["x", "a", "\xe0", "\xa1", "\xa1", "Z"], ["\ufffd", "a\u0861"], True),
+    ],
+)
+def test_a_stream_sends_only_what_the_answer_keeps_at_the_edges(
+    bpe: Any, pieces: list[str], stop: list[str], skip: bool
+) -> None:
+    """The cases the property above found, and one it has not (tokens by their byte-level
+    symbols: a one-byte piece is that byte's own token)."""
+    tokens = [bpe.convert_tokens_to_ids(p if len(p) > 1 else _byte_symbol(p)) for p in pieces]
+    _check_stream_prefix(bpe, tokens, stop, skip)
+
+
+def _byte_symbol(char: str) -> str:
+    """The byte-level BPE symbol of a one-byte token (GPT-2's printable bytes stand for
+    themselves)."""
+    b = ord(char)
+    assert 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255, b
+    return chr(b)
+
+
+def _check_stream_prefix(bpe: Any, tokens: list[int], stop: list[str], skip: bool) -> None:
+    """Stream ``tokens`` one at a time through `_piece`; what it sent is a prefix of the whole
+    answer `_choices` writes: text and log-prob entries."""
+    from tinker_sr import types
+    from tinker_sr.server.handlers.oai import _choices, _token_entries
+    from tinker_sr.server.live_stream import Reader, _piece
+    from tinker_sr.server.oai_format import OaiRequest, Sent
+
+    req = OaiRequest(chat=False, model="m", stop=stop, logprobs=0, skip_special_tokens=skip)
+    lps = [-float(i) for i in range(len(tokens))]
+    scored = _token_entries(bpe, tokens, lps, None, None)
+    sent = [Sent()]
+    for n in range(1, len(tokens) + 1):
+        _piece(Reader(bpe), req, 0, [tokens[:n]], [scored[:n]], sent)
+    seq = types.SampledSequence(
+        stop_reason="length", sequence_id="s", _tokens_list=tokens, _logprobs_list=lps
+    )
+    (whole,) = _choices(bpe, req, [1], types.SampleResponse(sequences=[seq]), None)
+    assert whole.text.startswith(sent[0].text), (whole.text, sent[0].text)
+    assert whole.tokens is not None and sent[0].tokens == whole.tokens[: len(sent[0].tokens)]

@@ -47,6 +47,7 @@ from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
+from tinker_sr.engine.sampler import NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
@@ -626,10 +627,10 @@ class LocalBackend(LocalRestQueries):
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
-        progress: Callable[[list[list[int]]], None] | None = None,
+        progress: Callable[[list[NewTokens]], None] | None = None,
     ) -> types.SampleResponse:
-        """``progress``: called (on the sampling worker) with each row's new tokens after the
-        prefill and each decode step, for a server that streams its answer."""
+        """``progress``: called (on the sampling worker) with each row's new tokens and their
+        scores after the prefill and each decode step, for a server that streams its answer."""
         req = SampleRequest(
             prompt=prompt,
             num_samples=num_samples,

@@ -59,6 +59,18 @@ class SampleOutput:
     topk_logprobs: np.ndarray | None = None  # float32 [len(tokens), k]; sentinel past q's support
 
 
+@dataclass
+class NewTokens:
+    """A row's tokens sampled since the last report (`DecodeGroup.new_tokens`), with what
+    `SampleOutput` will hold of them: log q of each (float32) and, where the request asked for
+    top-k log-probs, the top of q at each (``None`` otherwise; sentinels past q's support)."""
+
+    tokens: list[int]
+    logprobs: np.ndarray
+    topk_token_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
 def _row_generator(seed: int, row: int, stream: str) -> torch.Generator:
     return torch.Generator().manual_seed(_stable_seed("tinker_sr.sampler", seed, row, stream))
 
@@ -415,13 +427,24 @@ class DecodeGroup:
         """Tokens sampled so far per row (a stopped row's: up to its stop)."""
         return self.t + 1 if self.finished else self.t
 
-    def new_tokens(self) -> list[list[int]]:
-        """Each row's tokens sampled since the last call, a stopped row's up to its stop (what
-        `outputs` will hold of them): a streaming answer's progress."""
+    def new_tokens(self) -> list[NewTokens]:
+        """Each row's tokens sampled since the last call, a stopped row's up to its stop, with
+        their scores (what `outputs` will hold of them): a streaming answer's progress."""
         start, self._reported = self._reported, self.sampled
-        ends = self.lengths.clamp(max=self.sampled).tolist()
+        ends = (self.lengths.clamp(max=self.sampled) - start).clamp(min=0).tolist()
         rows = self.out_tok[:, start : self.sampled].tolist()
-        return [row[: max(0, end - start)] for row, end in zip(rows, ends, strict=True)]
+        lps = self.out_lp[:, start : self.sampled].numpy().copy()
+        top = None
+        if self.out_topk_ids.shape[2]:
+            ids = self.out_topk_ids[:, start : self.sampled].numpy().copy()
+            top_lp = self.out_topk_lp[:, start : self.sampled].numpy().copy()
+            empty = np.isneginf(top_lp)
+            ids[empty], top_lp[empty] = TOPK_SENTINEL
+            top = ids, top_lp
+        return [
+            NewTokens(row[:n], lps[i, :n], *((top[0][i, :n], top[1][i, :n]) if top else ()))
+            for i, (row, n) in enumerate(zip(rows, ends, strict=True))
+        ]
 
     def outputs(self) -> list[SampleOutput]:
         return _outputs(

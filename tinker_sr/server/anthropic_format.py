@@ -23,7 +23,16 @@ from starlette.responses import JSONResponse
 
 from tinker_sr.user_errors import clip_message
 
-from .oai_format import Choice, OaiError, OaiRequest, check_unicode, number_field, unsent
+from .oai_format import (
+    Choice,
+    OaiError,
+    OaiRequest,
+    Piece,
+    Sent,
+    check_unicode,
+    number_field,
+    unsent,
+)
 
 __all__ = ["parse_messages_request", "message_body", "message_events", "error_reply"]
 
@@ -211,7 +220,7 @@ def message_events(req: OaiRequest, choice: Choice, prompt_tokens: int) -> Seque
     """A whole answer as the Messages stream: message_start, one text block (its text in one
     delta), message_delta with the stop reason and usage, message_stop."""
     stream = MessageStream(req)
-    return stream.begin(prompt_tokens) + stream.end([choice], [""], prompt_tokens)
+    return stream.begin(prompt_tokens) + stream.end([choice], [Sent()], prompt_tokens)
 
 
 class MessageStream:
@@ -242,11 +251,11 @@ class MessageStream:
             self._event({"type": "content_block_start", "index": 0, "content_block": block}),
         ]
 
-    def pieces(self, pieces: Sequence[tuple[int, str]]) -> str:
-        return self._text("".join(text for _, text in pieces))  # one answer: index 0
+    def pieces(self, pieces: Sequence[Piece]) -> str:
+        return self._text("".join(p.text for p in pieces))  # one answer: index 0
 
-    def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
-        choice, more = choices[0], unsent(choices[0], sent[0])
+    def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
+        choice, more = choices[0], unsent(choices[0], sent[0].text)
         reason, sequence = _stop(choice)
         return ([self._text(more)] if more else []) + [
             self._event({"type": "content_block_stop", "index": 0}),

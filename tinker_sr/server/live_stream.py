@@ -3,12 +3,13 @@ routes (`handlers.oai`, `handlers.anthropic`).
 
 The sampling worker tells a request's listener its rows' new tokens after the prefill and each
 decode step (`engine.scheduler`, `LocalBackend.sample(..., progress=...)`); here each answer's
-settled text (what later tokens cannot change) goes out as it grows, in the route's own event
-format (a `Writer`), and the whole answer's remainder, finish and usage at the end, so the
-pieces join to the very text the unstreamed answer has. The reply begins once the request is
-decoding: whatever fails before that (the prompt, the model, the server's load) is an error
-reply as for any request; what fails later ends the stream with an error event. A client that
-goes away cancels its sample.
+settled text (what later tokens cannot change) goes out as it grows, with its tokens' log-prob
+entries where the request asked for them, in the route's own event format (a `Writer`), and
+the whole answer's remainder, finish and usage at the end, so the pieces join to the very text
+and log-probs the unstreamed answer has. The reply begins once the request is decoding:
+whatever fails before that (the prompt, the model, the server's load) is an error reply as for
+any request; what fails later ends the stream with an error event. A client that goes away
+cancels its sample.
 """
 
 from __future__ import annotations
@@ -16,18 +17,33 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
 
+from tinker_sr.engine.sampler import NewTokens
+
 from .http import plain_error
-from .oai_format import Choice, OaiRequest, cut_at_stop
+from .oai_format import Choice, OaiRequest, Piece, Sent, TokenEntry, cut_at_stop
 
 # A streamed answer's events, at most this often once it has run 10x as long (`_events`).
 STREAM_INTERVAL_S = 0.025
-# What a streamed answer hears as it is sampled: the tokenizer, the prompt's length in
-# tokens, and each row's new tokens.
-Progress = Callable[[Any, int, list[list[int]]], None]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How a streamed answer reads its rows' reports: the tokenizer, and where the request
+    asked for log-probs, the entries of a report's tokens (as the whole answer writes them)."""
+
+    tok: Any
+    entries: Callable[[NewTokens], list[TokenEntry]] | None = None
+
+
+# What a streamed answer hears as it is sampled: its reader, the prompt's length in tokens,
+# and each row's new tokens.
+Progress = Callable[[Reader, int, list[NewTokens]], None]
+Update = tuple[Reader, int, list[NewTokens]]
 Answer = tuple[list[Choice], int]  # the choices and the prompt's tokens
 
 
@@ -38,11 +54,11 @@ class Writer(Protocol):
         """The events before any text."""
         ...
 
-    def pieces(self, pieces: Sequence[tuple[int, str]]) -> str:
-        """One event with more text of some answers, ``(index, text)`` each."""
+    def pieces(self, pieces: Sequence[Piece]) -> str:
+        """One event with more of some answers (text, log-prob entries)."""
         ...
 
-    def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
+    def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
         """The rest of each answer (past ``sent``), its finish, the usage, the stream's end."""
         ...
 
@@ -64,13 +80,13 @@ async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
     """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (several prompts, log-probs or echo, harmony's
-    channels: `sample` does not pass it on), the whole answer's events."""
+    progress comes before it finishes (several prompts, echo, harmony's channels: `sample`
+    does not pass it on), the whole answer's events."""
     loop = asyncio.get_running_loop()
-    updates: asyncio.Queue[tuple[Any, int, list[list[int]]]] = asyncio.Queue()
+    updates: asyncio.Queue[Update] = asyncio.Queue()
 
-    def progress(tok: Any, prompt_tokens: int, rows: list[list[int]]) -> None:  # on the worker
-        loop.call_soon_threadsafe(updates.put_nowait, (tok, prompt_tokens, rows))
+    def progress(reader: Reader, prompt_tokens: int, rows: list[NewTokens]) -> None:  # worker's
+        loop.call_soon_threadsafe(updates.put_nowait, (reader, prompt_tokens, rows))
 
     task = asyncio.ensure_future(sample(progress))
     first = asyncio.ensure_future(updates.get())
@@ -92,18 +108,20 @@ async def live_stream(
 async def _events(
     req: OaiRequest,
     writer: Writer,
-    update: tuple[Any, int, list[list[int]]],
-    updates: asyncio.Queue[tuple[Any, int, list[list[int]]]],
+    update: Update,
+    updates: asyncio.Queue[Update],
     task: asyncio.Future[Answer],
 ) -> AsyncIterator[str]:
-    """Each answer's settled text as its tokens come (the answers that moved, in one event per
-    update), then the rest. Updates are paced: each event wakes the server and the client
-    beside the decoding worker, so they come at most every `STREAM_INTERVAL_S` once the answer
-    has run ten times that (every step before: the first words come at once), and each
-    re-decodes the texts, so the next waits at least 4x as long as that took."""
-    tok, prompt_tokens, _ = update
-    sent = [""] * req.n
+    """Each answer's settled text and its settled tokens' log-prob entries as its tokens come
+    (the answers that moved, in one event per update), then the rest. Updates are paced: each
+    event wakes the server and the client beside the decoding worker, so they come at most
+    every `STREAM_INTERVAL_S` once the answer has run ten times that (every step before: the
+    first words come at once), and each re-decodes the texts, so the next waits at least 4x as
+    long as that took."""
+    reader, prompt_tokens, _ = update
+    sent = [Sent() for _ in range(req.n)]
     tokens: list[list[int]] = [[] for _ in range(req.n)]
+    scored: list[list[TokenEntry]] = [[] for _ in range(req.n)]
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
@@ -111,17 +129,12 @@ async def _events(
             yield event
         while True:
             began = loop.time()
-            for i, more in enumerate(update[2]):
-                tokens[i] += more
+            _take(reader, update[2], tokens, scored)
             while not updates.empty():  # what came meanwhile, in order
-                for i, more in enumerate(updates.get_nowait()[2]):
-                    tokens[i] += more
-            pieces = []
-            for i, row in enumerate(tokens):
-                text = settled_text(tok, req, row)
-                if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                    pieces.append((i, text[len(sent[i]) :]))
-                    sent[i] = text
+                _take(reader, updates.get_nowait()[2], tokens, scored)
+            pieces = [
+                p for i in range(req.n) if (p := _piece(reader, req, i, tokens, scored, sent))
+            ]
             if pieces:
                 yield writer.pieces(pieces)
             if task.done():
@@ -135,7 +148,7 @@ async def _events(
                 update = waiting.result()
             else:
                 waiting.cancel()
-                update = (tok, prompt_tokens, [])
+                update = (reader, prompt_tokens, [])
         choices, prompt_tokens = task.result()
     except Exception as e:  # after the reply began: an error event ends the stream
         yield writer.error(*plain_error(e))
@@ -146,13 +159,51 @@ async def _events(
         yield event
 
 
-def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
-    """The part of an answer's text so far that later tokens cannot change: up to a stop
-    string, without its last token (a merge or a character's bytes may still complete it),
-    a tail that may begin a stop string, or an incomplete character."""
+def _take(
+    reader: Reader, rows: list[NewTokens], tokens: list[list[int]], scored: list[list[TokenEntry]]
+) -> None:
+    """A report's new tokens (and their entries, with log-probs asked for) onto each row's."""
+    for i, row in enumerate(rows):
+        tokens[i] += row.tokens
+        if reader.entries is not None:
+            scored[i] += reader.entries(row)
+
+
+def _piece(
+    reader: Reader,
+    req: OaiRequest,
+    i: int,
+    tokens: list[list[int]],
+    scored: list[list[TokenEntry]],
+    sent: list[Sent],
+) -> Piece | None:
+    """What answer ``i`` may send now past ``sent[i]`` (which it then counts as sent): its
+    settled text, and the entries of its tokens but the last while no stop string has come
+    (each of those is then one the whole answer keeps). Not where a stop string holds U+FFFD:
+    an incomplete character's text may hold it and a longer one's not, so which tokens the
+    answer keeps is known at its end only."""
+    text, stopped = settled_text(reader.tok, req, tokens[i])
+    done = sent[i]
+    grew = len(text) > len(done.text) and text.startswith(done.text)
+    more = text[len(done.text) :] if grew else ""
+    live_scores = not stopped and not any("\ufffd" in s for s in req.stop)
+    new = scored[i][len(done.tokens) : len(tokens[i]) - 1] if live_scores else []
+    if not more and not new:
+        return None
+    piece = Piece(i, more, new, done.offset)
+    done.text += more
+    done.tokens += new
+    return piece
+
+
+def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool]:
+    """The part of an answer's text so far that later tokens cannot change, and whether a stop
+    string has come: up to a stop string, without its last token (a merge or a character's
+    bytes may still complete it), an incomplete character (U+FFFD at the end, which a stop
+    string is not looked for in) or a tail that may begin a stop string."""
     decoded = str(tok.decode(tokens[:-1], skip_special_tokens=req.skip_special_tokens))
-    text, stop = cut_at_stop(decoded, req.stop)
+    text, stop = cut_at_stop(decoded.rstrip("\ufffd"), req.stop)
     if stop is None:
         tail = [k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])]
         text = text[: len(text) - max(tail, default=0)]
-    return text.rstrip("\ufffd")
+    return text, stop is not None

@@ -410,8 +410,7 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-def _completion_logprobs(choice: Choice, start: int = 0) -> dict[str, Any]:
-    tokens = choice.tokens or []
+def _completion_logprobs(tokens: Sequence[TokenEntry], start: int = 0) -> dict[str, Any]:
     offsets, at = [], start
     for t in tokens:
         offsets.append(at)
@@ -425,18 +424,25 @@ def _completion_logprobs(choice: Choice, start: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _chat_logprobs(choice: Choice) -> dict[str, Any]:
+def _chat_logprobs(tokens: Sequence[TokenEntry]) -> dict[str, Any]:
     def entry(t: TokenEntry) -> dict[str, Any]:
         return {"token": t.text, "logprob": t.logprob, "bytes": list(t.raw)}
 
-    content = [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in choice.tokens or []]
+    content = [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in tokens]
     return {"content": content, "refusal": None}
 
 
+def logprobs_body(req: OaiRequest, tokens: Sequence[TokenEntry], start: int = 0) -> Any:
+    """The ``logprobs`` of an answer (or a piece of one) whose tokens' entries are ``tokens``,
+    the first at ``start`` characters into the answer's text (`/completions`' offsets); None
+    where the request did not ask for log-probs."""
+    if req.logprobs is None:
+        return None
+    return _chat_logprobs(tokens) if req.chat else _completion_logprobs(tokens, start)
+
+
 def _choice_body(req: OaiRequest, index: int, choice: Choice) -> dict[str, Any]:
-    lp = None
-    if req.logprobs is not None:
-        lp = _chat_logprobs(choice) if req.chat else _completion_logprobs(choice)
+    lp = logprobs_body(req, choice.tokens or [])
     if req.chat:
         message = {"role": "assistant", "content": choice.text, "refusal": None}
         if choice.reasoning is not None:
@@ -500,10 +506,6 @@ class Chunks:
         """A piece of answer ``index``'s text (chat: its ``delta``'s ``key``)."""
         return self.event([self._piece(index, text, logprobs, key)])
 
-    def texts(self, pieces: Sequence[tuple[int, str]]) -> str:
-        """Pieces of several answers' texts, ``(index, text)`` each, in one event."""
-        return self.event([self._piece(i, text) for i, text in pieces])
-
     def _piece(self, index: int, text: str, logprobs: Any = None, key: str = "content") -> dict[str, Any]:  # fmt: skip
         if self.req.chat:
             piece = {"index": index, "delta": {key: text}, "logprobs": logprobs}
@@ -528,20 +530,48 @@ def unsent(choice: Choice, sent: str) -> str:
     return choice.text[len(sent) :] if choice.text.startswith(sent) else ""
 
 
+@dataclass
+class Sent:
+    """What a stream has sent of one answer: its text, and its tokens' log-prob entries."""
+
+    text: str = ""
+    tokens: list[TokenEntry] = field(default_factory=list)
+
+    @property
+    def offset(self) -> int:
+        """Where the next entry's token begins in the answer's text (`/completions`)."""
+        return sum(len(t.text) for t in self.tokens)
+
+
+@dataclass
+class Piece:
+    """What one event adds to answer ``index``: more text, and more tokens' entries."""
+
+    index: int
+    text: str
+    tokens: list[TokenEntry]
+    offset: int = 0  # the first entry's place in the answer's text
+
+
 class OaiStream(Chunks):
     """A streamed answer's events as it is sampled (`live_stream.Writer`)."""
 
     def begin(self, prompt_tokens: int) -> list[str]:
         return [self.role(i) for i in range(self.req.n)] if self.req.chat else []
 
-    def pieces(self, pieces: Sequence[tuple[int, str]]) -> str:
-        return self.texts(pieces)
+    def pieces(self, pieces: Sequence[Piece]) -> str:
+        lps = [logprobs_body(self.req, p.tokens, p.offset) for p in pieces]
+        return self.event(
+            [self._piece(p.index, p.text, lp) for p, lp in zip(pieces, lps, strict=True)]
+        )
 
-    def end(self, choices: Sequence[Choice], sent: Sequence[str], prompt_tokens: int) -> list[str]:  # fmt: skip
+    def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
         out = []
         for i, (c, done) in enumerate(zip(choices, sent, strict=True)):
-            more = unsent(c, done)
-            out += ([self.text(i, more)] if more else []) + [self.finish(i, c.finish_reason)]
+            more, rest = unsent(c, done.text), (c.tokens or [])[len(done.tokens) :]
+            if more or (rest and self.req.logprobs is not None):
+                out.append(self.text(i, more, logprobs_body(self.req, rest, done.offset)))
+            out.append(self.finish(i, c.finish_reason))
         return out + self.closing(choices, prompt_tokens)
 
     def error(self, status: int, detail: str) -> str:

@@ -20,17 +20,20 @@ import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tinker_sr import types
+from tinker_sr.engine.sampler import NewTokens
 from tinker_sr.limits import DEFAULT_LIMITS
+from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
 from ..harmony import speaks_harmony, split_channels
 from ..http import HTTPError, json_reply, plain_error
-from ..live_stream import Progress, engine_streams, live_stream
+from ..live_stream import Progress, Reader, engine_streams, live_stream
 from ..oai_format import (
     Choice,
     OaiError,
@@ -301,6 +304,14 @@ def _token_entries(
     return out
 
 
+def _new_entries(tok: Any, req: OaiRequest, table: Any, row: NewTokens) -> list[TokenEntry]:
+    """A streamed answer's new tokens' entries, as `_choices` writes the whole answer's."""
+    tops = None
+    if req.logprobs and row.topk_token_ids is not None and row.topk_logprobs is not None:
+        tops = topk_to_lists(TopkLogprobs(row.topk_token_ids, row.topk_logprobs))
+    return _token_entries(tok, row.tokens, row.logprobs.tolist(), tops, table)
+
+
 def _choices(
     tok: Any, req: OaiRequest, prompt: list[int], resp: types.SampleResponse, table: Any
 ) -> list[Choice]:
@@ -312,9 +323,8 @@ def _choices(
         tokens = [] if scoring_only else list(seq.tokens)
         text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
         whole = len(tokens)
-        if stop_string is not None and (kept := _through_stop(tok, req, tokens)) < whole:
-            tokens = tokens[:kept]  # a special token's text, which the engine did not stop on
-            text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
+        if stop_string is not None:  # a special token's text, which the engine ran past
+            tokens = tokens[: _through_stop(tok, req, tokens, text + stop_string)]
         entries = None
         if req.logprobs is not None:
             tops = seq.topk_logprobs if req.logprobs else None
@@ -341,18 +351,20 @@ def _decoded(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
     return str(tok.decode(tokens, skip_special_tokens=req.skip_special_tokens))
 
 
-def _through_stop(tok: Any, req: OaiRequest, tokens: list[int]) -> int:
-    """How many of ``tokens`` the answer keeps, given that their text holds a stop string:
-    up to the token that completes the first one. The engine stops there itself, except on a
-    special token's text kept by ``skip_special_tokens: false`` (special tokens add no bytes
-    to its stop matching), as gpt-oss's "<|end|>" or "<|call|>"."""
-    lo, hi = 1, len(tokens)  # a prefix that holds a stop only grows into others that do
+def _through_stop(tok: Any, req: OaiRequest, tokens: list[int], through: str) -> int:
+    """How many of ``tokens`` the answer keeps, given that their text begins with ``through``
+    (its text and the stop string that ends it): up to the token that completes it. The
+    engine stops there itself, except on a special token's text kept by
+    ``skip_special_tokens: false`` (special tokens add no bytes to its stop matching), as
+    gpt-oss's "<|end|>" or "<|call|>". (A shorter prefix's text may hold a stop string that a
+    longer one's does not: U+FFFD for a character's first bytes, which the next complete.)"""
+    lo, hi = 1, len(tokens)  # a prefix that begins with `through` only grows into others that do
     while lo < hi:
         mid = (lo + hi) // 2
-        if cut_at_stop(_decoded(tok, req, tokens[:mid]), req.stop)[1] is None:
-            lo = mid + 1
-        else:
+        if _decoded(tok, req, tokens[:mid]).startswith(through):
             hi = mid
+        else:
+            lo = mid + 1
     return hi
 
 
@@ -399,8 +411,8 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
-    hears each row's tokens as they are sampled (one prompt, no log-probs or echo, not
-    harmony's channels: otherwise nothing until the whole answer)."""
+    hears each row's tokens as they are sampled (one prompt, no echo, not harmony's channels:
+    otherwise nothing until the whole answer)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
@@ -415,10 +427,15 @@ async def _sampled(
     _check_fits(srv, target, req, prompts, params)
     top = req.logprobs or 0
     with_prompt = req.echo and req.logprobs is not None
+    table = None
+    if req.logprobs is not None:
+        table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     live: dict[str, Any] = {}
-    streams = req.logprobs is None and not req.echo and len(prompts) == 1
-    if progress is not None and streams and not speaks_harmony(tok):
-        live["progress"] = lambda rows: progress(tok, len(prompts[0]), rows)
+    if progress is not None and not req.echo and len(prompts) == 1 and not speaks_harmony(tok):
+        reader = Reader(
+            tok, None if req.logprobs is None else partial(_new_entries, tok, req, table)
+        )
+        live["progress"] = lambda rows: progress(reader, len(prompts[0]), rows)
 
     async def one(ids: list[int]) -> types.SampleResponse:
         return await srv.backend.sample(
@@ -440,9 +457,6 @@ async def _sampled(
         if status != 400 or not detail.startswith("prompt token id"):
             raise
         raise OaiError(detail, "messages" if req.chat else "prompt") from None
-    table = None
-    if req.logprobs is not None:
-        table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     choices = [
         c
         for ids, r in zip(prompts, results, strict=True)
