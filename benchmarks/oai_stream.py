@@ -9,10 +9,12 @@ the whole sample, in one chunk, so the whole answer's time is when it began). Re
 round the first piece's time over the whole answer's and the streamed answer's end over the
 whole answer's (what streaming costs: the worker reports each step, the server decodes and
 sends the texts, and the client parses the events, here on the same cores), their medians,
-the pieces per answer, and checks the streamed pieces join to the unstreamed answer's text.
+the pieces per answer, and checks the streamed pieces join to the unstreamed answer's text
+(and with ``--top-logprobs``, its log-probs: until session 50 such a stream came whole).
 
     python benchmarks/oai_stream.py                       # 5 rounds, 8 x 256 tokens
     python benchmarks/oai_stream.py --rounds 3 --n 1 --max-tokens 128
+    python benchmarks/oai_stream.py --top-logprobs 5      # log-probs and 5 alternatives
 """
 
 from __future__ import annotations
@@ -35,16 +37,20 @@ from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
 from tinker_sr.testing.server import running_server  # noqa: E402
 
 
-def streamed(client: Any, kw: dict[str, Any]) -> tuple[float, float, dict[int, list[str]]]:
-    """(first piece's time, last chunk's time, each choice's pieces) of one streamed answer."""
+def streamed(client: Any, kw: dict[str, Any]) -> tuple[float, float, dict[int, list[str]], dict[int, list[Any]]]:  # fmt: skip
+    """(first piece's time, last chunk's time, each choice's pieces, each choice's log-prob
+    entries) of one streamed answer."""
     start, first = time.perf_counter(), None
     pieces: dict[int, list[str]] = {}
+    scores: dict[int, list[Any]] = {}
     for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:
             if c.delta.content:
                 first = first or time.perf_counter() - start
                 pieces.setdefault(c.index, []).append(c.delta.content)
-    return first or float("nan"), time.perf_counter() - start, pieces
+            if c.logprobs is not None and c.logprobs.content:
+                scores.setdefault(c.index, []).extend(c.logprobs.content)
+    return first or float("nan"), time.perf_counter() - start, pieces, scores
 
 
 def main() -> int:
@@ -53,6 +59,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8, help="the tiny model's layers")
+    ap.add_argument("--top-logprobs", type=int, default=-1, help="ask for log-probs, with so "
+                    "many alternatives (0-20; default: no log-probs)")  # fmt: skip
     a = ap.parse_args()
     import openai
 
@@ -63,6 +71,8 @@ def main() -> int:
         client = openai.OpenAI(base_url=srv.base_url + "/oai/api/v1", api_key="tml-bench")
         ask = [{"role": "user", "content": "Tell me a long story about the sea."}]
         kw: dict[str, Any] = dict(model=model, messages=ask, n=a.n, max_tokens=a.max_tokens)
+        if a.top_logprobs >= 0:
+            kw.update(logprobs=True, top_logprobs=a.top_logprobs)
         client.chat.completions.create(**{**kw, "max_tokens": 4})  # warm-up: load, tokenizer
         ratios, ends, counts = [], [], []
         for r in range(a.rounds):
@@ -70,7 +80,7 @@ def main() -> int:
             order = ("stream", "whole") if r % 2 == 0 else ("whole", "stream")
             for way in order:
                 if way == "stream":
-                    first, last, pieces = streamed(client, kw)
+                    first, last, pieces, scores = streamed(client, kw)
                 else:
                     start = time.perf_counter()
                     whole = client.chat.completions.create(**kw)
@@ -79,6 +89,11 @@ def main() -> int:
             if {i: "".join(p) for i, p in pieces.items()} != {i: t for i, t in texts.items() if t}:
                 print(f"round {r}: the streamed pieces differ from the unstreamed answer")
                 return 1
+            if a.top_logprobs >= 0 and scores != {
+                c.index: c.logprobs.content for c in whole.choices if c.logprobs.content
+            }:
+                print(f"round {r}: the streamed log-probs differ from the unstreamed answer's")
+                return 1
             ratios.append(first / t_whole)
             ends.append(last / t_whole)
             counts.append(statistics.median(len(p) for p in pieces.values()))
@@ -86,7 +101,9 @@ def main() -> int:
                   f"{t_whole:.2f} s: first / whole {ratios[-1]:.3f}, {counts[-1]:.0f} pieces "
                   "a choice", flush=True)  # fmt: skip
     print(f"median first piece / whole answer: {statistics.median(ratios):.3f} (per round "
-          f"{', '.join(f'{x:.3f}' for x in ratios)}; {a.n} x {a.max_tokens} tokens)")  # fmt: skip
+          f"{', '.join(f'{x:.3f}' for x in ratios)}; {a.n} x {a.max_tokens} tokens"
+          + (f", log-probs with {a.top_logprobs} alternatives" if a.top_logprobs >= 0 else "")
+          + ")")  # fmt: skip
     print(f"median stream's end / whole answer: {statistics.median(ends):.2f} (per round "
           f"{', '.join(f'{x:.2f}' for x in ends)})")  # fmt: skip
     return 0
