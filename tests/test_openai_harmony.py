@@ -167,8 +167,8 @@ def test_the_server_answers_gpt_oss_chats_split_as_its_samples_are(
 ) -> None:
     """Each of 8 answers (seeded) is the split of the official SDK's sample of the same prompt
     and seed (in the analysis channel: reasoning, no content; in the final one: content, no
-    reasoning); streamed, the reasoning comes as its own delta before the content; the
-    Anthropic"""
+    reasoning); streamed while sampled, the reasoning comes in its own deltas, which join to
+    it as the content's do."""
     tok = load_hf_tokenizer(opening_dir)
     kwargs = {"channel": channel}
     prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, return_dict=False, **kwargs)
@@ -198,8 +198,10 @@ def test_the_server_answers_gpt_oss_chats_split_as_its_samples_are(
             if c.delta.content:
                 streamed[c.index].append(("content", c.delta.content))
     for i, (reasoning, content) in enumerate(want):  # type: ignore[misc]
-        parts = [("reasoning", reasoning)] if reasoning is not None else []
-        assert streamed[i] == parts + ([("content", content)] if content else [])
+        for kind, text in (("reasoning", reasoning), ("content", content)):
+            assert "".join(t for k, t in streamed[i] if k == kind) == (text or "")
+    pieces = [len(s) for s in streamed.values()]
+    assert sum(pieces) > 2 * len(pieces), pieces  # sent while sampled, not in one piece each
 
 
 def test_the_anthropic_route_answers_with_the_content(
@@ -218,3 +220,7 @@ def test_the_anthropic_route_answers_with_the_content(
         model=str(opening_dir), messages=ASK, max_tokens=24, extra_body={"temperature": 0}
     )
     assert msg.content[0].text == want
+    with claude.messages.stream(
+        model=str(opening_dir), messages=ASK, max_tokens=24, extra_body={"temperature": 0}
+    ) as stream:
+        assert "".join(stream.text_stream) == want  # the content only, as sampled

@@ -229,23 +229,100 @@ def _byte_symbol(char: str) -> str:
     return chr(b)
 
 
-def _check_stream_prefix(bpe: Any, tokens: list[int], stop: list[str], skip: bool) -> None:
+def _check_stream_prefix(
+    tok: Any, tokens: list[int], stop: list[str], skip: bool, prompt: list[int] | None = None
+) -> None:
     """Stream ``tokens`` one at a time through `_piece`; what it sent is a prefix of the whole
-    answer `_choices` writes: text and log-prob entries."""
+    answer `_choices` writes: text, log-prob entries and (a chat ``prompt`` gpt-oss's channels
+    split the answer to) reasoning."""
     from tinker_sr import types
     from tinker_sr.server.handlers.oai import _choices, _token_entries
     from tinker_sr.server.live_stream import Reader, _piece
     from tinker_sr.server.oai_format import OaiRequest, Sent
 
-    req = OaiRequest(chat=False, model="m", stop=stop, logprobs=0, skip_special_tokens=skip)
+    chat = prompt is not None
+    req = OaiRequest(chat=chat, model="m", stop=stop, logprobs=0, skip_special_tokens=skip)
     lps = [-float(i) for i in range(len(tokens))]
-    scored = _token_entries(bpe, tokens, lps, None, None)
+    scored = _token_entries(tok, tokens, lps, None, None)
     sent = [Sent()]
+    reader = Reader(tok, channels=prompt if chat and skip else None)
     for n in range(1, len(tokens) + 1):
-        _piece(Reader(bpe), req, 0, [tokens[:n]], [scored[:n]], sent)
+        _piece(reader, req, 0, [tokens[:n]], [scored[:n]], sent)
     seq = types.SampledSequence(
         stop_reason="length", sequence_id="s", _tokens_list=tokens, _logprobs_list=lps
     )
-    (whole,) = _choices(bpe, req, [1], types.SampleResponse(sequences=[seq]), None)
+    response = types.SampleResponse(sequences=[seq])
+    (whole,) = _choices(tok, req, prompt or [1], response, None)
     assert whole.text.startswith(sent[0].text), (whole.text, sent[0].text)
     assert whole.tokens is not None and sent[0].tokens == whole.tokens[: len(sent[0].tokens)]
+    assert (whole.reasoning or "").startswith(sent[0].reasoning), (whole, sent[0])
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tinker_sr.tokenization.hf import load_hf_tokenizer
+
+    return load_hf_tokenizer(
+        make_tiny_hf_model_dir(tmp_path_factory.mktemp("oss") / "oss", "gpt_oss")
+    )
+
+
+HARMONY = [
+    "<|channel|>analysis<|message|>",
+    "<|end|>",
+    "<|start|>assistant<|channel|>final<|message|>",
+    "<|start|>assistant<|channel|>commentary<|message|>",
+    "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>",
+    "<|return|>",
+    "<|call|>",
+    "the answer is 42",
+    " é\u0861🙂",
+]
+
+
+@settings(FUZZ, max_examples=scaled(150))
+@given(data=st.data(), skip_special_tokens=st.booleans(), opened=st.booleans())
+def test_a_gpt_oss_stream_sends_only_what_the_answer_keeps(
+    oss: Any, data: st.DataObject, skip_special_tokens: bool, opened: bool
+) -> None:
+    """gpt-oss's chat answers, streamed while sampled: whatever harmony messages, stray
+    structural tokens, text and stop strings the tokens hold, the reasoning and content sent
+    are prefixes of the whole answer's (and so are the log-prob entries)."""
+    parts = data.draw(st.lists(st.sampled_from(HARMONY), min_size=1, max_size=6), label="parts")
+    cut = data.draw(st.integers(0, 64), label="cut")  # cut off anywhere
+    more = data.draw(st.lists(st.integers(0, len(oss) - 1), max_size=4), label="more")
+    stop = data.draw(
+        st.lists(st.sampled_from(["42", "answer", "final", "\ufffd", "<|end|>", " é"]), max_size=2),
+        label="stop",
+    )
+    _check_oss_stream(oss, parts, cut, more, stop, skip_special_tokens, opened)
+
+
+@pytest.mark.parametrize(
+    ("parts", "cut", "more", "stop"),
+    [
+        # a stop string in text outside any message: the answer ends there, before its final
+        ([HARMONY[0], HARMONY[1], HARMONY[7], HARMONY[2], HARMONY[7]], 64, [], ["42"]),
+        # a final message's header, then stray bytes: the whole answer's text is cut at U+FFFD
+        ([HARMONY[2]], 7, [94, 0], ["\ufffd"]),
+    ],
+)
+def test_a_gpt_oss_stream_sends_only_what_the_answer_keeps_at_the_edges(
+    oss: Any, parts: list[str], cut: int, more: list[int], stop: list[str]
+) -> None:
+    """The cases the property above found."""
+    _check_oss_stream(oss, parts, cut, more, stop, True, False)
+
+
+def _check_oss_stream(
+    oss: Any, parts: list[str], cut: int, more: list[int], stop: list[str], skip: bool, opened: bool
+) -> None:
+    """`_check_stream_prefix` for the tokens of harmony ``parts`` cut to ``cut`` tokens, then
+    ``more``, answering a chat prompt (that opens an analysis message, where ``opened``)."""
+    ask = [{"role": "user", "content": "what is 40 plus 2"}]
+    text = oss.apply_chat_template(ask, add_generation_prompt=True, tokenize=False)
+    prompt = list(oss.encode(text + ("<|channel|>analysis<|message|>" if opened else ""),
+                             add_special_tokens=False))  # fmt: skip
+    tokens = [t for p in parts for t in oss.encode(p, add_special_tokens=False)][:cut] + more
+    if tokens:
+        _check_stream_prefix(oss, tokens, stop, skip, prompt)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["speaks_harmony", "split_channels"]
+__all__ = ["opens_message", "split_channels"]
 
 _NAMES = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 
 
-def speaks_harmony(tok: Any) -> bool:
-    """Does ``tok`` have harmony's structural tokens (gpt-oss)?"""
-    return _harmony_ids(tok) is not None
+def opens_message(tok: Any, prompt: list[int]) -> bool:
+    """Is a chat answer to ``prompt`` split by channel (`split_channels`): does ``tok`` speak
+    harmony and ``prompt`` open a message for it to continue?"""
+    ids = _harmony_ids(tok)
+    return ids is not None and ids["<|start|>"] in prompt
 
 
 def _harmony_ids(tok: Any) -> dict[str, int] | None:
@@ -66,7 +68,7 @@ def split_channels(
     header open and the completion holds none of harmony's structural tokens (a model that
     does not write harmony: its text is the answer)."""
     ids = _harmony_ids(tok)
-    if ids is None or ids["<|start|>"] not in prompt:
+    if ids is None or not opens_message(tok, prompt):
         return None
     opened = len(prompt) - 1 - prompt[::-1].index(ids["<|start|>"])
     structural = set(ids.values())

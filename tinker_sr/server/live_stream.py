@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tinker_sr.engine.sampler import NewTokens
 
+from .harmony import split_channels
 from .http import plain_error
 from .oai_format import Choice, OaiRequest, Piece, Sent, TokenEntry, cut_at_stop
 
@@ -33,11 +34,13 @@ STREAM_INTERVAL_S = 0.025
 
 @dataclass(frozen=True)
 class Reader:
-    """How a streamed answer reads its rows' reports: the tokenizer, and where the request
-    asked for log-probs, the entries of a report's tokens (as the whole answer writes them)."""
+    """How a streamed answer reads its rows' reports: the tokenizer; where the request asked
+    for log-probs, the entries of a report's tokens (as the whole answer writes them); and
+    where gpt-oss's channels split a chat answer (`harmony.split_channels`), the prompt."""
 
     tok: Any
     entries: Callable[[NewTokens], list[TokenEntry]] | None = None
+    channels: list[int] | None = None
 
 
 # What a streamed answer hears as it is sampled: its reader, the prompt's length in tokens,
@@ -80,8 +83,8 @@ async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
     """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (several prompts, echo, harmony's channels: `sample`
-    does not pass it on), the whole answer's events."""
+    progress comes before it finishes (several prompts, echo: `sample` does not pass it on),
+    the whole answer's events."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[Update] = asyncio.Queue()
 
@@ -178,32 +181,50 @@ def _piece(
     sent: list[Sent],
 ) -> Piece | None:
     """What answer ``i`` may send now past ``sent[i]`` (which it then counts as sent): its
-    settled text, and the entries of its tokens but the last while no stop string has come
-    (each of those is then one the whole answer keeps). Not where a stop string holds U+FFFD:
-    an incomplete character's text may hold it and a longer one's not, so which tokens the
-    answer keeps is known at its end only."""
+    settled text (and reasoning: the channels' settled texts, where harmony splits it), and
+    the entries of its tokens but the last while no stop string has come (each of those is
+    then one the whole answer keeps). Not where a stop string holds U+FFFD: an incomplete
+    character's text may hold it and a longer one's not, so which tokens the answer keeps is
+    known at its end only."""
     text, stopped = settled_text(reader.tok, req, tokens[i])
+    thought = ""
+    if reader.channels is not None:  # gpt-oss: the answer is its channels' texts
+        split = None if stopped else split_channels(reader.tok, reader.channels, tokens[i][:-1])
+        text = "" if split is None else _settled(split[1], req.stop)[0]
+        thought = "" if split is None or split[0] is None else _settled(split[0], req.stop)[0]
     done = sent[i]
-    grew = len(text) > len(done.text) and text.startswith(done.text)
-    more = text[len(done.text) :] if grew else ""
+    more, thought = _past(done.text, text), _past(done.reasoning, thought)
     live_scores = not stopped and not any("\ufffd" in s for s in req.stop)
     new = scored[i][len(done.tokens) : len(tokens[i]) - 1] if live_scores else []
-    if not more and not new:
+    if not more and not new and not thought:
         return None
-    piece = Piece(i, more, new, done.offset)
+    piece = Piece(i, more, new, done.offset, thought)
     done.text += more
     done.tokens += new
+    done.reasoning += thought
     return piece
+
+
+def _past(sent: str, text: str) -> str:
+    """What ``text`` adds to ``sent``, where it extends it."""
+    return text[len(sent) :] if len(text) > len(sent) and text.startswith(sent) else ""
 
 
 def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool]:
     """The part of an answer's text so far that later tokens cannot change, and whether a stop
-    string has come: up to a stop string, without its last token (a merge or a character's
-    bytes may still complete it), an incomplete character (U+FFFD at the end, which a stop
-    string is not looked for in) or a tail that may begin a stop string."""
+    string has come: without its last token (a merge or a character's bytes may still
+    complete it), then as `_settled`."""
     decoded = str(tok.decode(tokens[:-1], skip_special_tokens=req.skip_special_tokens))
-    text, stop = cut_at_stop(decoded.rstrip("\ufffd"), req.stop)
+    return _settled(decoded, req.stop)
+
+
+def _settled(decoded: str, stops: list[str]) -> tuple[str, bool]:
+    """The part of ``decoded`` (an answer's text without its last token) that later tokens
+    cannot change, and whether a stop string has come: up to a stop string, without an
+    incomplete character (U+FFFD at the end, which a stop string is not looked for in) or a
+    tail that may begin a stop string."""
+    text, stop = cut_at_stop(decoded.rstrip("\ufffd"), stops)
     if stop is None:
-        tail = [k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])]
+        tail = [k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])]
         text = text[: len(text) - max(tail, default=0)]
     return text, stop is not None

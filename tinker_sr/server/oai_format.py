@@ -532,10 +532,12 @@ def unsent(choice: Choice, sent: str) -> str:
 
 @dataclass
 class Sent:
-    """What a stream has sent of one answer: its text, and its tokens' log-prob entries."""
+    """What a stream has sent of one answer: its text, its tokens' log-prob entries, and its
+    reasoning (gpt-oss's analysis channel)."""
 
     text: str = ""
     tokens: list[TokenEntry] = field(default_factory=list)
+    reasoning: str = ""
 
     @property
     def offset(self) -> int:
@@ -545,12 +547,14 @@ class Sent:
 
 @dataclass
 class Piece:
-    """What one event adds to answer ``index``: more text, and more tokens' entries."""
+    """What one event adds to answer ``index``: more text, more tokens' entries, and more
+    reasoning (gpt-oss's analysis channel, which comes before the text)."""
 
     index: int
     text: str
     tokens: list[TokenEntry]
     offset: int = 0  # the first entry's place in the answer's text
+    reasoning: str = ""
 
 
 class OaiStream(Chunks):
@@ -560,14 +564,24 @@ class OaiStream(Chunks):
         return [self.role(i) for i in range(self.req.n)] if self.req.chat else []
 
     def pieces(self, pieces: Sequence[Piece]) -> str:
-        lps = [logprobs_body(self.req, p.tokens, p.offset) for p in pieces]
-        return self.event(
-            [self._piece(p.index, p.text, lp) for p, lp in zip(pieces, lps, strict=True)]
-        )
+        out = []
+        for p in pieces:
+            lp = logprobs_body(self.req, p.tokens, p.offset)
+            if not p.reasoning:
+                out.append(self._piece(p.index, p.text, lp))
+                continue
+            piece = self._piece(p.index, p.reasoning, lp, "reasoning_content")
+            if p.text:
+                piece["delta"]["content"] = p.text
+            out.append(piece)
+        return self.event(out)
 
     def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
         out = []
         for i, (c, done) in enumerate(zip(choices, sent, strict=True)):
+            if c.reasoning is not None and c.reasoning.startswith(done.reasoning):
+                if thought := c.reasoning[len(done.reasoning) :]:
+                    out.append(self.text(i, thought, key="reasoning_content"))
             more, rest = unsent(c, done.text), (c.tokens or [])[len(done.tokens) :]
             if more or (rest and self.req.logprobs is not None):
                 out.append(self.text(i, more, logprobs_body(self.req, rest, done.offset)))

@@ -31,7 +31,7 @@ from tinker_sr.engine.sampler import NewTokens
 from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
-from ..harmony import speaks_harmony, split_channels
+from ..harmony import opens_message, split_channels
 from ..http import HTTPError, json_reply, plain_error
 from ..live_stream import Progress, Reader, engine_streams, live_stream
 from ..oai_format import (
@@ -411,8 +411,8 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
-    hears each row's tokens as they are sampled (one prompt, no echo, not harmony's channels:
-    otherwise nothing until the whole answer)."""
+    hears each row's tokens as they are sampled (one prompt, no echo: otherwise nothing until
+    the whole answer)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
@@ -431,10 +431,10 @@ async def _sampled(
     if req.logprobs is not None:
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     live: dict[str, Any] = {}
-    if progress is not None and not req.echo and len(prompts) == 1 and not speaks_harmony(tok):
-        reader = Reader(
-            tok, None if req.logprobs is None else partial(_new_entries, tok, req, table)
-        )
+    if progress is not None and not req.echo and len(prompts) == 1:
+        entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
+        split = req.chat and req.skip_special_tokens and opens_message(tok, prompts[0])
+        reader = Reader(tok, entries, prompts[0] if split else None)
         live["progress"] = lambda rows: progress(reader, len(prompts[0]), rows)
 
     async def one(ids: list[int]) -> types.SampleResponse:
