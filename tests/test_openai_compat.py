@@ -262,6 +262,26 @@ def test_streamed_log_probs_come_as_they_are_sampled(
     assert all(len(parts) > 3 for parts in scored), scored  # sent as it was sampled
 
 
+def test_several_prompts_stream_while_sampled(server: ServerProcess, model_dir: Path) -> None:
+    """`/completions` with a list of prompts streams each prompt's choices as they are sampled
+    (before: the whole answer, one piece per choice), indexed as unstreamed (prompt i's j-th
+    sample is choice i * n + j), joined to the very texts and log-probs."""
+    oai = client(server)
+    kw: dict[str, Any] = dict(
+        model=str(model_dir), prompt=["The quick brown fox", "a b", "x"], n=2, max_tokens=40,
+        seed=5, logprobs=1,
+    )  # fmt: skip
+    plain = oai.completions.create(**kw).choices
+    pieces, reasons = _streamed(oai, False, **kw)
+    assert {i: "".join(p) for i, p in pieces.items()} == {c.index: c.text for c in plain if c.text}
+    assert reasons == {c.index: c.finish_reason for c in plain} and len(reasons) == 6
+    streamed = _streamed_logprobs(oai, False, **kw)
+    assert {i: [t for p in parts for t in p.tokens] for i, parts in streamed.items()} == {
+        c.index: c.logprobs.tokens for c in plain
+    }
+    assert sum(len(p) > 3 for p in pieces.values()) >= 3, pieces  # sent as they were sampled
+
+
 def test_a_stream_left_early_stops_its_sample(server: ServerProcess, model_dir: Path) -> None:
     """A client that closes a stream after its first pieces: the server stops decoding it, so
     only what it finished counts in the caller's usage. The same request sent whole right

@@ -92,6 +92,7 @@ requests = st.fixed_dictionaries(
     body=requests,
     chat=st.booleans(),
     prompt=st.text(max_size=20),
+    more_prompts=st.lists(st.text(min_size=1, max_size=12), max_size=2),
     from_answer=st.integers(0, 8),
     logprobs=st.one_of(st.none(), st.integers(0, 4)),
 )
@@ -100,14 +101,20 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(
     body: dict[str, Any],
     chat: bool,
     prompt: str,
+    more_prompts: list[str],
     from_answer: int,
     logprobs: int | None,
 ) -> None:
+    """(``more_prompts``: `/completions` with several prompts, each sampled on its own.)"""
     srv, model = served
     if logprobs is not None:
         body = {**body, **({"logprobs": True, "top_logprobs": logprobs} if chat else {"logprobs": logprobs})}  # fmt: skip
     route = "chat/completions" if chat else "completions"
-    ask = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt or " "}
+    ask: dict[str, Any] = {
+        "prompt": [prompt or " ", *more_prompts] if more_prompts else prompt or " "
+    }
+    if chat:
+        ask = {"messages": [{"role": "user", "content": prompt}]}
     url = f"{srv.base_url}/oai/api/v1/{route}"
     whole = httpx.post(url, json={"model": model, **ask, **body}, headers=KEY, timeout=60)
     if whole.status_code == 200 and from_answer:  # a stop string taken from the answer itself
@@ -245,7 +252,7 @@ def _check_stream_prefix(
     lps = [-float(i) for i in range(len(tokens))]
     scored = _token_entries(tok, tokens, lps, None, None)
     sent = [Sent()]
-    reader = Reader(tok, channels=prompt if chat and skip else None)
+    reader = Reader(tok, 1, channels=prompt if chat and skip else None)
     for n in range(1, len(tokens) + 1):
         _piece(reader, req, 0, [tokens[:n]], [scored[:n]], sent)
     seq = types.SampledSequence(

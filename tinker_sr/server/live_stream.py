@@ -39,14 +39,15 @@ class Reader:
     where gpt-oss's channels split a chat answer (`harmony.split_channels`), the prompt."""
 
     tok: Any
+    answers: int  # how many choices the request has (its prompts x n)
     entries: Callable[[NewTokens], list[TokenEntry]] | None = None
     channels: list[int] | None = None
 
 
-# What a streamed answer hears as it is sampled: its reader, the prompt's length in tokens,
-# and each row's new tokens.
-Progress = Callable[[Reader, int, list[NewTokens]], None]
-Update = tuple[Reader, int, list[NewTokens]]
+# What a streamed answer hears as it is sampled: its reader, the prompts' length in tokens,
+# the index of the choice the first row's tokens are of, and each row's new tokens.
+Progress = Callable[[Reader, int, int, list[NewTokens]], None]
+Update = tuple[Reader, int, int, list[NewTokens]]
 Answer = tuple[list[Choice], int]  # the choices and the prompt's tokens
 
 
@@ -83,13 +84,13 @@ async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
     """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (several prompts, echo: `sample` does not pass it on),
-    the whole answer's events."""
+    progress comes before it finishes (echo: `sample` does not pass it on), the whole answer's
+    events."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[Update] = asyncio.Queue()
 
-    def progress(reader: Reader, prompt_tokens: int, rows: list[NewTokens]) -> None:  # worker's
-        loop.call_soon_threadsafe(updates.put_nowait, (reader, prompt_tokens, rows))
+    def progress(reader: Reader, prompt_tokens: int, first: int, rows: list[NewTokens]) -> None:
+        loop.call_soon_threadsafe(updates.put_nowait, (reader, prompt_tokens, first, rows))
 
     task = asyncio.ensure_future(sample(progress))
     first = asyncio.ensure_future(updates.get())
@@ -121,10 +122,10 @@ async def _events(
     every `STREAM_INTERVAL_S` once the answer has run ten times that (every step before: the
     first words come at once), and each re-decodes the texts, so the next waits at least 4x as
     long as that took."""
-    reader, prompt_tokens, _ = update
-    sent = [Sent() for _ in range(req.n)]
-    tokens: list[list[int]] = [[] for _ in range(req.n)]
-    scored: list[list[TokenEntry]] = [[] for _ in range(req.n)]
+    reader, prompt_tokens, _, _ = update
+    sent = [Sent() for _ in range(reader.answers)]
+    tokens: list[list[int]] = [[] for _ in range(reader.answers)]
+    scored: list[list[TokenEntry]] = [[] for _ in range(reader.answers)]
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
@@ -132,11 +133,13 @@ async def _events(
             yield event
         while True:
             began = loop.time()
-            _take(reader, update[2], tokens, scored)
+            _take(reader, update, tokens, scored)
             while not updates.empty():  # what came meanwhile, in order
-                _take(reader, updates.get_nowait()[2], tokens, scored)
+                _take(reader, updates.get_nowait(), tokens, scored)
             pieces = [
-                p for i in range(req.n) if (p := _piece(reader, req, i, tokens, scored, sent))
+                p
+                for i in range(reader.answers)
+                if (p := _piece(reader, req, i, tokens, scored, sent))
             ]
             if pieces:
                 yield writer.pieces(pieces)
@@ -151,7 +154,7 @@ async def _events(
                 update = waiting.result()
             else:
                 waiting.cancel()
-                update = (reader, prompt_tokens, [])
+                update = (reader, prompt_tokens, 0, [])
         choices, prompt_tokens = task.result()
     except Exception as e:  # after the reply began: an error event ends the stream
         yield writer.error(*plain_error(e))
@@ -163,10 +166,12 @@ async def _events(
 
 
 def _take(
-    reader: Reader, rows: list[NewTokens], tokens: list[list[int]], scored: list[list[TokenEntry]]
+    reader: Reader, update: Update, tokens: list[list[int]], scored: list[list[TokenEntry]]
 ) -> None:
-    """A report's new tokens (and their entries, with log-probs asked for) onto each row's."""
-    for i, row in enumerate(rows):
+    """A report's new tokens (and their entries, with log-probs asked for) onto each row's
+    choice's."""
+    _, _, first, rows = update
+    for i, row in enumerate(rows, first):
         tokens[i] += row.tokens
         if reader.entries is not None:
             scored[i] += reader.entries(row)

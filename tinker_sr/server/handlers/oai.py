@@ -411,8 +411,8 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
-    hears each row's tokens as they are sampled (one prompt, no echo: otherwise nothing until
-    the whole answer)."""
+    hears each row's tokens as they are sampled (without echo: otherwise nothing until the
+    whole answer)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
@@ -430,14 +430,17 @@ async def _sampled(
     table = None
     if req.logprobs is not None:
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
-    live: dict[str, Any] = {}
-    if progress is not None and not req.echo and len(prompts) == 1:
+    reader = None
+    if progress is not None and not req.echo:
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
         split = req.chat and req.skip_special_tokens and opens_message(tok, prompts[0])
-        reader = Reader(tok, entries, prompts[0] if split else None)
-        live["progress"] = lambda rows: progress(reader, len(prompts[0]), rows)
+        reader = Reader(tok, len(prompts) * req.n, entries, prompts[0] if split else None)
 
-    async def one(ids: list[int]) -> types.SampleResponse:
+    async def one(p: int, ids: list[int]) -> types.SampleResponse:
+        live: dict[str, Any] = {}
+        if reader is not None and progress is not None:  # prompt p's rows: choices p*n, ...
+            total, first = sum(map(len, prompts)), p * req.n
+            live["progress"] = lambda rows: progress(reader, total, first, rows)
         return await srv.backend.sample(
             target.sampler_id,
             next(target.seq),
@@ -451,7 +454,7 @@ async def _sampled(
         )
 
     try:
-        results = await asyncio.gather(*(one(ids) for ids in prompts))
+        results = await asyncio.gather(*(one(p, ids) for p, ids in enumerate(prompts)))
     except Exception as e:  # the engine's checks of the prompt: name the field
         status, detail = plain_error(e)
         if status != 400 or not detail.startswith("prompt token id"):
