@@ -282,6 +282,25 @@ def test_several_prompts_stream_while_sampled(server: ServerProcess, model_dir: 
     assert sum(len(p) > 3 for p in pieces.values()) >= 3, pieces  # sent as they were sampled
 
 
+def test_an_echoed_answer_streams_its_prompt_first(server: ServerProcess, model_dir: Path) -> None:
+    """With ``echo``, a stream's first piece of each choice is its prompt's text, then the
+    answer comes as it is sampled (before: whole); joined, the text and log-probs (the
+    prompt's come at the end, once the engine has scored it) are the unstreamed answer's."""
+    oai = client(server)
+    prompt = "The quick brown fox"
+    kw: dict[str, Any] = dict(
+        model=str(model_dir), prompt=prompt, n=2, max_tokens=40, seed=9, echo=True, logprobs=1
+    )
+    plain = oai.completions.create(**kw).choices
+    pieces, reasons = _streamed(oai, False, **kw)
+    assert {i: "".join(p) for i, p in pieces.items()} == {c.index: c.text for c in plain}
+    assert all(p[0] == prompt and len(p) > 3 for p in pieces.values()), pieces
+    streamed = _streamed_logprobs(oai, False, **kw)
+    assert {i: [t for p in parts for t in p.token_logprobs] for i, parts in streamed.items()} == {
+        c.index: c.logprobs.token_logprobs for c in plain
+    }
+
+
 def test_a_stream_left_early_stops_its_sample(server: ServerProcess, model_dir: Path) -> None:
     """A client that closes a stream after its first pieces: the server stops decoding it, so
     only what it finished counts in the caller's usage. The same request sent whole right

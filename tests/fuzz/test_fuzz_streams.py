@@ -93,6 +93,7 @@ requests = st.fixed_dictionaries(
     chat=st.booleans(),
     prompt=st.text(max_size=20),
     more_prompts=st.lists(st.text(min_size=1, max_size=12), max_size=2),
+    echo=st.booleans(),
     from_answer=st.integers(0, 8),
     logprobs=st.one_of(st.none(), st.integers(0, 4)),
 )
@@ -102,10 +103,12 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(
     chat: bool,
     prompt: str,
     more_prompts: list[str],
+    echo: bool,
     from_answer: int,
     logprobs: int | None,
 ) -> None:
-    """(``more_prompts``: `/completions` with several prompts, each sampled on its own.)"""
+    """(``more_prompts``: `/completions` with several prompts, each sampled on its own;
+    ``echo``: `/completions` answers after their prompts' texts.)"""
     srv, model = served
     if logprobs is not None:
         body = {**body, **({"logprobs": True, "top_logprobs": logprobs} if chat else {"logprobs": logprobs})}  # fmt: skip
@@ -115,6 +118,8 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(
     }
     if chat:
         ask = {"messages": [{"role": "user", "content": prompt}]}
+    elif echo:
+        ask["echo"] = True
     url = f"{srv.base_url}/oai/api/v1/{route}"
     whole = httpx.post(url, json={"model": model, **ask, **body}, headers=KEY, timeout=60)
     if whole.status_code == 200 and from_answer:  # a stop string taken from the answer itself

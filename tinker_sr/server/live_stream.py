@@ -35,13 +35,16 @@ STREAM_INTERVAL_S = 0.025
 @dataclass(frozen=True)
 class Reader:
     """How a streamed answer reads its rows' reports: the tokenizer; where the request asked
-    for log-probs, the entries of a report's tokens (as the whole answer writes them); and
-    where gpt-oss's channels split a chat answer (`harmony.split_channels`), the prompt."""
+    for log-probs, the entries of a report's tokens (as the whole answer writes them); where
+    gpt-oss's channels split a chat answer (`harmony.split_channels`), the prompt; and with
+    `echo`, the prompts' texts (their log-prob entries come at the end: the engine scores a
+    prompt once it is sampled)."""
 
     tok: Any
     answers: int  # how many choices the request has (its prompts x n)
     entries: Callable[[NewTokens], list[TokenEntry]] | None = None
     channels: list[int] | None = None
+    echoes: list[str] | None = None  # with `echo`: each choice's prompt text, sent first
 
 
 # What a streamed answer hears as it is sampled: its reader, the prompts' length in tokens,
@@ -84,8 +87,8 @@ async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
     """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (echo: `sample` does not pass it on), the whole answer's
-    events."""
+    progress comes before it finishes (a request that only scores its prompts: `sample` does
+    not pass it on), the whole answer's events."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[Update] = asyncio.Queue()
 
@@ -192,6 +195,8 @@ def _piece(
     character's text may hold it and a longer one's not, so which tokens the answer keeps is
     known at its end only."""
     text, stopped = settled_text(reader.tok, req, tokens[i])
+    if reader.echoes is not None:
+        text = reader.echoes[i] + text
     thought = ""
     if reader.channels is not None:  # gpt-oss: the answer is its channels' texts
         split = None if stopped else split_channels(reader.tok, reader.channels, tokens[i][:-1])
@@ -199,7 +204,7 @@ def _piece(
         thought = "" if split is None or split[0] is None else _settled(split[0], req.stop)[0]
     done = sent[i]
     more, thought = _past(done.text, text), _past(done.reasoning, thought)
-    live_scores = not stopped and not any("\ufffd" in s for s in req.stop)
+    live_scores = not stopped and not any("\ufffd" in s for s in req.stop) and not req.echo
     new = scored[i][len(done.tokens) : len(tokens[i]) - 1] if live_scores else []
     if not more and not new and not thought:
         return None

@@ -330,7 +330,7 @@ def _choices(
             tops = seq.topk_logprobs if req.logprobs else None
             entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table)
         if req.echo:
-            text = str(tok.decode(prompt, skip_special_tokens=req.skip_special_tokens)) + text
+            text = _decoded(tok, req, prompt) + text
             if entries is not None:
                 tops_p = resp.topk_prompt_logprobs if req.logprobs else None
                 entries = (
@@ -411,8 +411,8 @@ async def sample_choices(
     """The answers to ``req`` and its prompt tokens, sampled counted among the server's
     pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
     ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
-    hears each row's tokens as they are sampled (without echo: otherwise nothing until the
-    whole answer)."""
+    hears each row's tokens as they are sampled (but where the request only scores its
+    prompts: ``echo`` and ``max_tokens`` 0)."""
     with srv.futures.pending_sample():
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
@@ -431,10 +431,12 @@ async def _sampled(
     if req.logprobs is not None:
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     reader = None
-    if progress is not None and not req.echo:
+    if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
         split = req.chat and req.skip_special_tokens and opens_message(tok, prompts[0])
-        reader = Reader(tok, len(prompts) * req.n, entries, prompts[0] if split else None)
+        echoes = [_decoded(tok, req, ids) for ids in prompts for _ in range(req.n)]
+        reader = Reader(tok, len(echoes), entries, prompts[0] if split else None,
+                        echoes if req.echo else None)  # fmt: skip
 
     async def one(p: int, ids: list[int]) -> types.SampleResponse:
         live: dict[str, Any] = {}
