@@ -714,6 +714,35 @@ def test_the_field_at_fault_and_the_key_are_named(server: ServerProcess, model_d
     assert status == 401 and "different keys" in err["message"], err
 
 
+def test_greedy_log_probs_are_the_models_own(server: ServerProcess, model_dir: Path) -> None:
+    """At temperature 0 the answer's log-probs and alternatives are the model's own (as vLLM
+    reports them), not the greedy point mass's 0.0 with no alternatives: each token's equals
+    the model's score of it after the prompt and the tokens before it, and is the best of
+    its alternatives; the tokens are the Tinker sampler's greedy ones; streamed, the same."""
+    oai = client(server)
+    ids = [5, 17, 230, 31, 42, 7]
+    kw: dict[str, Any] = dict(
+        model=str(model_dir), prompt=ids, max_tokens=12, temperature=0, logprobs=5
+    )
+    got = oai.completions.create(**kw).choices[0]
+    greedy = sample_with_sdk(server, model_dir, ids, 1, max_tokens=12, temperature=0.0)
+    tokens = list(greedy.sequences[0].tokens)
+    assert list(greedy.sequences[0].logprobs) == [0.0] * len(tokens)  # Tinker's: q's
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir))
+        want = sampler.compute_logprobs(tinker.ModelInput.from_ints(ids + tokens)).result()
+    finally:
+        service.holder.close()
+    assert got.text == load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    lps = got.logprobs.token_logprobs
+    assert len(lps) == len(tokens) and lps == pytest.approx(want[len(ids) :], abs=1e-4)
+    assert all(len(t) == 5 and max(t.values()) == lp for t, lp in zip(got.logprobs.top_logprobs, lps, strict=True))  # fmt: skip
+    assert all(lp < 0 for lp in lps)
+    streamed = _streamed_logprobs(oai, False, **kw)
+    assert [v for p in streamed[0] for v in p.token_logprobs] == lps
+
+
 def test_lm_evaluation_harness_loglikelihood_requests(
     server: ServerProcess, model_dir: Path
 ) -> None:

@@ -627,23 +627,15 @@ class LocalBackend(LocalRestQueries):
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
+        greedy_model_logprobs: bool = False,
         progress: Callable[[list[NewTokens]], None] | None = None,
     ) -> types.SampleResponse:
         """``progress``: called (on the sampling worker) with each row's new tokens and their
-        scores after the prefill and each decode step, for a server that streams its answer."""
-        req = SampleRequest(
-            prompt=prompt,
-            num_samples=num_samples,
-            sampling_params=sampling_params,
-            include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-            target_prompt_logprobs=target_prompt_logprobs,
-            prompt_alt_tokens_k=prompt_alt_tokens_k,
-            prompt_logprobs_last_n=prompt_logprobs_last_n,
-            record_stability_info=record_stability_info,
-            sequence_ids=sequence_ids,
-        )
+        scores after the prefill and each decode step, for a server that streams its answer.
+        ``greedy_model_logprobs``: at temperature 0, the model's log-probs (and top-k) of the
+        tokens, not the greedy point mass's 0.0 (the OpenAI-compatible routes)."""
+        arguments = locals()  # the request's fields, by name
+        req = SampleRequest(**{k: arguments[k] for k in SampleRequest.__dataclass_fields__})
 
         def begin() -> Started:
             sampler = self.models.sampler(sampler_id)

@@ -16,7 +16,9 @@ Every output of `generate` refers to this one q:
   uniforms from the row's independent "draws" stream (never the token's uniform).
 
 temperature == 0 is greedy: q is a point mass on the argmax, logprobs are 0.0 and every
-draw equals the chosen token. So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
+draw equals the chosen token (with ``greedy_model_logprobs``, as the OpenAI-compatible routes
+ask, the logprobs and top-k are the model's own, log_softmax(logits), as vLLM reports them at
+temperature 0; the draws stay the chosen token). So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
 the limit of q as the temperature falls to 0, and dividing logits by a smaller number would
 overflow float32 to inf and make q NaN. top_p always keeps the most likely token, however
 small top_p is.
@@ -241,6 +243,7 @@ class DecodeGroup:
         seed: int,
         stability_k: int = 0,
         top_k_logprobs: int = 0,
+        greedy_model_logprobs: bool = False,
         cache_scope: str = "",
     ) -> None:
         _validate(
@@ -251,6 +254,7 @@ class DecodeGroup:
         self.model, self.prompt, self.max_tokens = model, list(prompt), max_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.greedy = temperature < GREEDY_BELOW_TEMPERATURE
+        self.greedy_model_logprobs = greedy_model_logprobs  # log p, not q's 0.0 (docstring)
         self.u_tok, self.u_draw = _uniforms(seed, n, max_tokens, 0 if self.greedy else K)
         kk = min(top_k_logprobs, V)
         self.out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
@@ -403,8 +407,11 @@ class DecodeGroup:
         logits = self.logits
         if self.greedy:
             tok = logits.argmax(-1)
-            arange_v = torch.arange(logits.shape[-1])
-            logq = torch.where(arange_v == tok[:, None], 0.0, -math.inf)
+            if self.greedy_model_logprobs:
+                logq = torch.log_softmax(logits.float(), dim=-1)
+            else:
+                arange_v = torch.arange(logits.shape[-1])
+                logq = torch.where(arange_v == tok[:, None], 0.0, -math.inf)
         else:
             logq = sampling_logprobs(logits, self.temperature, self.top_k, self.top_p)
             cdf = logq.exp().double().cumsum_(-1)

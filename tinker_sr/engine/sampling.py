@@ -54,6 +54,7 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool = False
     sequence_ids: Sequence[str] | None = None
+    greedy_model_logprobs: bool = False  # temperature 0: the model's log-probs, not 0.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ def begin(
         seed=plan.seed,
         stability_k=STABILITY_K if req.record_stability_info else 0,
         top_k_logprobs=req.topk_sample_logprobs,
+        greedy_model_logprobs=req.greedy_model_logprobs,
         cache_scope=s.session_id,  # a session's prompts are never another's to reuse
     )
     ids = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import json
 from collections import OrderedDict
@@ -439,10 +440,12 @@ async def _sampled(
                         echoes if req.echo else None)  # fmt: skip
 
     async def one(p: int, ids: list[int]) -> types.SampleResponse:
-        live: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if reader is not None and progress is not None:  # prompt p's rows: choices p*n, ...
             total, first = sum(map(len, prompts)), p * req.n
-            live["progress"] = lambda rows: progress(reader, total, first, rows)
+            extra["progress"] = lambda rows: progress(reader, total, first, rows)
+        if "greedy_model_logprobs" in inspect.signature(srv.backend.sample).parameters:
+            extra["greedy_model_logprobs"] = True  # temperature 0: the model's, as vLLM's
         return await srv.backend.sample(
             target.sampler_id,
             next(target.seq),
@@ -452,7 +455,7 @@ async def _sampled(
             include_prompt_logprobs=with_prompt,
             topk_prompt_logprobs=top if with_prompt else 0,
             topk_sample_logprobs=top if req.logprobs is not None else 0,
-            **live,
+            **extra,
         )
 
     try:
