@@ -282,9 +282,35 @@ def test_several_prompts_stream_while_sampled(server: ServerProcess, model_dir: 
     assert sum(len(p) > 3 for p in pieces.values()) >= 3, pieces  # sent as they were sampled
 
 
+def test_a_bad_later_prompt_is_refused_before_a_stream_begins(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """Several prompts, the second with a token id outside the vocabulary: streamed as
+    unstreamed, a 400 naming ``prompt`` (before: the first prompt's sample had begun, so the
+    stream began with a 200 and ended in a 500 error event), and the first prompt's sample is
+    stopped, not run to its end for nobody."""
+    key = "tml-oai-bad-later-prompt"
+    oai = client(server, key)
+    kw: dict[str, Any] = dict(model=str(model_dir), max_tokens=200, seed=3)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(**kw, prompt=[[5, 17, 230], [5, 10**8]], stream=stream)
+        assert err.value.body["param"] == "prompt" and "prompt token id" in err.value.message
+    # the first prompt's samples stopped with their requests (before: each ran on to its end,
+    # no later than the same prompt sent alone after them)
+    alone = oai.completions.create(**kw, prompt=[5, 17, 230]).usage.completion_tokens
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    report = tinker.AdminClient(base_url=server.base_url, api_key=key)
+    usage = report.get_billing_usage(now, now + timedelta(hours=1)).result()
+    sampled = sum(
+        e.event_info.token_count for e in usage.data if e.event_info.type == "sampling_sample"
+    )
+    assert alone > 20 and sampled < 2 * alone, (sampled, alone)
+
+
 def test_an_echoed_answer_streams_its_prompt_first(server: ServerProcess, model_dir: Path) -> None:
-    """With ``echo``, a stream's first piece of each choice is its prompt's text, then the
-    answer comes as it is sampled (before: whole); joined, the text and log-probs (the
+    """With ``echo``, a stream's first piece of each choice begins with its prompt's text,
+    then the answer comes as it is sampled (before: whole); joined, the text and log-probs (the
     prompt's come at the end, once the engine has scored it) are the unstreamed answer's."""
     oai = client(server)
     prompt = "The quick brown fox"
@@ -294,7 +320,7 @@ def test_an_echoed_answer_streams_its_prompt_first(server: ServerProcess, model_
     plain = oai.completions.create(**kw).choices
     pieces, reasons = _streamed(oai, False, **kw)
     assert {i: "".join(p) for i, p in pieces.items()} == {c.index: c.text for c in plain}
-    assert all(p[0] == prompt and len(p) > 3 for p in pieces.values()), pieces
+    assert all(p[0].startswith(prompt) and len(p) > 3 for p in pieces.values()), pieces
     streamed = _streamed_logprobs(oai, False, **kw)
     assert {i: [t for p in parts for t in p.token_logprobs] for i, parts in streamed.items()} == {
         c.index: c.logprobs.token_logprobs for c in plain

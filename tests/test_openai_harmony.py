@@ -224,3 +224,15 @@ def test_the_anthropic_route_answers_with_the_content(
         model=str(opening_dir), messages=ASK, max_tokens=24, extra_body={"temperature": 0}
     ) as stream:
         assert "".join(stream.text_stream) == want  # the content only, as sampled
+
+
+def test_the_anthropic_stream_sends_no_empty_delta_for_reasoning() -> None:
+    """A gpt-oss answer's reasoning moves while its content does not: the Messages stream
+    (which answers with the content only) sends nothing for it, not an empty text delta."""
+    from tinker_sr.server.anthropic_format import MessageStream, parse_messages_request
+    from tinker_sr.server.oai_format import Piece
+
+    req = parse_messages_request({"model": "m", "max_tokens": 8, "messages": ASK})
+    stream = MessageStream(req)
+    assert stream.pieces([Piece(0, "", [], 0, "let me think")]) == ""
+    assert '"text": "42"' in stream.pieces([Piece(0, "42", [], 0, "")])

@@ -257,7 +257,7 @@ def _check_stream_prefix(
     lps = [-float(i) for i in range(len(tokens))]
     scored = _token_entries(tok, tokens, lps, None, None)
     sent = [Sent()]
-    reader = Reader(tok, 1, channels=prompt if chat and skip else None)
+    reader = Reader(tok, 1, 1, channels=prompt if chat and skip else None)
     for n in range(1, len(tokens) + 1):
         _piece(reader, req, 0, [tokens[:n]], [scored[:n]], sent)
     seq = types.SampledSequence(

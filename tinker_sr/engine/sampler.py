@@ -64,8 +64,10 @@ class SampleOutput:
 @dataclass
 class NewTokens:
     """A row's tokens sampled since the last report (`DecodeGroup.new_tokens`), with what
-    `SampleOutput` will hold of them: log q of each (float32) and, where the request asked for
-    top-k log-probs, the top of q at each (``None`` otherwise; sentinels past q's support)."""
+    `SampleOutput` will hold of them: log q of each (float32; log p with
+    ``greedy_model_logprobs`` at temperature 0) and, where the request asked for top-k
+    log-probs, the top of that distribution at each (``None`` otherwise; sentinels past its
+    support)."""
 
     tokens: list[int]
     logprobs: np.ndarray

@@ -252,7 +252,8 @@ class MessageStream:
         ]
 
     def pieces(self, pieces: Sequence[Piece]) -> str:
-        return self._text("".join(p.text for p in pieces))  # one answer: index 0
+        text = "".join(p.text for p in pieces)  # one answer: index 0; its text only
+        return self._text(text) if text else ""
 
     def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
         choice, more = choices[0], unsent(choices[0], sent[0].text)

@@ -148,7 +148,10 @@ def _is_not_found(exc: BaseException) -> bool:
 
 
 def plain_error(e: Exception) -> tuple[int, str]:
-    """Status and detail for a backend failure on a plain (non-future) call."""
+    """Status and detail for a backend failure on a plain (non-future) call (or an
+    `HTTPError`'s own, where one ends a reply that has begun)."""
+    if isinstance(e, HTTPError):
+        return e.status, e.detail
     if isinstance(e, EngineUserError):  # a request refused by `tinker_sr.validation`
         return (404 if isinstance(e, EngineNotFoundError) else 400), str(e)
     if isinstance(e, RequestFailedError):

@@ -42,6 +42,7 @@ class Reader:
 
     tok: Any
     answers: int  # how many choices the request has (its prompts x n)
+    prompts: int  # how many prompts: each is sampled on its own, reporting its own progress
     entries: Callable[[NewTokens], list[TokenEntry]] | None = None
     channels: list[int] | None = None
     echoes: list[str] | None = None  # with `echo`: each choice's prompt text, sent first
@@ -62,7 +63,8 @@ class Writer(Protocol):
         ...
 
     def pieces(self, pieces: Sequence[Piece]) -> str:
-        """One event with more of some answers (text, log-prob entries)."""
+        """One event with more of some answers (text, log-prob entries); "" where the format
+        has nothing to send of them."""
         ...
 
     def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
@@ -96,26 +98,36 @@ async def live_stream(
         loop.call_soon_threadsafe(updates.put_nowait, (reader, prompt_tokens, first, rows))
 
     task = asyncio.ensure_future(sample(progress))
-    first = asyncio.ensure_future(updates.get())
+    began: list[Update] = []  # the first reports, until every prompt's sample has begun
+    waiting: asyncio.Future[Update] | None = None
     try:
-        await asyncio.wait([task, first], return_when=asyncio.FIRST_COMPLETED)
+        while not task.done():
+            waiting = asyncio.ensure_future(updates.get())
+            await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                break
+            began.append(waiting.result())
+            if len({first for _, _, first, _ in began}) == began[0][0].prompts:
+                break
     except BaseException:  # the client left before the answer began
         task.cancel()
-        first.cancel()
+        if waiting is not None:
+            waiting.cancel()
         raise
-    if not first.done():  # finished (or failed) before any progress: as a whole
-        first.cancel()
+    if task.done():  # finished (or failed: an error reply) before every prompt began: whole
+        if waiting is not None:
+            waiting.cancel()
         choices, prompt_tokens = task.result()
         events = writer.whole(choices, prompt_tokens)
         return StreamingResponse(iter(events), media_type="text/event-stream")
-    live = _events(req, writer, first.result(), updates, task)
+    live = _events(req, writer, began, updates, task)
     return StreamingResponse(live, media_type="text/event-stream")
 
 
 async def _events(
     req: OaiRequest,
     writer: Writer,
-    update: Update,
+    pending: list[Update],
     updates: asyncio.Queue[Update],
     task: asyncio.Future[Answer],
 ) -> AsyncIterator[str]:
@@ -124,8 +136,9 @@ async def _events(
     event wakes the server and the client beside the decoding worker, so they come at most
     every `STREAM_INTERVAL_S` once the answer has run ten times that (every step before: the
     first words come at once), and each re-decodes the texts, so the next waits at least 4x as
-    long as that took."""
-    reader, prompt_tokens, _, _ = update
+    long as that took. ``pending``: the reports not taken yet (at first, those that came
+    before the reply began)."""
+    reader, prompt_tokens, _, _ = pending[0]
     sent = [Sent() for _ in range(reader.answers)]
     tokens: list[list[int]] = [[] for _ in range(reader.answers)]
     scored: list[list[TokenEntry]] = [[] for _ in range(reader.answers)]
@@ -135,8 +148,9 @@ async def _events(
         for event in writer.begin(prompt_tokens):
             yield event
         while True:
-            began = loop.time()
-            _take(reader, update, tokens, scored)
+            now = loop.time()
+            for update in pending:
+                _take(reader, update, tokens, scored)
             while not updates.empty():  # what came meanwhile, in order
                 _take(reader, updates.get_nowait(), tokens, scored)
             pieces = [
@@ -144,20 +158,17 @@ async def _events(
                 for i in range(reader.answers)
                 if (p := _piece(reader, req, i, tokens, scored, sent))
             ]
-            if pieces:
-                yield writer.pieces(pieces)
+            if pieces and (event := writer.pieces(pieces)):
+                yield event
             if task.done():
                 break
-            now = loop.time()
+            took, now = loop.time() - now, loop.time()
             pace = min(STREAM_INTERVAL_S, (now - started) / 10)
-            await asyncio.wait([task], timeout=max(pace, 4 * (now - began)))
+            await asyncio.wait([task], timeout=max(pace, 4 * took))
             waiting: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
             await asyncio.wait([waiting, task], return_when=asyncio.FIRST_COMPLETED)
-            if waiting.done():
-                update = waiting.result()
-            else:
-                waiting.cancel()
-                update = (reader, prompt_tokens, 0, [])
+            pending = [waiting.result()] if waiting.done() else []
+            waiting.cancel()  # (nothing if done)
         choices, prompt_tokens = task.result()
     except Exception as e:  # after the reply began: an error event ends the stream
         yield writer.error(*plain_error(e))

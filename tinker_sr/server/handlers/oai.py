@@ -435,9 +435,15 @@ async def _sampled(
     if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
         split = req.chat and req.skip_special_tokens and opens_message(tok, prompts[0])
-        echoes = [_decoded(tok, req, ids) for ids in prompts for _ in range(req.n)]
-        reader = Reader(tok, len(echoes), entries, prompts[0] if split else None,
-                        echoes if req.echo else None)  # fmt: skip
+        echoes = [_decoded(tok, req, ids) for ids in prompts] if req.echo else None
+        reader = Reader(
+            tok,
+            answers=len(prompts) * req.n,
+            prompts=len(prompts),
+            entries=entries,
+            channels=prompts[0] if split else None,
+            echoes=None if echoes is None else [e for e in echoes for _ in range(req.n)],
+        )
 
     async def one(p: int, ids: list[int]) -> types.SampleResponse:
         extra: dict[str, Any] = {}
@@ -458,10 +464,15 @@ async def _sampled(
             **extra,
         )
 
+    samples = [asyncio.ensure_future(one(p, ids)) for p, ids in enumerate(prompts)]
     try:
-        results = await asyncio.gather(*(one(p, ids) for p, ids in enumerate(prompts)))
-    except Exception as e:  # the engine's checks of the prompt: name the field
-        status, detail = plain_error(e)
+        results = await asyncio.gather(*samples)
+    except BaseException as e:  # one failed (or the caller left): stop the others' samples
+        for sample in samples:
+            sample.cancel()
+        if not isinstance(e, Exception):
+            raise
+        status, detail = plain_error(e)  # the engine's checks of the prompt: name the field
         if status != 400 or not detail.startswith("prompt token id"):
             raise
         raise OaiError(detail, "messages" if req.chat else "prompt") from None
