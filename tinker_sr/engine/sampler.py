@@ -16,12 +16,12 @@ Every output of `generate` refers to this one q:
   uniforms from the row's independent "draws" stream (never the token's uniform).
 
 temperature == 0 is greedy: q is a point mass on the argmax, logprobs are 0.0 and every
-draw equals the chosen token (with ``greedy_model_logprobs``, as the OpenAI-compatible routes
-ask, the logprobs and top-k are the model's own, log_softmax(logits), as vLLM reports them at
-temperature 0; the draws stay the chosen token). So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
+draw equals the chosen token. So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
 the limit of q as the temperature falls to 0, and dividing logits by a smaller number would
 overflow float32 to inf and make q NaN. top_p always keeps the most likely token, however
-small top_p is.
+small top_p is. (With ``greedy_model_logprobs``, as the OpenAI-compatible routes ask, a
+greedy row's logprobs and top-k are the model's own, log_softmax(logits), as vLLM reports
+them at temperature 0; its tokens and draws are unchanged.)
 
 Randomness is counter-based: row i of a request with seed s uses generators seeded from
 hash(s, i, "token") and hash(s, i, "draws"), so the same seed gives bit-identical tokens,

@@ -6,10 +6,10 @@ decode step (`engine.scheduler`, `LocalBackend.sample(..., progress=...)`); here
 settled text (what later tokens cannot change) goes out as it grows, with its tokens' log-prob
 entries where the request asked for them, in the route's own event format (a `Writer`), and
 the whole answer's remainder, finish and usage at the end, so the pieces join to the very text
-and log-probs the unstreamed answer has. The reply begins once the request is decoding:
-whatever fails before that (the prompt, the model, the server's load) is an error reply as for
-any request; what fails later ends the stream with an error event. A client that goes away
-cancels its sample.
+and log-probs the unstreamed answer has. The reply begins once the request (each of its
+prompts) is decoding: whatever fails before that (the prompt, the model, the server's load) is
+an error reply as for any request; what fails later ends the stream with an error event. A
+client that goes away cancels its sample.
 """
 
 from __future__ import annotations
@@ -88,9 +88,10 @@ def engine_streams(backend: Any) -> bool:
 async def live_stream(
     sample: Callable[[Progress], Awaitable[Answer]], req: OaiRequest, writer: Writer
 ) -> Response:
-    """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled; where no
-    progress comes before it finishes (a request that only scores its prompts: `sample` does
-    not pass it on), the whole answer's events."""
+    """The reply streaming ``sample(progress)``'s answer to ``req`` as it is sampled, begun
+    once every prompt's sample has reported (so that a prompt refused as its sample begins is
+    an error reply); where the answer is done (or failed) by then (a request that only scores
+    its prompts: `sample` does not pass ``progress`` on), the whole answer's events."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[Update] = asyncio.Queue()
 
