@@ -445,11 +445,8 @@ class DecodeGroup:
         lps = self.out_lp[:, start : self.sampled].numpy().copy()
         top = None
         if self.out_topk_ids.shape[2]:
-            ids = self.out_topk_ids[:, start : self.sampled].numpy().copy()
-            top_lp = self.out_topk_lp[:, start : self.sampled].numpy().copy()
-            empty = np.isneginf(top_lp)
-            ids[empty], top_lp[empty] = TOPK_SENTINEL
-            top = ids, top_lp
+            new = slice(start, self.sampled)
+            top = _topk_cells(self.out_topk_ids[:, new], self.out_topk_lp[:, new])
         return [
             NewTokens(row[:n], lps[i, :n], *((top[0][i, :n], top[1][i, :n]) if top else ()))
             for i, (row, n) in enumerate(zip(rows, ends, strict=True))
@@ -478,6 +475,15 @@ def _uniforms(seed: int, n: int, max_tokens: int, k: int) -> tuple[Tensor, Tenso
     return u_tok, u_draw
 
 
+def _topk_cells(ids: Tensor, lps: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k ids and log-probs as arrays of their own, with `TOPK_SENTINEL` in the cells past
+    q's support (log q = -inf)."""
+    ids_np, lps_np = ids.numpy().copy(), lps.numpy().copy()
+    empty = np.isneginf(lps_np)
+    ids_np[empty], lps_np[empty] = TOPK_SENTINEL
+    return ids_np, lps_np
+
+
 def _outputs(
     out_tok: Tensor,
     out_lp: Tensor,
@@ -494,10 +500,7 @@ def _outputs(
         L = int(lengths[i])
         topk_ids = topk_lp = None
         if kk:
-            topk_ids = out_topk_ids[i, :L].numpy().copy()
-            topk_lp = out_topk_lp[i, :L].numpy().copy()
-            empty = np.isneginf(topk_lp)
-            topk_ids[empty], topk_lp[empty] = TOPK_SENTINEL
+            topk_ids, topk_lp = _topk_cells(out_topk_ids[i, :L], out_topk_lp[i, :L])
         outputs.append(
             SampleOutput(
                 tokens=out_tok[i, :L].tolist(),

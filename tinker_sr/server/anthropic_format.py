@@ -256,7 +256,7 @@ class MessageStream:
         return self._text(text) if text else ""
 
     def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
-        choice, more = choices[0], unsent(choices[0], sent[0].text)
+        choice, more = choices[0], unsent(choices[0].text, sent[0].text)
         reason, sequence = _stop(choice)
         return ([self._text(more)] if more else []) + [
             self._event({"type": "content_block_stop", "index": 0}),

@@ -21,7 +21,10 @@ _NAMES = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<
 def opens_message(tok: Any, prompt: list[int]) -> bool:
     """Is a chat answer to ``prompt`` split by channel (`split_channels`): does ``tok`` speak
     harmony and ``prompt`` open a message for it to continue?"""
-    ids = _harmony_ids(tok)
+    return _opens(_harmony_ids(tok), prompt)
+
+
+def _opens(ids: dict[str, int] | None, prompt: list[int]) -> bool:
     return ids is not None and ids["<|start|>"] in prompt
 
 
@@ -68,7 +71,7 @@ def split_channels(
     header open and the completion holds none of harmony's structural tokens (a model that
     does not write harmony: its text is the answer)."""
     ids = _harmony_ids(tok)
-    if ids is None or not opens_message(tok, prompt):
+    if ids is None or not _opens(ids, prompt):
         return None
     opened = len(prompt) - 1 - prompt[::-1].index(ids["<|start|>"])
     structural = set(ids.values())

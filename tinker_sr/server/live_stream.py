@@ -26,7 +26,7 @@ from tinker_sr.engine.sampler import NewTokens
 
 from .harmony import split_channels
 from .http import plain_error
-from .oai_format import Choice, OaiRequest, Piece, Sent, TokenEntry, cut_at_stop
+from .oai_format import Choice, OaiRequest, Piece, Sent, TokenEntry, cut_at_stop, unsent
 
 # A streamed answer's events, at most this often once it has run 10x as long (`_events`).
 STREAM_INTERVAL_S = 0.025
@@ -80,9 +80,14 @@ class Writer(Protocol):
         ...
 
 
+def sample_takes(backend: Any, name: str) -> bool:
+    """Does the server's engine's ``sample`` take the keyword ``name``?"""
+    return name in inspect.signature(backend.sample).parameters
+
+
 def engine_streams(backend: Any) -> bool:
     """Does the server's engine report a sample's tokens as it decodes them?"""
-    return "progress" in inspect.signature(backend.sample).parameters
+    return sample_takes(backend, "progress")
 
 
 async def live_stream(
@@ -215,7 +220,7 @@ def _piece(
         text = "" if split is None else _settled(split[1], req.stop)[0]
         thought = "" if split is None or split[0] is None else _settled(split[0], req.stop)[0]
     done = sent[i]
-    more, thought = _past(done.text, text), _past(done.reasoning, thought)
+    more, thought = unsent(text, done.text), unsent(thought, done.reasoning)
     live_scores = not stopped and not any("\ufffd" in s for s in req.stop) and not req.echo
     new = scored[i][len(done.tokens) : len(tokens[i]) - 1] if live_scores else []
     if not more and not new and not thought:
@@ -225,11 +230,6 @@ def _piece(
     done.tokens += new
     done.reasoning += thought
     return piece
-
-
-def _past(sent: str, text: str) -> str:
-    """What ``text`` adds to ``sent``, where it extends it."""
-    return text[len(sent) :] if len(text) > len(sent) and text.startswith(sent) else ""
 
 
 def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool]:

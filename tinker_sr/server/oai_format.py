@@ -525,9 +525,9 @@ class Chunks:
         return out + ["data: [DONE]\n\n"]
 
 
-def unsent(choice: Choice, sent: str) -> str:
-    """What ``choice``'s text adds to the part of it streamed so far (``sent``)."""
-    return choice.text[len(sent) :] if choice.text.startswith(sent) else ""
+def unsent(text: str, sent: str) -> str:
+    """What ``text`` adds to the part of it streamed so far (``sent``), where it extends it."""
+    return text[len(sent) :] if text.startswith(sent) else ""
 
 
 @dataclass
@@ -579,10 +579,9 @@ class OaiStream(Chunks):
     def end(self, choices: Sequence[Choice], sent: Sequence[Sent], prompt_tokens: int) -> list[str]:  # fmt: skip
         out = []
         for i, (c, done) in enumerate(zip(choices, sent, strict=True)):
-            if c.reasoning is not None and c.reasoning.startswith(done.reasoning):
-                if thought := c.reasoning[len(done.reasoning) :]:
-                    out.append(self.text(i, thought, key="reasoning_content"))
-            more, rest = unsent(c, done.text), (c.tokens or [])[len(done.tokens) :]
+            if thought := unsent(c.reasoning or "", done.reasoning):
+                out.append(self.text(i, thought, key="reasoning_content"))
+            more, rest = unsent(c.text, done.text), (c.tokens or [])[len(done.tokens) :]
             if more or (rest and self.req.logprobs is not None):
                 out.append(self.text(i, more, logprobs_body(self.req, rest, done.offset)))
             out.append(self.finish(i, c.finish_reason))

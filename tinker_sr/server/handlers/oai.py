@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import json
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
 from ..harmony import opens_message, split_channels
 from ..http import HTTPError, json_reply, plain_error
-from ..live_stream import Progress, Reader, engine_streams, live_stream
+from ..live_stream import Progress, Reader, engine_streams, live_stream, sample_takes
 from ..oai_format import (
     Choice,
     OaiError,
@@ -431,6 +430,10 @@ async def _sampled(
     table = None
     if req.logprobs is not None:
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
+    prompt_tokens = sum(map(len, prompts))
+    extra: dict[str, Any] = {}
+    if sample_takes(srv.backend, "greedy_model_logprobs"):
+        extra["greedy_model_logprobs"] = True  # temperature 0: the model's, as vLLM's
     reader = None
     if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
@@ -446,12 +449,10 @@ async def _sampled(
         )
 
     async def one(p: int, ids: list[int]) -> types.SampleResponse:
-        extra: dict[str, Any] = {}
+        live: dict[str, Any] = {}
         if reader is not None and progress is not None:  # prompt p's rows: choices p*n, ...
-            total, first = sum(map(len, prompts)), p * req.n
-            extra["progress"] = lambda rows: progress(reader, total, first, rows)
-        if "greedy_model_logprobs" in inspect.signature(srv.backend.sample).parameters:
-            extra["greedy_model_logprobs"] = True  # temperature 0: the model's, as vLLM's
+            first = p * req.n
+            live["progress"] = lambda rows: progress(reader, prompt_tokens, first, rows)
         return await srv.backend.sample(
             target.sampler_id,
             next(target.seq),
@@ -462,6 +463,7 @@ async def _sampled(
             topk_prompt_logprobs=top if with_prompt else 0,
             topk_sample_logprobs=top if req.logprobs is not None else 0,
             **extra,
+            **live,
         )
 
     samples = [asyncio.ensure_future(one(p, ids)) for p, ids in enumerate(prompts)]
@@ -481,7 +483,7 @@ async def _sampled(
         for ids, r in zip(prompts, results, strict=True)
         for c in _choices(tok, req, ids, r, table)
     ]
-    return choices, sum(len(ids) for ids in prompts)
+    return choices, prompt_tokens
 
 
 async def read_request(
