@@ -9,6 +9,7 @@ naming the field."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -838,3 +839,61 @@ def test_a_special_tokens_stop_string_ends_the_answer_at_that_token(model_dir: P
             assert (choice.completion_tokens, choice.stop_string) == (kept, stop)
             assert choice.tokens is not None and len(choice.tokens) == kept
             assert choice.finish_reason == ("stop" if stop else reason)
+
+
+def _scored(server: ServerProcess, model_dir: Path, ids: list[int]) -> list[float]:
+    """The model's own log-prob of each of ``ids`` after those before it (the SDK's
+    ``compute_logprobs``: a forward over the whole sequence, no sampling involved)."""
+    service = sdk(server)
+    try:
+        sampler = service.create_sampling_client(base_model=str(model_dir)).result()
+        return list(sampler.compute_logprobs(tinker.ModelInput.from_ints(ids)).result())
+    finally:
+        service.holder.close()
+
+
+def test_log_probs_above_temperature_0_are_the_models_own(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """vLLM's default ``--logprobs-mode raw_logprobs``: at any temperature (here 0.7 with
+    top_p 0.8, which q filters) a drawn token's log-prob and its alternatives are the model's
+    own, not those of the distribution it was drawn from, which the Tinker sampler reports
+    for the very same tokens; streamed, the same."""
+    oai = client(server)
+    ids = [5, 17, 230, 31, 42, 7]
+    params: dict[str, Any] = dict(max_tokens=10, temperature=0.7, top_p=0.8, seed=11)
+    kw: dict[str, Any] = dict(model=str(model_dir), prompt=ids, logprobs=5, **params)
+    got = oai.completions.create(**kw).choices[0]
+    q = sample_with_sdk(server, model_dir, ids, 1, **params).sequences[0]
+    tokens = list(q.tokens)
+    assert got.text == load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    lps = got.logprobs.token_logprobs
+    assert lps == pytest.approx(_scored(server, model_dir, ids + tokens)[len(ids) :], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(lps, q.logprobs, strict=True)) > 1e-2  # not q's
+    tops = got.logprobs.top_logprobs
+    assert all(len(t) == 5 and max(t.values()) >= lp - 1e-6 for t, lp in zip(tops, lps, strict=True))  # fmt: skip
+    assert all(sum(math.exp(v) for v in t.values()) < 1 for t in tops)  # p's, not top_p's q
+    streamed = _streamed_logprobs(oai, False, **kw)
+    assert [v for p in streamed[0] for v in p.token_logprobs] == lps
+
+
+def test_processed_log_probs_are_the_sampling_distributions(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> None:
+    """``tinker-sr serve --logprobs-mode processed_logprobs`` (vLLM's other mode): the
+    log-probs are those of the distribution each token was drawn from, the Tinker sampler's
+    own for the same tokens; at temperature 0 still the model's own."""
+    store = tmp_path_factory.mktemp("processed") / "store"
+    args = ["--model-dir", str(model_dir), "--logprobs-mode", "processed_logprobs"]
+    with running_server(store, extra_args=args) as srv:
+        ids = [5, 17, 230, 31, 42, 7]
+        params: dict[str, Any] = dict(max_tokens=10, temperature=0.7, top_p=0.8, seed=11)
+        got = client(srv).completions.create(model=str(model_dir), prompt=ids, logprobs=2, **params)
+        q = sample_with_sdk(srv, model_dir, ids, 1, **params).sequences[0]
+        lps = got.choices[0].logprobs.token_logprobs
+        assert lps == pytest.approx(list(q.logprobs), abs=1e-6) and len(lps) == len(q.tokens)
+        greedy = dict(max_tokens=6, temperature=0)
+        got = client(srv).completions.create(model=str(model_dir), prompt=ids, logprobs=1, **greedy)
+        tokens = list(sample_with_sdk(srv, model_dir, ids, 1, **greedy).sequences[0].tokens)
+        want = _scored(srv, model_dir, ids + tokens)[len(ids) :]
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)

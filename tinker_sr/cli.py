@@ -45,6 +45,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             model_aliases=model_aliases_from_args(args),
             device=device_from_args(args),
             rate_card=rate_card_from_args(args),
+            logprobs_mode=args.logprobs_mode,
         )
     # another live server; a bad database; a read-only directory; a key no client can send
     except (StoreInUseError, StoreDamagedError, StoreUnwritableError, UnusableApiKeyError) as e:
@@ -110,7 +111,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    from tinker_sr.server.app import DEFAULT_LONG_POLL_S
+    from tinker_sr.server.app import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, LOGPROBS_MODES
 
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
@@ -165,6 +166,15 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="JSON prices (USD per million tokens per kind, per GB-month of storage) for the "
         "usage AdminClient.get_billing_usage / `tinker billing usage` report (default "
         "$TINKER_SR_RATE_CARD; none: counted, not priced). docs/server.md",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default=DEFAULT_LOGPROBS_MODE,
+        help="what the OpenAI-compatible routes' log-probs and top log-probs report, as vLLM's "
+        "flag: raw_logprobs, the model's own at every temperature (default, as vLLM's); "
+        "processed_logprobs, the distribution each token was drawn from (after temperature, "
+        "top_k, top_p). The Tinker API's sampler always reports the latter",
     )
     s.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)

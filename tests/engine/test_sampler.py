@@ -235,6 +235,37 @@ def test_top_k_sample_logprobs_are_the_head_of_log_q(model: Transformer) -> None
     assert np.allclose(np.exp(o.topk_logprobs[:, :3]).sum(1), 1.0, atol=1e-5)
 
 
+def test_logprobs_modes_report_q_or_the_models_own(model: Transformer) -> None:
+    """The three ``logprobs_mode``s draw the same tokens and stability draws; "sampled" (the
+    Tinker API's) and "processed_logprobs" report q at temperature 0.7 with top_k 3, while
+    "raw_logprobs" reports the model's own log-softmax (every alternative, no sentinel);
+    at temperature 0 only "sampled" reports the point mass's 0.0."""
+    kw = dict(num_samples=2, max_tokens=6, seed=3, top_k=3, top_k_logprobs=4, stability_k=4)
+    out = {
+        mode: generate(model, PROMPT, temperature=0.7, logprobs_mode=mode, **kw)
+        for mode in ("sampled", "processed_logprobs", "raw_logprobs")
+    }
+    sampled, processed, raw = out.values()
+    for a, b, c in zip(sampled, processed, raw, strict=True):
+        assert a.tokens == b.tokens == c.tokens and (a.draws == c.draws).all()
+        assert a.logprobs == b.logprobs and (a.topk_logprobs == b.topk_logprobs).all()
+        with torch.no_grad():
+            logp = model(torch.tensor([PROMPT + c.tokens]))[0].log_softmax(-1)
+        want = [float(logp[len(PROMPT) - 1 + t, tok]) for t, tok in enumerate(c.tokens)]
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-5)
+        assert (c.topk_logprobs > -99999.0).all() and (np.exp(c.topk_logprobs).sum(1) < 1).all()
+        assert not np.allclose(c.logprobs, a.logprobs, atol=1e-3)
+    greedy = {
+        mode: generate(model, PROMPT, temperature=0.0, logprobs_mode=mode, **kw)[0]
+        for mode in ("sampled", "processed_logprobs", "raw_logprobs")
+    }
+    assert greedy["sampled"].logprobs == [0.0] * 6
+    assert greedy["processed_logprobs"].logprobs == greedy["raw_logprobs"].logprobs
+    assert max(greedy["raw_logprobs"].logprobs) < 0
+    with pytest.raises(ValueError, match="logprobs_mode 'raw'"):
+        generate(model, PROMPT, logprobs_mode="raw", **kw)
+
+
 def test_prompt_scoring(model: Transformer) -> None:
     lp = prompt_logprobs(model, PROMPT)
     assert lp[0] is None and len(lp) == len(PROMPT)

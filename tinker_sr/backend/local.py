@@ -47,7 +47,7 @@ from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import parse_dtype
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
-from tinker_sr.engine.sampler import NewTokens
+from tinker_sr.engine.sampler import LogprobsMode, NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
@@ -627,13 +627,14 @@ class LocalBackend(LocalRestQueries):
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
-        greedy_model_logprobs: bool = False,
+        logprobs_mode: LogprobsMode = "sampled",
         progress: Callable[[list[NewTokens]], None] | None = None,
     ) -> types.SampleResponse:
         """``progress``: called (on the sampling worker) with each row's new tokens and their
         scores after the prefill and each decode step, for a server that streams its answer.
-        ``greedy_model_logprobs``: at temperature 0, the model's log-probs (and top-k) of the
-        tokens, not the greedy point mass's 0.0 (the OpenAI-compatible routes)."""
+        ``logprobs_mode``: what the log-probs and top-k report: the sampling distribution's
+        (the Tinker API's), or vLLM's "processed_logprobs" or "raw_logprobs" (the model's own;
+        the OpenAI-compatible routes'), `engine.sampler`."""
         arguments = locals()  # the request's fields, by name
         req = SampleRequest(**{k: arguments[k] for k in SampleRequest.__dataclass_fields__})
 

@@ -19,9 +19,10 @@ temperature == 0 is greedy: q is a point mass on the argmax, logprobs are 0.0 an
 draw equals the chosen token. So is any temperature below GREEDY_BELOW_TEMPERATURE: that is
 the limit of q as the temperature falls to 0, and dividing logits by a smaller number would
 overflow float32 to inf and make q NaN. top_p always keeps the most likely token, however
-small top_p is. (With ``greedy_model_logprobs``, as the OpenAI-compatible routes ask, a
-greedy row's logprobs and top-k are the model's own, log_softmax(logits), as vLLM reports
-them at temperature 0; its tokens and draws are unchanged.)
+small top_p is. The OpenAI-compatible routes may ask for other log-probs and top-k
+(``logprobs_mode``, vLLM's two modes): "processed_logprobs" reports q but a greedy row's the
+model's own, log_softmax(logits); "raw_logprobs" the model's own at every temperature. Tokens
+and draws are the same in every mode.
 
 Randomness is counter-based: row i of a request with seed s uses generators seeded from
 hash(s, i, "token") and hash(s, i, "draws"), so the same seed gives bit-identical tokens,
@@ -49,6 +50,10 @@ from tinker_sr.user_errors import EngineUserError
 
 TOPK_SENTINEL = (0, -99999.0)  # empty top-k cell, as in tinker's TopkLogprobs
 GREEDY_BELOW_TEMPERATURE = 1e-6  # temperatures below this sample greedily (module docstring)
+# What a sample's log-probs and top-k report (module docstring): the Tinker API's q, or vLLM's
+# two modes (the OpenAI-compatible routes).
+LogprobsMode = Literal["sampled", "processed_logprobs", "raw_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("sampled", "processed_logprobs", "raw_logprobs")
 
 
 @dataclass
@@ -64,8 +69,8 @@ class SampleOutput:
 @dataclass
 class NewTokens:
     """A row's tokens sampled since the last report (`DecodeGroup.new_tokens`), with what
-    `SampleOutput` will hold of them: log q of each (float32; log p with
-    ``greedy_model_logprobs`` at temperature 0) and, where the request asked for top-k
+    `SampleOutput` will hold of them: log q of each (float32; the model's log p where
+    ``logprobs_mode`` says: module docstring) and, where the request asked for top-k
     log-probs, the top of that distribution at each (``None`` otherwise; sentinels past its
     support)."""
 
@@ -245,7 +250,7 @@ class DecodeGroup:
         seed: int,
         stability_k: int = 0,
         top_k_logprobs: int = 0,
-        greedy_model_logprobs: bool = False,
+        logprobs_mode: LogprobsMode = "sampled",
         cache_scope: str = "",
     ) -> None:
         _validate(
@@ -256,7 +261,9 @@ class DecodeGroup:
         self.model, self.prompt, self.max_tokens = model, list(prompt), max_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.greedy = temperature < GREEDY_BELOW_TEMPERATURE
-        self.greedy_model_logprobs = greedy_model_logprobs  # log p, not q's 0.0 (docstring)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r}: one of {LOGPROBS_MODES}")
+        self.logprobs_mode = logprobs_mode  # what log-probs report (module docstring)
         self.u_tok, self.u_draw = _uniforms(seed, n, max_tokens, 0 if self.greedy else K)
         kk = min(top_k_logprobs, V)
         self.out_tok = torch.zeros(n, max_tokens, dtype=torch.long)
@@ -409,7 +416,7 @@ class DecodeGroup:
         logits = self.logits
         if self.greedy:
             tok = logits.argmax(-1)
-            if self.greedy_model_logprobs:
+            if self.logprobs_mode != "sampled":
                 logq = torch.log_softmax(logits.float(), dim=-1)
             else:
                 arange_v = torch.arange(logits.shape[-1])
@@ -423,6 +430,8 @@ class DecodeGroup:
                 self.out_draws[:, t] = _inverse_cdf(cdf, last, self.u_draw[:, t]).to(torch.int32)
         if self.out_draws.shape[2] and self.greedy:
             self.out_draws[:, t] = tok[:, None].to(torch.int32)
+        if self.logprobs_mode == "raw_logprobs" and not self.greedy:
+            logq = torch.log_softmax(logits.float(), dim=-1)  # reported: the model's, not q's
         self.out_tok[:, t] = tok
         self.out_lp[:, t] = logq.gather(-1, tok[:, None]).squeeze(1)
         if self.out_topk_ids.shape[2]:

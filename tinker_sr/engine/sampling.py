@@ -54,7 +54,7 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool = False
     sequence_ids: Sequence[str] | None = None
-    greedy_model_logprobs: bool = False  # temperature 0: the model's log-probs, not 0.0
+    logprobs_mode: engine_sampler.LogprobsMode = "sampled"  # OpenAI routes: vLLM's (sampler.py)
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def begin(
         seed=plan.seed,
         stability_k=STABILITY_K if req.record_stability_info else 0,
         top_k_logprobs=req.topk_sample_logprobs,
-        greedy_model_logprobs=req.greedy_model_logprobs,
+        logprobs_mode=req.logprobs_mode,
         cache_scope=s.session_id,  # a session's prompts are never another's to reuse
     )
     ids = (

@@ -69,6 +69,13 @@ DEFAULT_SESSION_TIMEOUT_S = 600.0
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""What the OpenAI-compatible routes' log-probs and top-k report (`create_app`), vLLM's
+``--logprobs-mode`` values: ``raw_logprobs`` (the default, as vLLM's) the model's own at every
+temperature; ``processed_logprobs`` those of the distribution each token was drawn from (after
+temperature, top-k, top-p; the model's own at temperature 0), which the Tinker API's sampler
+always reports (but 0.0 at temperature 0)."""
+DEFAULT_LOGPROBS_MODE = LOGPROBS_MODES[0]
 
 T = TypeVar("T")
 
@@ -91,7 +98,13 @@ class TinkerServer:
         session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
         features: ServerFeatures | None = None,
         file_download_urls: bool = False,
+        logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
     ) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode {logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)} (vLLM's)"
+            )
+        self.logprobs_mode = logprobs_mode  # the OpenAI-compatible routes' log-probs
         self.backend = backend
         self.file_download_urls = file_download_urls
         self.features = features or ServerFeatures()
@@ -297,6 +310,7 @@ def create_app(
     session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
     features: ServerFeatures | None = None,
     file_download_urls: bool = False,
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
 ) -> Starlette:
     """The ASGI app serving ``backend`` over the Tinker wire protocol.
 
@@ -311,7 +325,7 @@ def create_app(
     ``features``: switch StableReinforce support off to play another engine (`ServerFeatures`).
     ``file_download_urls``: answer ``get_external_weights_urls`` with ``file://`` URLs into the
     store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
-    whose host no plain HTTP GET can reach).
+    whose host no plain HTTP GET can reach). ``logprobs_mode``: one of `LOGPROBS_MODES`.
     """
     if max_pending_samples < 1:
         raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
@@ -333,6 +347,7 @@ def create_app(
         session_timeout_s=session_timeout_s,
         features=features,
         file_download_urls=file_download_urls,
+        logprobs_mode=logprobs_mode,
     )
 
     @contextlib.asynccontextmanager

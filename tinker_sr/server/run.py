@@ -13,7 +13,7 @@ from tinker_sr.engine.cpu import available_cpus, describe_free_memory
 from tinker_sr.engine.usage import RateCard
 from tinker_sr.limits import Limits
 
-from .app import DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
+from .app import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
 from .features import ServerFeatures
 
 __all__ = ["serve", "api_keys_from_env", "run_uvicorn", "UnusableApiKeyError"]
@@ -60,6 +60,7 @@ def serve(
     model_aliases: Mapping[str, str] | None = None,
     device: str | None = None,
     rate_card: RateCard | None = None,
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -74,6 +75,8 @@ def serve(
     name only these (and built-ins), never a directory of their own. ``device``: ``cpu``,
     ``cuda`` or ``auto`` (default ``$TINKER_SR_DEVICE``, else ``cpu``). ``rate_card``: prices
     of the usage it reports (`tinker_sr.engine.usage`; default ``$TINKER_SR_RATE_CARD``).
+    ``logprobs_mode``: the OpenAI-compatible routes' log-probs (`create_app`; default
+    ``raw_logprobs``, as vLLM's).
     """
     from tinker_sr.backend.local import LocalBackend, default_store_dir
 
@@ -98,6 +101,7 @@ def serve(
             long_poll_s=long_poll_s,
             close_backend=True,
             features=features,
+            logprobs_mode=logprobs_mode,
         )
     except BaseException:
         backend.close()

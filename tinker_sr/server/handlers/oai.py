@@ -432,8 +432,8 @@ async def _sampled(
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     prompt_tokens = sum(map(len, prompts))
     extra: dict[str, Any] = {}
-    if sample_takes(srv.backend, "greedy_model_logprobs"):
-        extra["greedy_model_logprobs"] = True  # temperature 0: the model's, as vLLM's
+    if sample_takes(srv.backend, "logprobs_mode"):
+        extra["logprobs_mode"] = srv.logprobs_mode  # vLLM's two modes (`engine.sampler`)
     reader = None
     if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
