@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 import numpy as np
 
 from tinker_sr import types
+from tinker_sr.clients import chunks
 from tinker_sr.clients.sr_draws import (
     DEFAULT_MAX_RECORD_TOKENS,
     client_draws,
@@ -365,9 +366,8 @@ class SessionLowering:
         def call(
             data: Sequence[Any], loss_fn: str, cfg: Mapping[str, float | str] | None, fo: bool
         ) -> Awaitable[types.ForwardBackwardOutput]:
-            # Not a coroutine function: the seq_id is taken now, before the turn is released.
-            seq = turn.take(1)[0]
-            return backend.forward_backward(model_id, seq, data, loss_fn, cfg, forward_only=fo)
+            # Not a coroutine function: the seq_ids are taken now, before the turn is released.
+            return chunks.issue(backend, model_id, turn.take, data, loss_fn, cfg, forward_only=fo)
 
         if self.options.mode == "auto" and self.caps.native is None:
             await self._probe_native(call)

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types, validation
-from tinker_sr.clients import sr_lowering
+from tinker_sr.clients import chunks, sr_lowering
 from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
 from tinker_sr.errors import RequestFailedError, refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
@@ -166,12 +166,13 @@ class TrainingClient:
                 )  # fmt: skip
 
             return AwaitableConcurrentFuture(self._submit_turn(stable_reinforce))
-        return self._api(
-            1,
-            lambda s: backend.forward_backward(
-                self.model_id, s[0], data, loss_fn, config, forward_only=forward_only
-            ),
-        )
+
+        async def plain(turn: _Turn) -> types.ForwardBackwardOutput:
+            return await chunks.issue(
+                backend, self.model_id, turn.take, data, loss_fn, config, forward_only=forward_only
+            )
+
+        return AwaitableConcurrentFuture(self._submit_turn(plain, release_after_start=True))
 
     def forward_backward_custom(
         self,
@@ -213,8 +214,8 @@ class TrainingClient:
             # number is taken only once the loss has succeeded, so a failure leaves no gap
             # for the backend to wait on (queued calls then see the poison and take none).
             try:
-                fwd = await backend.forward_backward(
-                    self.model_id, turn.take(1)[0], [_ce_copy(d, None) for d in data],
+                fwd = await chunks.issue(
+                    backend, self.model_id, turn.take, [_ce_copy(d, None) for d in data],
                     "cross_entropy", None, forward_only=True,
                 )  # fmt: skip
                 loss, user_metrics, bwd_data = _custom_backward_data(data, compute, fwd)
@@ -222,8 +223,8 @@ class TrainingClient:
                 self._poisoned = True
                 raise
             bwd = asyncio.ensure_future(
-                backend.forward_backward(
-                    self.model_id, turn.take(1)[0], bwd_data, "cross_entropy", None,
+                chunks.issue(
+                    backend, self.model_id, turn.take, bwd_data, "cross_entropy", None,
                     forward_only=False,
                 )
             )  # fmt: skip
