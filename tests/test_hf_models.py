@@ -444,3 +444,79 @@ def test_a_tokenizer_eos_past_the_vocabulary_is_dropped_beside_declared_ones(
         (root / name).write_text(json.dumps({**declared, "eos_token_id": None}))
     with pytest.raises(ValueError, match="declare no eos_token_id; set eos_token_id in config"):
         ModelTokenizer(root)
+
+
+def test_an_older_tokenizers_special_tokens_map_names_its_eos(tmp_path: Path) -> None:
+    """A tokenizer_config.json without ``added_tokens_decoder`` (written before transformers
+    4.34) whose special_tokens_map.json names another EOS: transformers takes the map's, and
+    so does sampling now (before: it stopped only on tokenizer_config.json's, and a directory
+    whose EOS only the map named was refused)."""
+    root = make_tiny_hf_model_dir(tmp_path / "q")
+    info = tiny_model_info(root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    config["eos_token"] = "<|endoftext|>"
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    smap = json.loads((root / "special_tokens_map.json").read_text())
+    (root / "special_tokens_map.json").write_text(json.dumps({**smap, "eos_token": "<|im_end|>"}))
+    for name in ("config.json", "generation_config.json"):  # only the tokenizer names an EOS
+        declared = json.loads((root / name).read_text())
+        (root / name).write_text(json.dumps({**declared, "eos_token_id": None}))
+    im_end = AutoTokenizer.from_pretrained(root).eos_token_id
+    assert im_end == info.special_ids["<|im_end|>"]
+    assert ModelTokenizer(root).eos_token_ids == (im_end,)
+    assert FastTokenizer(root).eos_token_id == im_end
+
+
+def test_a_model_without_an_eos_trains_and_samples_only_with_its_own_stops(
+    tmp_path: Path,
+) -> None:
+    """No EOS id anywhere (config.json, generation_config.json, the tokenizer): the model
+    trains, scores prompts and samples with ``stop=[]``; a sample that would rely on an EOS is
+    refused, naming the fix (before: every client of the directory was refused)."""
+    root = make_tiny_hf_model_dir(tmp_path / "q")
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        declared = json.loads((root / name).read_text())
+        (root / name).write_text(json.dumps({**declared, "eos_token_id": None, "eos_token": None}))
+    (root / "special_tokens_map.json").unlink()
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        training = service.create_lora_training_client(base_model=str(root), rank=2).result()
+        assert len(cross_entropy_steps(training, types, [5, 6, 7, 8], steps=1, lr=1e-3)) == 1
+        sampler = training.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints([5, 6, 7])
+        assert len(sampler.compute_logprobs(prompt).result()) == 3
+        params = types.SamplingParams(max_tokens=4, stop=[], seed=0)
+        assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 4
+        with pytest.raises(
+            tinker_sr.RequestFailedError, match="declares no EOS token id.*stop=\\[\\]"
+        ):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=0)).result()
+    finally:
+        service.close().result()
+        backend.close()
+
+
+def test_a_checkpoint_samples_only_on_the_base_it_was_trained_on(tmp_path: Path) -> None:
+    """``create_sampling_client(model_path=..., base_model=...)`` naming another model of the
+    same shapes: refused, naming the checkpoint's own base (before: its adapters ran on the
+    other model's weights without a word); naming its own base still works."""
+    dirs = {n: make_tiny_hf_model_dir(tmp_path / n, seed=s) for n, s in (("a", 0), ("b", 1))}
+    aliases = {f"m/{n}": str(d) for n, d in dirs.items()}
+    backend = LocalBackend(tmp_path / "store", model_aliases=aliases)
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        training = service.create_lora_training_client(base_model="m/a", rank=2).result()
+        path = training.save_weights_for_sampler("w").result().path
+        prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+        own = service.create_sampling_client(model_path=path).result().compute_logprobs(prompt)
+        named = service.create_sampling_client(model_path=path, base_model="m/a").result()
+        assert named.compute_logprobs(prompt).result() == own.result()
+        with pytest.raises(
+            tinker_sr.BadRequestError, match="trained on \\('m/a'\\); pass base_model='m/a'"
+        ):
+            service.create_sampling_client(model_path=path, base_model="m/b").result()
+    finally:
+        service.close().result()
+        backend.close()

@@ -391,7 +391,7 @@ class LocalBackend(LocalRestQueries):
             model_id = self._new_model_id(session_id, model_seq_id)
             tensors, meta = self.checkpoints.load(path, expect="training")
             record = read_record(meta, tensors, path)
-            spec, name = record.lora, base_model or record.base_model
+            spec, name = record.lora, record.base_for(base_model, self.models.resolve_model, path)
             resolved = self.models.resolve_model(name)
             name = self._recorded(name, resolved)
             model, optim = self.models.new_trainable(resolved, spec)
@@ -577,7 +577,8 @@ class LocalBackend(LocalRestQueries):
                 parsed = parse_path(model_path)
                 tensors, meta = self.checkpoints.load(model_path, expect=parsed.checkpoint_type)
                 record = read_record(meta, tensors, model_path)
-                name, spec = base_model or record.base_model, record.lora
+                name = record.base_for(base_model, self.models.resolve_model, model_path)
+                spec = record.lora
                 adapters: dict[str, torch.Tensor] | None = training.strip(tensors, "lora.")
             else:
                 assert base_model is not None

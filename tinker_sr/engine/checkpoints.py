@@ -6,7 +6,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,6 +122,20 @@ class CheckpointRecord:
     lora: LoraSpec
     base_model: str
     steps: int
+
+    def base_for(self, requested: str | None, resolve: Callable[[str], str], shown: str) -> str:
+        """The base model a client of this checkpoint (``shown``) runs: its own, or
+        ``requested`` where that names the same model (a variant of its name, such as a longer
+        context); another model is refused, where its adapters would run on the wrong weights
+        (silently where the shapes agree)."""
+        if requested is None or requested == self.base_model:
+            return self.base_model
+        if resolve(requested) != resolve(self.base_model):
+            raise EngineUserError(
+                f"base_model {requested!r} is not the model checkpoint {shown} was trained on "
+                f"({self.base_model!r}); pass base_model={self.base_model!r}, or leave it out"
+            )
+        return requested
 
 
 def read_record(

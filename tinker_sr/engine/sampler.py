@@ -137,10 +137,10 @@ def context_overflow(prompt_len: int, max_tokens: int, context: int) -> str | No
         return None
     hint = ""
     if max_tokens == 1 and prompt_len == context:  # compute_logprobs asks for one token
-        hint = (
-            f" (compute_logprobs samples one token after the prompt, so it scores at most "
-            f"{context - 1} tokens; TrainingClient.forward scores a sequence that fills the "
-            "context)"
+        hint = (  # or a sample whose max_tokens is the room left, as None asks
+            f" (a sample needs room for one new token after its prompt; compute_logprobs "
+            f"samples one too, so it scores at most {context - 1} tokens, where "
+            "TrainingClient.forward scores a sequence that fills the context)"
         )
     return (
         f"Prompt length plus max_tokens exceeds the model's context window: {prompt_len} prompt "

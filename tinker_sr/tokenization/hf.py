@@ -158,6 +158,18 @@ def _special_token_ids(root: Path, config: dict[str, Any]) -> dict[str, int]:
     return {str(t.get("content")): int(i) for i, t in decoder.items() if isinstance(t, dict)}
 
 
+def _named_specials(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The BOS, EOS and pad tokens as transformers reads them: tokenizer_config.json's, but
+    in an older directory (no ``added_tokens_decoder`` there) special_tokens_map.json's values
+    win. The values as written (a string or an added token's dict)."""
+    found = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+    special_map = root / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and special_map.is_file():
+        named = read_json(special_map)
+        found |= {k: named[k] for k in found if k in named}  # the map wins
+    return found
+
+
 class ModelTokenizer:
     """The tokenizer of one model directory (see the module docstring)."""
 
@@ -168,7 +180,7 @@ class ModelTokenizer:
         self.tokenizer_id: str | None = str(root)
         cfg_file = root / "tokenizer_config.json"
         config = read_json(cfg_file) if cfg_file.is_file() else {}
-        eos = _special_token_content(config.get("eos_token"))
+        eos = _special_token_content(_named_specials(root, config)["eos_token"])
         try:
             ids = _special_token_ids(root, config)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -181,7 +193,8 @@ class ModelTokenizer:
     def _eos_ids(self, eos: str | None, tokenizer_eos: int | None) -> tuple[int, ...]:
         """config.json's and generation_config.json's EOS ids, then the tokenizer's, all inside
         the vocabulary; a tokenizer EOS past it beside declared ones is dropped with a warning
-        (no row can sample it; transformers' generate never reads it)."""
+        (no row can sample it; transformers' generate never reads it). Possibly none: such a
+        model trains, and samples with stops of the request's own."""
         root, vocab = self.root, self.vocab_size
         declared = eos_token_ids(root)
         outside = [i for i in declared if not 0 <= i < vocab]
@@ -193,7 +206,7 @@ class ModelTokenizer:
             )
         if tokenizer_eos is not None and not 0 <= tokenizer_eos < vocab:
             where = (
-                f"{root}: tokenizer_config.json's eos_token {eos!r} is id {tokenizer_eos}, "
+                f"{root}: the tokenizer's eos_token {eos!r} is id {tokenizer_eos}, "
                 f"outside the model's vocabulary [0, {vocab})"
             )
             if not declared:
@@ -204,13 +217,7 @@ class ModelTokenizer:
             warnings.warn(f"{where}; sampling stops at {list(declared)} only", stacklevel=3)
             tokenizer_eos = None
         extra = () if tokenizer_eos is None or tokenizer_eos in declared else (tokenizer_eos,)
-        ids = (*declared, *extra)
-        if not ids:
-            raise EngineUserError(
-                f"{root}: no EOS token id in config.json, generation_config.json or "
-                "tokenizer_config.json; set eos_token_id in config.json"
-            )
-        return ids
+        return (*declared, *extra)  # none at all: sampling refuses to rely on one (sampling.py)
 
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
@@ -317,17 +324,13 @@ class FastTokenizer:
             ) from e
         self.name_or_path = str(root)
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        cfg, special_map = (
-            read_json(f) if f.is_file() else {}
-            for f in (root / "tokenizer_config.json", root / "special_tokens_map.json")
-        )
+        cfg_file = root / "tokenizer_config.json"
+        cfg = read_json(cfg_file) if cfg_file.is_file() else {}
         self.chat_template: str | None = _default_template(cfg.get("chat_template"))
         jinja = root / "chat_template.jinja"
         if self.chat_template is None and jinja.is_file():
             self.chat_template = jinja.read_text(encoding="utf-8")
-        found = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token")}
-        if "added_tokens_decoder" not in cfg:  # an older directory: as transformers reads it,
-            found |= {k: special_map[k] for k in found if k in special_map}  # the map wins
+        found = _named_specials(root, cfg)
         self.bos_token = _special_token_content(found["bos_token"])
         self.eos_token = _special_token_content(found["eos_token"])
         self.pad_token = _special_token_content(found["pad_token"])
