@@ -468,3 +468,23 @@ def test_fused_experts_of_the_wrong_rank_are_refused_by_name(
     root = _variant(base, tmp_path / "m", reshape)
     with pytest.raises(EngineUserError, match=f"tensor {key} has shape .* must have 3"):
         load_model_dir(root)
+
+
+def test_tensor_names_save_pretrained_would_not_write_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    """Two layouts transformers loads by its own renaming, which this loader refuses: a bare
+    model's state dict (no ``model.`` prefix) and a tied model whose embedding is stored only
+    as ``lm_head.weight``. Each error now says what is off and how to re-save it (before: "no
+    place for ... check config.json" and "lacks ... model.embed_tokens.weight", no fix)."""
+    bare = make_tiny_hf_model_dir(tmp_path / "bare")
+    stored = load_file(bare / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in stored.items()}, bare / "model.safetensors")
+    with pytest.raises(EngineUserError, match="lack the 'model.' prefix .* save_pretrained"):
+        load_model_dir(bare)
+    tied = make_tiny_hf_model_dir(tmp_path / "tied")
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    stored = load_file(tied / "model.safetensors")
+    stored["lm_head.weight"] = stored.pop("model.embed_tokens.weight")
+    save_file(stored, tied / "model.safetensors")
+    with pytest.raises(EngineUserError, match="as lm_head.weight only: store them as model.embed"):
+        load_model_dir(tied)
