@@ -680,7 +680,9 @@ def test_03_non_string_user_metadata_is_refused_and_listing_keeps_working(
     user_error(wire.post("create_session", {"user_metadata": {"a": [1]}}), "user_metadata")
     assert wire.http.get("/api/v1/training_runs").status_code == 200
     tc = service.create_lora_training_client(MODEL, rank=4, seed=7).result()
-    refused(lambda: tc.save_state("m", user_metadata={"a": 1}).result(), "user_metadata")  # type: ignore[dict-item]
+    # at the call, before a sequence number is taken, as the SDK's pydantic types refuse it
+    refused(lambda: tc.save_state("m", user_metadata={"a": 1}), "user_metadata")  # type: ignore[dict-item]
+    assert tc.forward([DATUM], "cross_entropy").result()  # no gap for the next call to wait on
     refused(
         lambda: service.create_lora_training_client(MODEL, rank=4, user_metadata={"n": 1}).result(),  # type: ignore[dict-item]
         "user_metadata",
@@ -780,6 +782,11 @@ def test_13_fractional_float_target_tokens_are_refused_on_the_engine(
         "target_tokens",
         "whole number",
     )
+    training = service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+    with pytest.raises(tinker.RequestFailedError) as caught:
+        training.forward_backward([bad], "cross_entropy").result()
+    message = str(caught.value)  # the field once, and a fix for token ids (not "use float32")
+    assert message.count("loss_fn_inputs['target_tokens']") == 1 and "as int64" in message
 
 
 # ---- 17. provenance: trained in the context it was sampled in -------------------------------

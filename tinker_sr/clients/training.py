@@ -312,7 +312,7 @@ class TrainingClient:
     ) -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state → ``tinker://<run>/weights/<name>``."""
         _check_name_encodes(name)
-        validation.check_text(user_metadata, "save_state: user_metadata")
+        validation.check_user_metadata(user_metadata, "save_state")  # at once, as the SDK's types
         backend = self.holder.backend
         return self._api(
             1,

@@ -100,6 +100,7 @@ def forward_backward(
 
 
 # A group's padding may add this share of its real tokens (see `length_groups`).
+_TOKEN_IDS_FIX = "token ids are whole numbers: send target_tokens as int64"
 PAD_SLACK = 1.25
 
 
@@ -250,11 +251,13 @@ def _loss_input_array(i: int, key: str, td: types.TensorData, n: int, vocab: int
         )
     try:
         arr = td.to_numpy()
-        if key == "target_tokens" and td.dtype != "int64":
-            # Token ids: 2.9 is a mistake, not token 2; refuse rather than truncate.
-            check_int64(arr, integral=True, what=f"{where} ({td.dtype})")
-    except ValueError as e:  # a malformed CSR tensor, a fractional token id
+    except ValueError as e:  # a malformed CSR tensor
         raise EngineUserError(f"{where}: {e}") from None
+    if key == "target_tokens" and td.dtype != "int64":
+        try:  # token ids: 2.9 is a mistake, not token 2; refuse rather than truncate
+            check_int64(arr, integral=True, what=f"{where} ({td.dtype})", fix=_TOKEN_IDS_FIX)
+        except ValueError as e:
+            raise EngineUserError(str(e)) from None
     if list(arr.shape) != shape:
         raise EngineUserError(f"{where}: data holds shape {list(arr.shape)}, not {shape}")
     return arr

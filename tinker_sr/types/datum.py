@@ -152,7 +152,12 @@ def _to_tensor_data(key: str, value: Any) -> TensorData:
             raise _ragged_error(key)
         if dtype == "int64":
             # Token ids: 2.9 is a mistake, not token 2 (the SDK would truncate it silently).
-            check_int64(array, integral=True, what=f"loss_fn_inputs[{key!r}]")
+            check_int64(
+                array,
+                integral=True,
+                what=f"loss_fn_inputs[{key!r}]",
+                fix="token ids are whole numbers: pass them as integers",
+            )
         try:
             return TensorData(data=array, dtype=dtype, shape=list(array.shape))  # type: ignore[arg-type]
         except ValueError as exc:

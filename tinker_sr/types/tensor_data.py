@@ -241,7 +241,13 @@ def _as_array(data: Any, np_dtype: type[np.generic]) -> np.ndarray:
 _INT64_LIMIT = float(2**63)
 
 
-def check_int64(arr: np.ndarray, *, integral: bool, what: str = "int64 TensorData") -> None:
+def check_int64(
+    arr: np.ndarray,
+    *,
+    integral: bool,
+    what: str = "int64 TensorData",
+    fix: str = "send whole numbers (token ids), or use dtype float32",
+) -> None:
     """Raise ValueError unless every value of ``arr`` fits int64 (and, if ``integral``, is a
     whole number): converting it would otherwise fail or silently change it."""
     if arr.dtype.kind == "u":
@@ -257,7 +263,7 @@ def check_int64(arr: np.ndarray, *, integral: bool, what: str = "int64 TensorDat
         kind = "a whole number" if integral else "a number"
         raise ValueError(
             f"{what}: value {arr.ravel()[i].item()!r} at flat index {i} is not {kind} in the "
-            "int64 range; send whole numbers (token ids), or use dtype float32"
+            f"int64 range; {fix}"
         )
 
 
