@@ -470,7 +470,9 @@ def test_fused_experts_of_the_wrong_rank_are_refused_by_name(
         load_model_dir(root)
 
 
-def test_tensor_names_save_pretrained_would_not_write_are_refused_naming_the_fix(tmp_path: Path) -> None:
+def test_tensor_names_save_pretrained_would_not_write_are_refused_naming_the_fix(
+    tmp_path: Path,
+) -> None:
     """Two layouts transformers loads by its own renaming, which this loader refuses: a bare
     model's state dict (no ``model.`` prefix) and a tied model whose embedding is stored only
     as ``lm_head.weight``. Each error now says what is off and how to re-save it (before: "no
