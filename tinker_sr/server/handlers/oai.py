@@ -432,7 +432,7 @@ async def _sampled(
         table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
     prompt_tokens = sum(map(len, prompts))
     extra: dict[str, Any] = {}
-    if sample_takes(srv.backend, "logprobs_mode"):
+    if req.logprobs is not None and sample_takes(srv.backend, "logprobs_mode"):
         extra["logprobs_mode"] = srv.logprobs_mode  # vLLM's two modes (`engine.sampler`)
     reader = None
     if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
