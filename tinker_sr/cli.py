@@ -22,7 +22,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
     from tinker_sr.server import serve
     from tinker_sr.server.features import ServerFeatures
-    from tinker_sr.server.run import UnusableApiKeyError
+    from tinker_sr.server.run import UnusableAddressError, UnusableApiKeyError
     from tinker_sr.server.store_lock import StoreInUseError
 
     keys = [k for k in (args.api_key or []) if k]
@@ -48,7 +48,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             logprobs_mode=args.logprobs_mode,
         )
     # another live server; a bad database; a read-only directory; a key no client can send
-    except (StoreInUseError, StoreDamagedError, StoreUnwritableError, UnusableApiKeyError) as e:
+    except (
+        StoreInUseError,
+        StoreDamagedError,
+        StoreUnwritableError,
+        UnusableApiKeyError,
+        UnusableAddressError,
+    ) as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,35 @@ __all__ = ["serve", "api_keys_from_env", "run_uvicorn", "UnusableApiKeyError"]
 class UnusableApiKeyError(ValueError):
     """A configured API key no Tinker client can send: the official SDK and tinker_sr refuse
     keys without the ``tml-`` prefix before connecting."""
+
+
+class UnusableAddressError(ValueError):
+    """``host:port`` cannot be listened on: a port out of range, a host that is not an address
+    of this machine, or a port another program holds."""
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise `UnusableAddressError` naming the flag and the fix where the server could not
+    listen on ``host:port`` (before the store is opened and the model loaded; uvicorn would
+    say it only after, as a traceback or a log line)."""
+    if not 0 <= port <= 65535:
+        raise UnusableAddressError(f"--port {port}: a TCP port is a number from 0 to 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UnusableAddressError(
+            f"--host {host!r} is not an address of this machine ({e}); the default is 127.0.0.1"
+        ) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise UnusableAddressError(
+                f"cannot listen on {host}:{port} ({e.strerror}): another program (another "
+                "tinker-sr serve?) holds that port, or the address is not this machine's; pick "
+                "another with --port (or --host)"
+            ) from None
 
 
 def api_keys_from_env() -> list[str] | None:
@@ -80,6 +110,7 @@ def serve(
     """
     from tinker_sr.backend.local import LocalBackend, default_store_dir
 
+    check_address(host, port)
     keys = _usable_keys(api_keys)
     store_dir = Path(store) if store is not None else default_store_dir()
     if limits is None:
