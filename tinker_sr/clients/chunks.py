@@ -67,7 +67,7 @@ def split(
             chunk, size = [], 0
         chunk.append(datum)
         size += n
-    if chunk:
+    if chunk or not chunks:  # no datums: one empty request, which the service answers
         chunks.append(chunk)
     return chunks
 
