@@ -244,3 +244,40 @@ def test_started_interpreters_alias_tinker_too(tmp_path: Path) -> None:
     assert "spawn: tinker_sr tinker_sr.types.tensor_data" in proc.stdout
     child = proc.stdout.split("subprocess: tinker_sr ")[1].split()[0]
     assert child in log.read_text().split(), "the shadowed sitecustomize did not run in the child"
+
+
+def test_the_official_sdks_objects_given_to_tinker_sr_clients_say_how_to_mix_them(
+    tmp_path: Path,
+) -> None:
+    """A script that does `import tinker_sr as tinker` but also builds objects from the official
+    SDK (tinker-cookbook does, without the alias): each refusal says whose type it got and
+    names the fix (before: "must be a Datum, got Datum", pydantic's "not a ModelInput")."""
+    import tinker
+
+    from tinker_sr.backend.local import LocalBackend
+
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        training = service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+        prompt = tinker.ModelInput.from_ints([1, 2, 3])
+        datum = tinker.Datum(model_input=prompt, loss_fn_inputs={"target_tokens": [2, 3, 4]})
+        fix = "official SDK's tinker.{}: .*install_as_tinker\\(\\).*tinker-sr run"
+        with pytest.raises(tinker_sr.RequestFailedError, match=fix.format("Datum")):
+            training.forward_backward([datum], "cross_entropy").result()
+        with pytest.raises(TypeError, match=fix.format("AdamParams")):
+            training.optim_step(tinker.AdamParams(learning_rate=1e-3))
+        sampler = training.save_weights_and_get_sampling_client().result()
+        ours = tinker_sr.ModelInput.from_ints([1])
+        with pytest.raises(TypeError, match=fix.format("ModelInput")):
+            sampler.sample(prompt, 1, tinker_sr.SamplingParams(max_tokens=2))
+        with pytest.raises(TypeError, match=fix.format("SamplingParams")):
+            sampler.sample(ours, 1, tinker.SamplingParams())
+        with pytest.raises(TypeError, match=fix.format("ModelInput")):
+            sampler.compute_logprobs(prompt)
+        with pytest.raises(TypeError, match=fix.format("ModelInput")):
+            tinker_sr.Datum(model_input=prompt, loss_fn_inputs={})
+        assert sampler.compute_logprobs(ours).result() == [None]
+    finally:
+        service.close().result()
+        backend.close()

@@ -25,6 +25,22 @@ class EngineNotFoundError(EngineUserError):
     """A named object (model, checkpoint, sampler, sequence) does not exist."""
 
 
+def official_sdk_hint(obj: object) -> str:
+    """Where ``obj`` is one of the official SDK's types (``tinker.Datum``, built by code that
+    imports ``tinker``, such as tinker-cookbook's), why a tinker_sr client refuses it and the
+    fix, to end an error message with; else ""."""
+    module = type(obj).__module__
+    if module != "tinker" and not module.startswith("tinker."):
+        return ""
+    return (
+        f" (this is the official SDK's tinker.{type(obj).__name__}: a tinker_sr client takes "
+        "tinker_sr's types. Build it from `import tinker_sr as tinker`, or make every "
+        "`import tinker`, tinker-cookbook's included, load tinker_sr: call "
+        "tinker_sr.install_as_tinker() before importing them, or run the script with "
+        "`tinker-sr run`)"
+    )
+
+
 def check_same_names(want: Iterable[str], got: Iterable[str], *, mismatch: str, fix: str) -> None:
     """Refuse a state dict whose tensor names are not exactly ``want``'s: ``mismatch`` says
     what does not match, ``fix`` what to load instead."""

@@ -17,6 +17,7 @@ from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
 from tinker_sr.futures import BackcompatConcurrentFuture
+from tinker_sr.user_errors import official_sdk_hint
 
 T = TypeVar("T")
 _MAX_RETRIES = 8  # transient failures retried per call before the error is raised
@@ -82,6 +83,7 @@ class SamplingClient:
         """``num_samples`` independent completions of ``prompt``; every sequence carries its
         ``sequence_id``, tokens and sampled-token logprobs."""
         self.holder.check_open()
+        _refuse_official_types(prompt, sampling_params)
         # Coerce and check as the official SDK does (it builds this request model first):
         # num_samples "2" -> 2 and a dict of sampling params are accepted, a list prompt is not.
         req = types.SampleRequest(
@@ -212,6 +214,7 @@ class SamplingClient:
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
     ) -> BackcompatConcurrentFuture[list[float | None]]:
         """Log-probability of each prompt token given the ones before it (entry 0 is None)."""
+        _refuse_official_types(prompt)
         inner = self._sample_impl(
             prompt,
             1,
@@ -366,3 +369,11 @@ def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:
         seq_base=seq_base,
         tokenizer_id=state.get("tokenizer_id"),
     )
+
+
+def _refuse_official_types(*args: object) -> None:
+    """A prompt or sampling parameters of the official SDK's types: a TypeError that says so
+    and names the fix (pydantic's own error says only that the input is not a ModelInput)."""
+    for arg in args:
+        if hint := official_sdk_hint(arg):
+            raise TypeError(f"{type(arg).__name__} from another library{hint}")

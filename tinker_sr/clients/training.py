@@ -15,6 +15,7 @@ from tinker_sr.clients import chunks, sr_lowering
 from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
 from tinker_sr.errors import RequestFailedError, refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
+from tinker_sr.user_errors import official_sdk_hint
 
 if TYPE_CHECKING:
     import torch
@@ -297,7 +298,8 @@ class TrainingClient:
         params = optim_params if optim_params is not None else adam_params
         if not isinstance(params, (types.AdamParams, types.OptimParamsBase)):
             raise TypeError(
-                f"optim_step needs AdamParams (or another OptimParams), got {type(params).__name__}"
+                f"optim_step needs AdamParams (or another OptimParams), got "
+                f"{type(params).__name__}{official_sdk_hint(params)}"
             )
         backend = self.holder.backend
         return self._api(1, lambda s: backend.optim_step(self.model_id, s[0], params))  # type: ignore[arg-type]

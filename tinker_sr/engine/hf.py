@@ -190,48 +190,72 @@ def _check_tensors(
                     f"implies {expected}"
                 )
     if unused:
-        fix = (
-            "check config.json (architectures, attention_bias, mlp_bias, num_hidden_layers) "
-            "against the checkpoint"
-        )
-        if bare := [k for k in unused if f"model.{k}" in shapes]:  # a bare model's state dict
-            fix = (
-                f"its tensor names lack the 'model.' prefix transformers' save_pretrained writes "
-                f"({bare[0]!r} for 'model.{bare[0]}'): save it with save_pretrained from "
-                "AutoModelForCausalLM, or rename the tensors"
-            )
-        if len(files) > 1 and not (root / INDEX_FILE).is_file():  # every file was read
-            fix = (
-                f"with neither {SINGLE_FILE} nor {INDEX_FILE} here every *.safetensors file is "
-                f"read, so move other files (an adapter, a consolidated copy) out of it, or {fix}"
-            )
-        raise EngineUserError(
-            f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
-            f"has no place for, e.g. {sorted(unused)[:3]}, in {sorted(unused_in)[:3]}; ignoring "
-            f"them would compute another model: {fix}"
-        )
+        raise _unplaced(root, files, config, unused, unused_in, shapes)
     if config.tie_embeddings:
         shapes.pop("lm_head.weight", None)
     if shapes:
-        unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
-        tied = config.tie_embeddings and EMBED in shapes and "lm_head.weight" in placed
-        raise EngineUserError(
-            f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
-            + (
-                f"; {INDEX_FILE} names {len(files)} weight files, and {len(unread)} more here "
-                f"are not read ({unread[:3]}): list every tensor in its weight_map"
-                if unread
-                else ""
-            )
-            + (
-                f"; config.json ties the embeddings (tie_word_embeddings) and the checkpoint "
-                f"stores them as lm_head.weight only: store them as {EMBED} (save_pretrained "
-                "does)"
-                if tied
-                else ""
-            )
-        )
+        raise _missing(root, files, config, shapes, placed)
     return placed
+
+
+def _unplaced(
+    root: Path,
+    files: list[Path],
+    config: ModelConfig,
+    unused: list[str],
+    unused_in: set[str],
+    shapes: dict[str, tuple[int, ...]],
+) -> EngineUserError:
+    """The error for stored tensors the model has no place for (``shapes``: its places still
+    without a tensor)."""
+    fix = (
+        "check config.json (architectures, attention_bias, mlp_bias, num_hidden_layers) "
+        "against the checkpoint"
+    )
+    if bare := [k for k in unused if f"model.{k}" in shapes]:  # a bare model's state dict
+        fix = (
+            f"its tensor names lack the 'model.' prefix transformers' save_pretrained writes "
+            f"({bare[0]!r} for 'model.{bare[0]}'): save it with save_pretrained from "
+            "AutoModelForCausalLM, or rename the tensors"
+        )
+    if len(files) > 1 and not (root / INDEX_FILE).is_file():  # every file was read
+        fix = (
+            f"with neither {SINGLE_FILE} nor {INDEX_FILE} here every *.safetensors file is "
+            f"read, so move other files (an adapter, a consolidated copy) out of it, or {fix}"
+        )
+    return EngineUserError(
+        f"{root}: checkpoint holds {len(unused)} tensors that {config.name!r} as configured "
+        f"has no place for, e.g. {sorted(unused)[:3]}, in {sorted(unused_in)[:3]}; ignoring "
+        f"them would compute another model: {fix}"
+    )
+
+
+def _missing(
+    root: Path,
+    files: list[Path],
+    config: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    placed: dict[str, int],
+) -> EngineUserError:
+    """The error for the model's places no stored tensor fills (``shapes``)."""
+    unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
+    tied = config.tie_embeddings and EMBED in shapes and "lm_head.weight" in placed
+    return EngineUserError(
+        f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
+        + (
+            f"; {INDEX_FILE} names {len(files)} weight files, and {len(unread)} more here "
+            f"are not read ({unread[:3]}): list every tensor in its weight_map"
+            if unread
+            else ""
+        )
+        + (
+            f"; config.json ties the embeddings (tie_word_embeddings) and the checkpoint "
+            f"stores them as lm_head.weight only: store them as {EMBED} (save_pretrained "
+            "does)"
+            if tied
+            else ""
+        )
+    )
 
 
 def _mapped(config: ModelConfig, wrapped: bool) -> bool:

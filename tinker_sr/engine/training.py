@@ -31,7 +31,7 @@ from tinker_sr.engine.store import Store
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
 from tinker_sr.types.tensor_data import check_int64
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.user_errors import EngineUserError, official_sdk_hint
 
 
 # ---- forward / backward ------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _check_datum_types(data: Sequence[types.Datum]) -> None:
         if not isinstance(d, types.Datum):
             raise EngineUserError(
                 f"data[{i}] must be a Datum, got {type(d).__name__}; build it with "
-                "types.Datum(model_input=..., loss_fn_inputs=...)"
+                f"types.Datum(model_input=..., loss_fn_inputs=...){official_sdk_hint(d)}"
             )
         # Before anything measures the datum: an image's length may be unknown (no
         # ``expected_tokens``), so asking for it would fail as an engine error.

@@ -8,6 +8,8 @@ from typing import Any, Self, TypeAlias
 
 import numpy as np
 
+from tinker_sr.user_errors import official_sdk_hint
+
 from .model_input import ModelInput
 from .provenance_spans import PromptProvenanceSpan, ProvenanceSpans, SampledProvenanceSpan
 from .tensor_data import TensorData, check_int64
@@ -55,7 +57,7 @@ class Datum:
         if not isinstance(self.model_input, ModelInput):
             raise TypeError(
                 f"Datum.model_input must be a ModelInput, got {type(self.model_input).__name__}; "
-                "build it with ModelInput.from_ints(tokens)"
+                f"build it with ModelInput.from_ints(tokens){official_sdk_hint(self.model_input)}"
             )
         if not isinstance(self.loss_fn_inputs, dict):
             raise TypeError(
