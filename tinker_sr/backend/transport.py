@@ -215,6 +215,10 @@ class WireTransport:
                 ) from e
             try:
                 resp = await client.send(request)
+            except RuntimeError:  # httpx's "client has been closed": closed while this waited
+                if self._closed:
+                    raise TinkerError("RemoteBackend is closed") from None
+                raise
             except httpx.TimeoutException as e:
                 if attempt >= retries:
                     raise APITimeoutError(request) from e

@@ -44,7 +44,10 @@ def _tensor_bytes(td: types.TensorData) -> int:
 
 
 def estimated_bytes(datum: types.Datum) -> int:
-    """A datum's request bytes as the official SDK estimates them to cut chunks."""
+    """A datum's request bytes as the official SDK estimates them to cut chunks (0 for what
+    is not a Datum: the service refuses it, naming its place)."""
+    if not isinstance(datum, types.Datum):
+        return 0
     return sum(_input_bytes(c) for c in datum.model_input.chunks) + sum(
         _tensor_bytes(td) for td in datum.loss_fn_inputs.values()
     )

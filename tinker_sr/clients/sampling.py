@@ -85,27 +85,18 @@ class SamplingClient:
         self.holder.check_open()
         _refuse_official_types(prompt, sampling_params)
         # Coerce and check as the official SDK does (it builds this request model first):
-        # num_samples "2" -> 2 and a dict of sampling params are accepted, a list prompt is not.
+        # num_samples "2" -> 2, a dict of sampling params accepted, a list prompt refused.
         req = types.SampleRequest(
             num_samples=num_samples, prompt=prompt, sampling_params=sampling_params
         )
         num_samples, prompt, sampling_params = req.num_samples, req.prompt, req.sampling_params
         validation.check_text(sampling_params.stop, "sampling_params.stop")
-        if target_prompt_logprobs is not None:
-            if target_prompt_logprobs.dtype != "int64":
-                raise ValueError("target_prompt_logprobs must have dtype int64")
-            shape = target_prompt_logprobs.shape
-            if shape is None or len(shape) != 2:
-                raise ValueError("target_prompt_logprobs must be 2-D: [len(prompt) - 1, K]")
-        if prompt_alt_tokens_k < 0:
-            raise ValueError(f"prompt_alt_tokens_k must be >= 0, got {prompt_alt_tokens_k}")
-        if prompt_logprobs_last_n is not None:
-            if prompt_logprobs_last_n < 1:
-                raise ValueError(
-                    f"prompt_logprobs_last_n must be >= 1, got {prompt_logprobs_last_n}"
-                )
-            if not include_prompt_logprobs:
-                raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
+        _check_prompt_extras(
+            target_prompt_logprobs,
+            prompt_alt_tokens_k,
+            prompt_logprobs_last_n,
+            include_prompt_logprobs,
+        )
         seq_id = self._next_seq()
         backend = self.holder.backend
         # StableReinforce lowering keeps what it needs of these samples client-side.
@@ -377,3 +368,25 @@ def _refuse_official_types(*args: object) -> None:
     for arg in args:
         if hint := official_sdk_hint(arg):
             raise TypeError(f"{type(arg).__name__} from another library{hint}")
+
+
+def _check_prompt_extras(
+    target_prompt_logprobs: types.TensorData | None,
+    prompt_alt_tokens_k: int,
+    prompt_logprobs_last_n: int | None,
+    include_prompt_logprobs: bool,
+) -> None:
+    """`SamplingClient.sample`'s checks of its prompt-side options, as the official SDK's."""
+    if target_prompt_logprobs is not None:
+        if target_prompt_logprobs.dtype != "int64":
+            raise ValueError("target_prompt_logprobs must have dtype int64")
+        shape = target_prompt_logprobs.shape
+        if shape is None or len(shape) != 2:
+            raise ValueError("target_prompt_logprobs must be 2-D: [len(prompt) - 1, K]")
+    if prompt_alt_tokens_k < 0:
+        raise ValueError(f"prompt_alt_tokens_k must be >= 0, got {prompt_alt_tokens_k}")
+    if prompt_logprobs_last_n is not None:
+        if prompt_logprobs_last_n < 1:
+            raise ValueError(f"prompt_logprobs_last_n must be >= 1, got {prompt_logprobs_last_n}")
+        if not include_prompt_logprobs:
+            raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
