@@ -243,3 +243,27 @@ def test_a_nan_the_official_sdk_sent_as_null_is_named(wire: Wire) -> None:
     }
     _refused(wire.post("optim_step", body), "adam_params.learning_rate': Input should be")
     assert "NaN or infinity" in wire.post("optim_step", body).json()["detail"]
+
+
+def test_a_client_that_hangs_up_mid_upload_is_not_an_internal_error(remote_server: Any) -> None:
+    """A body cut off by its client (a timeout or Ctrl-C during a large upload) is logged as
+    the client going away, not as an internal error with a traceback (before: ``ERROR: POST
+    /api/v1/forward_backward failed`` and starlette's ClientDisconnect traceback, as a 500);
+    the server serves on."""
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", remote_server.port)) as conn:
+        conn.sendall(
+            b"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-hangup\r\n"
+            b"Content-Type: application/x-protobuf\r\nContent-Length: 100000\r\n\r\n" + b"\0" * 10
+        )
+        time.sleep(0.5)
+    wire = Wire(remote_server.base_url, "tml-hangup")
+    for _ in range(50):  # the server has read the cut-off body once it answers the next call
+        if wire.http.get("/api/v1/healthz").status_code == 200:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    log = remote_server.log_path.read_text()
+    assert "ClientDisconnect" not in log, log[-2000:]

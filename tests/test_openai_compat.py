@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -897,3 +899,26 @@ def test_processed_log_probs_are_the_sampling_distributions(
         tokens = list(sample_with_sdk(srv, model_dir, ids, 1, **greedy).sequences[0].tokens)
         want = _scored(srv, model_dir, ids + tokens)[len(ids) :]
         assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_an_unstreamed_answer_stops_sampling_when_its_client_leaves(server: ServerProcess) -> None:
+    """A client that gives up on an unstreamed answer (openai-python's timeout, which then
+    retries) stops its sample, as a closed stream does: the server's process then uses next to
+    no CPU while 16 x 1000 tokens would keep its cores busy for many seconds (before: the
+    sample ran to its end for nobody, and each retry added another)."""
+    body = {"model": "tinker-sr/small", "prompt": [1, 2, 3], "n": 16, "stop": [], "seed": 1}
+    url, auth = server.base_url + "/oai/api/v1/completions", {"Authorization": "Bearer tml-x"}
+    assert httpx.post(url, json={**body, "max_tokens": 1}, headers=auth, timeout=120).is_success
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json={**body, "max_tokens": 1000}, headers=auth, timeout=2)
+    assert server.proc is not None
+    stat = Path(f"/proc/{server.proc.pid}/stat")
+
+    def cpu_seconds() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    time.sleep(1)  # the sample stops at its next decode step
+    before = cpu_seconds()
+    time.sleep(4)
+    assert cpu_seconds() - before < 1.5  # sampling on: ~2 cores x 4 s

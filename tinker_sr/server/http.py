@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
@@ -169,6 +169,31 @@ def plain_error(e: Exception) -> tuple[int, str]:
     return 500, f"internal server error: {type(e).__name__}: {e}"
 
 
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
+    sample stops, as a closed stream's does) and `ClientDisconnect` raised. For a request
+    whose body has been read and whose answer takes long: nothing else hears the client go
+    before the answer is sent."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientDisconnect()
+    return task.result()
+
+
 def endpoint(
     fn: Handler, owner: Callable[[Request], str] | None, *, reply: ErrorReply = error
 ) -> Callable[[Request], Awaitable[Response]]:
@@ -185,6 +210,9 @@ def endpoint(
             return reply(413, str(e))
         except WireError as e:
             return reply(400, str(e))
+        except ClientDisconnect:  # gone mid-upload, or before its answer: nobody to tell
+            log.info("%s %s: the client went away", request.method, request.url.path)
+            return Response(status_code=499)
         except Exception as e:  # a backend failure on a plain (non-future) call
             status, detail = plain_error(e)
             if status >= 500:

@@ -19,7 +19,7 @@ from ..anthropic_format import (
     message_events,
     parse_messages_request,
 )
-from ..http import json_reply
+from ..http import json_reply, unless_gone
 from ..live_stream import engine_streams, live_stream
 from ..oai_format import OaiError, OaiRequest
 from .oai import prompt_token_count, read_request, sample_choices
@@ -40,7 +40,7 @@ async def messages(srv: TinkerServer, request: Request, owner: str) -> Response:
         return await live_stream(
             lambda progress: sample_choices(srv, owner, req, progress), req, MessageStream(req)
         )
-    choices, prompt_tokens = await sample_choices(srv, owner, req)
+    choices, prompt_tokens = await unless_gone(request, sample_choices(srv, owner, req))
     if req.stream:
         events = message_events(req, choices[0], prompt_tokens)
         return StreamingResponse(iter(events), media_type="text/event-stream")

@@ -32,7 +32,7 @@ from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
 from ..harmony import opens_message, split_channels
-from ..http import HTTPError, json_reply, plain_error
+from ..http import HTTPError, json_reply, plain_error, unless_gone
 from ..live_stream import Progress, Reader, engine_streams, live_stream, sample_takes
 from ..oai_format import (
     Choice,
@@ -393,12 +393,12 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
         )
 
 
-async def _answer(srv: TinkerServer, owner: str, req: OaiRequest) -> Response:
+async def _answer(srv: TinkerServer, request: Request, owner: str, req: OaiRequest) -> Response:
     if req.stream and engine_streams(srv.backend):
         return await live_stream(
             lambda progress: sample_choices(srv, owner, req, progress), req, OaiStream(req)
         )
-    choices, prompt_tokens = await sample_choices(srv, owner, req)
+    choices, prompt_tokens = await unless_gone(request, sample_choices(srv, owner, req))
     if req.stream:
         events = stream_events(req, choices, prompt_tokens)
         return StreamingResponse(iter(events), media_type="text/event-stream")
@@ -507,7 +507,7 @@ async def _serve(srv: TinkerServer, request: Request, owner: str, *, chat: bool)
     req = await read_request(
         srv, request, lambda body: parse_request(body, chat=chat, max_n=limits.max_num_samples)
     )
-    return await _answer(srv, owner, req)
+    return await _answer(srv, request, owner, req)
 
 
 async def completions(srv: TinkerServer, request: Request, owner: str) -> Response:
