@@ -126,6 +126,9 @@ async def _after_restart(url: str, before: dict[str, Any]) -> None:
             num_samples=1,
             sampling_params=types.SamplingParams(max_tokens=2),
         )
+    # RestClient.get_sampler on it says the same (before: the eviction message above)
+    with pytest.raises(errors.NotFoundError, match="created before the server restarted"):
+        await backend.get_sampler(before["sampler"])
     await backend.close_session(session, "success")
     await backend.aclose()
 

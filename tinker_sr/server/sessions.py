@@ -139,6 +139,13 @@ class Sessions:
                 f"sampler {sampler_id} belongs to finished session {row.session_id} "
                 f"({self.why_finished(row.session_id)})",
             )
+        self.check_loaded_sampler(sampler_id)
+        self.touch(row.session_id)
+        return row
+
+    def check_loaded_sampler(self, sampler_id: str) -> None:
+        """A 404 saying so where ``sampler_id`` (this server's record) was created before the
+        server restarted and its weights are gone with the old process."""
         loaded = getattr(self.backend, "has_sampler", None)
         if (
             loaded is not None
@@ -153,8 +160,6 @@ class Sessions:
                 "create_sampling_client(model_path=<a sampler_weights checkpoint>) or "
                 "(base_model=...), or TrainingClient.save_weights_and_get_sampling_client()",
             )
-        self.touch(row.session_id)
-        return row
 
     def run_owned(self, run_id: str, owner: str) -> None:
         row = self.state.model_session(run_id)

@@ -60,6 +60,7 @@ async def get_sampler(srv: TinkerServer, request: Request, owner: str) -> Respon
     row = srv.state.sampler_session(sampler_id)
     if row is None or row.owner != owner:
         raise HTTPError(404, f"unknown sampler {sampler_id!r}")
+    srv.sessions.check_loaded_sampler(sampler_id)  # its record outlived a restart; not it
     base_model = await srv.backend.get_sampler_base_model(sampler_id)
     out = {"sampler_id": sampler_id, "base_model": base_model}
     model_path = srv.state.sampler_model_path(sampler_id)
