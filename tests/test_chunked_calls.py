@@ -117,7 +117,9 @@ def test_chunks_combine_as_the_sdk_combines_them() -> None:
         for i, n in enumerate([3, 1, 5]):
             metrics = {k: float(rng.random() * 7 - 2) if k != "f:hash2" else float(i * 41 + 7) for k in keys}  # fmt: skip
             if i == 1:
-                metrics["x:sum"] = 1.0
+                metrics["x:sum"] = 1.0  # in a later chunk only: the SDK reads the first's keys
+            if i != 2:
+                metrics["y:sum"] = 2.0  # not in the last chunk: left out
             outputs = [{"logprobs": t.TensorData.from_numpy(np.full(2, -float(i * 10 + j), np.float32))} for j in range(n)]  # fmt: skip
             out.append(t.ForwardBackwardOutput(loss_fn_output_type="t", metrics=metrics, loss_fn_outputs=outputs))  # fmt: skip
         return out
@@ -133,6 +135,6 @@ def test_chunks_combine_as_the_sdk_combines_them() -> None:
         assert [o["logprobs"].tolist() for o in got.loss_fn_outputs] == [
             o["logprobs"].tolist() for o in want.loss_fn_outputs
         ]
-    assert (
-        "g:unique_2" in chunks.combine(ours).metrics and "x:sum" not in chunks.combine(ours).metrics
-    )
+    every = chunks.combine(ours).metrics
+    assert "g:unique_2" in every and "x:sum" not in every and "y:sum" not in every
+    assert chunks.combine(ours[:2]).metrics["y:sum"] == 4.0

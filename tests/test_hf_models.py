@@ -489,6 +489,8 @@ def test_a_model_without_an_eos_trains_and_samples_only_with_its_own_stops(
         assert len(sampler.compute_logprobs(prompt).result()) == 3
         params = types.SamplingParams(max_tokens=4, stop=[], seed=0)
         assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 4
+        own = types.SamplingParams(max_tokens=4, stop=[5], seed=0)  # stops of its own: taken
+        assert 1 <= len(sampler.sample(prompt, 1, own).result().sequences[0].tokens) <= 4
         with pytest.raises(
             tinker_sr.RequestFailedError, match="declares no EOS token id.*stop=\\[\\]"
         ):
@@ -517,6 +519,9 @@ def test_a_checkpoint_samples_only_on_the_base_it_was_trained_on(tmp_path: Path)
             tinker_sr.BadRequestError, match="trained on \\('m/a'\\); pass base_model='m/a'"
         ):
             service.create_sampling_client(model_path=path, base_model="m/b").result()
+        moved = dirs["a"].rename(tmp_path / "a-moved")  # its own no longer resolves: the new one
+        again = service.create_sampling_client(model_path=path, base_model=str(moved)).result()
+        assert again.compute_logprobs(prompt).result() == own.result()
     finally:
         service.close().result()
         backend.close()

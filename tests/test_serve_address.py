@@ -63,4 +63,3 @@ def test_a_held_port_is_refused_before_the_store_opens(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"tinker-sr serve: cannot listen on 127.0.0.1:{port}")
     assert "pick another with --port" in proc.stderr and not store.exists()
-    check_address("127.0.0.1", port)  # free again

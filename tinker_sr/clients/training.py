@@ -314,7 +314,14 @@ class TrainingClient:
     ) -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state → ``tinker://<run>/weights/<name>``."""
         _check_name_encodes(name)
-        validation.check_user_metadata(user_metadata, "save_state")  # at once, as the SDK's types
+        try:  # the SDK's future fails (its types refuse it); no sequence number is taken here
+            validation.check_user_metadata(user_metadata, "save_state")
+        except ValueError as e:
+            failed: concurrent.futures.Future[types.SaveWeightsResponse] = (
+                concurrent.futures.Future()
+            )
+            failed.set_exception(e)
+            return AwaitableConcurrentFuture(failed)
         backend = self.holder.backend
         return self._api(
             1,
@@ -679,6 +686,9 @@ def _check_request_text(data: list[types.Datum], loss_fn: object, config: object
     before it is numbered; datum keys are almost always ASCII, so this costs one test each."""
     validation.check_text(loss_fn, "loss_fn")
     validation.check_text(config, "loss_fn_config")
+    for i, datum in enumerate(data):  # before the wire encodes one, as it cannot
+        if hint := official_sdk_hint(datum):
+            raise TypeError(f"data[{i}] must be a Datum, got {type(datum).__name__}{hint}")
     validation.check_token_ids(data)
     for i, datum in enumerate(data):
         inputs = getattr(datum, "loss_fn_inputs", None)  # not a Datum: the backend says so

@@ -126,11 +126,17 @@ class CheckpointRecord:
     def base_for(self, requested: str | None, resolve: Callable[[str], str], shown: str) -> str:
         """The base model a client of this checkpoint (``shown``) runs: its own, or
         ``requested`` where that names the same model (a variant of its name, such as a longer
-        context); another model is refused, where its adapters would run on the wrong weights
-        (silently where the shapes agree)."""
+        context, or any model where its own no longer resolves: a moved directory); another
+        model is refused, where its adapters would run on the wrong weights (silently where the
+        shapes agree)."""
         if requested is None or requested == self.base_model:
             return self.base_model
-        if resolve(requested) != resolve(self.base_model):
+        wanted = resolve(requested)
+        try:
+            recorded = resolve(self.base_model)
+        except EngineUserError:  # moved or gone since: the adapters' shapes are checked on load
+            return requested
+        if wanted != recorded:
             raise EngineUserError(
                 f"base_model {requested!r} is not the model checkpoint {shown} was trained on "
                 f"({self.base_model!r}); pass base_model={self.base_model!r}, or leave it out"

@@ -190,12 +190,13 @@ def _plan(model: Transformer, req: SampleRequest, eos_ids: Sequence[int], limits
     if max_tokens >= 1:  # below 1 is refused by the sampler, with its own message
         limits.check_sample_tokens(req.num_samples, len(tokens), max_tokens)
     stop_ids, stop_strings = _stop_conditions(sp.stop, eos_ids)
-    if not eos_ids and max_tokens > 1 and sp.stop != []:  # a row would end only at max_tokens
+    if not eos_ids and max_tokens > 1 and sp.stop is None:  # rows could end only at max_tokens
         raise EngineUserError(
             "this model declares no EOS token id (config.json, generation_config.json and the "
             "tokenizer's eos_token name none), so a sample could not end at one: set "
-            "eos_token_id in the model's config.json, or sample with sampling_params.stop=[] "
-            "(no stop at all: every row runs to max_tokens)"
+            "eos_token_id in the model's config.json, or give the request its own stop "
+            "strings or token ids (sampling_params.stop=[]: none at all, every row runs to "
+            "max_tokens)"
         )
     seed = sp.seed if sp.seed is not None else secrets.randbits(63)
     _check_k("topk_prompt_logprobs", req.topk_prompt_logprobs, vocab)

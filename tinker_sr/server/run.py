@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -37,21 +38,29 @@ def check_address(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise UnusableAddressError(f"--port {port}: a TCP port is a number from 0 to 65535")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise UnusableAddressError(
             f"--host {host!r} is not an address of this machine ({e}); the default is 127.0.0.1"
         ) from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise UnusableAddressError(
-                f"cannot listen on {host}:{port} ({e.strerror}): another program (another "
-                "tinker-sr serve?) holds that port, or the address is not this machine's; pick "
-                "another with --port (or --host)"
-            ) from None
+    bound, problem = False, None
+    for family, kind, proto, _, address in addresses:  # the server binds each; one may fail
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's
+            try:
+                probe.bind(address)
+                bound = True
+            except OSError as e:
+                problem = problem or e
+                if e.errno != errno.EADDRNOTAVAIL:  # held: the server would fail on it
+                    problem = e
+                    break
+    if problem is not None and (not bound or problem.errno != errno.EADDRNOTAVAIL):
+        raise UnusableAddressError(
+            f"cannot listen on {host}:{port} ({problem.strerror}): another program (another "
+            "tinker-sr serve?) holds that port, or the address is not this machine's; pick "
+            "another with --port (or --host)"
+        ) from None
 
 
 def api_keys_from_env() -> list[str] | None:
