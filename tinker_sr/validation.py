@@ -18,7 +18,7 @@ import pydantic
 
 from tinker_sr import types
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.user_errors import EngineUserError, official_sdk_hint
 
 TTL_MIN, TTL_MAX = 3600, 10 * 365 * 24 * 3600
 """Checkpoint time-to-live bounds in seconds: 1 hour to 10 years (``None``: never expires)."""
@@ -383,3 +383,19 @@ def check_sampler_kind(kind: str, what: str) -> None:
     """Only ``"snapshot"`` samplers exist here; refused alike by clients and server."""
     if kind == "inflight":
         raise EngineUserError(f"{what}: {INFLIGHT_UNSUPPORTED}")
+
+
+def check_forward_request(data: list[types.Datum], loss_fn: object, config: object) -> None:
+    """The strings and token ids of a forward(_backward) request encode (`validation`), checked
+    before it is numbered; datum keys are almost always ASCII, so this costs one test each."""
+    check_text(loss_fn, "loss_fn")
+    check_text(config, "loss_fn_config")
+    for i, datum in enumerate(data):  # before the wire encodes one, as it cannot
+        if hint := official_sdk_hint(datum):
+            raise TypeError(f"data[{i}] must be a Datum, got {type(datum).__name__}{hint}")
+    check_token_ids(data)
+    for i, datum in enumerate(data):
+        inputs = getattr(datum, "loss_fn_inputs", None)  # not a Datum: the backend says so
+        for key in inputs if isinstance(inputs, dict) else ():
+            if isinstance(key, str) and not key.isascii():
+                check_text(key, f"data[{i}].loss_fn_inputs key")

@@ -153,7 +153,7 @@ class TrainingClient:
             raise ValueError("No data provided")
         data = list(data)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
-        _check_request_text(data, loss_fn, config)
+        validation.check_forward_request(data, loss_fn, config)
         backend = self.holder.backend
         if loss_fn == "stable_reinforce":  # natively or lowered, as the service allows
             lowering = sr_lowering.session_of(self.holder)
@@ -314,6 +314,7 @@ class TrainingClient:
     ) -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state → ``tinker://<run>/weights/<name>``."""
         _check_name_encodes(name)
+        validation.check_text(user_metadata, "save_state: user_metadata")  # the wire's: at once
         try:  # the SDK's future fails (its types refuse it); no sequence number is taken here
             validation.check_user_metadata(user_metadata, "save_state")
         except ValueError as e:
@@ -679,22 +680,6 @@ def _custom_backward_data(
         _ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
     ]
     return float(loss.detach()), user_metrics, bwd_data
-
-
-def _check_request_text(data: list[types.Datum], loss_fn: object, config: object) -> None:
-    """The strings and token ids of a forward(_backward) request encode (`validation`), checked
-    before it is numbered; datum keys are almost always ASCII, so this costs one test each."""
-    validation.check_text(loss_fn, "loss_fn")
-    validation.check_text(config, "loss_fn_config")
-    for i, datum in enumerate(data):  # before the wire encodes one, as it cannot
-        if hint := official_sdk_hint(datum):
-            raise TypeError(f"data[{i}] must be a Datum, got {type(datum).__name__}{hint}")
-    validation.check_token_ids(data)
-    for i, datum in enumerate(data):
-        inputs = getattr(datum, "loss_fn_inputs", None)  # not a Datum: the backend says so
-        for key in inputs if isinstance(inputs, dict) else ():
-            if isinstance(key, str) and not key.isascii():
-                validation.check_text(key, f"data[{i}].loss_fn_inputs key")
 
 
 def _check_name_encodes(name: str) -> None:
