@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-6  # temperatures below this sample greedily (modu
 # What a sample's log-probs and top-k report (module docstring): the Tinker API's q, or vLLM's
 # two modes (the OpenAI-compatible routes).
 LogprobsMode = Literal["sampled", "processed_logprobs", "raw_logprobs"]
-LOGPROBS_MODES: tuple[str, ...] = ("sampled", "processed_logprobs", "raw_logprobs")
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
 @dataclass

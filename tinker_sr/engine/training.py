@@ -100,8 +100,8 @@ def forward_backward(
 
 
 # A group's padding may add this share of its real tokens (see `length_groups`).
-_TOKEN_IDS_FIX = "token ids are whole numbers: send target_tokens as int64"
 PAD_SLACK = 1.25
+_TOKEN_IDS_FIX = "token ids are whole numbers: send target_tokens as int64"
 
 
 def length_groups(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:

@@ -43,7 +43,7 @@ def check_address(host: str, port: int) -> None:
         raise UnusableAddressError(
             f"--host {host!r} is not an address of this machine ({e}); the default is 127.0.0.1"
         ) from None
-    bound, problem = False, None
+    bound, held, foreign = False, None, None
     for family, kind, proto, _, address in addresses:  # the server binds each; one may fail
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's
@@ -51,11 +51,12 @@ def check_address(host: str, port: int) -> None:
                 probe.bind(address)
                 bound = True
             except OSError as e:
-                problem = problem or e
                 if e.errno != errno.EADDRNOTAVAIL:  # held: the server would fail on it
-                    problem = e
+                    held = e
                     break
-    if problem is not None and (not bound or problem.errno != errno.EADDRNOTAVAIL):
+                foreign = foreign or e  # not this machine's: another address may serve
+    problem = held or (None if bound else foreign)
+    if problem is not None:
         raise UnusableAddressError(
             f"cannot listen on {host}:{port} ({problem.strerror}): another program (another "
             "tinker-sr serve?) holds that port, or the address is not this machine's; pick "
