@@ -165,22 +165,25 @@ class RemoteBackend(WireTransport):
         *,
         forward_only: bool = False,
     ) -> types.ForwardBackwardOutput:
-        await self._ensure_config()
-        try:
-            body = proto.encode_forward_backward_request(
-                model_id, seq_id, data, loss_fn, loss_fn_config, forward_only=forward_only
+        async with self._submit_order.turn(model_id, seq_id):  # first: see SubmitOrder
+            await self._ensure_config()
+            try:
+                body = proto.encode_forward_backward_request(
+                    model_id, seq_id, data, loss_fn, loss_fn_config, forward_only=forward_only
+                )
+            except WireError as e:
+                raise RequestFailedError(
+                    f"Request failed: {e}",
+                    request_id="",
+                    category=types.RequestErrorCategory.User,
+                ) from None
+            headers = {"Content-Type": PROTOBUF}
+            if self.client_config.get("proto_compress_fwdbwd"):
+                body = compression.zstd_compress(body)
+                headers["Content-Encoding"] = "zstd"
+            promise = await self._submit(
+                "/api/v1/forward_backward", None, content=body, headers=headers
             )
-        except WireError as e:
-            raise RequestFailedError(
-                f"Request failed: {e}", request_id="", category=types.RequestErrorCategory.User
-            ) from None
-        headers = {"Content-Type": PROTOBUF}
-        if self.client_config.get("proto_compress_fwdbwd"):
-            body = compression.zstd_compress(body)
-            headers["Content-Encoding"] = "zstd"
-        promise = await self._submit(
-            "/api/v1/forward_backward", None, content=body, headers=headers
-        )
         kind = "Forward" if forward_only else "ForwardBackward"
         resp, result = await self._await(promise, kind, want_proto=True)
         if not isinstance(result, bytes):
@@ -211,7 +214,11 @@ class RemoteBackend(WireTransport):
         # refuses (400) and so frees the number; refused here, it would leave a gap.
         body = json.loads(req.model_dump_json(exclude_none=True))
         return await self._future_json(
-            "/api/v1/optim_step", body, "OptimStep", types.OptimStepResponse
+            "/api/v1/optim_step",
+            body,
+            "OptimStep",
+            types.OptimStepResponse,
+            order=(model_id, seq_id),
         )
 
     async def save_state(
@@ -233,7 +240,11 @@ class RemoteBackend(WireTransport):
             user_metadata=dict(user_metadata) if user_metadata else None,
         )
         return await self._future_json(
-            "/api/v1/save_weights", m.to_json(req), "SaveWeights", types.SaveWeightsResponse
+            "/api/v1/save_weights",
+            m.to_json(req),
+            "SaveWeights",
+            types.SaveWeightsResponse,
+            order=(model_id, seq_id),
         )
 
     async def save_weights_for_sampler(
@@ -259,6 +270,7 @@ class RemoteBackend(WireTransport):
             m.to_json(req),
             "SaveWeightsForSampler",
             types.SaveWeightsForSamplerResponseInternal,
+            order=(model_id, seq_id),
         )
 
     async def save_weights_external(
@@ -284,6 +296,7 @@ class RemoteBackend(WireTransport):
             m.to_json(req),
             "SaveWeightsExternal",
             types.SaveWeightsExternalResponse,
+            order=(model_id, seq_id),
         )
 
     async def load_state(
@@ -293,7 +306,11 @@ class RemoteBackend(WireTransport):
             model_id=model_id, seq_id=seq_id, path=path, optimizer=with_optimizer
         )
         return await self._future_json(
-            "/api/v1/load_weights", m.to_json(req), "LoadWeights", types.LoadWeightsResponse
+            "/api/v1/load_weights",
+            m.to_json(req),
+            "LoadWeights",
+            types.LoadWeightsResponse,
+            order=(model_id, seq_id),
         )
 
     # ---- sampling -------------------------------------------------------------------------------

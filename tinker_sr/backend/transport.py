@@ -29,6 +29,7 @@ import httpx
 import pydantic
 
 from tinker_sr import types
+from tinker_sr.backend.submit_order import SubmitOrder
 from tinker_sr.errors import (
     APIConnectionError,
     APIResponseValidationError,
@@ -131,6 +132,7 @@ class WireTransport:
         self.poll_timeout = poll_timeout
         self.max_retries = max_retries
         self._transport = transport
+        self._submit_order = SubmitOrder()  # a model's training requests, in seq_id order
         self._headers = {
             "X-API-Key": key,
             "User-Agent": f"tinker-sr/{_package_version()} (tinker SDK {m.SDK_VERSION} protocol)",
@@ -397,8 +399,20 @@ class WireTransport:
                 )
             raise _status_error(resp)
 
-    async def _future_json(self, path: str, body: Any, request_type: str, model: type[M]) -> M:
-        promise = await self._submit(path, body)
+    async def _future_json(
+        self,
+        path: str,
+        body: Any,
+        request_type: str,
+        model: type[M],
+        *,
+        order: tuple[str, int] | None = None,
+    ) -> M:
+        """Submit and await a JSON future. ``order``: ``(model_id, seq_id)`` of a training
+        request, submitted in its model's order (`SubmitOrder`)."""
+        turn = self._submit_order.turn(*order) if order else contextlib.nullcontext()
+        async with turn:
+            promise = await self._submit(path, body)
         resp, result = await self._await(promise, request_type, want_proto=False)
         if not isinstance(result, dict):
             raise APIResponseValidationError(
