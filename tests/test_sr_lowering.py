@@ -26,7 +26,7 @@ import tinker_sr as tinker
 from tests.engine.test_sampler import chi2_pvalue
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
-from tinker_sr.clients import sr_lowering
+from tinker_sr.clients import sr_draws, sr_lowering
 from tinker_sr.clients.sr_lowering import LoweringOptions, client_draws
 from tinker_sr.provenance import SequenceRecord, build_datum
 
@@ -412,6 +412,21 @@ def _remote_sample(
         yield client, tc, sc.sample(types.ModelInput.from_ints(PROMPT), n, TOPK_PARAMS).result()
     finally:
         client.close().result()
+
+
+def test_a_sample_drawn_in_another_process_is_refused_naming_that(featureless: Any) -> None:
+    """A pickled sampler's sample in a worker process: its id is this session's, its draws are
+    the worker's. Before: "not known in this session ... sample and train through clients of
+    one ServiceClient", which the user had done."""
+    with _remote_sample(featureless, LoweringOptions(), 2) as (client, tc, res):
+        data = [build_datum(PROMPT, s, 1.0) for s in res.sequences]
+        state = sr_lowering.session_of(client.holder)
+        state.records = sr_draws.Records()  # what this process holds when a worker sampled
+        with pytest.raises(tinker.RequestFailedError, match="drawn in another process") as e:
+            tc.forward_backward(data, "stable_reinforce").result()
+        assert "one ServiceClient" not in str(e.value)
+        assert "tinker-sr serve" in str(e.value)
+        assert e.value.category == types.RequestErrorCategory.User
 
 
 @pytest.mark.parametrize("targets", ["auto", "1d"])

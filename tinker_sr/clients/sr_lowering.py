@@ -211,6 +211,27 @@ class SamplePlan:
     head_k: int  # top-k the client draws from (0: none needed)
 
 
+_SAME_SESSION_FIX = " sequence ids resolve only in the session that sampled them"
+_ELSEWHERE = (
+    " it is of a sampler of this session, drawn in another process (a pickled SamplingClient "
+    "in a worker, say): this service does not compute stable_reinforce itself, so this client "
+    "computes it from the draws it recorded while sampling, and only the process that sampled "
+    "holds them; sample in the process that trains, or train on a service that computes "
+    "stable_reinforce (tinker-sr serve does)"
+)
+
+
+def _sampled_elsewhere(data: Sequence[Any], lookup: _Lookup, session_id: str) -> bool:
+    """Does a datum name a sequence of this session's samplers that no record here holds?"""
+    for d in data:
+        for span in [*(d.model_input_spans or ()), *(d.loss_fn_input_spans or ())]:
+            sid = getattr(span, "sequence_id", None)
+            ours = isinstance(sid, str) and sid.startswith(f"{session_id}:")
+            if ours and lookup.get(sid) is None:
+                return True
+    return False
+
+
 @dataclass
 class SessionLowering:
     """Per-session lowering state: options, learned capabilities, client-side records."""
@@ -466,6 +487,11 @@ class SessionLowering:
                     " (this service returned neither topk_sample_logprobs nor "
                     "topk_prompt_logprobs, so the client could not draw the centering tokens)"
                 )
+            if "is not known in this session" in message and _sampled_elsewhere(
+                data, lookup, session_id
+            ):
+                cut = message.find(_SAME_SESSION_FIX)
+                message = (message[:cut] if cut >= 0 else message + ";") + _ELSEWHERE
             raise _user_error(message) from None
         present = [v for v in views if v is not None]
         assert len(present) == len(views)  # stable_reinforce requires provenance on every datum
