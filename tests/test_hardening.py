@@ -379,6 +379,30 @@ def test_09_non_finite_loss_is_refused_naming_the_datum_and_the_client_trains_on
     assert_twin_unaffected(service, bad, "datum 1", "Nothing was accumulated")
 
 
+def test_09_diverged_weights_are_named_not_returned_as_nan(service: tinker.ServiceClient) -> None:
+    """An optim_step at learning_rate 1e20 leaves finite weights too large for float32's
+    forward. Before: forward returned NaN log-probs and a sample NaN log-probs after token 0,
+    without a word, and forward_backward blamed the datum ("Scale that datum's loss inputs")."""
+    tc = service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    saved = tc.save_state("before").result().path
+    tc.forward_backward([DATUM], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e20)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    calls = {
+        "forward": lambda: tc.forward([DATUM], "cross_entropy").result(),
+        "forward_backward": lambda: tc.forward_backward([DATUM], "cross_entropy").result(),
+        "sample": lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result(),
+        "prompt log-probs": lambda: sampler.compute_logprobs(prompt).result(),
+    }
+    for what, call in calls.items():
+        message = refused(call, f"{what}: ", "weights have diverged", "smaller learning_rate")
+        assert "Scale that datum" not in message
+    tc.load_state(saved).result()  # the fix the message names
+    logprobs = tc.forward([DATUM], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    assert np.isfinite(logprobs.to_numpy()).all()
+
+
 def test_09_a_non_finite_gradient_refused_by_optim_step_is_discarded() -> None:
     from tinker_sr.engine.optim import Adam, AdamHParams
     from tinker_sr.user_errors import EngineUserError

@@ -18,7 +18,26 @@ from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine.optim import Adam
 from tinker_sr.user_errors import EngineUserError
 
-__all__ = ["checked_backward", "nonfinite_datum"]
+__all__ = ["DIVERGED", "check_finite_outputs", "checked_backward", "nonfinite_datum"]
+
+
+DIVERGED = (
+    "the model's log-probs are not finite (NaN or inf) on finite inputs: its weights have "
+    "diverged, most likely in an optim_step with too large a learning_rate. Nothing is wrong "
+    "with the request; load_state a checkpoint saved before that step (or start a new "
+    "training client) and train with a smaller learning_rate"
+)
+
+
+def check_finite_outputs(what: str, outputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    """EngineUserError if a datum's ``logprobs`` output is not finite: a log-softmax of
+    finite logits always is, so the model itself is broken (weights grown past float32's
+    range), which every later call would otherwise return as NaN without a word."""
+    lps = [(i, out["logprobs"]) for i, out in enumerate(outputs) if "logprobs" in out]
+    if not lps or bool(torch.isfinite(torch.cat([v.reshape(-1) for _, v in lps])).all()):
+        return
+    i = next(i for i, v in lps if not bool(torch.isfinite(v).all()))
+    raise EngineUserError(f"{what}: datum {i}: {DIVERGED}")
 
 
 def checked_backward(

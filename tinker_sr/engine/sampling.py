@@ -7,6 +7,7 @@ The token-level work (prefill, KV-cache decode, stability draws) is `engine.samp
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -19,6 +20,7 @@ import numpy as np
 from tinker_sr import types, validation
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.engine import usage
+from tinker_sr.engine.guards import DIVERGED
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
@@ -158,6 +160,8 @@ def begin(
     )
 
     def finish(outs: list[engine_sampler.SampleOutput]) -> types.SampleResponse:
+        if not all(np.isfinite(o.logprobs).all() for o in outs):
+            raise EngineUserError(f"sample: {DIVERGED}")
         recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
         resp = types.SampleResponse(
             sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
@@ -254,6 +258,8 @@ def _prompt_logprobs(
     if not req.include_prompt_logprobs:
         return None
     lps = engine_sampler.prompt_logprobs(model, tokens)
+    if not all(v is None or math.isfinite(v) for v in lps):
+        raise EngineUserError(f"prompt log-probs: {DIVERGED}")
     arr = np.array([np.nan if v is None else v for v in lps], dtype=np.float32)
     if req.prompt_logprobs_last_n is not None:
         arr[: len(tokens) - req.prompt_logprobs_last_n] = np.nan

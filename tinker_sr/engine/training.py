@@ -22,7 +22,7 @@ from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine import usage
 from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
-from tinker_sr.engine.guards import checked_backward
+from tinker_sr.engine.guards import check_finite_outputs, checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.optim import Adam, AdamHParams
@@ -82,6 +82,7 @@ def forward_backward(
             result = engine_losses.compute_loss(
                 loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
             )
+        check_finite_outputs("forward_backward" if not forward_only else "forward", result.outputs)
         if not forward_only:  # refused (gradients untouched) if it would not be finite
             checked_backward(
                 result, t.optim, loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
