@@ -63,6 +63,40 @@ def test_forward_backward_then_optim_step_pipelined_in_order(service: tinker.Ser
     assert all(":" in k for k in fb.metrics)
 
 
+def test_cross_entropy_without_weights_weighs_every_target_1(
+    service: tinker.ServiceClient,
+) -> None:
+    """As the official SDK's own `forward` example sends it (spec/wire.md: only
+    target_tokens). Before: "loss_fn_inputs is missing 'weights', which cross_entropy
+    requires"."""
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    data = [sft_datum(b"hello world"), sft_datum(b"abc")]
+    bare = [
+        types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": t})
+        for d in data
+        for t in [d.loss_fn_inputs["target_tokens"]]
+    ]
+    ones = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={"target_tokens": t, "weights": np.ones(t.shape, np.float32)},
+        )
+        for d in data
+        for t in [d.loss_fn_inputs["target_tokens"]]
+    ]
+    with_ones = tc.forward_backward(ones, "cross_entropy").result()
+    without = tc.forward_backward(bare, "cross_entropy").result()
+    assert without.metrics == with_ones.metrics
+    for a, b in zip(without.loss_fn_outputs, with_ones.loss_fn_outputs, strict=True):
+        assert a["logprobs"].tolist() == b["logprobs"].tolist()
+    # The same gradients: two equal steps' worth accumulated, then one step of each twin.
+    twin = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    for batch in (ones, ones):
+        twin.forward_backward(batch, "cross_entropy").result()
+    step = types.AdamParams(learning_rate=1e-2)
+    assert tc.optim_step(step).result().metrics == twin.optim_step(step).result().metrics
+
+
 def test_futures_semantics(service: tinker.ServiceClient) -> None:
     tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
     fut = tc.forward([sft_datum(b"hello")], "cross_entropy")

@@ -35,7 +35,7 @@ _RL_INPUTS = ("logprobs", "advantages")
 _CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
 # loss_fn_inputs keys (besides target_tokens) each loss requires, and the optional ones it honours.
 _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("weights",),
+    "cross_entropy": (),
     "importance_sampling": _RL_INPUTS,
     "ppo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
@@ -44,6 +44,8 @@ _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "stable_reinforce": _RL_INPUTS,
 }
 _OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
+    # Missing: every target weighs 1 (the official SDK's own `forward` example sends none).
+    "cross_entropy": ("weights",),
     "ppo": _CLIP_INPUTS,
     "cispo": _CLIP_INPUTS,
     # Without it the ratio is taken over the datum's sampled positions (see the module doc).
@@ -106,6 +108,8 @@ def _first_true(mask: torch.Tensor) -> int:
 def _validate_datum(i: int, loss_fn: str, d: LossDatum, vocab_size: int | None) -> None:
     tt = d.target_tokens
     _check_targets(i, loss_fn, tt, vocab_size)
+    if loss_fn == "cross_entropy" and "weights" not in d.inputs:
+        d.inputs["weights"] = torch.ones(tt.shape, dtype=torch.float32)
     _check_inputs(i, loss_fn, d, tt)
     _check_provenance_fields(i, d, tt.shape[0], vocab_size)
     if loss_fn == "stable_reinforce":
