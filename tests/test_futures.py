@@ -273,3 +273,30 @@ def test_retry_config_fields_match_sdk() -> None:
     assert [n for n, _ in ours] == [n for n, _ in theirs]
     assert ours[:-1] == theirs[:-1]  # the exception tuple names package-specific classes
     assert [e.__name__ for e in ours[-1][1]] == [e.__name__ for e in theirs[-1][1]]
+
+
+def test_an_error_nobody_waits_for_any_more_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The caller's future was cancelled (`asyncio.run` ending cancels what is left of a
+    `gather` whose first error it raised), and the SDK loop's task ended in an error all the
+    same (Python 3.11's `asyncio.wait_for` raises the inner call's error when a cancel meets
+    it finishing). Before: "Task exception was never retrieved" and a traceback per call."""
+    import gc
+
+    from tinker_sr.clients.holder import submit
+
+    started = threading.Event()
+
+    async def fails() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise ValueError("nobody waits for this") from None
+
+    fut = submit(fails())
+    assert started.wait(10)
+    assert fut.cancel()
+    submit(asyncio.sleep(0.05)).result(timeout=10)  # the task has ended, in its error
+    del fut  # the last reference to the task: asyncio reports an unseen error as it goes
+    gc.collect()
+    assert "never retrieved" not in caplog.text

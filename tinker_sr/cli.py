@@ -25,8 +25,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.server.run import UnusableAddressError, UnusableApiKeyError
     from tinker_sr.server.store_lock import StoreInUseError
 
+    if (problem := environment_problem()) is not None:
+        raise SystemExit(f"tinker-sr serve: {problem}")
     keys = [k for k in (args.api_key or []) if k]
     keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
+    if not keys and (args.api_key or args.api_keys is not None):
+        # `--api-key "$UNSET"`: refusing beats a server open to every key
+        raise SystemExit(
+            "tinker-sr serve: --api-key/--api-keys name no key (empty: an unset variable?); "
+            "pass the keys clients must send, or leave the options out to accept any 'tml-' key"
+        )
     try:
         serve(
             host=args.host,
@@ -275,6 +283,20 @@ def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, 
     return str(cached), True
 
 
+def environment_problem() -> str | None:
+    """Why a setting the embedded engine reads from the environment cannot be used (named),
+    or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
+    from tinker_sr.engine.hf import parse_dtype
+    from tinker_sr.engine.registry import parse_aliases
+
+    try:
+        parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"), "$TINKER_SR_MODEL_ALIASES")
+        parse_dtype(os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "$TINKER_SR_MODEL_DTYPE")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.model import BUILTIN_CONFIGS
     from tinker_sr.engine.registry import parse_aliases
@@ -294,14 +316,18 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
                     f"--model-alias NAME={d}"
                 )
             aliases[name] = path
+    env = "$TINKER_SR_MODEL_ALIASES"
     try:
-        named = parse_aliases(",".join(args.model_alias))
+        named = parse_aliases(",".join(args.model_alias), "--model-alias")
+        # The engine adds these itself; checked here so a bad one stops the start, as a flag's.
+        from_env = parse_aliases(os.environ.get(env[1:]), env)
     except ValueError as e:
-        raise SystemExit(f"tinker-sr serve: --model-alias: {e}") from None
-    for name, target in named.items():
-        if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
-            path, _ = _model_dir("--model-alias", target, label=f"{name}={target}")
-            _check_model_config("--model-alias", f"{name}={target}", path)
+        raise SystemExit(f"tinker-sr serve: {e}") from None
+    for option, entries in ((env, from_env), ("--model-alias", named)):
+        for name, target in entries.items():
+            if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
+                path, _ = _model_dir(option, target, label=f"{name}={target}")
+                _check_model_config(option, f"{name}={target}", path)
     aliases.update(named)
     return aliases
 
@@ -409,6 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `tinker-sr ... | head`: the reader left early, nothing failed
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 1
+    except KeyboardInterrupt:
+        if parsed is not None:  # `run`: the program's own Ctrl-C, as `python prog.py` shows it
+            raise
+        # Ctrl-C: `serve` has shut down gracefully by now, `demo` kept every finished step.
+        print(f"tinker-sr {argv[0] if argv else ''}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -474,20 +474,36 @@ DEMO_PANELS = (
 )
 
 
+def summary_window(steps: int, window: int = 5) -> int:
+    """Steps averaged at each end by `summarize`: ``window``, or half a shorter run."""
+    return max(1, min(window, steps // 2 or 1))
+
+
 def summarize(records: Sequence[Mapping[str, Any]], window: int = 5) -> tuple[float, float]:
-    """Initial and final reward: means over the first and last ``window`` steps."""
-    w = max(1, min(window, len(records) // 2 or 1))
+    """Initial and final reward: means over the first and last `summary_window` steps."""
+    w = summary_window(len(records), window)
     first = float(np.mean([r["reward"] for r in records[:w]]))
     last = float(np.mean([r["reward"] for r in records[-w:]]))
     return first, last
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
+LOG_NAME, PLOT_NAME, CONFIG_NAME = "metrics.jsonl", "learning_curves.png", "config.json"
 
 
 def _config_from_args(args: argparse.Namespace) -> RLConfig | str:
     """The run's config, or why the arguments do not make one."""
     if args.steps < 1:
         return "--steps must be >= 1"
+    if args.group_size < 1:
+        return f"--group-size must be >= 1 (samples per prompt), got {args.group_size}"
     if args.staleness is not None and args.stress not in ("stale", "both"):
         return "--staleness only applies with --stress stale or --stress both"
+    if args.staleness is not None and args.staleness < 1:
+        return f"--staleness must be >= 1 (optim steps the sampler lags), got {args.staleness}"
     if args.base_url is not None and args.stress != "none":
         return (
             f"--stress {args.stress} stresses the embedded engine's sampler; it "
@@ -534,6 +550,7 @@ def _cannot_run(args: argparse.Namespace) -> tuple[int, str] | None:
     if args.base_url is not None:
         problem = _server_problem(args.base_url, args.api_key)
         return None if problem is None else (1, problem)
+    from tinker_sr.cli import environment_problem
     from tinker_sr.engine.device import resolve_device
     from tinker_sr.engine.usage import RateCard
 
@@ -542,7 +559,53 @@ def _cannot_run(args: argparse.Namespace) -> tuple[int, str] | None:
         RateCard.resolve(None)  # $TINKER_SR_RATE_CARD
     except ValueError as e:
         return 2, str(e)
-    return None
+    problem = environment_problem()  # $TINKER_SR_MODEL_ALIASES, $TINKER_SR_MODEL_DTYPE
+    return None if problem is None else (2, problem)
+
+
+class _RunLog:
+    """The run's ``metrics.jsonl``, opened at its first step: a run that fails before one
+    leaves a previous run's files in ``--out`` as they were; one that starts replaces them
+    (its plot and config too, so the directory never mixes two runs)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._file: Any = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._file is None:
+            for previous in (PLOT_NAME, CONFIG_NAME):
+                (self.out / previous).unlink(missing_ok=True)
+            self._file = (self.out / LOG_NAME).open("w")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _output_dir(value: str) -> Path | str:
+    """``--out`` made ready to write, or why it cannot be."""
+    out = Path(value).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return f"--out {value}: cannot write there ({e.strerror or e}); pass a writable directory"
+    return out
+
+
+def _banner(args: argparse.Namespace, config: RLConfig) -> str:
+    where = args.base_url or "embedded engine"
+    stress = "" if args.stress == "none" else f", stress={args.stress}"
+    if args.stress in ("stale", "both"):
+        stress += f" (k={_staleness(args)})"
+    return (
+        f"tinker-sr demo: {config.loss} on {config.base_model} ({where}{stress}), "
+        f"{config.steps} steps, {len(PROMPTS)} prompts x {config.group_size} samples, seed {config.seed}"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -556,27 +619,19 @@ def main(args: argparse.Namespace) -> int:
     if (refused := _cannot_run(args)) is not None:
         print(f"tinker-sr demo: {refused[1]}", file=sys.stderr)
         return refused[0]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "metrics.jsonl"
-    plot_path = out / "learning_curves.png"
-    where = args.base_url or "embedded engine"
-    stress = "" if args.stress == "none" else f", stress={args.stress}"
-    if args.stress in ("stale", "both"):
-        stress += f" (k={_staleness(args)})"
+    out = _output_dir(args.out)
+    if isinstance(out, str):
+        print(f"tinker-sr demo: {out}", file=sys.stderr)
+        return 2
+    log_path, plot_path = out / LOG_NAME, out / PLOT_NAME
     if not args.quiet:
-        print(
-            f"tinker-sr demo: {config.loss} on {config.base_model} ({where}{stress}), "
-            f"{config.steps} steps, {len(PROMPTS)} prompts x {config.group_size} samples, seed {config.seed}"
-        )
-
+        print(_banner(args, config))
     bar = tqdm(total=config.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
     t0, started = time.perf_counter(), time.time()
-    with log_path.open("w") as log:
+    with contextlib.closing(_RunLog(out)) as log:
 
         def on_step(record: dict[str, Any]) -> None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            log.write(record)
             bar.set_postfix(
                 reward=f"{record['reward']:.3f}",
                 kl=f"{record['kl_sampler_learner']:+.1e}",
@@ -603,11 +658,12 @@ def main(args: argparse.Namespace) -> int:
             bar.close()
     wall = time.perf_counter() - t0
 
-    _write_config(out / "config.json", config, args, sr_path)
+    _write_config(out / CONFIG_NAME, config, args, sr_path)
     initial, final = summarize(records)
     examples = ", ".join(f"{p!r} -> {c!r}" for p, c in records[-1]["example"].items())
     lines = [
-        f"reward {initial:.3f} -> {final:.3f} (mean of the first / last 5 steps) in {wall:.0f} s",
+        f"reward {initial:.3f} -> {final:.3f} (mean of the first / last "
+        f"{_steps(summary_window(len(records)))}) in {wall:.0f} s",
         *([f"stable_reinforce ran: {_PATHS[sr_path]}"] if sr_path is not None else []),
         f"samples at the last step: {examples}",
         *([used] if used is not None else []),

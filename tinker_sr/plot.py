@@ -598,6 +598,15 @@ def _default_out(first: str) -> Path:
     return (path if path.is_dir() else path.parent) / DEFAULT_PNG
 
 
+def _out_file(value: str) -> Path:
+    """The file ``--out`` names: a directory gets the default name inside it, a name without
+    an extension ``.png`` (as matplotlib would add it, so the path printed is the one written)."""
+    out = Path(value).expanduser()
+    if out.is_dir():
+        return out / DEFAULT_PNG
+    return out if out.suffix else out.with_name(out.name + ".png")
+
+
 def _plot(args: argparse.Namespace) -> int:
     if args.smooth < 1:
         raise PlotInputError(f"--smooth must be at least 1 (1: no smoothing), got {args.smooth}")
@@ -620,7 +629,7 @@ def _plot(args: argparse.Namespace) -> int:
     for name, run in runs.items():
         print(describe(run, xs[name]))
     print(f"keys: {', '.join(keys)} ({why})")
-    out = Path(args.out).expanduser() if args.out else _default_out(args.paths[0])
+    out = _out_file(args.out) if args.out else _default_out(args.paths[0])
     title = next(iter(runs)) if len(runs) == 1 else f"{len(runs)} runs"
     if args.smooth > 1:
         title += f", moving average of {args.smooth}"

@@ -232,7 +232,12 @@ def run_program(target: str, argv: Sequence[str], *, module: bool) -> None:
             raise LaunchError(f"tinker-sr run: no module named {target!r}")
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
-    if not os.path.isfile(target):
+    if os.path.isdir(target):  # as `python DIR`: its __main__.py, with DIR first on the path
+        if not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise LaunchError(f"tinker-sr run: can't find '__main__' module in {target!r}")
+        sys.path.insert(0, os.path.abspath(target))
+    elif os.path.isfile(target):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    else:
         raise LaunchError(f"tinker-sr run: can't open file {target!r}: no such file")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
     runpy.run_path(target, run_name="__main__")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -122,7 +123,8 @@ def _table(groups: list[dict[str, Any]], by: str, priced: bool) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tinker_sr.engine.store import Store, default_store_dir  # no torch: a quick report
+    # no torch: a quick report
+    from tinker_sr.engine.store import Store, StoreDamagedError, default_store_dir
 
     store_dir = Path(args.store) if args.store else default_store_dir()
     db = store_dir / "engine.sqlite"
@@ -137,12 +139,16 @@ def main(args: argparse.Namespace) -> int:
     except EngineUserError as e:
         print(f"tinker-sr usage: {e}", file=sys.stderr)
         return 2
-    store = Store(db)
     try:
-        groups = summarize(store.usage_rows(start, end), args.by, rates)
-        storage = usage.storage_response(store.live_checkpoint_sizes(time.time()), rates)
-    finally:
-        store.close()
+        store = Store(db, read_only=True)
+        try:
+            groups = summarize(store.usage_rows(start, end), args.by, rates)
+            storage = usage.storage_response(store.live_checkpoint_sizes(time.time()), rates)
+        finally:
+            store.close()
+    except (StoreDamagedError, sqlite3.DatabaseError) as e:
+        print(f"tinker-sr usage: {e}", file=sys.stderr)
+        return 2
     since, until = (datetime.fromtimestamp(t, UTC).isoformat() for t in (start, end))
     monthly = [i.estimated_monthly_cost_usd for i in storage.data]
     priced = [c for c in monthly if c is not None]

@@ -125,8 +125,9 @@ class LocalBackend(LocalRestQueries):
         self.models = ModelRegistry(
             aliases,
             sampler_dtype=parse_dtype(sampler_dtype, "sampler_dtype"),
-            model_dtype=parse_dtype(
-                model_dtype or os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "model_dtype"
+            model_dtype=parse_dtype(model_dtype, "model_dtype")
+            or parse_dtype(
+                os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "$TINKER_SR_MODEL_DTYPE"
             ),
             request_paths=request_model_paths,
             device=engine_device,

@@ -117,6 +117,12 @@ class WireTransport:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         url = base_url or os.environ.get("TINKER_BASE_URL") or DEFAULT_BASE_URL
+        if not url.startswith(("http://", "https://")):  # httpx: a bare "Connection error."
+            where = "base_url" if base_url else "$TINKER_BASE_URL"
+            raise TinkerError(
+                f"{where} {url!r} must start with http:// or https://, e.g. "
+                "'http://127.0.0.1:8000' for a local `tinker-sr serve`"
+            )
         self.base_url = url.rstrip("/")
         key = api_key or os.environ.get("TINKER_API_KEY")
         if not key:

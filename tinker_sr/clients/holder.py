@@ -92,7 +92,24 @@ def on_sdk_loop_thread() -> bool:
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    return asyncio.run_coroutine_threadsafe(coro, sdk_loop())
+    """Run ``coro`` on the SDK loop; its result or error goes to the returned future."""
+    return asyncio.run_coroutine_threadsafe(_seen(coro), sdk_loop())
+
+
+def _mark_seen(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _seen(coro: Coroutine[Any, Any, T]) -> T:
+    """``coro``, its error marked as retrieved: the future `submit` returns carries it. When
+    that future was cancelled first (the caller's loop ended: ``asyncio.run`` cancels what is
+    left of a ``gather`` whose first error it raised), asyncio would otherwise log "Task
+    exception was never retrieved" with a traceback for an error nobody waits for."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.add_done_callback(_mark_seen)
+    return await coro
 
 
 def blocking_result(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:

@@ -226,8 +226,11 @@ def _sampled_elsewhere(data: Sequence[Any], lookup: _Lookup, session_id: str) ->
     for d in data:
         for span in [*(d.model_input_spans or ()), *(d.loss_fn_input_spans or ())]:
             sid = getattr(span, "sequence_id", None)
-            ours = isinstance(sid, str) and sid.startswith(f"{session_id}:")
-            if ours and lookup.get(sid) is None:
+            if (
+                isinstance(sid, str)
+                and sid.startswith(f"{session_id}:")
+                and lookup.get(sid) is None
+            ):
                 return True
     return False
 

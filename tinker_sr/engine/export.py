@@ -198,7 +198,7 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
                 f"no tinker_sr store at {store_dir} (engine.sqlite); pass the store the "
                 "checkpoint was written to (--store, $TINKER_SR_STORE) or the checkpoint file"
             )
-        store = Store(store_dir / "engine.sqlite")
+        store = Store(store_dir / "engine.sqlite", read_only=True)
         try:
             tensors, meta = CheckpointStore(store, store_dir, purge=False).load(path, expect="any")
         except EngineNotFoundError as e:
@@ -209,6 +209,11 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
         finally:
             store.close()
     else:
+        if Path(path).is_dir():
+            raise EngineUserError(
+                f"{path} is a directory; pass a checkpoint: its tinker:// path (with the store "
+                "it was saved to: --store, $TINKER_SR_STORE) or its .safetensors file"
+            )
         tensors, meta = load_tensors(path)
     return LoraCheckpoint.from_tensors(tensors, meta, path)
 
@@ -246,7 +251,8 @@ def export_checkpoint(
     export leaves `out` as it found it (one killed outright leaves that hidden directory)."""
     root = Path(out)
     check_output_dir(root)
-    created = not root.exists()
+    # The directories this export creates (`out` and missing parents), deepest first.
+    created = [d for d in (root, *root.parents) if not d.exists()]
     root.mkdir(parents=True, exist_ok=True)  # `out` itself, never replaced: a mount point works
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
     try:
@@ -258,9 +264,10 @@ def export_checkpoint(
         staging.rmdir()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if created:  # no empty directory left behind (only if empty: another export's staging)
-            with contextlib.suppress(OSError):
-                root.rmdir()
+        # No empty directory left behind (only empty ones: another export's staging stays).
+        with contextlib.suppress(OSError):
+            for d in created:
+                d.rmdir()
         raise
     return root
 

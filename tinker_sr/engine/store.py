@@ -194,6 +194,25 @@ def _unwritable(e: sqlite3.OperationalError) -> bool:
     return "unable to open" in text or "readonly" in text or "read-only" in text
 
 
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    """``path`` for reading. A WAL database needs its ``-shm`` file, which a read-only
+    directory may not let SQLite create: then the file is read as it stands (``immutable``;
+    a writer elsewhere is not seen, which a report of a read-only store can afford)."""
+    last: sqlite3.DatabaseError | None = None
+    for mode in ("mode=ro", "immutable=1"):
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, check_same_thread=False)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.DatabaseError as e:
+            db.close()
+            last = e
+            if not isinstance(e, sqlite3.OperationalError):
+                break  # not a database: no mode reads it
+    assert last is not None
+    raise StoreDamagedError(path, last) from last
+
+
 def default_store_dir() -> Path:
     """``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr`` (here, not in `backend.local`, so that a
     reader of the store such as ``tinker-sr usage`` does not import torch)."""
@@ -204,11 +223,21 @@ def default_store_dir() -> Path:
 class Store:
     """Thread-safe SQLite store. ``path=None`` keeps everything in memory."""
 
-    def __init__(self, path: str | Path | None, *, cache_size: int = 4096) -> None:
+    def __init__(
+        self, path: str | Path | None, *, cache_size: int = 4096, read_only: bool = False
+    ) -> None:
+        """``read_only``: for a reader (``tinker-sr usage``, ``export``): the store as it is,
+        also on a read-only file system or another user's store; nothing is created, the
+        schema is not brought up to date, and every write fails."""
         self.path = None if path is None else Path(path)
+        self._lock = threading.RLock()
+        self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
+        self._cache_size = cache_size
+        if read_only and self.path is not None:
+            self._db = _open_read_only(self.path)
+            return
         if self.path is not None:
             make_store_dir(self.path.parent)
-        self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(
                 ":memory:" if self.path is None else str(self.path),
@@ -232,9 +261,6 @@ class Store:
             if isinstance(e, sqlite3.OperationalError) or self.path is None:
                 raise  # locked, ...: said as it is
             raise StoreDamagedError(self.path, e) from e
-        # Training requests look sequences up on the hot path; keep recent ones decoded.
-        self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
-        self._cache_size = cache_size
 
     def close(self) -> None:
         with self._lock:
