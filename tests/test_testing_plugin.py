@@ -34,6 +34,44 @@ def test_injected_faults_fire_then_clear(tinker_sr_faulty_service: Any) -> None:
     assert faulty.calls["sample"] == 2
 
 
+@pytest.mark.parametrize("method", ["forward_backward", "optim_step"])
+def test_an_injected_training_failure_does_not_hold_the_model(
+    tinker_sr_faulty_service: Any, method: str
+) -> None:
+    """Before: the failed call's seq_id never reached the engine, which runs a model's calls
+    in seq_id order, so every later call of the model waited forever."""
+    service, faulty = tinker_sr_faulty_service
+    tc = service.create_lora_training_client("tinker-sr/tiny", rank=4, seed=0).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
+    faulty.add_fault(Fault(method, error=request_failed("injected")))
+    with pytest.raises(tinker.RequestFailedError, match="injected"):
+        tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    out = tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+    assert out.metrics["loss:sum"] > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: Fault("smaple"), "not a method of LocalBackend"),
+        (lambda: Fault("sample", error="boom"), "Fault.error must be an exception"),
+        (lambda: Fault("sample", times=0), "Fault.times must be an integer >= 1"),
+        (lambda: Fault("sample", delay_s=-5), "Fault.delay_s must be a number"),
+    ],
+)
+def test_a_fault_that_could_not_fire_as_meant_is_refused(
+    tinker_sr_faulty_service: Any, make: Any, needle: str
+) -> None:
+    """Before: accepted; the test using it passed without the fault ever firing."""
+    _, faulty = tinker_sr_faulty_service
+    with pytest.raises((ValueError, TypeError), match=needle):
+        faulty.add_fault(make())
+
+
 def test_injected_delay_trips_result_timeout(tinker_sr_faulty_service: Any) -> None:
     service, faulty = tinker_sr_faulty_service
     faulty.add(Fault("create_sampling_session", delay_s=2.0))

@@ -58,11 +58,13 @@ def test_real_server_faults_are_retried_and_traced(
     for other in (sampler.get_tokenizer(), by_name.get_tokenizer()):
         assert other.encode("<|eot_id|>", add_special_tokens=False) == [267]
     start = len(srv.trace)
-    srv.add_fault(connection_reset("asample"))  # a TCP RST from the server's socket
+    reset = srv.add_fault(connection_reset("asample"))  # a TCP RST from the server's socket
     srv.add_fault(rate_limited("asample", retry_after=0.1, after=1))
     srv.add_fault(http_error("retrieve_future", 502))
     try:
         assert len(_sample(module, sampler).sequences) == 1
+        # The server counts; the fault add_fault answers reads its counters (before: 0, 0).
+        assert (reset.seen, reset.fired, reset.endpoint) == (3, 1, "asample")
     finally:
         faults = srv.faults()
         srv.clear_faults()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,3 +215,75 @@ def test_sdk_rest_clients_made_in_a_mock_do_not_outlive_it(tmp_path: Path) -> No
     from tinker.lib.internal_client_holder import sessionless_holder_cache
 
     assert inside.holder not in sessionless_holder_cache._holders.values()
+
+
+def test_clients_a_test_leaves_open_are_closed_with_its_mock(tmp_path: Path) -> None:
+    """docs/testing.md's examples leave ServiceClients open. Before: they went on
+    heartbeating (and flushing the SDK's telemetry) into the next mock at the same URL, whose
+    trace then held another test's calls and whose planned faults fired on them."""
+    import tinker as sdk
+
+    import tinker_sr
+
+    with mock_tinker(store=tmp_path / "first"):
+        theirs = sdk.ServiceClient()
+        theirs.create_lora_training_client(MODEL, rank=4, seed=0).result(timeout=120)
+        ours = tinker_sr.ServiceClient()
+        ours.create_lora_training_client(MODEL, rank=4, seed=0).result(timeout=120)
+    heartbeat = theirs.holder._session_heartbeat_task
+    assert heartbeat is not None and heartbeat.done()
+    assert ours.holder.closed and not ours.holder.backend._heartbeats
+    with mock_tinker(store=tmp_path / "second") as second:
+        time.sleep(0.5)
+        assert list(second.trace) == []
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: connection_reset("sample"), "'sample' matches no endpoint"),
+        (lambda: connection_reset("/v1/asample"), "matches no endpoint"),
+        (lambda: future_stays_pending(request_type="sample"), "request_type 'sample'"),
+        (lambda: http_error("asample", "500"), "status must be an HTTP error code"),  # type: ignore[arg-type]
+        (lambda: connection_reset(None), "endpoint must be an endpoint name"),  # type: ignore[arg-type]
+        (lambda: connection_reset("asample", times="1"), "times must be an integer"),
+        (lambda: rate_limited("asample", retry_after="1"), "retry_after must be a number"),  # type: ignore[arg-type]
+        (lambda: slow_response("asample", -5), "delay_s must be a number"),
+        (lambda: connection_reset("asample", after=0.5), "after must be an integer"),
+    ],
+)
+def test_a_wire_fault_that_could_not_fire_as_meant_is_refused(make: Any, needle: str) -> None:
+    """Before: accepted; a misnamed endpoint never fired (the test passed untested), and a
+    string retry_after or delay turned the fault into a dropped connection."""
+    with pytest.raises((ValueError, TypeError), match=needle):
+        make()
+
+
+def test_fault_patterns_still_take_every_route_of_the_server(tmp_path: Path) -> None:
+    """`wire.KNOWN_ENDPOINTS` (what a fault's endpoint is checked against) is the app's."""
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server.app import create_app
+    from tinker_sr.testing.adversary import route_table
+    from tinker_sr.testing.wire import KNOWN_ENDPOINTS
+
+    app = create_app(LocalBackend(tmp_path), store_dir=tmp_path, close_backend=True)
+    routes = {
+        re.sub(r"\{[^}]+\}", "x", p.removeprefix("/api/v1/"))
+        for _, p in route_table(app)
+        if "rest:path" not in p
+    }
+    assert routes == set(KNOWN_ENDPOINTS)
+    for pattern in ("*", "sessions/*", "/api/v1/asample", "/oai/api/v1/completions"):
+        connection_reset(pattern)  # accepted
+
+
+def test_a_sync_client_inside_a_running_loop_is_served(mock: MockTinker) -> None:
+    """A sync helper in an async test: before, a bare AssertionError from respx."""
+    import asyncio
+
+    import httpx
+
+    async def main() -> int:
+        return httpx.get(f"{mock.base_url}/api/v1/healthz").status_code
+
+    assert asyncio.run(main()) == 200

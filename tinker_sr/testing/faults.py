@@ -12,6 +12,8 @@ Everything else is delegated unchanged, so RL code under test sees real results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import threading
 import uuid
 from collections.abc import Sequence
@@ -43,6 +45,24 @@ class Fault:
     delay_s: float = 0.0
     fired: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise TypeError(f"Fault.method must be a Backend method name, got {self.method!r}")
+        if self.error is not None and not isinstance(self.error, BaseException):
+            raise TypeError(
+                "Fault.error must be an exception to raise, e.g. request_failed('...'), got "
+                f"{self.error!r}"
+            )
+        for name, low in (("after", 0), ("times", 1)):
+            value = getattr(self, name)
+            if name == "times" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Fault.{name} must be an integer >= {low}, got {value!r}")
+        d = self.delay_s
+        if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d < float("inf"):
+            raise ValueError(f"Fault.delay_s must be a number of seconds >= 0, got {d!r}")
+
 
 class FaultTable(Generic[F]):
     """Faults to inject and per-name call counters, thread-safe: the common part of
@@ -71,8 +91,24 @@ class FaultyBackend(FaultTable[Fault]):
     """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
 
     def __init__(self, inner: Any, faults: Sequence[Fault] = ()) -> None:
-        super().__init__(faults)
+        super().__init__()
         self.inner = inner
+        for f in faults:
+            self.add(f)
+
+    def add(self, fault: Fault) -> Fault:
+        """Plan ``fault``; its ``method`` must be one the backend has (else it never fires)."""
+        if not asyncio.iscoroutinefunction(getattr(self.inner, fault.method, None)):
+            methods = sorted(
+                n
+                for n in dir(self.inner)
+                if not n.startswith("_") and asyncio.iscoroutinefunction(getattr(self.inner, n))
+            )
+            raise ValueError(
+                f"Fault.method {fault.method!r} is not a method of {type(self.inner).__name__}, "
+                f"so the fault could never fire; use one of {', '.join(methods)}"
+            )
+        return super().add(fault)
 
     def _due(self, method: str) -> Fault | None:
         with self._lock:
@@ -95,7 +131,21 @@ class FaultyBackend(FaultTable[Fault]):
                 if fault.delay_s:
                     await asyncio.sleep(fault.delay_s)
                 if fault.error is not None:
+                    await self._release_number(target, args, kwargs)
                     raise fault.error
             return await target(*args, **kwargs)
 
         return call
+
+    async def _release_number(self, target: Any, args: Any, kwargs: Any) -> None:
+        """A training call that fails here never reaches ``inner``, which runs a model's calls
+        in ``seq_id`` order: give its number up, as a server does for a request it refuses,
+        or every later call of the model waits for it forever."""
+        try:
+            bound = inspect.signature(target).bind(*args, **kwargs)
+        except TypeError:
+            return
+        model_id, seq_id = bound.arguments.get("model_id"), bound.arguments.get("seq_id")
+        if isinstance(model_id, str) and isinstance(seq_id, int):
+            with contextlib.suppress(Exception):
+                await self.inner.release_seq(model_id, seq_id)

@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ import httpx
 
 from tinker_sr.backend.transport import DEFAULT_BASE_URL as PRODUCTION_BASE_URL
 from tinker_sr.testing.offline_model import hub_names_resolve_to, offline_model_dir
-from tinker_sr.testing.sdk_state import fresh_sdk_rest_clients
+from tinker_sr.testing.sdk_state import clients_closed_after, fresh_sdk_rest_clients
 from tinker_sr.testing.wire import (
     API_PREFIX,
     FaultPlan,
@@ -129,11 +130,9 @@ class MockTinker:
 
     def side_effect(self, request: httpx.Request) -> Any:
         """respx side effect: an awaitable for async clients, a response for sync ones."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._finish(request, lambda: self._submit(request).result())
-        return self._dispatch_async(request)
+        if _for_async_client():
+            return self._dispatch_async(request)
+        return self._finish(request, lambda: self._submit(request).result())
 
     async def _dispatch_async(self, request: httpx.Request) -> httpx.Response:
         fut = self._submit(request)
@@ -185,6 +184,22 @@ def _transport_error(e: TransportFault, request: httpx.Request) -> httpx.Transpo
     if e.kind == "timeout":
         return httpx.ReadTimeout(f"timed out ({e})", request=request)
     return httpx.ReadError(f"[Errno 104] Connection reset by peer ({e})", request=request)
+
+
+def _for_async_client() -> bool:
+    """Whether respx resolves the request being served for an async client (its ``aresolve``
+    is on the stack) or a sync one (``resolve``). A sync client called while an event loop
+    runs (a sync helper in an ``async def`` test, a notebook) is still a sync client."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "respx" in frame.f_code.co_filename and frame.f_code.co_name in ("resolve", "aresolve"):
+            return frame.f_code.co_name == "aresolve"
+        frame = frame.f_back  # type: ignore[assignment]
+    try:  # not called by respx: decide by the thread, as before
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @contextmanager
@@ -277,6 +292,7 @@ def mock_tinker(
                 _env(env),
                 hub_names_resolve_to(mock.model_dir, model_aliases),
                 fresh_sdk_rest_clients(),
+                clients_closed_after(mock.base_url),  # while the mock still answers
             ):
                 yield mock
         finally:

@@ -13,7 +13,9 @@ those made inside it, so every fixture of `tinker_sr.testing` starts and ends cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -51,3 +53,60 @@ def fresh_sdk_rest_clients() -> Iterator[None]:
         for holder in made:
             with contextlib.suppress(Exception):
                 holder.close()
+
+
+@contextlib.contextmanager
+def clients_closed_after(base_url: str) -> Iterator[None]:
+    """On leaving the block, close the clients made in it that talk to ``base_url``: the
+    official SDK's (a ServiceClient's connection holder and its heartbeat) and tinker_sr's.
+    A client a test leaves open otherwise heartbeats every 10 s into whatever answers that URL
+    next: the next test's mock (its trace and its faults' counters: a fault planned for that
+    test fires on the other test's heartbeat) or another test's server on a reused port."""
+    from tinker_sr.clients.holder import ClientSession, submit
+
+    made: weakref.WeakSet[Any] = weakref.WeakSet()
+    restore = _record_sdk_holders(made)
+    before = set(ClientSession._registry.keys())
+    url = base_url.rstrip("/")
+    try:
+        yield
+    finally:
+        restore()
+        for holder in list(made):
+            if str(getattr(holder, "_base_url", "")).rstrip("/") == url:
+                # Waited for: closing flushes the SDK's telemetry, which must reach this mock
+                # or server, not the next one (or, a mock gone, the network).
+                with contextlib.suppress(Exception):
+                    holder.run_coroutine_threadsafe(holder.aclose()).result(timeout=10)
+        for key, session in list(ClientSession._registry.items()):
+            target = str(getattr(session.backend, "base_url", None) or "").rstrip("/")
+            if key in before or session.closed or target != url:
+                continue
+            session.closed = True
+            with contextlib.suppress(Exception):
+                submit(session.close("interrupted", _LEFT_OPEN)).result(timeout=10)
+
+
+_LEFT_OPEN = "left open by a test; closed as its mock or server stopped"
+
+
+def _record_sdk_holders(made: weakref.WeakSet[Any]) -> Callable[[], None]:
+    """Add every official SDK connection holder made from now on to ``made``; returns the
+    function that stops it."""
+    try:
+        from tinker.lib.internal_client_holder import InternalClientHolder
+    except ImportError:  # the official SDK is not installed
+        return lambda: None
+    original = InternalClientHolder.__init__
+
+    @functools.wraps(original)
+    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.add(self)
+        original(self, *args, **kwargs)
+
+    InternalClientHolder.__init__ = recording  # type: ignore[method-assign]
+
+    def restore() -> None:
+        InternalClientHolder.__init__ = original  # type: ignore[method-assign]
+
+    return restore

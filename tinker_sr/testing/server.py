@@ -97,10 +97,12 @@ class ServerProcess:
         """The requests this server saw so far (testing mode), read from its JSONL trace."""
         return read_trace(self.trace_path)
 
-    def add_fault(self, fault: WireFault) -> WireFault:
-        """Plan ``fault`` on the running server (testing mode)."""
-        self._control("POST", json=fault.to_json())
-        return fault
+    def add_fault(self, fault: WireFault) -> ServerFault:
+        """Plan ``fault`` on the running server (testing mode). The answer reads as ``fault``,
+        its ``seen`` / ``fired`` counted by the server (``fault``'s own stay 0: the server
+        holds its copy)."""
+        planned = self._control("POST", json=fault.to_json()).json()
+        return ServerFault(self, fault, len(planned) - 1)
 
     def clear_faults(self) -> None:
         self._control("DELETE")
@@ -227,11 +229,16 @@ def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]
 def offline_clients(srv: ServerProcess) -> Iterator[None]:
     """While active, this process's clients see ``srv`` as `tinker_server_process` promises:
     hub tokenizer names load the offline model's tokenizer, and the official SDK's cached
-    REST connections (from other servers) are set aside."""
+    REST connections (from other servers) are set aside; the clients made meanwhile that a
+    test left open are closed as the server stops (`sdk_state.clients_closed_after`)."""
     from tinker_sr.testing.offline_model import MODEL_DIR_NAME, hub_names_resolve_to
-    from tinker_sr.testing.sdk_state import fresh_sdk_rest_clients
+    from tinker_sr.testing.sdk_state import clients_closed_after, fresh_sdk_rest_clients
 
-    with hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME), fresh_sdk_rest_clients():
+    with (
+        hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME),
+        fresh_sdk_rest_clients(),
+        clients_closed_after(srv.base_url),
+    ):
         yield
 
 
@@ -258,6 +265,34 @@ def build_testing_app(store: Path, **app_options: Any) -> Any:
         server=lambda: app.state.tinker_server,
     )
     return _ControlApp(wrapped, plan, lambda: app.state.tinker_server)
+
+
+class ServerFault:
+    """A fault planned on a running server: the `WireFault`'s fields, and its ``seen`` /
+    ``fired`` counters as the server has them now."""
+
+    def __init__(self, server: ServerProcess, fault: WireFault, index: int) -> None:
+        self._server, self._fault, self._index = server, fault, index
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fault, name)
+
+    def __repr__(self) -> str:
+        return f"ServerFault({self._fault!r}, seen={self.seen}, fired={self.fired})"
+
+    @property
+    def seen(self) -> int:
+        return self._counter("seen")
+
+    @property
+    def fired(self) -> int:
+        return self._counter("fired")
+
+    def _counter(self, key: str) -> int:
+        planned = self._server.faults()
+        if self._index < len(planned) and planned[self._index]["endpoint"] == self._fault.endpoint:
+            return int(planned[self._index][key])
+        return 0  # cleared since
 
 
 class _ControlApp:

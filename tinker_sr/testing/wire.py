@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import fnmatch
 import json
+import math
 import socket
 import struct
 import threading
@@ -39,6 +40,59 @@ _KINDS: tuple[str, ...] = FaultKind.__args__  # type: ignore[attr-defined]
 API_PREFIX = "/api/v1/"
 CONTROL_PREFIX = "/_tinker_sr_testing/"
 _TIMEOUT_HOLD_S = 600.0  # a server-side "timeout" holds the request until the client gives up
+
+
+# What the clients send as X-Tinker-Request-Type on `retrieve_future` polls (official SDK 0.38).
+REQUEST_TYPES = (
+    "Sample", "Forward", "ForwardBackward", "OptimStep", "SaveWeights", "SaveWeightsForSampler",
+    "SaveWeightsExternal", "LoadWeights", "CreateModel", "CreateCustomLoss",
+)  # fmt: skip
+
+# An instance of each endpoint the server answers, as a fault matches it (the path after
+# /api/v1/, parameters as "x"; the OpenAI and Anthropic routes by their whole path):
+# `tests/test_testing_wire.py` holds it to the app's routes.
+KNOWN_ENDPOINTS = (
+    "asample", "billing/usage/checkpoints/current", "billing/usage/events", "checkpoints",
+    "client/config", "client/dynamic_config", "copy_weights", "create_model",
+    "create_sampling_session", "create_session", "external_weights_files/x/x/x",
+    "forward_backward", "get_info", "get_server_capabilities", "healthz", "load_weights",
+    "optim_step", "retrieve_future", "samplers/x", "save_weights", "save_weights_external",
+    "save_weights_for_sampler", "session_heartbeat", "sessions", "sessions/x",
+    "sessions/x/finish", "telemetry", "training_runs", "training_runs/x",
+    "training_runs/x/checkpoints", "training_runs/x/checkpoints/x/x",
+    "training_runs/x/checkpoints/x/x/external_weights_urls",
+    "training_runs/x/checkpoints/x/x/publish", "training_runs/x/checkpoints/x/x/ttl",
+    "weights_info", "/oai/api/v1/chat/completions", "/oai/api/v1/completions",
+    "/oai/api/v1/models", "/anthropic/api/v1/messages", "/anthropic/api/v1/messages/count_tokens",
+)  # fmt: skip
+
+
+def _check_endpoint(pattern: str) -> None:
+    if not any(fnmatch.fnmatchcase(e, pattern) for e in KNOWN_ENDPOINTS):
+        names = ", ".join(e for e in KNOWN_ENDPOINTS if "/" not in e)
+        raise ValueError(
+            f"WireFault.endpoint {pattern!r} matches no endpoint of the server, so the fault "
+            f"could never fire. Name one as the path after /api/v1/ ({names}, ...; sampling is "
+            "'asample'), a pattern such as 'sessions/*' or '*', or an OpenAI/Anthropic route by "
+            "its whole path ('/oai/api/v1/completions')"
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: object, low: int, extra: str = "") -> None:
+    if not _is_int(value) or value < low:  # type: ignore[operator]
+        more = f" ({extra})" if extra else ""
+        raise ValueError(f"WireFault.{name} must be an integer >= {low}{more}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"WireFault.{name} must be a number of seconds {bound}, got {value!r}")
 
 
 @dataclass
@@ -71,12 +125,28 @@ class WireFault:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"WireFault.kind must be one of {_KINDS}, got {self.kind!r}")
-        if self.kind == "status" and not 400 <= self.status <= 599:
-            raise ValueError(f"WireFault.status must be an HTTP error code, got {self.status}")
-        if self.after < 0 or (self.times is not None and self.times < 1):
-            raise ValueError("WireFault.after must be >= 0 and times >= 1 (or None for always)")
-        if self.endpoint.startswith("/"):
-            self.endpoint = self.endpoint.removeprefix(API_PREFIX).lstrip("/")
+        if not isinstance(self.endpoint, str) or not self.endpoint:
+            raise TypeError(
+                f"WireFault.endpoint must be an endpoint name such as 'asample' (or a pattern "
+                f"such as '*'), got {self.endpoint!r}"
+            )
+        self.endpoint = self.endpoint.removeprefix(API_PREFIX)
+        if not self.endpoint.startswith(("/oai/", "/anthropic/")):
+            self.endpoint = self.endpoint.lstrip("/")  # "/asample" as "asample"
+        _check_endpoint(self.endpoint)
+        if self.kind == "status" and not (_is_int(self.status) and 400 <= self.status <= 599):
+            raise ValueError(f"WireFault.status must be an HTTP error code, got {self.status!r}")
+        _check_count("after", self.after, 0)
+        if self.times is not None:
+            _check_count("times", self.times, 1, "or None: on every matching call")
+        _check_seconds("delay_s", self.delay_s, allow_zero=True)
+        if self.retry_after is not None:
+            _check_seconds("retry_after", self.retry_after, allow_zero=False)
+        if self.request_type is not None and self.request_type not in REQUEST_TYPES:
+            raise ValueError(
+                f"WireFault.request_type {self.request_type!r} is not one the clients send "
+                f"(X-Tinker-Request-Type); use one of {', '.join(REQUEST_TYPES)}"
+            )
 
     @property
     def name(self) -> str:
