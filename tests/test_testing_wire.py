@@ -287,3 +287,38 @@ def test_a_sync_client_inside_a_running_loop_is_served(mock: MockTinker) -> None
         return httpx.get(f"{mock.base_url}/api/v1/healthz").status_code
 
     assert asyncio.run(main()) == 200
+
+
+def test_an_async_client_is_served_without_blocking_its_loop(mock: MockTinker) -> None:
+    """Before the review's fix, the mock served async clients as sync ones: each request held
+    the client's event loop (heartbeats, pipelined calls, a slow fault's neighbours)."""
+    import asyncio
+
+    import httpx
+
+    mock.add_fault(slow_response("healthz", 1.0))
+
+    async def main() -> tuple[int, int]:
+        ticks: list[float] = []
+
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        async with httpx.AsyncClient() as client:
+            status = (await client.get(f"{mock.base_url}/api/v1/healthz")).status_code
+        done = time.monotonic()
+        task.cancel()
+        return status, sum(t < done for t in ticks)
+
+    status, ticks_meanwhile = asyncio.run(main())
+    assert status == 200
+    assert ticks_meanwhile > 10  # blocked, the loop ticks once before the request, then not
+
+
+def test_fault_endpoints_may_name_ids_in_the_parameters_places() -> None:
+    for pattern in ("sessions/sess-1", "samplers/s1", "training_runs/*/checkpoints/weights/*"):
+        connection_reset(pattern)  # accepted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -100,8 +101,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             base_model=args.base_model,
             aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
         )
-    # OSError: e.g. an unwritable or full destination (the error names the file)
-    except (EngineUserError, StoreDamagedError, OSError) as e:
+    # OSError: e.g. an unwritable or full destination (the error names the file); a store
+    # that cannot be read as it stands (sqlite3.DatabaseError), also one-line
+    except (EngineUserError, StoreDamagedError, OSError, sqlite3.DatabaseError) as e:
         print(f"tinker-sr export: {e}", file=sys.stderr)
         return 2
     print(out)

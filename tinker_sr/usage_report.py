@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"tinker-sr usage: {e}", file=sys.stderr)
         return 2
     try:
-        store = Store(db, read_only=True)
+        store = Store.for_reading(db)
         try:
             groups = summarize(store.usage_rows(start, end), args.by, rates)
             storage = usage.storage_response(store.live_checkpoint_sizes(time.time()), rates)

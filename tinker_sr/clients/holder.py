@@ -343,6 +343,7 @@ class ClientSession:
     ) -> None:
         self.backend = backend
         self.base_url = base_url
+        self.forked = False  # made before this process was forked from its maker (`_forked`)
         self.api_key = api_key
         self.user_metadata = dict(user_metadata or {})
         self.project_id = project_id
@@ -371,6 +372,8 @@ class ClientSession:
         return cls._registry.get(key)
 
     def check_open(self) -> None:
+        if self.forked:
+            raise RuntimeError(FORKED)
         if self.closed:
             raise RuntimeError("ServiceClient is closed")
 
@@ -422,6 +425,31 @@ class ClientSession:
             await self.backend.close_session(sid, status, detail)  # type: ignore[arg-type]
         if self._owns_backend:
             await self.backend.aclose()
+
+
+FORKED = (
+    "This client was made before the process forked (os.fork, multiprocessing's default "
+    "'fork' start method on Linux); its threads and connections stayed with the parent. "
+    "Make clients in the child (a new ServiceClient works there), pass it a pickled "
+    "SamplingClient, or use the 'spawn' start method"
+)
+
+
+def _forked() -> None:
+    """In a forked child: the parent's threads (the SDK loop's, every engine's) are not here,
+    and work handed to them would wait forever. Start afresh (the first use makes a loop and
+    engines), and have clients made before the fork say so when used. Nothing of theirs is
+    ended from here: their sessions are the parent's."""
+    global _loop, _loop_thread, _loop_lock, _local_lock
+    _loop, _loop_thread = None, None
+    _loop_lock, _local_lock = threading.Lock(), threading.Lock()
+    _local_backends.clear()
+    for session in list(ClientSession._registry.values()):
+        session.forked = True
+        session._ending.done = True  # no finalizer of the child ends the parent's session
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def warn_deprecated(msg: str, *, stacklevel: int = 3) -> None:

@@ -300,7 +300,9 @@ class SamplingClient:
         return _rebuild(state, api_key)
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        return (_unpickle, (self._state(),))
+        # As the official SDK's pickle: with the key (a handle carries none), so a worker
+        # process reaches the sampler as the same user; a server ties sessions to keys.
+        return (_unpickle, ({**self._state(), "api_key": _pickled_key(self.holder)},))
 
 
 class _ElsewhereSession:
@@ -331,8 +333,16 @@ class _ElsewhereSession:
         self.check_open()
 
 
+def _pickled_key(holder: Any) -> str | None:
+    """The key a remote client's requests carry (resolved from the environment or a store
+    when it was not passed), for its pickle; None on the embedded engine."""
+    if not isinstance(holder, ClientSession) or not holder.base_url:
+        return None
+    return getattr(holder.backend, "_api_key", None) or holder.api_key
+
+
 def _unpickle(state: dict[str, Any]) -> SamplingClient:
-    return _rebuild(state, None)
+    return _rebuild(state, state.get("api_key"))
 
 
 def _rebuild(state: dict[str, Any], api_key: str | None) -> SamplingClient:

@@ -213,11 +213,13 @@ class SamplePlan:
 
 _SAME_SESSION_FIX = " sequence ids resolve only in the session that sampled them"
 _ELSEWHERE = (
-    " it is of a sampler of this session, drawn in another process (a pickled SamplingClient "
-    "in a worker, say): this service does not compute stable_reinforce itself, so this client "
-    "computes it from the draws it recorded while sampling, and only the process that sampled "
-    "holds them; sample in the process that trains, or train on a service that computes "
-    "stable_reinforce (tinker-sr serve does)"
+    " it is of a sampler of this session, but this process holds no draws for it: this "
+    "service does not compute stable_reinforce itself, so this client computes it from the "
+    "draws it recorded while sampling, and it recorded none for this sample. Either it was "
+    "drawn in another process (a pickled SamplingClient in a worker: only that process holds "
+    "them), or without record_stability_info=True, or its record was dropped (a day unused, "
+    "or past the client's record cap). Sample with record_stability_info=True in the process "
+    "that trains, or train on a service that computes stable_reinforce (tinker-sr serve does)"
 )
 
 

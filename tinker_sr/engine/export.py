@@ -198,7 +198,7 @@ def read_checkpoint(path: str, store_dir: Path) -> LoraCheckpoint:
                 f"no tinker_sr store at {store_dir} (engine.sqlite); pass the store the "
                 "checkpoint was written to (--store, $TINKER_SR_STORE) or the checkpoint file"
             )
-        store = Store(store_dir / "engine.sqlite", read_only=True)
+        store = Store.for_reading(store_dir / "engine.sqlite")
         try:
             tensors, meta = CheckpointStore(store, store_dir, purge=False).load(path, expect="any")
         except EngineNotFoundError as e:

@@ -23,9 +23,10 @@ __all__ = ["DIVERGED", "check_finite_outputs", "checked_backward", "nonfinite_da
 
 DIVERGED = (
     "the model's log-probs are not finite (NaN or inf) on finite inputs: its weights have "
-    "diverged, most likely in an optim_step with too large a learning_rate. Nothing is wrong "
-    "with the request; load_state a checkpoint saved before that step (or start a new "
-    "training client) and train with a smaller learning_rate"
+    "diverged, most likely in an optim_step with too large a learning_rate (or, in float16, its "
+    "activations overflow). Nothing is wrong with the request; load_state a checkpoint saved "
+    "before that step (or start a new training client) and train with a smaller learning_rate "
+    "(or load the model in bfloat16 or float32)"
 )
 
 

@@ -262,6 +262,16 @@ class Store:
                 raise  # locked, ...: said as it is
             raise StoreDamagedError(self.path, e) from e
 
+    @classmethod
+    def for_reading(cls, path: Path) -> Store:
+        """The store at ``path`` for a reader (``tinker-sr usage``, ``export``): opened as a
+        writer would, so an older store gets today's schema, or read-only where it cannot be
+        written (a read-only file system, another user's store)."""
+        try:
+            return cls(path)
+        except StoreUnwritableError:
+            return cls(path, read_only=True)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

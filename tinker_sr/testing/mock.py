@@ -186,14 +186,18 @@ def _transport_error(e: TransportFault, request: httpx.Request) -> httpx.Transpo
     return httpx.ReadError(f"[Errno 104] Connection reset by peer ({e})", request=request)
 
 
+_RESPX_ROUTER = os.path.join("respx", "router.py")
+
+
 def _for_async_client() -> bool:
     """Whether respx resolves the request being served for an async client (its ``aresolve``
     is on the stack) or a sync one (``resolve``). A sync client called while an event loop
     runs (a sync helper in an ``async def`` test, a notebook) is still a sync client."""
     frame = sys._getframe(2)
-    while frame is not None:
-        if "respx" in frame.f_code.co_filename and frame.f_code.co_name in ("resolve", "aresolve"):
-            return frame.f_code.co_name == "aresolve"
+    while frame is not None:  # respx's Route.resolve (models.py) runs under either: skip it
+        code = frame.f_code
+        if code.co_name in ("resolve", "aresolve") and code.co_filename.endswith(_RESPX_ROUTER):
+            return code.co_name == "aresolve"
         frame = frame.f_back  # type: ignore[assignment]
     try:  # not called by respx: decide by the thread, as before
         asyncio.get_running_loop()

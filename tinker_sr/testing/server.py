@@ -290,9 +290,16 @@ class ServerFault:
 
     def _counter(self, key: str) -> int:
         planned = self._server.faults()
-        if self._index < len(planned) and planned[self._index]["endpoint"] == self._fault.endpoint:
+        if self._index < len(planned) and _plan(planned[self._index]) == _plan(
+            self._fault.to_json()
+        ):
             return int(planned[self._index][key])
         return 0  # cleared since
+
+
+def _plan(fault: dict[str, Any]) -> dict[str, Any]:
+    """A fault's fields but its counters."""
+    return {k: v for k, v in fault.items() if k not in ("seen", "fired")}
 
 
 class _ControlApp:

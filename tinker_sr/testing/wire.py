@@ -68,7 +68,12 @@ KNOWN_ENDPOINTS = (
 
 
 def _check_endpoint(pattern: str) -> None:
-    if not any(fnmatch.fnmatchcase(e, pattern) for e in KNOWN_ENDPOINTS):
+    """Refuse a pattern that no request can match: it must match an endpoint, or name one with
+    its own ids or globs in the parameters' places ('sessions/sess-1', 'samplers/*')."""
+    templates = ("/".join("*" if p == "x" else p for p in e.split("/")) for e in KNOWN_ENDPOINTS)
+    if not any(fnmatch.fnmatchcase(e, pattern) for e in KNOWN_ENDPOINTS) and not any(
+        fnmatch.fnmatchcase(pattern, t) for t in templates
+    ):
         names = ", ".join(e for e in KNOWN_ENDPOINTS if "/" not in e)
         raise ValueError(
             f"WireFault.endpoint {pattern!r} matches no endpoint of the server, so the fault "
