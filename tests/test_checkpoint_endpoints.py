@@ -751,3 +751,16 @@ def test_a_name_taken_twice_is_refused_with_a_fix_the_save_offers(service: Any) 
         tc.save_weights_for_sampler("taken").result()
     assert "overwrite" not in str(err.value)
     assert "delete it first with RestClient.delete_checkpoint_from_tinker_path" in str(err.value)
+
+
+def test_a_checkpoint_named_without_its_kind_gets_the_fix_on_every_path(service: Any) -> None:
+    """`delete_checkpoint(run, "step-1")`: the name save_state took, not the checkpoint id.
+    Before, a server said "no such endpoint: DELETE ..." (read as a version mismatch), while
+    the embedded engine named the id's form."""
+    tc = service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    run = types.ParsedCheckpointTinkerPath.from_tinker_path(
+        tc.save_state("step-1").result().path
+    ).training_run_id
+    with pytest.raises(NOT_FOUND, match=r"a checkpoint_id is <weights\|sampler_weights"):
+        _rest(service).delete_checkpoint(run, "step-1").result()
+    _rest(service).delete_checkpoint(run, "weights/step-1").result()  # the id it meant

@@ -273,6 +273,11 @@ class TinkerServer:
                 methods=["GET"],
             ),
             Route(ckpt, e(rest.delete_checkpoint), methods=["DELETE"]),
+            Route(
+                v + "/training_runs/{run_id}/checkpoints/{checkpoint_id}",
+                e(rest.checkpoint_id_without_kind),
+                methods=any_method,
+            ),
             Route(ckpt + "/ttl", e(rest.set_checkpoint_ttl), methods=["PUT"]),
             Route(ckpt + "/publish", e(rest.publish), methods=["POST", "DELETE"]),
             Route(ckpt + "/external_weights_urls", e(rest.external_weights_urls), methods=["GET"]),

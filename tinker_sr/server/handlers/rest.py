@@ -212,6 +212,19 @@ def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[
     return run_id, f"{kind}/{name}"
 
 
+async def checkpoint_id_without_kind(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """``.../checkpoints/step-1``: the name ``save_state`` took, not the checkpoint id (a
+    "no such endpoint" here read as a server of another version)."""
+    run_id, checkpoint_id = (request.path_params[k] for k in ("run_id", "checkpoint_id"))
+    srv.sessions.run_owned(run_id, owner)
+    raise HTTPError(
+        404,
+        f"checkpoint {checkpoint_id!r:.80} of run {run_id!r:.80} does not exist; a "
+        f"checkpoint_id is <weights|sampler_weights|external_weights>/<name>, e.g. "
+        f"'weights/{checkpoint_id:.80}'",
+    )
+
+
 async def delete_checkpoint(srv: TinkerServer, request: Request, owner: str) -> Response:
     run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
     await srv.backend.delete_checkpoint(run_id, checkpoint_id)
