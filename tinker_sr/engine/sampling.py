@@ -7,7 +7,6 @@ The token-level work (prefill, KV-cache decode, stability draws) is `engine.samp
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import time
@@ -258,9 +257,9 @@ def _prompt_logprobs(
     if not req.include_prompt_logprobs:
         return None
     lps = engine_sampler.prompt_logprobs(model, tokens)
-    if not all(v is None or math.isfinite(v) for v in lps):
-        raise EngineUserError(f"prompt log-probs: {DIVERGED}")
     arr = np.array([np.nan if v is None else v for v in lps], dtype=np.float32)
+    if not np.isfinite(arr[1:]).all():  # entry 0 (no context) is the only None
+        raise EngineUserError(f"prompt log-probs: {DIVERGED}")
     if req.prompt_logprobs_last_n is not None:
         arr[: len(tokens) - req.prompt_logprobs_last_n] = np.nan
     return arr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
 import threading
 import uuid
 from collections.abc import Sequence
@@ -53,15 +54,28 @@ class Fault:
                 "Fault.error must be an exception to raise, e.g. request_failed('...'), got "
                 f"{self.error!r}"
             )
-        for name, low in (("after", 0), ("times", 1)):
-            value = getattr(self, name)
-            if name == "times" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"Fault.{name} must be an integer >= {low}, got {value!r}")
-        d = self.delay_s
-        if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d < float("inf"):
-            raise ValueError(f"Fault.delay_s must be a number of seconds >= 0, got {d!r}")
+        check_count("Fault.after", self.after, 0)
+        if self.times is not None:
+            check_count("Fault.times", self.times, 1)
+        check_seconds("Fault.delay_s", self.delay_s, allow_zero=True)
+
+
+# Field checks shared by `Fault` and `testing.wire.WireFault` (``field``: "Fault.after", ...).
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_count(field: str, value: object, low: int, extra: str = "") -> None:
+    if not is_int(value) or value < low:  # type: ignore[operator]
+        more = f" ({extra})" if extra else ""
+        raise ValueError(f"{field} must be an integer >= {low}{more}, got {value!r}")
+
+
+def check_seconds(field: str, value: object, *, allow_zero: bool) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{field} must be a number of seconds {bound}, got {value!r}")
 
 
 class FaultTable(Generic[F]):

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import fnmatch
 import json
-import math
 import socket
 import struct
 import threading
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tinker_sr.testing.faults import FaultTable
+from tinker_sr.testing.faults import FaultTable, check_count, check_seconds, is_int
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -84,23 +83,6 @@ def _check_endpoint(pattern: str) -> None:
         )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_count(name: str, value: object, low: int, extra: str = "") -> None:
-    if not _is_int(value) or value < low:  # type: ignore[operator]
-        more = f" ({extra})" if extra else ""
-        raise ValueError(f"WireFault.{name} must be an integer >= {low}{more}, got {value!r}")
-
-
-def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"WireFault.{name} must be a number of seconds {bound}, got {value!r}")
-
-
 @dataclass
 class WireFault:
     """One planned fault. Build them with the helpers below (`http_error`, `rate_limited`, ...).
@@ -140,14 +122,14 @@ class WireFault:
         if not self.endpoint.startswith(("/oai/", "/anthropic/")):
             self.endpoint = self.endpoint.lstrip("/")  # "/asample" as "asample"
         _check_endpoint(self.endpoint)
-        if self.kind == "status" and not (_is_int(self.status) and 400 <= self.status <= 599):
+        if self.kind == "status" and not (is_int(self.status) and 400 <= self.status <= 599):
             raise ValueError(f"WireFault.status must be an HTTP error code, got {self.status!r}")
-        _check_count("after", self.after, 0)
+        check_count("WireFault.after", self.after, 0)
         if self.times is not None:
-            _check_count("times", self.times, 1, "or None: on every matching call")
-        _check_seconds("delay_s", self.delay_s, allow_zero=True)
+            check_count("WireFault.times", self.times, 1, "or None: on every matching call")
+        check_seconds("WireFault.delay_s", self.delay_s, allow_zero=True)
         if self.retry_after is not None:
-            _check_seconds("retry_after", self.retry_after, allow_zero=False)
+            check_seconds("WireFault.retry_after", self.retry_after, allow_zero=False)
         if self.request_type is not None and self.request_type not in REQUEST_TYPES:
             raise ValueError(
                 f"WireFault.request_type {self.request_type!r} is not one the clients send "
