@@ -479,6 +479,7 @@ def test_chat_refuses_what_it_does_not_do_naming_the_field(
     [
         ({"prompt": []}, "prompt", "prompt must be a string"),
         ({"prompt": [[1, 2], "x", 3]}, "prompt", "prompt must be a string"),
+        ({"prompt": ["x", [1, 2]]}, "prompt", "prompt must be a string"),
         ({"max_tokens": 0}, "max_tokens", "needs echo: true"),
         ({"best_of": 3}, "best_of", "only 1 is supported"),
         ({"suffix": "end"}, "suffix", "fill-in-the-middle"),

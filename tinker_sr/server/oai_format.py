@@ -265,7 +265,7 @@ def _prompts(v: Any) -> list[str | list[int]]:
     """OpenAI's four prompt shapes as a list of prompts."""
     bad = OaiError(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists "
-        "of token ids (none of them empty)",
+        "of token ids (none of them empty, not mixed)",
         "prompt",
     )
     if isinstance(v, str):
@@ -274,15 +274,11 @@ def _prompts(v: Any) -> list[str | list[int]]:
         raise bad
     if all(_is_int(t) for t in v):
         return [list(v)]
-    out: list[str | list[int]] = []
-    for p in v:
-        if isinstance(p, str) and p:
-            out.append(p)
-        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-            out.append(list(p))
-        else:
-            raise bad
-    return out
+    if all(isinstance(p, str) and p for p in v):
+        return list(v)
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+        return [list(p) for p in v]
+    raise bad  # empty, or strings and token lists mixed in one list (OpenAI refuses that too)
 
 
 def _text_content(content: Any, where: str) -> str | None:
