@@ -111,6 +111,39 @@ def test_bad_hparams_and_nan_grads_change_nothing() -> None:
     assert all(p.grad is None for _, p in params)
 
 
+@pytest.mark.parametrize(
+    ("hp", "message"),
+    [
+        # finite numbers whose per-step scalars float32 cannot hold: the update used to fail
+        # half-way (steps, moments and decayed weights already written, gradients kept)
+        (AdamHParams(learning_rate=1e39, weight_decay=1e-40), "bias-corrected step"),
+        (AdamHParams(learning_rate=1e37, beta1=0.99), "bias-corrected step"),
+        (AdamHParams(learning_rate=1e20, weight_decay=1e20), "1 - learning_rate"),
+        # an eps that rounds to 0 used to turn every zero-gradient entry into NaN, silently
+        (AdamHParams(learning_rate=1e-3, eps=1e-50), "AdamParams.eps"),
+    ],
+)
+def test_out_of_range_hparams_are_refused_before_anything_changes(
+    hp: AdamHParams, message: str
+) -> None:
+    params, ref = make_params(), make_params()
+    opt, ref_opt = Adam(params), Adam(ref)
+    for ps, o in ((params, opt), (ref, ref_opt)):
+        set_grads(ps, 0)
+        o.step(SCHEDULE[0])
+        set_grads(ps, 1)
+    params[0][1].grad[0, 0] = 0.0  # a zero gradient entry, as LoRA's A has on its first step
+    ref[0][1].grad[0, 0] = 0.0
+    with pytest.raises(EngineUserError, match=message):
+        opt.step(hp)
+    for o in (opt, ref_opt):  # the refused step left everything as it was: the next one agrees
+        o.step(SCHEDULE[1])
+    assert opt.steps == ref_opt.steps
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(params, ref, strict=True))
+
+
 def test_sqrt_all_equals_foreach_sqrt_bit_for_bit() -> None:
     """The update's sqrt over all tensors at once (one parallel region instead of one per
     tensor) gives torch._foreach_sqrt's bits: sizes past the vector-math parallel threshold,

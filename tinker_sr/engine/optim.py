@@ -42,6 +42,32 @@ class AdamHParams:
                 )
 
 
+def _check_in_range(hp: AdamHParams, steps: set[int], dtype: torch.dtype) -> None:
+    """Refuse hyperparameters whose per-step scalars the parameters' dtype cannot hold (the
+    update would fail half-way, or divide 0 by an eps rounded to 0 and write NaN)."""
+    info = torch.finfo(dtype)
+    if hp.eps < info.tiny:
+        raise EngineUserError(
+            f"AdamParams.eps: {hp.eps:g} rounds to 0 in the {dtype} optimizer state (its "
+            f"smallest normal number is {info.tiny:.3g}), which makes an update 0/0 = NaN; "
+            "use a larger eps (Tinker's default is 1e-12)"
+        )
+    lr = hp.learning_rate
+    scalars = {
+        "1 - learning_rate * weight_decay": 1 - lr * hp.weight_decay,
+        "the bias-corrected step learning_rate / (1 - beta1**step)": max(
+            lr / (1 - hp.beta1**t) for t in steps
+        ),
+    }
+    for what, v in scalars.items():
+        if not abs(v) <= info.max:
+            raise EngineUserError(
+                f"optim_step: AdamParams make {what} = {v:.3g}, beyond what the {dtype} "
+                f"weights can hold ({info.max:.3g}); lower learning_rate (or weight_decay). "
+                "Nothing was changed: the weights, optimizer state and gradients are as before"
+            )
+
+
 class Adam:
     """Decoupled weight decay, bias correction, optional global grad-norm clipping.
 
@@ -110,7 +136,8 @@ class Adam:
             clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
         lr, b1, b2 = hp.learning_rate, hp.beta1, hp.beta2
         live = [(n, p) for n, p in self.params if p.grad is not None]
-        if live:
+        if live:  # every scalar checked before any state changes: a refused step changes none
+            _check_in_range(hp, {self.steps[n] + 1 for n, _ in live}, live[0][1].dtype)
             # The per-parameter arithmetic above, one call per op over all parameters (on the
             # CPU each runs the single-tensor op per parameter: the same bits, far fewer calls).
             ps: list[Tensor] = [p for _, p in live]
