@@ -49,15 +49,42 @@ def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_
     return any((Path(path) / m).is_file() for m in markers)
 
 
+# What a Hub name's parts may hold. A name reaches the file system (a server resolves names
+# its clients send), so nothing else is joined onto the cache: no "..", no absolute path.
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,95}")  # huggingface_hub's rule
+_REVISION = re.compile(r"[A-Za-z0-9._-]{1,128}(/[A-Za-z0-9._-]{1,128}){0,4}")  # refs/pr/1
+
+
+def _safe_revision(revision: str, nested: bool = True) -> bool:
+    """A branch, tag or commit that names a place inside the cache (branches may nest:
+    "refs/pr/1"; the commit a ref file names may not)."""
+    if not _REVISION.fullmatch(revision) or (not nested and "/" in revision):
+        return False
+    return all(part not in (".", "..") for part in revision.split("/"))
+
+
+def _ref_target(ref: Path) -> str | None:
+    """The commit a ``refs/<branch>`` file names (huggingface_hub writes the 40-hex sha), read
+    with a cap, or None when it is unreadable or names anything else."""
+    try:
+        with ref.open("rb") as f:
+            text = f.read(257).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _safe_revision(text, nested=False) else None
+
+
 def _snapshot(repo: Path, revision: str | None, markers: tuple[str, ...]) -> Path | None:
     """The snapshot of a cached repo for `revision` (a branch, tag or commit; default "main",
     else the most recent snapshot) that holds one of `markers`."""
     snaps = repo / "snapshots"
-    if not snaps.is_dir():
+    if not snaps.is_dir() or (revision is not None and not _safe_revision(revision)):
         return None
     ref = repo / "refs" / (revision or "main")
     if ref.is_file():
-        revision = ref.read_text().strip()
+        revision = _ref_target(ref)
+        if revision is None:
+            return None
     if revision is not None:
         cand = snaps / revision
         return cand if is_model_dir(cand, markers) else None
@@ -78,7 +105,7 @@ def cached_hub_model(name: str, markers: tuple[str, ...] = MODEL_FILES) -> Path 
     """The snapshot of Hub name `name` (``org/model[@revision]``) in the local Hugging Face
     cache, or None; never a path given as `name` (what a server may resolve for a client)."""
     repo_id, _, revision = name.partition("@")
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+    if repo_id.count("/") != 1 or not all(_NAME_PART.fullmatch(p) for p in repo_id.split("/")):
         return None
     repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
     snap = _snapshot(repo, revision or None, markers)
