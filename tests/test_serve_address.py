@@ -63,3 +63,35 @@ def test_a_held_port_is_refused_before_the_store_opens(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"tinker-sr serve: cannot listen on 127.0.0.1:{port}")
     assert "pick another with --port" in proc.stderr and not store.exists()
+
+
+def test_a_server_open_beyond_this_machine_without_keys_is_warned_about() -> None:
+    from tinker_sr.server.run import loopback_only, open_server_warning
+
+    assert loopback_only("127.0.0.1") and loopback_only("localhost") and loopback_only("::1")
+    assert not loopback_only("0.0.0.0") and not loopback_only("::")
+    for host in ("127.0.0.1", "localhost"):
+        assert open_server_warning(host, None) is None
+    assert open_server_warning("0.0.0.0", ["tml-a"]) is None  # keys set: only their holders
+    warning = open_server_warning("0.0.0.0", None)
+    assert warning is not None and "--api-keys" in warning and "127.0.0.1" in warning
+
+
+def test_the_store_lock_file_keeps_no_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock file names the server that holds a store (a second server prints it); it is
+    readable by others and outlives the server, so the key flags' values are not in it."""
+    from tinker_sr.server.store_lock import StoreInUseError, StoreLock
+
+    argv = ["tinker-sr", "serve", "--api-keys", "tml-a1,tml-b2", "--api-key=tml-c3", "--port", "0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    lock = StoreLock(tmp_path)
+    try:
+        text = (tmp_path / "server.lock").read_text()
+        assert "--api-keys *** --api-key=*** --port 0" in text
+        with pytest.raises(StoreInUseError) as e:
+            StoreLock(tmp_path)
+        assert "tml-" not in text and "tml-" not in str(e.value)
+    finally:
+        lock.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -29,6 +30,26 @@ class UnusableApiKeyError(ValueError):
 class UnusableAddressError(ValueError):
     """``host:port`` cannot be listened on: a port out of range, a host that is not an address
     of this machine, or a port another program holds."""
+
+
+def loopback_only(host: str) -> bool:
+    """Does ``host`` name only this machine's loopback addresses (127.0.0.0/8, ::1)?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def open_server_warning(host: str, keys: Sequence[str] | None) -> str | None:
+    """What `serve` prints where it would take any key from beyond this machine."""
+    if keys or loopback_only(host):
+        return None
+    return (
+        f"WARNING: --host {host} listens beyond this machine and no --api-keys are set, so "
+        "anyone who can reach it may use it (train and sample on this machine) with a key of "
+        "their own; give --api-keys KEY1,KEY2 (or keep the default --host 127.0.0.1)"
+    )
 
 
 def check_address(host: str, port: int) -> None:
@@ -157,6 +178,8 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
+    if (warning := open_server_warning(host, keys)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     _log_to_stderr(log_level)
     run_uvicorn(
         app,

@@ -53,6 +53,25 @@ class StoreInUseError(RuntimeError):
         )
 
 
+_SECRET_FLAGS = ("--api-key", "--api-keys")
+
+
+def redacted(args: list[str]) -> list[str]:
+    """A command line with the values of its key flags as ``***`` (the lock file is readable
+    by others and outlives the server)."""
+    out, hide = [], False
+    for a in args:
+        flag, eq, _ = a.partition("=")
+        if hide:
+            out.append("***")
+        elif eq and flag in _SECRET_FLAGS:
+            out.append(f"{flag}=***")
+        else:
+            out.append(a)
+        hide = not hide and a in _SECRET_FLAGS
+    return out
+
+
 def _try_lock(f: IO[bytes]) -> bool:
     """Lock ``f`` exclusively without waiting; False if another process holds it."""
     if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
@@ -105,7 +124,7 @@ class StoreLock:
             raise StoreInUseError(store, _read_holder(self.path))
         holder = {
             "pid": os.getpid(),
-            "argv": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
+            "argv": " ".join([Path(sys.argv[0]).name, *redacted(sys.argv[1:])]) if sys.argv else "",
             "started_at": time.time(),
         }
         self._file.truncate(0)
