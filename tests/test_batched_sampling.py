@@ -237,3 +237,35 @@ def test_a_group_of_requests_for_one_prompt_prefills_it_once(
     finally:
         off.close().result()
         backend.close()
+
+
+def test_closing_a_session_waits_for_its_own_samples_only(tmp_path: Path) -> None:
+    """A session's close lets its own queued samples finish first, and nobody else's: it used
+    to put a barrier on the sampling worker, which waited for every session's samples and held
+    back all requests queued behind it (one client finishing stalled every other client)."""
+    backend = LocalBackend(tmp_path)
+    a, b, c = (tinker.ServiceClient(backend=backend) for _ in range(3))
+    try:
+        sa, sb, _ = (
+            s.create_sampling_client(base_model="tinker-sr/tiny").result() for s in (a, b, c)
+        )
+        held, gate = threading.Event(), threading.Event()
+        backend._scheduler.barrier(lambda: (held.set(), gate.wait(120)))  # the worker is busy
+        held.wait(60)
+        kw = calls(1)[0]
+        fb, fa = sb.sample(**kw), sa.sample(**kw)
+        while len(backend._scheduler._queue) < 2:
+            time.sleep(0.002)
+        c.close().result(timeout=60)  # C has nothing in flight: closed while the worker is busy
+        assert not fb.future().done() and not fa.future().done()
+        closing_a = a.close()
+        with pytest.raises(TimeoutError):  # A's own sample is still queued
+            closing_a.result(timeout=0.3)
+        gate.set()
+        assert summary(fa.result()) == summary(fb.result())  # A's sample ran before its close
+        closing_a.result(timeout=60)
+    finally:
+        gate.set()
+        for s in (a, b, c):
+            s.close().result()
+        backend.close()

@@ -39,6 +39,7 @@ import torch
 from tinker_sr import types, validation
 from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
+from tinker_sr.backend.session_samples import SessionSamples
 from tinker_sr.engine import training, usage
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.checkpoints import read_record
@@ -140,6 +141,7 @@ class LocalBackend(LocalRestQueries):
         self._torch_threads = default_torch_threads(torch_threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._scheduler = DecodeScheduler(self._torch_threads)
+        self._session_samples = SessionSamples()
         # A backend dropped without close() still lets its sampling thread end.
         weakref.finalize(self, self._scheduler.close, False)
         self._ordering = SeqOrdering(self.limits)
@@ -287,8 +289,8 @@ class LocalBackend(LocalRestQueries):
                 self._ordering.remove(model_id)
 
         if not self._closed:
-            # Sample requests made before the close finish first, as training work does.
-            await self._on_sampler(self._scheduler.barrier())
+            # Its sample requests made before the close finish first, as training work does.
+            await self._session_samples.wait(session_id)
             await self._run(release)
 
     def _check_session(self, session_id: str) -> None:
@@ -662,7 +664,9 @@ class LocalBackend(LocalRestQueries):
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         listen = None if progress is None else lambda g: progress(g.new_tokens())
-        return await self._on_sampler(self._scheduler.submit(begin, rows, listen))
+        future = self._scheduler.submit(begin, rows, listen)
+        self._session_samples.add(self.models.live_sampler(sampler_id), future)
+        return await self._on_sampler(future)
 
     async def save_weights_external(
         self,
