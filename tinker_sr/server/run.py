@@ -41,6 +41,28 @@ def loopback_only(host: str) -> bool:
     return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
+def _announce(
+    host: str,
+    port: int,
+    store_dir: Path,
+    keys: Sequence[str] | None,
+    features: ServerFeatures | None,
+) -> None:
+    """The start-up line on stderr: where it listens, whom it accepts, what it runs on."""
+    auth = f"{len(keys)} configured API key(s)" if keys else "any API key starting with 'tml-'"
+    if features is not None and features.reduced:
+        auth += f"; {features.describe()}"
+    print(
+        f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
+        f"{available_cpus()} usable CPUs, {describe_free_memory()}); OpenAI-compatible API: "
+        f"http://{host}:{port}/oai/api/v1, Anthropic-compatible: http://{host}:{port}/anthropic/api",
+        file=sys.stderr,
+        flush=True,
+    )
+    if (warning := open_server_warning(host, keys)) is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def open_server_warning(host: str, keys: Sequence[str] | None) -> str | None:
     """What `serve` prints where it would take any key from beyond this machine."""
     if keys or loopback_only(host):
@@ -168,18 +190,7 @@ def serve(
     except BaseException:
         backend.close()
         raise
-    auth = f"{len(keys)} configured API key(s)" if keys else "any API key starting with 'tml-'"
-    if features is not None and features.reduced:
-        auth += f"; {features.describe()}"
-    print(
-        f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
-        f"{available_cpus()} usable CPUs, {describe_free_memory()}); OpenAI-compatible API: "
-        f"http://{host}:{port}/oai/api/v1, Anthropic-compatible: http://{host}:{port}/anthropic/api",
-        file=sys.stderr,
-        flush=True,
-    )
-    if (warning := open_server_warning(host, keys)) is not None:
-        print(warning, file=sys.stderr, flush=True)
+    _announce(host, port, store_dir, keys, features)
     _log_to_stderr(log_level)
     run_uvicorn(
         app,
