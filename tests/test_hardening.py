@@ -791,6 +791,20 @@ def test_16_session_tags_are_kept(tmp_path: Path) -> None:
     assert backend.store.session_tags(sid) == ["exp-1", "b"]
     with pytest.raises(tinker.BadRequestError, match="tags must be"):  # a server's 400
         asyncio.run(backend.create_session(tags="abc"))
+    # Free text is stored and listed with the session: bounded (20 MB names were kept).
+    too_big: list[tuple[dict[str, Any], str]] = [
+        ({"display_name": "x" * 1025}, "display_name is 1025 characters long, over the 1024"),
+        ({"project_id": "p" * 5000}, "project_id is 5000 characters long"),
+        ({"tags": ["t" * 2000]}, "tag 'tttt.* over the 1024"),
+        ({"tags": [f"t{i}" for i in range(257)]}, "257 tags, over the 256"),
+        ({"user_metadata": {"k": "v" * 70000}}, "user_metadata holds 70001 characters"),
+        ({"display_name": 5}, "display_name must be a str"),
+    ]
+    for fields, message in too_big:
+        with pytest.raises(tinker.BadRequestError, match=message):
+            asyncio.run(backend.create_session(**fields))
+    fine = {"display_name": "d" * 1024, "tags": ["t" * 1024] * 3, "user_metadata": {"k": "v"}}
+    asyncio.run(backend.create_session(**fine))
     backend.close()
 
 

@@ -360,7 +360,43 @@ def check_user_metadata(metadata: object, what: str) -> None:
                 f"{what}: user_metadata[{key!r}] = {value!r:.40}: keys and values must be "
                 "strings; convert them, e.g. with str() or json.dumps()"
             )
+    size = sum(len(k) + len(v) for k, v in metadata.items())
+    if size > MAX_METADATA_CHARS:
+        raise EngineUserError(
+            f"{what}: user_metadata holds {size} characters, over the {MAX_METADATA_CHARS} kept "
+            "with a run, session or checkpoint (it is stored and listed with it); keep large "
+            "data in your own files and put their names here"
+        )
     check_text(metadata, f"{what}: user_metadata")
+
+
+# What a session, run or checkpoint keeps of its caller's free text (stored with it, and read
+# back by every listing): far above what the SDK's and cookbook's callers send.
+MAX_METADATA_CHARS = 65536
+MAX_LABEL_CHARS = 1024  # project_id, display_name, one tag
+MAX_TAGS = 256
+
+
+def check_session_fields(
+    user_metadata: object, project_id: object, display_name: object, tags: object
+) -> list[str]:
+    """A new session's caller-given fields, checked; its tags, deduplicated in order."""
+    check_user_metadata(user_metadata, "create_session")
+    for name, value in (("project_id", project_id), ("display_name", display_name)):
+        if value is not None:
+            check_label(value, f"create_session: {name}")
+    return check_tags(tags)
+
+
+def check_label(value: object, where: str) -> None:
+    if not isinstance(value, str):
+        raise EngineUserError(f"{where} must be a str, got {value!r:.40}")
+    if len(value) > MAX_LABEL_CHARS:
+        raise EngineUserError(
+            f"{where} is {len(value)} characters long, over the {MAX_LABEL_CHARS} kept; "
+            "shorten it (put longer notes in user_metadata)"
+        )
+    check_text(value, where)
 
 
 def check_tags(tags: object) -> list[str]:
@@ -368,9 +404,13 @@ def check_tags(tags: object) -> list[str]:
     if isinstance(tags, str) or not isinstance(tags, list | tuple):
         raise EngineUserError(f"create_session: tags must be a list of str, got {tags!r:.40}")
     for tag in tags:
-        if not isinstance(tag, str):
-            raise EngineUserError(f"create_session: tags must be strings, got {tag!r:.40}")
-    return list(dict.fromkeys(tags))
+        check_label(tag, f"create_session: tag {tag!r:.40}")
+    unique = list(dict.fromkeys(tags))
+    if len(unique) > MAX_TAGS:
+        raise EngineUserError(
+            f"create_session: {len(unique)} tags, over the {MAX_TAGS} kept with a session"
+        )
+    return unique
 
 
 INFLIGHT_UNSUPPORTED = (

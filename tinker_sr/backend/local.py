@@ -251,8 +251,9 @@ class LocalBackend(LocalRestQueries):
         tags: Sequence[str] = (),
     ) -> str:
         try:
-            validation.check_user_metadata(user_metadata, "create_session")
-            tag_list = validation.check_tags(tags)
+            tag_list = validation.check_session_fields(
+                user_metadata, project_id, display_name, tags
+            )
         except EngineUserError as e:
             raise _refused(e) from None
         return self._add_session(
