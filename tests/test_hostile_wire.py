@@ -267,3 +267,28 @@ def test_a_client_that_hangs_up_mid_upload_is_not_an_internal_error(remote_serve
     time.sleep(0.5)
     log = remote_server.log_path.read_text()
     assert "ClientDisconnect" not in log, log[-2000:]
+
+
+def test_a_body_that_stalls_is_answered_408_and_its_connection_freed(tmp_path: Path) -> None:
+    """A client that sends the headers and a byte of its body, then nothing, held its
+    connection (and a file descriptor) open for good: enough of them and the server accepts
+    nobody. Now the body's wait is bounded ($TINKER_SR_BODY_STALL_S), then a 408."""
+    import socket
+
+    from tinker_sr.server.http import BODY_STALL_ENV
+    from tinker_sr.testing.server import running_server
+
+    with running_server(tmp_path / "store", env={BODY_STALL_ENV: "1"}) as srv:
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as conn:
+            conn.sendall(
+                b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-a\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+            )
+            got = b""
+            while chunk := conn.recv(65536):  # until the server closes the connection
+                got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), got
+        assert b"stalled: no bytes for 1 s after 1 of 1000 bytes" in body, got
+        assert Wire(srv.base_url).session()  # still serving

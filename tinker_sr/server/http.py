@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -109,6 +110,19 @@ def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+BODY_STALL_ENV = "TINKER_SR_BODY_STALL_S"
+
+
+def body_stall_s() -> float:
+    """How long a request body may go without a byte before the server answers 408:
+    ``$TINKER_SR_BODY_STALL_S``, default 60 s."""
+    try:
+        value = float(os.environ.get(BODY_STALL_ENV, "60"))
+    except ValueError:
+        return 60.0
+    return value if value > 0 else 60.0
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (before and after zstd decompression)."""
     declared = request.headers.get("content-length", "")
@@ -118,7 +132,19 @@ async def read_body(request: Request, limit: int) -> bytes:
             "(--max-body-bytes); send smaller requests"
         )
     parts, size = [], 0
-    async for chunk in request.stream():
+    chunks, stall = request.stream().__aiter__(), body_stall_s()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), stall)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:  # a client that stops mid-body would hold its connection forever
+            raise HTTPError(
+                408,
+                f"the request body stalled: no bytes for {stall:g} s after {size} of "
+                f"{declared or 'an unknown number of'} bytes; send the whole body at once "
+                f"(${BODY_STALL_ENV} sets the wait)",
+            ) from None
         size += len(chunk)
         if size > limit:
             raise BodyTooLargeError(
