@@ -58,6 +58,42 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(
         backend.close()
 
 
+def test_a_training_client_that_does_not_fit_is_refused_and_the_others_keep_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each training client adds its adapters, their gradients and Adam's moments; one caller
+    could make them until the process was killed out of memory (a server: all its users'
+    unsaved weights lost). The one that would not fit is refused, naming rank and sizes."""
+    from tinker_sr.engine import admission
+
+    monkeypatch.delenv(hf.MEMORY_CHECK_ENV, raising=False)
+    free: dict[str, int | None] = {"bytes": None}
+    monkeypatch.setattr(admission, "free_memory", lambda _device: free["bytes"])
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker_sr.ServiceClient(backend=backend)
+    try:
+        first = service.create_lora_training_client(base_model="tinker-sr/tiny", rank=64).result()
+        adapters = sum(
+            p.numel() * 4 for _, p in backend.models.trainer(first.model_id).optim.params
+        )
+        need = 3 * adapters
+        free["bytes"] = need + admission.trainer_headroom(need) - 1  # one byte short
+        with pytest.raises(tinker_sr.RequestFailedError) as info:
+            service.create_lora_training_client(base_model="tinker-sr/tiny", rank=64).result()
+        message = str(info.value)
+        for part in ("rank-64 LoRA of 'tinker-sr/tiny'", "MiB", "lower rank", hf.MEMORY_CHECK_ENV):
+            assert part in message, message
+        assert cross_entropy_steps(first, tinker_sr.types, [1, 2, 3, 4], 1, 0.01)  # untouched
+        free["bytes"] += 1  # exactly enough
+        service.create_lora_training_client(base_model="tinker-sr/tiny", rank=64).result()
+        free["bytes"] = 0
+        monkeypatch.setenv(hf.MEMORY_CHECK_ENV, "0")  # the same switch as the load check
+        service.create_lora_training_client(base_model="tinker-sr/tiny", rank=64).result()
+    finally:
+        service.close().result()
+        backend.close()
+
+
 def test_the_check_can_be_skipped(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

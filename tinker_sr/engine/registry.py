@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine import gemm
+from tinker_sr.engine.admission import trainer_optimizer
 from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
 from tinker_sr.engine.device import fast_bf16, free_memory
 from tinker_sr.engine.hf import context_length, load_model_dir
@@ -57,7 +58,6 @@ from tinker_sr.engine.lora import (
     lora_state_dict,
     reclaim_weights,
     share_frozen,
-    trainable_parameters,
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
@@ -381,7 +381,7 @@ class ModelRegistry:
         model = self._adapted(resolved, spec)
         model.checkpoint_layers = checkpointing_setting()
         model.autocast_dtype = train_autocast_dtype(self.device)
-        return model, Adam(trainable_parameters(model))
+        return model, trainer_optimizer(model, f"a rank-{spec.rank} LoRA of {resolved!r}")
 
     def _drop_unused_bases(self) -> None:
         used = {t.resolved for t in self._trainers.values()}
