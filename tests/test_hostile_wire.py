@@ -292,3 +292,44 @@ def test_a_body_that_stalls_is_answered_408_and_its_connection_freed(tmp_path: P
         assert head.startswith(b"HTTP/1.1 408"), got
         assert b"stalled: no bytes for 1 s after 1 of 1000 bytes" in body, got
         assert Wire(srv.base_url).session()  # still serving
+
+
+def test_a_training_request_the_server_could_not_record_leaves_its_model_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the moment a forward_backward was recorded: 507. Before, its number had
+    already been counted as arrived, so it was never released, and every later call of that
+    training client waited for it forever. Now it counts only once recorded: the next call
+    runs after the gap's grace period."""
+    import sqlite3
+
+    from tinker_sr.backend.remote import RemoteBackend
+    from tinker_sr.testing import mock_tinker
+
+    full = {"disk": False}
+    with mock_tinker(store=tmp_path / "store", seq_gap_grace_s=0.3) as mock:
+        state = mock.server().state
+        real = state.add_future
+
+        def add_future(*args: Any, **kwargs: Any) -> Any:
+            if full["disk"]:
+                raise sqlite3.OperationalError("database or disk is full")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(state, "add_future", add_future)
+        service = tinker.ServiceClient(backend=RemoteBackend(max_retries=0))
+        try:
+            tc = service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints([1, 2, 3]),
+                loss_fn_inputs={"target_tokens": [2, 3, 4]},
+            )
+            full["disk"] = True
+            with pytest.raises(tinker.APIStatusError, match="out of disk space"):
+                tc.forward_backward([datum], "cross_entropy").result()
+            full["disk"] = False  # space freed
+            out = tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+            assert out.metrics["loss:sum"] > 0
+            tc.optim_step(types.AdamParams(learning_rate=0.01)).result(timeout=60)
+        finally:
+            service.close().result()

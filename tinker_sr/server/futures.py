@@ -98,7 +98,8 @@ class Futures:
         """Register a future (or find the earlier one for the same key) and start ``work``.
 
         ``promise_extra`` (or a function of the new request id giving it) is merged into the
-        promise; ``on_accept`` runs when a new (not a repeated) submission is accepted.
+        promise; ``on_accept`` runs when a new (not a repeated) submission is accepted, after
+        its future is recorded.
         """
         digest = body_hash(body)
         existing = self.state.find_future(dedupe_key)
@@ -107,8 +108,6 @@ class Futures:
         rid = f"req-{uuid.uuid4().hex}"
         extra = promise_extra(rid) if callable(promise_extra) else promise_extra
         promise: dict[str, Any] = {"request_id": rid, **(extra or {})}
-        if on_accept is not None:
-            on_accept()
         if not self.state.add_future(
             rid,
             owner=owner,
@@ -121,6 +120,10 @@ class Futures:
             existing = self.state.find_future(dedupe_key)
             assert existing is not None
             return self._resubmission(existing, kind, owner, digest, dedupe_key)
+        # Only once it is recorded: a request that could not be (a full disk's 507) is not
+        # accepted, so its training number stays open for its retry, or is released as a gap.
+        if on_accept is not None:
+            on_accept()
         self._events[rid] = asyncio.Event()
         if kind == "Sample":
             self.pending_samples.add(rid)
