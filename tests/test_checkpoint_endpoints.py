@@ -296,7 +296,9 @@ def test_expired_checkpoints_are_deleted_files_and_all(
     kept = tc.save_state("kept").result().path
     short = tc.save_state("short", ttl_seconds=3600).result().path
     sampler = tc.save_weights_for_sampler("s", ttl_seconds=3600).result().path
-    files = {p: Path(backend.checkpoints.live(p).file_path) for p in (kept, short, sampler)}
+    files = {
+        p: backend.checkpoints.path_of(backend.checkpoints.live(p)) for p in (kept, short, sampler)
+    }
     assert all(f.is_file() for f in files.values())
 
     clock.ahead = 3601.0  # an hour later, in the same process: the next save purges

@@ -124,7 +124,7 @@ def test_merged_and_peft_exports_reproduce_the_logits(
 
 def test_builtin_model_merged_export_loads_in_transformers(tmp_path: Path) -> None:
     backend, path, ours = _train_and_save(tmp_path, "tinker-sr/tiny", train_unembed=False)
-    ckpt_file = backend.checkpoints.live(path).file_path
+    ckpt_file = str(backend.checkpoints.path_of(backend.checkpoints.live(path)))
     backend.close()
     out = tmp_path / "merged"
     assert cli(["export", ckpt_file, str(out), "--merge"]) == 0  # a checkpoint file works too

@@ -74,9 +74,10 @@ class CheckpointStore:
         """``purge``: delete expired checkpoints now (the engine that owns the store does; a
         reader of it, such as ``tinker-sr export``, does not)."""
         self.store = store
-        self.root = root
+        self.root = root.absolute()  # the process may change directory later
         self._last_purge = 0.0
         if purge:
+            store.rebase_checkpoint_files(self.relative)  # rows of before: full paths
             self.purge_expired()
             self.sweep_stale_temp()
 
@@ -89,7 +90,9 @@ class CheckpointStore:
         for tmp in self.root.glob("checkpoints/*/*/.*.tmp"):
             # Only names a save gives its temporary (a checkpoint may be named ".x.tmp" too),
             # and never one a checkpoint row names.
-            if not _TEMP_NAME.match(tmp.name) or self.store.checkpoint_file_in_use(str(tmp)):
+            if not _TEMP_NAME.match(tmp.name) or self.store.checkpoint_file_in_use(
+                self.relative(str(tmp))
+            ):
                 continue
             try:
                 inside = list(tmp.iterdir()) if tmp.is_dir() else []
@@ -119,10 +122,24 @@ class CheckpointStore:
             if self.store.checkpoint_file_in_use(row.file_path):
                 continue  # saved again under the same name meanwhile
             try:
-                _remove(Path(row.file_path))
+                _remove(self.path_of(row))
             except OSError as e:  # a save or a server start must not fail over an old file
                 log.warning("could not delete expired checkpoint %s: %s", row.file_path, e)
         return len(rows)
+
+    def relative(self, file_path: str) -> str:
+        """How a row names a checkpoint's file: from the store's root
+        (``checkpoints/<run>/<segment>/<file>``), so a store moved, copied or opened from
+        another directory finds its own files. A path recorded in full (before) is cut to that
+        form by the layout's last four parts; anything else stays as it is."""
+        parts = Path(file_path).parts
+        if len(parts) >= 4 and parts[-4] == "checkpoints":
+            return "/".join(parts[-4:])
+        return file_path
+
+    def path_of(self, row: CheckpointRow) -> Path:
+        """Where ``row``'s file (or an export's directory) is under this store's root."""
+        return self.root / self.relative(row.file_path)
 
     def file(self, run_id: str, segment: str, name: str) -> Path:
         safe_run = run_id.replace(":", "_")
@@ -207,7 +224,7 @@ class CheckpointStore:
                 checkpoint_id=f"{segment}/{name}",
                 checkpoint_type=SEGMENTS[segment],
                 tinker_path=f"tinker://{run_id}/{segment}/{name}",
-                file_path=str(file_path),
+                file_path=self.relative(str(file_path)),
                 created_at=time.time(),
                 size_bytes=size,
                 user_metadata=dict(user_metadata) if user_metadata else None,
@@ -228,7 +245,7 @@ class CheckpointStore:
                 "tinker://<run_id>/external_weights/<name> (written by save_weights_external)"
             )
         row = self.live(path)
-        root = Path(row.file_path)
+        root = self.path_of(row)
         if not root.is_dir():
             raise EngineNotFoundError(f"the files of checkpoint {path} are missing from the store")
         return repr(row.created_at), {f.name: f for f in sorted(root.iterdir()) if f.is_file()}
@@ -285,7 +302,7 @@ class CheckpointStore:
                 f"{path} is a {parsed.checkpoint_type} checkpoint; training state loads only from "
                 "tinker://<run>/weights/<name> (written by save_state)"
             )
-        return ckpt_io.load_tensors(self.live(path).file_path, name=path)
+        return ckpt_io.load_tensors(self.path_of(self.live(path)), name=path)
 
     # ---- REST views -------------------------------------------------------------------
     def checkpoint(self, row: CheckpointRow) -> types.Checkpoint:
@@ -376,7 +393,7 @@ class CheckpointStore:
         row = self.store.delete_checkpoint(path)
         if row is None:
             raise EngineNotFoundError(f"checkpoint {path} does not exist")
-        _remove(Path(row.file_path))
+        _remove(self.path_of(row))
 
     def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
         self.known_run(path)
@@ -416,9 +433,9 @@ class CheckpointStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
-            os.link(row.file_path, tmp)
+            os.link(self.path_of(row), tmp)
         except OSError:
-            shutil.copyfile(row.file_path, tmp)
+            shutil.copyfile(self.path_of(row), tmp)
         os.replace(tmp, target)
         new_path = f"tinker://{run_id}/{row.checkpoint_id}"
         self.store.add_run(
@@ -430,7 +447,7 @@ class CheckpointStore:
                 checkpoint_id=row.checkpoint_id,
                 checkpoint_type=row.checkpoint_type,
                 tinker_path=new_path,
-                file_path=str(target),
+                file_path=self.relative(str(target)),
                 created_at=time.time(),
                 size_bytes=row.size_bytes,
                 user_metadata=row.user_metadata,

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -498,6 +498,15 @@ class Store:
             ).fetchall()
             self._db.execute(f"DELETE FROM checkpoints WHERE {expired}", (now,))
         return [self._ck_row(r) for r in rows]
+
+    def rebase_checkpoint_files(self, relative: Callable[[str], str]) -> int:
+        """Rewrite each checkpoint row's file path as ``relative`` gives it (from the store's
+        root); returns how many changed."""
+        with self._lock, self._transaction("BEGIN IMMEDIATE"):
+            rows = self._db.execute("SELECT tinker_path, file_path FROM checkpoints").fetchall()
+            changed = [(relative(f), t) for t, f in rows if relative(f) != f]
+            self._db.executemany("UPDATE checkpoints SET file_path=? WHERE tinker_path=?", changed)
+        return len(changed)
 
     def checkpoint_file_in_use(self, file_path: str) -> bool:
         """Whether a checkpoint row (live or not) names ``file_path``: a save that reused an
