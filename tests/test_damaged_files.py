@@ -400,6 +400,32 @@ def test_a_damaged_store_database_is_refused_with_the_way_out(tmp_path: Path) ->
     LocalBackend(store).close()
 
 
+@pytest.mark.parametrize("damage", ["garbage", "cut in half"])
+def test_a_damaged_server_database_is_refused_with_the_way_out(tmp_path: Path, damage: str) -> None:
+    """The server's own database (futures, sessions): before, a 21-line traceback ending in
+    'file is not a database' or 'database disk image is malformed'."""
+    from tinker_sr.server.state import ServerState
+
+    store = tmp_path / "store"
+    ServerState(store / "server.sqlite").close()  # a real one, with its schema
+    database = store / "server.sqlite"
+    data = database.read_bytes()
+    if damage == "garbage":
+        database.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
+    else:
+        database.write_bytes(data[: len(data) // 2])
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store", str(store)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith(f"tinker-sr serve: {database}: not a readable tinker_sr store"), line
+    assert "futures, sessions" in line and "checkpoints, kept in engine.sqlite, stay" in line
+    database.rename(store / "server.sqlite.damaged")  # the way out the message gives
+    ServerState(database).close()
+
+
 def test_serve_refuses_at_start_a_model_dir_whose_tensors_it_would_refuse(
     base: Path, tmp_path: Path
 ) -> None:

@@ -139,13 +139,18 @@ def _unjson(s: str | None) -> Any:
 class StoreDamagedError(RuntimeError):
     """The store's database file does not open as a database (damaged, or not tinker_sr's)."""
 
-    def __init__(self, path: Path, cause: Exception) -> None:
+    def __init__(self, path: Path, cause: Exception, lost: str | None = None) -> None:
+        """``lost``: what moving the file aside gives up (default: the engine's records)."""
         self.path = path
+        if lost is None:
+            lost = (
+                f"the checkpoint files under {path.parent / 'checkpoints'} stay on disk but are "
+                "no longer listed"
+            )
         super().__init__(
             f"{path}: not a readable tinker_sr store ({cause}); the file is damaged, or is not "
             f"tinker_sr's. Restore it from a backup, or move it aside (mv {path} "
-            f"{path}.damaged) to start with an empty store: the checkpoint files under "
-            f"{path.parent / 'checkpoints'} stay on disk but are no longer listed"
+            f"{path}.damaged) to start with an empty one: {lost}"
         )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinker_sr.engine.store import StoreDamagedError
 from tinker_sr.user_errors import clip_message
 
 from .store_lock import StoreLock
@@ -99,6 +100,12 @@ class SessionRow:
     finished: str | None
 
 
+_LOST_WITH_SERVER_STATE = (
+    "the server forgets its futures, sessions and sampling clients (clients made before get a "
+    "404 and make new ones); training runs and checkpoints, kept in engine.sqlite, stay"
+)
+
+
 class ServerState:
     def __init__(self, path: Path | None) -> None:
         """``path=None`` keeps everything in memory (a server without a store). A store is
@@ -111,6 +118,16 @@ class ServerState:
             check_same_thread=False,
             isolation_level=None,  # autocommit; each statement is its own transaction
         )
+        try:
+            self._open_schema()
+        except sqlite3.DatabaseError as e:
+            self.close()
+            if isinstance(e, sqlite3.OperationalError) or path is None:
+                raise  # locked, full, unwritable: said as it is
+            raise StoreDamagedError(path, e, _LOST_WITH_SERVER_STATE) from e
+        self._started = time.time()
+
+    def _open_schema(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL: a commit survives a process crash (SIGKILL); only an OS crash may lose
         # the last transactions, which is the usual WAL trade-off.
@@ -119,7 +136,6 @@ class ServerState:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(samplers)")}
         if "created_at" not in columns:  # a store from before the column (its rows: NULL)
             self._db.execute("ALTER TABLE samplers ADD COLUMN created_at REAL")
-        self._started = time.time()
 
     def close(self) -> None:
         with self._lock:
