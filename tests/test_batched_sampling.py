@@ -269,3 +269,31 @@ def test_closing_a_session_waits_for_its_own_samples_only(tmp_path: Path) -> Non
         for s in (a, b, c):
             s.close().result()
         backend.close()
+
+
+def test_a_finished_sessions_cached_prompts_are_freed(tmp_path: Path) -> None:
+    """Cached prefills belong to one session (no other may reuse them): once it finishes
+    nothing can hit them again. They used to stay until the cache's budget pushed them out
+    (256 MiB by default, ~27 MB per short session of long prompts), pushing out live
+    sessions' entries first."""
+    backend = LocalBackend(tmp_path)
+    cache = backend._scheduler.prompt_cache
+    keeper, short = tinker.ServiceClient(backend=backend), tinker.ServiceClient(backend=backend)
+    try:
+        params = types.SamplingParams(max_tokens=2, seed=0)
+        scopes = []
+        for service in (keeper, short):
+            sc = service.create_sampling_client(base_model="tinker-sr/tiny").result()
+            for i in range(3):
+                prompt = types.ModelInput.from_ints([(7 * j + i) % 250 + 1 for j in range(300)])
+                sc.sample(prompt, 1, params).result()
+            scopes.append({key[2] for key in cache._entries})
+        assert len(scopes[0]) == 1 and len(scopes[1]) == 2
+        held = cache._bytes
+        short.close().result()
+        assert {key[2] for key in cache._entries} == scopes[0]
+        assert 0 < cache._bytes < held  # the keeper's entries stay
+    finally:
+        keeper.close().result()
+        short.close().result()
+        backend.close()

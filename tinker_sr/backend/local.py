@@ -284,8 +284,8 @@ class LocalBackend(LocalRestQueries):
     async def close_session(self, session_id: str, status: str, detail: str | None = None) -> None:
         self.store.close_session(session_id, status)
 
-        def release() -> None:
-            # On the worker, so work already queued for these models finishes first.
+        def release() -> None:  # on the worker: work queued for its models finishes first
+            self._scheduler.prompt_cache.drop_scope(session_id)  # no prompt of it comes again
             for model_id in self.models.release_session(session_id):
                 self._ordering.remove(model_id)
 

@@ -229,5 +229,14 @@ class PromptCache:
             self._bytes += size
         return entry.uid
 
+    def drop_scope(self, scope: str) -> int:
+        """Forget every entry of ``scope`` (a session that has finished: nothing can hit them
+        again), and those of models that are gone; returns the bytes freed."""
+        with self._lock:
+            before = self._bytes
+            for key in [k for k, e in self._entries.items() if k[2] == scope or e.model() is None]:
+                self._drop(key)
+            return before - self._bytes
+
     def _drop(self, key: tuple[Any, ...]) -> None:
         self._bytes -= self._entries.pop(key).nbytes
