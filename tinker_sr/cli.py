@@ -288,12 +288,12 @@ def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, 
 def environment_problem() -> str | None:
     """Why a setting the embedded engine reads from the environment cannot be used (named),
     or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
-    from tinker_sr.engine.hf import parse_dtype
+    from tinker_sr.engine.hf import env_model_dtype
     from tinker_sr.engine.registry import parse_aliases
 
     try:
         parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"), "$TINKER_SR_MODEL_ALIASES")
-        parse_dtype(os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "$TINKER_SR_MODEL_DTYPE")
+        env_model_dtype()
     except ValueError as e:
         return str(e)
     return None

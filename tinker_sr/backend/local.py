@@ -46,7 +46,7 @@ from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
-from tinker_sr.engine.hf import parse_dtype
+from tinker_sr.engine.hf import env_model_dtype, parse_dtype
 from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
 from tinker_sr.engine.sampler import LogprobsMode, NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
@@ -126,10 +126,7 @@ class LocalBackend(LocalRestQueries):
         self.models = ModelRegistry(
             aliases,
             sampler_dtype=parse_dtype(sampler_dtype, "sampler_dtype"),
-            model_dtype=parse_dtype(model_dtype, "model_dtype")
-            or parse_dtype(
-                os.environ.get("TINKER_SR_MODEL_DTYPE") or None, "$TINKER_SR_MODEL_DTYPE"
-            ),
+            model_dtype=parse_dtype(model_dtype, "model_dtype") or env_model_dtype(),
             request_paths=request_model_paths,
             device=engine_device,
         )
@@ -142,8 +139,7 @@ class LocalBackend(LocalRestQueries):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
         self._scheduler = DecodeScheduler(self._torch_threads)
         self._session_samples = SessionSamples()
-        # A backend dropped without close() still lets its sampling thread end.
-        weakref.finalize(self, self._scheduler.close, False)
+        weakref.finalize(self, self._scheduler.close, False)  # dropped unclosed: it still ends
         self._ordering = SeqOrdering(self.limits)
         self._closed = False
 
@@ -611,6 +607,10 @@ class LocalBackend(LocalRestQueries):
 
     async def release_sampler(self, sampler_id: str) -> None:  # its creation went unrecorded
         await self._run(lambda: self.models.release_sampler(sampler_id))
+
+    async def release_model(self, model_id: str) -> None:  # its TrainingClient was dropped
+        self._ordering.remove(model_id)
+        await self._run(lambda: self.models.release_trainer(model_id))  # after work queued
 
     def sample_overflow(self, sampler_id: str, prompt: Any, params: Any) -> str | None:
         """Why a sample does not fit its model's context, before it is queued (a server's 400)."""

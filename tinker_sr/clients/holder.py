@@ -17,7 +17,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -305,16 +305,34 @@ def _end_dropped(ending: _Ending) -> None:
         if ending.owns_backend:
             await ending.backend.aclose()
 
+    _from_finalizer(end, "ending a dropped session")
+
+
+def release_dropped_model(ending: _Ending, model_id: str) -> None:
+    """The finalizer of a `TrainingClient` of an engine in this process: nothing else can
+    reach its model, so its adapters and optimizer state are freed now, not at the session's
+    end (a sweep making a training client per trial in one ServiceClient grew by one model's
+    state per trial). Its calls have all finished: each holds the client until it is done."""
+    if ending.done or not ending.in_process:  # a session ended frees all of its models
+        return
+    release = getattr(ending.backend, "release_model", None)
+    if release is not None:
+        _from_finalizer(lambda: release(model_id), f"freeing dropped model {model_id}")
+
+
+def _from_finalizer(work: Callable[[], Coroutine[Any, Any, None]], what: str) -> None:
+    """Run ``work()`` on the SDK loop, from a finalizer: it runs inside garbage collection,
+    on any thread and at any allocation, maybe while that thread holds `_loop_lock`, so the
+    running loop is taken as it is, never the lock."""
+
     def report(fut: concurrent.futures.Future[None]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
-            log.debug("ending a dropped session failed: %r", fut.exception())
+            log.debug("%s failed: %r", what, fut.exception())
 
-    # This runs inside garbage collection, on any thread and at any allocation, maybe while
-    # that thread holds `_loop_lock`: take the running loop as is, never the lock.
     loop = _loop
     if loop is None or loop.is_closed():  # no loop, nothing of it left to free
         return
-    coro = end()
+    coro = work()
     try:
         asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(report)
     except RuntimeError:  # the loop closed meanwhile (interpreter shutdown)

@@ -7,12 +7,19 @@ import concurrent.futures
 import itertools
 import threading
 import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tinker_sr import types, validation
 from tinker_sr.clients import chunks, sr_lowering
-from tinker_sr.clients.holder import ClientSession, blocking_result, log, warn_deprecated
+from tinker_sr.clients.holder import (
+    ClientSession,
+    blocking_result,
+    log,
+    release_dropped_model,
+    warn_deprecated,
+)
 from tinker_sr.errors import RequestFailedError, refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 from tinker_sr.user_errors import official_sdk_hint
@@ -67,6 +74,7 @@ class TrainingClient:
         # Future of the previous call's submission: calls are issued to the backend in order.
         self._prev_issued: concurrent.futures.Future[None] | None = None
         self._poisoned = False
+        weakref.finalize(self, release_dropped_model, holder._ending, model_id).atexit = False
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r})"

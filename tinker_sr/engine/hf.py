@@ -147,6 +147,15 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     return DTYPES[name]
 
 
+MODEL_DTYPE_ENV = "TINKER_SR_MODEL_DTYPE"
+
+
+def env_model_dtype() -> torch.dtype | None:
+    """``$TINKER_SR_MODEL_DTYPE``: the dtype models load in where none is given (None: each
+    checkpoint's own)."""
+    return parse_dtype(os.environ.get(MODEL_DTYPE_ENV) or None, f"${MODEL_DTYPE_ENV}")
+
+
 def _check_tensors(
     root: Path, files: list[Path], config: ModelConfig, wrapped: bool
 ) -> dict[str, int]:
