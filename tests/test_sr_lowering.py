@@ -288,8 +288,8 @@ def test_client_records_expire_and_stay_bounded() -> None:
     records = sr_lowering._Records(max_tokens=10)
 
     def rec(sid: str, n: int, used: float) -> SequenceRecord:
-        tokens = np.zeros(n, dtype=np.int32)
-        return SequenceRecord(sid, "s", tokens, tokens, tokens.astype(np.float32), None, used, used)
+        tokens, prompt = np.zeros(n, dtype=np.int32), np.zeros(0, dtype=np.int32)
+        return SequenceRecord(sid, "s", prompt, tokens, tokens.astype(np.float32), None, used, used)
 
     records.put(rec("a", 4, 0.0), None)
     records.put(rec("b", 4, 1.0), None)
@@ -299,6 +299,38 @@ def test_client_records_expire_and_stay_bounded() -> None:
     records.put(rec("d", 1, 3.0 + sr_lowering.RECORD_TTL_SECONDS + 10), None)
     assert records.get("a") is None and records.get("c") is None  # idle for over a day
     assert records.get("d") is not None
+
+
+def test_client_records_count_prompts_once_per_request() -> None:
+    """Prompts were not counted: 2,000 requests of an 8,000-token prompt held 64 MiB while
+    64,000 tokens were counted, so the budget allowed ~20 GB. A request's samples share one
+    prompt array, counted once."""
+    records = sr_lowering._Records(max_tokens=100)
+
+    def group(name: str, prompt_len: int, n: int, used: float) -> None:
+        prompt = np.zeros(prompt_len, dtype=np.int32)  # one array for the request's samples
+        for i in range(n):
+            tokens = np.zeros(5, dtype=np.int32)
+            rec = SequenceRecord(
+                f"{name}{i}", "s", prompt, tokens, tokens.astype(np.float32), None, used, used
+            )
+            records.put(rec, None)
+
+    group("a", 40, 4, 0.0)  # 40 + 4 x 5 = 60 tokens
+    assert records._tokens == 60 and all(records.get(f"a{i}") for i in range(4))
+    group("b", 30, 2, 1.0)  # 60 + 40 = 100: still within
+    assert records._tokens == 100 and records.get("a0") is not None
+
+    def afresh() -> int:
+        kept = records._records.values()
+        prompts = {id(r.prompt_tokens): len(r.prompt_tokens) for r in kept}
+        return sum(len(r.sampled_tokens) for r in kept) + sum(prompts.values())
+
+    group("c", 1, 1, 2.0)  # 106: the oldest go first; "a"'s prompt stays while a2, a3 hold it
+    assert records.get("a1") is None and records.get("a2") is not None
+    assert records._tokens == afresh() == 96
+    group("d", 0, 2, 3.0)  # 106 again: a2 and a3 go, and "a"'s prompt with the last of them
+    assert records.get("a3") is None and records._tokens == afresh() == 56
 
 
 def test_client_draws_report_the_missing_tail() -> None:

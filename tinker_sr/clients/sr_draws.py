@@ -118,20 +118,24 @@ def draw_rng(seed: int | None, row: int) -> np.random.Generator:
 
 
 DEFAULT_MAX_RECORD_TOKENS = 20_000_000
-"""Sampled tokens kept client-side at most (about 45 bytes each: token, logprob, 8 draws, tail
-mass); beyond it the least recently used sequences are dropped first."""
+"""Tokens kept client-side at most: sampled ones (about 45 bytes each: token, logprob, 8 draws,
+tail mass) and prompts (4 bytes a token, once per request: its samples share one array);
+beyond it the least recently used sequences are dropped first."""
 
 
 class Records:
     """The sequences this session sampled with ``record_stability_info``: a `SequenceLookup`
     for the one provenance validator, plus the tail mass of client-side draws. Kept like the
     engine keeps them (a day after last use), least recently used first out past
-    ``max_tokens`` sampled tokens."""
+    ``max_tokens`` tokens, sampled and prompt (`DEFAULT_MAX_RECORD_TOKENS`)."""
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> None:
         self._lock = threading.Lock()
         self._records: OrderedDict[str, SequenceRecord] = OrderedDict()  # oldest use first
         self._tail: dict[str, np.ndarray] = {}
+        # Records holding each prompt array (by id; a record holds it, so the id is not
+        # reused): a request's samples share one, counted once.
+        self._prompt_users: dict[int, int] = {}
         self._tokens = 0
         self.max_tokens = max_tokens
 
@@ -140,6 +144,10 @@ class Records:
             self._drop(record.sequence_id)
             self._records[record.sequence_id] = record
             self._tokens += len(record.sampled_tokens)
+            users = self._prompt_users.get(id(record.prompt_tokens), 0)
+            if users == 0:
+                self._tokens += len(record.prompt_tokens)
+            self._prompt_users[id(record.prompt_tokens)] = users + 1
             if tail is not None:
                 self._tail[record.sequence_id] = tail
             self._evict(record.last_used_at)
@@ -164,6 +172,11 @@ class Records:
         rec = self._records.pop(sequence_id, None)
         if rec is not None:
             self._tokens -= len(rec.sampled_tokens)
+            users = self._prompt_users.pop(id(rec.prompt_tokens)) - 1
+            if users:
+                self._prompt_users[id(rec.prompt_tokens)] = users
+            else:
+                self._tokens -= len(rec.prompt_tokens)
         self._tail.pop(sequence_id, None)
 
     def _evict(self, now: float) -> None:
