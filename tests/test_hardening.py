@@ -873,3 +873,27 @@ def test_17_sampled_tokens_trained_after_another_sequences_prompt_are_refused() 
     assert validate_provenance(
         [ok], session_id="s", lookup=Lookup(), loss_fn="stable_reinforce", now=1.0
     )
+
+
+def test_ids_from_another_tokenizer_on_a_builtin_model_say_why(tmp_path: Path) -> None:
+    """A cookbook recipe tokenizes with the real model's tokenizer; with that model's name
+    aliased to a built-in (as the README once advised), every call failed with a bare
+    "token id 657 is outside the vocabulary [0, 259)". The cause and the fixes are now said."""
+    backend = LocalBackend(tmp_path / "s", model_aliases={"Qwen/Qwen3-8B": "tinker-sr/tiny"})
+    service = tinker.ServiceClient(backend=backend)
+    ids = [151644, 872, 198, 657]  # what Qwen3's tokenizer gives
+    try:
+        tc = service.create_lora_training_client("Qwen/Qwen3-8B", rank=4).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids), loss_fn_inputs={"target_tokens": ids}
+        )
+        with pytest.raises(tinker.RequestFailedError, match="259-id byte tokenizer") as e:
+            tc.forward_backward([datum], "cross_entropy").result()
+        assert "get_tokenizer()" in str(e.value) and "Hugging Face directory" in str(e.value)
+        sc = service.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
+        params = types.SamplingParams(max_tokens=2)
+        with pytest.raises(tinker.RequestFailedError, match="259-id byte tokenizer"):
+            sc.sample(types.ModelInput.from_ints(ids), 1, params).result()
+    finally:
+        service.close().result()
+        backend.close()

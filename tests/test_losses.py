@@ -840,6 +840,11 @@ def test_input_errors_name_the_datum_and_key() -> None:
         match=r"datum 0: loss_fn_inputs key 'mask' is not used by ppo \(accepted: target_tokens, logprobs, advantages, clip_low_threshold, clip_high_threshold\); remove it",
     ):
         validate_request("ppo", [extra], {})
+    # an RL datum sent to cross_entropy (the cookbook's SDFT with its default loss_fn): the
+    # losses that take the key are named, not only "remove it"
+    rl = LossDatum(X42, {"logprobs": LQ42, "advantages": A42})
+    with pytest.raises(EngineUserError, match=r"remove it, or use a loss_fn that takes it \(imp"):
+        validate_request("cross_entropy", [rl], {})
     short = LossDatum(X42, {"logprobs": LQ42[:3], "advantages": A42})
     with pytest.raises(
         EngineUserError,

@@ -158,9 +158,11 @@ def _check_inputs(i: int, loss_fn: str, d: LossDatum, tt: torch.Tensor) -> None:
             )
     for key, value in d.inputs.items():
         if key not in accepted:
+            users = [fn for fn in _REQUIRED_INPUTS if key in _accepted_inputs(fn)]
+            other = f", or use a loss_fn that takes it ({', '.join(users)})" if users else ""
             raise EngineUserError(
                 f"datum {i}: loss_fn_inputs key {key!r} is not used by {loss_fn} "
-                f"(accepted: {', '.join(accepted)}); remove it"
+                f"(accepted: {', '.join(accepted)}); remove it{other}"
             )
         if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
             kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__

@@ -25,6 +25,7 @@ from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
+from tinker_sr.tokenization.byte import foreign_ids_hint
 from tinker_sr.user_errors import EngineUserError
 
 STABILITY_K = 8
@@ -369,7 +370,7 @@ def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
     if bad:
         raise EngineUserError(
             f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); "
-            f"{len(bad)} token(s) out of range"
+            f"{len(bad)} token(s) out of range{foreign_ids_hint(vocab)}"
         )
     return tokens
 

@@ -30,6 +30,7 @@ from tinker_sr.engine.registry import Trainer, snapshot
 from tinker_sr.engine.store import Store
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
+from tinker_sr.tokenization.byte import foreign_ids_hint
 from tinker_sr.types.tensor_data import check_int64
 from tinker_sr.user_errors import EngineUserError, official_sdk_hint
 
@@ -208,6 +209,7 @@ def _datum_tokens(i: int, d: types.Datum, vocab: int, max_len: int) -> np.ndarra
         bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
         raise EngineUserError(
             f"datum {i}: model_input token id {bad} is outside the vocabulary [0, {vocab})"
+            + foreign_ids_hint(vocab)
         )
     return tokens
 

@@ -246,3 +246,17 @@ def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: in
     smap = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2))
     return out
+
+
+def foreign_ids_hint(vocab: int) -> str:
+    """For an out-of-vocabulary token id: where the model is a built-in (its byte vocabulary),
+    the likely cause, ids from another model's tokenizer (a cookbook recipe's, with the
+    model's name aliased to a built-in), and the fixes; else nothing."""
+    if vocab != TOKENIZER_SIZE:
+        return ""
+    return (
+        f". This model has the built-in models' {TOKENIZER_SIZE}-id byte tokenizer; ids this "
+        "large come from another tokenizer (e.g. a Hugging Face model's, when that model's name "
+        "is aliased to tinker-sr/tiny): encode with this client's get_tokenizer(), or alias the "
+        "name to a local Hugging Face directory that has that tokenizer"
+    )
