@@ -42,7 +42,7 @@ def test_a_cut_off_zstd_body_is_a_400_not_an_empty_request(wire: Wire) -> None:
     """Before: a truncated frame decompressed to nothing and was served as ``{}`` (200, the
     tags and metadata sent silently dropped)."""
     full = zstandard.ZstdCompressor().compress(
-        b'{"type": "create_session", "tags": ["' + b"t" * 4000 + b'"], "user_metadata": {}}'
+        b'{"type": "create_session", "tags": [], "user_metadata": {"k": "' + b"t" * 4000 + b'"}}'
     )
     zstd = {"Content-Encoding": "zstd", "Content-Type": "application/json"}
     for body in (full[: len(full) // 2], full[:4] + b"junk"):
@@ -57,7 +57,7 @@ def test_a_zstd_body_of_several_frames_is_read_whole_and_trailing_bytes_are_refu
     only the first frame was read and the rest dropped without a word, so a protobuf body cut at
     a frame boundary could parse as a valid request missing its tail; bytes after the last
     frame were ignored too."""
-    head, tail = b'{"type": "create_session", "tags": ["', b'"], "user_metadata": {}}'
+    head, tail = b'{"type": "create_session", "tags": [], "user_metadata": {"k": "', b'"}}'
     compress = zstandard.ZstdCompressor(write_checksum=True).compress
     skippable = (0x184D2A5A).to_bytes(4, "little") + (2).to_bytes(4, "little") + b"ok"
     frames = compress(head) + skippable + compress(b"t" * 5000) + compress(tail)
@@ -297,10 +297,10 @@ def test_a_body_that_stalls_is_answered_408_and_its_connection_freed(tmp_path: P
 def test_a_training_request_the_server_could_not_record_leaves_its_model_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A full disk at the moment a forward_backward was recorded: 507. Before, its number had
+    """A full disk at the moment a forward_backward was recorded. Before, its number had
     already been counted as arrived, so it was never released, and every later call of that
-    training client waited for it forever. Now it counts only once recorded: the next call
-    runs after the gap's grace period."""
+    training client waited for it forever. Now it counts only once recorded (the request's
+    future fails, saying why): the next call runs after the gap's grace period."""
     import sqlite3
 
     from tinker_sr.backend.remote import RemoteBackend
@@ -325,7 +325,7 @@ def test_a_training_request_the_server_could_not_record_leaves_its_model_usable(
                 loss_fn_inputs={"target_tokens": [2, 3, 4]},
             )
             full["disk"] = True
-            with pytest.raises(tinker.APIStatusError, match="out of disk space"):
+            with pytest.raises(tinker.RequestFailedError, match="out of disk space"):
                 tc.forward_backward([datum], "cross_entropy").result()
             full["disk"] = False  # space freed
             out = tc.forward_backward([datum], "cross_entropy").result(timeout=60)
@@ -333,3 +333,49 @@ def test_a_training_request_the_server_could_not_record_leaves_its_model_usable(
             tc.optim_step(types.AdamParams(learning_rate=0.01)).result(timeout=60)
         finally:
             service.close().result()
+
+
+def test_a_full_disk_fails_the_official_sdks_futures_at_once_and_keeps_finished_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The official SDK retries a 507 (any 5xx) for up to two hours: with the disk full, its
+    calls hung without a word. Now a request the server cannot record is answered with a
+    future that fails at once, saying why; and a result the server cannot write (the work is
+    done) is kept in memory for its client instead of leaving its future pending for good."""
+    import sqlite3
+
+    import tinker as sdk
+
+    from tinker_sr.testing import mock_tinker
+
+    full = {"add": False, "complete": False}
+
+    def failing(real: Any, which: str) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            if full[which]:
+                raise sqlite3.OperationalError("database or disk is full")
+            return real(*args, **kwargs)
+
+        return write
+
+    with mock_tinker(store=tmp_path / "store", seq_gap_grace_s=0.3) as mock:
+        state = mock.server().state
+        monkeypatch.setattr(state, "add_future", failing(state.add_future, "add"))
+        monkeypatch.setattr(state, "complete_future", failing(state.complete_future, "complete"))
+        service = sdk.ServiceClient()
+        try:
+            tc = service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+            datum = sdk.types.Datum(
+                model_input=sdk.types.ModelInput.from_ints([1, 2, 3]),
+                loss_fn_inputs={"target_tokens": [2, 3, 4]},
+            )
+            full["add"] = True
+            with pytest.raises(sdk.RequestFailedError, match="out of disk space"):
+                tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+            full["add"], full["complete"] = False, True
+            out = tc.forward_backward([datum], "cross_entropy").result(timeout=60)
+            assert out.metrics["loss:sum"] > 0  # done, written nowhere, still answered
+            full["complete"] = False  # space freed: the next calls run as usual
+            tc.optim_step(sdk.types.AdamParams(learning_rate=0.01)).result(timeout=60)
+        finally:
+            service.holder.close()

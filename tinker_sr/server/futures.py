@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import sqlite3
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.responses import Response
@@ -32,6 +34,7 @@ Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 """``work(promise)`` returns ``(encoding, payload)``: ``"json"`` or ``"proto"`` and the bytes."""
 
 _RECENT = 256
+_UNRECORDED = 4096
 SLOW_ENV = "TINKER_SR_SLOW_REQUEST_S"
 _SLOW_REPEAT_S = 30.0
 
@@ -82,6 +85,8 @@ class Futures:
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
+        # Outcomes the database could not take (a full disk), kept here for their clients.
+        self._unrecorded: OrderedDict[str, FutureRow] = OrderedDict()
 
     def submit(
         self,
@@ -108,15 +113,25 @@ class Futures:
         rid = f"req-{uuid.uuid4().hex}"
         extra = promise_extra(rid) if callable(promise_extra) else promise_extra
         promise: dict[str, Any] = {"request_id": rid, **(extra or {})}
-        if not self.state.add_future(
-            rid,
-            owner=owner,
-            session_id=session_id,
-            kind=kind,
-            dedupe_key=dedupe_key,
-            body_hash=digest,
-            promise=promise,
-        ):  # lost a race with an identical submission
+        row = FutureRow(rid, owner, session_id, kind, digest, promise, PENDING, *(None,) * 4)
+        try:
+            added = self.state.add_future(
+                rid,
+                owner=owner,
+                session_id=session_id,
+                kind=kind,
+                dedupe_key=dedupe_key,
+                body_hash=digest,
+                promise=promise,
+            )
+        except sqlite3.OperationalError as e:
+            if not is_out_of_space(e):
+                raise
+            # Not run, and its future fails at once with the reason: a 507 here was retried
+            # by the official SDK for up to two hours without a word to its caller.
+            self._keep(replace(row, status=FAILED, error=OUT_OF_SPACE, category="server"))
+            return json_reply(promise)
+        if not added:  # lost a race with an identical submission
             existing = self.state.find_future(dedupe_key)
             assert existing is not None
             return self._resubmission(existing, kind, owner, digest, dedupe_key)
@@ -193,29 +208,13 @@ class Futures:
         slow = slow_request_s()
         watch = asyncio.ensure_future(self._report_slow(rid, what, started, slow))
         try:
-            encoding, payload = await work(promise)
-            self.state.complete_future(rid, encoding, payload)
-        except asyncio.CancelledError:
-            raise
-        except RequestFailedError as e:
-            self.state.fail_future(rid, strip_prefix(e.message), str(e.category))
-        except WireError as e:
-            self.state.fail_future(rid, str(e), "user")
-        except APIStatusError as e:  # a refusal from the backend (`errors.refusal`)
-            status, detail = plain_error(e)
-            self.state.fail_future(rid, detail, "user" if status < 500 else "server")
-        except Exception as e:
-            log.exception("request %s failed inside the backend", rid)
-            text = (
-                OUT_OF_SPACE if is_out_of_space(e) else f"internal error: {type(e).__name__}: {e}"
-            )
-            self.state.fail_future(rid, text, "server")
+            self._record(rid, await self._outcome(rid, work, promise))
         finally:
             watch.cancel()
             if (took := time.monotonic() - started) >= slow:
                 log.info("%s %s finished in %.1f s", what, rid, took)
             self.pending_samples.discard(rid)
-            row = self.state.get_future(rid)
+            row = self._unrecorded.get(rid) or self.state.get_future(rid)
             if row is not None and row.status != PENDING:
                 self._recent[rid] = row
                 while len(self._recent) > _RECENT:
@@ -223,6 +222,51 @@ class Futures:
             event = self._events.pop(rid, None)
             if event is not None:
                 event.set()
+
+    async def _outcome(
+        self, rid: str, work: Work, promise: dict[str, Any]
+    ) -> tuple[str, str | None, bytes | None, str | None, str | None]:
+        """``work``'s result as (status, encoding, payload, error, category)."""
+        try:
+            encoding, payload = await work(promise)
+            return COMPLETE, encoding, payload, None, None
+        except RequestFailedError as e:
+            return FAILED, None, None, strip_prefix(e.message), str(e.category)
+        except WireError as e:
+            return FAILED, None, None, str(e), "user"
+        except APIStatusError as e:  # a refusal from the backend (`errors.refusal`)
+            status, detail = plain_error(e)
+            return FAILED, None, None, detail, "user" if status < 500 else "server"
+        except Exception as e:
+            log.exception("request %s failed inside the backend", rid)
+            text = (
+                OUT_OF_SPACE if is_out_of_space(e) else f"internal error: {type(e).__name__}: {e}"
+            )
+            return FAILED, None, None, text, "server"
+
+    def _record(
+        self, rid: str, outcome: tuple[str, str | None, bytes | None, str | None, str | None]
+    ) -> None:
+        """Write a finished future's outcome; on a full disk, keep it in memory (with the
+        result: the work is done, and its client still gets it from this server)."""
+        status, encoding, payload, error, category = outcome
+        try:
+            if status == COMPLETE:
+                self.state.complete_future(rid, encoding or "json", payload or b"")
+            else:
+                self.state.fail_future(rid, error or "", category or "server")
+        except sqlite3.OperationalError as e:
+            pending = self.state.get_future(rid)
+            if not is_out_of_space(e) or pending is None:
+                raise
+            log.error("request %s: its outcome is kept in memory only (%s)", rid, OUT_OF_SPACE)
+            self._keep(replace(pending, status=status, encoding=encoding, result=payload,
+                               error=error, category=category))  # fmt: skip
+
+    def _keep(self, row: FutureRow) -> None:
+        self._unrecorded[row.request_id] = row
+        while len(self._unrecorded) > _UNRECORDED:
+            self._unrecorded.popitem(last=False)
 
     def lookup(self, request_id: str, owner: str) -> FutureRow:
         """The future ``request_id`` of ``owner``; 404 for any other."""
@@ -232,7 +276,8 @@ class Futures:
         return row
 
     def _row(self, request_id: str) -> FutureRow | None:
-        return self._recent.get(request_id) or self.state.get_future(request_id)
+        found = self._recent.get(request_id) or self._unrecorded.get(request_id)
+        return found or self.state.get_future(request_id)
 
     def stop_waiting(self) -> None:
         """The server is shutting down: every long poll answers now (still pending: the client
