@@ -516,3 +516,28 @@ def test_tensor_names_save_pretrained_would_not_write_are_refused_naming_the_fix
     save_file(stored, tied / "model.safetensors")
     with pytest.raises(EngineUserError, match="as lm_head.weight only: store them as model.embed"):
         load_model_dir(tied)
+
+
+def test_an_emptied_store_database_beside_checkpoints_is_refused(tmp_path: Path) -> None:
+    """engine.sqlite cut to 0 bytes (a crash, a full disk, a bad copy) with checkpoint files
+    beside it: before, it opened as a new, empty store listing none of them, without a word."""
+    import tinker_sr
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.engine.store import StoreDamagedError
+
+    store = tmp_path / "store"
+    backend = LocalBackend(store)
+    service = tinker_sr.ServiceClient(backend=backend)
+    tc = service.create_lora_training_client("tinker-sr/tiny", rank=4).result()
+    tc.save_state("s").result()
+    service.close().result()
+    backend.close()
+    for extra in store.glob("engine.sqlite-*"):  # its WAL files, gone with it
+        extra.unlink()
+    (store / "engine.sqlite").write_bytes(b"")
+    with pytest.raises(StoreDamagedError, match="the file is empty, and checkpoints/ is not"):
+        LocalBackend(store)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "engine.sqlite").write_bytes(b"")  # empty, nothing beside it: a new store
+    LocalBackend(fresh).close()

@@ -10,7 +10,6 @@ raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import sqlite3
@@ -24,6 +23,19 @@ from typing import Any
 
 import numpy as np
 
+from tinker_sr.engine.store_files import (  # the names importers read from here
+    OUT_OF_SPACE as OUT_OF_SPACE,
+)
+from tinker_sr.engine.store_files import (
+    StoreDamagedError,
+    StoreUnwritableError,
+    _check_not_emptied,
+    _unwritable,
+    make_store_dir,
+)
+from tinker_sr.engine.store_files import (
+    is_out_of_space as is_out_of_space,
+)
 from tinker_sr.engine.usage import UsageRow, hour_bucket
 from tinker_sr.provenance.validate import SequenceRecord
 
@@ -136,69 +148,6 @@ def _unjson(s: str | None) -> Any:
     return None if s is None else json.loads(s)
 
 
-class StoreDamagedError(RuntimeError):
-    """The store's database file does not open as a database (damaged, or not tinker_sr's)."""
-
-    def __init__(self, path: Path, cause: Exception, lost: str | None = None) -> None:
-        """``lost``: what moving the file aside gives up (default: the engine's records)."""
-        self.path = path
-        if lost is None:
-            lost = (
-                f"the checkpoint files under {path.parent / 'checkpoints'} stay on disk but are "
-                "no longer listed"
-            )
-        super().__init__(
-            f"{path}: not a readable tinker_sr store ({cause}); the file is damaged, or is not "
-            f"tinker_sr's. Restore it from a backup, or move it aside (mv {path} "
-            f"{path}.damaged) to start with an empty one: {lost}"
-        )
-
-
-class StoreUnwritableError(RuntimeError):
-    """The state directory cannot be created or written (read-only, permissions)."""
-
-    def __init__(self, store: Path, cause: BaseException) -> None:
-        self.store = store
-        super().__init__(
-            f"store {store} cannot be written ({cause}); give tinker-sr a writable state "
-            "directory with --store DIR (or $TINKER_SR_STORE), or fix its permissions"
-        )
-
-
-def make_store_dir(store: Path) -> None:
-    """Create the state directory ``store`` (parents too); `StoreUnwritableError` if it
-    cannot be (read-only file system, permissions, a file in its place)."""
-    try:
-        store.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StoreUnwritableError(store, e) from None
-
-
-OUT_OF_SPACE = (
-    "out of disk space: the file system holding the store is full; free space there (old "
-    "checkpoints: RestClient.delete_checkpoint), then retry"
-)
-
-
-def is_out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` (or an exception it was raised from) is a full disk or quota."""
-    seen: BaseException | None = e
-    visited: set[int] = set()
-    while seen is not None and id(seen) not in visited:  # a chain may loop back on itself
-        visited.add(id(seen))
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _unwritable(e: sqlite3.OperationalError) -> bool:
-    text = str(e).lower()
-    return "unable to open" in text or "readonly" in text or "read-only" in text
-
-
 def _open_read_only(path: Path) -> sqlite3.Connection:
     """``path`` for reading. A WAL database needs its ``-shm`` file, which a read-only
     directory may not let SQLite create: then the file is read as it stands (``immutable``;
@@ -235,6 +184,8 @@ class Store:
         also on a read-only file system or another user's store; nothing is created, the
         schema is not brought up to date, and every write fails."""
         self.path = None if path is None else Path(path)
+        if self.path is not None:
+            _check_not_emptied(self.path)
         self._lock = threading.RLock()
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size

@@ -1,0 +1,85 @@
+"""The store's files and what goes wrong with them: a state directory that cannot be
+written, a database that is damaged or was emptied, a full disk. Torch-free, shared by the
+engine's store (`engine.store`, which re-exports these names), the server's state and the
+command line."""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+from pathlib import Path
+
+
+class StoreDamagedError(RuntimeError):
+    """The store's database file does not open as a database (damaged, or not tinker_sr's)."""
+
+    def __init__(self, path: Path, cause: Exception, lost: str | None = None) -> None:
+        """``lost``: what moving the file aside gives up (default: the engine's records)."""
+        self.path = path
+        if lost is None:
+            lost = (
+                f"the checkpoint files under {path.parent / 'checkpoints'} stay on disk but are "
+                "no longer listed"
+            )
+        super().__init__(
+            f"{path}: not a readable tinker_sr store ({cause}); the file is damaged, or is not "
+            f"tinker_sr's. Restore it from a backup, or move it aside (mv {path} "
+            f"{path}.damaged) to start with an empty one: {lost}"
+        )
+
+
+class StoreUnwritableError(RuntimeError):
+    """The state directory cannot be created or written (read-only, permissions)."""
+
+    def __init__(self, store: Path, cause: BaseException) -> None:
+        self.store = store
+        super().__init__(
+            f"store {store} cannot be written ({cause}); give tinker-sr a writable state "
+            "directory with --store DIR (or $TINKER_SR_STORE), or fix its permissions"
+        )
+
+
+def make_store_dir(store: Path) -> None:
+    """Create the state directory ``store`` (parents too); `StoreUnwritableError` if it
+    cannot be (read-only file system, permissions, a file in its place)."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreUnwritableError(store, e) from None
+
+
+OUT_OF_SPACE = (
+    "out of disk space: the file system holding the store is full; free space there (old "
+    "checkpoints: RestClient.delete_checkpoint), then retry"
+)
+
+
+def is_out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a full disk or quota."""
+    seen: BaseException | None = e
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop back on itself
+        visited.add(id(seen))
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _unwritable(e: sqlite3.OperationalError) -> bool:
+    text = str(e).lower()
+    return "unable to open" in text or "readonly" in text or "read-only" in text
+
+
+def _check_not_emptied(path: Path) -> None:
+    """An empty database file beside checkpoint files was cut to nothing (a crash, a full
+    disk, a bad copy): opened, it would be a new, empty store that silently lists none of
+    them. Refused as damaged instead (a missing file is a new store: that is asked for)."""
+    try:
+        emptied = path.stat().st_size == 0
+    except OSError:
+        return
+    if emptied and any((path.parent / "checkpoints").glob("*/*/*")):
+        raise StoreDamagedError(path, ValueError("the file is empty, and checkpoints/ is not"))
