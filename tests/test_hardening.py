@@ -25,7 +25,7 @@ import tinker_sr as tinker
 from tests._server import ServerProcess, running_server
 from tests._train import service_where_a_gap_hangs
 from tests.test_server import MODEL, Wire
-from tinker_sr import types
+from tinker_sr import types, validation
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.errors import RequestFailedError
@@ -805,6 +805,17 @@ def test_16_session_tags_are_kept(tmp_path: Path) -> None:
             asyncio.run(backend.create_session(**fields))
     fine = {"display_name": "d" * 1024, "tags": ["t" * 1024] * 3, "user_metadata": {"k": "v"}}
     asyncio.run(backend.create_session(**fine))
+    # the session copy_weights makes takes the same limit on its project_id
+    from tinker_sr.user_errors import EngineUserError
+
+    with pytest.raises(EngineUserError, match="destination_project_id is 5000 characters"):
+        validation.check_copy_weights(
+            session_id=None,
+            model_seq_id=None,
+            destination_project_id="p" * 5000,
+            ttl_seconds=None,
+            weights_access_token=None,
+        )
     backend.close()
 
 

@@ -379,3 +379,30 @@ def test_a_full_disk_fails_the_official_sdks_futures_at_once_and_keeps_finished_
             tc.optim_step(sdk.types.AdamParams(learning_rate=0.01)).result(timeout=60)
         finally:
             service.holder.close()
+
+
+def test_a_slow_but_steady_body_is_read_whole(tmp_path: Path) -> None:
+    """The stall limit is between bytes, not on the whole upload: a body arriving in small
+    pieces for longer than the limit is served."""
+    import socket
+    import time
+
+    from tinker_sr.server.http import BODY_STALL_ENV
+    from tinker_sr.testing.server import running_server
+
+    body = b'{"type": "create_session", "tags": [], "user_metadata": {"k": "' + b"v" * 40 + b'"}}'
+    with running_server(tmp_path / "store", env={BODY_STALL_ENV: "1"}) as srv:
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as conn:
+            conn.sendall(
+                b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-a\r\n"
+                b"Connection: close\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+            )
+            for i in range(0, len(body), 16):  # ~3 s in all, 0.4 s between pieces
+                conn.sendall(body[i : i + 16])
+                time.sleep(0.4)
+            got = b""
+            while chunk := conn.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200"), got

@@ -35,6 +35,14 @@ def test_cached_names_resolve(hub: Path) -> None:
         assert cached_hub_model(name) == snap.absolute(), name
     registry = ModelRegistry({}, request_paths=False)  # as `tinker-sr serve` runs it
     assert registry.resolve_model("tiny-org/tiny") == str(snap.absolute())
+    # branches and tags as huggingface_hub stores them: nested (a PR's ref) and dotted
+    other = "d" * 40
+    make_tiny_hf_model_dir(hub / "snapshots" / other, n_layers=1)
+    (hub / "refs" / "refs" / "pr").mkdir(parents=True)
+    (hub / "refs" / "refs" / "pr" / "1").write_text(other)
+    (hub / "refs" / "v1.0").write_text(other)
+    for name in ("tiny-org/tiny@refs/pr/1", "tiny-org/tiny@v1.0", f"tiny-org/tiny@{other}"):
+        assert cached_hub_model(name) == (hub / "snapshots" / other).absolute(), name
 
 
 def test_no_name_leads_out_of_the_cache(hub: Path, tmp_path: Path) -> None:

@@ -180,6 +180,8 @@ def check_copy_weights(
         )
     if model_seq_id is not None:
         check_model_seq_id(model_seq_id, "copy_weights")
+    if destination_project_id is not None:  # the new session's project_id
+        check_label(destination_project_id, "copy_weights: destination_project_id")
     check_ttl(ttl_seconds)
 
 

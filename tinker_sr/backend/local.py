@@ -43,7 +43,7 @@ from tinker_sr.backend.session_samples import SessionSamples
 from tinker_sr.engine import training, usage
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.checkpoints import read_record
-from tinker_sr.engine.cpu import default_torch_threads, tune_allocator
+from tinker_sr.engine.cpu import default_torch_threads, return_freed_memory, tune_allocator
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import env_model_dtype, parse_dtype
@@ -286,8 +286,7 @@ class LocalBackend(LocalRestQueries):
                 self._ordering.remove(model_id)
 
         if not self._closed:
-            # Its sample requests made before the close finish first, as training work does.
-            await self._session_samples.wait(session_id)
+            await self._session_samples.wait(session_id)  # its samples made before: first
             await self._run(release)
 
     def _check_session(self, session_id: str) -> None:
@@ -610,7 +609,8 @@ class LocalBackend(LocalRestQueries):
 
     async def release_model(self, model_id: str) -> None:  # its TrainingClient was dropped
         self._ordering.remove(model_id)
-        await self._run(lambda: self.models.release_trainer(model_id))  # after work queued
+        await self._run(lambda: self.models.release_trainer(model_id))
+        return_freed_memory()  # else the tuned allocator keeps it (`cpu.tune_allocator`)
 
     def sample_overflow(self, sampler_id: str, prompt: Any, params: Any) -> str | None:
         """Why a sample does not fit its model's context, before it is queued (a server's 400)."""

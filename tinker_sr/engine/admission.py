@@ -12,6 +12,7 @@ import os
 
 from torch import nn
 
+from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory
 from tinker_sr.engine.hf import MEMORY_CHECK_ENV
 from tinker_sr.engine.lora import trainable_parameters
@@ -36,6 +37,9 @@ def trainer_optimizer(model: nn.Module, what: str) -> Adam:
     device = params[0][1].device if params else None
     if device is not None and os.environ.get(MEMORY_CHECK_ENV, "").strip() != "0":
         room = free_memory(device)
+        if room is not None and need + trainer_headroom(need) > room and device.type == "cpu":
+            return_freed_memory()  # what the allocator keeps (a dropped trainer's) counts too
+            room = free_memory(device)
         if room is not None and need + trainer_headroom(need) > room:
             raise EngineUserError(
                 f"create_model: {what} needs {need >> 20} MiB more for its adapters' gradients "

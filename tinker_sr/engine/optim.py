@@ -48,9 +48,9 @@ def _check_in_range(hp: AdamHParams, steps: set[int], dtype: torch.dtype) -> Non
     info = torch.finfo(dtype)
     if hp.eps < info.tiny:
         raise EngineUserError(
-            f"AdamParams.eps: {hp.eps:g} rounds to 0 in the {dtype} optimizer state (its "
-            f"smallest normal number is {info.tiny:.3g}), which makes an update 0/0 = NaN; "
-            "use a larger eps (Tinker's default is 1e-12)"
+            f"AdamParams.eps: {hp.eps:g} is below {dtype}'s smallest normal number "
+            f"({info.tiny:.3g}) of the optimizer state, where it is lost or rounds to 0, which "
+            "makes an update 0/0 = NaN; use a larger eps (Tinker's default is 1e-12)"
         )
     lr = hp.learning_rate
     scalars = {
