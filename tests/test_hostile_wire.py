@@ -406,3 +406,50 @@ def test_a_slow_but_steady_body_is_read_whole(tmp_path: Path) -> None:
             while chunk := conn.recv(65536):
                 got += chunk
         assert got.startswith(b"HTTP/1.1 200"), got
+
+
+def test_outcomes_the_database_cannot_take_are_never_left_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A result kept in memory on a full disk is answered, written once the database takes
+    writes again, and past the memory budget gives way to a failure saying so (before: pushed
+    out by a burst of refused requests, its future read as pending for good and the SDK
+    polled without end). A write failing for another reason fails the future, as before."""
+    import sqlite3
+
+    from tinker_sr.server import futures as futures_mod
+    from tinker_sr.server.futures import Background, Futures
+    from tinker_sr.server.state import COMPLETE, FAILED, ServerState
+
+    state = ServerState(None)
+    futures = Futures(state, Background(), long_poll_s=1.0, max_pending_samples=8)
+    for i in range(4):
+        state.add_future(
+            f"r{i}", owner="o", session_id=None, kind="Forward", dedupe_key=f"k{i}",
+            body_hash=None, promise={"request_id": f"r{i}"},
+        )  # fmt: skip
+    real_complete, trouble = state.complete_future, {"kind": "full"}
+
+    def complete(*args: Any) -> None:
+        if trouble["kind"] == "full":
+            raise sqlite3.OperationalError("database or disk is full")
+        if trouble["kind"] == "too big":
+            raise sqlite3.DataError("string or blob too big")
+        real_complete(*args)
+
+    monkeypatch.setattr(state, "complete_future", complete)
+    monkeypatch.setattr(futures_mod, "_KEPT_RESULT_BYTES", 15)
+    futures._record("r0", (COMPLETE, "json", b'"0123456789"', None, None))
+    assert futures.lookup("r0", "o").result == b'"0123456789"'  # answered from memory
+    futures._record("r1", (COMPLETE, "json", b'"abcdefghij"', None, None))  # over the budget
+    lost = futures.lookup("r0", "o")
+    assert lost.status == FAILED and "no longer fits in memory" in (lost.error or "")
+    trouble["kind"] = "too big"
+    futures._record("r2", (COMPLETE, "json", b"{}", None, None))
+    failed = state.get_future("r2")
+    assert failed is not None and failed.status == FAILED and "DataError" in (failed.error or "")
+    trouble["kind"] = "none"  # space is back: the kept result is written at the next write
+    futures._record("r3", (COMPLETE, "json", b"{}", None, None))
+    written = state.get_future("r1")
+    assert written is not None and written.status == COMPLETE and not futures._kept
+    state.close()

@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
+from tinker_sr.user_errors import clip_message
 from tinker_sr.wire import WireError
 from tinker_sr.wire import messages as m
 
@@ -34,7 +35,12 @@ Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 """``work(promise)`` returns ``(encoding, payload)``: ``"json"`` or ``"proto"`` and the bytes."""
 
 _RECENT = 256
-_UNRECORDED = 4096
+_REFUSED_KEPT = 4096  # failed futures of requests the database could not take (small rows)
+_KEPT_RESULT_BYTES = 1 << 30  # outcomes of work done that it could not take (results)
+_LOST = (
+    "its result could not be written (out of disk space) and no longer fits in memory; free "
+    "space on the server's store and submit it again"
+)
 SLOW_ENV = "TINKER_SR_SLOW_REQUEST_S"
 _SLOW_REPEAT_S = 30.0
 
@@ -85,8 +91,12 @@ class Futures:
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
-        # Outcomes the database could not take (a full disk), kept here for their clients.
-        self._unrecorded: OrderedDict[str, FutureRow] = OrderedDict()
+        # What the database could not take (a full disk), kept here for the clients: failed
+        # futures of requests never recorded, and outcomes (results) of work done, apart, so
+        # that a burst of the first cannot push out the second; written later if space returns.
+        self._refused: OrderedDict[str, FutureRow] = OrderedDict()
+        self._kept: OrderedDict[str, FutureRow] = OrderedDict()
+        self._kept_bytes = 0
 
     def submit(
         self,
@@ -129,14 +139,14 @@ class Futures:
                 raise
             # Not run, and its future fails at once with the reason: a 507 here was retried
             # by the official SDK for up to two hours without a word to its caller.
-            self._keep(replace(row, status=FAILED, error=OUT_OF_SPACE, category="server"))
+            self._refuse(replace(row, status=FAILED, error=OUT_OF_SPACE, category="server"))
             return json_reply(promise)
         if not added:  # lost a race with an identical submission
             existing = self.state.find_future(dedupe_key)
             assert existing is not None
             return self._resubmission(existing, kind, owner, digest, dedupe_key)
-        # Only once it is recorded: a request that could not be (a full disk's 507) is not
-        # accepted, so its training number stays open for its retry, or is released as a gap.
+        # Only once it is recorded: a request that could not be (a full disk) is not accepted,
+        # so its training number is released as a gap once the client's next call arrives.
         if on_accept is not None:
             on_accept()
         self._events[rid] = asyncio.Event()
@@ -214,7 +224,7 @@ class Futures:
             if (took := time.monotonic() - started) >= slow:
                 log.info("%s %s finished in %.1f s", what, rid, took)
             self.pending_samples.discard(rid)
-            row = self._unrecorded.get(rid) or self.state.get_future(rid)
+            row = self._kept.get(rid) or self.state.get_future(rid)
             if row is not None and row.status != PENDING:
                 self._recent[rid] = row
                 while len(self._recent) > _RECENT:
@@ -247,26 +257,61 @@ class Futures:
     def _record(
         self, rid: str, outcome: tuple[str, str | None, bytes | None, str | None, str | None]
     ) -> None:
-        """Write a finished future's outcome; on a full disk, keep it in memory (with the
-        result: the work is done, and its client still gets it from this server)."""
+        """Write a finished future's outcome. One the database cannot take: on a full disk
+        kept in memory (the work is done: its client still gets it from this server); any
+        other failure is the future's, as an internal error."""
         status, encoding, payload, error, category = outcome
+        error = None if error is None else clip_message(error)
         try:
-            if status == COMPLETE:
-                self.state.complete_future(rid, encoding or "json", payload or b"")
-            else:
-                self.state.fail_future(rid, error or "", category or "server")
-        except sqlite3.OperationalError as e:
+            self._write(rid, status, encoding, payload, error, category)
+        except Exception as e:
+            if not is_out_of_space(e):
+                log.exception("request %s: its outcome could not be recorded", rid)
+                status, encoding, payload, category = FAILED, None, None, "server"
+                error = clip_message(f"internal error: recording its outcome failed: {e!r}")
+                with contextlib.suppress(Exception):
+                    self._write(rid, status, encoding, payload, error, category)
+                    return
             pending = self.state.get_future(rid)
-            if not is_out_of_space(e) or pending is None:
-                raise
-            log.error("request %s: its outcome is kept in memory only (%s)", rid, OUT_OF_SPACE)
-            self._keep(replace(pending, status=status, encoding=encoding, result=payload,
-                               error=error, category=category))  # fmt: skip
+            if pending is not None:
+                log.error("request %s: its outcome is kept in memory only (%s)", rid, OUT_OF_SPACE)
+                self._keep(replace(pending, status=status, encoding=encoding, result=payload,
+                                   error=error, category=category))  # fmt: skip
+            return
+        self._write_kept()  # the database takes writes again
+
+    def _write(self, rid: str, status: str, encoding: str | None, payload: bytes | None,
+               error: str | None, category: str | None) -> None:  # fmt: skip
+        if status == COMPLETE:
+            self.state.complete_future(rid, encoding or "json", payload or b"")
+        else:
+            self.state.fail_future(rid, error or "", category or "server")
 
     def _keep(self, row: FutureRow) -> None:
-        self._unrecorded[row.request_id] = row
-        while len(self._unrecorded) > _UNRECORDED:
-            self._unrecorded.popitem(last=False)
+        """Keep an outcome the database could not take, within `_KEPT_RESULT_BYTES`; past
+        it the oldest results give way to a failure saying so (never a future left pending)."""
+        self._kept[row.request_id] = row
+        self._kept_bytes += len(row.result or b"")
+        while self._kept_bytes > _KEPT_RESULT_BYTES and len(self._kept) > 1:
+            _, old = self._kept.popitem(last=False)
+            self._kept_bytes -= len(old.result or b"")
+            self._refuse(replace(old, status=FAILED, encoding=None, result=None, error=_LOST,
+                                 category="server"))  # fmt: skip
+
+    def _write_kept(self) -> None:
+        """Write outcomes kept in memory, oldest first, while the database takes them."""
+        for rid, row in list(self._kept.items())[:16]:
+            try:
+                self._write(rid, row.status, row.encoding, row.result, row.error, row.category)
+            except Exception:
+                return
+            del self._kept[rid]
+            self._kept_bytes -= len(row.result or b"")
+
+    def _refuse(self, row: FutureRow) -> None:
+        self._refused[row.request_id] = row
+        while len(self._refused) > _REFUSED_KEPT:
+            self._refused.popitem(last=False)
 
     def lookup(self, request_id: str, owner: str) -> FutureRow:
         """The future ``request_id`` of ``owner``; 404 for any other."""
@@ -276,8 +321,8 @@ class Futures:
         return row
 
     def _row(self, request_id: str) -> FutureRow | None:
-        found = self._recent.get(request_id) or self._unrecorded.get(request_id)
-        return found or self.state.get_future(request_id)
+        found = self._recent.get(request_id) or self._kept.get(request_id)
+        return found or self._refused.get(request_id) or self.state.get_future(request_id)
 
     def stop_waiting(self) -> None:
         """The server is shutting down: every long poll answers now (still pending: the client
