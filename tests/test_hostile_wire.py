@@ -152,7 +152,7 @@ def test_a_full_disk_is_said_as_such(
     import sqlite3
 
     from tinker_sr.backend.local import LocalBackend
-    from tinker_sr.engine.store import OUT_OF_SPACE
+    from tinker_sr.engine.store_files import OUT_OF_SPACE
     from tinker_sr.server.http import plain_error
 
     assert plain_error(sqlite3.OperationalError("database or disk is full")) == (507, OUT_OF_SPACE)
@@ -269,25 +269,36 @@ def test_a_client_that_hangs_up_mid_upload_is_not_an_internal_error(remote_serve
     assert "ClientDisconnect" not in log, log[-2000:]
 
 
+def _raw_post(base_url: str, head: bytes, pieces: list[bytes], gap_s: float = 0.0) -> bytes:
+    """``POST /api/v1/create_session`` on a raw socket: the request line, ``head`` (the rest of
+    the header block) and ``pieces`` of body ``gap_s`` apart; all that comes back until the
+    server closes the connection."""
+    import socket
+    import time
+
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-a\r\n")
+        conn.sendall(head)
+        for piece in pieces:
+            conn.sendall(piece)
+            time.sleep(gap_s)
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+    return got
+
+
 def test_a_body_that_stalls_is_answered_408_and_its_connection_freed(tmp_path: Path) -> None:
     """A client that sends the headers and a byte of its body, then nothing, held its
     connection (and a file descriptor) open for good: enough of them and the server accepts
     nobody. Now the body's wait is bounded ($TINKER_SR_BODY_STALL_S), then a 408."""
-    import socket
-
     from tinker_sr.server.http import BODY_STALL_ENV
     from tinker_sr.testing.server import running_server
 
     with running_server(tmp_path / "store", env={BODY_STALL_ENV: "1"}) as srv:
-        host, port = srv.base_url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=60) as conn:
-            conn.sendall(
-                b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-a\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
-            )
-            got = b""
-            while chunk := conn.recv(65536):  # until the server closes the connection
-                got += chunk
+        head = b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        got = _raw_post(srv.base_url, head, [b"{"])  # until the server closes the connection
         head, _, body = got.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), got
         assert b"stalled: no bytes for 1 s after 1 of 1000 bytes" in body, got
@@ -384,27 +395,17 @@ def test_a_full_disk_fails_the_official_sdks_futures_at_once_and_keeps_finished_
 def test_a_slow_but_steady_body_is_read_whole(tmp_path: Path) -> None:
     """The stall limit is between bytes, not on the whole upload: a body arriving in small
     pieces for longer than the limit is served."""
-    import socket
-    import time
-
     from tinker_sr.server.http import BODY_STALL_ENV
     from tinker_sr.testing.server import running_server
 
     body = b'{"type": "create_session", "tags": [], "user_metadata": {"k": "' + b"v" * 40 + b'"}}'
     with running_server(tmp_path / "store", env={BODY_STALL_ENV: "1"}) as srv:
-        host, port = srv.base_url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=60) as conn:
-            conn.sendall(
-                b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-a\r\n"
-                b"Connection: close\r\nContent-Type: application/json\r\n"
-                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-            )
-            for i in range(0, len(body), 16):  # ~3 s in all, 0.4 s between pieces
-                conn.sendall(body[i : i + 16])
-                time.sleep(0.4)
-            got = b""
-            while chunk := conn.recv(65536):
-                got += chunk
+        head = (
+            b"Connection: close\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        pieces = [body[i : i + 16] for i in range(0, len(body), 16)]
+        got = _raw_post(srv.base_url, head, pieces, gap_s=0.4)  # ~3 s in all
         assert got.startswith(b"HTTP/1.1 200"), got
 
 

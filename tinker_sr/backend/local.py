@@ -52,13 +52,8 @@ from tinker_sr.engine.sampler import LogprobsMode, NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
-from tinker_sr.engine.store import (
-    OUT_OF_SPACE,
-    Store,
-    default_store_dir,
-    is_out_of_space,
-    make_store_dir,
-)
+from tinker_sr.engine.store import Store, default_store_dir, make_store_dir
+from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.hf_files import is_model_dir

@@ -432,10 +432,11 @@ class CheckpointStore:
         target = self.file(run_id, segment, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        source = self.path_of(row)
         try:
-            os.link(self.path_of(row), tmp)
+            os.link(source, tmp)
         except OSError:
-            shutil.copyfile(self.path_of(row), tmp)
+            shutil.copyfile(source, tmp)
         os.replace(tmp, target)
         new_path = f"tinker://{run_id}/{row.checkpoint_id}"
         self.store.add_run(

@@ -23,18 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from tinker_sr.engine.store_files import (  # the names importers read from here
-    OUT_OF_SPACE as OUT_OF_SPACE,
-)
 from tinker_sr.engine.store_files import (
     StoreDamagedError,
     StoreUnwritableError,
-    _check_not_emptied,
-    _unwritable,
+    check_not_emptied,
     make_store_dir,
-)
-from tinker_sr.engine.store_files import (
-    is_out_of_space as is_out_of_space,
+    unwritable,
 )
 from tinker_sr.engine.usage import UsageRow, hour_bucket
 from tinker_sr.provenance.validate import SequenceRecord
@@ -185,7 +179,7 @@ class Store:
         schema is not brought up to date, and every write fails."""
         self.path = None if path is None else Path(path)
         if self.path is not None:
-            _check_not_emptied(self.path)
+            check_not_emptied(self.path)
         self._lock = threading.RLock()
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
@@ -201,7 +195,7 @@ class Store:
                 isolation_level=None,  # autocommit; explicit transactions where needed
             )
         except sqlite3.OperationalError as e:
-            if self.path is None or not _unwritable(e):
+            if self.path is None or not unwritable(e):
                 raise
             raise StoreUnwritableError(self.path.parent, e) from None
         try:
@@ -212,7 +206,7 @@ class Store:
             self._add_missing_columns()
         except sqlite3.DatabaseError as e:
             self._db.close()
-            if isinstance(e, sqlite3.OperationalError) and self.path is not None and _unwritable(e):
+            if isinstance(e, sqlite3.OperationalError) and self.path is not None and unwritable(e):
                 raise StoreUnwritableError(self.path.parent, e) from None
             if isinstance(e, sqlite3.OperationalError) or self.path is None:
                 raise  # locked, ...: said as it is

@@ -1,7 +1,7 @@
 """The store's files and what goes wrong with them: a state directory that cannot be
 written, a database that is damaged or was emptied, a full disk. Torch-free, shared by the
-engine's store (`engine.store`, which re-exports these names), the server's state and the
-command line."""
+engine's store (`engine.store`, which still exports the two errors and `make_store_dir`), the
+server's state and the command line."""
 
 from __future__ import annotations
 
@@ -68,12 +68,12 @@ def is_out_of_space(e: BaseException) -> bool:
     return False
 
 
-def _unwritable(e: sqlite3.OperationalError) -> bool:
+def unwritable(e: sqlite3.OperationalError) -> bool:
     text = str(e).lower()
     return "unable to open" in text or "readonly" in text or "read-only" in text
 
 
-def _check_not_emptied(path: Path) -> None:
+def check_not_emptied(path: Path) -> None:
     """An empty database file beside checkpoint files was cut to nothing (a crash, a full
     disk, a bad copy): opened, it would be a new, empty store that silently lists none of
     them. Refused as damaged instead (a missing file is a new store: that is asked for)."""

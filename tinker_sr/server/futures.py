@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
+from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.user_errors import clip_message
 from tinker_sr.wire import WireError

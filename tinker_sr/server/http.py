@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from tinker_sr.engine.store import OUT_OF_SPACE, is_out_of_space
+from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, clip_message

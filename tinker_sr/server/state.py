@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.engine.store import StoreDamagedError
+from tinker_sr.engine.store_files import StoreDamagedError
 from tinker_sr.user_errors import clip_message
 
 from .store_lock import StoreLock

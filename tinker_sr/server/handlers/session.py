@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tinker_sr.engine.store import is_out_of_space
+from tinker_sr.engine.store_files import is_out_of_space
 from tinker_sr.wire import messages as m
 
 from ..http import HTTPError, body_hash, error, json_reply
