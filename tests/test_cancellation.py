@@ -88,3 +88,36 @@ def test_seq_ordering_runs_a_number_whose_caller_was_cancelled() -> None:
         return ran
 
     assert asyncio.run(run()) == [1, 2, 3]
+
+
+def test_seq_ordering_stopped_starts_nothing_more_but_finishes_the_running_one() -> None:
+    """A server's shutdown (`stop_starting`): the request running finishes; one waiting its
+    turn, and one waiting for a number that never arrives (3 behind a missing 2), end at once
+    with `WorkNotStarted` instead of running or holding the shutdown."""
+    from tinker_sr.backend.base import WorkNotStarted
+
+    async def run() -> list[int]:
+        ordering, ran = SeqOrdering(), []
+        ordering.add("m")
+        gate, started = asyncio.Event(), asyncio.Event()
+
+        async def work(n: int) -> int:
+            if n == 1:
+                started.set()
+                await gate.wait()
+            ran.append(n)
+            return n
+
+        one = asyncio.ensure_future(ordering.run("m", 1, lambda: work(1)))
+        after_gap = asyncio.ensure_future(ordering.run("m", 3, lambda: work(3)))
+        await started.wait()
+        await ordering.stop_starting()
+        with pytest.raises(WorkNotStarted):
+            await asyncio.wait_for(after_gap, 5)
+        gate.set()
+        assert await one == 1
+        with pytest.raises(WorkNotStarted):
+            await asyncio.wait_for(ordering.run("m", 2, lambda: work(2)), 5)
+        return ran
+
+    assert asyncio.run(run()) == [1]

@@ -258,3 +258,62 @@ def test_a_graceful_stop_answers_open_long_polls(tmp_path: Path) -> None:
         assert "graceful shutdown exceeded" not in srv.log(), srv.log()
     finally:
         srv.stop()
+
+
+async def _small_model(url: str) -> tuple[str, str]:
+    backend = RemoteBackend(url, "tml-restart")
+    session = await backend.create_session()
+    model = await backend.create_model(
+        session, 0, base_model="tinker-sr/small", lora_config=types.LoraConfig(rank=4, seed=1)
+    )
+    await backend.aclose()
+    return session, model
+
+
+def test_a_graceful_stop_keeps_the_result_of_the_request_running(tmp_path: Path) -> None:
+    """SIGTERM while a training request runs and another waits behind it. Before: the stop
+    waited for the running one, then threw its result away, so after the restart both failed
+    as interrupted ("submit it again", though the first had run). Now the running one's result
+    is recorded, and the waiting one is not started: it alone fails as interrupted."""
+    import signal
+
+    srv = ServerProcess(
+        tmp_path / "store",
+        env={"TINKER_SR_SLOW_REQUEST_S": "0.05"},
+        extra_args=["--log-level", "info"],
+    )
+    srv.start()
+    try:
+        _, model = asyncio.run(_small_model(srv.base_url))
+        http = _http(srv.base_url)
+        ids = [i % 250 + 1 for i in range(512)]
+        heavy = types.Datum(  # 16 x 512 tokens on tinker-sr/small: seconds of work
+            model_input=types.ModelInput.from_ints(ids),
+            loss_fn_inputs={"target_tokens": [i + 1 for i in ids], "weights": [1.0] * 512},
+        )
+        rids = []
+        for seq_id in (1, 2):
+            body = proto.encode_forward_backward_request(
+                model, seq_id, [heavy] * 16, "cross_entropy", forward_only=False
+            )
+            resp = http.post(
+                "/forward_backward",
+                content=body,
+                headers={"Content-Type": "application/x-protobuf"},
+            )
+            rids.append(resp.json()["request_id"])
+        while f"{rids[0]} still running" not in srv.log():
+            time.sleep(0.02)
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=120)
+        stop_log = srv.log()
+        srv.start()
+        done = _retrieve_once_done(srv.base_url, rids[0])
+        assert done.headers["content-type"] == "application/x-protobuf", done.text
+        assert "loss:sum" in proto.decode_forward_backward_output(done.content).metrics
+        waiting = _retrieve_once_done(srv.base_url, rids[1]).json()
+        assert waiting["category"] == "server" and "restarted" in waiting["error"], waiting
+        assert "waiting for the request in progress to finish" in stop_log, stop_log
+    finally:
+        srv.stop()

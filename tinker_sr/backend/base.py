@@ -66,6 +66,12 @@ if TYPE_CHECKING:
 CloseStatus = Literal["success", "errored", "interrupted"]
 
 
+class WorkNotStarted(Exception):
+    """Raised, instead of starting it, by work a backend was told not to start any more
+    (``stop_starting``, at a server's shutdown): the request was not run, so its future stays
+    pending and the restarted server fails it as interrupted (the client submits it again)."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Async compute + state for the clients. One instance may serve many sessions."""

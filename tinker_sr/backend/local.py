@@ -1,26 +1,22 @@
 """`LocalBackend`: the embedded engine behind the `Backend` protocol.
 
-This module is the worker, the ordering and the session lifecycle; the engine work itself
-lives in `engine.registry` (models, trainers, samplers), `engine.training`,
-`engine.sampling` and `engine.checkpoint_store`.
+This module is the workers, the ordering and the session lifecycle; the engine work lives in
+`engine.registry` (models), `engine.training`, `engine.sampling`, `engine.checkpoint_store`.
 
-Torch work runs on two dedicated threads, so the caller's event loop never blocks: the
-engine worker (training, checkpoints, sessions; one request at a time, in arrival order) and
-the sampling worker (`engine.scheduler`: every in-flight sample request decodes in one batch,
-continuous batching), so an asynchronous RL loop's sampling does not wait behind training
-steps and vice versa. Every result is deterministic: a sampler decodes an immutable snapshot
-of its weights, the registry is locked, and a request's samples are bit-identical whatever
-else decodes beside it. Training requests of one model execute strictly in ``seq_id`` order,
-whatever order they arrive in. A request that fails validation raises before anything is
-mutated: weights, optimizer state, gradients, checkpoints and recorded sequences stay as they
-were.
+Torch work runs on two threads, so the caller's event loop never blocks: the engine worker
+(training, checkpoints, sessions; one request at a time, in arrival order) and the sampling
+worker (`engine.scheduler`: in-flight samples decode in one batch), so an async RL loop's
+sampling and training do not wait for each other. Results are deterministic: a sampler decodes
+an immutable snapshot of its weights, the registry is locked, and a request's samples are
+bit-identical whatever decodes beside them. A model's training requests execute strictly in
+``seq_id`` order. A request that fails validation raises before anything (weights, optimizer
+state, gradients, checkpoints, recorded sequences) is changed.
 
-Off-policy stress for studies: ``sampler_dtype="bfloat16"`` samples in bfloat16 while the
-learner stays in float32, and ``sampler_staleness=k`` gives samplers snapshotted from a training
-model (`save_weights_and_get_sampling_client`) its weights of ``k`` optimizer steps earlier, as
-asynchronous RL does (named sampler checkpoints hold the current weights); both are real. By
-default samplers keep the base model's dtype, and a Hugging Face directory loads in its
-checkpoint's dtype (``model_dtype=`` or ``$TINKER_SR_MODEL_DTYPE`` overrides it; docs/models.md).
+Off-policy stress for studies: ``sampler_dtype="bfloat16"`` samples in bfloat16 beside a
+float32 learner; ``sampler_staleness=k`` gives samplers snapshotted from a training model its
+weights of ``k`` optimizer steps earlier, as asynchronous RL does (named sampler checkpoints
+hold the current weights). By default samplers keep the base model's dtype, and an HF directory
+loads in its own (``model_dtype=`` or ``$TINKER_SR_MODEL_DTYPE``; docs/models.md).
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from tinker_sr import types, validation
+from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.backend.session_samples import SessionSamples
@@ -136,7 +133,7 @@ class LocalBackend(LocalRestQueries):
         self._session_samples = SessionSamples()
         weakref.finalize(self, self._scheduler.close, False)  # dropped unclosed: it still ends
         self._ordering = SeqOrdering(self.limits)
-        self._closed = False
+        self._closed = self._stopping = False
 
     @property
     def sampler_dtype(self) -> torch.dtype | None:
@@ -152,6 +149,8 @@ class LocalBackend(LocalRestQueries):
         loop = asyncio.get_running_loop()
 
         def call() -> T:
+            if self._stopping:
+                raise WorkNotStarted("the server is stopping")
             torch.set_num_threads(self._torch_threads)
             return fn()
 
@@ -168,7 +167,7 @@ class LocalBackend(LocalRestQueries):
             if plain:
                 raise _refused(e) from e
             raise _user(str(e)) from e
-        except RequestFailedError:
+        except (RequestFailedError, WorkNotStarted):
             raise
         except Exception as e:  # an engine bug (or a full disk): a server-side failure
             text = (
@@ -188,6 +187,12 @@ class LocalBackend(LocalRestQueries):
         for path in {str(self.store_dir.resolve()), str(self.store_dir)}:
             text = text.replace(path, "<store>")
         return text
+
+    async def stop_starting(self) -> None:
+        """At a server's shutdown: work not yet started never starts (`WorkNotStarted`), so
+        only the request running is waited for, and its result is recorded."""
+        self._stopping = True
+        await self._ordering.stop_starting()
 
     async def _in_order(self, model_id: str, seq_id: int, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker when every earlier ``seq_id`` of ``model_id`` has finished."""

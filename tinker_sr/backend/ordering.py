@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.futures import run_to_the_end
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineUserError
@@ -47,6 +48,16 @@ class SeqOrdering:
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self._orders: dict[str, _Order] = {}
         self._limits = limits
+        self._stopped = False
+
+    async def stop_starting(self) -> None:
+        """From now on a waiting request does not run: it raises `WorkNotStarted` (at once,
+        also one waiting for a number that has not arrived); the one running is unaffected."""
+        self._stopped = True
+        for order in list(self._orders.values()):
+            cond = order.condition()
+            async with cond:
+                cond.notify_all()
 
     def add(self, model_id: str) -> None:
         self._orders[model_id] = _Order()
@@ -77,7 +88,9 @@ class SeqOrdering:
                 )
             # A number far ahead could only wait forever for the ones in between.
             self._limits.check_seq_ahead(model_id, seq_id, order.next_seq)
-            await cond.wait_for(lambda: order.next_seq == seq_id)
+            await cond.wait_for(lambda: self._stopped or order.next_seq == seq_id)
+            if self._stopped:
+                raise WorkNotStarted(f"{model_id} seq_id {seq_id}")
         try:
             return await fn()
         finally:

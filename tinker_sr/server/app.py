@@ -158,6 +158,11 @@ class TinkerServer:
                     log.exception("pruning old futures failed")
 
     async def shutdown(self) -> None:
+        stop_starting = getattr(self.backend, "stop_starting", None)
+        if self.close_backend and stop_starting is not None:  # a backend of its own
+            self.futures.stop_waiting()
+            await stop_starting()
+            await self.futures.finish_running()
         await self.background.cancel_all()
         if self.close_backend:
             await self.backend.aclose()

@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.user_errors import clip_message
@@ -60,10 +61,11 @@ class Background:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def cancel_all(self) -> None:
         for task in list(self._tasks):
@@ -88,6 +90,7 @@ class Futures:
         self.max_pending_samples = max_pending_samples
         self.pending_samples: set[str] = set()  # request ids of asample work not yet done
         self._events: dict[str, asyncio.Event] = {}
+        self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}  # rid -> (kind, task)
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
@@ -152,7 +155,9 @@ class Futures:
         self._events[rid] = asyncio.Event()
         if kind == "Sample":
             self.pending_samples.add(rid)
-        self.background.spawn(self._execute(rid, work, promise, kind))
+        task = self.background.spawn(self._execute(rid, work, promise, kind))
+        self._running[rid] = (kind, task)
+        task.add_done_callback(lambda _: self._running.pop(rid, None))
         return json_reply(promise)
 
     def check_sample_capacity(self, dedupe_key: str) -> None:
@@ -218,7 +223,8 @@ class Futures:
         slow = slow_request_s()
         watch = asyncio.ensure_future(self._report_slow(rid, what, started, slow))
         try:
-            self._record(rid, await self._outcome(rid, work, promise))
+            if (outcome := await self._outcome(rid, work, promise)) is not None:
+                self._record(rid, outcome)
         finally:
             watch.cancel()
             if (took := time.monotonic() - started) >= slow:
@@ -235,11 +241,15 @@ class Futures:
 
     async def _outcome(
         self, rid: str, work: Work, promise: dict[str, Any]
-    ) -> tuple[str, str | None, bytes | None, str | None, str | None]:
-        """``work``'s result as (status, encoding, payload, error, category)."""
+    ) -> tuple[str, str | None, bytes | None, str | None, str | None] | None:
+        """``work``'s result as (status, encoding, payload, error, category); None: the
+        server is stopping and did not start it (it stays pending, failed at the next start
+        as interrupted, so the client submits it again)."""
         try:
             encoding, payload = await work(promise)
             return COMPLETE, encoding, payload, None, None
+        except WorkNotStarted:
+            return None
         except RequestFailedError as e:
             return FAILED, None, None, strip_prefix(e.message), str(e.category)
         except WireError as e:
@@ -323,6 +333,22 @@ class Futures:
     def _row(self, request_id: str) -> FutureRow | None:
         found = self._recent.get(request_id) or self._kept.get(request_id)
         return found or self._refused.get(request_id) or self.state.get_future(request_id)
+
+    async def finish_running(self) -> None:
+        """At shutdown, once the backend starts no more work (``stop_starting``): samples are
+        cancelled (they change nothing and are cheap to redo), and the rest awaited: the
+        request running finishes and its result is recorded, so a client retrieves it after
+        the restart; before, it was waited for and then thrown away. Those not started end at
+        once (`WorkNotStarted`) and stay pending."""
+        waiting = []
+        for kind, task in list(self._running.values()):
+            if kind == "Sample":
+                task.cancel()
+            else:
+                waiting.append(task)
+        if waiting:
+            log.info("stopping: waiting for the request in progress to finish, to keep its result")
+        await asyncio.gather(*waiting, return_exceptions=True)
 
     def stop_waiting(self) -> None:
         """The server is shutting down: every long poll answers now (still pending: the client
