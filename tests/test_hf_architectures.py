@@ -58,6 +58,16 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.manual_seed(4)
         AutoModelForCausalLM.from_config(config).save_pretrained(linear)
     out["llama-linear"] = linear
+    # YaRN whose original context is also at the top level (Phi-3's place), where it wins.
+    yarn = root / "llama-yarn-top"
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(6)
+        AutoModelForCausalLM.from_config(config).save_pretrained(yarn)
+    hf = json.loads((yarn / "config.json").read_text())
+    hf["original_max_position_embeddings"] = 64
+    (yarn / "config.json").write_text(json.dumps(hf))
+    out["llama-yarn-top"] = yarn
     # hidden_size not a multiple of the heads: Qwen2's head_dim is the floor, 66 // 4 = 16.
     floor = root / "qwen2-floor-head"
     with torch.random.fork_rng(devices=[]):
@@ -84,7 +94,16 @@ def _hf_logits(root: Path, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "mistral", "llama-bias", "llama-linear", "qwen3_moe", "qwen2-floor-head"]
+    "family",
+    [
+        "qwen2",
+        "mistral",
+        "llama-bias",
+        "llama-linear",
+        "llama-yarn-top",
+        "qwen3_moe",
+        "qwen2-floor-head",
+    ],
 )
 def test_logits_match_transformers(dirs: dict[str, Path], family: str) -> None:
     ours = load_model_dir(dirs[family])
@@ -435,6 +454,22 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3 with YaRN": {"model_type": "qwen3", **_WIDE, "max_position_embeddings": 131072,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                          "original_max_position_embeddings": 32768}},
+    # Phi-3's place for the original context: top-level, over the rope dict's (it was ignored).
+    "yarn, original context top-level": {"model_type": "llama", "max_position_embeddings": 1024,
+        "original_max_position_embeddings": 64, "rope_scaling": {"rope_type": "yarn",
+        "factor": 4.0, "original_max_position_embeddings": 256}},
+    "yarn, original context top-level only": {"model_type": "qwen3", **_WIDE,
+        "max_position_embeddings": 1024, "original_max_position_embeddings": 64,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    "llama3, original context top-level": {"model_type": "llama", "rope_scaling": _LLAMA3,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 2048},
+    # transformers 5 writes a partial_rotary_factor of 1 into rope_parameters (was refused).
+    "partial rotary 1 in parameters": {"model_type": "llama", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+    # Qwen3-VL's text configs have defaults of their own (Qwen3's were taken).
+    "qwen3_vl_text defaults": {"model_type": "qwen3_vl_text", **_WIDE},
+    "qwen3_vl_moe_text defaults": {"model_type": "qwen3_vl_moe_text", "hidden_size": 256,
+        "num_attention_heads": 16},
 }  # fmt: skip
 
 
@@ -448,6 +483,9 @@ def test_configs_read_as_transformers_reads_them(case: str) -> None:
     hf = {**_SIZES, **REAL_CONFIGS[case]}
     ours = config_from_hf(hf, case)
     theirs = CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
+    # Again, as the model's rotary embedding does: then a top-level original context (Phi-3's
+    # place for it) replaces the rope dict's.
+    theirs.standardize_rope_params()
     rope = theirs.rope_parameters
     head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
     assert ours.head_dim == head_dim
@@ -462,9 +500,10 @@ def test_configs_read_as_transformers_reads_them(case: str) -> None:
         window = None
     expected = theirs.max_position_embeddings
     assert ours.max_seq_len == (expected if window is None else min(expected, window))
-    assert ours.tie_embeddings == theirs.tie_word_embeddings
+    if "vl" not in hf["model_type"]:  # Qwen3-VL's wrapper config decides (`text_config`)
+        assert ours.tie_embeddings == theirs.tie_word_embeddings
     assert ours.attention_bias == (hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")))
-    if hf["model_type"] == "qwen3_moe":  # which layers are sparse, as transformers decides
+    if "moe" in hf["model_type"]:  # which layers are sparse, as transformers decides
         sparse = tuple(
             i for i in range(theirs.num_hidden_layers)
             if i not in theirs.mlp_only_layers and (i + 1) % theirs.decoder_sparse_step == 0
@@ -472,7 +511,8 @@ def test_configs_read_as_transformers_reads_them(case: str) -> None:
         assert ours.moe_layers == sparse and ours.n_experts == theirs.num_experts
         assert ours.experts_per_token == theirs.num_experts_per_tok
         assert ours.moe_ffn_dim == theirs.moe_intermediate_size
-        assert ours.norm_topk_prob == theirs.norm_topk_prob
+        # Qwen3-VL-MoE's router always renormalises (its config has no flag).
+        assert ours.norm_topk_prob == getattr(theirs, "norm_topk_prob", True)
 
 
 def test_a_tied_head_stored_anyway_loads_as_transformers_loads_it(

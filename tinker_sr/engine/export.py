@@ -31,7 +31,8 @@ from torch import Tensor
 
 from tinker_sr.engine import gpt_oss
 from tinker_sr.engine.checkpoints import read_record, save_tensors
-from tinker_sr.engine.hf_config import QWEN3_VL, config_to_hf, vl_wrapper
+from tinker_sr.engine.hf_config import config_to_hf
+from tinker_sr.engine.hf_vl import QWEN3_VL, vl_wrapper
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
 from tinker_sr.engine.lora import (
     LoraSpec,

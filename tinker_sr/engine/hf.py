@@ -28,7 +28,8 @@ import torch
 from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory
-from tinker_sr.engine.hf_config import config_from_hf, vl_wrapper
+from tinker_sr.engine.hf_config import config_from_hf
+from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
 from tinker_sr.engine.skeleton import on_meta
 from tinker_sr.hf_files import is_model_dir, read_json

@@ -17,7 +17,7 @@ of the checkpoint must land in the model.
 | GptOssForCausalLM | no | ``attention_bias`` (absent: yes) | as q/k/v | per ``layer_types``, exact |
 
 Qwen3.5 (and Qwen3.5-MoE) come as vision-language wrappers whose ``text_config`` is read
-(`_text_config`); their hybrid fields are `_qwen3_5`'s (see `tinker_sr.engine.hybrid`).
+(`tinker_sr.engine.hf_vl.text_config`); their hybrid fields are `_qwen3_5`'s (see `tinker_sr.engine.hybrid`).
 
 Qwen3-MoE's feed-forward is sparse in the layers ``decoder_sparse_step`` and ``mlp_only_layers``
 select (`_moe`); its router's auxiliary load-balancing loss (``router_aux_loss_coef``) is a
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from tinker_sr.engine import gpt_oss
+from tinker_sr.engine.hf_vl import QWEN3_VL_TEXT, text_config
 from tinker_sr.engine.hybrid import LAYER_KINDS
 from tinker_sr.engine.model import ModelConfig, rope_inv_freq
 from tinker_sr.user_errors import EngineUserError
@@ -90,18 +91,6 @@ MOE = "Qwen3MoeForCausalLM"
 QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 QWEN3_5_FAMILY = (QWEN3_5, QWEN3_5_MOE)
-# Qwen3.5 as the Hub ships it: a vision-language model whose text model is Qwen3_5ForCausalLM
-# (config.json's text_config; the vision tower's and multi-token-prediction weights unused):
-# model_type -> (the wrapper's architecture, the text model's architecture and model_type).
-VL_WRAPPERS = {
-    "qwen3_5": ("Qwen3_5ForConditionalGeneration", QWEN3_5, "qwen3_5_text"),
-    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, "qwen3_5_moe_text"),
-    # Qwen3-VL: a Qwen3 (dense or MoE) text model whose multimodal RoPE is plain RoPE on text.
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM", "qwen3_vl_text"),
-    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", MOE, "qwen3_vl_moe_text"),
-}
-QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")
-QWEN3_VL_TEXT = ("qwen3_vl_text", "qwen3_vl_moe_text")
 # Qwen3.5's RoPE: multimodal sections (positions equal across them for text, so the same
 # rotation as plain RoPE) and the fraction of each head rotated.
 QWEN3_5_ROPE_KEYS = {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
@@ -137,7 +126,9 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch_name: str) -> None:
             f"{name}: config.json mlp_bias=true is not supported (feed-forward projections "
             "without bias only)"
         )
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     partial = hf.get("partial_rotary_factor", 1.0)
+    partial = rope.get("partial_rotary_factor", partial) if isinstance(rope, dict) else partial
     if partial != 1.0 and arch_name not in QWEN3_5_FAMILY:
         raise EngineUserError(
             f"{name}: config.json partial_rotary_factor={partial!r} is not supported (RoPE "
@@ -182,6 +173,7 @@ def _rope(
     """(rope_theta, scaling pairs or None) as transformers 5 reads them: ``rope_scaling`` (4.x's
     key) over ``rope_parameters``, theta inside them over the top-level ``rope_theta``."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    extra |= {"partial_rotary_factor"}  # checked by `_refuse_unsupported` or `_qwen3_5`
     if not isinstance(rope, dict):
         raise EngineUserError(
             f"{name}: config.json rope_scaling / rope_parameters {rope!r} must be an object"
@@ -209,7 +201,10 @@ def _rope(
     _number(scaling, "factor", f"{name}: rope_scaling")
     if kind == "linear":
         return rope_theta, tuple(sorted(scaling.items()))
-    scaling.setdefault("original_max_position_embeddings", context)  # as transformers
+    # As transformers 5: a top-level value (Phi-3's place for it) over the one in the dict.
+    if hf.get("original_max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    scaling.setdefault("original_max_position_embeddings", context)
     if kind == "yarn":
         if rope_theta <= 1:  # its ramp divides by log(theta)
             raise EngineUserError(f"{name}: config.json rope_theta={theta!r} must be above 1")
@@ -320,7 +315,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     """`ModelConfig` of a checkpoint's config.json, as transformers 5 would build the model
     (its defaults for absent fields); `EngineUserError` naming the field for anything the
     engine cannot compute exactly."""
-    hf = _text_config(hf, name)
+    hf = text_config(hf, name)
     arch_name = _architecture(hf, name)
     arch = ARCHITECTURES[arch_name]
     if arch_name == gpt_oss.ARCH:
@@ -342,10 +337,8 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         bias = True  # transformers' GptOssConfig default
     context = _count(hf, "max_position_embeddings", name, arch.context)
     extra: frozenset[str] = frozenset()
-    if arch_name in QWEN3_5_FAMILY:
-        extra = frozenset(QWEN3_5_ROPE_KEYS)
-    elif hf.get("model_type") in QWEN3_VL_TEXT:  # mrope: on text, the same rotation as RoPE
-        extra = frozenset(QWEN3_5_ROPE_KEYS - {"partial_rotary_factor"})
+    if arch_name in QWEN3_5_FAMILY or hf.get("model_type") in QWEN3_VL_TEXT:
+        extra = frozenset(QWEN3_5_ROPE_KEYS)  # mrope: on text, the same rotation as RoPE
     rope_theta, scaling = _rope(hf, name, context, extra)
     window = _window(hf, arch, n_layers, name)
     config = ModelConfig(
@@ -380,61 +373,6 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
             "rotary frequencies that are not finite and positive; fix config.json"
         )
     return config
-
-
-def vl_wrapper(hf: dict[str, Any]) -> str | None:
-    """The `VL_WRAPPERS` kind a config.json names (by model_type, else architectures[0]):
-    a vision-language checkpoint whose text model lives under ``model.language_model.``."""
-    model_type = hf.get("model_type")
-    if isinstance(model_type, str) and model_type in VL_WRAPPERS:
-        return model_type
-    first = _first_architecture(hf)
-    return next((kind for kind, (wrapper, _, _) in VL_WRAPPERS.items() if wrapper == first), None)
-
-
-def _first_architecture(hf: dict[str, Any]) -> str | None:
-    archs = hf.get("architectures")
-    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-
-
-def _text_config(hf: dict[str, Any], name: str) -> dict[str, Any]:
-    """A vision-language wrapper's (Qwen3.5's, Qwen3-VL's) text model config, as transformers
-    builds the text model from the wrapper; other configs as they are."""
-    kind = vl_wrapper(hf)
-    if kind is None:
-        return hf
-    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
-    if model_type is not None and model_type != kind:  # found by architectures[0]
-        raise EngineUserError(
-            f"{name}: config.json model_type {model_type!r} contradicts architectures "
-            f"{archs!r}; make them agree"
-        )
-    first = _first_architecture(hf)
-    wrapper, arch, text_type = VL_WRAPPERS[kind]
-    if first is not None and first != wrapper:
-        raise EngineUserError(
-            f"{name}: config.json model_type {kind!r} (built as {wrapper}) contradicts "
-            f"architectures {archs!r}; make them agree"
-        )
-    text = hf.get("text_config")
-    if not isinstance(text, dict):
-        raise EngineUserError(
-            f"{name}: config.json model_type {kind!r} needs a text_config object "
-            f"(the text model's config), got {text!r}"
-        )
-    out = dict(text)
-    if "quantization_config" in hf:  # the wrapper's: it quantizes the text model too
-        out.setdefault("quantization_config", hf["quantization_config"])
-    out.setdefault("model_type", text_type)
-    out["architectures"] = [arch]
-    # Qwen3-VL's wrapper decides (transformers ties by the top-level flag; the text config's
-    # own may disagree); Qwen3.5's text config, where it says.
-    if "tie_word_embeddings" in hf and ("tie_word_embeddings" not in text or kind in QWEN3_VL):
-        out["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    for key in ("dtype", "torch_dtype"):
-        if key in hf and key not in out:
-            out[key] = hf[key]
-    return out
 
 
 def _qwen3_5(hf: dict[str, Any], name: str, n_layers: int, head_dim: int) -> dict[str, Any]:
@@ -540,6 +478,8 @@ def _moe(hf: dict[str, Any], name: str, n_layers: int, experts: int = 128) -> di
         raise EngineUserError(
             f"{name}: config.json num_experts and num_local_experts differ ({counts}); keep one"
         )
+    if hf.get("model_type") == "qwen3_vl_moe_text":
+        experts = 60  # its config's default
     n_experts = _count({"num_experts": next(iter(counts.values()), experts)}, "num_experts", name)
     if n_experts > MAX_EXPERTS:  # each expert is three modules per layer, even on meta
         raise EngineUserError(
