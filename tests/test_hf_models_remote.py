@@ -185,3 +185,31 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
         refused = service.create_sampling_client(base_model=str(bad)).result()
         refused.sample(prompt, 1, params).result()
     service.close("success").result()
+
+
+def test_a_builtin_models_tokenizer_needs_no_tokenizers_package(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server names a built-in model's byte-level tokenizer as a directory on its own disk
+    (for the official SDK, which loads it with transformers). The tinker_sr client loaded that
+    directory with `tokenizers`, which is not a run-time dependency: on a plain install
+    `get_tokenizer()` failed (so did `tinker-sr demo --base-url`), and against a server on
+    another machine it failed anyway. It is now the built-in tokenizer, with neither package."""
+    import sys
+
+    from tinker_sr.clients.tokenizers import load_tokenizer
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    load_tokenizer.cache_clear()
+    try:
+        service = tinker_sr.ServiceClient(base_url=server.base_url, api_key="tml-test")
+        training = _ready(service.create_lora_training_client(base_model="tinker-sr/tiny", rank=2))
+        assert training.get_info().model_data.tokenizer_id.endswith("/tokenizers/byte-level")
+        assert training.get_tokenizer().encode("hi there") == ByteTokenizer().encode("hi there")
+        # A server on another machine (its directory is not here), serving an alias of one.
+        elsewhere = load_tokenizer("Qwen/Qwen3-8B", "/srv/other/store/tokenizers/byte-level")
+        assert isinstance(elsewhere, ByteTokenizer)
+        service.close().result()
+    finally:
+        load_tokenizer.cache_clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,3 +180,34 @@ def test_cookbook_renderers_work_offline(renderer_name: str, tinker_mock: Any) -
         message, _ = renderer.parse_response(seq.tokens)
         assert message["role"] == "assistant"
     service.close("success").result()
+
+
+def test_loading_the_plugin_imports_no_tinker_sr(tmp_path: Path) -> None:
+    """pytest loads every installed plugin in every project. The plugin lived in the tinker_sr
+    package, so an unrelated project's tests ran with tinker_sr imported: its engine's
+    environment set (OMP_WAIT_POLICY=PASSIVE, bounded oneDNN caches) and ~0.6 s more start-up.
+    Now the plugin imports nothing of tinker_sr until a test uses one of its fixtures."""
+    import os
+    import subprocess
+    import sys
+
+    engine_env = ("OMP_WAIT_POLICY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    (tmp_path / "test_other_project.py").write_text(
+        "import os, sys\n\n"
+        "def test_untouched():\n"
+        "    assert 'tinker_sr' not in sys.modules\n"
+        f"    assert not any(k in os.environ for k in {engine_env!r})\n\n"
+        "def test_the_plugin_is_loaded(tinker_sr_store):\n"
+        "    assert tinker_sr_store.name\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in engine_env}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout

@@ -281,3 +281,27 @@ def test_the_official_sdks_objects_given_to_tinker_sr_clients_say_how_to_mix_the
     finally:
         service.close().result()
         backend.close()
+
+
+def test_started_interpreters_get_only_the_hook_ahead_of_their_path(tmp_path: Path) -> None:
+    """The folder holding tinker_sr (site-packages, when installed) went on the program's
+    PYTHONPATH too, ahead of every started interpreter's own standard library and packages: a
+    child of another virtualenv imported this one's pydantic and numpy, one of another Python
+    version failed in sitecustomize. Now only the hook goes first, and a hook found twice on
+    the path (a symlinked copy) no longer recurses until RecursionError."""
+    write(tmp_path / "show.py", 'import os\nprint("PP=" + os.environ["PYTHONPATH"])\n')
+    proc = run(tmp_path, [str(tmp_path / "show.py")])
+    assert proc.returncode == 0, proc.stderr
+    given = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    hook = str(REPO / "tinker_sr" / "_as_tinker")
+    assert f"PP={hook}{os.pathsep}{given}" in proc.stdout.splitlines()
+
+    (tmp_path / "hook-link").symlink_to(hook)
+    env = {**os.environ, "TINKER_SR_AS_TINKER": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([hook, str(tmp_path / "hook-link"), str(REPO)])
+    code = "import tinker, tinker_sr; print(tinker.ServiceClient is tinker_sr.ServiceClient)"
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0 and child.stdout.split() == ["True"], child.stderr[-2000:]
+    assert "RecursionError" not in child.stderr

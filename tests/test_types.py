@@ -839,3 +839,24 @@ def test_custom_loss_input_rank_is_0_1_or_2() -> None:
 
 def test_model_id_is_str() -> None:
     assert T.ModelID is str
+
+
+def test_no_type_warns_of_its_model_fields_on_older_pydantic() -> None:
+    """``pydantic>=2.5`` is declared; before 2.10, a field named ``model_*`` (``model_id``,
+    ``model_path``) warned "has conflict with protected namespace 'model_'" unless its class
+    cleared the namespaces. Six classes did not: ``import tinker_sr`` warned six times and
+    failed under ``-W error``. The two bases clear them now, for every type."""
+    import inspect
+
+    import pydantic
+
+    from tinker_sr import types as t
+
+    models = [
+        c for _, c in inspect.getmembers(t, inspect.isclass) if issubclass(c, pydantic.BaseModel)
+    ]
+    assert len(models) > 50
+    fielded = [c for c in models if any(f.startswith("model_") for f in c.model_fields)]
+    assert fielded  # e.g. CreateModelResponse.model_id
+    for cls in models:
+        assert cls.model_config.get("protected_namespaces") == (), cls.__name__

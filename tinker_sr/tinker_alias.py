@@ -208,12 +208,20 @@ def install_as_tinker() -> None:
 
 def _alias_started_interpreters() -> None:
     """Make interpreters the program starts (subprocesses, multiprocessing spawn workers) alias
-    tinker too: through ``_as_tinker/sitecustomize.py``, first on their ``PYTHONPATH``."""
+    tinker too: through ``_as_tinker/sitecustomize.py``, first on their ``PYTHONPATH``.
+
+    Only the hook goes there. The folder holding tinker_sr (site-packages, when installed)
+    went too, ahead of every started interpreter's own standard library and packages: a child
+    of another virtualenv ran on this one's packages, and one of another Python version got
+    import errors. The hook adds that folder last, for this Python version only, and only
+    where the child cannot import tinker_sr itself."""
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hook = os.path.join(package_parent, "tinker_sr", "_as_tinker")
     rest = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, package_parent, rest]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, rest]))
     os.environ["TINKER_SR_AS_TINKER"] = "1"
+    os.environ["TINKER_SR_AS_TINKER_PATH"] = package_parent
+    os.environ["TINKER_SR_AS_TINKER_PY"] = "{}.{}".format(*sys.version_info[:2])
 
 
 class LaunchError(Exception):

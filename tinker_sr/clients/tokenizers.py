@@ -4,7 +4,9 @@ missing (never a stand-in).
 - Embedded engine: the backend's tokenizer of the model (aliases resolved): the byte-level
   tokenizer for built-ins, the directory's tokenizer for a Hugging Face model.
 - Remote service: like the official SDK, the service's ``tokenizer_id`` (training clients; a
-  sampling client made from one inherits it), else a name derived from the base model; it is
+  sampling client made from one inherits it), else a name derived from the base model. The
+  byte-level directory a tinker_sr server names for its built-in models is the built-in
+  tokenizer (no `tokenizers` package or access to the server's disk needed); other ids are
   loaded from a local directory or the Hugging Face cache when there, else through
   ``transformers.AutoTokenizer.from_pretrained`` as the SDK does (which may download).
 """
@@ -38,11 +40,17 @@ def sdk_tokenizer_id(model_name: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def load_tokenizer(model_name: str, tokenizer_id: str | None) -> Any:
-    from tinker_sr.tokenization.byte import BYTE_TOKENIZER_MODELS, ByteTokenizer
+    from tinker_sr.tokenization.byte import (
+        BYTE_TOKENIZER_MODELS,
+        ByteTokenizer,
+        is_served_byte_tokenizer,
+    )
     from tinker_sr.tokenization.hf import load_hf_tokenizer
 
     if tokenizer_id is None and model_name.split(":")[0] in BYTE_TOKENIZER_MODELS:
         return ByteTokenizer()
+    if tokenizer_id is not None and is_served_byte_tokenizer(tokenizer_id):
+        return ByteTokenizer()  # a tinker_sr server's built-in model (or an alias of one)
     ident = (tokenizer_id.split(":")[0] if tokenizer_id else None) or sdk_tokenizer_id(model_name)
     local = resolve_model_dir(ident, TOKENIZER_FILES)
     if local is not None:

@@ -47,13 +47,14 @@ class TokenizerIds:
     def _byte_tokenizer(self) -> str:
         with self._lock:
             if self._byte_dir is None:
-                from tinker_sr.tokenization.byte import write_hf_tokenizer_dir
+                from tinker_sr.tokenization import byte
 
                 root = self.store_dir / "tokenizers" if self.store_dir is not None else None
                 if root is None or ":" in str(root.resolve()):
                     # The SDK cuts tokenizer ids at the first ':'; use a path without one.
-                    root = Path(tempfile.mkdtemp(prefix="tinker-sr-tokenizers-"))
-                path = root.resolve() / "byte-level"
-                write_hf_tokenizer_dir(path)
+                    root = Path(tempfile.mkdtemp(prefix=byte.SERVED_TEMP_PREFIX))
+                path = root.resolve() / byte.SERVED_DIR_NAME
+                assert byte.is_served_byte_tokenizer(str(path)), path  # the clients know it
+                byte.write_hf_tokenizer_dir(path)
                 self._byte_dir = str(path)
             return self._byte_dir

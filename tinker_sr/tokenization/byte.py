@@ -23,6 +23,21 @@ SPECIAL_TOKENS = (BOS, EOS, PAD)
 # The built-in models (`tinker_sr.engine.model.BUILTIN_CONFIGS`), every one on this tokenizer:
 # named here so the clients' get_tokenizer() knows them without importing the engine.
 BYTE_TOKENIZER_MODELS = ("tinker-sr/tiny", "tinker-sr/small")
+# Where a server writes this tokenizer as a directory for the official SDK (its tokenizer id
+# for a built-in model): <store>/tokenizers/byte-level, else a temporary tinker-sr-tokenizers-*.
+SERVED_DIR_NAME, SERVED_TEMP_PREFIX = "byte-level", "tinker-sr-tokenizers-"
+
+
+def is_served_byte_tokenizer(tokenizer_id: str) -> bool:
+    """Whether a service's tokenizer id is the byte-level directory a tinker_sr server writes
+    (`write_hf_tokenizer_dir`) for its built-in models, wherever that server runs: this
+    tokenizer, with no `tokenizers` package and no access to the server's disk needed."""
+    parts = tokenizer_id.replace("\\", "/").rstrip("/").split("/")
+    return (
+        len(parts) >= 2
+        and parts[-1] == SERVED_DIR_NAME
+        and (parts[-2] == "tokenizers" or parts[-2].startswith(SERVED_TEMP_PREFIX))
+    )
 
 
 _SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")

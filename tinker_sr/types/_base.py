@@ -11,7 +11,7 @@ __all__ = ["StrictBase", "BaseModel"]
 class StrictBase(pydantic.BaseModel):
     """Request-side types: an unknown field is a user mistake, so reject it early."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
     def __str__(self) -> str:
         return repr(self)
@@ -20,7 +20,7 @@ class StrictBase(pydantic.BaseModel):
 class BaseModel(pydantic.BaseModel):
     """Response-side types: ignore unknown fields so a newer server does not break us."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", protected_namespaces=())
 
     def __str__(self) -> str:
         return repr(self)

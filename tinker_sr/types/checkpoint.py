@@ -6,8 +6,6 @@ from datetime import datetime
 from typing import Literal, TypeAlias
 from urllib.parse import quote
 
-from pydantic import ConfigDict
-
 from ._base import BaseModel, StrictBase
 from .optimizer import AdamOptimizerConfig, OptimizerConfig
 
@@ -157,8 +155,6 @@ class SaveWeightsExternalResponse(BaseModel):
 
 
 class LoadWeightsResponse(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-
     path: str | None = None
     model_id: str | None = None
     type: Literal["load_weights"] | None = None

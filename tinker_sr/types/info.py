@@ -5,8 +5,6 @@ from __future__ import annotations
 from enum import StrEnum, auto
 from typing import Literal, TypeAlias
 
-from pydantic import ConfigDict
-
 from ._base import BaseModel, StrictBase
 from .optimizer import AdamOptimizerConfig, OptimizerConfig
 from .training import ModelID
@@ -23,8 +21,6 @@ __all__ = [
 
 
 class ModelData(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-
     arch: str | None = None
     model_name: str | None = None
     tokenizer_id: str | None = None
@@ -32,8 +28,6 @@ class ModelData(BaseModel):
 
 
 class GetInfoResponse(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-
     type: Literal["get_info"] | None = None
     model_data: ModelData
     model_id: ModelID
@@ -44,8 +38,6 @@ class GetInfoResponse(BaseModel):
 
 
 class SupportedModel(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-
     model_name: str | None = None
     max_context_length: int | None = None
     trainable: bool | None = None

@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Annotated, Any, Literal, TypeAlias
 
 import numpy as np
-from pydantic import ConfigDict, PlainSerializer, PlainValidator
+from pydantic import PlainSerializer, PlainValidator
 
 from ._base import BaseModel, StrictBase
 from .model_input import ModelInput
@@ -79,8 +79,6 @@ TensorDataField: TypeAlias = Annotated[
 
 
 class SampleRequest(StrictBase):
-    model_config = ConfigDict(protected_namespaces=())
-
     num_samples: int = 1
     prompt: ModelInput
     sampling_params: SamplingParams

@@ -8,7 +8,6 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import (
     AliasChoices,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
@@ -63,8 +62,6 @@ class ForwardBackwardOutput:
 
 
 class OptimStepRequest(StrictBase):
-    model_config = ConfigDict(protected_namespaces=())
-
     optim_params: OptimParams = Field(
         validation_alias=AliasChoices("optim_params", "adam_params", "optimizer_params")
     )
