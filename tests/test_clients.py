@@ -383,6 +383,33 @@ def test_training_requests_pending_at_close_fail_naming_the_closed_session(
         assert "belongs to finished session" in text and tc.model_id in text, text
 
 
+def test_a_training_request_reaching_the_engine_after_its_session_closed_says_so(
+    tmp_path: object,
+) -> None:
+    """The deterministic form of the race above: a request that reaches the engine only after
+    its session closed (on a busy machine, one of the twelve) failed as "unknown model_id ...;
+    create a training client first", for a model that existed. It now names the finished
+    session, as requests already waiting do."""
+    from tinker_sr.backend.local import LocalBackend
+
+    async def run() -> str:
+        backend = LocalBackend(str(tmp_path))
+        try:
+            session = await backend.create_session()
+            model = await backend.create_model(
+                session, 0, base_model=MODEL, lora_config=types.LoraConfig(rank=4, seed=0)
+            )
+            await backend.close_session(session, "success")
+            with pytest.raises(tinker.RequestFailedError) as e:
+                await backend.forward_backward(model, 1, [sft_datum(b"late")], "cross_entropy")
+            assert model in str(e.value)
+            return str(e.value)
+        finally:
+            await backend.aclose()
+
+    assert "belongs to finished session" in asyncio.run(run())
+
+
 def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.ServiceClient) -> None:
     import torch
 

@@ -25,7 +25,7 @@ import asyncio
 import os
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ import torch
 
 from tinker_sr import types, validation
 from tinker_sr.backend.base import WorkNotStarted
+from tinker_sr.backend.local_errors import mapped, refused, user_error
 from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.backend.session_samples import SessionSamples
@@ -50,9 +51,8 @@ from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, 
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import Store, default_store_dir, make_store_dir
-from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.engine.usage import RateCard
-from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
+from tinker_sr.errors import APIStatusError, refusal
 from tinker_sr.hf_files import is_model_dir
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -60,19 +60,6 @@ from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]
 
 T = TypeVar("T")
-
-
-def _user(msg: str) -> RequestFailedError:
-    return RequestFailedError(
-        f"Request failed: {msg}",
-        request_id=uuid.uuid4().hex,
-        category=types.RequestErrorCategory.User,
-    )
-
-
-def _refused(e: EngineUserError) -> APIStatusError:
-    """The refusal a server answers a plain call with: 404 for something unknown, else 400."""
-    return refusal(404 if isinstance(e, EngineNotFoundError) else 400, str(e))
 
 
 class LocalBackend(LocalRestQueries):
@@ -154,39 +141,11 @@ class LocalBackend(LocalRestQueries):
             torch.set_num_threads(self._torch_threads)
             return fn()
 
-        return await self._mapped(loop.run_in_executor(self._executor, call), plain=plain)
+        return await mapped(loop.run_in_executor(self._executor, call), self.store_dir, plain=plain)
 
     async def _on_sampler(self, future: Future[T]) -> T:
         """Await work of the sampling worker; map engine errors to Tinker errors."""
-        return await self._mapped(asyncio.wrap_future(future))
-
-    async def _mapped(self, work: Awaitable[T], *, plain: bool = False) -> T:
-        try:
-            return await work
-        except EngineUserError as e:
-            if plain:
-                raise _refused(e) from e
-            raise _user(str(e)) from e
-        except (RequestFailedError, WorkNotStarted):
-            raise
-        except Exception as e:  # an engine bug (or a full disk): a server-side failure
-            text = (
-                OUT_OF_SPACE
-                if is_out_of_space(e)
-                else f"internal error: {type(e).__name__}: {self._hide_paths(e)}"
-            )
-            raise RequestFailedError(
-                f"Request failed: {text}",
-                request_id=uuid.uuid4().hex,
-                category=types.RequestErrorCategory.Server,
-            ) from e
-
-    def _hide_paths(self, e: Exception) -> str:
-        """An error's text without the store's path (a server must not tell where it is)."""
-        text = str(e)
-        for path in {str(self.store_dir.resolve()), str(self.store_dir)}:
-            text = text.replace(path, "<store>")
-        return text
+        return await mapped(asyncio.wrap_future(future), self.store_dir)
 
     async def stop_starting(self) -> None:
         """At a server's shutdown: work not yet started never starts (`WorkNotStarted`), so
@@ -199,7 +158,8 @@ class LocalBackend(LocalRestQueries):
         try:
             return await self._ordering.run(model_id, seq_id, lambda: self._run(fn))
         except EngineUserError as e:  # from the ordering; the work's errors are mapped by _run
-            raise _user(str(e)) from None
+            # A request arriving after its session closed (its model's order is gone).
+            raise user_error(str(self._ended(model_id) or e)) from None
 
     async def release_seq(self, model_id: str, seq_id: int) -> None:
         """Give up ``seq_id`` of ``model_id`` (see `SeqOrdering.release`)."""
@@ -215,13 +175,19 @@ class LocalBackend(LocalRestQueries):
         """Run ``fn`` on ``model_id``'s trainer, in ``seq_id`` order."""
         return await self._in_order(model_id, seq_id, lambda: fn(self._trainer(model_id)))
 
+    def _ended(self, model_id: str) -> EngineUserError | None:
+        """The error of a request for a model whose session ended before the request ran."""
+        if self.models.has_trainer(model_id) or not (end := self.store.run_session_end(model_id)):
+            return None
+        return EngineUserError(
+            f"model {model_id} belongs to finished session {end[0]} (it ended, status "
+            f"{end[1]!r}, before this request ran: close() was called, or it expired); load "
+            "its checkpoint from a new ServiceClient"
+        )
+
     def _trainer(self, model_id: str) -> Trainer:
-        if not self.models.has_trainer(model_id) and (end := self.store.run_session_end(model_id)):
-            raise EngineUserError(  # a request still waiting its turn when the session closed
-                f"model {model_id} belongs to finished session {end[0]} (it ended, status "
-                f"{end[1]!r}, before this request ran: close() was called, or it expired); load "
-                "its checkpoint from a new ServiceClient"
-            )
+        if (ended := self._ended(model_id)) is not None:
+            raise ended  # a request still waiting its turn when the session closed
         return self.models.trainer(model_id)
 
     # ---- models -----------------------------------------------------------------------
@@ -251,7 +217,7 @@ class LocalBackend(LocalRestQueries):
                 user_metadata, project_id, display_name, tags
             )
         except EngineUserError as e:
-            raise _refused(e) from None
+            raise refused(e) from None
         return self._add_session(
             user_metadata=user_metadata,
             project_id=project_id,
@@ -554,7 +520,7 @@ class LocalBackend(LocalRestQueries):
         try:
             run_id = validation.checkpoint_path(path).training_run_id
         except EngineUserError as e:
-            raise _refused(e) from None
+            raise refused(e) from None
         if await self._run(lambda: self.store.get_run(run_id)) is None:
             raise refusal(404, f"checkpoint {path} does not exist")
 
@@ -660,7 +626,7 @@ class LocalBackend(LocalRestQueries):
             try:
                 validation.check_num_samples(num_samples, self.limits)
             except EngineUserError as e:
-                raise _refused(e) from None
+                raise refused(e) from None
         if (overflow := self.sample_overflow(sampler_id, prompt, sampling_params)) is not None:
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1

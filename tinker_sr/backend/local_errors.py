@@ -1,0 +1,64 @@
+"""How the embedded engine's errors reach `LocalBackend`'s callers: a caller's mistake as the
+Tinker error a server gives for it, an engine bug (or a full disk) as a server-side failure
+whose text does not tell where the store is."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+from tinker_sr import types
+from tinker_sr.backend.base import WorkNotStarted
+from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
+from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+
+T = TypeVar("T")
+
+
+def user_error(msg: str) -> RequestFailedError:
+    """A request's failure for the caller's mistake (category user), as a future's."""
+    return RequestFailedError(
+        f"Request failed: {msg}",
+        request_id=uuid.uuid4().hex,
+        category=types.RequestErrorCategory.User,
+    )
+
+
+def refused(e: EngineUserError) -> APIStatusError:
+    """The refusal a server answers a plain call with: 404 for something unknown, else 400."""
+    return refusal(404 if isinstance(e, EngineNotFoundError) else 400, str(e))
+
+
+def hide_paths(e: Exception, store_dir: Path) -> str:
+    """An error's text without the store's path (a server must not tell where it is)."""
+    text = str(e)
+    for path in {str(store_dir.resolve()), str(store_dir)}:
+        text = text.replace(path, "<store>")
+    return text
+
+
+async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) -> T:
+    """``work``'s result, its errors as Tinker errors: a caller's mistake as `user_error` (with
+    ``plain``, a direct call: as `refused`), anything else as a server-side failure."""
+    try:
+        return await work
+    except EngineUserError as e:
+        if plain:
+            raise refused(e) from e
+        raise user_error(str(e)) from e
+    except (RequestFailedError, WorkNotStarted):
+        raise
+    except Exception as e:  # an engine bug (or a full disk): a server-side failure
+        text = (
+            OUT_OF_SPACE
+            if is_out_of_space(e)
+            else f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
+        )
+        raise RequestFailedError(
+            f"Request failed: {text}",
+            request_id=uuid.uuid4().hex,
+            category=types.RequestErrorCategory.Server,
+        ) from e
