@@ -381,7 +381,12 @@ def jobs(
                 future.cancel()
 
 
-@pytest.mark.parametrize("job", ["rl_is", "rl_ppo", "rl_gspo"])
+# Over the wire (``sdk``) once: the other losses differ in the engine only (their wire
+# encoding is tests/test_wire.py's and tests/test_backend_parity.py's).
+@pytest.mark.parametrize(
+    ("way", "job"),
+    [("embedded", "rl_is"), ("embedded", "rl_ppo"), ("embedded", "rl_gspo"), ("sdk", "rl_is")],
+)
 def test_rl_train(way: str, job: str, model: Any, jobs: Jobs) -> None:
     log = jobs.log((way, job, None))
     rows = check_steps(log, 2, ("optim/lr", "env/all/reward/total"))
@@ -489,7 +494,13 @@ def test_multi_turn_stable_reinforce_one_datum_names_every_turn(
     check_rl_sampling(log, model)
 
 
-@pytest.mark.parametrize("hub", [HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_VARIANT, GPT_OSS_HUB])
+# Every model embedded; over the wire (``sdk``) the plain one and gpt-oss, whose harmony stop
+# ids are the ones a server could get wrong (the other renderers differ in the client only).
+@pytest.mark.parametrize(
+    ("way", "hub"),
+    [("embedded", h) for h in (HUB_NAME, LLAMA_HUB, MOE_HUB, Q35_HUB, VL_VARIANT, GPT_OSS_HUB)]
+    + [("sdk", HUB_NAME), ("sdk", GPT_OSS_HUB)],
+)
 def test_a_hub_name_from_the_hf_cache_with_the_recommended_renderer(
     way: str, hub: str, jobs: Jobs, request: pytest.FixtureRequest
 ) -> None:
