@@ -242,3 +242,17 @@ def test_export_of_a_directory_and_a_failed_export_leave_nothing(
     path = "tinker://run/sampler_weights/x"
     assert cli.main(["export", path, str(nested), "--store", str(tmp_path / "nostore")]) == 2
     assert not (tmp_path / "a").exists()
+
+
+def test_version_is_printed() -> None:
+    """``tinker-sr --version`` answered "the following arguments are required: command"."""
+    from importlib.metadata import version
+
+    import tinker_sr
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"tinker-sr {tinker_sr.__version__}"
+    assert tinker_sr.__version__ == version("tinker-sr")  # the package's metadata agrees

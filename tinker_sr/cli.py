@@ -335,7 +335,10 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tinker_sr import __version__
+
     p = argparse.ArgumentParser(prog="tinker-sr", description=__doc__)
+    p.add_argument("--version", action="version", version=f"tinker-sr {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the embedded engine over the Tinker wire protocol")
