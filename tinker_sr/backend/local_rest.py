@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker_sr import types, validation
+from tinker_sr.backend.local_errors import mapped
 from tinker_sr.engine import usage
 from tinker_sr.engine.checkpoint_store import parse_path
 from tinker_sr.errors import refusal
@@ -39,9 +40,7 @@ class LocalRestQueries:
     checkpoints: CheckpointStore
     models: ModelRegistry
     rate_card: usage.RateCard | None
-
-    async def _mapped(self, work: Awaitable[T], *, plain: bool = False) -> T:  # LocalBackend's
-        raise NotImplementedError
+    store_dir: Path
 
     async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:  # LocalBackend's
         raise NotImplementedError
@@ -129,7 +128,7 @@ class LocalRestQueries:
             attributes = self.store.session_attributes({r.session_id for r in rows})
             return usage.billing_response(rows, attributes, self.rate_card)
 
-        return await self._mapped(asyncio.to_thread(work), plain=True)
+        return await mapped(asyncio.to_thread(work), self.store_dir, plain=True)
 
     async def get_current_checkpoint_storage_usage(
         self, project_id: str | None = None, *, sessions: Collection[str] | None = None
@@ -141,7 +140,7 @@ class LocalRestQueries:
             mine = [c for c in live if usage.only(sessions, c[0])]
             return usage.storage_response(mine, self.rate_card, project_id)
 
-        return await self._mapped(asyncio.to_thread(work), plain=True)
+        return await mapped(asyncio.to_thread(work), self.store_dir, plain=True)
 
     # ---- checkpoints and training runs ----------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
