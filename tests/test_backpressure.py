@@ -102,9 +102,13 @@ def client(backend: _FakeBackend, tmp_path: Any) -> Iterator[TestClient]:
         yield c
 
 
-def _wait_done(client: TestClient, promise: dict[str, Any]) -> httpx.Response:
+def _wait_done(
+    client: TestClient, promise: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
     for _ in range(200):
-        resp = client.post("/api/v1/retrieve_future", json={"request_id": promise["request_id"]})
+        resp = client.post(
+            "/api/v1/retrieve_future", json={"request_id": promise["request_id"]}, headers=headers
+        )
         if resp.headers["content-type"] == "application/x-protobuf":
             return resp
         assert resp.json()["type"] == "try_again", resp.text
@@ -122,22 +126,34 @@ def test_asample_above_the_limit_is_429_and_records_nothing(
     refused = client.post("/api/v1/asample", json=_sample_body(sampler, 2))
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
-    assert "limit is 2" in refused.json()["detail"]
+    assert "limit is 2 per key" in refused.json()["detail"]
     state = _server(client.app).state  # type: ignore[arg-type]
     assert state.find_future(f"sample|{sampler}|seq_id 2") is None
     # An HTTP retry of an accepted request still gets its future while the server is full.
     assert client.post("/api/v1/asample", json=_sample_body(sampler, 0)).json() == first[0].json()
+    # The limit is per API key: another key is not refused for this one's pending samples.
+    other = {"X-API-Key": "tml-other"}
+    sid2 = client.post("/api/v1/create_session", json={"tags": []}, headers=other).json()
+    sampler2 = client.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": sid2["session_id"], "sampling_session_seq_id": 0, "base_model": "m"},
+        headers=other,
+    ).json()["sampling_session_id"]
+    theirs = client.post("/api/v1/asample", json=_sample_body(sampler2, 0), headers=other)
+    assert theirs.status_code == 200, theirs.text
 
     client.portal.call(backend.gate.set)  # type: ignore[union-attr]
     for r in first:
         _wait_done(client, r.json())
+    _wait_done(client, theirs.json(), other)
+    assert not _server(client.app).futures.pending_samples  # type: ignore[arg-type]
     again = client.post("/api/v1/asample", json=_sample_body(sampler, 2))
     assert again.status_code == 200, again.text  # the refused seq_id was not consumed
     got = proto.decode_sample_response(
         _wait_done(client, again.json()).content, again.json()["sample_sequence_ids"]
     )
     assert [s.tokens for s in got.sequences] == [[7], [7]]
-    assert sorted(backend.sampled) == [0, 1, 2]
+    assert sorted(backend.sampled) == [0, 0, 1, 2]
 
 
 def test_remote_backend_waits_and_resubmits_the_same_seq_id_on_429(

@@ -297,3 +297,51 @@ def test_a_finished_sessions_cached_prompts_are_freed(tmp_path: Path) -> None:
         keeper.close().result()
         short.close().result()
         backend.close()
+
+
+def test_sessions_take_turns_when_requests_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows for one request at a time (``$TINKER_SR_MAX_DECODE_ROWS=4``); session A queues six
+    4-row requests, then session B one. B is admitted at the next free turn, after A's first,
+    instead of after all six (a server's one client with a burst held every other client's
+    samples until it had all decoded). Its samples are those it gets alone."""
+    import asyncio
+
+    monkeypatch.setenv(scheduler.MAX_ROWS_ENV, "4")
+    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+    prompt = types.ModelInput.from_ints([3, 4, 5])
+
+    async def run() -> tuple[list[str], Any, Any]:
+        backend = LocalBackend(tmp_path / "store")
+        try:
+            samplers = []
+            for _ in range(2):
+                session = await backend.create_session()
+                sampler = await backend.create_sampling_session(
+                    session, 0, base_model="tinker-sr/tiny"
+                )
+                samplers.append(sampler)
+            done: list[str] = []
+
+            async def sample(who: str, sampler: str, seq: int) -> Any:
+                out = await backend.sample(
+                    sampler, seq, prompt=prompt, num_samples=4, sampling_params=params
+                )
+                done.append(who)
+                return out
+
+            tasks = [asyncio.ensure_future(sample("A", samplers[0], i)) for i in range(6)]
+            await asyncio.sleep(0.05)  # A's six are queued (the first decoding)
+            b = asyncio.ensure_future(sample("B", samplers[1], 0))
+            await asyncio.gather(*tasks, b)
+            alone = await backend.sample(
+                samplers[1], 1, prompt=prompt, num_samples=4, sampling_params=params
+            )
+            return done, b.result(), alone
+        finally:
+            await backend.aclose()
+
+    order, b, alone = asyncio.run(run())
+    assert order.index("B") <= 2, order
+    assert [s.tokens for s in b.sequences] == [s.tokens for s in alone.sequences]

@@ -631,8 +631,10 @@ class LocalBackend(LocalRestQueries):
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         listen = None if progress is None else lambda g: progress(g.new_tokens())
-        future = self._scheduler.submit(begin, rows, listen)
-        self._session_samples.add(self.models.live_sampler(sampler_id), future)
+        live = self.models.live_sampler(sampler_id)
+        tenant = live.session_id if live is not None else sampler_id
+        future = self._scheduler.submit(begin, rows, listen, tenant)
+        self._session_samples.add(live, future)
         return await self._on_sampler(future)
 
     async def save_weights_external(

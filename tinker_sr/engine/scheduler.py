@@ -1,12 +1,12 @@
 """The sampling worker: one thread that decodes every in-flight sample request together
 (continuous batching, issue 11 goal 4).
 
-Each loop: admit queued requests in arrival order (check them, compute their prompt extras,
-prefill, or copy the prefill of the same prompt on the same model from `engine.prompt_cache`;
-FIFO, while the active rows stay within ``max_rows`` and their KV caches within
-``$TINKER_SR_DECODE_CACHE_MB``), then one decode step per model for all active requests of
-that model (`engine.batching.decode_step`: rows of many
-requests in one step), then retire finished requests (record, respond). A row that stops
+Each loop: admit queued requests (check them, compute their prompt extras, prefill, or copy
+the prefill of the same prompt on the same model from `engine.prompt_cache`) in arrival order,
+sessions taking turns (`DecodeScheduler._fairest`), while the active rows stay within
+``max_rows`` and their KV caches within ``$TINKER_SR_DECODE_CACHE_MB``; then one decode step
+per model for all active requests of that model (`engine.batching.decode_step`: rows of many
+requests in one step); then retire finished requests (record, respond). A row that stops
 leaves the batch at the next step; a new request joins at the next step after its prefill.
 Rows share a step only when they decode the same model object (a sampler's merged weights,
 a base, or an adapters-on-base copy); different models take separate steps.
@@ -40,6 +40,7 @@ CACHE_BUDGET_ENV, DEFAULT_CACHE_MB = "TINKER_SR_DECODE_CACHE_MB", 2048
 STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
 # At interpreter exit, how long to wait for a sampling thread to finish its current step.
 EXIT_JOIN_SECONDS = 10.0
+_MAX_TENANTS = 4096  # tenants whose last turn is kept (`DecodeScheduler._take_turn`)
 
 Finish = Callable[[list[SampleOutput]], Any]
 # Called on the worker after a request's prefill and each of its decode steps (streaming).
@@ -76,6 +77,7 @@ class _Job:
     future: Future[Any]
     barrier: bool = False  # runs once everything submitted before it has finished
     progress: Progress | None = None
+    tenant: str = ""  # whose request (a session): see `DecodeScheduler._fairest`
 
 
 @dataclass
@@ -110,6 +112,8 @@ class DecodeScheduler:
         self._active: list[_Active] = []
         # Checked requests waiting for KV-cache room, in arrival order, ahead of the queue.
         self._ready: deque[_Active] = deque()
+        self._turn = 0  # admissions so far
+        self._turns: dict[str, int] = {}  # each tenant's last (`_fairest`)
         self._closing = False
         self._abandoned = False  # interpreter exit: stop after the current step
         # Rows decoded by each step, newest last (for tests and benchmarks).
@@ -118,10 +122,14 @@ class DecodeScheduler:
         self._thread.start()
         _live.add(self)
 
-    def submit(self, begin: Begin, rows: int, progress: Progress | None = None) -> Future[Any]:
-        """Queue a request of ``rows`` rows (its num_samples); FIFO admission. ``progress``
-        is called with its rows after its prefill and each decode step (on the worker)."""
-        return self._put(_Job(begin, max(1, rows), Future(), progress=progress))
+    def submit(
+        self, begin: Begin, rows: int, progress: Progress | None = None, tenant: str = ""
+    ) -> Future[Any]:
+        """Queue a request of ``rows`` rows (its num_samples), from ``tenant`` (a session):
+        admitted in arrival order among its tenant's, tenants taking turns (`_fairest`).
+        ``progress`` is called with its rows after its prefill and each decode step (on the
+        worker)."""
+        return self._put(_Job(begin, max(1, rows), Future(), progress=progress, tenant=tenant))
 
     def barrier(self, fn: Callable[[], Any] = lambda: None) -> Future[Any]:
         """Run ``fn`` on the worker once every request submitted before has finished."""
@@ -184,17 +192,41 @@ class DecodeScheduler:
         out: list[_Job] = []
         rows = sum(len(a.group.active) for a in self._active)
         while self._queue:
-            job = self._queue[0]
+            job = self._fairest()
             busy = bool(self._active or out)
             if job.barrier and busy:
                 break
             if busy and rows + job.rows > self.max_rows:
                 break
-            out.append(self._queue.popleft())
+            self._queue.remove(job)
+            self._take_turn(job.tenant)
+            out.append(job)
             rows += job.rows
             if job.barrier:
                 break
         return out
+
+    def _fairest(self) -> _Job:
+        """The queued request to admit next, never one past a barrier: the earliest of the
+        tenant whose last turn is oldest (tenants take turns). In arrival order alone, one
+        session's burst (a server's client sending 64 requests) held every other session's
+        requests until all of it had decoded."""
+        best: _Job | None = None
+        for job in self._queue:
+            if job.barrier:
+                return best or job
+            turn = self._turns.get(job.tenant, -1)
+            if best is None or turn < self._turns.get(best.tenant, -1):
+                best = job
+        assert best is not None
+        return best
+
+    def _take_turn(self, tenant: str) -> None:
+        self._turn += 1
+        self._turns[tenant] = self._turn
+        if len(self._turns) > _MAX_TENANTS:  # forget those with nothing queued
+            queued = {j.tenant for j in self._queue}
+            self._turns = {t: n for t, n in self._turns.items() if t in queued}
 
     def _start(self, job: _Job) -> None:
         """Check the request (`Begin`), then decode it as soon as its KV cache fits."""

@@ -13,7 +13,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -89,6 +89,8 @@ class Futures:
         self.long_poll_s = long_poll_s
         self.max_pending_samples = max_pending_samples
         self.pending_samples: set[str] = set()  # request ids of asample work not yet done
+        self._sample_owner: dict[str, str] = {}  # each pending sample's owner (API key)
+        self._owner_samples: Counter[str] = Counter()  # pending samples per owner
         self._events: dict[str, asyncio.Event] = {}
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}  # rid -> (kind, task)
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
@@ -154,43 +156,58 @@ class Futures:
             on_accept()
         self._events[rid] = asyncio.Event()
         if kind == "Sample":
-            self.pending_samples.add(rid)
+            self._count_sample(rid, owner)
         task = self.background.spawn(self._execute(rid, work, promise, kind))
         self._running[rid] = (kind, task)
         task.add_done_callback(lambda _: self._running.pop(rid, None))
         return json_reply(promise)
 
-    def check_sample_capacity(self, dedupe_key: str) -> None:
-        """429 when too many asample requests are pending, unless this one is a retry of an
-        accepted request (it still gets its future)."""
+    def check_sample_capacity(self, dedupe_key: str, owner: str) -> None:
+        """429 when too many of ``owner``'s asample requests are pending, unless this one is
+        a retry of an accepted request (it still gets its future). The limit is per API key:
+        shared, one client's burst made every other key's samples wait for 429s."""
         if (
-            len(self.pending_samples) >= self.max_pending_samples
+            self._owner_samples[owner] >= self.max_pending_samples
             and self.state.find_future(dedupe_key) is None
         ):
             # Nothing is recorded: the client resubmits this seq_id later (spec §8.3).
-            self._refuse_sample("asample: ")
+            self._refuse_sample("asample: ", owner)
 
-    def _refuse_sample(self, prefix: str) -> None:
+    def _refuse_sample(self, prefix: str, owner: str) -> None:
         raise HTTPError(
             429,
-            f"{prefix}{len(self.pending_samples)} sampling requests are already pending "
-            f"(this server's limit is {self.max_pending_samples}); retry shortly",
+            f"{prefix}{self._owner_samples[owner]} sampling requests of this API key are "
+            f"already pending (this server's limit is {self.max_pending_samples} per key); "
+            "retry shortly",
             {"Retry-After": "1"},
         )
 
-    @contextlib.contextmanager
-    def pending_sample(self) -> Iterator[None]:
-        """Sampling done outside a future (the OpenAI- and Anthropic-compatible routes answer
-        in the request) counted among the pending samples while it runs: above
-        ``max_pending_samples``, the same 429 + Retry-After as asample."""
-        if len(self.pending_samples) >= self.max_pending_samples:
-            self._refuse_sample("")
-        rid = f"inline-{uuid.uuid4().hex}"
+    def _count_sample(self, rid: str, owner: str) -> None:
         self.pending_samples.add(rid)
+        self._sample_owner[rid] = owner
+        self._owner_samples[owner] += 1
+
+    def _sample_done(self, rid: str) -> None:
+        self.pending_samples.discard(rid)
+        owner = self._sample_owner.pop(rid, None)
+        if owner is not None:
+            self._owner_samples[owner] -= 1
+            if not self._owner_samples[owner]:
+                del self._owner_samples[owner]
+
+    @contextlib.contextmanager
+    def pending_sample(self, owner: str) -> Iterator[None]:
+        """Sampling done outside a future (the OpenAI- and Anthropic-compatible routes answer
+        in the request) counted among ``owner``'s pending samples while it runs: above
+        ``max_pending_samples``, the same 429 + Retry-After as asample."""
+        if self._owner_samples[owner] >= self.max_pending_samples:
+            self._refuse_sample("", owner)
+        rid = f"inline-{uuid.uuid4().hex}"
+        self._count_sample(rid, owner)
         try:
             yield
         finally:
-            self.pending_samples.discard(rid)
+            self._sample_done(rid)
 
     def _resubmission(
         self, row: FutureRow, kind: str, owner: str, digest: str, dedupe_key: str
@@ -229,7 +246,7 @@ class Futures:
             watch.cancel()
             if (took := time.monotonic() - started) >= slow:
                 log.info("%s %s finished in %.1f s", what, rid, took)
-            self.pending_samples.discard(rid)
+            self._sample_done(rid)
             row = self._kept.get(rid) or self.state.get_future(rid)
             if row is not None and row.status != PENDING:
                 self._recent[rid] = row

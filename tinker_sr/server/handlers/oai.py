@@ -408,12 +408,12 @@ async def _answer(srv: TinkerServer, request: Request, owner: str, req: OaiReque
 async def sample_choices(
     srv: TinkerServer, owner: str, req: OaiRequest, progress: Progress | None = None
 ) -> tuple[list[Choice], int]:
-    """The answers to ``req`` and its prompt tokens, sampled counted among the server's
-    pending sample requests: above ``max_pending_samples`` (shared with asample) a 429 with
-    ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
+    """The answers to ``req`` and its prompt tokens, sampled counted among the caller's
+    pending sample requests: above ``max_pending_samples`` (per API key, shared with asample)
+    a 429 with ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
     hears each row's tokens as they are sampled (but where the request only scores its
     prompts: ``echo`` and ``max_tokens`` 0)."""
-    with srv.futures.pending_sample():
+    with srv.futures.pending_sample(owner):
         target = await srv.oai.target(owner, req.model)
         async with _kept_alive(srv, target.session_id):
             return await _sampled(srv, target, req, progress)

@@ -134,7 +134,7 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
         return "proto", proto.encode_sample_response(resp)
 
     dedupe_key = f"sample|{sampler_id}|seq_id {seq_id}"
-    srv.futures.check_sample_capacity(dedupe_key)
+    srv.futures.check_sample_capacity(dedupe_key, owner)
     return srv.futures.submit(
         kind="Sample",
         owner=owner,
