@@ -22,6 +22,19 @@ from typing import Any
 
 import pytest
 
+# Every fixture, for ``from tinker_sr_pytest_plugin import *`` (`tinker_sr.testing.plugin`):
+# the autouse one's leading underscore would keep it out of a star import.
+__all__ = [
+    "_tinker_server_session_names",
+    "tinker_mock",
+    "tinker_server",
+    "tinker_server_session",
+    "tinker_sr_backend",
+    "tinker_sr_faulty_service",
+    "tinker_sr_service",
+    "tinker_sr_store",
+]
+
 
 @pytest.fixture
 def tinker_mock(tmp_path: Path) -> Iterator[Any]:

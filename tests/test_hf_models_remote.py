@@ -188,7 +188,7 @@ def test_official_sdk_trains_a_qwen2_dir_and_hears_a_refusal_by_field(
 
 
 def test_a_builtin_models_tokenizer_needs_no_tokenizers_package(
-    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The server names a built-in model's byte-level tokenizer as a directory on its own disk
     (for the official SDK, which loads it with transformers). The tinker_sr client loaded that
@@ -210,6 +210,13 @@ def test_a_builtin_models_tokenizer_needs_no_tokenizers_package(
         # A server on another machine (its directory is not here), serving an alias of one.
         elsewhere = load_tokenizer("Qwen/Qwen3-8B", "/srv/other/store/tokenizers/byte-level")
         assert isinstance(elsewhere, ByteTokenizer)
+        # A user's own tokenizer saved under such a name here is theirs (no server mark).
+        from tinker_sr.tokenization.byte import is_served_byte_tokenizer
+
+        theirs = tmp_path / "tokenizers" / "byte-level"
+        theirs.mkdir(parents=True)
+        (theirs / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer"}')
+        assert not is_served_byte_tokenizer(str(theirs))
         service.close().result()
     finally:
         load_tokenizer.cache_clear()

@@ -302,7 +302,10 @@ def test_a_graceful_stop_keeps_the_result_of_the_request_running(tmp_path: Path)
                 headers={"Content-Type": "application/x-protobuf"},
             )
             rids.append(resp.json()["request_id"])
+        deadline = time.monotonic() + 120
         while f"{rids[0]} still running" not in srv.log():
+            assert srv.proc is not None and srv.proc.poll() is None, srv.log()
+            assert time.monotonic() < deadline, srv.log()
             time.sleep(0.02)
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGTERM)

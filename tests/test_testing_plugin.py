@@ -211,3 +211,16 @@ def test_loading_the_plugin_imports_no_tinker_sr(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
+
+
+def test_the_former_plugin_name_has_every_fixture() -> None:
+    """``-p tinker_sr.testing.plugin`` (the plugin's name before it left the package) gives
+    every fixture, the autouse one too (a star import alone drops a leading-underscore name)."""
+    import tinker_sr_pytest_plugin as plugin
+    from tinker_sr.testing import plugin as former
+
+    defined = {n for n, v in vars(plugin).items() if "fixture" in type(v).__name__.lower()}
+    assert defined == set(plugin.__all__)
+    assert "_tinker_server_session_names" in defined
+    for name in plugin.__all__:
+        assert getattr(former, name) is getattr(plugin, name)

@@ -297,11 +297,19 @@ def test_started_interpreters_get_only_the_hook_ahead_of_their_path(tmp_path: Pa
     assert f"PP={hook}{os.pathsep}{given}" in proc.stdout.splitlines()
 
     (tmp_path / "hook-link").symlink_to(hook)
+    import shutil
+
+    shutil.copytree(hook, tmp_path / "hook-copy")  # another install's copy of the hook
+    theirs = tmp_path / "their_site"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("print('theirs ran')\n")
     env = {**os.environ, "TINKER_SR_AS_TINKER": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([hook, str(tmp_path / "hook-link"), str(REPO)])
+    path = [hook, str(tmp_path / "hook-link"), str(tmp_path / "hook-copy"), str(theirs)]
+    env["PYTHONPATH"] = os.pathsep.join([*path, str(REPO)])
     code = "import tinker, tinker_sr; print(tinker.ServiceClient is tinker_sr.ServiceClient)"
     child = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert child.returncode == 0 and child.stdout.split() == ["True"], child.stderr[-2000:]
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["theirs", "ran", "True"], (child.stdout, child.stderr[-2000:])
     assert "RecursionError" not in child.stderr

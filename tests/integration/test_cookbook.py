@@ -381,8 +381,8 @@ def jobs(
                 future.cancel()
 
 
-# Over the wire (``sdk``) once: the other losses differ in the engine only (their wire
-# encoding is tests/test_wire.py's and tests/test_backend_parity.py's).
+# Over the wire (``sdk``) once: the other losses differ in the engine only (a loss's name and
+# config cross the wire alike for every loss: tests/test_wire.py).
 @pytest.mark.parametrize(
     ("way", "job"),
     [("embedded", "rl_is"), ("embedded", "rl_ppo"), ("embedded", "rl_gspo"), ("sdk", "rl_is")],

@@ -157,11 +157,19 @@ class TinkerServer:
                 except Exception:
                     log.exception("pruning old futures failed")
 
-    async def shutdown(self) -> None:
+    async def begin_stop(self) -> bool:
+        """The first step of a graceful stop (SIGTERM, Ctrl-C; called again, harmless): long
+        polls answer now, and a backend of the server's own starts no more queued work (so
+        none starts while uvicorn waits for open connections). Whether the backend can."""
+        self.futures.stop_waiting()
         stop_starting = getattr(self.backend, "stop_starting", None)
-        if self.close_backend and stop_starting is not None:  # a backend of its own
-            self.futures.stop_waiting()
-            await stop_starting()
+        if not self.close_backend or stop_starting is None:
+            return False
+        await stop_starting()
+        return True
+
+    async def shutdown(self) -> None:
+        if await self.begin_stop():
             await self.futures.finish_running()
         await self.background.cancel_all()
         if self.close_backend:

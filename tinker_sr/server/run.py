@@ -218,14 +218,15 @@ def _log_to_stderr(level: str) -> None:
 
 def run_uvicorn(app: Any, tinker_server: Callable[[], Any], **options: Any) -> None:
     """``uvicorn.run(app, **options)`` (5 s of graceful shutdown), except that on SIGTERM or
-    SIGINT ``tinker_server()``'s long polls answer at once: uvicorn waits for open requests
-    before it stops, and a long poll would hold it for its whole wait (up to 25 s; cut at 5 s,
-    with a traceback per request) for nothing."""
+    SIGINT ``tinker_server()`` begins to stop first (`TinkerServer.begin_stop`): its long
+    polls answer at once (uvicorn waits for open requests before it stops, and a long poll
+    would hold it for its whole wait, up to 25 s; cut at 5 s, with a traceback per request,
+    for nothing), and no queued work starts while uvicorn waits."""
     import uvicorn
 
     class Server(uvicorn.Server):  # type: ignore[misc]
         async def shutdown(self, sockets: Any = None) -> None:
-            tinker_server().futures.stop_waiting()
+            await tinker_server().begin_stop()
             await super().shutdown(sockets)
 
     Server(uvicorn.Config(app, **{"timeout_graceful_shutdown": 5, **options})).run()

@@ -15,7 +15,7 @@ import logging
 import time
 
 from tinker_sr import validation
-from tinker_sr.backend.base import Backend
+from tinker_sr.backend.base import Backend, WorkNotStarted
 from tinker_sr.types import ParsedCheckpointTinkerPath
 from tinker_sr.user_errors import EngineUserError
 
@@ -77,6 +77,8 @@ class Sessions:
         log.info("session %s expired: %s", session_id, why)
         try:
             await self.backend.close_session(session_id, "interrupted", why)
+        except WorkNotStarted:  # the server is stopping: its models go with it
+            pass
         except Exception:
             log.exception("closing expired session %s failed", session_id)
         return True

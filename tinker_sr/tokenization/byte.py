@@ -28,16 +28,28 @@ BYTE_TOKENIZER_MODELS = ("tinker-sr/tiny", "tinker-sr/small")
 SERVED_DIR_NAME, SERVED_TEMP_PREFIX = "byte-level", "tinker-sr-tokenizers-"
 
 
+MARKER = "tinker_sr_tokenizer"  # in the directory's tokenizer_config.json
+
+
 def is_served_byte_tokenizer(tokenizer_id: str) -> bool:
     """Whether a service's tokenizer id is the byte-level directory a tinker_sr server writes
     (`write_hf_tokenizer_dir`) for its built-in models, wherever that server runs: this
-    tokenizer, with no `tokenizers` package and no access to the server's disk needed."""
+    tokenizer, with no `tokenizers` package and no access to the server's disk needed. Where
+    the path is a directory here, only if its config carries the server's mark (a user's own
+    tokenizer saved under such a name is theirs)."""
     parts = tokenizer_id.replace("\\", "/").rstrip("/").split("/")
-    return (
+    named = (
         len(parts) >= 2
         and parts[-1] == SERVED_DIR_NAME
         and (parts[-2] == "tokenizers" or parts[-2].startswith(SERVED_TEMP_PREFIX))
     )
+    if not named or not os.path.isdir(tokenizer_id):
+        return named
+    try:
+        config = json.loads((Path(tokenizer_id) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get(MARKER) == SERVED_DIR_NAME
 
 
 _SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
@@ -247,6 +259,7 @@ def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: in
         }  # fmt: skip
         (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     config = {
+        MARKER: SERVED_DIR_NAME,  # `is_served_byte_tokenizer` tells it from a user's directory
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
