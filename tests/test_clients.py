@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -408,6 +409,29 @@ def test_a_training_request_reaching_the_engine_after_its_session_closed_says_so
             await backend.aclose()
 
     assert "belongs to finished session" in asyncio.run(run())
+
+
+def test_a_call_interrupted_before_it_was_queued_does_not_wedge_the_client(
+    service: tinker.ServiceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a notebook cell can land inside a training call after it took its place in
+    the model's order but before its work was queued: every later call of the client then
+    waited forever for it. Now the interrupted call gives its place up."""
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    real, interrupts = tc.holder.run, [1]
+
+    def interrupted(coro: Any) -> Any:
+        if interrupts:
+            interrupts.pop()
+            coro.close()
+            raise KeyboardInterrupt
+        return real(coro)
+
+    monkeypatch.setattr(tc.holder, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tc.forward([sft_datum(b"interrupted")], "cross_entropy")
+    out = tc.forward([sft_datum(b"next")], "cross_entropy").result(timeout=120)
+    assert out.loss_fn_outputs
 
 
 def test_forward_backward_custom_matches_the_builtin_loss(service: tinker.ServiceClient) -> None:

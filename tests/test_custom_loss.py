@@ -384,8 +384,16 @@ def test_a_loss_with_a_nan_gradient_fails_before_the_backward_and_poisons(
 
     with pytest.raises(tinker.RequestFailedError, match="gradient of your loss.*NaN or inf"):
         tc.forward_backward_custom([sft_datum(b"abcd")], nan_loss).result()
-    with pytest.raises(RuntimeError, match="poisoned"):
-        tc.forward([sft_datum(b"abc")], "cross_entropy").result()
+    # As the SDK, the calls after it return futures that fail; they raised at the call, which
+    # broke code that makes its futures first and handles errors around `.result()`.
+    later = [
+        tc.forward([sft_datum(b"abc")], "cross_entropy"),
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)),
+        tc.save_state("after"),
+    ]
+    for future in later:
+        with pytest.raises(RuntimeError, match="poisoned"):
+            future.result()
 
 
 def test_a_failed_backward_poisons_the_client(backend: LocalBackend) -> None:

@@ -291,7 +291,7 @@ def test_15_failing_custom_loss_consumes_its_reserved_numbers(
 
     def broken(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
         # Fail only once optim_step is queued behind this call: failing earlier poisons the
-        # client before optim_step is called, which then raises at the call instead.
+        # client before optim_step is called, whose future then fails at once instead.
         queued_behind.wait(timeout=120)
         raise ZeroDivisionError("user bug")
 

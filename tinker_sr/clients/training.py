@@ -43,8 +43,7 @@ _POISONED = (
 
 
 class _Turn:
-    """A call's place in its TrainingClient's order: sequence numbers are taken in call order,
-    and the next call starts taking only after this one releases its turn."""
+    """A call's place in its model's order: the next call takes numbers once it releases it."""
 
     def __init__(self, client: TrainingClient, issued: concurrent.futures.Future[None]) -> None:
         self._client = client
@@ -71,8 +70,7 @@ class TrainingClient:
         self._info = info
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        # Future of the previous call's submission: calls are issued to the backend in order.
-        self._prev_issued: concurrent.futures.Future[None] | None = None
+        self._prev_issued: concurrent.futures.Future[None] | None = None  # the last call's
         self._poisoned = False
         weakref.finalize(self, release_dropped_model, holder._ending, model_id).atexit = False
 
@@ -93,17 +91,15 @@ class TrainingClient:
     def _submit_turn(
         self, body: Callable[[_Turn], Awaitable[T]], *, release_after_start: bool = False
     ) -> concurrent.futures.Future[T]:
-        """Run ``body`` in call order. It takes its sequence numbers from the `_Turn` as it
-        goes (so it may decide how many it needs from earlier answers); the next call starts
-        once it calls ``turn.release()`` (or right after it started, with
-        ``release_after_start``), or ends."""
+        """Run ``body`` in call order, taking its sequence numbers from the `_Turn` as it goes
+        (as many as earlier answers say); the next call starts once it calls
+        ``turn.release()`` (or right after it started: ``release_after_start``), or ends."""
         self.holder.check_open()
-        if self._poisoned:
-            raise RuntimeError(_POISONED)
-        with self._lock:
-            prev = self._prev_issued
-            issued: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._prev_issued = issued
+        if self._poisoned:  # as the SDK: the call's future fails (the call does not raise)
+            failed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            failed.set_exception(RuntimeError(_POISONED))
+            return failed
+        issued: concurrent.futures.Future[None] = concurrent.futures.Future()
         turn = _Turn(self, issued)
 
         async def run() -> T:
@@ -123,9 +119,13 @@ class TrainingClient:
                 raise
             return await task
 
-        # A call once made runs in its turn (as a submitted request on a Tinker server), whatever
-        # its caller does: the model's later calls neither lose it nor wait forever for it.
-        return self.holder.run(run_to_the_end(run()))
+        with self._lock:
+            prev, self._prev_issued = self._prev_issued, issued
+        try:  # once made, a call runs in its turn (as a request on a server) whatever its caller
+            return self.holder.run(run_to_the_end(run()))
+        except BaseException:  # Ctrl-C before it was queued: later calls must not wait for it
+            turn.release()
+            raise
 
     def _api(self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]) -> APIFuture[T]:
         return AwaitableConcurrentFuture(self._submit(n_seq, body))
