@@ -220,3 +220,35 @@ def test_a_builtin_models_tokenizer_needs_no_tokenizers_package(
         service.close().result()
     finally:
         load_tokenizer.cache_clear()
+
+
+def test_a_store_from_an_older_server_still_names_its_tokenizer(tmp_path: Path) -> None:
+    """A store's byte-level tokenizer directory written by a server before the mark existed
+    (review of the change that added it: the check ran before the rewrite, so every built-in
+    model's get_info failed with a 500 on such a store, the default one included)."""
+    import asyncio
+
+    from tinker_sr import types
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server.tokenizers import TokenizerIds
+    from tinker_sr.tokenization.byte import MARKER, write_hf_tokenizer_dir
+
+    old = write_hf_tokenizer_dir(tmp_path / "store" / "tokenizers" / "byte-level")
+    config = json.loads((old / "tokenizer_config.json").read_text())
+    del config[MARKER]
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+
+    async def tokenizer_id() -> str | None:
+        backend = LocalBackend(tmp_path / "store")
+        try:
+            session = await backend.create_session()
+            model = await backend.create_model(
+                session, 0, base_model="tinker-sr/tiny", lora_config=types.LoraConfig(rank=2)
+            )
+            info = await backend.get_info(model)
+            return TokenizerIds(backend, tmp_path / "store").tokenizer_id(info)
+        finally:
+            await backend.aclose()
+
+    assert asyncio.run(tokenizer_id()) == str(old.resolve())
+    assert json.loads((old / "tokenizer_config.json").read_text())[MARKER] == "byte-level"

@@ -320,3 +320,31 @@ def test_a_graceful_stop_keeps_the_result_of_the_request_running(tmp_path: Path)
         assert "waiting for the request in progress to finish" in stop_log, stop_log
     finally:
         srv.stop()
+
+
+def test_a_call_during_the_stop_is_asked_to_retry_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a graceful stop began (before uvicorn waits for open connections), a plain call
+    that needs the engine (a sampler's creation, a query) was a 500 with a traceback in the
+    log ("WorkNotStarted: the server is stopping"); it is a 503 the clients retry, and the
+    restarted server answers them."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server import create_app
+
+    app = create_app(LocalBackend(tmp_path / "store"), close_backend=True)
+    with TestClient(app, headers={"X-API-Key": "tml-stop"}) as client:
+        session = client.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        client.portal.call(app.state.tinker_server.begin_stop)
+        with caplog.at_level(logging.ERROR, logger="tinker_sr"):
+            resp = client.post(
+                "/api/v1/create_sampling_session",
+                json={"session_id": session, "sampling_session_seq_id": 0, "base_model": MODEL},
+            )
+        assert resp.status_code == 503, resp.text
+        assert "the server is stopping" in resp.json()["detail"]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError
 from tinker_sr.types import RequestErrorCategory
@@ -187,6 +188,8 @@ def plain_error(e: Exception) -> tuple[int, str]:
     if isinstance(e, APIStatusError):  # a refusal (`errors.refusal`), or a remote backend's
         detail = e.body.get("detail") if isinstance(e.body, dict) else None
         return e.status_code, detail if isinstance(detail, str) else e.message
+    if isinstance(e, WorkNotStarted):  # a graceful stop began (`TinkerServer.begin_stop`)
+        return 503, "the server is stopping; retry shortly (the restarted server answers)"
     if isinstance(e, NotImplementedError):
         # 400, not 501: the SDK retries every 5xx for minutes before giving up.
         return 400, f"not supported by this server: {e}"
@@ -241,7 +244,7 @@ def endpoint(
             return Response(status_code=499)
         except Exception as e:  # a backend failure on a plain (non-future) call
             status, detail = plain_error(e)
-            if status >= 500:
+            if status >= 500 and not isinstance(e, WorkNotStarted):
                 log.exception("%s %s failed", request.method, request.url.path)
             return reply(status, detail)
 

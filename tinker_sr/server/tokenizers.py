@@ -54,7 +54,8 @@ class TokenizerIds:
                     # The SDK cuts tokenizer ids at the first ':'; use a path without one.
                     root = Path(tempfile.mkdtemp(prefix=byte.SERVED_TEMP_PREFIX))
                 path = root.resolve() / byte.SERVED_DIR_NAME
-                assert byte.is_served_byte_tokenizer(str(path)), path  # the clients know it
+                # Written anew each start: one an older server wrote lacks the mark.
                 byte.write_hf_tokenizer_dir(path)
+                assert byte.is_served_byte_tokenizer(str(path)), path  # the clients know it
                 self._byte_dir = str(path)
             return self._byte_dir
