@@ -3,7 +3,7 @@
 
 Each loop: admit queued requests (check them, compute their prompt extras, prefill, or copy
 the prefill of the same prompt on the same model from `engine.prompt_cache`) in arrival order,
-sessions taking turns (`DecodeScheduler._fairest`), while the active rows stay within
+sessions taking turns (`DecodeScheduler._next_job`), while the active rows stay within
 ``max_rows`` and their KV caches within ``$TINKER_SR_DECODE_CACHE_MB``; then one decode step
 per model for all active requests of that model (`engine.batching.decode_step`: rows of many
 requests in one step); then retire finished requests (record, respond). A row that stops
@@ -21,7 +21,7 @@ import atexit
 import os
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -40,7 +40,6 @@ CACHE_BUDGET_ENV, DEFAULT_CACHE_MB = "TINKER_SR_DECODE_CACHE_MB", 2048
 STEP_HISTORY = 4096  # decode steps whose row counts `rows_per_step` keeps
 # At interpreter exit, how long to wait for a sampling thread to finish its current step.
 EXIT_JOIN_SECONDS = 10.0
-_MAX_TENANTS = 4096  # tenants whose last turn is kept (`DecodeScheduler._take_turn`)
 
 Finish = Callable[[list[SampleOutput]], Any]
 # Called on the worker after a request's prefill and each of its decode steps (streaming).
@@ -77,7 +76,8 @@ class _Job:
     future: Future[Any]
     barrier: bool = False  # runs once everything submitted before it has finished
     progress: Progress | None = None
-    tenant: str = ""  # whose request (a session): see `DecodeScheduler._fairest`
+    tenant: str = ""  # whose request (a session): see `DecodeScheduler._next_job`
+    epoch: int = 0  # barriers submitted before it (it starts after they have)
 
 
 @dataclass
@@ -108,12 +108,13 @@ class DecodeScheduler:
         self.prompt_cache = PromptCache()
         self.threads = threads
         self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        # Queued requests per tenant, in arrival order; the tenant whose turn is next first.
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
+        self._barriers: deque[_Job] = deque()  # queued barriers, in order
+        self._barriers_started = 0
         self._active: list[_Active] = []
         # Checked requests waiting for KV-cache room, in arrival order, ahead of the queue.
         self._ready: deque[_Active] = deque()
-        self._turn = 0  # admissions so far
-        self._turns: dict[str, int] = {}  # each tenant's last (`_fairest`)
         self._closing = False
         self._abandoned = False  # interpreter exit: stop after the current step
         # Rows decoded by each step, newest last (for tests and benchmarks).
@@ -126,7 +127,7 @@ class DecodeScheduler:
         self, begin: Begin, rows: int, progress: Progress | None = None, tenant: str = ""
     ) -> Future[Any]:
         """Queue a request of ``rows`` rows (its num_samples), from ``tenant`` (a session):
-        admitted in arrival order among its tenant's, tenants taking turns (`_fairest`).
+        admitted in arrival order among its tenant's, tenants taking turns (`_next_job`).
         ``progress`` is called with its rows after its prefill and each decode step (on the
         worker)."""
         return self._put(_Job(begin, max(1, rows), Future(), progress=progress, tenant=tenant))
@@ -143,7 +144,11 @@ class DecodeScheduler:
         with self._cond:
             if self._closing:
                 raise RuntimeError("the sampling worker is closed")
-            self._queue.append(job)
+            job.epoch = self._barriers_started + len(self._barriers)
+            if job.barrier:
+                self._barriers.append(job)
+            else:
+                self._queues.setdefault(job.tenant, deque()).append(job)
             self._cond.notify()
         return job.future
 
@@ -174,10 +179,10 @@ class DecodeScheduler:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._queue or self._active or self._ready or self._closing):
+                    while not (self._has_queued() or self._active or self._ready or self._closing):
                         self._cond.wait()
                     if self._abandoned or (
-                        self._closing and not (self._queue or self._active or self._ready)
+                        self._closing and not (self._has_queued() or self._active or self._ready)
                     ):
                         return
                     admitted = [] if self._ready else self._admissible()
@@ -186,47 +191,58 @@ class DecodeScheduler:
                     self._start(job)
                 self._step()
 
+    def _has_queued(self) -> bool:
+        return bool(self._queues or self._barriers)
+
+    def queued(self) -> int:
+        """Requests (and barriers) queued, not yet admitted."""
+        with self._cond:
+            return sum(len(q) for q in self._queues.values()) + len(self._barriers)
+
     def _admissible(self) -> list[_Job]:
-        """Queued jobs to start now, in order: while the active rows fit ``max_rows`` (one
-        request always fits when nothing runs); a barrier waits until nothing runs."""
+        """Queued jobs to start now (`_next_job`'s), while the active rows fit ``max_rows``
+        (one request always fits when nothing runs); a barrier waits until nothing runs."""
         out: list[_Job] = []
         rows = sum(len(a.group.active) for a in self._active)
-        while self._queue:
-            job = self._fairest()
+        while (job := self._next_job()) is not None:
             busy = bool(self._active or out)
-            if job.barrier and busy:
+            if job.barrier:
+                if not busy:
+                    self._barriers.popleft()
+                    self._barriers_started += 1
+                    out.append(job)
                 break
             if busy and rows + job.rows > self.max_rows:
                 break
-            self._queue.remove(job)
-            self._take_turn(job.tenant)
+            jobs = self._queues[job.tenant]
+            jobs.popleft()
+            if jobs:  # its turn taken: the other tenants' come first
+                self._queues.move_to_end(job.tenant)
+            else:
+                del self._queues[job.tenant]
             out.append(job)
             rows += job.rows
-            if job.barrier:
-                break
         return out
 
-    def _fairest(self) -> _Job:
-        """The queued request to admit next, never one past a barrier: the earliest of the
-        tenant whose last turn is oldest (tenants take turns). In arrival order alone, one
-        session's burst (a server's client sending 64 requests) held every other session's
-        requests until all of it had decoded."""
-        best: _Job | None = None
-        for job in self._queue:
-            if job.barrier:
-                return best or job
-            turn = self._turns.get(job.tenant, -1)
-            if best is None or turn < self._turns.get(best.tenant, -1):
-                best = job
-        assert best is not None
-        return best
-
-    def _take_turn(self, tenant: str) -> None:
-        self._turn += 1
-        self._turns[tenant] = self._turn
-        if len(self._turns) > _MAX_TENANTS:  # forget those with nothing queued
-            queued = {j.tenant for j in self._queue}
-            self._turns = {t: n for t, n in self._turns.items() if t in queued}
+    def _next_job(self) -> _Job | None:
+        """The queued request to admit next: the earliest of the tenant whose turn it is
+        (tenants take turns, each in arrival order), never one submitted after a barrier that
+        has not started; else that barrier. In arrival order alone, one session's burst (a
+        server's client sending 64 requests) held every other session's requests until all
+        of it had decoded. Requests cancelled while queued leave here, taking no turn."""
+        gone = []
+        found = None
+        for tenant, jobs in self._queues.items():
+            while jobs and jobs[0].future.cancelled():
+                jobs.popleft()
+            if not jobs:
+                gone.append(tenant)
+            elif jobs[0].epoch == self._barriers_started:
+                found = jobs[0]
+                break
+        for tenant in gone:
+            del self._queues[tenant]
+        return found or (self._barriers[0] if self._barriers else None)
 
     def _start(self, job: _Job) -> None:
         """Check the request (`Begin`), then decode it as soon as its KV cache fits."""
