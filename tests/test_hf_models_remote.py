@@ -252,3 +252,29 @@ def test_a_store_from_an_older_server_still_names_its_tokenizer(tmp_path: Path) 
 
     assert asyncio.run(tokenizer_id()) == str(old.resolve())
     assert json.loads((old / "tokenizer_config.json").read_text())[MARKER] == "byte-level"
+
+
+def test_a_sampling_clients_tokenizer_is_the_served_models(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hub_cache: Path
+) -> None:
+    """tinker_sr's remote sampling client chose its tokenizer by the model's name alone. For an
+    alias whose name is in the client's Hugging Face cache it loaded that cached tokenizer, not
+    the served model's (wrong text and rewards, silently); for a directory served under its
+    folder name, or one whose path holds a ':', it found none. It now asks the server."""
+    root = tmp_path_factory.mktemp("served")
+    colon = root / "run:7"
+    shutil.copytree(model_dir, colon)
+    flags = ["--model-alias", "tiny-org/tiny-qwen3=tinker-sr/tiny"]
+    flags += ["--model-dir", str(model_dir), "--model-dir", str(colon)]
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
+    with running_server(root / "store", env=env, extra_args=flags) as srv:
+        service = tinker_sr.ServiceClient(base_url=srv.base_url, api_key="tml-test")
+        expected = AutoTokenizer.from_pretrained(model_dir).encode("hello world")
+        aliased = service.create_sampling_client(base_model="tiny-org/tiny-qwen3")
+        assert aliased.get_tokenizer().encode("hi") == ByteTokenizer().encode("hi")
+        for name in ("tiny-qwen3", str(colon)):  # a folder name; a path with a ':'
+            sampler = service.create_sampling_client(base_model=name)
+            assert sampler.get_tokenizer().encode("hello world") == expected, name
+        training = _ready(service.create_lora_training_client(base_model=str(colon), rank=2))
+        assert training.get_tokenizer().encode("hello world") == expected  # type: ignore[attr-defined]
+        service.close().result()

@@ -349,6 +349,12 @@ class RemoteBackend(WireTransport):
                 resp, body, f"samplers/{{id}} must return a sampler_id and a base_model: {e}"
             ) from None
 
+    async def sampler_tokenizer_id(self, sampler_id: str) -> str | None:
+        """The tokenizer id a tinker_sr server gives for ``sampler_id`` (None from others)."""
+        _, body = await self._get(f"/api/v1/samplers/{_seg(sampler_id)}")
+        found = body.get("tokenizer_id") if isinstance(body, dict) else None
+        return found if isinstance(found, str) and found else None
+
     async def sample(
         self,
         sampler_id: str,

@@ -229,6 +229,9 @@ class SamplingClient:
         be found rather than returning another one."""
         from tinker_sr.clients.tokenizers import tokenizer_for
 
+        lookup = getattr(self.holder.backend, "sampler_tokenizer_id", None)
+        if self._tokenizer_id is None and lookup is not None:  # asked once, of the server
+            self._tokenizer_id = self.holder.run(lookup(self.sampler_id)).result()
         return tokenizer_for(self.holder.backend, self._base_model, self._tokenizer_id)
 
     def get_telemetry(self) -> None:

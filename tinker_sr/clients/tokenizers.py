@@ -4,7 +4,8 @@ missing (never a stand-in).
 - Embedded engine: the backend's tokenizer of the model (aliases resolved): the byte-level
   tokenizer for built-ins, the directory's tokenizer for a Hugging Face model.
 - Remote service: like the official SDK, the service's ``tokenizer_id`` (training clients; a
-  sampling client made from one inherits it), else a name derived from the base model. The
+  sampling client made from one inherits it; others ask a tinker_sr server for the sampler's),
+  else a name derived from the base model. The
   byte-level directory a tinker_sr server names for its built-in models is the built-in
   tokenizer (no `tokenizers` package or access to the server's disk needed); other ids are
   loaded from a local directory or the Hugging Face cache when there, else through
@@ -51,7 +52,8 @@ def load_tokenizer(model_name: str, tokenizer_id: str | None) -> Any:
         return ByteTokenizer()
     if tokenizer_id is not None and is_served_byte_tokenizer(tokenizer_id):
         return ByteTokenizer()  # a tinker_sr server's built-in model (or an alias of one)
-    ident = (tokenizer_id.split(":")[0] if tokenizer_id else None) or sdk_tokenizer_id(model_name)
+    # As the SDK: the model name is cut at a ':' (a variant id), a tokenizer id is not.
+    ident = tokenizer_id or sdk_tokenizer_id(model_name)
     local = resolve_model_dir(ident, TOKENIZER_FILES)
     if local is not None:
         return load_hf_tokenizer(local)

@@ -1,5 +1,6 @@
-"""Tokenizer ids for ``get_info``: the official SDK loads the tokenizer named there with
-`transformers`, offline, so the server names a local directory (never a Hub name it made up).
+"""Tokenizer ids for ``get_info`` (and a sampler's, for tinker_sr's client): the official SDK
+loads the tokenizer named there with `transformers`, offline, so the server names a local
+directory (never a Hub name it made up).
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ class TokenizerIds:
         self._byte_dir: str | None = None
 
     def tokenizer_id(self, info: GetInfoResponse) -> str | None:
-        """A tokenizer id the official SDK can load offline: a local directory (no ':')."""
+        """A tokenizer id the official SDK can load offline: a local directory."""
         current = info.model_data.tokenizer_id
-        if current and os.path.isdir(current):
+        if current:  # a directory, or a Hub name chosen by the backend: as it is
             return current
-        if current:
-            return current  # a Hub name chosen by the backend: leave it alone
+        return self.for_model(info.model_data.model_name or info.model_name)
+
+    def for_model(self, name: str | None) -> str | None:
+        """The tokenizer directory of base model ``name`` as served (aliases resolved): its
+        own directory's, or for a built-in the byte-level one; None if it has none here."""
         resolve = getattr(self.backend, "resolve_model", None)
-        name = info.model_data.model_name or info.model_name
         if resolve is None or not name:
             return None
         try:
@@ -41,7 +44,8 @@ class TokenizerIds:
             has_tokenizer = any(
                 (Path(resolved) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
             )
-            return resolved if has_tokenizer and ":" not in resolved else None
+            # A ':' in it is fine: the SDK cuts the model name at one, not the tokenizer id.
+            return resolved if has_tokenizer else None
         return self._byte_tokenizer()  # a built-in model: byte-level tokenizer
 
     def _byte_tokenizer(self) -> str:
@@ -50,8 +54,7 @@ class TokenizerIds:
                 from tinker_sr.tokenization import byte
 
                 root = self.store_dir / "tokenizers" if self.store_dir is not None else None
-                if root is None or ":" in str(root.resolve()):
-                    # The SDK cuts tokenizer ids at the first ':'; use a path without one.
+                if root is None:  # a server keeping its state in memory
                     root = Path(tempfile.mkdtemp(prefix=byte.SERVED_TEMP_PREFIX))
                 path = root.resolve() / byte.SERVED_DIR_NAME
                 # Written anew each start: one an older server wrote lacks the mark.

@@ -66,6 +66,10 @@ async def get_sampler(srv: TinkerServer, request: Request, owner: str) -> Respon
     model_path = srv.state.sampler_model_path(sampler_id)
     if model_path:
         out["model_path"] = model_path
+    # Not in the Tinker API (the official SDK ignores it): tinker_sr's client loads this
+    # sampler's tokenizer by it, where a model name (an alias, a folder name) says nothing.
+    if (tokenizer_id := srv.tokenizers.for_model(base_model)) is not None:
+        out["tokenizer_id"] = tokenizer_id
     return json_reply(out)
 
 
