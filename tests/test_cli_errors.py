@@ -256,3 +256,36 @@ def test_version_is_printed() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"tinker-sr {tinker_sr.__version__}"
     assert tinker_sr.__version__ == version("tinker-sr")  # the package's metadata agrees
+
+
+def test_paths_as_users_write_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found with odd paths: a quoted ``~`` store (.env files, unit files) made a literal
+    ``./~`` directory; a ``--model-alias`` target with a comma was cut at it; and a relative
+    store turned every "." (or every word "store") of an internal error into ``<store>``."""
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.backend.local_errors import hide_paths
+    from tinker_sr.cli import _alias_flags
+    from tinker_sr.engine.store import default_store_dir
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("TINKER_SR_STORE", "~/stores/a")
+    assert default_store_dir() == home / "stores" / "a"
+    backend = LocalBackend("~/stores/b")
+    try:
+        assert backend.store_dir == home / "stores" / "b" and backend.store_dir.is_dir()
+    finally:
+        backend.close()
+    assert not (cwd / "~").exists()
+
+    assert _alias_flags(["m1=/models/a,b", "x=tinker-sr/tiny,y=tinker-sr/small"]) == {
+        "m1": "/models/a,b",
+        "x": "tinker-sr/tiny",
+        "y": "tinker-sr/small",
+    }
+    text = "cannot read '/data/run.1/s1.safetensors' (v1.2)"
+    assert hide_paths(OSError(text), Path(".")) == text
+    assert hide_paths(OSError(f"{cwd}/x missing"), Path(".")) == "<store>/x missing"

@@ -97,7 +97,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             args.checkpoint,
             args.out,
             merge=args.merge,
-            store_dir=Path(args.store) if args.store else default_store_dir(),
+            store_dir=Path(args.store).expanduser() if args.store else default_store_dir(),
             base_model=args.base_model,
             aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
         )
@@ -299,6 +299,24 @@ def environment_problem() -> str | None:
     return None
 
 
+def _alias_flags(values: list[str]) -> dict[str, str]:
+    """``--model-alias`` values: each NAME=TARGET, or a comma list of them (as
+    ``$TINKER_SR_MODEL_ALIASES``). A target path may hold commas: a value is a list only
+    where every comma-separated part is NAME=TARGET."""
+    from tinker_sr.engine.registry import parse_aliases
+
+    out: dict[str, str] = {}
+    for value in values:
+        if all("=" in part for part in value.split(",") if part.strip()):
+            out.update(parse_aliases(value, "--model-alias"))
+            continue
+        if "=" not in value:
+            raise ValueError(f"--model-alias entry {value!r} must look like 'name=target'")
+        name, target = value.split("=", 1)
+        out[name.strip()] = target.strip()
+    return out
+
+
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.model import BUILTIN_CONFIGS
     from tinker_sr.engine.registry import parse_aliases
@@ -320,7 +338,7 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
             aliases[name] = path
     env = "$TINKER_SR_MODEL_ALIASES"
     try:
-        named = parse_aliases(",".join(args.model_alias), "--model-alias")
+        named = _alias_flags(args.model_alias)
         # The engine adds these itself; checked here so a bad one stops the start, as a flag's.
         from_env = parse_aliases(os.environ.get(env[1:]), env)
     except ValueError as e:

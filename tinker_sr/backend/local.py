@@ -97,7 +97,8 @@ class LocalBackend(LocalRestQueries):
         tune_allocator()  # before the engine's threads exist; $TINKER_SR_MALLOC_TUNING=0: off
         self.limits = limits if limits is not None else DEFAULT_LIMITS
         self.rate_card = RateCard.resolve(rate_card)
-        self.store_dir = Path(store_dir) if store_dir is not None else default_store_dir()
+        store = Path(store_dir).expanduser() if store_dir is not None else default_store_dir()
+        self.store_dir = store.absolute()  # a later chdir changes nothing
         make_store_dir(self.store_dir)
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
         aliases = parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"))

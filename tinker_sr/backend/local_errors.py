@@ -35,7 +35,7 @@ def refused(e: EngineUserError) -> APIStatusError:
 def hide_paths(e: Exception, store_dir: Path) -> str:
     """An error's text without the store's path (a server must not tell where it is)."""
     text = str(e)
-    for path in {str(store_dir.resolve()), str(store_dir)}:
+    for path in {str(store_dir.resolve()), str(store_dir.absolute())}:  # never a bare "store"
         text = text.replace(path, "<store>")
     return text
 

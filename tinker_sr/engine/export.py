@@ -98,7 +98,7 @@ def export_peft(
             "without a word); export with --merge (a merged model directory, loadable by "
             "transformers and vLLM), or train with train_mlp=False for a PEFT adapter"
         )
-    root = Path(out)
+    root = Path(out).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     adapters, rank_pattern, alpha_pattern = ckpt.adapters, {}, {}
     if any(".linear_attn.in_proj_q." in k for k in adapters):
@@ -151,7 +151,7 @@ def export_merged(
     config.json is kept (tie_word_embeddings and dtype updated) and its tokenizer and
     generation files are copied; for a built-in model the config is generated and the byte
     tokenizer written."""
-    root = Path(out)
+    root = Path(out).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     model = merged_model(base, ckpt)
     tied = model.config.tie_embeddings
@@ -250,7 +250,7 @@ def export_checkpoint(
     would overwrite, nor one holding an older export's shards). The files are written into a
     hidden ``.export-*`` directory inside it and moved into place when complete: a failed
     export leaves `out` as it found it (one killed outright leaves that hidden directory)."""
-    root = Path(out)
+    root = Path(out).expanduser()
     check_output_dir(root)
     # The directories this export creates (`out` and missing parents), deepest first.
     created = [d for d in (root, *root.parents) if not d.exists()]

@@ -162,10 +162,11 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
 
 
 def default_store_dir() -> Path:
-    """``$TINKER_SR_STORE`` or ``~/.cache/tinker_sr`` (here, not in `backend.local`, so that a
-    reader of the store such as ``tinker-sr usage`` does not import torch)."""
+    """``$TINKER_SR_STORE`` (a leading ``~`` expanded, as a shell would: it is often quoted in
+    .env files and unit files) or ``~/.cache/tinker_sr`` (here, not in `backend.local`, so
+    that a reader of the store such as ``tinker-sr usage`` does not import torch)."""
     env = os.environ.get("TINKER_SR_STORE")
-    return Path(env) if env else Path.home() / ".cache" / "tinker_sr"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tinker_sr"
 
 
 class Store:

@@ -165,7 +165,7 @@ def serve(
 
     check_address(host, port)
     keys = _usable_keys(api_keys)
-    store_dir = Path(store) if store is not None else default_store_dir()
+    store_dir = Path(store).expanduser() if store is not None else default_store_dir()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
     backend = LocalBackend(
