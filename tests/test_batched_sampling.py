@@ -304,8 +304,9 @@ def test_sessions_take_turns_when_requests_queue(
 ) -> None:
     """Rows for one request at a time (``$TINKER_SR_MAX_DECODE_ROWS=4``); session A queues six
     4-row requests, then session B one. B is admitted at the next free turn, after at most two
-    of A's (the first may be admitted before the rest arrive), instead of after all six (a server's one client with a burst held every other client's
-    samples until it had all decoded). Its samples are those it gets alone."""
+    of A's (the first may be admitted before the rest arrive), instead of after all six (a
+    server's one client with a burst held every other client's samples until it had all
+    decoded). Its samples are those it gets alone."""
     import asyncio
 
     monkeypatch.setenv(scheduler.MAX_ROWS_ENV, "4")

@@ -17,7 +17,8 @@ of the checkpoint must land in the model.
 | GptOssForCausalLM | no | ``attention_bias`` (absent: yes) | as q/k/v | per ``layer_types``, exact |
 
 Qwen3.5 (and Qwen3.5-MoE) come as vision-language wrappers whose ``text_config`` is read
-(`tinker_sr.engine.hf_vl.text_config`); their hybrid fields are `_qwen3_5`'s (see `tinker_sr.engine.hybrid`).
+(`tinker_sr.engine.hf_vl.text_config`); their hybrid fields are `_qwen3_5`'s (see
+`tinker_sr.engine.hybrid`).
 
 Qwen3-MoE's feed-forward is sparse in the layers ``decoder_sparse_step`` and ``mlp_only_layers``
 select (`_moe`); its router's auxiliary load-balancing loss (``router_aux_loss_coef``) is a
