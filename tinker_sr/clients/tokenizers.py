@@ -5,11 +5,11 @@ missing (never a stand-in).
   tokenizer for built-ins, the directory's tokenizer for a Hugging Face model.
 - Remote service: like the official SDK, the service's ``tokenizer_id`` (training clients; a
   sampling client made from one inherits it; others ask a tinker_sr server for the sampler's),
-  else a name derived from the base model. The
-  byte-level directory a tinker_sr server names for its built-in models is the built-in
-  tokenizer (no `tokenizers` package or access to the server's disk needed); other ids are
-  loaded from a local directory or the Hugging Face cache when there, else through
-  ``transformers.AutoTokenizer.from_pretrained`` as the SDK does (which may download).
+  else a name derived from the base model. The byte-level directory a tinker_sr server names
+  for its built-in models is the built-in tokenizer (no `tokenizers` package or access to the
+  server's disk needed); other ids are loaded from a local directory or the Hugging Face cache
+  when there, else through ``transformers.AutoTokenizer.from_pretrained`` as the SDK does
+  (which may download).
 """
 
 from __future__ import annotations
