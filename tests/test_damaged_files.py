@@ -541,3 +541,34 @@ def test_an_emptied_store_database_beside_checkpoints_is_refused(tmp_path: Path)
     fresh.mkdir()
     (fresh / "engine.sqlite").write_bytes(b"")  # empty, nothing beside it: a new store
     LocalBackend(fresh).close()
+
+
+def test_a_store_folder_that_cannot_be_written_is_said_as_such(tmp_path: Path) -> None:
+    """A checkpoints/ folder that cannot be written (read-only, permissions, a file in its
+    place) failed every save as "internal error: NotADirectoryError: ..."; the error now
+    says the store cannot be written, where, and the way out."""
+    import asyncio
+
+    from tinker_sr import errors, types
+    from tinker_sr.backend.local import LocalBackend
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "checkpoints").write_text("not a folder")
+
+    async def save() -> str:
+        backend = LocalBackend(store)
+        try:
+            session = await backend.create_session()
+            model = await backend.create_model(
+                session, 0, base_model="tinker-sr/tiny", lora_config=types.LoraConfig(rank=2)
+            )
+            with pytest.raises(errors.RequestFailedError) as e:
+                await backend.save_state(model, 1, "st")
+            return str(e.value)
+        finally:
+            await backend.aclose()
+
+    text = asyncio.run(save())
+    assert "the store cannot be written" in text and "<store>/checkpoints" in text, text
+    assert "internal error" not in text and str(store) not in text

@@ -4,6 +4,7 @@ whose text does not tell where the store is."""
 
 from __future__ import annotations
 
+import errno
 import uuid
 from collections.abc import Awaitable
 from pathlib import Path
@@ -32,6 +33,26 @@ def refused(e: EngineUserError) -> APIStatusError:
     return refusal(404 if isinstance(e, EngineNotFoundError) else 400, str(e))
 
 
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
+
+
+def store_unwritable(e: BaseException, store_dir: Path) -> str | None:
+    """The failure's text where the store (or a folder in it) cannot be written: read-only,
+    permissions, a file in a folder's place; else None."""
+    name = getattr(e, "filename", None)
+    root = str(store_dir.absolute())
+    if not isinstance(e, OSError) or e.errno not in _UNWRITABLE or not name:
+        return None
+    if not str(name).startswith(root):
+        return None
+    where = "<store>" + str(name)[len(root) :]
+    return (
+        f"the store cannot be written ({e.strerror}: {where}); make the store folder and "
+        "everything in it writable by the server's user (or use another store: --store, "
+        "$TINKER_SR_STORE), then retry"
+    )
+
+
 def hide_paths(e: Exception, store_dir: Path) -> str:
     """An error's text without the store's path (a server must not tell where it is)."""
     text = str(e)
@@ -55,7 +76,8 @@ async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) ->
         text = (
             OUT_OF_SPACE
             if is_out_of_space(e)
-            else f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
+            else store_unwritable(e, store_dir)
+            or f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
         )
         raise RequestFailedError(
             f"Request failed: {text}",
