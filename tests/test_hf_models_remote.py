@@ -278,3 +278,69 @@ def test_a_sampling_clients_tokenizer_is_the_served_models(
         training = service.create_lora_training_client(base_model=str(colon), rank=2)
         assert training.get_tokenizer().encode("hello world") == expected
         service.close().result()
+
+
+def test_a_hub_models_tokenizer_from_a_server_on_another_machine(
+    model_dir: Path, hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer id of a Hub-name model is a snapshot in the server's cache, a path that a
+    client on another machine does not have: its training clients (and, once they asked the
+    server, its sampling clients) failed. The same model in the client's own cache serves.
+    (The server's cache is moved away once its model is loaded: it is not on this machine.)"""
+    theirs, mine = tmp_path / "server-hub", tmp_path / "client-hub"
+    shutil.copytree(hub_cache, theirs)
+    shutil.copytree(hub_cache, mine)
+    monkeypatch.setenv("HF_HUB_CACHE", str(mine))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(mine))
+    from tinker_sr.clients.tokenizers import load_tokenizer
+
+    load_tokenizer.cache_clear()
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(theirs)}
+    try:
+        with running_server(tmp_path / "store", env=env) as srv:
+            service = tinker_sr.ServiceClient(base_url=srv.base_url, api_key="tml-test")
+            expected = AutoTokenizer.from_pretrained(model_dir).encode("hello world")
+            training = service.create_lora_training_client(
+                base_model="tiny-org/tiny-qwen3", rank=2
+            )
+            sampler = service.create_sampling_client(base_model="tiny-org/tiny-qwen3")
+            assert training.get_info().model_data.tokenizer_id.startswith(str(theirs))
+            theirs.rename(tmp_path / "elsewhere")
+            assert training.get_tokenizer().encode("hello world") == expected
+            assert sampler.get_tokenizer().encode("hello world") == expected
+            service.close().result()
+    finally:
+        load_tokenizer.cache_clear()
+
+
+def test_asking_the_server_for_a_tokenizer_never_hangs_or_repeats(server: ServerProcess) -> None:
+    """Review of the lookup: a bare `.result()` on the SDK's own loop thread hung the process,
+    a server without the field was asked on every call, and an unreachable one turned
+    get_tokenizer() into an error after a minute of retries. Now: once, and by the model's
+    name (as the official SDK) where the server cannot say."""
+    from tinker_sr.clients.holder import submit
+
+    service = tinker_sr.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    backend = service.holder.backend
+    asked: list[str] = []
+
+    async def without_field(sampler_id: str) -> None:
+        asked.append(sampler_id)
+
+    async def unreachable(sampler_id: str) -> None:
+        raise ConnectionError("server down")
+
+    for lookup in (without_field, unreachable):
+        sampler = service.create_sampling_client(base_model="tinker-sr/tiny")
+        backend.sampler_tokenizer_id = lookup  # type: ignore[attr-defined]
+        for _ in range(3):
+            assert isinstance(sampler.get_tokenizer(), ByteTokenizer)
+    assert len(asked) == 1
+
+    async def on_the_sdk_loop() -> object:
+        sampler = await service.create_sampling_client_async(base_model="tinker-sr/tiny")
+        return sampler.get_tokenizer()
+
+    del backend.sampler_tokenizer_id  # the real lookup, from the SDK's own loop thread
+    assert isinstance(submit(on_the_sdk_loop()).result(timeout=60), ByteTokenizer)
+    service.close().result()

@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
     # no torch: a quick report
     from tinker_sr.engine.store import Store, StoreDamagedError, default_store_dir
 
-    store_dir = Path(args.store) if args.store else default_store_dir()
+    store_dir = Path(args.store).expanduser() if args.store else default_store_dir()
     db = store_dir / "engine.sqlite"
     try:
         rates = usage.RateCard.resolve(args.rate_card)

@@ -56,7 +56,8 @@ def store_unwritable(e: BaseException, store_dir: Path) -> str | None:
 def hide_paths(e: Exception, store_dir: Path) -> str:
     """An error's text without the store's path (a server must not tell where it is)."""
     text = str(e)
-    for path in {str(store_dir.resolve()), str(store_dir.absolute())}:  # never a bare "store"
+    paths = {str(store_dir.resolve()), str(store_dir.absolute())}  # never a bare "store"
+    for path in sorted(paths, key=len, reverse=True):  # the longer first: one may hold the other
         text = text.replace(path, "<store>")
     return text
 

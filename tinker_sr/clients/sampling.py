@@ -15,12 +15,18 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from tinker_sr import types, validation
 from tinker_sr.clients import sr_lowering
-from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
+from tinker_sr.clients.holder import (
+    ClientSession,
+    blocking_result,
+    make_backend,
+    warn_deprecated,
+)
 from tinker_sr.futures import BackcompatConcurrentFuture
 from tinker_sr.user_errors import official_sdk_hint
 
 T = TypeVar("T")
 _MAX_RETRIES = 8  # transient failures retried per call before the error is raised
+_TOKENIZER_LOOKUP_S = 10.0  # how long get_tokenizer waits for the server's tokenizer id
 
 if TYPE_CHECKING:
     from tinker_sr.lib.retry_handler import RetryConfig
@@ -50,6 +56,7 @@ class SamplingClient:
         self._base_model = base_model
         # The service's tokenizer id when known (a sampler made from a training client).
         self._tokenizer_id = tokenizer_id
+        self._tokenizer_asked = False  # of the server, by `get_tokenizer`
         self.record_stability_info = bool(record_stability_info)
         self.retry_config = retry_config  # honoured by every sample call (_retrying)
         self._gate: asyncio.Semaphore | None = None
@@ -230,8 +237,13 @@ class SamplingClient:
         from tinker_sr.clients.tokenizers import tokenizer_for
 
         lookup = getattr(self.holder.backend, "sampler_tokenizer_id", None)
-        if self._tokenizer_id is None and lookup is not None:  # asked once, of the server
-            self._tokenizer_id = self.holder.run(lookup(self.sampler_id)).result()
+        if self._tokenizer_id is None and lookup is not None and not self._tokenizer_asked:
+            self._tokenizer_asked = True  # once: a server without the field answers None
+            try:  # a tinker_sr server names the served model's (an alias's target's)
+                found = self.holder.run(lookup(self.sampler_id))
+                self._tokenizer_id = blocking_result(found, timeout=_TOKENIZER_LOOKUP_S)
+            except Exception:  # unreachable, too slow, on the SDK's loop: by name, as the SDK
+                pass
         return tokenizer_for(self.holder.backend, self._base_model, self._tokenizer_id)
 
     def get_telemetry(self) -> None:

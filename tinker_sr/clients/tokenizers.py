@@ -28,6 +28,15 @@ def tokenizer_for(backend: Any, model_name: str, tokenizer_id: str | None) -> An
     return load_tokenizer(model_name, tokenizer_id)
 
 
+def cached_repo(path: str) -> tuple[str, str] | None:
+    """(``org/name``, revision) of a Hugging Face cache snapshot path
+    (``.../models--org--name/snapshots/<rev>``), else None."""
+    parts = path.replace("\\", "/").rstrip("/").split("/")
+    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
+        return None
+    return parts[-3][len("models--") :].replace("--", "/"), parts[-1]
+
+
 def sdk_tokenizer_id(model_name: str) -> str:
     """The id the official SDK derives from a base model name when the service names none."""
     name = model_name.split(":")[0]
@@ -55,6 +64,13 @@ def load_tokenizer(model_name: str, tokenizer_id: str | None) -> Any:
     # As the SDK: the model name is cut at a ':' (a variant id), a tokenizer id is not.
     ident = tokenizer_id or sdk_tokenizer_id(model_name)
     local = resolve_model_dir(ident, TOKENIZER_FILES)
+    if local is None and (repo := cached_repo(ident)) is not None:
+        # A snapshot in the server's Hugging Face cache (a server on another machine): the
+        # same model here, at that revision or any, else from the Hub by its name.
+        ident = repo[0]
+        local = resolve_model_dir(f"{ident}@{repo[1]}", TOKENIZER_FILES) or resolve_model_dir(
+            ident, TOKENIZER_FILES
+        )
     if local is not None:
         return load_hf_tokenizer(local)
     where = (
