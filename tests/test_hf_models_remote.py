@@ -300,9 +300,7 @@ def test_a_hub_models_tokenizer_from_a_server_on_another_machine(
         with running_server(tmp_path / "store", env=env) as srv:
             service = tinker_sr.ServiceClient(base_url=srv.base_url, api_key="tml-test")
             expected = AutoTokenizer.from_pretrained(model_dir).encode("hello world")
-            training = service.create_lora_training_client(
-                base_model="tiny-org/tiny-qwen3", rank=2
-            )
+            training = service.create_lora_training_client(base_model="tiny-org/tiny-qwen3", rank=2)
             sampler = service.create_sampling_client(base_model="tiny-org/tiny-qwen3")
             assert training.get_info().model_data.tokenizer_id.startswith(str(theirs))
             theirs.rename(tmp_path / "elsewhere")
