@@ -482,6 +482,8 @@ def test_sampling_promise_carries_one_sequence_id_per_sample(wire: Wire, model: 
     assert got.prompt_logprobs is not None and got.prompt_logprobs[0] is None
     assert wire.ok("asample", req) == promise  # the same (sampler, seq_id): the same future
     info = wire.http.get(f"/api/v1/samplers/{sampler}").json()
+    # tokenizer_id: not in the Tinker API (the SDK ignores it); tinker_sr's client reads it.
+    assert info.pop("tokenizer_id").endswith("/tokenizers/byte-level")
     assert info == {"sampler_id": sampler, "base_model": MODEL}
 
 

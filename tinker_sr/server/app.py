@@ -339,8 +339,7 @@ def create_app(
     how long to wait for a missing training seq_id before skipping it.
     ``max_pending_samples``: asample requests of one API key pending or running at once
     before asample answers that key 429 with ``Retry-After: 1``. ``session_timeout_s``: finish
-    (as "interrupted") a session with no heartbeat or request for this long; ``None`` never
-    expires sessions.
+    (as "interrupted") a session quiet this long; ``None`` never expires sessions.
     ``features``: switch StableReinforce support off to play another engine (`ServerFeatures`).
     ``file_download_urls``: answer ``get_external_weights_urls`` with ``file://`` URLs into the
     store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
