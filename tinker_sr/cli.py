@@ -88,8 +88,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from tinker_sr.backend.local import default_store_dir
     from tinker_sr.engine.export import export_checkpoint
-    from tinker_sr.engine.registry import parse_aliases
     from tinker_sr.engine.store import StoreDamagedError
+    from tinker_sr.model_aliases import parse_aliases
     from tinker_sr.user_errors import EngineUserError
 
     try:
@@ -289,7 +289,7 @@ def environment_problem() -> str | None:
     """Why a setting the embedded engine reads from the environment cannot be used (named),
     or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
     from tinker_sr.engine.hf import env_model_dtype
-    from tinker_sr.engine.registry import parse_aliases
+    from tinker_sr.model_aliases import parse_aliases
 
     try:
         parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"), "$TINKER_SR_MODEL_ALIASES")
@@ -303,23 +303,20 @@ def _alias_flags(values: list[str]) -> dict[str, str]:
     """``--model-alias`` values: each NAME=TARGET, or a comma list of them (as
     ``$TINKER_SR_MODEL_ALIASES``). A target path may hold commas: a value is a list only
     where every comma-separated part is NAME=TARGET."""
-    from tinker_sr.engine.registry import parse_aliases
+    from tinker_sr.model_aliases import alias_entry, parse_aliases
 
     out: dict[str, str] = {}
     for value in values:
         if all("=" in part for part in value.split(",") if part.strip()):
             out.update(parse_aliases(value, "--model-alias"))
-            continue
-        if "=" not in value:
-            raise ValueError(f"--model-alias entry {value!r} must look like 'name=target'")
-        name, target = value.split("=", 1)
-        out[name.strip()] = target.strip()
+        else:
+            out.update([alias_entry(value, "--model-alias")])
     return out
 
 
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.model import BUILTIN_CONFIGS
-    from tinker_sr.engine.registry import parse_aliases
+    from tinker_sr.model_aliases import parse_aliases
 
     aliases: dict[str, str] = {}
     for d in args.model_dir:

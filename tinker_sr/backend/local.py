@@ -45,7 +45,7 @@ from tinker_sr.engine.cpu import default_torch_threads, return_freed_memory, tun
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import env_model_dtype, parse_dtype
-from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer, parse_aliases
+from tinker_sr.engine.registry import ModelRegistry, Sampler, Trainer
 from tinker_sr.engine.sampler import LogprobsMode, NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
@@ -55,6 +55,7 @@ from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, refusal
 from tinker_sr.hf_files import is_model_dir
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
+from tinker_sr.model_aliases import parse_aliases
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]

@@ -84,20 +84,6 @@ def _locked(
     return wrapper
 
 
-def parse_aliases(spec: str | None, source: str = "TINKER_SR_MODEL_ALIASES") -> dict[str, str]:
-    """``"Qwen/Qwen3-8B=tinker-sr/tiny,*=tinker-sr/tiny"`` → dict (``*``: every name)."""
-    out: dict[str, str] = {}
-    for part in (spec or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "=" not in part:
-            raise ValueError(f"{source} entry {part!r} must look like 'name=target'")
-        k, v = part.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
-
-
 def _seq_of(sampler_id: str) -> int:
     """The ``sampling_session_seq_id`` in ``<session>:sample:<seq>``."""
     return int(sampler_id.rsplit(":", 1)[1])
