@@ -45,7 +45,7 @@ def store_unwritable(e: BaseException, store_dir: Path) -> str | None:
         return None
     if not str(name).startswith(root):
         return None
-    where = "<store>" + str(name)[len(root) :]
+    where = hide_paths(name, store_dir)
     return (
         f"the store cannot be written ({e.strerror}: {where}); make the store folder and "
         "everything in it writable by the server's user (or use another store: --store, "
@@ -53,8 +53,9 @@ def store_unwritable(e: BaseException, store_dir: Path) -> str | None:
     )
 
 
-def hide_paths(e: Exception, store_dir: Path) -> str:
-    """An error's text without the store's path (a server must not tell where it is)."""
+def hide_paths(e: object, store_dir: Path) -> str:
+    """An error's (or a path's) text without the store's path (a server must not tell where
+    it is)."""
     text = str(e)
     paths = {str(store_dir.resolve()), str(store_dir.absolute())}  # never a bare "store"
     for path in sorted(paths, key=len, reverse=True):  # the longer first: one may hold the other
