@@ -382,7 +382,7 @@ def test_a_loss_with_a_nan_gradient_fails_before_the_backward_and_poisons(
     def nan_loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
         return -sum(lp.sum() for lp in logprobs) * float("nan"), {}
 
-    with pytest.raises(tinker.RequestFailedError, match="gradient of your loss.*NaN or inf"):
+    with pytest.raises(tinker.RequestFailedError, match="gradient of your loss.*NaN or inf") as e:
         tc.forward_backward_custom([sft_datum(b"abcd")], nan_loss).result()
     # As the SDK, the calls after it return futures that fail; they raised at the call, which
     # broke code that makes its futures first and handles errors around `.result()`.
@@ -392,8 +392,9 @@ def test_a_loss_with_a_nan_gradient_fails_before_the_backward_and_poisons(
         tc.save_state("after"),
     ]
     for future in later:
-        with pytest.raises(RuntimeError, match="poisoned"):
+        with pytest.raises(RuntimeError, match="poisoned") as poisoned:
             future.result()
+        assert poisoned.value.__cause__ is e.value  # as the SDK: chained to the first failure
 
 
 def test_a_failed_backward_poisons_the_client(backend: LocalBackend) -> None:

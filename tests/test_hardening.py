@@ -298,10 +298,11 @@ def test_15_failing_custom_loss_consumes_its_reserved_numbers(
     fb = tc.forward_backward_custom([DATUM], broken)
     queued = tc.optim_step(types.AdamParams(learning_rate=0.1))  # queued behind the custom loss
     queued_behind.set()
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ZeroDivisionError) as e:
         fb.result(timeout=120)
-    with pytest.raises(RuntimeError, match="poisoned"):
+    with pytest.raises(RuntimeError, match="poisoned") as poisoned:
         queued.result(timeout=120)  # before the fix: waited forever for seq_id 2
+    assert poisoned.value.__cause__ is e.value  # as the SDK: chained to the failure
     backend = embedded_service.holder.backend
     assert isinstance(backend, LocalBackend)
     # Only the forward took a number (1, done): the backend waits for nothing.

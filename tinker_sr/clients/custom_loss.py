@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate
 
 from tinker_sr import types
+from tinker_sr.errors import RequestFailedError
 
 if TYPE_CHECKING:
     import torch
@@ -328,3 +329,58 @@ def run_loss_handle(
     assert total is not None, "run_loss_handle needs at least one datum"
     n = len(data)
     return total, {k: v / n if k.endswith(":mean") else v for k, v in sums.items()}
+
+
+def ce_copy(d: types.Datum, weights: types.TensorData | None) -> types.Datum:
+    """``d`` as a cross-entropy datum: its targets with ``weights`` (zeros when None)."""
+    targets = d.loss_fn_inputs["target_tokens"]
+    if weights is None:
+        weights = d.loss_fn_inputs.get("weights")
+    if weights is None:
+        import numpy as np
+
+        shape = targets.to_numpy().shape
+        weights = types.TensorData.from_numpy(np.zeros(shape, dtype=np.float32))
+    return types.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+        model_input_spans=d.model_input_spans,
+        loss_fn_input_spans=d.loss_fn_input_spans,
+    )
+
+
+def custom_backward_data(
+    data: list[types.Datum],
+    compute: Callable[..., tuple[torch.Tensor, Any]],
+    fwd: types.ForwardBackwardOutput,
+) -> tuple[float, Mapping[str, Any], list[types.Datum]]:
+    """Runs the user's loss on the forward pass's logprobs; returns the loss, its metrics and
+    the backward pass's datums (cross-entropy weighted by minus d loss / d logprobs)."""
+    logprobs = [
+        out["logprobs"].to_torch().float().clone().requires_grad_(True)
+        for out in fwd.loss_fn_outputs
+    ]
+    loss, user_metrics = compute(data, logprobs)
+    if not isinstance(user_metrics, Mapping):
+        raise TypeError(
+            "forward_backward_custom: your loss function must return (loss, metrics) with "
+            f"metrics a dict of name -> value, got metrics of type {type(user_metrics).__name__}"
+        )
+    loss.backward()
+    grads = []
+    for i, lp in enumerate(logprobs):
+        if lp.grad is None:
+            raise ValueError("No gradient computed for logprob tensor")
+        if not bool(lp.grad.isfinite().all()):
+            raise RequestFailedError(
+                f"Request failed: forward_backward_custom: the gradient of your loss with "
+                f"respect to datum {i}'s logprobs contains NaN or inf (it would be the backward "
+                "pass's weights); check the loss for NaN/inf (log of 0, division by 0)",
+                request_id="",
+                category=types.RequestErrorCategory.User,
+            )
+        grads.append(-lp.grad)
+    bwd_data = [
+        ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
+    ]
+    return float(loss.detach()), user_metrics, bwd_data

@@ -20,7 +20,7 @@ from tinker_sr.clients.holder import (
     release_dropped_model,
     warn_deprecated,
 )
-from tinker_sr.errors import RequestFailedError, refused_as_400
+from tinker_sr.errors import refused_as_400
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture, run_to_the_end
 from tinker_sr.user_errors import official_sdk_hint
 
@@ -40,6 +40,13 @@ CustomLossFnV1 = Callable[
 _POISONED = (
     "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."
 )
+
+
+def _poisoned_error(cause: BaseException) -> RuntimeError:
+    """The poisoned client's error, chained to the failure that poisoned it (as the SDK)."""
+    err = RuntimeError(_POISONED)
+    err.__cause__ = cause
+    return err
 
 
 class _Turn:
@@ -71,7 +78,7 @@ class TrainingClient:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._prev_issued: concurrent.futures.Future[None] | None = None  # the last call's
-        self._poisoned = False
+        self._poisoned: BaseException | None = None  # the failure that poisoned it (SDK: first)
         weakref.finalize(self, release_dropped_model, holder._ending, model_id).atexit = False
 
     def __repr__(self) -> str:
@@ -97,7 +104,7 @@ class TrainingClient:
         self.holder.check_open()
         if self._poisoned:  # as the SDK: the call's future fails (the call does not raise)
             failed: concurrent.futures.Future[T] = concurrent.futures.Future()
-            failed.set_exception(RuntimeError(_POISONED))
+            failed.set_exception(_poisoned_error(self._poisoned))
             return failed
         issued: concurrent.futures.Future[None] = concurrent.futures.Future()
         turn = _Turn(self, issued)
@@ -107,7 +114,7 @@ class TrainingClient:
                 if prev is not None:
                     await asyncio.wrap_future(prev)
                 if self._poisoned:
-                    raise RuntimeError(_POISONED)
+                    raise _poisoned_error(self._poisoned)
                 task = asyncio.ensure_future(body(turn))
                 task.add_done_callback(lambda _: turn.release())
                 # Let the body issue its request before the next call may issue its own.
@@ -198,7 +205,12 @@ class TrainingClient:
         from ``ServiceClient.create_custom_loss`` of this client's session; a handle is
         checked against ``data`` first (each input present, at its declared rank) and run
         per datum, losses summed."""
-        from tinker_sr.clients.custom_loss import LossHandle, check_loss_inputs
+        from tinker_sr.clients.custom_loss import (
+            LossHandle,
+            ce_copy,
+            check_loss_inputs,
+            custom_backward_data,
+        )
 
         if loss_type_input is not None:
             warnings.warn(
@@ -224,12 +236,12 @@ class TrainingClient:
             # for the backend to wait on (queued calls then see the poison and take none).
             try:
                 fwd = await chunks.issue(
-                    backend, self.model_id, turn.take, [_ce_copy(d, None) for d in data],
+                    backend, self.model_id, turn.take, [ce_copy(d, None) for d in data],
                     "cross_entropy", None, forward_only=True,
                 )  # fmt: skip
-                loss, user_metrics, bwd_data = _custom_backward_data(data, compute, fwd)
-            except BaseException:
-                self._poisoned = True
+                loss, user_metrics, bwd_data = custom_backward_data(data, compute, fwd)
+            except BaseException as e:
+                self._poisoned = self._poisoned or e
                 raise
             bwd = asyncio.ensure_future(
                 chunks.issue(
@@ -241,8 +253,8 @@ class TrainingClient:
             turn.release()
             try:
                 out = await bwd
-            except BaseException:
-                self._poisoned = True  # as the SDK: any failure of the custom call poisons
+            except BaseException as e:  # as the SDK: any failure of the custom call poisons
+                self._poisoned = self._poisoned or e
                 raise
             surrogate = out.metrics.pop("loss:sum", 0.0)
             out.metrics.update(user_metrics)  # as you returned them, as the SDK (not floats)
@@ -635,59 +647,6 @@ class TrainingClient:
             record_stability_info=record_stability_info,
             kind=kind,
         )
-
-
-def _ce_copy(d: types.Datum, weights: types.TensorData | None) -> types.Datum:
-    """``d`` as a cross-entropy datum: its targets with ``weights`` (zeros when None)."""
-    targets = d.loss_fn_inputs["target_tokens"]
-    if weights is None:
-        weights = d.loss_fn_inputs.get("weights")
-    if weights is None:
-        import numpy as np
-
-        shape = targets.to_numpy().shape
-        weights = types.TensorData.from_numpy(np.zeros(shape, dtype=np.float32))
-    return types.Datum(
-        model_input=d.model_input,
-        loss_fn_inputs={"target_tokens": targets, "weights": weights},
-        model_input_spans=d.model_input_spans,
-        loss_fn_input_spans=d.loss_fn_input_spans,
-    )
-
-
-def _custom_backward_data(
-    data: list[types.Datum], compute: CustomLossFnV1, fwd: types.ForwardBackwardOutput
-) -> tuple[float, Mapping[str, Any], list[types.Datum]]:
-    """Runs the user's loss on the forward pass's logprobs; returns the loss, its metrics and
-    the backward pass's datums (cross-entropy weighted by minus d loss / d logprobs)."""
-    logprobs = [
-        out["logprobs"].to_torch().float().clone().requires_grad_(True)
-        for out in fwd.loss_fn_outputs
-    ]
-    loss, user_metrics = compute(data, logprobs)
-    if not isinstance(user_metrics, Mapping):
-        raise TypeError(
-            "forward_backward_custom: your loss function must return (loss, metrics) with "
-            f"metrics a dict of name -> value, got metrics of type {type(user_metrics).__name__}"
-        )
-    loss.backward()
-    grads = []
-    for i, lp in enumerate(logprobs):
-        if lp.grad is None:
-            raise ValueError("No gradient computed for logprob tensor")
-        if not bool(lp.grad.isfinite().all()):
-            raise RequestFailedError(
-                f"Request failed: forward_backward_custom: the gradient of your loss with "
-                f"respect to datum {i}'s logprobs contains NaN or inf (it would be the backward "
-                "pass's weights); check the loss for NaN/inf (log of 0, division by 0)",
-                request_id="",
-                category=types.RequestErrorCategory.User,
-            )
-        grads.append(-lp.grad)
-    bwd_data = [
-        _ce_copy(d, types.TensorData.from_torch(g)) for d, g in zip(data, grads, strict=True)
-    ]
-    return float(loss.detach()), user_metrics, bwd_data
 
 
 def _check_name_encodes(name: str) -> None:
