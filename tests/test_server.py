@@ -202,6 +202,29 @@ def test_a_slow_request_is_reported_in_the_log_while_it_runs(tmp_path: Path) -> 
     assert f"ForwardBackward on {tc.model_id} req-" in log and " finished in " in log
 
 
+@pytest.mark.parametrize(
+    ("raw", "zero", "expected", "warned"),
+    [("2.5", False, 2.5, False), ("0", True, 0.0, False), ("0", False, 60.0, True),
+     ("-1", True, 60.0, True), ("nan", True, 60.0, True), ("soon", False, 60.0, True)],
+)  # fmt: skip
+def test_server_seconds_from_the_environment(
+    raw: str, zero: bool, expected: float, warned: bool,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """$TINKER_SR_BODY_STALL_S and $TINKER_SR_SLOW_REQUEST_S read alike: a value that is not a
+    number of seconds is named in the log (once) and the default used. Before: silently
+    ignored, and a NaN slow-request threshold became 0 (every request reported)."""
+    from tinker_sr.server import http
+
+    monkeypatch.setattr(http, "_WARNED", set())
+    monkeypatch.setenv("TINKER_SR_TEST_S", raw)
+    with caplog.at_level("WARNING", logger="tinker_sr.server"):
+        assert http.env_seconds("TINKER_SR_TEST_S", 60.0, zero=zero) == expected
+        assert http.env_seconds("TINKER_SR_TEST_S", 60.0, zero=zero) == expected
+    named = [r for r in caplog.records if "$TINKER_SR_TEST_S" in r.getMessage()]
+    assert len(named) == (1 if warned else 0), caplog.text
+
+
 def test_malformed_json_is_a_400_and_changes_nothing(wire: Wire, model: str) -> None:
     before = wire.logprobs(model)
     resp = wire.post(

@@ -89,7 +89,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from tinker_sr.backend.local import default_store_dir
     from tinker_sr.engine.export import export_checkpoint
     from tinker_sr.engine.store import StoreDamagedError
-    from tinker_sr.model_aliases import parse_aliases
+    from tinker_sr.model_aliases import env_aliases
     from tinker_sr.user_errors import EngineUserError
 
     try:
@@ -99,7 +99,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             merge=args.merge,
             store_dir=Path(args.store).expanduser() if args.store else default_store_dir(),
             base_model=args.base_model,
-            aliases=parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES")),
+            aliases=env_aliases(),
         )
     # OSError: e.g. an unwritable or full destination (the error names the file); a store
     # that cannot be read as it stands (sqlite3.DatabaseError), also one-line
@@ -289,10 +289,10 @@ def environment_problem() -> str | None:
     """Why a setting the embedded engine reads from the environment cannot be used (named),
     or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
     from tinker_sr.engine.hf import env_model_dtype
-    from tinker_sr.model_aliases import parse_aliases
+    from tinker_sr.model_aliases import env_aliases
 
     try:
-        parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"), "$TINKER_SR_MODEL_ALIASES")
+        env_aliases()
         env_model_dtype()
     except ValueError as e:
         return str(e)
@@ -316,7 +316,7 @@ def _alias_flags(values: list[str]) -> dict[str, str]:
 
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.model import BUILTIN_CONFIGS
-    from tinker_sr.model_aliases import parse_aliases
+    from tinker_sr.model_aliases import env_aliases
 
     aliases: dict[str, str] = {}
     for d in args.model_dir:
@@ -337,7 +337,7 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     try:
         named = _alias_flags(args.model_alias)
         # The engine adds these itself; checked here so a bad one stops the start, as a flag's.
-        from_env = parse_aliases(os.environ.get(env[1:]), env)
+        from_env = env_aliases()
     except ValueError as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     for option, entries in ((env, from_env), ("--model-alias", named)):

@@ -4,6 +4,10 @@ before the engine loads."""
 
 from __future__ import annotations
 
+import os
+
+ENV = "TINKER_SR_MODEL_ALIASES"
+
 
 def alias_entry(entry: str, source: str) -> tuple[str, str]:
     """One ``NAME=TARGET`` entry, stripped; `ValueError` naming ``source`` if it has no '='."""
@@ -17,3 +21,8 @@ def parse_aliases(spec: str | None, source: str = "TINKER_SR_MODEL_ALIASES") -> 
     """``"Qwen/Qwen3-8B=tinker-sr/tiny,*=tinker-sr/tiny"`` → dict (``*``: every name)."""
     parts = (part.strip() for part in (spec or "").split(","))
     return dict(alias_entry(part, source) for part in parts if part)
+
+
+def env_aliases() -> dict[str, str]:
+    """The aliases of ``$TINKER_SR_MODEL_ALIASES`` (`ValueError` naming it if malformed)."""
+    return parse_aliases(os.environ.get(ENV), f"${ENV}")

@@ -22,7 +22,6 @@ loads in its own (``model_dtype=`` or ``$TINKER_SR_MODEL_DTYPE``; docs/models.md
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +54,7 @@ from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, refusal
 from tinker_sr.hf_files import is_model_dir
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
-from tinker_sr.model_aliases import parse_aliases
+from tinker_sr.model_aliases import env_aliases, parse_aliases
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 __all__ = ["LocalBackend", "default_store_dir", "parse_aliases"]
@@ -102,7 +101,7 @@ class LocalBackend(LocalRestQueries):
         self.store_dir = store.absolute()  # a later chdir changes nothing
         make_store_dir(self.store_dir)
         self.store = Store(self.store_dir / "engine.sqlite" if persistent else None)
-        aliases = parse_aliases(os.environ.get("TINKER_SR_MODEL_ALIASES"))
+        aliases = env_aliases()
         aliases.update(model_aliases or {})
         self.models = ModelRegistry(
             aliases,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sqlite3
 import time
 import uuid
@@ -27,7 +26,15 @@ from tinker_sr.user_errors import clip_message
 from tinker_sr.wire import WireError
 from tinker_sr.wire import messages as m
 
-from .http import PROTOBUF, HTTPError, body_hash, json_reply, plain_error, strip_prefix
+from .http import (
+    PROTOBUF,
+    HTTPError,
+    body_hash,
+    env_seconds,
+    json_reply,
+    plain_error,
+    strip_prefix,
+)
 from .state import COMPLETE, FAILED, PENDING, FutureRow, ServerState
 
 log = logging.getLogger("tinker_sr.server")
@@ -49,10 +56,7 @@ _SLOW_REPEAT_S = 30.0
 def slow_request_s() -> float:
     """After how long a request still running is reported in the server's log (info level):
     ``$TINKER_SR_SLOW_REQUEST_S``, default 10 s; again every 30 s, and when it ends."""
-    try:
-        return max(0.0, float(os.environ.get(SLOW_ENV, "10")))
-    except ValueError:
-        return 10.0
+    return env_seconds(SLOW_ENV, 10.0, zero=True)
 
 
 class Background:

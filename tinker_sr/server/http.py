@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -114,14 +115,32 @@ def owner_of(request: Request, api_keys: list[bytes], *, bearer: bool = False) -
 BODY_STALL_ENV = "TINKER_SR_BODY_STALL_S"
 
 
+def env_seconds(name: str, default: float, *, zero: bool) -> float:
+    """Seconds from ``$name`` (0 allowed where ``zero``), else ``default``: a value that is not
+    a number of seconds is logged once, naming the variable, and the default used."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or (value == 0 and not zero):  # not a number, negative or a bad 0
+        if (name, raw) not in _WARNED:
+            _WARNED.add((name, raw))
+            need = "a number of seconds" + ("" if zero else " above 0")
+            log.warning("$%s=%r must be %s; using %g s", name, raw, need, default)
+        return default
+    return value
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
 def body_stall_s() -> float:
     """How long a request body may go without a byte before the server answers 408:
     ``$TINKER_SR_BODY_STALL_S``, default 60 s."""
-    try:
-        value = float(os.environ.get(BODY_STALL_ENV, "60"))
-    except ValueError:
-        return 60.0
-    return value if value > 0 else 60.0
+    return env_seconds(BODY_STALL_ENV, 60.0, zero=False)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
