@@ -181,3 +181,42 @@ def test_tokenizing_a_chat_imports_no_transformers(model_dir: Path) -> None:
         "assert 'transformers' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_a_chat_template_file_wins_over_the_config_as_in_transformers(tmp_path: Path) -> None:
+    """A directory with both chat_template.jinja and tokenizer_config.json's chat_template:
+    transformers renders the file's. Before: FastTokenizer rendered the config's."""
+    root = make_tiny_hf_model_dir(tmp_path / "m")
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "OLD:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (root / "chat_template.jinja").write_text(
+        "NEW:{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(root).apply_chat_template(chat, tokenize=False)
+    assert theirs.startswith("NEW:")
+    assert FastTokenizer(root).apply_chat_template(chat, tokenize=False) == theirs
+
+
+def test_a_tokenizer_naming_its_own_code_loads_from_its_tokenizer_json(tmp_path: Path) -> None:
+    """tokenizer_config.json's auto_map names a class in the directory's Python code: the
+    tokenizer.json beside it describes the tokenizer, so it loads without running that code
+    (and without transformers' interactive trust_remote_code prompt). Before: an error cut
+    mid-word ("... `trust_remote_cod") that asked for a tokenizer.json that was there."""
+    from tinker_sr.tokenization.hf import load_hf_tokenizer
+
+    # Llama 3 (for Qwen3, transformers loads its own class and ignores the auto_map)
+    root = make_tiny_hf_model_dir(tmp_path / "m", family="llama3")
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="XTokenizer", auto_map={"AutoTokenizer": ["tok_x.XTokenizer", None]})
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ran = tmp_path / "ran"
+    (root / "tok_x.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise SystemExit(1)\n")
+    tok = load_hf_tokenizer(root)
+    assert tok.encode("hello world") == FastTokenizer(root).encode("hello world")
+    assert not ran.exists()
+    (root / "tokenizer.json").unlink()  # nothing describes it but its code: one clear line
+    with pytest.raises(EngineUserError, match="auto_map names a tokenizer class in the dir"):
+        load_hf_tokenizer(root)
+    assert not ran.exists()

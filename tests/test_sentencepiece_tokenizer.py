@@ -123,3 +123,32 @@ def test_string_stop_ends_a_sample_on_a_sentencepiece_model(tmp_path: Path) -> N
     assert sampler.get_tokenizer().eos_token_id == 2
     client.close().result()
     backend.close()
+
+
+@pytest.mark.parametrize("declared", [None, 1], ids=["no-eos-declared", "eos-1-declared"])
+def test_an_eos_that_is_a_vocabulary_piece_stops_sampling(
+    tmp_path: Path, declared: int | None
+) -> None:
+    """The tokenizer's eos_token "</s>" only as a piece of the model's vocabulary (not an added
+    token): transformers' eos_token_id is 2, so sampling stops there too. Before: not found,
+    so a model declaring no EOS was refused ("the tokenizer's eos_token name none") and one
+    declaring another never stopped at "</s>"."""
+    from transformers import AutoTokenizer
+
+    from tinker_sr.tokenization.hf import ModelTokenizer
+
+    root = make_tiny_hf_model_dir(tmp_path / "m", family="mistral")
+    spec = sentencepiece_tokenizer_json()
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "</s>"]
+    (root / "special_tokens_map.json").unlink()
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }))  # fmt: skip
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((root / name).read_text())
+        config.update(bos_token_id=1, eos_token_id=declared, pad_token_id=None)
+        (root / name).write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(root).eos_token_id == 2
+    assert ModelTokenizer(root).eos_token_ids == ((2,) if declared is None else (1, 2))

@@ -23,7 +23,7 @@ from typing import Any
 from tinker_sr.hf_files import eos_token_ids, model_config, read_json
 from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
 from tinker_sr.tokenization.chat_template import apply
-from tinker_sr.user_errors import EngineUserError
+from tinker_sr.user_errors import EngineUserError, clip_message
 
 _SP_SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -158,6 +158,22 @@ def _special_token_ids(root: Path, config: dict[str, Any]) -> dict[str, int]:
     return {str(t.get("content")): int(i) for i, t in decoder.items() if isinstance(t, dict)}
 
 
+def _vocab_id(root: Path, token: str) -> int | None:
+    """``token``'s id as an ordinary piece of tokenizer.json's model vocabulary (a special
+    token may be one, e.g. ``</s>`` in a SentencePiece vocabulary), else None."""
+    if not (root / "tokenizer.json").is_file():
+        return None
+    vocab = (read_json(root / "tokenizer.json").get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece: piece -> id
+        found = vocab.get(token)
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
+    if isinstance(vocab, list):  # Unigram: [piece, score] at its id
+        for i, entry in enumerate(vocab):
+            if isinstance(entry, list) and entry and entry[0] == token:
+                return i
+    return None
+
+
 def _named_specials(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The BOS, EOS and pad tokens as transformers reads them: tokenizer_config.json's, but
     in an older directory (no ``added_tokens_decoder`` there) special_tokens_map.json's values
@@ -188,7 +204,8 @@ class ModelTokenizer:
                 f"{root}: the added tokens of tokenizer.json / tokenizer_config.json are "
                 f"malformed ({type(e).__name__}: {e}); re-save the tokenizer with transformers"
             ) from e
-        self.eos_token_ids = self._eos_ids(eos, ids.get(eos) if eos else None)
+        eos_id = (ids.get(eos) if eos in ids else _vocab_id(root, eos)) if eos else None
+        self.eos_token_ids = self._eos_ids(eos, eos_id)
 
     def _eos_ids(self, eos: str | None, tokenizer_eos: int | None) -> tuple[int, ...]:
         """config.json's and generation_config.json's EOS ids, then the tokenizer's, all inside
@@ -276,9 +293,15 @@ def load_hf_tokenizer(root: Path) -> Any:
         raise
     except Exception as e:
         present = sorted(p.name for p in root.iterdir() if p.name in TOKENIZER_FILE_NAMES)
+        if "trust_remote_code" in str(e):
+            why = (
+                "tokenizer_config.json's auto_map names a tokenizer class in the directory's "
+                "own Python code, which tinker_sr does not run"
+            )
+        else:
+            why = f"{type(e).__name__}: {clip_message(' '.join(str(e).split()), 600)}"
         raise EngineUserError(
-            f"{root}: its tokenizer does not load ({type(e).__name__}: "
-            f"{' '.join(str(e).split())[:300]}). Tokenizer files "
+            f"{root}: its tokenizer does not load ({why}). Tokenizer files "
             f"there: {present or 'none'}. A model directory needs tokenizer.json (a fast "
             "tokenizer), or the slow tokenizer's files (tokenizer.model, or vocab.json and "
             "merges.txt) beside tokenizer_config.json: copy them from the model's release, "
@@ -291,7 +314,14 @@ def _load_tokenizer(root: Path) -> Any:
         from transformers import AutoTokenizer
     except ImportError:
         return FastTokenizer(root)
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    try:  # never transformers' interactive prompt, never the directory's own code
+        return AutoTokenizer.from_pretrained(
+            str(root), local_files_only=True, trust_remote_code=False
+        )
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) or not (root / "tokenizer.json").is_file():
+            raise
+        return FastTokenizer(root)  # its tokenizer.json describes it: no code needed
 
 
 # The files a Hugging Face tokenizer may be read from (named in load errors).
@@ -326,10 +356,12 @@ class FastTokenizer:
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
         cfg_file = root / "tokenizer_config.json"
         cfg = read_json(cfg_file) if cfg_file.is_file() else {}
-        self.chat_template: str | None = _default_template(cfg.get("chat_template"))
-        jinja = root / "chat_template.jinja"
-        if self.chat_template is None and jinja.is_file():
-            self.chat_template = jinja.read_text(encoding="utf-8")
+        jinja = root / "chat_template.jinja"  # as transformers: the file wins over the config
+        self.chat_template: str | None = (
+            jinja.read_text(encoding="utf-8")
+            if jinja.is_file()
+            else _default_template(cfg.get("chat_template"))
+        )
         found = _named_specials(root, cfg)
         self.bos_token = _special_token_content(found["bos_token"])
         self.eos_token = _special_token_content(found["eos_token"])
