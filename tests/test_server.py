@@ -376,6 +376,31 @@ def test_zstd_forward_backward_bodies_are_accepted(wire: Wire, model: str) -> No
     assert got.tolist() == before
 
 
+def test_an_older_official_sdk_is_told_how_to_train_and_what_to_upgrade(wire: Wire) -> None:
+    """Official SDKs 0.20-0.24 read client/config's proto_write_fwdbwd and fwd_via_fwdbwd
+    (0.38 ignores both): without them they posted JSON forward_backward bodies (415) and
+    forward() to /forward (404), so they could not train here (found by running 0.18-0.36
+    against the server). Older ones are warned at create_session, as the SDK logs it; their
+    remaining refusals, and checkpoint archives (SDK <= 0.35), name the way out."""
+    config = wire.ok("client/config", {"sdk_version": "0.24.1"})
+    assert config["proto_write_fwdbwd"] is True and config["fwd_via_fwdbwd"] is True
+    for version, warned in (("0.22.0", True), ("0.18.2", True), ("0.22.3", False),
+                            ("0.38.0", False), ("0.39.0.dev1", False), (None, False)):  # fmt: skip
+        body = {"tags": [], "user_metadata": {}, "sdk_version": version}
+        reply = wire.ok("create_session", body)
+        assert ("warning_message" in reply) == warned, (version, reply)
+        if warned:
+            assert f"this client is tinker {version}" in reply["warning_message"]
+            assert "pip install -U tinker" in reply["warning_message"]
+    resp = wire.post("forward", {"model_id": "m", "seq_id": 1, "forward_input": {}})
+    assert resp.status_code == 400 and "upgrade the SDK" in detail(resp)
+    resp = wire.post("forward_backward", {"model_id": "m", "seq_id": 1})
+    assert resp.status_code == 415 and "pip install -U tinker" in detail(resp)
+    run = "sess-1:train:0"
+    resp = wire.http.get(f"/api/v1/training_runs/{run}/checkpoints/weights/ck1/archive")
+    assert resp.status_code == 400 and "get_external_weights_urls" in resp.json()["detail"]
+
+
 def test_unsupported_features_and_options_are_refused_explicitly(wire: Wire, model: str) -> None:
     before = wire.logprobs(model)
     session_id = model.split(":train:")[0]

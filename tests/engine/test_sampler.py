@@ -288,6 +288,52 @@ def test_prompt_scoring(model: Transformer) -> None:
     )
 
 
+def test_prompt_scoring_unembeds_a_few_rows_at_a_time(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt log-probs (scores, top-k, targets, alternative tokens) never hold the prompt's
+    [T, V] logits: the head runs `chunk_rows` rows at a time (here 4, so chunk edges fall
+    inside the prompt), with the whole-prompt results. Before: full logits and their
+    log-softmax (a 16k-token prompt of a 152k vocabulary: 2 x 10 GB, an internal error)."""
+    from tinker_sr.engine import sampler
+
+    whole = {
+        "scores": score_tokens(model, PROMPT),
+        "topk": prompt_top_k_logprobs(model, PROMPT, 4),
+        "targets": target_logprobs(model, PROMPT, np.array([[t, -1] for t in PROMPT[1:]])),
+        "alt": prompt_alt_tokens(model, PROMPT, 3, temperature=0.7, seed=5),
+        "greedy": prompt_alt_tokens(model, PROMPT, 2, temperature=0.0, seed=5),
+    }
+    rows: list[int] = []
+    head = sampler.apply_linear
+
+    def counted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[-2])
+        return head(layer, x)
+
+    monkeypatch.setattr(sampler, "apply_linear", counted)
+    monkeypatch.setattr(sampler, "chunk_rows", lambda vocab: 4)
+    chunked = {
+        "scores": score_tokens(model, PROMPT),
+        "topk": prompt_top_k_logprobs(model, PROMPT, 4),
+        "targets": target_logprobs(model, PROMPT, np.array([[t, -1] for t in PROMPT[1:]])),
+        "alt": prompt_alt_tokens(model, PROMPT, 3, temperature=0.7, seed=5),
+        "greedy": prompt_alt_tokens(model, PROMPT, 2, temperature=0.0, seed=5),
+    }
+    assert rows and max(rows) == 4 and len(PROMPT) - 1 > 8, rows
+    for name, want in whole.items():
+        for got_part, want_part in zip(
+            chunked[name] if isinstance(want, tuple) else [chunked[name]],
+            want if isinstance(want, tuple) else [want],
+            strict=True,
+        ):
+            assert got_part.shape == want_part.shape, name
+            if got_part.dtype.kind in "iu":
+                assert (got_part == want_part).all(), name
+            else:
+                np.testing.assert_allclose(got_part, want_part, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

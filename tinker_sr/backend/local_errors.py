@@ -5,6 +5,9 @@ whose text does not tell where the store is."""
 from __future__ import annotations
 
 import errno
+import gc
+import re
+import traceback
 import uuid
 from collections.abc import Awaitable
 from pathlib import Path
@@ -63,18 +66,53 @@ def hide_paths(e: object, store_dir: Path) -> str:
     return text
 
 
+_ALLOCATION = re.compile(r"tried to allocate (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]i?B)")
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """The failure's text where the work ran out of memory (torch's allocator, CPU or CUDA, or
+    a `MemoryError`): what it asked for and the fix; else None."""
+    text = str(e)
+    oom = isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError)
+        and ("can't allocate memory" in text or "out of memory" in text.lower())
+    )
+    if not oom:
+        return None
+    found = _ALLOCATION.search(text)
+    asked = ""
+    if found and found.group(1):
+        asked = f" (one allocation asked for {int(found.group(1)) / 2**30:.2f} GiB)"
+    elif found:
+        asked = f" (one allocation asked for {found.group(2)})"
+    return (
+        f"the request needs more memory than the engine has free{asked}; send it in smaller "
+        "pieces: fewer or shorter datums per forward_backward / forward, fewer samples or "
+        "tokens per sample request, shorter prompts for prompt log-probs; or free memory"
+    )
+
+
 async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) -> T:
     """``work``'s result, its errors as Tinker errors: a caller's mistake as `user_error` (with
-    ``plain``, a direct call: as `refused`), anything else as a server-side failure."""
+    ``plain``, a direct call: as `refused`), running out of memory as a user error naming the
+    fix, anything else as a server-side failure. The failed work's frames are cleared: its
+    tensors (gigabytes, for a request too large) are freed now, not when the error is."""
     try:
         return await work
     except EngineUserError as e:
+        traceback.clear_frames(e.__traceback__)
         if plain:
             raise refused(e) from e
         raise user_error(str(e)) from e
     except (RequestFailedError, WorkNotStarted):
         raise
     except Exception as e:  # an engine bug (or a full disk): a server-side failure
+        traceback.clear_frames(e.__traceback__)
+        if (no_room := out_of_memory(e)) is not None:
+            gc.collect()  # what cycles still hold goes now, before the next request
+            if plain:
+                raise refusal(400, no_room) from e
+            raise user_error(no_room) from e
         text = (
             OUT_OF_SPACE
             if is_out_of_space(e)

@@ -33,7 +33,7 @@ many samples were requested. All uniforms are drawn once, before decoding starts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -43,6 +43,8 @@ from torch import Tensor
 
 from tinker_sr.engine import prompt_cache as blocks
 from tinker_sr.engine.cuda_graphs import decode
+from tinker_sr.engine.fused import apply_linear
+from tinker_sr.engine.loss_logprobs import chunk_rows
 from tinker_sr.engine.model import KVCache, Transformer, _stable_seed
 from tinker_sr.engine.prompt_cache import ROOT, CachedPrompt, PromptCache
 from tinker_sr.engine.stops import StopStrings
@@ -527,18 +529,25 @@ def _outputs(
 
 
 @torch.inference_mode()
-def _next_token_logprobs(model: Transformer, tokens: Sequence[int]) -> Tensor:
-    """[len(tokens) - 1, V] log p(· | tokens[:t+1]) under the raw model (temperature 1)."""
+def _prompt_rows(model: Transformer, tokens: Sequence[int]) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, float32 logits [n, V]) of the raw model after prompt positions ``rows`` of
+    0 .. len(tokens) - 2, `chunk_rows(V)` rows at a time: no [T, V] tensor exists (for a
+    16k-token prompt and a 152k vocabulary that would be 10 GB, twice with its log-softmax)."""
     _check_tokens(tokens, model.config.vocab_size, "prompt")
-    logits = model(torch.tensor([list(tokens)]))[0, :-1].cpu()
-    return logits.log_softmax(-1)
+    hidden = model.hidden_states(torch.tensor([list(tokens)]))[0, :-1]
+    step = chunk_rows(model.config.vocab_size)
+    for a in range(0, hidden.shape[0], step):
+        rows = slice(a, min(a + step, hidden.shape[0]))
+        yield rows, apply_linear(model.lm_head, hidden[rows]).float().cpu()
 
 
 def score_tokens(model: Transformer, tokens: Sequence[int]) -> np.ndarray:
     """float32 [len(tokens) - 1]: entry t = log p(tokens[t+1] | tokens[:t+1]) under the raw model."""
-    logp = _next_token_logprobs(model, tokens)
     targets = torch.tensor(list(tokens[1:]))[:, None]
-    return logp.gather(-1, targets).squeeze(1).numpy().copy()
+    out = np.empty(len(tokens) - 1, dtype=np.float32)
+    for rows, logits in _prompt_rows(model, tokens):
+        out[rows] = logits.log_softmax(-1).gather(-1, targets[rows]).squeeze(1).numpy()
+    return out
 
 
 def prompt_logprobs(model: Transformer, tokens: Sequence[int]) -> list[float | None]:
@@ -553,15 +562,14 @@ def prompt_top_k_logprobs(
     Row 0 (no context) holds the sentinel (0, -99999.0) in every cell."""
     if k < 1:
         raise EngineUserError(f"topk_prompt_logprobs: expected >= 1, got {k}")
-    logp = _next_token_logprobs(model, tokens)
-    k = min(k, logp.shape[-1])
-    lp, ids = logp.topk(k, dim=-1)
-    head_ids = np.full((1, k), TOPK_SENTINEL[0], dtype=np.int32)
-    head_lp = np.full((1, k), TOPK_SENTINEL[1], dtype=np.float32)
-    return (
-        np.concatenate([head_ids, ids.numpy().astype(np.int32)]),
-        np.concatenate([head_lp, lp.numpy()]),
-    )
+    k = min(k, model.config.vocab_size)
+    ids = np.full((len(tokens), k), TOPK_SENTINEL[0], dtype=np.int32)
+    lps = np.full((len(tokens), k), TOPK_SENTINEL[1], dtype=np.float32)
+    for rows, logits in _prompt_rows(model, tokens):
+        lp, top = logits.log_softmax(-1).topk(k, dim=-1)
+        below = slice(rows.start + 1, rows.stop + 1)  # row 0 is the sentinel's
+        ids[below], lps[below] = top.numpy(), lp.numpy()
+    return ids, lps
 
 
 def target_logprobs(model: Transformer, tokens: Sequence[int], targets: np.ndarray) -> np.ndarray:
@@ -579,10 +587,12 @@ def target_logprobs(model: Transformer, tokens: Sequence[int], targets: np.ndarr
             f"target_prompt_logprobs: ids must be -1 (none) or in [0, {V}); got "
             f"{int(targets[(targets < -1) | (targets >= V)][0])}"
         )
-    logp = _next_token_logprobs(model, tokens)
     t = torch.as_tensor(targets, dtype=torch.long)
-    out = logp.gather(-1, t.clamp_min(0)).masked_fill(t < 0, 0.0)
-    return out.numpy().copy()
+    out = np.empty(targets.shape, dtype=np.float32)
+    for rows, logits in _prompt_rows(model, tokens):
+        picked = logits.log_softmax(-1).gather(-1, t[rows].clamp_min(0))
+        out[rows] = picked.masked_fill(t[rows] < 0, 0.0).numpy()
+    return out
 
 
 @torch.inference_mode()
@@ -595,15 +605,16 @@ def prompt_alt_tokens(
         raise EngineUserError(f"prompt_alt_tokens_k: expected >= 1, got {k}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EngineUserError(f"temperature: expected a finite number >= 0, got {temperature}")
-    _check_tokens(tokens, model.config.vocab_size, "prompt")
-    logits = model(torch.tensor([list(tokens)]))[0, :-1].cpu()
-    if temperature < GREEDY_BELOW_TEMPERATURE:
-        ids = logits.argmax(-1, keepdim=True).expand(-1, k)
-        return ids.numpy().astype(np.int64), np.zeros(ids.shape, dtype=np.float32)
-    logq = sampling_logprobs(logits, temperature, -1, 1.0)
-    cdf = logq.exp().double().cumsum_(-1)
-    u = torch.rand(
-        logits.shape[0], k, dtype=torch.float64, generator=_row_generator(seed, 0, "alt")
-    )
-    ids = _inverse_cdf(cdf, cdf.argmax(-1), u)
-    return ids.numpy().astype(np.int64), logq.gather(-1, ids).numpy().copy()
+    n, greedy = len(tokens) - 1, temperature < GREEDY_BELOW_TEMPERATURE
+    ids = np.empty((max(n, 0), k), dtype=np.int64)
+    logq_ids = np.zeros((max(n, 0), k), dtype=np.float32)  # greedy: 0
+    u = torch.rand(max(n, 0), k, dtype=torch.float64, generator=_row_generator(seed, 0, "alt"))
+    for rows, logits in _prompt_rows(model, tokens):
+        if greedy:
+            ids[rows] = logits.argmax(-1, keepdim=True).expand(-1, k).numpy()
+            continue
+        logq = sampling_logprobs(logits, temperature, -1, 1.0)
+        cdf = logq.exp().double().cumsum_(-1)
+        chosen = _inverse_cdf(cdf, cdf.argmax(-1), u[rows])
+        ids[rows], logq_ids[rows] = chosen.numpy(), logq.gather(-1, chosen).numpy()
+    return ids, logq_ids

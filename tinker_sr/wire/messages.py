@@ -40,6 +40,7 @@ from .errors import WireError
 
 __all__ = [
     "SDK_VERSION",
+    "OLDEST_SDK",
     "SERVER_CLIENT_CONFIG",
     "SERVER_DYNAMIC_CONFIG",
     "ClientConfigRequest",
@@ -83,7 +84,15 @@ SERVER_CLIENT_CONFIG: dict[str, Any] = {
     "sample_use_retrieve_futures": False,  # no /retrieve_futures session poller
     "custom_loss_server_side": False,  # forward_backward_custom runs its loss client-side
     "sample_join_sampling_session": False,  # no /join_sampling_session
+    # Read by SDKs before 0.25 (0.38 sends protobuf and routes forward() through
+    # forward_backward anyway): without them 0.20-0.24 post JSON forward_backward bodies and
+    # forward() to the old /forward route, and cannot train here.
+    "proto_write_fwdbwd": True,
+    "fwd_via_fwdbwd": True,
 }
+# The oldest official SDK whose every call this server answers (0.20-0.22.2 know no
+# fwd_via_fwdbwd, so their forward() posts to /forward; before 0.20 forward_backward is JSON).
+OLDEST_SDK = (0, 22, 3)
 
 SERVER_DYNAMIC_CONFIG: dict[str, Any] = {"refresh_interval_sec": 300}
 

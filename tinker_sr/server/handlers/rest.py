@@ -33,7 +33,18 @@ _UNSUPPORTED = {
     "false); forward_backward_custom runs the loss client-side",
     "unload_model": "models are unloaded when their session finishes",
     "audit": "audit logs are not kept",
+    "forward": "forward() of a tinker SDK before 0.22.3 posts here; this server takes a forward "
+    "as forward_backward with forward_only (client/config fwd_via_fwdbwd: true), which newer "
+    "SDKs send: upgrade the SDK (pip install -U tinker)",
 }
+# Checkpoint archives (RestClient.get_checkpoint_archive_url*, deprecated in SDK 0.35, gone
+# in 0.36) are not built here.
+_ARCHIVE_ROUTE = re.compile(r"training_runs/[^/]+/checkpoints/.+/archive")
+_NO_ARCHIVES = (
+    "checkpoint archives are not built by this server (RestClient.get_checkpoint_archive_url "
+    "is deprecated in the SDK and gone in 0.36); download weights with save_weights_external "
+    "and RestClient.get_external_weights_urls, or run `tinker-sr export` where the server runs"
+)
 # The hosted service's session endpoints (search, project, trace export). Any other path under
 # sessions/ is no endpoint (404), as on the embedded engine: the SDK sends a session id
 # unquoted, so one holding "/" reaches no route.
@@ -335,7 +346,8 @@ async def unsupported(srv: TinkerServer, request: Request, owner: str) -> Respon
     for prefix, reason in _UNSUPPORTED.items():
         if path == prefix or path.startswith(prefix + "/"):
             raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
-    if _HOSTED_SESSION_ROUTE.fullmatch(path):
-        reason = SESSION_QUERIES_UNSUPPORTED
-        raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
+    for route, reason in ((_HOSTED_SESSION_ROUTE, SESSION_QUERIES_UNSUPPORTED),
+                          (_ARCHIVE_ROUTE, _NO_ARCHIVES)):  # fmt: skip
+        if route.fullmatch(path):
+            raise HTTPError(400, f"/api/v1/{path} is not supported by this server: {reason}")
     raise HTTPError(404, f"no such endpoint: {request.method} /api/v1/{path}")

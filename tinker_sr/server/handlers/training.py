@@ -78,7 +78,8 @@ async def forward_backward(srv: TinkerServer, request: Request, owner: str) -> R
             415,
             f"forward_backward takes a protobuf tinker_public.ForwardBackwardRequest "
             f"body with Content-Type: {PROTOBUF} (got {ctype or 'none'}); JSON "
-            "forward_backward bodies are not part of the SDK 0.38 protocol",
+            "forward_backward bodies are not part of the SDK 0.38 protocol (tinker SDKs "
+            "send protobuf from 0.20 on: upgrade an older one, pip install -U tinker)",
         )
     body = await srv.body(request)
     target = proto.peek_forward_backward_target(body)
