@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -297,13 +298,16 @@ def test_prompt_scoring_unembeds_a_few_rows_at_a_time(
     log-softmax (a 16k-token prompt of a 152k vocabulary: 2 x 10 GB, an internal error)."""
     from tinker_sr.engine import sampler
 
-    whole = {
-        "scores": score_tokens(model, PROMPT),
-        "topk": prompt_top_k_logprobs(model, PROMPT, 4),
-        "targets": target_logprobs(model, PROMPT, np.array([[t, -1] for t in PROMPT[1:]])),
-        "alt": prompt_alt_tokens(model, PROMPT, 3, temperature=0.7, seed=5),
-        "greedy": prompt_alt_tokens(model, PROMPT, 2, temperature=0.0, seed=5),
-    }
+    def results() -> dict[str, Any]:
+        return {
+            "scores": score_tokens(model, PROMPT),
+            "topk": prompt_top_k_logprobs(model, PROMPT, 4),
+            "targets": target_logprobs(model, PROMPT, np.array([[t, -1] for t in PROMPT[1:]])),
+            "alt": prompt_alt_tokens(model, PROMPT, 3, temperature=0.7, seed=5),
+            "greedy": prompt_alt_tokens(model, PROMPT, 2, temperature=0.0, seed=5),
+        }
+
+    whole = results()
     rows: list[int] = []
     head = sampler.apply_linear
 
@@ -313,13 +317,7 @@ def test_prompt_scoring_unembeds_a_few_rows_at_a_time(
 
     monkeypatch.setattr(sampler, "apply_linear", counted)
     monkeypatch.setattr(sampler, "chunk_rows", lambda vocab: 4)
-    chunked = {
-        "scores": score_tokens(model, PROMPT),
-        "topk": prompt_top_k_logprobs(model, PROMPT, 4),
-        "targets": target_logprobs(model, PROMPT, np.array([[t, -1] for t in PROMPT[1:]])),
-        "alt": prompt_alt_tokens(model, PROMPT, 3, temperature=0.7, seed=5),
-        "greedy": prompt_alt_tokens(model, PROMPT, 2, temperature=0.0, seed=5),
-    }
+    chunked = results()
     assert rows and max(rows) == 4 and len(PROMPT) - 1 > 8, rows
     for name, want in whole.items():
         for got_part, want_part in zip(
