@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from typing import Any
 
 import httpx
@@ -145,3 +146,43 @@ def test_tests_without_the_session_server_load_tokenizers_unpatched(
     assert "tinker_server_session" not in request.fixturenames
     loader = AutoTokenizer.__dict__["from_pretrained"].__func__
     assert loader.__module__.startswith("transformers."), loader.__module__
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("testing", [True, False], ids=["testing-server", "tinker-sr-serve"])
+def test_a_fixtures_server_does_not_outlive_the_test_run(tmp_path: Any, testing: bool) -> None:
+    """A test run that dies without teardown (a CI job cancelled, pytest-timeout's os._exit,
+    a crashed xdist worker) takes its server with it. Before, the server lived on, holding
+    its port, store and ~1 GB, until someone killed it."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    script = (
+        "import os\n"
+        "from tinker_sr.testing.server import ServerProcess\n"
+        f"srv = ServerProcess({str(tmp_path / 'store')!r}, testing={testing})\n"
+        "srv.start()\n"
+        "print(srv.proc.pid, flush=True)\n"
+        "os._exit(0)  # no teardown\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = int(done.stdout.split()[-1])
+
+    def alive() -> bool:  # a zombie nobody reaps has exited
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 60
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive():
+        os.kill(pid, 9)
+        pytest.fail(f"the server (pid {pid}) outlived the process that started it")

@@ -250,6 +250,11 @@ def test_clients_a_test_leaves_open_are_closed_with_its_mock(tmp_path: Path) -> 
         (lambda: rate_limited("asample", retry_after="1"), "retry_after must be a number"),  # type: ignore[arg-type]
         (lambda: slow_response("asample", -5), "delay_s must be a number"),
         (lambda: connection_reset("asample", after=0.5), "after must be an integer"),
+        # Found by a hunt: accepted, counted as fired, and nothing happened.
+        (lambda: http_error("asample", 503, request_type="Sample"), "only retrieve_future"),
+        (lambda: session_expires("retrieve_future"), "names none"),
+        (lambda: sequence_expired("asample"), "carries none"),
+        (lambda: WireFault("asample", "try_again"), "answers retrieve_future polls"),
     ],
 )
 def test_a_wire_fault_that_could_not_fire_as_meant_is_refused(make: Any, needle: str) -> None:
@@ -257,6 +262,9 @@ def test_a_wire_fault_that_could_not_fire_as_meant_is_refused(make: Any, needle:
     string retry_after or delay turned the fault into a dropped connection."""
     with pytest.raises((ValueError, TypeError), match=needle):
         make()
+    # What each can do is still taken: the poll of a request type, any pattern reaching one.
+    http_error("retrieve_future", 503, request_type="Sample")
+    session_expires("*"), sequence_expired("forward_*"), WireFault("*", "try_again")
 
 
 def test_fault_patterns_still_take_every_route_of_the_server(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from tinker_sr.engine.cpu import available_cpus, describe_free_memory
 from tinker_sr.engine.usage import RateCard
+from tinker_sr.exit_with_parent import exit_with_parent
 from tinker_sr.limits import Limits
 
 from .app import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
@@ -229,4 +230,5 @@ def run_uvicorn(app: Any, tinker_server: Callable[[], Any], **options: Any) -> N
             await tinker_server().begin_stop()
             await super().shutdown(sockets)
 
+    exit_with_parent()  # a test fixture's server: not beyond its test run
     Server(uvicorn.Config(app, **{"timeout_graceful_shutdown": 5, **options})).run()

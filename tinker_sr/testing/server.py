@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from tinker_sr.exit_with_parent import PARENT_ENV
 from tinker_sr.testing.wire import CONTROL_PREFIX, Trace, WireFault, read_trace
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding tinker_sr/
@@ -151,6 +152,7 @@ class ServerProcess:
         )
         if not self.api_keys:  # a developer's own key list must not leak into the test
             env.pop("TINKER_SR_API_KEYS", None)
+        env[PARENT_ENV] = str(os.getpid())  # it stops if this process dies without teardown
         self.store.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(

@@ -83,6 +83,13 @@ def _check_endpoint(pattern: str) -> None:
         )
 
 
+# Endpoints whose requests name no sampler, model or session (`expire_session_of`).
+_NAMES_NO_SESSION = frozenset({
+    "retrieve_future", "client/config", "client/dynamic_config", "healthz",
+    "get_server_capabilities", "create_session", "auth/token",
+})  # fmt: skip
+
+
 @dataclass
 class WireFault:
     """One planned fault. Build them with the helpers below (`http_error`, `rate_limited`, ...).
@@ -134,6 +141,37 @@ class WireFault:
             raise ValueError(
                 f"WireFault.request_type {self.request_type!r} is not one the clients send "
                 f"(X-Tinker-Request-Type); use one of {', '.join(REQUEST_TYPES)}"
+            )
+        self._check_reach()
+
+    def _check_reach(self) -> None:
+        """Refuse a fault whose kind (or request_type) no request this endpoint names could
+        carry out: it would count as fired and change nothing."""
+        polls = fnmatch.fnmatchcase("retrieve_future", self.endpoint)
+        if self.request_type is not None and not polls:
+            raise ValueError(
+                f"WireFault.request_type: only retrieve_future polls carry X-Tinker-Request-"
+                f"Type, and endpoint {self.endpoint!r} is not one; fault 'retrieve_future' with "
+                f"request_type={self.request_type!r} to fail the polls of those requests"
+            )
+        if self.kind == "try_again" and not polls:
+            raise ValueError(
+                f"WireFault.kind 'try_again' answers retrieve_future polls; endpoint "
+                f"{self.endpoint!r} is not one (use pending_future(), or 'slow' to delay it)"
+            )
+        if self.kind == "expire_sequence" and not fnmatch.fnmatchcase(
+            "forward_backward", self.endpoint
+        ):
+            raise ValueError(
+                f"WireFault.kind 'expire_sequence' ages the sequences a forward_backward's "
+                f"provenance names; endpoint {self.endpoint!r} carries none (use "
+                "'forward_backward')"
+            )
+        if self.kind == "expire_session" and self.endpoint in _NAMES_NO_SESSION:
+            raise ValueError(
+                f"WireFault.kind 'expire_session' finishes the session a request's sampler, "
+                f"model or session id names; a {self.endpoint!r} request names none (use the "
+                "endpoint of the call that should meet the expired session, e.g. 'asample')"
             )
 
     @property
