@@ -217,6 +217,24 @@ def test_a_tokenizer_naming_its_own_code_loads_from_its_tokenizer_json(tmp_path:
     assert tok.encode("hello world") == FastTokenizer(root).encode("hello world")
     assert not ran.exists()
     (root / "tokenizer.json").unlink()  # nothing describes it but its code: one clear line
-    with pytest.raises(EngineUserError, match="auto_map names a tokenizer class in the dir"):
+    with pytest.raises(EngineUserError, match="auto_map names a tokenizer class in Python code"):
         load_hf_tokenizer(root)
     assert not ran.exists()
+
+
+def test_a_named_template_is_rendered_by_its_name_as_in_transformers(tmp_path: Path) -> None:
+    """tokenizer_config.json's list of named templates (as transformers 4 saved them):
+    ``chat_template="tool_use"`` renders that one. Before: the string "tool_use" itself."""
+    root = make_tiny_hf_model_dir(tmp_path / "m")
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "T:{{ messages[0]['content'] }}"},
+    ]
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    chat = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(root)
+    for name in (None, "tool_use"):
+        want = theirs.apply_chat_template(chat, tokenize=False, chat_template=name)
+        got = FastTokenizer(root).apply_chat_template(chat, tokenize=False, chat_template=name)
+        assert got == want and want == ("T:hi" if name else "D:hi")

@@ -384,8 +384,9 @@ def test_an_older_official_sdk_is_told_how_to_train_and_what_to_upgrade(wire: Wi
     remaining refusals, and checkpoint archives (SDK <= 0.35), name the way out."""
     config = wire.ok("client/config", {"sdk_version": "0.24.1"})
     assert config["proto_write_fwdbwd"] is True and config["fwd_via_fwdbwd"] is True
-    for version, warned in (("0.22.0", True), ("0.18.2", True), ("0.22.3", False),
-                            ("0.38.0", False), ("0.39.0.dev1", False), (None, False)):  # fmt: skip
+    for version, warned in (("0.22.0", True), ("0.18.2", True), ("0.24.0", True),
+                            ("0.24.1", False), ("0.38.0", False), ("0.39.0.dev1", False),
+                            ("0.1\u00b2.3", False), (None, False)):  # fmt: skip
         body = {"tags": [], "user_metadata": {}, "sdk_version": version}
         reply = wire.ok("create_session", body)
         assert ("warning_message" in reply) == warned, (version, reply)

@@ -194,7 +194,7 @@ def test_each_training_step_fits_the_allocator_to_the_free_memory(
         seen.append(room)
         yield False
 
-    monkeypatch.setattr(training, "available_memory", lambda: 12345)
+    monkeypatch.setattr(training, "available_memory", lambda: 12345 << 20)
     monkeypatch.setattr(training, "allocator_fitted_to", record)
     backend = LocalBackend(tmp_path / "store")
     service = tinker.ServiceClient(backend=backend)
@@ -209,7 +209,7 @@ def test_each_training_step_fits_the_allocator_to_the_free_memory(
     finally:
         service.close().result()
         backend.close()
-    assert seen == [12345, 12345]
+    assert seen == [12345 << 20, 12345 << 20]
 
 
 def test_free_memory_is_described_with_where_its_limit_comes_from(

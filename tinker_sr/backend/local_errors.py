@@ -5,7 +5,6 @@ whose text does not tell where the store is."""
 from __future__ import annotations
 
 import errno
-import gc
 import re
 import traceback
 import uuid
@@ -66,29 +65,36 @@ def hide_paths(e: object, store_dir: Path) -> str:
     return text
 
 
-_ALLOCATION = re.compile(r"tried to allocate (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]i?B)")
+_ALLOCATION = re.compile(
+    r"tried to allocate (?:(\d+) bytes|([\d.]+ ?[KMGTP]i?B))|unable to allocate ([\d.]+ ?[KMGTP]i?B)",
+    re.IGNORECASE,
+)
+# torch's allocators' words (CPU on Linux, CPU elsewhere, CUDA / other accelerators)
+_TORCH_OOM = ("can't allocate memory", "DefaultCPUAllocator: not enough memory", "out of memory.")
 
 
 def out_of_memory(e: BaseException) -> str | None:
     """The failure's text where the work ran out of memory (torch's allocator, CPU or CUDA, or
-    a `MemoryError`): what it asked for and the fix; else None."""
+    a `MemoryError`, numpy's too): what it asked for and the ways out; else None."""
     text = str(e)
     oom = isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError)
-        and ("can't allocate memory" in text or "out of memory" in text.lower())
+        isinstance(e, RuntimeError) and any(words in text for words in _TORCH_OOM)
     )
     if not oom:
         return None
     found = _ALLOCATION.search(text)
     asked = ""
     if found and found.group(1):
-        asked = f" (one allocation asked for {int(found.group(1)) / 2**30:.2f} GiB)"
+        n = int(found.group(1))
+        size = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        asked = f" (one allocation asked for {size})"
     elif found:
-        asked = f" (one allocation asked for {found.group(2)})"
+        asked = f" (one allocation asked for {found.group(2) or found.group(3)})"
     return (
-        f"the request needs more memory than the engine has free{asked}; send it in smaller "
-        "pieces: fewer or shorter datums per forward_backward / forward, fewer samples or "
-        "tokens per sample request, shorter prompts for prompt log-probs; or free memory"
+        f"the engine ran out of memory running this request{asked}; split a large request "
+        "(fewer or shorter datums per forward_backward / forward, fewer samples or tokens per "
+        "sample request, shorter prompts for prompt log-probs), retry once other work has "
+        "freed memory, or free memory on this machine"
     )
 
 
@@ -109,7 +115,6 @@ async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) ->
     except Exception as e:  # an engine bug (or a full disk): a server-side failure
         traceback.clear_frames(e.__traceback__)
         if (no_room := out_of_memory(e)) is not None:
-            gc.collect()  # what cycles still hold goes now, before the next request
             if plain:
                 raise refusal(400, no_room) from e
             raise user_error(no_room) from e

@@ -102,7 +102,8 @@ class TrainingClient:
         (as many as earlier answers say); the next call starts once it calls
         ``turn.release()`` (or right after it started: ``release_after_start``), or ends."""
         self.holder.check_open()
-        if self._poisoned:  # as the SDK: the call's future fails (the call does not raise)
+        # As the SDK: a poisoned client's call returns a future that fails (it does not raise).
+        if self._poisoned is not None:
             failed: concurrent.futures.Future[T] = concurrent.futures.Future()
             failed.set_exception(_poisoned_error(self._poisoned))
             return failed
@@ -113,7 +114,7 @@ class TrainingClient:
             try:
                 if prev is not None:
                     await asyncio.wrap_future(prev)
-                if self._poisoned:
+                if self._poisoned is not None:
                     raise _poisoned_error(self._poisoned)
                 task = asyncio.ensure_future(body(turn))
                 task.add_done_callback(lambda _: turn.release())
@@ -241,7 +242,7 @@ class TrainingClient:
                 )  # fmt: skip
                 loss, user_metrics, bwd_data = custom_backward_data(data, compute, fwd)
             except BaseException as e:
-                self._poisoned = self._poisoned or e
+                self._poisoned = e if self._poisoned is None else self._poisoned
                 raise
             bwd = asyncio.ensure_future(
                 chunks.issue(
@@ -254,7 +255,7 @@ class TrainingClient:
             try:
                 out = await bwd
             except BaseException as e:  # as the SDK: any failure of the custom call poisons
-                self._poisoned = self._poisoned or e
+                self._poisoned = e if self._poisoned is None else self._poisoned
                 raise
             surrogate = out.metrics.pop("loss:sum", 0.0)
             out.metrics.update(user_metrics)  # as you returned them, as the SDK (not floats)

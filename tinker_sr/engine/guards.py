@@ -52,13 +52,18 @@ def checked_backward(
     unembed: torch.nn.Module | None = None,
 ) -> None:
     """``result.loss.backward()`` into ``optim``'s parameters, or EngineUserError (gradients
-    unchanged) if the loss or the gradient it adds is not finite. ``logits`` and ``unembed``
+    unchanged) if the loss or the gradient it adds is not finite; a backward that fails
+    midway (out of memory) also leaves the gradients as they were. ``logits`` and ``unembed``
     are what `compute_loss` got (hidden states with the model's head, or logits)."""
     loss = float(result.loss.detach())
     if not math.isfinite(loss):
         raise _refusal(f"the loss is {loss}", loss_fn, logits, data, config, unembed)
     before = optim.grads()
-    result.loss.backward()
+    try:
+        result.loss.backward()
+    except BaseException:  # some parameters' gradients were added, others not
+        optim.restore_grads(before)
+        raise
     if not optim.grads_finite():
         optim.restore_grads(before)
         raise _refusal(

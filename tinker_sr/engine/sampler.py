@@ -544,7 +544,7 @@ def _prompt_rows(model: Transformer, tokens: Sequence[int]) -> Iterator[tuple[sl
 def score_tokens(model: Transformer, tokens: Sequence[int]) -> np.ndarray:
     """float32 [len(tokens) - 1]: entry t = log p(tokens[t+1] | tokens[:t+1]) under the raw model."""
     targets = torch.tensor(list(tokens[1:]))[:, None]
-    out = np.empty(len(tokens) - 1, dtype=np.float32)
+    out = np.empty(max(len(tokens) - 1, 0), dtype=np.float32)  # an empty prompt: refused below
     for rows, logits in _prompt_rows(model, tokens):
         out[rows] = logits.log_softmax(-1).gather(-1, targets[rows]).squeeze(1).numpy()
     return out
@@ -608,13 +608,18 @@ def prompt_alt_tokens(
     n, greedy = len(tokens) - 1, temperature < GREEDY_BELOW_TEMPERATURE
     ids = np.empty((max(n, 0), k), dtype=np.int64)
     logq_ids = np.zeros((max(n, 0), k), dtype=np.float32)  # greedy: 0
-    u = torch.rand(max(n, 0), k, dtype=torch.float64, generator=_row_generator(seed, 0, "alt"))
+    u = (
+        None
+        if greedy
+        else torch.rand(max(n, 0), k, dtype=torch.float64, generator=_row_generator(seed, 0, "alt"))
+    )
     for rows, logits in _prompt_rows(model, tokens):
         if greedy:
             ids[rows] = logits.argmax(-1, keepdim=True).expand(-1, k).numpy()
             continue
         logq = sampling_logprobs(logits, temperature, -1, 1.0)
         cdf = logq.exp().double().cumsum_(-1)
+        assert u is not None
         chosen = _inverse_cdf(cdf, cdf.argmax(-1), u[rows])
         ids[rows], logq_ids[rows] = chosen.numpy(), logq.gather(-1, chosen).numpy()
     return ids, logq_ids

@@ -24,7 +24,7 @@ from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
 from tinker_sr.engine.guards import check_finite_outputs, checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
-from tinker_sr.engine.model import Transformer
+from tinker_sr.engine.model import Transformer, activation_bytes
 from tinker_sr.engine.optim import Adam, AdamHParams
 from tinker_sr.engine.registry import Trainer, snapshot
 from tinker_sr.engine.store import Store
@@ -69,6 +69,8 @@ def forward_backward(
     device = t.model.device
     # Short of memory, the allocator hands what the step frees back at once (`cpu`).
     room = available_memory() if device.type == "cpu" else None
+    if not forward_only:
+        _check_step_fits(t.model, kept, room)
     with allocator_fitted_to(room), torch.set_grad_enabled(not forward_only):
         # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
         # trainer was created with it; see `registry.train_autocast_dtype`. No cache of casts
@@ -146,6 +148,26 @@ def _hidden_rows(
     if missing:  # `length_groups` partitions the call: a datum left out is a bug, not input
         raise AssertionError(f"datums {missing} are in no length group")
     return cast(list[torch.Tensor], rows)
+
+
+def _check_step_fits(model: Transformer, tokens: int, room: int | None) -> None:
+    """Refuse, before allocating, a training step of ``tokens`` (padded) tokens that cannot fit
+    in ``room`` bytes even with activation checkpointing (each layer's input kept, one layer's
+    activations at a time, twice for backward): the kernel's out-of-memory killer would end
+    the process, and every request it had acknowledged, mid-step."""
+    if room is None:
+        return
+    cfg = model.config
+    need = 4 * tokens * cfg.dim * cfg.n_layers + 2 * activation_bytes(cfg, tokens) // cfg.n_layers
+    if model.autocast_dtype is not None:  # bf16 activations: about half
+        need //= 2
+    if need > room:
+        raise EngineUserError(
+            f"forward_backward: {tokens} tokens (padded to each length group's longest) need "
+            f"about {need / 2**30:.1f} GiB even with activation checkpointing, and "
+            f"{room / 2**30:.1f} GiB is free; send fewer or shorter datums per call (gradients "
+            "add up over several forward_backward calls before one optim_step), or free memory"
+        )
 
 
 def _check_datum_types(data: Sequence[types.Datum]) -> None:

@@ -294,14 +294,16 @@ def load_hf_tokenizer(root: Path) -> Any:
     except Exception as e:
         present = sorted(p.name for p in root.iterdir() if p.name in TOKENIZER_FILE_NAMES)
         if "trust_remote_code" in str(e):
-            why = (
-                "tokenizer_config.json's auto_map names a tokenizer class in the directory's "
-                "own Python code, which tinker_sr does not run"
-            )
-        else:
-            why = f"{type(e).__name__}: {clip_message(' '.join(str(e).split()), 600)}"
+            raise EngineUserError(
+                f"{root}: its tokenizer does not load: tokenizer_config.json's auto_map names "
+                "a tokenizer class in Python code, which tinker_sr does not run, and there is "
+                f"no tokenizer.json to read instead (tokenizer files there: {present or 'none'}"
+                "); add the tokenizer's tokenizer.json (its class's save_pretrained writes it "
+                "where that code can run, or copy it from the model's release)"
+            ) from e
         raise EngineUserError(
-            f"{root}: its tokenizer does not load ({why}). Tokenizer files "
+            f"{root}: its tokenizer does not load ({type(e).__name__}: "
+            f"{clip_message(' '.join(str(e).split()), 600)}). Tokenizer files "
             f"there: {present or 'none'}. A model directory needs tokenizer.json (a fast "
             "tokenizer), or the slow tokenizer's files (tokenizer.model, or vocab.json and "
             "merges.txt) beside tokenizer_config.json: copy them from the model's release, "
@@ -362,6 +364,13 @@ class FastTokenizer:
             if jinja.is_file()
             else _default_template(cfg.get("chat_template"))
         )
+        listed = cfg.get("chat_template")  # named ones, as transformers 4 saved them
+        self._named_templates: dict[str, str] = {
+            t["name"]: t["template"]
+            for t in (listed if isinstance(listed, list) else [])
+            if isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+        }  # fmt: skip
         found = _named_specials(root, cfg)
         self.bos_token = _special_token_content(found["bos_token"])
         self.eos_token = _special_token_content(found["eos_token"])
@@ -453,7 +462,10 @@ class FastTokenizer:
         return apply(
             self,
             conversation,
-            template=chat_template or self.chat_template,
+            # a name of one of the directory's templates (as transformers), else the template
+            template=self._named_templates.get(chat_template, chat_template)
+            if chat_template
+            else self.chat_template,
             missing="the tokenizer has no chat_template (tokenizer_config.json or "
             "chat_template.jinja); pass chat_template=...",
             special_tokens={

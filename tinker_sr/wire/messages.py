@@ -90,9 +90,11 @@ SERVER_CLIENT_CONFIG: dict[str, Any] = {
     "proto_write_fwdbwd": True,
     "fwd_via_fwdbwd": True,
 }
-# The oldest official SDK whose every call this server answers (0.20-0.22.2 know no
-# fwd_via_fwdbwd, so their forward() posts to /forward; before 0.20 forward_backward is JSON).
-OLDEST_SDK = (0, 22, 3)
+# The oldest official SDK whose every call this server answers: before 0.24.1 a batch whose
+# outputs differ in shape (1-D and 2-D targets) is decoded with the first one's shape;
+# 0.20-0.22.2 know no fwd_via_fwdbwd, so their forward() posts to /forward; before 0.20
+# forward_backward is JSON.
+OLDEST_SDK = (0, 24, 1)
 
 SERVER_DYNAMIC_CONFIG: dict[str, Any] = {"refresh_interval_sec": 300}
 

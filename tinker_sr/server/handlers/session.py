@@ -32,6 +32,7 @@ async def dynamic_config(srv: TinkerServer, request: Request, owner: str) -> Res
 
 async def create_session(srv: TinkerServer, request: Request, owner: str) -> Response:
     req, body = await srv.parse(request, m.CreateSessionRequest, "create_session")
+    warning = _older_sdk(req.sdk_version)
     idem = request.headers.get("x-idempotency-key")
     if idem:
         earlier = srv.state.reply(owner, f"create_session|{idem}")
@@ -45,8 +46,8 @@ async def create_session(srv: TinkerServer, request: Request, owner: str) -> Res
     )
     srv.state.add_session(session_id, owner)
     reply = {"session_id": session_id, "type": "create_session"}
-    if (old := _older_sdk(req.sdk_version)) is not None:
-        reply["warning_message"] = old  # the SDK logs it as a warning
+    if warning is not None:
+        reply["warning_message"] = warning  # the SDK logs it as a warning
     if idem:
         srv.state.save_reply(owner, f"create_session|{idem}", body_hash(body), reply)
     return json_reply(reply)
@@ -56,15 +57,17 @@ def _older_sdk(version: str | None) -> str | None:
     """The warning for an official SDK older than `messages.OLDEST_SDK`, else None (also for
     a version that does not parse: a newer or a development one)."""
     parts = (version or "").split(".")[:3]
-    if len(parts) < 3 or not all(p.isdigit() for p in parts):
+    if len(parts) < 3 or not all(p.isascii() and p.isdigit() for p in parts):
         return None
     if tuple(int(p) for p in parts) >= m.OLDEST_SDK:
         return None
     oldest = ".".join(map(str, m.OLDEST_SDK))
     return (
         f"tinker_sr's server answers every call of tinker SDK {oldest} and later (tested "
-        f"up to 0.38.0); this client is tinker {version}, whose forward() (and before 0.20 "
-        "forward_backward) this server refuses: upgrade it (pip install -U tinker)"
+        f"up to {m.SDK_VERSION}); this client is tinker {version}: before 0.24.1 a batch's "
+        "outputs of different shapes come back in the first one's shape, before 0.22.3 "
+        "forward() is refused, before 0.20 forward_backward too; upgrade it (pip install -U "
+        "tinker)"
     )
 
 
