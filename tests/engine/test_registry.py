@@ -135,7 +135,8 @@ def test_base_model_of_the_wrong_type_is_a_user_error_naming_the_field(name: obj
 def test_a_session_keeps_only_its_most_recently_used_lora_samplers() -> None:
     """An RL loop that makes a sampler every step never says when it drops one: the session
     keeps the adapters of its N most recently used LoRA samplers (memory and spill files stay
-    bounded), never evicts base-model samplers, and names the quota when an old one is used."""
+    bounded), keeps its base-model samplers (up to many more), and names the quota when an old
+    one is used."""
     from tinker_sr.user_errors import EngineNotFoundError
 
     reg = _registry(samplers_per_session=2, adapter_budget_bytes=0)
@@ -154,6 +155,27 @@ def test_a_session_keeps_only_its_most_recently_used_lora_samplers() -> None:
     with pytest.raises(EngineNotFoundError, match="2 most recently used LoRA sampling clients"):
         reg.sampler("p1")
     assert reg.stats()["samplers"] == 4 and reg.stats()["adapters_spilled"] == 3
+
+
+def test_a_session_keeps_its_most_recently_used_base_samplers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop making a base-model sampling client every step kept every one (~1 KB each, and a
+    scan of them all at each new one); a session now keeps its most recently used
+    `BASE_SAMPLERS_PER_SESSION`, other sessions' untouched."""
+    from tinker_sr.engine import registry
+    from tinker_sr.user_errors import EngineNotFoundError
+
+    monkeypatch.setattr(registry, "BASE_SAMPLERS_PER_SESSION", 3)
+    reg = _registry()
+    reg.register_sampler(Sampler("theirs", "s2", MODEL, MODEL, None, None))
+    for i in range(5):
+        reg.register_sampler(Sampler(f"b{i}", "s", MODEL, MODEL, None, None))
+        reg.sampler("b0")  # in use: kept
+    assert [reg.sampler(k).sampler_id for k in ("theirs", "b0", "b3", "b4")]
+    for gone in ("b1", "b2"):
+        with pytest.raises(EngineNotFoundError, match="3 most recently used base-model ones"):
+            reg.sampler(gone)
 
 
 def _ptrs(reg: ModelRegistry, sampler_id: str) -> dict[str, int]:

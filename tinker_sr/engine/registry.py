@@ -120,6 +120,9 @@ ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
 # a sampler every step (and never says when it drops one) would otherwise fill memory, then
 # the spill directory, without bound. Base-model samplers cost nothing and are never evicted.
 SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION = "TINKER_SR_SAMPLERS_PER_SESSION", 64
+# Base-model sampling clients hold no weights of their own (~1 KB each), but a loop making one
+# a step kept them all: a session keeps its most recently used this many.
+BASE_SAMPLERS_PER_SESSION = 4096
 # Samplers that decode through their adapters (merged weights over budget): the most recent
 # ones keep their built model (adapters only; the base is shared).
 UNMERGED_KEPT = 4
@@ -432,7 +435,8 @@ class ModelRegistry:
             raise EngineNotFoundError(
                 f"unknown sampling session {sampler_id!r}; create a sampling client first (a "
                 f"session keeps the weights of its {self.samplers_per_session} most recently "
-                f"used LoRA sampling clients; ${SAMPLERS_PER_SESSION_ENV} raises the number)"
+                f"used LoRA sampling clients, ${SAMPLERS_PER_SESSION_ENV} raises the number, "
+                f"and of its {BASE_SAMPLERS_PER_SESSION} most recently used base-model ones)"
             )
         self._samplers.move_to_end(sampler_id)  # one step: `live_sampler` never misses it
         return s
@@ -479,14 +483,15 @@ class ModelRegistry:
         self._spill_adapters_over_budget()
 
     def _evict_least_used(self, session_id: str) -> None:
-        """Release the session's least recently used LoRA samplers beyond its quota."""
-        ids = [
-            k
-            for k, s in self._samplers.items()
-            if s.session_id == session_id and s.lora is not None
+        """Release the session's least recently used samplers beyond its quotas (LoRA ones
+        beyond `samplers_per_session`, base-model ones beyond `BASE_SAMPLERS_PER_SESSION`)."""
+        mine = [
+            (k, s.lora is not None) for k, s in self._samplers.items() if s.session_id == session_id
         ]
-        for sampler_id in ids[: max(0, len(ids) - self.samplers_per_session)]:
-            self._forget_sampler(sampler_id)
+        for lora, quota in ((True, self.samplers_per_session), (False, BASE_SAMPLERS_PER_SESSION)):
+            ids = [k for k, is_lora in mine if is_lora == lora]
+            for sampler_id in ids[: max(0, len(ids) - quota)]:
+                self._forget_sampler(sampler_id)
 
     @_locked
     def release_sampler(self, sampler_id: str) -> Sampler | None:
