@@ -138,6 +138,19 @@ def test_stable_reinforce_multi_position_oracle(kl_coeff, loss_sum) -> None:
     assert result.metrics["kl_penalty:sum"] == pytest.approx(kl_coeff * 0.222277, abs=1e-7)
 
 
+def test_k3_is_never_negative_where_sampler_and_learner_agree_to_rounding() -> None:
+    """Near r = 1 (on-policy log-ratios are rounding noise) float32's r - 1 - log r rounds
+    below 0 (-1e-8 seen in RL runs' kl_k3:mean), though documented never negative: each term
+    is now expm1(x) - x, at least 0, and still x^2 / 2 to first order."""
+    from tinker_sr.engine.losses import k3_terms
+
+    x = torch.linspace(-3e-4, 3e-4, 20001, dtype=torch.float32)
+    assert bool((torch.exp(x) - 1 - x < 0).any())  # the plain form's rounding
+    got = k3_terms(x)
+    assert bool((got >= 0).all())
+    torch.testing.assert_close(got.double(), x.double() ** 2 / 2, atol=2e-11, rtol=0)
+
+
 def test_derived_ratios_and_diagnostic_metrics() -> None:
     result, _ = run("ppo", [Z42], [datum42("ppo")])
     m = result.metrics

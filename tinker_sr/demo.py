@@ -235,7 +235,7 @@ def _off_policy_stats(
         return {
             # k1 estimate of KL(sampler || learner) per token; k3 is its never-negative twin.
             "kl_sampler_learner": float(np.mean(-log_ratio)),
-            "kl_k3": float(np.mean(ratio - 1 - log_ratio)),
+            "kl_k3": float(np.mean(np.maximum(np.expm1(log_ratio) - log_ratio, 0))),
             "importance_ratio_max": float(np.max(ratio)),
             "importance_ratio_min": float(np.min(ratio)),
             # Monte-Carlo estimate of the sampler's per-token entropy.

@@ -190,7 +190,7 @@ def lowered_result(
         metrics.update(
             {
                 "kl_sampler_learner:mean": float(np.mean(-log_r)),
-                "kl_k3:mean": float(np.mean(r - 1 - log_r)),
+                "kl_k3:mean": float(np.mean(np.maximum(np.expm1(log_r) - log_r, 0))),
                 "importance_ratio:mean": float(r.mean()),
                 "importance_ratio:max": float(r.max()),
                 "importance_ratio:min": float(r.min()),
