@@ -21,7 +21,7 @@ from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine import usage
 from tinker_sr.engine.checkpoints import read_record
-from tinker_sr.engine.cpu import allocator_fitted_to, available_memory
+from tinker_sr.engine.cpu import allocator_fitted_to, available_memory, return_freed_memory
 from tinker_sr.engine.guards import check_finite_outputs, checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
 from tinker_sr.engine.model import Transformer, activation_bytes
@@ -70,7 +70,7 @@ def forward_backward(
     # Short of memory, the allocator hands what the step frees back at once (`cpu`).
     room = available_memory() if device.type == "cpu" else None
     if not forward_only:
-        _check_step_fits(t.model, kept, room)
+        room = _check_step_fits(t.model, kept, room)
     with allocator_fitted_to(room), torch.set_grad_enabled(not forward_only):
         # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
         # trainer was created with it; see `registry.train_autocast_dtype`. No cache of casts
@@ -150,24 +150,29 @@ def _hidden_rows(
     return cast(list[torch.Tensor], rows)
 
 
-def _check_step_fits(model: Transformer, tokens: int, room: int | None) -> None:
+def _check_step_fits(model: Transformer, tokens: int, room: int | None) -> int | None:
     """Refuse, before allocating, a training step of ``tokens`` (padded) tokens that cannot fit
-    in ``room`` bytes even with activation checkpointing (each layer's input kept, one layer's
-    activations at a time, twice for backward): the kernel's out-of-memory killer would end
-    the process, and every request it had acknowledged, mid-step."""
+    in ``room`` bytes even with activation checkpointing; returns the room (re-read after the
+    allocator handed back what earlier steps freed, where that was needed to decide). The
+    estimate (each layer's input kept, one layer's activations at a time, twice for
+    backward) is a floor: real steps measured 1.6-4x it, so this stops only steps that
+    surely cannot fit (the kernel's out-of-memory killer would end the process, and every
+    request it had acknowledged, mid-step), not every one that will not."""
     if room is None:
-        return
+        return None
     cfg = model.config
     need = 4 * tokens * cfg.dim * cfg.n_layers + 2 * activation_bytes(cfg, tokens) // cfg.n_layers
-    if model.autocast_dtype is not None:  # bf16 activations: about half
-        need //= 2
-    if need > room:
+    if need > room:  # memory the allocator keeps from earlier steps counts as used: hand it back
+        return_freed_memory()
+        room = available_memory()
+    if room is not None and need > room:
         raise EngineUserError(
             f"forward_backward: {tokens} tokens (padded to each length group's longest) need "
-            f"about {need / 2**30:.1f} GiB even with activation checkpointing, and "
+            f"at least {need / 2**30:.1f} GiB even with activation checkpointing, and "
             f"{room / 2**30:.1f} GiB is free; send fewer or shorter datums per call (gradients "
             "add up over several forward_backward calls before one optim_step), or free memory"
         )
+    return room
 
 
 def _check_datum_types(data: Sequence[types.Datum]) -> None:
