@@ -22,7 +22,9 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     timeout, ended with os._exit by pytest-timeout, or a crashed xdist worker runs no
     teardown, and its server used to live on, holding its port, store and memory."""
     raw = os.environ.pop(PARENT_ENV, "")  # not inherited by what this server starts
-    if not raw.isdigit():
+    # POSIX only: on Windows a parent's death changes no getppid(), and behind a venv
+    # launcher the pid recorded is not the parent's.
+    if not raw.isdigit() or os.name != "posix":
         return
     parent = int(raw)
 
