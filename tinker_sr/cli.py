@@ -316,7 +316,7 @@ def _alias_flags(values: list[str]) -> dict[str, str]:
 
 def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.engine.model import BUILTIN_CONFIGS
-    from tinker_sr.model_aliases import env_aliases
+    from tinker_sr.model_aliases import ENV, env_aliases
 
     aliases: dict[str, str] = {}
     for d in args.model_dir:
@@ -333,7 +333,7 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
                     f"--model-alias NAME={d}"
                 )
             aliases[name] = path
-    env = "$TINKER_SR_MODEL_ALIASES"
+    env = f"${ENV}"
     try:
         named = _alias_flags(args.model_alias)
         # The engine adds these itself; checked here so a bad one stops the start, as a flag's.

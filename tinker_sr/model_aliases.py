@@ -17,7 +17,7 @@ def alias_entry(entry: str, source: str) -> tuple[str, str]:
     return name.strip(), target.strip()
 
 
-def parse_aliases(spec: str | None, source: str = "TINKER_SR_MODEL_ALIASES") -> dict[str, str]:
+def parse_aliases(spec: str | None, source: str = ENV) -> dict[str, str]:
     """``"Qwen/Qwen3-8B=tinker-sr/tiny,*=tinker-sr/tiny"`` → dict (``*``: every name)."""
     parts = (part.strip() for part in (spec or "").split(","))
     return dict(alias_entry(part, source) for part in parts if part)

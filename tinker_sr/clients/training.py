@@ -84,6 +84,11 @@ class TrainingClient:
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r})"
 
+    def _poison(self, failure: BaseException) -> None:
+        """Later calls fail, chained to the first failure that poisoned it (as the SDK)."""
+        if self._poisoned is None:
+            self._poisoned = failure
+
     # ---- ordered submission --------------------------------------------------------------
     def _submit(
         self, n_seq: int, body: Callable[[list[int]], Awaitable[T]]
@@ -242,7 +247,7 @@ class TrainingClient:
                 )  # fmt: skip
                 loss, user_metrics, bwd_data = custom_backward_data(data, compute, fwd)
             except BaseException as e:
-                self._poisoned = e if self._poisoned is None else self._poisoned
+                self._poison(e)
                 raise
             bwd = asyncio.ensure_future(
                 chunks.issue(
@@ -255,7 +260,7 @@ class TrainingClient:
             try:
                 out = await bwd
             except BaseException as e:  # as the SDK: any failure of the custom call poisons
-                self._poisoned = e if self._poisoned is None else self._poisoned
+                self._poison(e)
                 raise
             surrogate = out.metrics.pop("loss:sum", 0.0)
             out.metrics.update(user_metrics)  # as you returned them, as the SDK (not floats)

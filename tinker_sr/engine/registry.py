@@ -118,7 +118,7 @@ MERGED_HEADROOM = 1 << 30
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
 # A session keeps the adapters of its most recently used samplers only: an RL loop that makes
 # a sampler every step (and never says when it drops one) would otherwise fill memory, then
-# the spill directory, without bound. Base-model samplers cost nothing and are never evicted.
+# the spill directory, without bound (base-model samplers: `BASE_SAMPLERS_PER_SESSION`).
 SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION = "TINKER_SR_SAMPLERS_PER_SESSION", 64
 # Base-model sampling clients hold no weights of their own (~1 KB each), but a loop making one
 # a step kept them all: a session keeps its most recently used this many.

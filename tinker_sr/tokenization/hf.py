@@ -333,12 +333,22 @@ TOKENIZER_FILE_NAMES = frozenset({
 })  # fmt: skip
 
 
+def _named_templates(template: Any) -> dict[str, str]:
+    """The named chat templates of a list (``[{"name": "default", "template": ...},
+    {"name": "tool_use", ...}]``, as transformers 4 saved them) by name; {} for a string."""
+    listed = template if isinstance(template, list) else []
+    return {
+        t["name"]: t["template"]
+        for t in listed
+        if isinstance(t, dict) and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+    }  # fmt: skip
+
+
 def _default_template(template: Any) -> str | None:
-    """A chat template: the string, or from a list of named ones (``[{"name": "default",
-    "template": ...}, {"name": "tool_use", ...}]``, as transformers 4 saved them) the default."""
+    """A chat template: the string, or from a list of named ones the default."""
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        return _named_templates(template).get("default")
     return template if isinstance(template, str) else None
 
 
@@ -364,13 +374,7 @@ class FastTokenizer:
             if jinja.is_file()
             else _default_template(cfg.get("chat_template"))
         )
-        listed = cfg.get("chat_template")  # named ones, as transformers 4 saved them
-        self._named_templates: dict[str, str] = {
-            t["name"]: t["template"]
-            for t in (listed if isinstance(listed, list) else [])
-            if isinstance(t, dict) and isinstance(t.get("name"), str)
-            and isinstance(t.get("template"), str)
-        }  # fmt: skip
+        self._named_templates = _named_templates(cfg.get("chat_template"))
         found = _named_specials(root, cfg)
         self.bos_token = _special_token_content(found["bos_token"])
         self.eos_token = _special_token_content(found["eos_token"])
