@@ -253,6 +253,8 @@ def test_clients_a_test_leaves_open_are_closed_with_its_mock(tmp_path: Path) -> 
         # Found by a hunt: accepted, counted as fired, and nothing happened.
         (lambda: http_error("asample", 503, request_type="Sample"), "only retrieve_future"),
         (lambda: session_expires("retrieve_future"), "names none"),
+        (lambda: session_expires("sessions/*"), "names none"),  # ids in the path: never read
+        (lambda: session_expires("/oai/api/v1/completions"), "names none"),
         (lambda: sequence_expired("asample"), "carries none"),
         (lambda: WireFault("asample", "try_again"), "answers retrieve_future polls"),
     ],
@@ -265,6 +267,10 @@ def test_a_wire_fault_that_could_not_fire_as_meant_is_refused(make: Any, needle:
     # What each can do is still taken: the poll of a request type, any pattern reaching one.
     http_error("retrieve_future", 503, request_type="Sample")
     session_expires("*"), sequence_expired("forward_*"), WireFault("*", "try_again")
+    session_expires("save_weights*"), session_expires("session_heartbeat")
+    from tinker_sr.testing import wire
+
+    assert wire._NAMES_A_SESSION <= set(wire.KNOWN_ENDPOINTS)  # each can be faulted
 
 
 def test_fault_patterns_still_take_every_route_of_the_server(tmp_path: Path) -> None:

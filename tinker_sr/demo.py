@@ -33,6 +33,7 @@ import numpy as np
 
 import tinker_sr as tinker
 from tinker_sr import types
+from tinker_sr.clients.sr_lowered import k3_mean
 from tinker_sr.clients.sr_lowering import LoweringOptions
 from tinker_sr.engine import usage
 from tinker_sr.plot import Panel, plot_curves
@@ -235,7 +236,7 @@ def _off_policy_stats(
         return {
             # k1 estimate of KL(sampler || learner) per token; k3 is its never-negative twin.
             "kl_sampler_learner": float(np.mean(-log_ratio)),
-            "kl_k3": float(np.mean(np.maximum(np.expm1(log_ratio) - log_ratio, 0))),
+            "kl_k3": k3_mean(log_ratio),
             "importance_ratio_max": float(np.max(ratio)),
             "importance_ratio_min": float(np.min(ratio)),
             # Monte-Carlo estimate of the sampler's per-token entropy.

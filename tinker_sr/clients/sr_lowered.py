@@ -21,11 +21,20 @@ __all__ = [
     "LoweredDatum",
     "ce_datum",
     "datum_inputs",
+    "k3_mean",
     "kl_coeff_of",
     "lowered_inputs",
     "lowered_result",
     "user_error",
 ]
+
+
+def k3_mean(log_r: np.ndarray) -> float:
+    """The mean of the k3 estimate's terms r - 1 - log r over log-ratios ``log_r``: numpy's
+    twin of `tinker_sr.engine.losses.k3_terms` (expm1, clamped at 0: never negative)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.mean(np.maximum(np.expm1(log_r) - log_r, 0)))
+
 
 _DEFAULT_KL = 0.01
 
@@ -190,7 +199,7 @@ def lowered_result(
         metrics.update(
             {
                 "kl_sampler_learner:mean": float(np.mean(-log_r)),
-                "kl_k3:mean": float(np.mean(np.maximum(np.expm1(log_r) - log_r, 0))),
+                "kl_k3:mean": k3_mean(log_r),
                 "importance_ratio:mean": float(r.mean()),
                 "importance_ratio:max": float(r.max()),
                 "importance_ratio:min": float(r.min()),

@@ -83,10 +83,12 @@ def _check_endpoint(pattern: str) -> None:
         )
 
 
-# Endpoints whose requests name no sampler, model or session (`expire_session_of`).
-_NAMES_NO_SESSION = frozenset({
-    "retrieve_future", "client/config", "client/dynamic_config", "healthz",
-    "get_server_capabilities", "create_session", "auth/token",
+# Endpoints whose request bodies name a sampler, model or session (`expire_session_of` reads
+# them): the only ones an `expire_session` fault can act on.
+_NAMES_A_SESSION = frozenset({
+    "asample", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+    "save_weights_external", "load_weights", "create_model", "create_sampling_session",
+    "get_info", "session_heartbeat", "copy_weights", "telemetry",
 })  # fmt: skip
 
 
@@ -167,7 +169,9 @@ class WireFault:
                 f"provenance names; endpoint {self.endpoint!r} carries none (use "
                 "'forward_backward')"
             )
-        if self.kind == "expire_session" and self.endpoint in _NAMES_NO_SESSION:
+        if self.kind == "expire_session" and not any(
+            fnmatch.fnmatchcase(e, self.endpoint) for e in _NAMES_A_SESSION
+        ):
             raise ValueError(
                 f"WireFault.kind 'expire_session' finishes the session a request's sampler, "
                 f"model or session id names; a {self.endpoint!r} request names none (use the "

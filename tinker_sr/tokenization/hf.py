@@ -149,21 +149,21 @@ def _token_id(value: Any) -> int:
     return value
 
 
-def _special_token_ids(root: Path, config: dict[str, Any]) -> dict[str, int]:
-    """Added-token ids by content, from tokenizer.json or tokenizer_config.json."""
-    if (root / "tokenizer.json").is_file():
-        added = read_json(root / "tokenizer.json").get("added_tokens") or []
+def _special_token_ids(spec: dict[str, Any] | None, config: dict[str, Any]) -> dict[str, int]:
+    """Added-token ids by content, from tokenizer.json (``spec``) or tokenizer_config.json."""
+    if spec is not None:
+        added = spec.get("added_tokens") or []
         return {str(t["content"]): _token_id(t["id"]) for t in added}
     decoder = config.get("added_tokens_decoder") or {}
     return {str(t.get("content")): int(i) for i, t in decoder.items() if isinstance(t, dict)}
 
 
-def _vocab_id(root: Path, token: str) -> int | None:
-    """``token``'s id as an ordinary piece of tokenizer.json's model vocabulary (a special
-    token may be one, e.g. ``</s>`` in a SentencePiece vocabulary), else None."""
-    if not (root / "tokenizer.json").is_file():
+def _vocab_id(spec: dict[str, Any] | None, token: str) -> int | None:
+    """``token``'s id as an ordinary piece of tokenizer.json's (``spec``'s) model vocabulary
+    (a special token may be one, e.g. ``</s>`` in a SentencePiece vocabulary), else None."""
+    if spec is None:
         return None
-    vocab = (read_json(root / "tokenizer.json").get("model") or {}).get("vocab")
+    vocab = (spec.get("model") or {}).get("vocab")
     if isinstance(vocab, dict):  # BPE, WordPiece: piece -> id
         found = vocab.get(token)
         return found if isinstance(found, int) and not isinstance(found, bool) else None
@@ -197,14 +197,16 @@ class ModelTokenizer:
         cfg_file = root / "tokenizer_config.json"
         config = read_json(cfg_file) if cfg_file.is_file() else {}
         eos = _special_token_content(_named_specials(root, config)["eos_token"])
+        spec_file = root / "tokenizer.json"
+        spec = read_json(spec_file) if spec_file.is_file() else None  # read once: may be 10 MB
         try:
-            ids = _special_token_ids(root, config)
+            ids = _special_token_ids(spec, config)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise EngineUserError(
                 f"{root}: the added tokens of tokenizer.json / tokenizer_config.json are "
                 f"malformed ({type(e).__name__}: {e}); re-save the tokenizer with transformers"
             ) from e
-        eos_id = (ids.get(eos) if eos in ids else _vocab_id(root, eos)) if eos else None
+        eos_id = (ids.get(eos) if eos in ids else _vocab_id(spec, eos)) if eos else None
         self.eos_token_ids = self._eos_ids(eos, eos_id)
 
     def _eos_ids(self, eos: str | None, tokenizer_eos: int | None) -> tuple[int, ...]:
