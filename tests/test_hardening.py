@@ -29,6 +29,7 @@ from tinker_sr import types, validation
 from tinker_sr.backend.local import LocalBackend
 from tinker_sr.engine import sampler as engine_sampler
 from tinker_sr.errors import RequestFailedError
+from tinker_sr.limits import Limits
 
 JSON_ENDPOINTS = [
     "create_session",
@@ -504,9 +505,29 @@ def test_11_samples_times_tokens_above_the_limit_is_refused(service: tinker.Serv
         refused(lambda n=n, p=params: sc.sample(prompt, n, p).result(), "num_samples")
 
 
+def test_11_sample_token_limit_is_refused_before_the_request_is_accepted(
+    wire: Wire, sampler_id: str, tmp_path: Path
+) -> None:
+    """Found by a hunt: num_samples x (prompt + max_tokens) over --max-sample-tokens was
+    accepted, then failed as a future, while num_samples over its limit is refused at once
+    (as the hosted service refuses an overlong sample: 400 at asample)."""
+    params = {"max_tokens": 500, "seed": 1}  # 600 x (3 + 500) > 262,144, the default
+    resp = wire.post("asample", sample_body(sampler_id, num_samples=600, sampling_params=params))
+    assert resp.status_code == 400, resp.text
+    assert "--max-sample-tokens" in resp.text and "600 x (3 + 500)" in resp.text, resp.text
+    backend = LocalBackend(tmp_path / "s", limits=Limits(max_sample_tokens=100))
+    with tinker.ServiceClient(backend=backend) as service:
+        sc = service.create_sampling_client(base_model=MODEL)
+        prompt = types.ModelInput.from_ints([1, 2, 3])
+        with pytest.raises(tinker.BadRequestError, match="limit of 100"):
+            sc.sample(prompt, 4, types.SamplingParams(max_tokens=40)).result()
+        assert sc.sample(prompt, 2, types.SamplingParams(max_tokens=40)).result()  # 86 fits
+    backend.close()
+
+
 def test_11_limits_are_configurable_on_every_path(tmp_path: Path) -> None:
     from tinker_sr.cli import build_parser, limits_from_args
-    from tinker_sr.limits import DEFAULT_LIMITS, Limits
+    from tinker_sr.limits import DEFAULT_LIMITS
 
     args = build_parser().parse_args(["serve", "--max-lora-rank", "8", "--max-train-tokens", "9"])
     assert limits_from_args(args) == Limits(max_lora_rank=8, max_train_tokens=9)

@@ -579,9 +579,12 @@ class LocalBackend(LocalRestQueries):
         await self._run(lambda: self.models.release_trainer(model_id))
         return_freed_memory()  # else the tuned allocator keeps it (`cpu.tune_allocator`)
 
-    def sample_overflow(self, sampler_id: str, prompt: Any, params: Any) -> str | None:
-        """Why a sample does not fit its model's context, before it is queued (a server's 400)."""
-        return request_overflow(self.models, sampler_id, prompt, params)
+    def sample_overflow(
+        self, sampler_id: str, prompt: Any, params: Any, num_samples: Any = None
+    ) -> str | None:
+        """Why a sample does not fit its model's context (or, given ``num_samples``, this
+        engine's `Limits.max_sample_tokens`), before it is queued (a server's 400)."""
+        return request_overflow(self.models, sampler_id, prompt, params, num_samples, self.limits)
 
     async def sample(
         self,
@@ -628,7 +631,8 @@ class LocalBackend(LocalRestQueries):
                 validation.check_num_samples(num_samples, self.limits)
             except EngineUserError as e:
                 raise refused(e) from None
-        if (overflow := self.sample_overflow(sampler_id, prompt, sampling_params)) is not None:
+        overflow = self.sample_overflow(sampler_id, prompt, sampling_params, num_samples)
+        if overflow is not None:
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         listen = None if progress is None else lambda g: progress(g.new_tokens())

@@ -376,11 +376,17 @@ def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
 
 
 def request_overflow(
-    models: ModelRegistry, sampler_id: str, prompt: object, params: object
+    models: ModelRegistry,
+    sampler_id: str,
+    prompt: object,
+    params: object,
+    num_samples: object = None,
+    limits: Limits | None = None,
 ) -> str | None:
-    """Why a sample request does not fit its sampler's context (`sampler.context_overflow`),
-    told before it is queued, so a server can refuse it (400) as the hosted service does; None
-    when it fits or cannot be told here (an unknown sampler: the engine's own checks say)."""
+    """Why a sample request does not fit its sampler's context (`sampler.context_overflow`)
+    or, given ``num_samples`` and ``limits``, the engine's token limit for one request: told
+    before it is queued, so a server can refuse it (400) as the hosted service does; None when
+    it fits or cannot be told here (an unknown sampler: the engine's own checks say)."""
     sampler = models.live_sampler(sampler_id)
     if sampler is None or not isinstance(prompt, types.ModelInput):
         return None
@@ -390,7 +396,15 @@ def request_overflow(
         return None
     n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
     wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)
-    return engine_sampler.context_overflow(n, wanted, context) if isinstance(wanted, int) else None
+    if not isinstance(wanted, int):
+        return None
+    problem = engine_sampler.context_overflow(n, wanted, context)
+    if problem is None and limits is not None and isinstance(num_samples, int) and wanted >= 1:
+        try:  # as `_plan` checks it, where it would fail the accepted request's future
+            limits.check_sample_tokens(max(num_samples, 1), n, wanted)
+        except EngineUserError as e:
+            return str(e)
+    return problem
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, context: int) -> int:

@@ -101,7 +101,9 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
     # A sample that cannot fit the model's context is refused here (400, in the hosted
     # service's words, which tinker-cookbook matches), not failed later as a future.
     overflow = getattr(srv.backend, "sample_overflow", None)
-    problem = overflow(sampler_id, req.prompt, req.sampling_params) if overflow else None
+    problem = (
+        overflow(sampler_id, req.prompt, req.sampling_params, req.num_samples) if overflow else None
+    )
     if problem is not None:
         raise HTTPError(400, problem)
     target = (
