@@ -284,6 +284,24 @@ def test_embedded_checkpoint_listing_has_a_cursor(embedded_service: Any) -> None
     listing = clients.rest.list_user_checkpoints(limit=1).result()
     assert listing.cursor is not None and listing.cursor.total_count == 2
     assert (listing.cursor.offset, listing.cursor.limit, len(listing.checkpoints)) == (0, 1, 1)
+    assert listing.checkpoints[0].checkpoint_id == "weights/b"  # newest first, as documented
+
+
+def test_listings_are_newest_first_as_the_sdk_and_its_cli_read_them(server: ServerProcess) -> None:
+    """Found by a hunt: the server listed runs and checkpoints oldest first, so the official
+    `tinker run list` / `tinker checkpoint list` (the first 20 / 1000) hid the newest ones;
+    the SDK documents `list_user_checkpoints` as "sorted by time (newest first)"."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    rest = service.create_rest_client()
+    made = []
+    for name in ("older", "newer"):
+        training = service.create_lora_training_client(MODEL, rank=4)
+        made.append((training.model_id, training.save_state(name).result().path))
+    runs = rest.list_training_runs(limit=2).result().training_runs
+    assert [r.training_run_id for r in runs] == [made[1][0], made[0][0]]
+    checkpoints = rest.list_user_checkpoints(limit=2).result().checkpoints
+    assert [c.tinker_path for c in checkpoints] == [made[1][1], made[0][1]]
+    service.close("success").result()
 
 
 # Result fields whose values are fixed tags, compared as values; every other leaf by its type.
@@ -601,3 +619,37 @@ def test_an_ill_typed_id_is_refused_naming_the_argument(embedded_service: Any) -
         rest.list_checkpoints("").result()
     with pytest.raises(TypeError, match="ttl_seconds=.* cannot be sent as JSON"):
         rest.set_checkpoint_ttl_from_tinker_path("tinker://r/weights/s", {1}).result()
+
+
+def test_deprecated_load_state_and_get_info_async_warn_as_the_sdk(
+    embedded_service: Any, server: ServerProcess
+) -> None:
+    """Found by a hunt: `load_state`, `load_state_with_optimizer` and `get_info_async` only
+    logged on the embedded engine, while the SDK also raises a FutureWarning (once per call),
+    so `pytest.warns(FutureWarning)` or `-W error::FutureWarning` told the two apart."""
+    import asyncio
+    import warnings
+
+    import tinker_sr
+
+    sdk_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    counts = []
+    for lib, service in ((tinker_sr, embedded_service), (tinker, sdk_service)):
+        training = service.create_lora_training_client(MODEL, rank=4).result()
+        path = training.save_state("deprecations").result().path
+        calls: dict[str, Callable[[], Any]] = {
+            "load_state": lambda t=training, p=path: t.load_state(p).result(),
+            "load_state_with_optimizer": lambda t=training, p=path: t.load_state_with_optimizer(p),
+            "load_state_async": lambda t=training, p=path: asyncio.run(t.load_state_async(p)),
+            "get_info_async": lambda t=training: asyncio.run(t.get_info_async()),
+        }
+        seen = {}
+        for name, call in calls.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            seen[name] = [w.category for w in caught if issubclass(w.category, FutureWarning)]
+        counts.append((lib.__name__, seen))
+    ours, theirs = counts[0][1], counts[1][1]
+    assert ours == theirs == {name: [FutureWarning] for name in ours}, counts
+    sdk_service.close("success").result()

@@ -37,6 +37,11 @@ CustomLossFnV1 = Callable[
     [list[types.Datum], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]
 ]
 
+LOAD_STATE_DEPRECATED = (
+    "TrainingClient.load_state*() is deprecated and will not be supported by future SDK "
+    "versions; create a new training client from the checkpoint with "
+    "ServiceClient.create_training_client_from_state() (or ..._with_optimizer())"
+)
 _POISONED = (
     "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."
 )
@@ -472,20 +477,24 @@ class TrainingClient:
     def load_state(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
-        log.error(
-            "TrainingClient.load_state is deprecated; use "
-            "ServiceClient.create_training_client_from_state instead"
-        )
-        return self._load(path, with_optimizer=False, weights_access_token=weights_access_token)
+        """Deprecated: use ``ServiceClient.create_training_client_from_state``."""
+        warn_deprecated(LOAD_STATE_DEPRECATED)
+        return self._deprecated_load(path, False, weights_access_token)
 
     def load_state_with_optimizer(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
-        log.error(
-            "TrainingClient.load_state_with_optimizer is deprecated; use "
-            "ServiceClient.create_training_client_from_state_with_optimizer instead"
+        """Deprecated: use ``ServiceClient.create_training_client_from_state_with_optimizer``."""
+        warn_deprecated(LOAD_STATE_DEPRECATED)
+        return self._deprecated_load(path, True, weights_access_token)
+
+    def _deprecated_load(
+        self, path: str, with_optimizer: bool, weights_access_token: str | None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        log.error(LOAD_STATE_DEPRECATED)  # the SDK both logs it and warns (FutureWarning)
+        return self._load(
+            path, with_optimizer=with_optimizer, weights_access_token=weights_access_token
         )
-        return self._load(path, with_optimizer=True, weights_access_token=weights_access_token)
 
     def _load(
         self, path: str, *, with_optimizer: bool, weights_access_token: str | None
@@ -505,6 +514,8 @@ class TrainingClient:
         return self._info
 
     async def get_info_async(self) -> types.GetInfoResponse:
+        """Deprecated: use `get_info`, which answers without a request."""
+        warn_deprecated("get_info_async is deprecated; use get_info() (no request needed)")
         return self._info
 
     def get_tokenizer(self) -> Any:
@@ -611,15 +622,15 @@ class TrainingClient:
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: use ``ServiceClient.create_training_client_from_state``."""
-        warn_deprecated("load_state_async is deprecated")
-        return self.load_state(path, weights_access_token=weights_access_token)
+        warn_deprecated(LOAD_STATE_DEPRECATED)
+        return self._deprecated_load(path, False, weights_access_token)
 
     async def load_state_with_optimizer_async(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: use ``ServiceClient.create_training_client_from_state_with_optimizer``."""
-        warn_deprecated("load_state_with_optimizer_async is deprecated")
-        return self.load_state_with_optimizer(path, weights_access_token=weights_access_token)
+        warn_deprecated(LOAD_STATE_DEPRECATED)
+        return self._deprecated_load(path, True, weights_access_token)
 
     async def create_sampling_client_async(
         self,

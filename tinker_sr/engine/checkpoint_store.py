@@ -324,7 +324,9 @@ class CheckpointStore:
         return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
 
     def list_all(self, *, limit: int, offset: int) -> types.CheckpointsListResponse:
-        rows, total = self.store.list_checkpoints(None, limit=limit, offset=offset)
+        rows, total = self.store.list_checkpoints(
+            None, limit=limit, offset=offset, newest_first=True
+        )
         return types.CheckpointsListResponse(
             checkpoints=[self.checkpoint(r) for r in rows],
             cursor=types.Cursor(offset=offset, limit=limit, total_count=total),

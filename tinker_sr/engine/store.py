@@ -361,9 +361,12 @@ class Store:
         return None if row is None else self._run_row(row)
 
     def list_runs(self, *, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        """Training runs, newest first (the official CLI's `tinker run list` shows the first
+        20: the recent ones)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM training_runs ORDER BY created_at, run_id LIMIT ? OFFSET ?",
+                "SELECT * FROM training_runs ORDER BY created_at DESC, run_id DESC"
+                " LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
             (total,) = self._db.execute("SELECT COUNT(*) FROM training_runs").fetchone()
@@ -404,8 +407,16 @@ class Store:
         return ck
 
     def list_checkpoints(
-        self, run_id: str | None = None, *, limit: int = 1000, offset: int = 0
+        self,
+        run_id: str | None = None,
+        *,
+        limit: int = 1000,
+        offset: int = 0,
+        newest_first: bool = False,
     ) -> tuple[list[CheckpointRow], int]:
+        """Live checkpoints (of ``run_id``, or all), oldest first unless ``newest_first`` (the
+        SDK's `list_user_checkpoints` order)."""
+        order = "created_at DESC, tinker_path DESC" if newest_first else "created_at, tinker_path"
         live = "(expires_at IS NULL OR expires_at > ?)"
         where = f"WHERE {live}"
         args: list[object] = [time.time()]
@@ -413,8 +424,7 @@ class Store:
             where, args = f"WHERE run_id=? AND {live}", [run_id, *args]
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_CK_COLUMNS} FROM checkpoints {where}"
-                " ORDER BY created_at, tinker_path LIMIT ? OFFSET ?",
+                f"SELECT {_CK_COLUMNS} FROM checkpoints {where} ORDER BY {order} LIMIT ? OFFSET ?",
                 (*args, limit, offset),
             ).fetchall()
             (total,) = self._db.execute(
