@@ -222,6 +222,38 @@ def test_a_tokenizer_naming_its_own_code_loads_from_its_tokenizer_json(tmp_path:
     assert not ran.exists()
 
 
+def test_a_transformers_5_directory_loads_under_transformers_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt (transformers 4.45 beside tinker_sr): a directory transformers 5 saved
+    names its tokenizer class "TokenizersBackend", which 4.x does not have (its tokenizer.json
+    reads fine), and transformers before 4.47 does not read chat_template.jinja. Both are
+    played here on transformers' loader; tinker_sr reads tokenizer.json / the template itself."""
+    from tinker_sr.tokenization.hf import load_hf_tokenizer
+
+    root = make_tiny_hf_model_dir(tmp_path / "m")
+    (root / "chat_template.jinja").write_text("J:{{ messages[0]['content'] }}")
+    chat = [{"role": "user", "content": "hi"}]
+    real = AutoTokenizer.from_pretrained
+
+    def unknown_class(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            "Tokenizer class TokenizersBackend does not exist or is not currently imported."
+        )
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", unknown_class)
+    tok = load_hf_tokenizer(root)
+    assert isinstance(tok, FastTokenizer) and tok.encode("hello") == real(root).encode("hello")
+
+    def before_4_47(*args: Any, **kwargs: Any) -> Any:
+        loaded = real(*args, **kwargs)
+        loaded.chat_template = None  # chat_template.jinja not read
+        return loaded
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", before_4_47)
+    assert load_hf_tokenizer(root).apply_chat_template(chat, tokenize=False) == "J:hi"
+
+
 def test_a_named_template_is_rendered_by_its_name_as_in_transformers(tmp_path: Path) -> None:
     """tokenizer_config.json's list of named templates (as transformers 4 saved them):
     ``chat_template="tool_use"`` renders that one. Before: the string "tool_use" itself."""

@@ -190,6 +190,22 @@ def test_a_tokenizer_without_its_files_names_what_the_directory_holds(
         client.get_tokenizer()
 
 
+def test_a_tokenizer_json_this_tokenizers_cannot_read_says_to_upgrade(
+    base: Path, tmp_path: Path
+) -> None:
+    """Found by a hunt: tokenizers 0.19 cannot read a tokenizer.json written by 0.20 or later
+    (merges as pairs), and the error asked for a tokenizer.json that was there."""
+    root = tmp_path / "m"
+    shutil.copytree(base, root)
+    spec = json.loads((root / "tokenizer.json").read_text())
+    spec["model"]["type"] = "BPE2"  # a model kind this library does not know
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(EngineUserError) as err:
+        load_hf_tokenizer(root)
+    message = str(err.value)
+    assert "pip install -U tokenizers transformers" in message and "needs tokenizer" not in message
+
+
 def test_a_directory_without_any_tokenizer_file_is_refused_not_served_empty(
     base: Path, tmp_path: Path
 ) -> None:

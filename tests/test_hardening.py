@@ -596,6 +596,13 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(d)]))
     with pytest.raises(SystemExit, match="--model-alias m=.*my-model: config.json hidden_act"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-alias", f"m={d}"]))
+    # Found by a hunt: a directory without tokenizer files was served, and the official SDK's
+    # get_tokenizer() built an empty tokenizer from it (every text encoded to []).
+    bare = make_tiny_hf_model_dir(tmp_path / "bare", n_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    with pytest.raises(SystemExit, match="--model-dir .*bare: .* has no tokenizer"):
+        model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(bare)]))
 
 
 def test_12_model_dir_flag_serves_a_hub_name_from_the_local_cache(

@@ -71,3 +71,19 @@ def test_padded_vocab_has_more_rows_than_tokens(tmp_path: Path) -> None:
     root = make_tiny_hf_model_dir(tmp_path / "p", pad_vocab_to_multiple=64)
     info = tiny_model_info(root)
     assert info.vocab_size % 64 == 0 and info.vocab_size > info.tokenizer_size
+
+
+def test_an_older_transformers_is_named_with_the_version_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hunt (transformers 4.45, the dev extra's old floor): every family failed with
+    an ImportError of a Qwen3.5 class. Now one message names both versions and the fix."""
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(
+        metadata, "version", lambda name: "4.45.0" if name == "transformers" else real(name)
+    )
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.2 \(installed: 4\.45\.0\)"):
+        make_tiny_hf_model_dir(tmp_path / "m", "llama")
+    assert not (tmp_path / "m").exists()  # nothing half-written

@@ -259,12 +259,21 @@ def _check_model_config(option: str, flag: str, path: str) -> None:
     its weight files or their tensors' names, shapes and dtypes (headers only: no weight is
     read, so a damaged weight value is still found when the model loads)."""
     from tinker_sr.engine.hf import check_model_dir
+    from tinker_sr.hf_files import TOKENIZER_FILES
     from tinker_sr.user_errors import EngineUserError
 
     try:
         check_model_dir(path, flag)
     except EngineUserError as e:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # The SDK's get_tokenizer() would build an empty tokenizer (every text -> []) from it.
+        raise SystemExit(
+            f"tinker-sr serve: {option} {flag}: {path} has no tokenizer (neither "
+            f"{' nor '.join(TOKENIZER_FILES)}), so clients could not encode or decode text; "
+            "copy the model's tokenizer files there (transformers' tokenizer.save_pretrained() "
+            "writes them)"
+        )
 
 
 def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, bool]:

@@ -15,8 +15,8 @@ real (non-byte) BPE tokenizer, made offline in about a second.
 - tokenizer_config.json with a Qwen-style chat template (``<|im_start|>`` / ``<|im_end|>``);
 - generation_config.json with several EOS ids.
 
-Same arguments (``seed`` included) ⇒ byte-identical files. Needs `torch`, `transformers` and
-`tokenizers` (dev dependencies).
+Same arguments (``seed`` included) ⇒ byte-identical files. Needs `torch`, `transformers` >=
+`MIN_TRANSFORMERS` (its config format, Qwen3.5's classes) and `tokenizers` (dev dependencies).
 """
 
 from __future__ import annotations
@@ -402,6 +402,29 @@ def _save_tokenizer(out: Path, tok: Any, family: Family) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2) + "\n")
 
 
+# transformers 5.2: the `rope_parameters` config format, `from_config(dtype=)`, Qwen3.5's classes.
+MIN_TRANSFORMERS = (5, 2)
+
+
+def _check_transformers() -> None:
+    """ImportError naming the installed and the needed version (before: an ImportError of one
+    of Qwen3.5's classes, whatever family was asked for)."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        installed = None
+    parts = tuple(int(p) for p in (installed or "0").split(".")[:2] if p.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(
+            f"tinker_sr.testing.hf_model_dir needs transformers >= {need} (installed: "
+            f"{installed or 'none'}): pip install -U 'transformers>={need}' (or tinker_sr's "
+            "dev extra)"
+        )
+
+
 def make_tiny_hf_model_dir(
     path: str | os.PathLike[str],
     family: Family = "qwen3",
@@ -422,6 +445,7 @@ def make_tiny_hf_model_dir(
     the default 1 keeps them equal. ``attention_bias=True`` (Llama, Qwen3) sets config.json's
     ``attention_bias``: biases on q, k, v and o. See `tiny_model_info` for the ids.
     """
+    _check_transformers()
     import torch
     from transformers import GenerationConfig
 

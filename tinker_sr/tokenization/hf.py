@@ -303,14 +303,38 @@ def load_hf_tokenizer(root: Path) -> Any:
                 "); add the tokenizer's tokenizer.json (its class's save_pretrained writes it "
                 "where that code can run, or copy it from the model's release)"
             ) from e
+        if "tokenizer.json" in present:  # there, but this `tokenizers` cannot read it
+            advice = (
+                f"If tokenizer.json is sound, it may be newer than the installed tokenizers "
+                f"{_version('tokenizers')} / transformers {_version('transformers')} read: "
+                "pip install -U tokenizers transformers"
+            )
+        else:
+            advice = (
+                "A model directory needs tokenizer.json (a fast tokenizer), or the slow "
+                "tokenizer's files (tokenizer.model, or vocab.json and merges.txt) beside "
+                "tokenizer_config.json: copy them from the model's release, or write them "
+                "with transformers' tokenizer.save_pretrained()"
+            )
         raise EngineUserError(
             f"{root}: its tokenizer does not load ({type(e).__name__}: "
             f"{clip_message(' '.join(str(e).split()), 600)}). Tokenizer files "
-            f"there: {present or 'none'}. A model directory needs tokenizer.json (a fast "
-            "tokenizer), or the slow tokenizer's files (tokenizer.model, or vocab.json and "
-            "merges.txt) beside tokenizer_config.json: copy them from the model's release, "
-            "or write them with transformers' tokenizer.save_pretrained()"
+            f"there: {present or 'none'}. {advice}"
         ) from e
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+# transformers' ValueErrors for a tokenizer class it will not build: one in the directory's own
+# code, or one this transformers lacks (transformers 5 saves "TokenizersBackend", unknown to 4.x).
+_CLASS_UNAVAILABLE = ("trust_remote_code", "does not exist or is not currently imported")
 
 
 def _load_tokenizer(root: Path) -> Any:
@@ -319,13 +343,19 @@ def _load_tokenizer(root: Path) -> Any:
     except ImportError:
         return FastTokenizer(root)
     try:  # never transformers' interactive prompt, never the directory's own code
-        return AutoTokenizer.from_pretrained(
+        tok = AutoTokenizer.from_pretrained(
             str(root), local_files_only=True, trust_remote_code=False
         )
     except ValueError as e:
-        if "trust_remote_code" not in str(e) or not (root / "tokenizer.json").is_file():
+        if not any(m in str(e) for m in _CLASS_UNAVAILABLE):
             raise
-        return FastTokenizer(root)  # its tokenizer.json describes it: no code needed
+        if not (root / "tokenizer.json").is_file():
+            raise
+        return FastTokenizer(root)  # its tokenizer.json describes it: no class needed
+    jinja = root / "chat_template.jinja"  # read by transformers from 4.47 only
+    if getattr(tok, "chat_template", None) is None and jinja.is_file():
+        tok.chat_template = jinja.read_text(encoding="utf-8")
+    return tok
 
 
 # The files a Hugging Face tokenizer may be read from (named in load errors).
