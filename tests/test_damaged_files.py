@@ -588,3 +588,19 @@ def test_a_store_folder_that_cannot_be_written_is_said_as_such(tmp_path: Path) -
     text = asyncio.run(save())
     assert "the store cannot be written" in text and "<store>/checkpoints" in text, text
     assert "internal error" not in text and str(store) not in text
+
+
+def test_missing_tensors_name_the_config_field_to_check(tmp_path: Path) -> None:
+    """Found by a hunt: an untied config over a checkpoint without lm_head.weight, and a
+    num_hidden_layers above the stored layers, said only "checkpoint lacks N tensors"."""
+    untied = make_tiny_hf_model_dir(tmp_path / "untied", "llama", n_layers=2)
+    weights = load_file(untied / "model.safetensors")
+    weights.pop("lm_head.weight")
+    save_file(weights, untied / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(EngineUserError, match="set tie_word_embeddings to true"):
+        load_model_dir(untied)
+    deeper = make_tiny_hf_model_dir(tmp_path / "deeper", "llama", n_layers=2)
+    config = json.loads((deeper / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    with pytest.raises(EngineUserError, match="stores layers 0-1 and config.json's num_hidden_"):
+        load_model_dir(deeper)

@@ -249,22 +249,33 @@ def _missing(
 ) -> EngineUserError:
     """The error for the model's places no stored tensor fills (``shapes``)."""
     unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
-    tied = config.tie_embeddings and EMBED in shapes and "lm_head.weight" in placed
+    hints = []
+    if unread:
+        hints.append(
+            f"{INDEX_FILE} names {len(files)} weight files, and {len(unread)} more here are "
+            f"not read ({unread[:3]}): list every tensor in its weight_map"
+        )
+    if config.tie_embeddings and EMBED in shapes and "lm_head.weight" in placed:
+        hints.append(
+            f"config.json ties the embeddings (tie_word_embeddings) and the checkpoint stores "
+            f"them as lm_head.weight only: store them as {EMBED} (save_pretrained does)"
+        )
+    if set(shapes) == {"lm_head.weight"} and EMBED in placed:
+        hints.append(
+            "config.json does not tie the embeddings (tie_word_embeddings false) and the "
+            "checkpoint stores no lm_head.weight: set tie_word_embeddings to true if the model "
+            "shares its embedding as its output layer (as Qwen3-0.6B does)"
+        )
+    stored = {int(k.split(".")[2]) for k in placed if k.startswith("model.layers.")}
+    wanted = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.")}
+    if stored and wanted and min(wanted) > max(stored):  # whole layers past the stored ones
+        hints.append(
+            f"the checkpoint stores layers 0-{max(stored)} and config.json's "
+            f"num_hidden_layers asks for {config.n_layers}: check num_hidden_layers"
+        )
     return EngineUserError(
         f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
-        + (
-            f"; {INDEX_FILE} names {len(files)} weight files, and {len(unread)} more here "
-            f"are not read ({unread[:3]}): list every tensor in its weight_map"
-            if unread
-            else ""
-        )
-        + (
-            f"; config.json ties the embeddings (tie_word_embeddings) and the checkpoint "
-            f"stores them as lm_head.weight only: store them as {EMBED} (save_pretrained "
-            "does)"
-            if tied
-            else ""
-        )
+        + "".join(f"; {h}" for h in hints)
     )
 
 
