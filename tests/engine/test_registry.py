@@ -126,6 +126,44 @@ def test_spill_dir_is_removed_at_exit_without_close(tmp_path: Path) -> None:
     assert not spill_dir.exists()
 
 
+def test_a_killed_processes_spill_dir_is_removed_by_the_next_registry(tmp_path: Path) -> None:
+    """Found by a soak hunt: a server killed (SIGKILL) left its spill directory (148 MB at
+    rank 64 on tinker-sr/small, per crash) in the temp dir for good."""
+    import os
+    import tempfile
+
+    from tinker_sr.engine import spill
+
+    code = (
+        "import os, tempfile, torch\n"
+        f"tempfile.tempdir = {str(tmp_path)!r}\n"
+        "from tinker_sr.engine.registry import ModelRegistry, Sampler, snapshot\n"
+        "from tinker_sr.engine.lora import LoraSpec\n"
+        "reg = ModelRegistry({}, sampler_dtype=torch.float32, adapter_budget_bytes=0)\n"
+        "spec = LoraSpec(rank=4, seed=0)\n"
+        "model, _ = reg.new_trainable('tinker-sr/tiny', spec)\n"
+        "s = Sampler('p', 's', 'tinker-sr/tiny', 'tinker-sr/tiny', spec, None)\n"
+        "reg.register_sampler(s, snapshot(model))\n"
+        "print(next(iter(reg._spilled.values())).parent, flush=True)\n"
+        "os._exit(9)  # as a kill: no finalizer, no atexit\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    killed = Path(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 9 and killed.exists() and killed.parent == tmp_path, out.stderr
+    live = spill.SpillDir(str(tmp_path))  # this process's: locked, never swept
+    for d in (killed, live.path):
+        os.utime(d, (0, 0))  # older than the minute a new directory is spared
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path)
+    try:
+        _registry()  # a new registry (a restarted server) sweeps at start
+    finally:
+        tempfile.tempdir = saved
+    assert not killed.exists() and live.path.exists()
+    live.close()
+    assert not live.path.exists()
+
+
 @pytest.mark.parametrize("name", [123, None, ""])
 def test_base_model_of_the_wrong_type_is_a_user_error_naming_the_field(name: object) -> None:
     with pytest.raises(EngineUserError, match="base_model must be a non-empty string"):

@@ -31,8 +31,6 @@ import functools
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -61,6 +59,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
+from tinker_sr.engine.spill import SpillDir, sweep_orphans
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -243,7 +242,8 @@ class ModelRegistry:
         # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
-        self._spill_dir: Path | None = None
+        self._spill_dir: SpillDir | None = None
+        sweep_orphans()  # a killed process's spilled adapters (`engine.spill`)
         self._spill_names = itertools.count()  # never reused (an id() of a freed dict is)
         # Merged sampling weights, LRU order, with their size in bytes.
         self._merged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
@@ -423,7 +423,7 @@ class ModelRegistry:
         for session_id in {x.session_id for x in held}:
             self.release_session(session_id)
         if self._spill_dir is not None:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
+            self._spill_dir.close()
             self._spill_dir = None
 
     # ---- samplers ---------------------------------------------------------------------
@@ -632,12 +632,13 @@ class ModelRegistry:
         self._spill_adapters_over_budget(keep=sampler_id)
         return adapters
 
-    def _new_spill_dir(self) -> Path:
+    def _new_spill_dir(self) -> SpillDir:
         """A temp dir removed when the registry is collected or the interpreter exits, so a
-        process that never calls `close` (a script leaving its ServiceClient) leaves no files."""
-        path = Path(tempfile.mkdtemp(prefix="tinker-sr-adapters-"))
-        weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
-        return path
+        process that never calls `close` (a script leaving its ServiceClient) leaves no files;
+        a killed process's is removed by the next one's (`engine.spill`)."""
+        spill = SpillDir()
+        weakref.finalize(self, spill.close)
+        return spill
 
     def _spill_adapters_over_budget(self, keep: str | None = None) -> None:
         """Write the least recently used sampler adapters to files until the rest fit."""
@@ -650,7 +651,7 @@ class ModelRegistry:
             adapters = self._adapters.pop(sampler_id)
             if self._spill_dir is None:
                 self._spill_dir = self._new_spill_dir()
-            path = self._spill_dir / f"{next(self._spill_names)}.st"
+            path = self._spill_dir.path / f"{next(self._spill_names)}.st"
             save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
             self._spilled[sampler_id] = path
             total -= _nbytes(adapters)

@@ -60,6 +60,8 @@ CREATE TABLE IF NOT EXISTS futures (
     done_at REAL
 );
 CREATE INDEX IF NOT EXISTS futures_done ON futures(done_at);
+CREATE INDEX IF NOT EXISTS futures_pending ON futures(status) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 CREATE TABLE IF NOT EXISTS replies (
     owner TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -155,24 +157,21 @@ class ServerState:
 
     def fail_orphans(self) -> int:
         """Fail futures left pending by a previous process; returns how many."""
-        n = self._exec(
-            "UPDATE futures SET status=?, error=?, category=?, done_at=? WHERE status=?",
+        # One pass over the pending rows only (the partial index; a store keeps a day of
+        # futures, millions on a busy server): dedupe_key cleared so that a resubmission with
+        # the same seq_id runs instead of replaying the failure.
+        assert PENDING == "pending"  # the literal the partial index `futures_pending` names
+        return self._exec(
+            "UPDATE futures SET status=?, error=?, category=?, done_at=?, dedupe_key=NULL "
+            "WHERE status='pending'",
             (
                 FAILED,
                 "the server restarted before this request finished, so it was not executed "
                 "(or its result was lost); submit it again",
                 "server",
                 time.time(),
-                PENDING,
             ),
         )
-        # Let a resubmission with the same seq_id run instead of replaying the failure.
-        self._exec(
-            "UPDATE futures SET dedupe_key=NULL WHERE status=? AND category='server' "
-            "AND error LIKE 'the server restarted%'",
-            (FAILED,),
-        )
-        return n
 
     def prune(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
