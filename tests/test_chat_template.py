@@ -245,11 +245,19 @@ def test_a_transformers_5_directory_loads_under_transformers_4(
     tok = load_hf_tokenizer(root)
     assert isinstance(tok, FastTokenizer) and tok.encode("hello") == real(root).encode("hello")
 
+    config_template = json.loads((root / "tokenizer_config.json").read_text())["chat_template"]
+
     def before_4_47(*args: Any, **kwargs: Any) -> Any:
         loaded = real(*args, **kwargs)
-        loaded.chat_template = None  # chat_template.jinja not read
+        loaded.chat_template = config_template  # chat_template.jinja not read
         return loaded
 
+    from importlib import metadata
+
+    version = metadata.version
+    monkeypatch.setattr(
+        metadata, "version", lambda name: "4.46.3" if name == "transformers" else version(name)
+    )
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", before_4_47)
     assert load_hf_tokenizer(root).apply_chat_template(chat, tokenize=False) == "J:hi"
 

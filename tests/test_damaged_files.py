@@ -604,3 +604,12 @@ def test_missing_tensors_name_the_config_field_to_check(tmp_path: Path) -> None:
     (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
     with pytest.raises(EngineUserError, match="stores layers 0-1 and config.json's num_hidden_"):
         load_model_dir(deeper)
+    # Tensors missing because the index leaves a shard unread: that is the fix, not config.json.
+    sharded = make_tiny_hf_model_dir(tmp_path / "sharded", "llama", n_layers=4, sharded=True)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    last = max(index["weight_map"].values())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != last}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EngineUserError, match="more here are not read") as err:
+        load_model_dir(sharded)
+    assert "tie_word_embeddings" not in str(err.value) and "num_hidden" not in str(err.value)

@@ -601,8 +601,10 @@ def test_12_model_dir_flag_serves_a_directory_under_its_names(tmp_path: Path) ->
     bare = make_tiny_hf_model_dir(tmp_path / "bare", n_layers=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
-    with pytest.raises(SystemExit, match="--model-dir .*bare: .* has no tokenizer"):
+    with pytest.raises(SystemExit, match="--model-dir .*bare: .* holds no tokenizer files"):
         model_aliases_from_args(build_parser().parse_args(["serve", "--model-dir", str(bare)]))
+    allowed = ["serve", "--allow-no-tokenizer", "--model-dir", str(bare)]  # token ids only
+    assert model_aliases_from_args(build_parser().parse_args(allowed))["bare"] == str(bare)
 
 
 def test_12_model_dir_flag_serves_a_hub_name_from_the_local_cache(

@@ -160,6 +160,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="serve base_model NAME as TARGET, a built-in model, a local directory or a Hub "
         "name in the local Hugging Face cache (repeatable; also $TINKER_SR_MODEL_ALIASES)",
     )
+    s.add_argument(
+        "--allow-no-tokenizer",
+        action="store_true",
+        help="serve model directories that hold no tokenizer files (token ids in and out "
+        "only; the official SDK's get_tokenizer() would build an empty one). Default: refused "
+        "at start",
+    )
     for limit in fields(Limits):  # one flag per limit: tinker_sr/limits.py is the one place
         default = getattr(DEFAULT_LIMITS, limit.name)
         s.add_argument(
@@ -254,25 +261,29 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         raise SystemExit(f"tinker-sr serve: {e}") from None
 
 
-def _check_model_config(option: str, flag: str, path: str) -> None:
+def _check_model_config(option: str, flag: str, path: str, *, no_tokenizer_ok: bool) -> None:
     """Refuse at start a directory the engine would refuse at first use for its config.json,
     its weight files or their tensors' names, shapes and dtypes (headers only: no weight is
     read, so a damaged weight value is still found when the model loads)."""
     from tinker_sr.engine.hf import check_model_dir
-    from tinker_sr.hf_files import TOKENIZER_FILES
+    from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
     from tinker_sr.user_errors import EngineUserError
 
     try:
         check_model_dir(path, flag)
     except EngineUserError as e:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    # Files that describe a vocabulary (special tokens or a chat template alone do not).
+    vocabulary = TOKENIZER_FILE_NAMES - {"special_tokens_map.json", "added_tokens.json",
+                                         "chat_template.jinja"}  # fmt: skip
+    if not no_tokenizer_ok and not any(os.path.isfile(os.path.join(path, f)) for f in vocabulary):
         # The SDK's get_tokenizer() would build an empty tokenizer (every text -> []) from it.
         raise SystemExit(
-            f"tinker-sr serve: {option} {flag}: {path} has no tokenizer (neither "
-            f"{' nor '.join(TOKENIZER_FILES)}), so clients could not encode or decode text; "
-            "copy the model's tokenizer files there (transformers' tokenizer.save_pretrained() "
-            "writes them)"
+            f"tinker-sr serve: {option} {flag}: {path} holds no tokenizer files (such as "
+            "tokenizer.json, tokenizer_config.json, tokenizer.model), so clients could not "
+            "encode or decode text; copy the model's tokenizer files there (transformers' "
+            "tokenizer.save_pretrained() writes them), or pass --allow-no-tokenizer to serve "
+            "it for token ids only"
         )
 
 
@@ -328,9 +339,10 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
     from tinker_sr.model_aliases import ENV, env_aliases
 
     aliases: dict[str, str] = {}
+    no_tokenizer_ok = bool(getattr(args, "allow_no_tokenizer", False))
     for d in args.model_dir:
         path, from_cache = _model_dir("--model-dir", d)
-        _check_model_config("--model-dir", d, path)
+        _check_model_config("--model-dir", d, path, no_tokenizer_ok=no_tokenizer_ok)
         # A directory is served under its path and folder name too; a cached Hub name under
         # that name only (its folder is a commit hash).
         names = (d,) if from_cache else (d, path, os.path.basename(path.rstrip(os.sep)))
@@ -353,7 +365,9 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
         for name, target in entries.items():
             if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
                 path, _ = _model_dir(option, target, label=f"{name}={target}")
-                _check_model_config(option, f"{name}={target}", path)
+                _check_model_config(
+                    option, f"{name}={target}", path, no_tokenizer_ok=no_tokenizer_ok
+                )
     aliases.update(named)
     return aliases
 

@@ -37,10 +37,11 @@ CustomLossFnV1 = Callable[
     [list[types.Datum], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]
 ]
 
-LOAD_STATE_DEPRECATED = (
-    "TrainingClient.load_state*() is deprecated and will not be supported by future SDK "
-    "versions; create a new training client from the checkpoint with "
-    "ServiceClient.create_training_client_from_state() (or ..._with_optimizer())"
+LOAD_STATE_DEPRECATED = (  # the SDK's words, which a `pytest.warns(match=...)` may name
+    "DEPRECATED: TrainingClient.load_state*() is deprecated and will NOT be supported in "
+    "future tinker SDK versions. Migrate now: create a new training client from the "
+    "checkpoint with ServiceClient.create_training_client_from_state() or "
+    "ServiceClient.create_training_client_from_state_with_optimizer()."
 )
 _POISONED = (
     "A previous request failed; this TrainingClient is poisoned and cannot accept further requests."

@@ -260,7 +260,7 @@ def _missing(
             f"config.json ties the embeddings (tie_word_embeddings) and the checkpoint stores "
             f"them as lm_head.weight only: store them as {EMBED} (save_pretrained does)"
         )
-    if set(shapes) == {"lm_head.weight"} and EMBED in placed:
+    if not unread and set(shapes) == {"lm_head.weight"} and EMBED in placed:
         hints.append(
             "config.json does not tie the embeddings (tie_word_embeddings false) and the "
             "checkpoint stores no lm_head.weight: set tie_word_embeddings to true if the model "
@@ -268,7 +268,7 @@ def _missing(
         )
     stored = {int(k.split(".")[2]) for k in placed if k.startswith("model.layers.")}
     wanted = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.")}
-    if stored and wanted and min(wanted) > max(stored):  # whole layers past the stored ones
+    if not unread and stored and wanted and min(wanted) > max(stored):  # whole layers missing
         hints.append(
             f"the checkpoint stores layers 0-{max(stored)} and config.json's "
             f"num_hidden_layers asks for {config.n_layers}: check num_hidden_layers"

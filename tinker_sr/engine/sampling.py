@@ -399,9 +399,11 @@ def request_overflow(
     if not isinstance(wanted, int):
         return None
     problem = engine_sampler.context_overflow(n, wanted, context)
+    plain = n >= 1 and all(isinstance(c, types.EncodedTextChunk) for c in prompt.chunks)
     if problem is None and limits is not None and isinstance(num_samples, int) and wanted >= 1:
         try:  # as `_plan` checks it, where it would fail the accepted request's future
-            limits.check_sample_tokens(max(num_samples, 1), n, wanted)
+            if plain:  # else `_plan`'s own error (an image chunk, an empty prompt) comes first
+                limits.check_sample_tokens(max(num_samples, 1), n, wanted)
         except EngineUserError as e:
             return str(e)
     return problem

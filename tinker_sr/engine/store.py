@@ -365,8 +365,7 @@ class Store:
         20: the recent ones)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM training_runs ORDER BY created_at DESC, run_id DESC"
-                " LIMIT ? OFFSET ?",
+                "SELECT * FROM training_runs ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
             (total,) = self._db.execute("SELECT COUNT(*) FROM training_runs").fetchone()
@@ -416,7 +415,7 @@ class Store:
     ) -> tuple[list[CheckpointRow], int]:
         """Live checkpoints (of ``run_id``, or all), oldest first unless ``newest_first`` (the
         SDK's `list_user_checkpoints` order)."""
-        order = "created_at DESC, tinker_path DESC" if newest_first else "created_at, tinker_path"
+        order = "created_at DESC, rowid DESC" if newest_first else "created_at, tinker_path"
         live = "(expires_at IS NULL OR expires_at > ?)"
         where = f"WHERE {live}"
         args: list[object] = [time.time()]

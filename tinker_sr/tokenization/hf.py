@@ -303,7 +303,9 @@ def load_hf_tokenizer(root: Path) -> Any:
                 "); add the tokenizer's tokenizer.json (its class's save_pretrained writes it "
                 "where that code can run, or copy it from the model's release)"
             ) from e
-        if "tokenizer.json" in present:  # there, but this `tokenizers` cannot read it
+        # `tokenizers` raises a bare Exception ("data did not match any variant of untagged
+        # enum ModelWrapper at line 550 column 3") for a file it cannot read.
+        if "tokenizer.json" in present and type(e) is Exception:
             advice = (
                 f"If tokenizer.json is sound, it may be newer than the installed tokenizers "
                 f"{_version('tokenizers')} / transformers {_version('transformers')} read: "
@@ -352,10 +354,15 @@ def _load_tokenizer(root: Path) -> Any:
         if not (root / "tokenizer.json").is_file():
             raise
         return FastTokenizer(root)  # its tokenizer.json describes it: no class needed
-    jinja = root / "chat_template.jinja"  # read by transformers from 4.47 only
-    if getattr(tok, "chat_template", None) is None and jinja.is_file():
+    jinja = root / "chat_template.jinja"  # transformers reads it (and lets it win) from 4.47
+    if jinja.is_file() and _older_transformers((4, 47)):
         tok.chat_template = jinja.read_text(encoding="utf-8")
     return tok
+
+
+def _older_transformers(than: tuple[int, int]) -> bool:
+    parts = tuple(int(p) for p in _version("transformers").split(".")[:2] if p.isdigit())
+    return len(parts) == 2 and parts < than
 
 
 # The files a Hugging Face tokenizer may be read from (named in load errors).
