@@ -201,3 +201,29 @@ def test_adapters_on_base_sampler_never_reads_the_trainers_live_adapters() -> No
     assert tokens(model) != before  # the trainer moved
     assert tokens(sampling_model) == before
     assert tokens(registry.sampler("p").model) == before
+
+
+def test_listings_answer_while_a_training_step_runs(tmp_path: Path) -> None:
+    """Found by a hunt (a shared server): checkpoint and run listings ran on the engine's
+    worker, so they waited for any key's training step (15-20 s behind a large one). They
+    read the store on a thread of their own; writes (delete, TTL) keep the worker's order."""
+    busy, release = threading.Event(), threading.Event()
+
+    async def main() -> tuple[int, int, bool]:
+        backend = LocalBackend(tmp_path)
+        try:
+            model_id, _ = await _model_and_sampler(backend)
+            step = asyncio.ensure_future(
+                backend._run(lambda: (busy.set(), release.wait(DEADLOCK_GUARD_S))[1])
+            )
+            await asyncio.to_thread(busy.wait, 60)  # the worker is held, as by a long step
+            runs = await asyncio.wait_for(backend.list_training_runs(), 30)
+            checkpoints = await asyncio.wait_for(backend.list_user_checkpoints(), 30)
+            await asyncio.wait_for(backend.get_training_run(model_id), 30)
+            release.set()
+            return len(runs.training_runs), len(checkpoints.checkpoints), await step
+        finally:
+            release.set()
+            await backend.aclose()
+
+    assert asyncio.run(main()) == (1, 0, True)  # one run; its sampler weights are not listed

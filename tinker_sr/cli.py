@@ -266,24 +266,20 @@ def _check_model_config(option: str, flag: str, path: str, *, no_tokenizer_ok: b
     its weight files or their tensors' names, shapes and dtypes (headers only: no weight is
     read, so a damaged weight value is still found when the model loads)."""
     from tinker_sr.engine.hf import check_model_dir
-    from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
+    from tinker_sr.tokenization.hf import VOCABULARY_FILES, has_vocabulary
     from tinker_sr.user_errors import EngineUserError
 
     try:
         check_model_dir(path, flag)
     except EngineUserError as e:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
-    # Files that describe a vocabulary (special tokens or a chat template alone do not).
-    vocabulary = TOKENIZER_FILE_NAMES - {"special_tokens_map.json", "added_tokens.json",
-                                         "chat_template.jinja"}  # fmt: skip
-    if not no_tokenizer_ok and not any(os.path.isfile(os.path.join(path, f)) for f in vocabulary):
+    if not no_tokenizer_ok and not has_vocabulary(path):
         # The SDK's get_tokenizer() would build an empty tokenizer (every text -> []) from it.
         raise SystemExit(
-            f"tinker-sr serve: {option} {flag}: {path} holds no tokenizer files (such as "
-            "tokenizer.json, tokenizer_config.json, tokenizer.model), so clients could not "
-            "encode or decode text; copy the model's tokenizer files there (transformers' "
-            "tokenizer.save_pretrained() writes them), or pass --allow-no-tokenizer to serve "
-            "it for token ids only"
+            f"tinker-sr serve: {option} {flag}: {path} holds no tokenizer vocabulary (none of "
+            f"{', '.join(VOCABULARY_FILES)}), so clients could not encode or decode text; "
+            "copy the model's tokenizer files there (transformers' tokenizer.save_pretrained() "
+            "writes them), or pass --allow-no-tokenizer to serve it for token ids only"
         )
 
 

@@ -129,7 +129,6 @@ def test_spill_dir_is_removed_at_exit_without_close(tmp_path: Path) -> None:
 def test_a_killed_processes_spill_dir_is_removed_by_the_next_registry(tmp_path: Path) -> None:
     """Found by a soak hunt: a server killed (SIGKILL) left its spill directory (148 MB at
     rank 64 on tinker-sr/small, per crash) in the temp dir for good."""
-    import os
     import tempfile
 
     from tinker_sr.engine import spill
@@ -150,18 +149,19 @@ def test_a_killed_processes_spill_dir_is_removed_by_the_next_registry(tmp_path: 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     killed = Path(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 9 and killed.exists() and killed.parent == tmp_path, out.stderr
-    live = spill.SpillDir(str(tmp_path))  # this process's: locked, never swept
-    for d in (killed, live.path):
-        os.utime(d, (0, 0))  # older than the minute a new directory is spared
     saved = tempfile.tempdir
     tempfile.tempdir = str(tmp_path)
     try:
+        live = spill.SpillDir()  # this process's: locked, never swept
+        old = tmp_path / f"{spill.PREFIX}older-version"  # unmarked: cannot be told from live
+        old.mkdir()
+        (tmp_path / f"{spill.PREFIX}link").symlink_to(killed)  # a link is never followed
         _registry()  # a new registry (a restarted server) sweeps at start
     finally:
         tempfile.tempdir = saved
-    assert not killed.exists() and live.path.exists()
+    assert not killed.exists() and Path(live.path).exists() and old.exists()
     live.close()
-    assert not live.path.exists()
+    assert not Path(live.path).exists()
 
 
 @pytest.mark.parametrize("name", [123, None, ""])

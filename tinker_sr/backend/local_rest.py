@@ -66,6 +66,12 @@ class LocalRestQueries:
         `NotFoundError` / `BadRequestError`, not a failed future)."""
         return await self._run(fn, plain=True)
 
+    async def _read(self, fn: Callable[[], T]) -> T:
+        """A read-only query, on a thread of its own (the store is thread-safe), as a plain
+        call. On the engine's worker a listing waited for whatever training step ran, any
+        session's: 15-20 s behind another key's large step on a shared server (a hunt)."""
+        return await mapped(asyncio.to_thread(fn), self.store_dir, plain=True)
+
     # ---- sessions -----------------------------------------------------------------------
     async def list_sessions(
         self, *, limit: int = 20, offset: int = 0
@@ -76,7 +82,7 @@ class LocalRestQueries:
             validation.check_paging(limit, offset, "list_sessions")
             return self.store.list_sessions(limit=limit, offset=offset)
 
-        ids = await self._query(work)
+        ids = await self._read(work)
         return types.ListSessionsResponse(sessions=ids)
 
     async def get_session(self, session_id: str) -> types.GetSessionResponse:
@@ -93,7 +99,7 @@ class LocalRestQueries:
                 display_name=info.display_name,
             )
 
-        return await self._query(work)
+        return await self._read(work)
 
     # Hosted-service endpoints the embedded engine does not offer: refused as `tinker-sr serve`
     # refuses them (400), so code written against the hosted service fails the same way here.
@@ -109,8 +115,8 @@ class LocalRestQueries:
         raise _not_offered(f"sessions/{session_id}/trace_export")
 
     # ---- usage (engine.usage) -------------------------------------------------------------
-    # Read on a thread of their own, not the engine's worker: a look at usage does not wait
-    # for a training step.
+    # Read on a thread of their own (`_read`), not the engine's worker: a look at usage does
+    # not wait for a training step.
     async def get_billing_usage(
         self,
         starting_on: datetime | str,
@@ -128,7 +134,7 @@ class LocalRestQueries:
             attributes = self.store.session_attributes({r.session_id for r in rows})
             return usage.billing_response(rows, attributes, self.rate_card)
 
-        return await mapped(asyncio.to_thread(work), self.store_dir, plain=True)
+        return await self._read(work)
 
     async def get_current_checkpoint_storage_usage(
         self, project_id: str | None = None, *, sessions: Collection[str] | None = None
@@ -140,11 +146,11 @@ class LocalRestQueries:
             mine = [c for c in live if usage.only(sessions, c[0])]
             return usage.storage_response(mine, self.rate_card, project_id)
 
-        return await mapped(asyncio.to_thread(work), self.store_dir, plain=True)
+        return await self._read(work)
 
     # ---- checkpoints and training runs ----------------------------------------------------
     async def list_checkpoints(self, training_run_id: str) -> types.CheckpointsListResponse:
-        return await self._query(lambda: self.checkpoints.list_run(training_run_id))
+        return await self._read(lambda: self.checkpoints.list_run(training_run_id))
 
     async def list_user_checkpoints(
         self, *, limit: int = 100, offset: int = 0
@@ -153,10 +159,10 @@ class LocalRestQueries:
             validation.check_paging(limit, offset, "list_user_checkpoints")
             return self.checkpoints.list_all(limit=limit, offset=offset)
 
-        return await self._query(work)
+        return await self._read(work)
 
     async def get_training_run(self, training_run_id: str) -> types.TrainingRun:
-        return await self._query(lambda: self.checkpoints.training_run(training_run_id))
+        return await self._read(lambda: self.checkpoints.training_run(training_run_id))
 
     async def list_training_runs(
         self, *, limit: int = 20, offset: int = 0
@@ -165,7 +171,7 @@ class LocalRestQueries:
             validation.check_paging(limit, offset, "list_training_runs")
             return self.checkpoints.training_runs(limit=limit, offset=offset)
 
-        return await self._query(work)
+        return await self._read(work)
 
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
         await self._query(lambda: self.checkpoints.delete(training_run_id, checkpoint_id))
@@ -174,7 +180,7 @@ class LocalRestQueries:
         await self._query(lambda: self.checkpoints.set_ttl(tinker_path, ttl_seconds))
 
     async def get_checkpoint(self, tinker_path: str) -> types.Checkpoint:
-        return await self._query(
+        return await self._read(
             lambda: self.checkpoints.checkpoint(self.checkpoints.live(tinker_path))
         )
 
@@ -183,7 +189,7 @@ class LocalRestQueries:
         return self.checkpoints.info(tinker_path)
 
     async def get_weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
-        return await self._query(lambda: self.checkpoints.weights_info(tinker_path))
+        return await self._read(lambda: self.checkpoints.weights_info(tinker_path))
 
     async def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
         await self._query(lambda: self.checkpoints.set_public(tinker_path, public))

@@ -59,7 +59,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
-from tinker_sr.engine.spill import SpillDir, sweep_orphans
+from tinker_sr.engine.spill import SpillDir, sweep_once
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
@@ -243,7 +243,7 @@ class ModelRegistry:
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
         self._spill_dir: SpillDir | None = None
-        sweep_orphans()  # a killed process's spilled adapters (`engine.spill`)
+        sweep_once()  # a killed process's spilled adapters (`engine.spill`)
         self._spill_names = itertools.count()  # never reused (an id() of a freed dict is)
         # Merged sampling weights, LRU order, with their size in bytes.
         self._merged: OrderedDict[str, tuple[Transformer, int]] = OrderedDict()
@@ -648,11 +648,15 @@ class ModelRegistry:
                 break
             if sampler_id == keep:
                 continue
-            adapters = self._adapters.pop(sampler_id)
-            if self._spill_dir is None:
+            if self._spill_dir is None:  # before the pop: a failure here loses nothing
                 self._spill_dir = self._new_spill_dir()
-            path = self._spill_dir.path / f"{next(self._spill_names)}.st"
-            save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
+            adapters = self._adapters.pop(sampler_id)
+            path = Path(self._spill_dir.path) / f"{next(self._spill_names)}.st"
+            try:
+                save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
+            except BaseException:  # a full disk: kept in memory, over budget
+                self._adapters[sampler_id] = adapters
+                raise
             self._spilled[sampler_id] = path
             total -= _nbytes(adapters)
 

@@ -3,7 +3,8 @@
 
 Each loop: admit queued requests (check them, compute their prompt extras, prefill, or copy
 the prefill of the same prompt on the same model from `engine.prompt_cache`) in arrival order,
-sessions taking turns (`DecodeScheduler._next_job`), while the active rows stay within
+sessions taking turns (`DecodeScheduler._next_job`; other sessions' requests that fit join
+beside one that does not yet: `_backfill`), while the active rows stay within
 ``max_rows`` and their KV caches within ``$TINKER_SR_DECODE_CACHE_MB``; then one decode step
 per model for all active requests of that model (`engine.batching.decode_step`: rows of many
 requests in one step); then retire finished requests (record, respond). A row that stops
@@ -78,6 +79,7 @@ class _Job:
     progress: Progress | None = None
     tenant: str = ""  # whose request (a session): see `DecodeScheduler._next_job`
     epoch: int = 0  # barriers submitted before it (it starts after they have)
+    backfill: bool = False  # admitted beside a request whose turn it was (`_backfill`)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Active:
     finish: Finish
     future: Future[Any]
     progress: Progress | None = None
+    backfill: bool = False
 
     def report(self) -> None:
         """Tell ``progress`` where the request stands; its failure is never the request's."""
@@ -213,15 +216,40 @@ class DecodeScheduler:
                     out.append(job)
                 break
             if busy and rows + job.rows > self.max_rows:
+                out += self._backfill(job, rows)
                 break
-            jobs = self._queues[job.tenant]
-            jobs.popleft()
-            if jobs:  # its turn taken: the other tenants' come first
-                self._queues.move_to_end(job.tenant)
-            else:
-                del self._queues[job.tenant]
+            self._take(job)
             out.append(job)
             rows += job.rows
+        return out
+
+    def _take(self, job: _Job) -> None:
+        jobs = self._queues[job.tenant]
+        jobs.popleft()
+        if jobs:  # its turn taken: the other tenants' come first
+            self._queues.move_to_end(job.tenant)
+        else:
+            del self._queues[job.tenant]
+
+    def _backfill(self, waiting: _Job, rows: int) -> list[_Job]:
+        """Other sessions' next requests that fit beside the rows decoding now while
+        ``waiting`` (whose turn it is) does not. Backfilled rows stay within what ``waiting``
+        leaves of ``max_rows``, so it fits as soon as the rest has finished: it is never
+        starved. Before: one session's request too large to join held every other session's
+        small ones behind it, however many rows were free."""
+        room = self.max_rows - waiting.rows
+        room -= sum(len(a.group.active) for a in self._active if a.backfill)
+        out = []
+        for tenant, jobs in list(self._queues.items()):
+            job = jobs[0] if jobs and tenant != waiting.tenant else None
+            if job is None or job.epoch != self._barriers_started or job.future.cancelled():
+                continue
+            if job.rows <= room and rows + job.rows <= self.max_rows:
+                self._take(job)
+                job.backfill = True
+                out.append(job)
+                rows += job.rows
+                room -= job.rows
         return out
 
     def _next_job(self) -> _Job | None:
@@ -256,7 +284,7 @@ class DecodeScheduler:
         if begun is None:
             _settle(job.future, None)
             return
-        self._ready.append(_Active(*begun, job.future, job.progress))
+        self._ready.append(_Active(*begun, job.future, job.progress, job.backfill))
         self._admit_ready()
 
     def _admit_ready(self) -> None:

@@ -4,9 +4,10 @@ A registry spills the adapters of samplers beyond its in-memory budget to files 
 directory, removed when the registry is closed or collected. A process killed (SIGKILL, the
 OOM killer, a lost container) runs neither, and its directory (up to sessions x 64 adapters,
 about 1 GB a session at rank 64 on `tinker-sr/small`) stayed in the temp dir for good. Each
-directory now holds a lock file its process keeps locked (`fcntl.flock`, released by the
-kernel when the process dies, whatever the pid namespace); a new directory sweeps those whose
-lock can be taken. Without `fcntl` (Windows) nothing is swept.
+directory is now locked by its process (`fcntl.flock` on the directory itself, released by the
+kernel when the process dies, whatever the pid namespace); the first registry of a process
+sweeps the directories of this user whose lock can be taken. Where locks are unavailable
+(Windows; a filesystem without flock) directories are made unlocked, and never swept.
 """
 
 from __future__ import annotations
@@ -14,64 +15,97 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import tempfile
-import time
-from pathlib import Path
+import threading
 
 try:
     import fcntl
 except ImportError:  # Windows: no sweeping
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["PREFIX", "SpillDir", "sweep_orphans"]
+__all__ = ["PREFIX", "SpillDir", "sweep_orphans", "sweep_once"]
 
 PREFIX = "tinker-sr-adapters-"
-_LOCK = ".owner.lock"
-_YOUNG_S = 60.0  # a directory this recent is left alone (its lock may not be taken yet)
+_MARK = ".locked"  # made once the directory is locked: directories without it are not swept
 log = logging.getLogger("tinker_sr.engine")
+_swept: set[str] = set()  # temp dirs this process has swept (`sweep_once`)
+_swept_lock = threading.Lock()
+
+
+def _lock(fd: int) -> bool:
+    """Take ``fd``'s exclusive lock without waiting; False where it is held or unsupported."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 
 
 class SpillDir:
-    """A fresh temporary directory, locked by this process until `close` (idempotent)."""
+    """A fresh temporary directory, locked by this process until `close` (idempotent; in a
+    forked child, which inherits the lock, `close` leaves the directory to its creator)."""
 
-    def __init__(self, root: str | None = None) -> None:
-        sweep_orphans(root)
-        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=root))
-        self._fd: int | None = None
-        if fcntl is not None:
-            self._fd = os.open(self.path / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix=PREFIX)
+        self._pid = os.getpid()
+        self._fd: int | None = os.open(self.path, os.O_RDONLY)
+        if _lock(self._fd):  # the mark comes after the lock: a marked directory is locked
+            with open(os.path.join(self.path, _MARK), "x"):
+                pass
+        else:  # no flock here: unlocked and unmarked, as before, and never swept
+            log.debug("spill dir %s: no lock (flock unsupported)", self.path)
 
     def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if os.getpid() == self._pid:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
-def sweep_orphans(root: str | None = None) -> int:
-    """Remove the spill directories under ``root`` (default: the temp dir) whose process is
-    gone (their lock can be taken); returns how many. Directories without a lock file (an
-    older tinker_sr's) or younger than a minute (one being created) are left alone."""
+def sweep_once() -> None:
+    """`sweep_orphans` in the temp dir, once per process and temp dir (cheap thereafter)."""
+    root = tempfile.gettempdir()
+    with _swept_lock:
+        if root in _swept:
+            return
+        _swept.add(root)
+    sweep_orphans(root)
+
+
+def sweep_orphans(root: str) -> int:
+    """Remove the spill directories under ``root`` of this user whose process is gone (marked
+    as locked, and their lock can be taken); returns how many. Unmarked ones (an older
+    tinker_sr's, or one made where flock is unsupported) cannot be told from live ones: they
+    stay."""
     if fcntl is None:
         return 0
     removed = 0
-    now = time.time()
-    for d in Path(root or tempfile.gettempdir()).glob(PREFIX + "*"):
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(root, name)
         try:
-            if now - d.stat().st_mtime < _YOUNG_S:  # perhaps made but not yet locked
-                continue
-            fd = os.open(d / _LOCK, os.O_RDWR)
-        except OSError:  # no lock file, or not ours to open
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue  # a link, a file or another user's: never followed, never removed
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its process is alive
+            marked = stat.S_ISREG(os.lstat(os.path.join(path, _MARK)).st_mode)
+            if marked and _lock(fd):  # marked, so locked by its maker: who is gone
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        except OSError:  # no mark: an older tinker_sr's, or one not locked
+            pass
+        finally:
             os.close(fd)
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        os.close(fd)
-        removed += 1
     if removed:
         log.info("removed %d spill directories of processes that ended without cleanup", removed)
     return removed

@@ -415,7 +415,7 @@ class Store:
     ) -> tuple[list[CheckpointRow], int]:
         """Live checkpoints (of ``run_id``, or all), oldest first unless ``newest_first`` (the
         SDK's `list_user_checkpoints` order)."""
-        order = "created_at DESC, rowid DESC" if newest_first else "created_at, tinker_path"
+        order = "created_at DESC, rowid DESC" if newest_first else "created_at, rowid"
         live = "(expires_at IS NULL OR expires_at > ?)"
         where = f"WHERE {live}"
         args: list[object] = [time.time()]

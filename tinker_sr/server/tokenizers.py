@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from tinker_sr.backend.base import Backend
-from tinker_sr.hf_files import TOKENIZER_FILES
+from tinker_sr.tokenization.hf import has_vocabulary
 from tinker_sr.types import GetInfoResponse
 
 
@@ -42,9 +42,8 @@ class TokenizerIds:
         except Exception:
             return None
         if os.path.isdir(resolved):
-            has_tokenizer = any((Path(resolved) / f).exists() for f in TOKENIZER_FILES)
             # A ':' in it is fine: the SDK cuts the model name at one, not the tokenizer id.
-            return resolved if has_tokenizer else None
+            return resolved if has_vocabulary(resolved) else None
         return self._byte_tokenizer()  # a built-in model: byte-level tokenizer
 
     def _byte_tokenizer(self) -> str:

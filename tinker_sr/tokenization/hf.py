@@ -365,6 +365,15 @@ def _older_transformers(than: tuple[int, int]) -> bool:
     return len(parts) == 2 and parts < than
 
 
+# Files that hold a tokenizer's vocabulary: a directory without any has no tokenizer (however
+# many configs, special-token maps or templates it holds: transformers 5 builds an empty one).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def has_vocabulary(root: str | Path) -> bool:
+    return any((Path(root) / name).is_file() for name in VOCABULARY_FILES)
+
+
 # The files a Hugging Face tokenizer may be read from (named in load errors).
 TOKENIZER_FILE_NAMES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
