@@ -41,6 +41,7 @@ class LocalRestQueries:
     models: ModelRegistry
     rate_card: usage.RateCard | None
     store_dir: Path
+    _closed: bool
 
     async def _run(self, fn: Callable[[], T], *, plain: bool = False) -> T:  # LocalBackend's
         raise NotImplementedError
@@ -70,6 +71,8 @@ class LocalRestQueries:
         """A read-only query, on a thread of its own (the store is thread-safe), as a plain
         call. On the engine's worker a listing waited for whatever training step ran, any
         session's: 15-20 s behind another key's large step on a shared server (a hunt)."""
+        if self._closed:  # as `_run`: the store is closed
+            raise RuntimeError("LocalBackend is closed")
         return await mapped(asyncio.to_thread(fn), self.store_dir, plain=True)
 
     # ---- sessions -----------------------------------------------------------------------

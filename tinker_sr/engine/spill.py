@@ -51,8 +51,9 @@ class SpillDir:
     def __init__(self) -> None:
         self.path = tempfile.mkdtemp(prefix=PREFIX)
         self._pid = os.getpid()
-        self._fd: int | None = os.open(self.path, os.O_RDONLY)
-        if _lock(self._fd):  # the mark comes after the lock: a marked directory is locked
+        # (Windows opens no directory: there it stays unlocked.)
+        self._fd: int | None = os.open(self.path, os.O_RDONLY) if fcntl is not None else None
+        if self._fd is not None and _lock(self._fd):  # the mark after the lock: marked = locked
             with open(os.path.join(self.path, _MARK), "x"):
                 pass
         else:  # no flock here: unlocked and unmarked, as before, and never swept
