@@ -164,6 +164,27 @@ def test_a_killed_processes_spill_dir_is_removed_by_the_next_registry(tmp_path: 
     assert not Path(live.path).exists()
 
 
+def test_a_spill_that_fails_keeps_the_adapters_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while spilling: the sampler is registered and samples as it would from a
+    file, its adapters kept in memory over budget (review); no partial file stays."""
+    from tinker_sr.engine import registry as registry_module
+
+    def disk_full(tensors: object, path: str) -> None:
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    reg = _registry(adapter_budget_bytes=0)
+    adapters = _perturbed(_trainer(reg, "t"), 0.05)
+    monkeypatch.setattr(registry_module, "save_file", disk_full)
+    reg.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)
+    assert reg.stats()["adapters_spilled"] == 0
+    assert reg._spill_dir is not None and not list(Path(reg._spill_dir.path).glob("*.st"))
+    monkeypatch.undo()
+    spilled = _registry(adapter_budget_bytes=0)
+    spilled.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)
+    assert _tokens(reg.sampler("p").model) == _tokens(spilled.sampler("p").model)
+
+
 @pytest.mark.parametrize("name", [123, None, ""])
 def test_base_model_of_the_wrong_type_is_a_user_error_naming_the_field(name: object) -> None:
     with pytest.raises(EngineUserError, match="base_model must be a non-empty string"):

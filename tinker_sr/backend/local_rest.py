@@ -73,7 +73,12 @@ class LocalRestQueries:
         session's: 15-20 s behind another key's large step on a shared server (a hunt)."""
         if self._closed:  # as `_run`: the store is closed
             raise RuntimeError("LocalBackend is closed")
-        return await mapped(asyncio.to_thread(fn), self.store_dir, plain=True)
+        try:
+            return await mapped(asyncio.to_thread(fn), self.store_dir, plain=True)
+        except Exception:
+            if self._closed:  # closed while it read (a closed database's error)
+                raise RuntimeError("LocalBackend is closed") from None
+            raise
 
     # ---- sessions -----------------------------------------------------------------------
     async def list_sessions(

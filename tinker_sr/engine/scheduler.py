@@ -237,6 +237,8 @@ class DecodeScheduler:
         leaves of ``max_rows``, so it fits as soon as the rest has finished: it is never
         starved. Before: one session's request too large to join held every other session's
         small ones behind it, however many rows were free."""
+        if 2 * sum(a.group.cache_bytes for a in self._active) > self.cache_budget:
+            return []  # a KV cache to wait for: one that joins could hold ``waiting`` longer
         room = self.max_rows - waiting.rows
         room -= sum(len(a.group.active) for a in self._active if a.backfill)
         out = []

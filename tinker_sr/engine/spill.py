@@ -54,8 +54,12 @@ class SpillDir:
         # (Windows opens no directory: there it stays unlocked.)
         self._fd: int | None = os.open(self.path, os.O_RDONLY) if fcntl is not None else None
         if self._fd is not None and _lock(self._fd):  # the mark after the lock: marked = locked
-            with open(os.path.join(self.path, _MARK), "x"):
-                pass
+            try:
+                with open(os.path.join(self.path, _MARK), "x"):
+                    pass
+            except OSError:  # out of inodes, say: no directory left behind, locked or not
+                self.close()
+                raise
         else:  # no flock here: unlocked and unmarked, as before, and never swept
             log.debug("spill dir %s: no lock (flock unsupported)", self.path)
 
