@@ -122,6 +122,23 @@ def not_found_hint(name: str) -> str:
     )
 
 
+def installed_version(package: str) -> str | None:
+    """``package``'s installed version, or None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_below(package: str, than: tuple[int, int]) -> bool | None:
+    """Is the installed ``package`` older than major.minor ``than``? None where it is not
+    installed or its version does not start with two numbers ("5.2rc0")."""
+    parts = tuple(int(p) for p in (installed_version(package) or "").split(".")[:2] if p.isdigit())
+    return parts < than if len(parts) == 2 else None
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -409,19 +409,14 @@ MIN_TRANSFORMERS = (5, 2)
 def _check_transformers() -> None:
     """ImportError naming the installed and the needed version (before: an ImportError of one
     of Qwen3.5's classes, whatever family was asked for)."""
-    from importlib import metadata
+    from tinker_sr.hf_files import installed_version, version_below
 
-    try:
-        installed = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        installed = None
-    parts = tuple(int(p) for p in (installed or "0").split(".")[:2] if p.isdigit())
-    if parts < MIN_TRANSFORMERS:
+    if version_below("transformers", MIN_TRANSFORMERS) is not False:  # None: not installed
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(
             f"tinker_sr.testing.hf_model_dir needs transformers >= {need} (installed: "
-            f"{installed or 'none'}): pip install -U 'transformers>={need}' (or tinker_sr's "
-            "dev extra)"
+            f"{installed_version('transformers') or 'none'}): pip install -U "
+            f"'transformers>={need}' (or tinker_sr's dev extra)"
         )
 
 

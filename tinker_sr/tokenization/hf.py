@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinker_sr.hf_files import eos_token_ids, model_config, read_json
+from tinker_sr.hf_files import (
+    eos_token_ids,
+    installed_version,
+    model_config,
+    read_json,
+    version_below,
+)
 from tinker_sr.tokenization.byte import ByteTokenizer, _bytes_to_unicode
 from tinker_sr.tokenization.chat_template import apply
 from tinker_sr.user_errors import EngineUserError, clip_message
@@ -308,7 +314,8 @@ def load_hf_tokenizer(root: Path) -> Any:
         if "tokenizer.json" in present and type(e) is Exception:
             advice = (
                 f"If tokenizer.json is sound, it may be newer than the installed tokenizers "
-                f"{_version('tokenizers')} / transformers {_version('transformers')} read: "
+                f"{installed_version('tokenizers') or '(not installed)'} / transformers "
+                f"{installed_version('transformers') or '(not installed)'} read: "
                 "pip install -U tokenizers transformers"
             )
         else:
@@ -323,15 +330,6 @@ def load_hf_tokenizer(root: Path) -> Any:
             f"{clip_message(' '.join(str(e).split()), 600)}). Tokenizer files "
             f"there: {present or 'none'}. {advice}"
         ) from e
-
-
-def _version(package: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 # transformers' ValueErrors for a tokenizer class it will not build: one in the directory's own
@@ -355,14 +353,9 @@ def _load_tokenizer(root: Path) -> Any:
             raise
         return FastTokenizer(root)  # its tokenizer.json describes it: no class needed
     jinja = root / "chat_template.jinja"  # transformers reads it (and lets it win) from 4.47
-    if jinja.is_file() and _older_transformers((4, 47)):
+    if jinja.is_file() and version_below("transformers", (4, 47)):
         tok.chat_template = jinja.read_text(encoding="utf-8")
     return tok
-
-
-def _older_transformers(than: tuple[int, int]) -> bool:
-    parts = tuple(int(p) for p in _version("transformers").split(".")[:2] if p.isdigit())
-    return len(parts) == 2 and parts < than
 
 
 # Files that hold a tokenizer's vocabulary: a directory without any has no tokenizer (however
