@@ -155,6 +155,8 @@ class WireTransport:
         self._config: dict[str, Any] | None = None
         self._config_lock: asyncio.Lock | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
+        self._sample_cancel = False  # the server takes cancel_future (dynamic_config)
+        self._cancels: set[asyncio.Task[None]] = set()  # cancel_future posts in flight
         self._closed = False
         self._sleep = asyncio.sleep  # tests replace it to observe backoff without waiting
 
@@ -302,7 +304,7 @@ class WireTransport:
                     resp, config, "client/config must return an object"
                 )
             # dynamic_config is optional (404 = defaults); only the flags matter to us.
-            await self._request(
+            flags = await self._request(
                 "POST",
                 "/api/v1/client/dynamic_config",
                 json=body,
@@ -310,6 +312,7 @@ class WireTransport:
                 max_retries=0,
                 expect_error=frozenset({404}),
             )
+            self._sample_cancel = flags.status_code == 200 and _flag(flags, "sample_cancel_enabled")
             self._config = config
 
     # ---- futures ------------------------------------------------------------------------------
@@ -341,7 +344,30 @@ class WireTransport:
         self, promise: dict[str, Any], request_type: str, *, want_proto: bool
     ) -> tuple[httpx.Response, Any]:
         """Poll ``retrieve_future`` until the result is in. Returns ``(response, body)``:
-        raw bytes for a protobuf result, the decoded object for a JSON one."""
+        raw bytes for a protobuf result, the decoded object for a JSON one. A sample request
+        abandoned (its task cancelled: a timeout, a cancelled future) is cancelled on the
+        server too where it says it takes that (``sample_cancel_enabled``), as the SDK does."""
+        try:
+            return await self._poll(promise, request_type, want_proto=want_proto)
+        except asyncio.CancelledError:
+            if request_type == "Sample" and self._sample_cancel:
+                self._send_cancel(promise["request_id"])
+            raise
+
+    def _send_cancel(self, rid: str) -> None:
+        async def send() -> None:
+            with contextlib.suppress(Exception):  # best effort: the server's heartbeat
+                await self._request(  # check stops abandoned work anyway
+                    "POST", "/api/v1/cancel_future", json={"request_id": rid}, max_retries=2
+                )
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _poll(
+        self, promise: dict[str, Any], request_type: str, *, want_proto: bool
+    ) -> tuple[httpx.Response, Any]:
         rid = promise["request_id"]
         accept = PROTOBUF if want_proto else "application/json"
         iteration, backoff, bad_requests, server_errors = 0, 1.0, 0, 0
@@ -466,6 +492,15 @@ class WireTransport:
         if client is not None:
             with contextlib.suppress(RuntimeError):  # its loop may already be gone
                 await client.aclose()
+
+
+def _flag(resp: httpx.Response, name: str) -> bool:
+    """Whether JSON object ``resp`` sets ``name`` to true (anything unreadable: no)."""
+    try:
+        flags = resp.json()
+    except ValueError:
+        return False
+    return isinstance(flags, dict) and flags.get(name) is True
 
 
 def _non_finite(body: Any, where: str = "") -> tuple[str, float] | None:

@@ -66,6 +66,9 @@ DEFAULT_MAX_PENDING_SAMPLES = 64
 (the SDK waits, throttles and resubmits the same seq_id, spec §8.3)."""
 DEFAULT_SESSION_TIMEOUT_S = 600.0
 """A session with no heartbeat or request for this long is finished as "interrupted"."""
+DEFAULT_SAMPLE_ABANDON_S = 120.0
+"""A session's sample requests are cancelled once it has had no heartbeat or request for this
+long (the SDK heartbeats every 10 s and warns after 120 s without one)."""
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
@@ -96,6 +99,7 @@ class TinkerServer:
         seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
         max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
         session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+        sample_abandon_s: float | None = DEFAULT_SAMPLE_ABANDON_S,
         features: ServerFeatures | None = None,
         file_download_urls: bool = False,
         logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
@@ -121,7 +125,9 @@ class TinkerServer:
             max_pending_samples=max_pending_samples,
         )
         self.seqs = SeqWatcher(self.state, backend, self.background, seq_gap_grace_s)
-        self.sessions = Sessions(self.state, backend, session_timeout_s)
+        self.sessions = Sessions(
+            self.state, backend, session_timeout_s, self.futures, sample_abandon_s
+        )
         self.tokenizers = TokenizerIds(backend, store_dir)
         self.signer = downloads.UrlSigner(downloads.load_key(store_dir))
         self.oai = oai.OaiSamplers(self)
@@ -141,12 +147,14 @@ class TinkerServer:
 
     async def _prune_periodically(self) -> None:
         tick = _PRUNE_EVERY_S
-        if self.sessions.timeout_s is not None:
-            tick = min(tick, max(self.sessions.timeout_s / 4, 0.01))
+        for quiet in (self.sessions.timeout_s, self.sessions.sample_abandon_s):
+            if quiet is not None:
+                tick = min(tick, max(quiet / 4, 0.01))
         last_prune = time.monotonic()
         while True:
             await asyncio.sleep(tick)
             try:
+                self.sessions.stop_abandoned_samples()
                 await self.sessions.expire_quiet()
             except Exception:
                 log.exception("expiring quiet sessions failed")
@@ -274,6 +282,7 @@ class TinkerServer:
             Route(v + "/samplers/{sampler_id}", e(sampling.get_sampler), methods=["GET"]),
             Route(v + "/asample", e(sampling.asample), methods=post),
             Route(v + "/retrieve_future", e(session.retrieve_future), methods=post),
+            Route(v + "/cancel_future", e(session.cancel_future), methods=post),
             Route(v + "/get_server_capabilities", e(rest.capabilities), methods=["GET"]),
             Route(v + "/weights_info", e(rest.weights_info), methods=post),
             Route(v + "/copy_weights", e(rest.copy_weights), methods=post),
@@ -326,6 +335,7 @@ def create_app(
     seq_gap_grace_s: float = DEFAULT_SEQ_GAP_GRACE_S,
     max_pending_samples: int = DEFAULT_MAX_PENDING_SAMPLES,
     session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+    sample_abandon_s: float | None = DEFAULT_SAMPLE_ABANDON_S,
     features: ServerFeatures | None = None,
     file_download_urls: bool = False,
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
@@ -340,6 +350,8 @@ def create_app(
     ``max_pending_samples``: asample requests of one API key pending or running at once
     before asample answers that key 429 with ``Retry-After: 1``. ``session_timeout_s``: finish
     (as "interrupted") a session quiet this long; ``None`` never expires sessions.
+    ``sample_abandon_s``: cancel the sample requests of a session quiet this long (its client
+    has gone); ``None`` never does. A finished or expired session's are cancelled at once.
     ``features``: switch StableReinforce support off to play another engine (`ServerFeatures`).
     ``file_download_urls``: answer ``get_external_weights_urls`` with ``file://`` URLs into the
     store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
@@ -347,8 +359,10 @@ def create_app(
     """
     if max_pending_samples < 1:
         raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
-    if session_timeout_s is not None and session_timeout_s <= 0:
-        raise ValueError(f"session_timeout_s must be positive, got {session_timeout_s}")
+    quiet_limits = {"session_timeout_s": session_timeout_s, "sample_abandon_s": sample_abandon_s}
+    for name, quiet in quiet_limits.items():
+        if quiet is not None and quiet <= 0:
+            raise ValueError(f"{name} must be positive (or None), got {quiet}")
     if max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
     if store_dir is None:
@@ -363,6 +377,7 @@ def create_app(
         seq_gap_grace_s=seq_gap_grace_s,
         max_pending_samples=max_pending_samples,
         session_timeout_s=session_timeout_s,
+        sample_abandon_s=sample_abandon_s,
         features=features,
         file_download_urls=file_download_urls,
         logprobs_mode=logprobs_mode,

@@ -53,6 +53,13 @@ SLOW_ENV = "TINKER_SR_SLOW_REQUEST_S"
 _SLOW_REPEAT_S = 30.0
 
 
+def _uncancel() -> None:
+    """The current task goes on after a cancellation it handled (asyncio counts them)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
 def slow_request_s() -> float:
     """After how long a request still running is reported in the server's log (info level):
     ``$TINKER_SR_SLOW_REQUEST_S``, default 10 s; again every 30 s, and when it ends."""
@@ -97,6 +104,8 @@ class Futures:
         self._owner_samples: Counter[str] = Counter()  # pending samples per owner
         self._events: dict[str, asyncio.Event] = {}
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}  # rid -> (kind, task)
+        self._sample_session: dict[str, str] = {}  # each running sample's session
+        self._cancelled: dict[str, str] = {}  # samples being cancelled -> why (their error)
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
@@ -161,10 +170,38 @@ class Futures:
         self._events[rid] = asyncio.Event()
         if kind == "Sample":
             self._count_sample(rid, owner)
+            self._sample_session[rid] = session_id
         task = self.background.spawn(self._execute(rid, work, promise, kind))
         self._running[rid] = (kind, task)
-        task.add_done_callback(lambda _: self._running.pop(rid, None))
+        task.add_done_callback(lambda t: self._task_done(rid, t))
         return json_reply(promise)
+
+    # ---- cancelling samples ------------------------------------------------------------
+    def cancel_sample(self, rid: str, why: str) -> bool:
+        """Stop sample request ``rid`` if it is still queued or decoding (its rows leave the
+        batch at the next step); its future fails with ``why``. False if it is not running."""
+        kind, task = self._running.get(rid, ("", None))
+        if kind != "Sample" or task is None or rid in self._cancelled:
+            return False
+        self._cancelled[rid] = why
+        task.cancel()
+        return True
+
+    def cancel_session_samples(self, session_id: str, why: str) -> int:
+        """`cancel_sample` every running sample request of ``session_id``; how many."""
+        rids = [r for r, s in self._sample_session.items() if s == session_id]
+        return sum(self.cancel_sample(rid, why) for rid in rids)
+
+    def sampling_sessions(self) -> set[str]:
+        """The sessions with sample requests running."""
+        return set(self._sample_session.values())
+
+    def _task_done(self, rid: str, task: asyncio.Task[None]) -> None:
+        self._running.pop(rid, None)
+        why = self._cancelled.pop(rid, None)
+        if why is not None and task.cancelled():  # cancelled before `_execute` began
+            self._record(rid, (FAILED, None, None, why, "user"))
+            self._settled(rid)
 
     def check_sample_capacity(self, dedupe_key: str, owner: str) -> None:
         """429 when too many of ``owner``'s asample requests are pending, unless this one is
@@ -244,21 +281,34 @@ class Futures:
         slow = slow_request_s()
         watch = asyncio.ensure_future(self._report_slow(rid, what, started, slow))
         try:
-            if (outcome := await self._outcome(rid, work, promise)) is not None:
+            try:
+                outcome = await self._outcome(rid, work, promise)
+            except asyncio.CancelledError:
+                if (why := self._cancelled.pop(rid, None)) is None:
+                    raise  # the server is stopping
+                _uncancel()
+                log.info("%s %s cancelled: %s", what, rid, why)
+                outcome = (FAILED, None, None, why, "user")
+            if outcome is not None:
                 self._record(rid, outcome)
         finally:
             watch.cancel()
             if (took := time.monotonic() - started) >= slow:
                 log.info("%s %s finished in %.1f s", what, rid, took)
-            self._sample_done(rid)
-            row = self._kept.get(rid) or self.state.get_future(rid)
-            if row is not None and row.status != PENDING:
-                self._recent[rid] = row
-                while len(self._recent) > _RECENT:
-                    self._recent.popitem(last=False)
-            event = self._events.pop(rid, None)
-            if event is not None:
-                event.set()
+            self._settled(rid)
+
+    def _settled(self, rid: str) -> None:
+        """``rid``'s work has ended: count it no more, keep its row at hand, wake its polls."""
+        self._sample_done(rid)
+        self._sample_session.pop(rid, None)
+        row = self._kept.get(rid) or self.state.get_future(rid)
+        if row is not None and row.status != PENDING:
+            self._recent[rid] = row
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+        event = self._events.pop(rid, None)
+        if event is not None:
+            event.set()
 
     async def _outcome(
         self, rid: str, work: Work, promise: dict[str, Any]

@@ -19,6 +19,7 @@ from tinker_sr.backend.base import Backend, WorkNotStarted
 from tinker_sr.types import ParsedCheckpointTinkerPath
 from tinker_sr.user_errors import EngineUserError
 
+from .futures import Futures
 from .http import HTTPError
 from .state import ServerState, SessionRow
 
@@ -30,10 +31,19 @@ _EXPIRED_KEPT = 10_000  # why_finished names expiry for these; older ones get th
 class Sessions:
     """Ownership checks, activity tracking and expiry of quiet sessions."""
 
-    def __init__(self, state: ServerState, backend: Backend, timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        backend: Backend,
+        timeout_s: float | None,
+        futures: Futures | None = None,
+        sample_abandon_s: float | None = None,
+    ) -> None:
         self.state = state
         self.backend = backend
         self.timeout_s = timeout_s
+        self.futures = futures
+        self.sample_abandon_s = sample_abandon_s
         # Last request per session (time.time()); heartbeats are also kept in SQLite.
         self.last_seen: dict[str, float] = {}
         # Sessions this process finished for inactivity, newest last (the last _EXPIRED_KEPT).
@@ -63,6 +73,33 @@ class Sessions:
                 continue
             await self.expire(session_id)
 
+    def stop_abandoned_samples(self) -> int:
+        """Cancel the sample requests of sessions with no heartbeat or request for
+        ``sample_abandon_s``: their client has exited (or is suspended), so nobody will read
+        the results, and the work held the sampling worker and its key's pending-sample
+        allowance (as the hosted service stops a request once its SDK's heartbeats lapse).
+        The session itself lives on until ``timeout_s``. Returns how many were cancelled."""
+        if self.sample_abandon_s is None or self.futures is None:
+            return 0
+        cutoff, stopped = time.time() - self.sample_abandon_s, 0
+        for session_id in self.futures.sampling_sessions():
+            if max(self.last_seen.get(session_id, 0.0), self._started) >= cutoff:
+                continue
+            why = (
+                f"cancelled: its session {session_id} had no heartbeat or request for "
+                f"{self.sample_abandon_s:g} s (its client exited or was suspended); sample again"
+            )
+            n = self.futures.cancel_session_samples(session_id, why)
+            log.info("stopped %d sample request(s) of session %s: %s", n, session_id, why)
+            stopped += n
+        return stopped
+
+    def stop_samples(self, session_id: str, why: str) -> None:
+        """Cancel ``session_id``'s running sample requests, as it finishes: nobody can
+        sample with it again, and its client has let go of them."""
+        if self.futures is not None:
+            self.futures.cancel_session_samples(session_id, f"cancelled: {why}")
+
     async def expire(self, session_id: str) -> bool:
         """Finish ``session_id`` as "interrupted" for inactivity (also used by
         `tinker_sr.testing`'s ``session_expires`` fault). False if it was already finished."""
@@ -75,6 +112,7 @@ class Sessions:
         timeout = self.timeout_s
         why = f"no heartbeat or request for {timeout:g} s" if timeout else "expired"
         log.info("session %s expired: %s", session_id, why)
+        self.stop_samples(session_id, f"its session {session_id} expired ({why})")
         try:
             await self.backend.close_session(session_id, "interrupted", why)
         except WorkNotStarted:  # the server is stopping: its models go with it

@@ -51,8 +51,8 @@ REQUEST_TYPES = (
 # /api/v1/, parameters as "x"; the OpenAI and Anthropic routes by their whole path):
 # `tests/test_testing_wire.py` holds it to the app's routes.
 KNOWN_ENDPOINTS = (
-    "asample", "billing/usage/checkpoints/current", "billing/usage/events", "checkpoints",
-    "client/config", "client/dynamic_config", "copy_weights", "create_model",
+    "asample", "billing/usage/checkpoints/current", "billing/usage/events", "cancel_future",
+    "checkpoints", "client/config", "client/dynamic_config", "copy_weights", "create_model",
     "create_sampling_session", "create_session", "external_weights_files/x/x/x",
     "forward_backward", "get_info", "get_server_capabilities", "healthz", "load_weights",
     "optim_step", "retrieve_future", "samplers/x", "save_weights", "save_weights_external",

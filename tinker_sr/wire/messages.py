@@ -44,6 +44,7 @@ __all__ = [
     "SERVER_CLIENT_CONFIG",
     "SERVER_DYNAMIC_CONFIG",
     "ClientConfigRequest",
+    "FutureCancelRequest",
     "CreateSessionRequest",
     "SessionHeartbeatRequest",
     "SessionFinishRequest",
@@ -96,7 +97,9 @@ SERVER_CLIENT_CONFIG: dict[str, Any] = {
 # forward_backward is JSON.
 OLDEST_SDK = (0, 24, 1)
 
-SERVER_DYNAMIC_CONFIG: dict[str, Any] = {"refresh_interval_sec": 300}
+SERVER_DYNAMIC_CONFIG: dict[str, Any] = {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
+"""``sample_cancel_enabled``: an SDK that abandons a sample request (a timeout, a cancelled
+task) posts ``cancel_future``, and the server stops its work."""
 
 
 class _Wire(pydantic.BaseModel):
@@ -223,6 +226,10 @@ class SampleRequest(_Wire, PublicSampleRequest):
 
 
 # ---- futures / REST -----------------------------------------------------------------------
+
+
+class FutureCancelRequest(_Wire):
+    request_id: str
 
 
 class FutureRetrieveRequest(_Wire):

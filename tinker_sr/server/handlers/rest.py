@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 _UNSUPPORTED = {
     "auth/token": "JWT exchange is disabled (client/config says pjwt_auth_enabled: false)",
     "retrieve_futures": "the session poller is disabled (sample_use_retrieve_futures: false)",
-    "cancel_future": "sample cancellation is disabled (dynamic_config sample_cancel_enabled)",
     "join_sampling_session": "sample_join_sampling_session is false",
     "create_custom_loss": "server-side custom losses are disabled (custom_loss_server_side: "
     "false); forward_backward_custom runs the loss client-side",

@@ -92,6 +92,9 @@ async def finish_session(srv: TinkerServer, request: Request, owner: str) -> Res
     srv.sessions.session(session_id, owner, active=False)
     if srv.state.finish_session(session_id, req.reason.type):
         srv.sessions.finished(session_id)
+        srv.sessions.stop_samples(
+            session_id, f"its session {session_id} was finished ({req.reason.type})"
+        )
         await srv.backend.close_session(session_id, req.reason.type, req.detail)
     return Response(status_code=204)
 
@@ -99,6 +102,25 @@ async def finish_session(srv: TinkerServer, request: Request, owner: str) -> Res
 async def telemetry(srv: TinkerServer, request: Request, owner: str) -> Response:
     await srv.body(request)  # accepted and dropped
     return json_reply({"status": "accepted"})
+
+
+async def cancel_future(srv: TinkerServer, request: Request, owner: str) -> Response:
+    """``POST /cancel_future``: the SDK abandoned a sample request (a timeout, or its task
+    cancelled) and, as ``sample_cancel_enabled`` tells it, asks to stop the work. A request
+    already done is left as it is; another key's is unknown (404)."""
+    req, _ = await srv.parse(request, m.FutureCancelRequest, "cancel_future")
+    row = srv.futures.lookup(req.request_id, owner)
+    if row.kind != "Sample":
+        raise HTTPError(
+            400,
+            f"request {req.request_id} is a {row.kind} request: only sample requests can be "
+            "cancelled (training requests run in their model's order)",
+        )
+    srv.futures.cancel_sample(row.request_id, CANCELLED_BY_CLIENT)
+    return json_reply({"type": "cancel_future"})
+
+
+CANCELLED_BY_CLIENT = "cancelled: its client abandoned the request (cancel_future)"
 
 
 async def retrieve_future(srv: TinkerServer, request: Request, owner: str) -> Response:

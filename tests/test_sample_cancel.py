@@ -1,0 +1,222 @@
+"""Sample work nobody will read is stopped on the server: a request its client abandoned
+(the official SDK's ``cancel_future``, sent because the server's dynamic config says
+``sample_cancel_enabled``), the requests of a session its client finished, and those of a
+session whose client went quiet (no heartbeat or request for ``sample_abandon_s``). Before,
+each ran to its end: a client that exited left up to 64 requests per key decoding (35-72 s
+of work in a hunt), its key refused with 429 meanwhile.
+
+Each test holds the server's sampling worker behind a barrier, so the request is still
+queued when it is abandoned; once the barrier lifts, no decode step may run for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from tinker_sr.testing import mock_tinker
+from tinker_sr.wire import messages as m
+
+pytest.importorskip("tinker")
+
+MODEL = "Qwen/Qwen3-8B"  # the offline chat model, in a mock
+PROMPT = [1, 2, 3, 4]
+
+
+def _wait(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextmanager
+def _held_worker(mock: Any) -> Iterator[Any]:
+    """The mock's sampling worker stopped until the block ends; yields its scheduler."""
+    scheduler = mock.server().backend._scheduler
+    release, entered = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(60)
+
+    scheduler.barrier(hold)
+    entered.wait(30)
+    try:
+        yield scheduler
+    finally:
+        release.set()
+
+
+def _failure(mock: Any, request_id: str) -> str:
+    row = mock.server().state.get_future(request_id)
+    assert row is not None and row.status == "failed", row
+    return str(row.error)
+
+
+def _only_sample_future(mock: Any) -> str:
+    (call,) = mock.trace.calls("asample")
+    return str(call["response"]["request_id"])
+
+
+def _after_release(mock: Any, scheduler: Any) -> None:
+    """No sample request is left, and none decoded once the worker was free again."""
+    srv = mock.server()
+    _wait(lambda: not srv.futures.pending_samples, "the pending samples to clear")
+    time.sleep(0.3)  # a request that escaped cancellation would have prefilled by now
+    assert list(scheduler.rows_per_step) == []
+    assert not srv.backend._session_samples._pending  # nothing for close_session to wait for
+
+
+def test_an_abandoned_official_sdk_sample_is_cancelled_on_the_server() -> None:
+    import tinker
+
+    with mock_tinker() as mock:
+        svc = tinker.ServiceClient()
+        sampler = svc.create_sampling_client(base_model=MODEL).result()
+        with _held_worker(mock) as scheduler:
+            future = sampler.sample(
+                tinker.ModelInput.from_ints(PROMPT), 4, tinker.SamplingParams(max_tokens=64)
+            )
+            _wait(lambda: mock.trace.count("asample") == 1, "the asample request")
+            future.future().cancel()  # the caller gives up on it
+            _wait(lambda: mock.trace.count("cancel_future") == 1, "the SDK's cancel_future")
+            rid = _only_sample_future(mock)
+            _wait(lambda: not mock.server().futures.pending_samples, "the cancellation")
+            assert "cancel_future" in _failure(mock, rid)
+        _after_release(mock, scheduler)
+        # The sampler serves on.
+        again = sampler.sample(
+            tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=3)
+        )
+        assert len(again.result(timeout=120).sequences) == 1
+        svc.close("success").result(timeout=30)
+
+
+def test_finishing_a_session_cancels_its_queued_samples() -> None:
+    import tinker
+
+    with mock_tinker() as mock:
+        svc = tinker.ServiceClient()
+        sampler = svc.create_sampling_client(base_model=MODEL).result()
+        with _held_worker(mock) as scheduler:
+            sampler.sample(
+                tinker.ModelInput.from_ints(PROMPT), 4, tinker.SamplingParams(max_tokens=64)
+            )
+            _wait(lambda: mock.trace.count("asample") == 1, "the asample request")
+            svc.close("success").result(timeout=30)
+            rid = _only_sample_future(mock)
+            _wait(lambda: not mock.server().futures.pending_samples, "the cancellation")
+            assert "was finished (success)" in _failure(mock, rid)
+        _after_release(mock, scheduler)
+
+
+def _raw_client(mock: Any) -> httpx.Client:
+    """A client that does only what a test tells it (no heartbeats), routed into the mock."""
+    return httpx.Client(base_url=mock.base_url, headers={"X-API-Key": mock.api_key})
+
+
+def test_a_quiet_sessions_samples_are_cancelled_and_the_session_lives_on() -> None:
+    """A client that stops heartbeating and polling (it exited, or its machine slept): its
+    requests are cancelled after ``sample_abandon_s``; the session is not finished (that
+    takes ``session_timeout_s``), so a client that comes back samples again."""
+    with mock_tinker(sample_abandon_s=0.5) as mock:
+        http = _raw_client(mock)
+        session = http.post("/api/v1/create_session", json=_session_body()).json()
+        sampler = http.post(
+            "/api/v1/create_sampling_session",
+            json={"session_id": session["session_id"], "sampling_session_seq_id": 0,
+                  "base_model": MODEL, "type": "create_sampling_session"},
+        ).json()  # fmt: skip
+        with _held_worker(mock) as scheduler:
+            promise = http.post("/api/v1/asample", json=_sample_body(sampler, 1)).json()
+            # ... and nothing more from this client: after 0.5 s it counts as gone.
+            _wait(lambda: not mock.server().futures.pending_samples, "the cancellation", 30)
+            error = _failure(mock, promise["request_id"])
+            assert "no heartbeat or request for 0.5 s" in error, error
+        _after_release(mock, scheduler)
+        assert mock.server().state.session(session["session_id"]).finished is None
+        again = http.post("/api/v1/asample", json=_sample_body(sampler, 2)).json()
+        reply = http.post("/api/v1/retrieve_future", json={"request_id": again["request_id"]})
+        assert reply.status_code == 200 and "error" not in reply.text
+
+
+def test_cancel_future_refuses_training_requests_and_others_keys() -> None:
+    with mock_tinker() as mock:
+        http = _raw_client(mock)
+        session = http.post("/api/v1/create_session", json=_session_body()).json()
+        model = http.post(
+            "/api/v1/create_model",
+            json={"session_id": session["session_id"], "model_seq_id": 0, "base_model": MODEL,
+                  "lora_config": {"rank": 4}, "type": "create_model"},
+        ).json()  # fmt: skip
+        training = http.post("/api/v1/cancel_future", json={"request_id": model["request_id"]})
+        assert training.status_code == 400 and "only sample requests" in training.text
+        other = http.post(
+            "/api/v1/cancel_future",
+            json={"request_id": model["request_id"]},
+            headers={"X-API-Key": "tml-someone-else"},
+        )
+        assert other.status_code == 404
+        unknown = http.post("/api/v1/cancel_future", json={"request_id": "req-nope"})
+        assert unknown.status_code == 404
+        flags = http.post("/api/v1/client/dynamic_config", json={"sdk_version": m.SDK_VERSION})
+        assert flags.json()["sample_cancel_enabled"] is True
+
+
+def test_a_tinker_sr_remote_client_cancels_an_abandoned_sample_too() -> None:
+    import tinker_sr
+
+    with mock_tinker() as mock:
+        svc = tinker_sr.ServiceClient()  # TINKER_BASE_URL: the remote backend
+        sampler = svc.create_sampling_client(base_model=MODEL).result()
+
+        async def abandon() -> None:
+            params = tinker_sr.SamplingParams(max_tokens=64)
+            prompt = tinker_sr.ModelInput.from_ints(PROMPT)
+
+            async def sample() -> Any:
+                return await sampler.sample(prompt, 4, params)
+
+            task = asyncio.ensure_future(sample())
+            await asyncio.to_thread(
+                _wait, lambda: mock.trace.count("asample") == 1, "the asample request"
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.to_thread(
+                _wait, lambda: mock.trace.count("cancel_future") == 1, "cancel_future"
+            )
+
+        with _held_worker(mock) as scheduler:
+            asyncio.run(abandon())
+            rid = _only_sample_future(mock)
+            _wait(lambda: not mock.server().futures.pending_samples, "the cancellation")
+            assert "cancel_future" in _failure(mock, rid)
+        _after_release(mock, scheduler)
+        svc.close("success").result(timeout=30)
+
+
+def _session_body() -> dict[str, Any]:
+    return {"tags": [], "user_metadata": None, "sdk_version": m.SDK_VERSION,
+            "type": "create_session"}  # fmt: skip
+
+
+def _sample_body(sampler: dict[str, Any], seq_id: int) -> dict[str, Any]:
+    return {
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 8},
+        "sampling_session_id": sampler["sampling_session_id"],
+        "seq_id": seq_id,
+        "type": "sample",
+    }
