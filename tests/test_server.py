@@ -140,7 +140,8 @@ def test_healthz_needs_no_key_and_client_config_states_our_flags(
     assert config["parallel_fwdbwd_chunks"] is False
     assert config["pjwt_auth_enabled"] is False
     assert wire.ok("client/dynamic_config", {"sdk_version": "0.38.0"}) == {
-        "refresh_interval_sec": 300
+        "refresh_interval_sec": 300,
+        "sample_cancel_enabled": True,  # abandoned samples: cancel_future
     }
     assert wire.ok("telemetry", {"events": [], "session_id": "x"}) == {"status": "accepted"}
 
