@@ -397,12 +397,46 @@ def test_09_diverged_weights_are_named_not_returned_as_nan(service: tinker.Servi
         "sample": lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result(),
         "prompt log-probs": lambda: sampler.compute_logprobs(prompt).result(),
     }
+    # Greedy, and the prompt extras: before, token 0 with log-prob 0.0, and NaN (hunt).
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+    targets = types.TensorData.from_numpy(np.array([[2, 3], [3, 4]], dtype=np.int64))
+    extras = {
+        "sample": {},
+        "top-k prompt log-probs": {"topk_prompt_logprobs": 2},
+        "target prompt log-probs": {"target_prompt_logprobs": targets},
+        "prompt alternative tokens' log-probs": {"prompt_alt_tokens_k": 2},
+    }
+    for what, kw in extras.items():
+        refused(
+            lambda kw=kw: sampler.sample(prompt, 1, greedy, **kw).result(),
+            f"{what}: ",
+            "weights have diverged",
+            "smaller learning_rate",
+        )
     for what, call in calls.items():
         message = refused(call, f"{what}: ", "weights have diverged", "smaller learning_rate")
         assert "Scale that datum" not in message
     tc.load_state(saved).result()  # the fix the message names
     logprobs = tc.forward([DATUM], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     assert np.isfinite(logprobs.to_numpy()).all()
+
+
+def test_09_a_step_that_overflows_the_weights_says_so_and_nothing_saves_them(
+    service: tinker.ServiceClient,
+) -> None:
+    """learning_rate 3.4e37 passes the scalar range check yet its update overflows float32.
+    Before: the step answered normally, both saves wrote the infinite weights, and loading
+    them said "damaged on disk" (hunt)."""
+    tc = service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    tc.forward_backward([DATUM], "cross_entropy").result()
+    refused(
+        lambda: tc.optim_step(types.AdamParams(learning_rate=3.4e37)).result(),
+        "optim_step: ",
+        "made the weights NaN or infinite",
+        "smaller learning_rate",
+    )
+    for save in (tc.save_state, tc.save_weights_for_sampler):
+        refused(lambda save=save: save("x").result(), "save: ", "diverged", "Nothing was saved")
 
 
 def test_09_a_non_finite_gradient_refused_by_optim_step_is_discarded() -> None:

@@ -69,6 +69,18 @@ def test_stable_reinforce_end_to_end(setup: dict[str, Any]) -> None:
     ]
 
 
+def test_a_kl_coeff_too_large_for_the_gradient_is_named(setup: dict[str, Any]) -> None:
+    """kl_coeff 1e30 is finite and >= 0, so accepted, but its gradient overflows. Before,
+    the refusal blamed "datum 0" (whose own loss is finite) and its weights and advantages,
+    never naming kl_coeff (hunt)."""
+    tc, data = setup["tc"], setup["data"]
+    before = model_fingerprint(tc, data)
+    with pytest.raises(tinker.RequestFailedError) as ei:
+        tc.forward_backward(data, "stable_reinforce", {"kl_coeff": 1e30}).result()
+    assert "loss_fn_config coefficients that scale it (kl_coeff=1e+30)" in str(ei.value)
+    assert model_fingerprint(tc, data) == before
+
+
 def test_sequences_sampled_without_the_flag_have_ids_but_no_stability_info(
     setup: dict[str, Any],
 ) -> None:

@@ -164,9 +164,14 @@ def test_a_killed_processes_spill_dir_is_removed_by_the_next_registry(tmp_path: 
     assert not Path(live.path).exists()
 
 
-def test_a_spill_that_fails_keeps_the_adapters_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failure", ["oserror", "safetensors"])
+def test_a_spill_that_fails_keeps_the_adapters_in_memory(
+    failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full disk while spilling: the sampler is registered and samples as it would from a
-    file, its adapters kept in memory over budget (review); no partial file stays."""
+    file, its adapters kept in memory over budget (review); no partial file stays. The real
+    library's failure is a ``SafetensorError``, not an OSError (hunt: a full TMPDIR failed
+    ``save_weights_and_get_sampling_client`` with "internal error: SafetensorError")."""
     from tinker_sr.engine import registry as registry_module
 
     def disk_full(tensors: object, path: str) -> None:
@@ -175,10 +180,16 @@ def test_a_spill_that_fails_keeps_the_adapters_in_memory(monkeypatch: pytest.Mon
 
     reg = _registry(adapter_budget_bytes=0)
     adapters = _perturbed(_trainer(reg, "t"), 0.05)
-    monkeypatch.setattr(registry_module, "save_file", disk_full)
+    if failure == "oserror":
+        monkeypatch.setattr(registry_module, "save_file", disk_full)
+    else:  # safetensors' own error: a directory where its file goes
+        reg._spill_dir = reg._new_spill_dir()
+        for i in range(4):
+            (Path(reg._spill_dir.path) / f"{i}.st").mkdir()
     reg.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)
     assert reg.stats()["adapters_spilled"] == 0
-    assert reg._spill_dir is not None and not list(Path(reg._spill_dir.path).glob("*.st"))
+    assert reg._spill_dir is not None
+    assert not [f for f in Path(reg._spill_dir.path).glob("*.st") if f.is_file()]
     monkeypatch.undo()
     spilled = _registry(adapter_budget_bytes=0)
     spilled.register_sampler(Sampler("p", "s", MODEL, MODEL, SPEC, None), adapters)

@@ -50,6 +50,7 @@ from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, 
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
 from tinker_sr.engine.store import Store, default_store_dir, make_store_dir
+from tinker_sr.engine.store_files import record_done_work
 from tinker_sr.engine.usage import RateCard
 from tinker_sr.errors import APIStatusError, refusal
 from tinker_sr.hf_files import is_model_dir
@@ -447,7 +448,10 @@ class LocalBackend(LocalRestQueries):
             overwrite=overwrite,
             user_metadata=user_metadata,
         )
-        self.store.add_usage(t.session_id, t.base_model, {usage.CHECKPOINT: 1})
+        record_done_work(
+            "a checkpoint's usage",
+            lambda: self.store.add_usage(t.session_id, t.base_model, {usage.CHECKPOINT: 1}),
+        )
         return path
 
     async def save_state(

@@ -168,8 +168,14 @@ class CheckpointStore:
             # parameter, so advising it there sent users to a TypeError.
             raise _exists(tinker_path, "pass overwrite=True" if segment == "weights" else None)
         file_path = self.file(run_id, segment, name)
+        listed = overwrite and self.store.get_checkpoint(tinker_path) is not None
         size = ckpt_io.save_tensors(file_path, tensors, meta)
-        self._record(run_id, segment, name, file_path, size, user_metadata, expires_at)
+        try:
+            self._record(run_id, segment, name, file_path, size, user_metadata, expires_at)
+        except BaseException:  # a full disk: no unlisted file left taking the space
+            if not listed:  # (an overwritten checkpoint keeps its row: its file stays)
+                file_path.unlink(missing_ok=True)
+            raise
         return tinker_path
 
     def write_dir(
@@ -204,8 +210,12 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        ckpt_io.fsync_dir(final.parent)
-        self._record(run_id, segment, name, final, size, user_metadata, expires_at)
+        try:
+            ckpt_io.fsync_dir(final.parent)
+            self._record(run_id, segment, name, final, size, user_metadata, expires_at)
+        except BaseException:  # never listed (names are not reused while live): removed
+            shutil.rmtree(final, ignore_errors=True)
+            raise
         return tinker_path
 
     def _record(  # noqa: PLR0913 (the row's fields)

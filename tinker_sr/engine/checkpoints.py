@@ -81,8 +81,8 @@ def load_tensors(
     path: str | os.PathLike[str], name: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file → (tensors, metadata). Missing file → EngineNotFoundError; a file
-    that does not read, or a tensor holding NaN or infinity (which no saved state holds: the
-    steps that would make one are refused), → EngineUserError naming the checkpoint as
+    that does not read, or a tensor holding NaN or infinity (which no saved state holds: such
+    weights are refused by every save), → EngineUserError naming the checkpoint as
     ``name`` (e.g. its tinker:// path; the file's path is never shown then)."""
     from safetensors import SafetensorError
 

@@ -106,8 +106,12 @@ def _refusal(
     unembed: torch.nn.Module | None,
 ) -> EngineUserError:
     i, value = nonfinite_datum(loss_fn, logits, data, config, unembed)
+    coefficients = ""
+    if config and math.isfinite(value):  # a finite loss, an overflowing gradient: its scale
+        named = ", ".join(f"{k}={v:g}" for k, v in config.items())
+        coefficients = f", or lower the loss_fn_config coefficients that scale it ({named})"
     return EngineUserError(
         f"forward_backward: {what}; datum {i} alone gives loss {value:g}. Nothing was "
         "accumulated and the model is unchanged. Scale that datum's loss inputs (weights, "
-        "advantages) down to a sane range and send it again"
+        f"advantages) down to a sane range{coefficients} and send it again"
     )

@@ -42,6 +42,20 @@ class AdamHParams:
                 )
 
 
+def _check_finite_weights(ps: list[Tensor], lr: float) -> None:
+    """Say so at once when an update made weights NaN or infinite (a learning_rate so large
+    that a step overflows, which `_check_in_range`'s scalars cannot foresee): before, the step
+    answered normally, and its checkpoints were later refused as "damaged on disk"."""
+    largest = torch.stack(torch._foreach_norm(ps, math.inf)).max()  # NaN propagates
+    if not math.isfinite(float(largest)):
+        raise EngineUserError(
+            f"optim_step: this update made the weights NaN or infinite (learning_rate {lr:g} is "
+            "far too large): the model has diverged, and every later call on it fails. Start "
+            "again from a checkpoint saved before it (ServiceClient."
+            "create_training_client_from_state) with a smaller learning_rate"
+        )
+
+
 def _check_in_range(hp: AdamHParams, steps: set[int], dtype: torch.dtype) -> None:
     """Refuse hyperparameters whose per-step scalars the parameters' dtype cannot hold (the
     update would fail half-way, or divide 0 by an eps rounded to 0 and write NaN)."""
@@ -163,6 +177,7 @@ class Adam:
             torch._foreach_div_(denom, per_step(lambda t: (1 - b2**t) ** 0.5))
             torch._foreach_add_(denom, hp.eps)
             torch._foreach_addcdiv_(ps, ms, denom, per_step(lambda t: -(lr / (1 - b1**t))))
+            _check_finite_weights(ps, lr)
         if zero_grad:
             self.zero_grad()
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}

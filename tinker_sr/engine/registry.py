@@ -654,10 +654,11 @@ class ModelRegistry:
             path = Path(self._spill_dir.path) / f"{next(self._spill_names)}.st"
             try:
                 save_file({k: v.contiguous() for k, v in adapters.items()}, str(path))
-            except OSError as e:  # a full disk: kept in memory (in its place), over budget
+            except Exception as e:  # full disk (OSError, SafetensorError): kept, over budget
                 self._adapters[sampler_id] = adapters
                 self._adapters.move_to_end(sampler_id, last=False)
-                path.unlink(missing_ok=True)
+                if not path.is_dir():
+                    path.unlink(missing_ok=True)
                 log.warning("sampler adapters not spilled to %s (%s); kept in memory", path, e)
                 return
             self._spilled[sampler_id] = path

@@ -436,6 +436,9 @@ class DecodeGroup:
             logq = torch.log_softmax(logits.float(), dim=-1)  # reported: the model's, not q's
         self.out_tok[:, t] = tok
         self.out_lp[:, t] = logq.gather(-1, tok[:, None]).squeeze(1)
+        if self.greedy:  # a point mass's log q is 0 whatever the logits: NaN where they are not
+            top = logits.gather(-1, tok[:, None]).squeeze(1)  # finite (NaN is argmax's max)
+            self.out_lp[:, t] = torch.where(torch.isfinite(top), self.out_lp[:, t], math.nan)
         if self.out_topk_ids.shape[2]:
             top_lp, top_ids = logq.topk(self.out_topk_ids.shape[2], dim=-1)
             self.out_topk_ids[:, t] = top_ids.to(torch.int32)
@@ -615,7 +618,9 @@ def prompt_alt_tokens(
     )
     for rows, logits in _prompt_rows(model, tokens):
         if greedy:
-            ids[rows] = logits.argmax(-1, keepdim=True).expand(-1, k).numpy()
+            top, best = logits.max(-1, keepdim=True)
+            ids[rows] = best.expand(-1, k).numpy()
+            logq_ids[rows] = np.where(np.isfinite(top.float().numpy()), 0.0, np.nan)
             continue
         logq = sampling_logprobs(logits, temperature, -1, 1.0)
         cdf = logq.exp().double().cumsum_(-1)

@@ -23,6 +23,7 @@ from tinker_sr.engine.guards import DIVERGED
 from tinker_sr.engine.model import Transformer
 from tinker_sr.engine.registry import ModelRegistry, Sampler
 from tinker_sr.engine.store import Store
+from tinker_sr.engine.store_files import record_done_work
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import RECORD_TTL_SECONDS, SequenceRecord
 from tinker_sr.tokenization.byte import foreign_ids_hint
@@ -174,7 +175,9 @@ def begin(
         # Prompt log-probs of any kind are a forward over the whole prompt: none of it cached.
         whole = any(x is not None for x in (prompt_lps, topk_prompt, target_out, alt))
         counts = usage.sample_counts(len(plan.tokens), resp, prompt_recomputed=whole)
-        recorder.store.add_usage(s.session_id, s.base_model, counts)  # engine.usage
+        record_done_work(  # engine.usage
+            "sampling usage", lambda: recorder.store.add_usage(s.session_id, s.base_model, counts)
+        )
         return resp
 
     return Started(group, finish)
@@ -227,6 +230,7 @@ def _prompt_extras(
     topk_prompt = None
     if req.topk_prompt_logprobs:
         ids_k, lps_k = engine_sampler.prompt_top_k_logprobs(model, tokens, req.topk_prompt_logprobs)
+        _finite("top-k prompt log-probs", lps_k)
         if req.prompt_logprobs_last_n is not None:
             cut = len(tokens) - req.prompt_logprobs_last_n
             ids_k[:cut], lps_k[:cut] = engine_sampler.TOPK_SENTINEL
@@ -234,7 +238,9 @@ def _prompt_extras(
     target_out = None
     if plan.targets is not None:
         assert req.target_prompt_logprobs is not None
-        dense = engine_sampler.target_logprobs(model, tokens, plan.targets)
+        dense = _finite(
+            "target prompt log-probs", engine_sampler.target_logprobs(model, tokens, plan.targets)
+        )
         target_out = _like_request(dense, req.target_prompt_logprobs)
     alt = None
     if req.prompt_alt_tokens_k:
@@ -245,11 +251,20 @@ def _prompt_extras(
             temperature=float(req.sampling_params.temperature),
             seed=plan.seed,
         )
+        _finite("prompt alternative tokens' log-probs", alt_lps)
         alt = types.PromptAltTokens(
             tokens=types.TensorData.from_numpy(alt_ids.astype(np.int64)),
             logprobs=types.TensorData.from_numpy(alt_lps.astype(np.float32)),
         )
     return topk_prompt, target_out, alt
+
+
+def _finite(name: str, values: np.ndarray) -> np.ndarray:
+    """``values``, refused if not finite: a diverged model says so here too (before, these
+    outputs held NaN without a word while sampling itself said "diverged")."""
+    if not np.isfinite(values).all():
+        raise EngineUserError(f"{name}: {DIVERGED}")
+    return values
 
 
 def _prompt_logprobs(

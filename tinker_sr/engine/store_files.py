@@ -6,8 +6,12 @@ server's state and the command line."""
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("tinker_sr")
 
 
 class StoreDamagedError(RuntimeError):
@@ -49,9 +53,12 @@ def make_store_dir(store: Path) -> None:
 
 
 OUT_OF_SPACE = (
-    "out of disk space: the file system holding the store is full; free space there (old "
-    "checkpoints: RestClient.delete_checkpoint), then retry"
+    "out of disk space: the file system holding the store is full (or a file-size limit, "
+    "ulimit -f, was reached); free space there (old checkpoints: "
+    "RestClient.delete_checkpoint), then retry"
 )
+# safetensors' errors are not OSErrors; they carry the OS error's text.
+_OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "File too large")
 
 
 def is_out_of_space(e: BaseException) -> bool:
@@ -60,12 +67,27 @@ def is_out_of_space(e: BaseException) -> bool:
     visited: set[int] = set()
     while seen is not None and id(seen) not in visited:  # a chain may loop back on itself
         visited.add(id(seen))
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return True
         if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
             return True
+        if type(seen).__name__ == "SafetensorError" and any(
+            t in str(seen) for t in _OUT_OF_SPACE_TEXT
+        ):
+            return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def record_done_work(what: str, write: Callable[[], object]) -> None:
+    """Run ``write``, a store write recording work already done (usage, last-used times).
+    Its failure (a full disk) is logged, not raised: the work happened (a model changed, a
+    checkpoint was written), and failing the request would tell its client to repeat it; a
+    forward_backward repeated on a full disk's advice added its gradients twice."""
+    try:
+        write()
+    except (OSError, sqlite3.Error) as e:
+        log.warning("%s not recorded (%s); the request it follows succeeded", what, e)
 
 
 def unwritable(e: sqlite3.OperationalError) -> bool:

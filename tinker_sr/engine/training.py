@@ -20,7 +20,7 @@ import torch
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine import usage
-from tinker_sr.engine.checkpoints import read_record
+from tinker_sr.engine.checkpoints import count_nonfinite, read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory, return_freed_memory
 from tinker_sr.engine.guards import check_finite_outputs, checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
@@ -28,6 +28,7 @@ from tinker_sr.engine.model import Transformer, activation_bytes
 from tinker_sr.engine.optim import Adam, AdamHParams
 from tinker_sr.engine.registry import Trainer, snapshot
 from tinker_sr.engine.store import Store
+from tinker_sr.engine.store_files import record_done_work
 from tinker_sr.limits import DEFAULT_LIMITS, Limits
 from tinker_sr.provenance.validate import DatumSpans, ProvenanceView, validate_provenance
 from tinker_sr.tokenization.byte import foreign_ids_hint
@@ -91,9 +92,13 @@ def forward_backward(
                 result, t.optim, loss_fn, per_datum, loss_data, config, unembed=t.model.lm_head
             )
     touched = set().union(*(v.sequence_ids for v in views if v is not None))
-    store.touch_sequences(touched, now)
-    store.touch_run(t.model_id)
-    store.add_usage(t.session_id, t.base_model, {usage.TRAINING: sum(lengths)})
+
+    def record() -> None:
+        store.touch_sequences(touched, now)
+        store.touch_run(t.model_id)
+        store.add_usage(t.session_id, t.base_model, {usage.TRAINING: sum(lengths)})
+
+    record_done_work("forward_backward's usage and sequence times", record)
     outputs = [
         {k: types.TensorData.from_torch(v.detach().float()) for k, v in out.items()}
         for out in result.outputs
@@ -319,7 +324,7 @@ def optim_step(
         t.history.append(snapshot(t.model))
         while len(t.history) > staleness + 1:
             t.history.popleft()
-    store.touch_run(t.model_id)
+    record_done_work("optim_step's run time", lambda: store.touch_run(t.model_id))
     return types.OptimStepResponse(metrics={k: float(v) for k, v in metrics.items()})
 
 
@@ -352,12 +357,26 @@ def state_tensors(t: Trainer) -> dict[str, torch.Tensor]:
     """Adapters and optimizer state, as `save_state` writes them."""
     tensors = {f"lora.{k}": v for k, v in lora_state_dict(t.model).items()}
     tensors.update({f"optim.{k}": v for k, v in t.optim.state_dict().items()})
-    return tensors
+    return _savable(tensors)
 
 
 def sampler_tensors(t: Trainer) -> dict[str, torch.Tensor]:
     """The current adapters, as a named sampler checkpoint holds them."""
-    return {f"lora.{k}": v for k, v in snapshot(t.model).items()}
+    return _savable({f"lora.{k}": v for k, v in snapshot(t.model).items()})
+
+
+def _savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors``, refused if any holds NaN or infinity: a diverged model's checkpoint
+    would load nowhere (refused as damaged), so it is not written."""
+    for name, tensor in tensors.items():
+        if bad := count_nonfinite(tensor):
+            raise EngineUserError(
+                f"save: the weights hold NaN or infinite values ({bad} in {name}): they have "
+                "diverged, most likely in an optim_step with too large a learning_rate. Nothing "
+                "was saved; start again from a checkpoint saved before that step "
+                "(ServiceClient.create_training_client_from_state) with a smaller learning_rate"
+            )
+    return tensors
 
 
 def load_state(
