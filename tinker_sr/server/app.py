@@ -324,6 +324,22 @@ Handler = Callable[[TinkerServer, Request, str], Awaitable[Response]]
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
+def _check_limits(
+    max_pending_samples: int,
+    max_body_bytes: int,
+    session_timeout_s: float | None,
+    sample_abandon_s: float | None,
+) -> None:
+    if max_pending_samples < 1:
+        raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
+    quiet_limits = {"session_timeout_s": session_timeout_s, "sample_abandon_s": sample_abandon_s}
+    for name, quiet in quiet_limits.items():
+        if quiet is not None and quiet <= 0:
+            raise ValueError(f"{name} must be positive (or None), got {quiet}")
+    if max_body_bytes < 1024:
+        raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
+
+
 def create_app(
     backend: Backend,
     *,
@@ -357,14 +373,7 @@ def create_app(
     store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
     whose host no plain HTTP GET can reach). ``logprobs_mode``: one of `LOGPROBS_MODES`.
     """
-    if max_pending_samples < 1:
-        raise ValueError(f"max_pending_samples must be at least 1, got {max_pending_samples}")
-    quiet_limits = {"session_timeout_s": session_timeout_s, "sample_abandon_s": sample_abandon_s}
-    for name, quiet in quiet_limits.items():
-        if quiet is not None and quiet <= 0:
-            raise ValueError(f"{name} must be positive (or None), got {quiet}")
-    if max_body_bytes < 1024:
-        raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
+    _check_limits(max_pending_samples, max_body_bytes, session_timeout_s, sample_abandon_s)
     if store_dir is None:
         store_dir = getattr(backend, "store_dir", None)
     server = TinkerServer(
