@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -17,6 +18,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as _serialize
 
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+
+log = logging.getLogger("tinker_sr")
 
 if TYPE_CHECKING:
     from tinker_sr.engine.lora import LoraSpec
@@ -130,6 +133,8 @@ class CheckpointRecord:
         model is refused, where its adapters would run on the wrong weights (silently where the
         shapes agree)."""
         if requested is None or requested == self.base_model:
+            if self.base_model.startswith((".", "~")):
+                _warn_relative(self.base_model, shown)
             return self.base_model
         wanted = resolve(requested)
         try:
@@ -142,6 +147,34 @@ class CheckpointRecord:
                 f"({self.base_model!r}); pass base_model={self.base_model!r}, or leave it out"
             )
         return requested
+
+
+def _warn_relative(base_model: str, shown: str) -> None:
+    """tinker_sr before commit 493d695 recorded a relative base model path as typed
+    ("./model"): it resolves from the current directory, which need not be the one it was
+    saved from, and a model of the same shapes there loads silently (hunt)."""
+    log.warning(
+        "checkpoint %s names its base model by the relative path %r (as an older tinker_sr "
+        "recorded it), resolved from the current directory %s: if that is not the directory it "
+        "was saved from, pass base_model=<the model's absolute path>",
+        shown, base_model, os.getcwd(),
+    )  # fmt: skip
+
+
+CHECKPOINT_FORMAT = "tinker_sr/1"
+"""What `training.checkpoint_meta` writes as ``format``; a later layout gets a higher number."""
+
+
+def check_format(written: str | None, shown: str) -> None:
+    """Refuse a checkpoint of a later layout than this version reads, saying so (before, its
+    fields were read as this version's, and one it did not know was called damage)."""
+    prefix, _, number = (written or "").partition("/")
+    if prefix == "tinker_sr" and number.isdigit() and int(number) > int(CHECKPOINT_FORMAT[10:]):
+        raise EngineUserError(
+            f"checkpoint {shown} was written by a newer tinker_sr (format {written}; this "
+            f"version reads {CHECKPOINT_FORMAT}): upgrade tinker_sr (pip install -U tinker-sr) "
+            "to load it"
+        )
 
 
 def read_record(
@@ -159,6 +192,7 @@ def read_record(
             "(RestClient.list_checkpoints lists a run's)"
         )
 
+    check_format(meta.get("format"), shown)
     try:
         spec = LoraSpec(**json.loads(meta["lora"]))
     except (KeyError, TypeError, ValueError) as e:

@@ -25,8 +25,10 @@ import numpy as np
 
 from tinker_sr.engine.store_files import (
     StoreDamagedError,
+    StoreTooNewError,
     StoreUnwritableError,
     check_not_emptied,
+    check_schema,
     make_store_dir,
     unwritable,
 )
@@ -186,6 +188,11 @@ class Store:
         self._cache_size = cache_size
         if read_only and self.path is not None:
             self._db = _open_read_only(self.path)
+            try:
+                check_schema(self._db, self.path, stamp=False)
+            except StoreTooNewError:
+                self._db.close()
+                raise
             return
         if self.path is not None:
             make_store_dir(self.path.parent)
@@ -200,13 +207,17 @@ class Store:
                 raise
             raise StoreUnwritableError(self.path.parent, e) from None
         try:
+            check_schema(self._db, self.path, stamp=False)  # a newer one: left as it is
             if self.path is not None:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             self._add_missing_columns()
-        except sqlite3.DatabaseError as e:
+            check_schema(self._db, self.path, stamp=True)
+        except (sqlite3.DatabaseError, StoreTooNewError) as e:
             self._db.close()
+            if isinstance(e, StoreTooNewError):
+                raise
             if isinstance(e, sqlite3.OperationalError) and self.path is not None and unwritable(e):
                 raise StoreUnwritableError(self.path.parent, e) from None
             if isinstance(e, sqlite3.OperationalError) or self.path is None:
@@ -592,13 +603,19 @@ class Store:
             )
 
     def usage_rows(self, start: int, end: int) -> list[UsageRow]:
-        """Every bucket starting in ``[start, end)`` (epoch seconds)."""
+        """Every bucket starting in ``[start, end)`` (epoch seconds). None in a store opened
+        read-only from a version before usage was recorded (its schema is not updated)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT bucket_start, session_id, base_model, kind, quantity FROM usage"
-                " WHERE bucket_start >= ? AND bucket_start < ?",
-                (start, end),
-            ).fetchall()
+            try:
+                rows = self._db.execute(
+                    "SELECT bucket_start, session_id, base_model, kind, quantity FROM usage"
+                    " WHERE bucket_start >= ? AND bucket_start < ?",
+                    (start, end),
+                ).fetchall()
+            except sqlite3.OperationalError as e:
+                if "no such table: usage" not in str(e):
+                    raise
+                rows = []
         return [UsageRow(*r) for r in rows]
 
     def session_attributes(

@@ -32,6 +32,33 @@ class StoreDamagedError(RuntimeError):
         )
 
 
+STORE_SCHEMA = 1
+"""The store's schema version (``PRAGMA user_version``): raised only for a change an older
+tinker_sr cannot read (new columns and tables are added in place, readable by older ones)."""
+
+
+class StoreTooNewError(StoreDamagedError):
+    """The store was written by a newer tinker_sr (a higher schema version than this reads)."""
+
+    def __init__(self, path: Path, version: int) -> None:
+        self.path = path
+        RuntimeError.__init__(
+            self,
+            f"{path}: written by a newer tinker_sr (store schema {version}; this version reads "
+            f"up to {STORE_SCHEMA}); upgrade tinker_sr (pip install -U tinker-sr), or give "
+            "this one a store of its own (--store DIR or $TINKER_SR_STORE)",
+        )
+
+
+def check_schema(db: sqlite3.Connection, path: Path | None, *, stamp: bool) -> None:
+    """`StoreTooNewError` if ``db`` is of a later schema; ``stamp``: record this one's."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version > STORE_SCHEMA:
+        raise StoreTooNewError(path or Path(":memory:"), version)
+    if stamp and version < STORE_SCHEMA:
+        db.execute(f"PRAGMA user_version = {STORE_SCHEMA}")
+
+
 class StoreUnwritableError(RuntimeError):
     """The state directory cannot be created or written (read-only, permissions)."""
 

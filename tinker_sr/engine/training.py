@@ -20,7 +20,7 @@ import torch
 from tinker_sr import types, validation
 from tinker_sr.engine import losses as engine_losses
 from tinker_sr.engine import usage
-from tinker_sr.engine.checkpoints import count_nonfinite, read_record
+from tinker_sr.engine.checkpoints import CHECKPOINT_FORMAT, count_nonfinite, read_record
 from tinker_sr.engine.cpu import allocator_fitted_to, available_memory, return_freed_memory
 from tinker_sr.engine.guards import check_finite_outputs, checked_backward
 from tinker_sr.engine.lora import LoraSpec, load_lora_state_dict, lora_state_dict
@@ -349,7 +349,7 @@ def checkpoint_meta(t: Trainer) -> dict[str, str]:
         "base_model": t.base_model,
         "lora": json.dumps(lora_json(t.lora)),
         "steps": str(t.steps),
-        "format": "tinker_sr/1",
+        "format": CHECKPOINT_FORMAT,
     }
 
 

@@ -202,7 +202,7 @@ async def _copy(srv: TinkerServer, req: CopyWeightsRequest, owner: str) -> tuple
     return path, session_id
 
 
-def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[str, str]:
+async def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[str, str]:
     run_id, kind, name = (request.path_params[k] for k in ("run_id", "kind", "name"))
     if request.url.query:
         # The official SDK puts a tinker path's name into the URL unquoted: from "name?x=1"
@@ -219,7 +219,29 @@ def _checkpoint_route(srv: TinkerServer, request: Request, owner: str) -> tuple[
             "external_weights",
         )
     srv.sessions.run_owned(run_id, owner)
-    return run_id, f"{kind}/{name}"
+    return run_id, f"{kind}/{await _name_as_sent(srv, request, run_id, kind, name)}"
+
+
+async def _name_as_sent(
+    srv: TinkerServer, request: Request, run_id: str, kind: str, name: str
+) -> str:
+    """``name`` as the URL spells it, where that differs from its decoding and names a
+    checkpoint: the official SDK puts names into URLs unquoted, so a name holding "%" (which
+    older tinker_sr versions accepted at save) arrives as "%41", decoded to "A": deleting
+    "pct%41" deleted "pctA" (hunt). A quoting client (tinker_sr's) spells a literal "%" as
+    "%25", which names no checkpoint, so its name is the decoded one."""
+    raw = request.scope.get("raw_path") or b""
+    marker = f"/checkpoints/{kind}/".encode()
+    if b"%" not in raw or marker not in raw:
+        return name
+    sent = raw.split(marker, 1)[1].split(b"/", 1)[0].decode("latin-1")
+    if sent == name:
+        return name
+    try:
+        await srv.backend.get_checkpoint(f"tinker://{run_id}/{kind}/{sent}")
+    except Exception:
+        return name
+    return sent
 
 
 async def checkpoint_id_without_kind(srv: TinkerServer, request: Request, owner: str) -> Response:
@@ -236,13 +258,13 @@ async def checkpoint_id_without_kind(srv: TinkerServer, request: Request, owner:
 
 
 async def delete_checkpoint(srv: TinkerServer, request: Request, owner: str) -> Response:
-    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    run_id, checkpoint_id = await _checkpoint_route(srv, request, owner)
     await srv.backend.delete_checkpoint(run_id, checkpoint_id)
     return Response(status_code=204)
 
 
 async def set_checkpoint_ttl(srv: TinkerServer, request: Request, owner: str) -> Response:
-    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    run_id, checkpoint_id = await _checkpoint_route(srv, request, owner)
     req, _ = await srv.parse(request, m.CheckpointTtlRequest, "checkpoint ttl")
     await srv.backend.set_checkpoint_ttl(f"tinker://{run_id}/{checkpoint_id}", req.ttl_seconds)
     return Response(status_code=204)
@@ -251,7 +273,7 @@ async def set_checkpoint_ttl(srv: TinkerServer, request: Request, owner: str) ->
 async def publish(srv: TinkerServer, request: Request, owner: str) -> Response:
     """POST publishes, DELETE unpublishes. Setting the flag a checkpoint already has
     succeeds (the hosted service answers 409, which the SDK retries for minutes)."""
-    run_id, checkpoint_id = _checkpoint_route(srv, request, owner)
+    run_id, checkpoint_id = await _checkpoint_route(srv, request, owner)
     if checkpoint_id.startswith("external_weights/"):
         raise HTTPError(
             400,

@@ -1,0 +1,136 @@
+"""Stores and checkpoints across tinker_sr versions (hunt: old versions' stores opened by
+this one, and this one's by old ones). A store or checkpoint of a later layout than this
+version reads is refused saying so, and left as it is; an old store that a reader cannot
+update reads as what it holds."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tinker_sr as tinker
+from tinker_sr.engine.store import Store
+
+from .conftest import embedded_client
+
+MODEL = "tinker-sr/tiny"
+
+
+def _user_version(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def test_a_store_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> None:
+    from tinker_sr.engine.store import StoreTooNewError
+    from tinker_sr.engine.store_files import STORE_SCHEMA
+
+    store = tmp_path / "store"
+    with embedded_client(store.parent) as service:  # the fixture's store: <tmp>/store
+        service.create_lora_training_client(MODEL, rank=2).result().save_state("a").result()
+    database = store / "engine.sqlite"
+    assert _user_version(database) == STORE_SCHEMA  # stamped by this version
+    with sqlite3.connect(database) as db:
+        db.execute(f"PRAGMA user_version = {STORE_SCHEMA + 1}")
+        tables = db.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall()
+    for read_only in (False, True):
+        with pytest.raises(StoreTooNewError, match="written by a newer tinker_sr"):
+            Store(database, read_only=read_only)
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "0", "--store", str(store)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "upgrade tinker_sr" in done.stderr
+    with sqlite3.connect(database) as db:  # nothing was changed
+        assert db.execute("PRAGMA user_version").fetchone()[0] == STORE_SCHEMA + 1
+        assert db.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall() == tables
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_saying_so(tmp_path: Path) -> None:
+    """Before: a checkpoint saying format tinker_sr/2 loaded as if it were /1."""
+    with embedded_client(tmp_path) as service:
+        tc = service.create_lora_training_client(MODEL, rank=2).result()
+        path = tc.save_state("a").result().path
+        (file,) = (tmp_path / "store").rglob("a.safetensors")
+        with safe_open(str(file), framework="pt") as f:
+            meta = dict(f.metadata())
+        assert meta["format"] == "tinker_sr/1"
+        save_file(load_file(str(file)), str(file), metadata=meta | {"format": "tinker_sr/2"})
+        with pytest.raises(tinker.RequestFailedError, match="written by a newer tinker_sr"):
+            service.create_training_client_from_state(path).result()
+
+
+def test_an_old_read_only_store_without_usage_reports_no_usage(tmp_path: Path) -> None:
+    """A store from before usage was recorded, read where it cannot be updated: before,
+    `tinker-sr usage` failed "no such table: usage"."""
+    database = tmp_path / "engine.sqlite"
+    Store(database).close()
+    with sqlite3.connect(database) as db:
+        db.execute("DROP TABLE usage")
+    store = Store(database, read_only=True)
+    try:
+        assert store.usage_rows(0, 2**40) == []
+    finally:
+        store.close()
+
+
+def test_a_checkpoint_naming_its_base_by_a_relative_path_warns_where_it_resolves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tinker_sr before 493d695 recorded ``base_model="./model"`` as typed; loaded from another
+    directory holding another ``./model`` of the same shapes, it ran on the wrong weights
+    without a word (hunt). This version records the absolute directory; an old record says
+    where it resolves now, and how to name the right model."""
+    from tinker_sr.testing.offline_model import offline_model_dir
+
+    model = offline_model_dir(tmp_path)
+    monkeypatch.chdir(model.parent)
+    relative = f"./{model.name}"
+    with embedded_client(tmp_path) as service:
+        tc = service.create_lora_training_client(relative, rank=2).result()
+        path = tc.save_state("old").result().path
+        (file,) = (tmp_path / "store").rglob("old.safetensors")
+        with safe_open(str(file), framework="pt") as f:
+            meta = dict(f.metadata())
+        assert meta["base_model"] == str(model)  # recorded as its absolute directory
+        save_file(load_file(str(file)), str(file), metadata=meta | {"base_model": relative})
+        with caplog.at_level("WARNING", logger="tinker_sr"):
+            service.create_training_client_from_state(path).result()
+    assert f"relative path {relative!r}" in caplog.text and str(model.parent) in caplog.text
+
+
+def test_the_official_sdk_deletes_an_old_percent_named_checkpoint_not_its_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Older tinker_sr accepted "%" in checkpoint names. The official SDK puts a name into
+    the URL unquoted, so deleting "pct%41" reached the server as "pct%41", decoded "pctA":
+    the other checkpoint was deleted (hunt)."""
+    import tinker
+
+    from tinker_sr.engine import checkpoint_store
+    from tinker_sr.testing import mock_tinker
+
+    with mock_tinker() as mock:
+        svc = tinker.ServiceClient()
+        tc = svc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=2).result()
+        with monkeypatch.context() as old_version:  # its saves took any name
+            old_version.setattr(checkpoint_store, "check_name", lambda name: None)
+            mock.backend.checkpoints.write(
+                tc.model_id, "weights", "pct%41", {"x": torch.zeros(1)}, {},
+                ttl_seconds=None, overwrite=False, user_metadata=None,
+            )  # fmt: skip
+        kept = tc.save_state("pctA").result().path
+        rest = tinker.RestClient()
+        rest.delete_checkpoint_from_tinker_path(f"tinker://{tc.model_id}/weights/pct%41").result()
+        names = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+        assert names == ["weights/pctA"], names
+        assert rest.get_weights_info_by_tinker_path(kept).result() is not None
+        svc.close("success").result(timeout=30)
