@@ -23,6 +23,16 @@ from .conftest import embedded_client
 MODEL = "tinker-sr/tiny"
 
 
+def _rewrite_meta(tmp_path: Path, name: str, **changes: str) -> dict[str, str]:
+    """Give checkpoint ``name``'s file the metadata ``changes`` (as another version would have
+    written it); returns what it held."""
+    (file,) = (tmp_path / "store").rglob(f"{name}.safetensors")
+    with safe_open(str(file), framework="pt") as f:
+        meta = dict(f.metadata())
+    save_file(load_file(str(file)), str(file), metadata=meta | changes)
+    return meta
+
+
 def _user_version(path: Path) -> int:
     with sqlite3.connect(path) as db:
         return int(db.execute("PRAGMA user_version").fetchone()[0])
@@ -59,11 +69,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused_saying_so(tmp_path: Path) -> 
     with embedded_client(tmp_path) as service:
         tc = service.create_lora_training_client(MODEL, rank=2).result()
         path = tc.save_state("a").result().path
-        (file,) = (tmp_path / "store").rglob("a.safetensors")
-        with safe_open(str(file), framework="pt") as f:
-            meta = dict(f.metadata())
-        assert meta["format"] == "tinker_sr/1"
-        save_file(load_file(str(file)), str(file), metadata=meta | {"format": "tinker_sr/2"})
+        assert _rewrite_meta(tmp_path, "a", format="tinker_sr/2")["format"] == "tinker_sr/1"
         with pytest.raises(tinker.RequestFailedError, match="written by a newer tinker_sr"):
             service.create_training_client_from_state(path).result()
 
@@ -97,11 +103,8 @@ def test_a_checkpoint_naming_its_base_by_a_relative_path_warns_where_it_resolves
     with embedded_client(tmp_path) as service:
         tc = service.create_lora_training_client(relative, rank=2).result()
         path = tc.save_state("old").result().path
-        (file,) = (tmp_path / "store").rglob("old.safetensors")
-        with safe_open(str(file), framework="pt") as f:
-            meta = dict(f.metadata())
-        assert meta["base_model"] == str(model)  # recorded as its absolute directory
-        save_file(load_file(str(file)), str(file), metadata=meta | {"base_model": relative})
+        was = _rewrite_meta(tmp_path, "old", base_model=relative)
+        assert was["base_model"] == str(model)  # recorded as its absolute directory
         with caplog.at_level("WARNING", logger="tinker_sr"):
             service.create_training_client_from_state(path).result()
     assert f"relative path {relative!r}" in caplog.text and str(model.parent) in caplog.text
