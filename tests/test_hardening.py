@@ -381,6 +381,21 @@ def test_09_non_finite_loss_is_refused_naming_the_datum_and_the_client_trains_on
     assert_twin_unaffected(service, bad, "datum 1", "Nothing was accumulated")
 
 
+def test_09_only_coefficients_that_scale_the_loss_are_named(
+    embedded_service: tinker.ServiceClient,
+) -> None:
+    """PPO's clip thresholds bound a ratio; they scale nothing, so an overflow through the
+    advantages does not send the caller to them (review)."""
+    tc = embedded_service.create_lora_training_client(MODEL, rank=2, seed=0).result()
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    datum = huge("advantages", 1e36)  # a finite loss (~-5e34) whose gradient overflows
+    datum.loss_fn_inputs["logprobs"] = types.TensorData.from_numpy(np.full(5, -1.0, np.float32))
+    message = refused(
+        lambda: tc.forward_backward([datum], "ppo", config).result(), "datum 0 alone gives loss -"
+    )
+    assert "loss_fn_config" not in message, message
+
+
 def test_09_diverged_weights_are_named_not_returned_as_nan(service: tinker.ServiceClient) -> None:
     """An optim_step at learning_rate 1e20 leaves finite weights too large for float32's
     forward. Before: forward returned NaN log-probs and a sample NaN log-probs after token 0,

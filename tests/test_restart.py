@@ -287,14 +287,14 @@ def test_a_graceful_stop_keeps_the_result_of_the_request_running(tmp_path: Path)
         _, model = asyncio.run(_small_model(srv.base_url))
         http = _http(srv.base_url)
         ids = [i % 250 + 1 for i in range(512)]
-        heavy = types.Datum(  # 16 x 512 tokens on tinker-sr/small: seconds of work
+        heavy = types.Datum(  # 8 x 512 tokens on tinker-sr/small: seconds of work
             model_input=types.ModelInput.from_ints(ids),
             loss_fn_inputs={"target_tokens": [i + 1 for i in ids], "weights": [1.0] * 512},
         )
         rids = []
         for seq_id in (1, 2):
             body = proto.encode_forward_backward_request(
-                model, seq_id, [heavy] * 16, "cross_entropy", forward_only=False
+                model, seq_id, [heavy] * 8, "cross_entropy", forward_only=False
             )
             resp = http.post(
                 "/forward_backward",

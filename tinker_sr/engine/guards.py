@@ -97,6 +97,11 @@ def nonfinite_datum(
     return worst, worst_loss
 
 
+LOSS_SCALES = frozenset({"kl_coeff", "beta"})
+"""``loss_fn_config`` keys that multiply a loss's terms (stable_reinforce's KL, dro's penalty);
+the clip thresholds bound a ratio and scale nothing."""
+
+
 def _refusal(
     what: str,
     loss_fn: str,
@@ -107,8 +112,9 @@ def _refusal(
 ) -> EngineUserError:
     i, value = nonfinite_datum(loss_fn, logits, data, config, unembed)
     coefficients = ""
-    if config and math.isfinite(value):  # a finite loss, an overflowing gradient: its scale
-        named = ", ".join(f"{k}={v:g}" for k, v in config.items())
+    scaling = {k: v for k, v in (config or {}).items() if k in LOSS_SCALES}
+    if scaling and math.isfinite(value):  # a finite loss, an overflowing gradient: its scale
+        named = ", ".join(f"{k}={v:g}" for k, v in scaling.items())
         coefficients = f", or lower the loss_fn_config coefficients that scale it ({named})"
     return EngineUserError(
         f"forward_backward: {what}; datum {i} alone gives loss {value:g}. Nothing was "

@@ -46,8 +46,10 @@ def _check_finite_weights(ps: list[Tensor], lr: float) -> None:
     """Say so at once when an update made weights NaN or infinite (a learning_rate so large
     that a step overflows, which `_check_in_range`'s scalars cannot foresee): before, the step
     answered normally, and its checkpoints were later refused as "damaged on disk"."""
-    largest = torch.stack(torch._foreach_norm(ps, math.inf)).max()  # NaN propagates
-    if not math.isfinite(float(largest)):
+    # A sum per tensor: NaN or inf anywhere makes it non-finite, finite weights do not (short
+    # of ~1e38); the fastest such pass on a CPU (a largest-|value| pass made every step 25-55 %
+    # slower, review; a 2-norm overflows from ~1e19 on, where the forward still answers).
+    if not math.isfinite(float(torch.stack([p.sum() for p in ps]).sum())):
         raise EngineUserError(
             f"optim_step: this update made the weights NaN or infinite (learning_rate {lr:g} is "
             "far too large): the model has diverged, and every later call on it fails. Start "

@@ -113,8 +113,11 @@ def record_done_work(what: str, write: Callable[[], object]) -> None:
     forward_backward repeated on a full disk's advice added its gradients twice."""
     try:
         write()
-    except (OSError, sqlite3.Error) as e:
-        log.warning("%s not recorded (%s); the request it follows succeeded", what, e)
+    except (OSError, sqlite3.Error) as e:  # anything but a full disk: with its traceback
+        log.warning(
+            "%s not recorded (%s); the request it follows succeeded", what, e,
+            exc_info=not is_out_of_space(e),
+        )  # fmt: skip
 
 
 def unwritable(e: sqlite3.OperationalError) -> bool:
