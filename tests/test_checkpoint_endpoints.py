@@ -766,3 +766,30 @@ def test_a_checkpoint_named_without_its_kind_gets_the_fix_on_every_path(service:
     with pytest.raises(NOT_FOUND, match=r"a checkpoint_id is <weights\|sampler_weights"):
         _rest(service).delete_checkpoint(run, "step-1").result()
     _rest(service).delete_checkpoint(run, "weights/step-1").result()  # the id it meant
+
+
+def test_deleting_a_runs_last_checkpoints_leaves_no_empty_folders(tmp_path: Path) -> None:
+    """Before: each run's ``checkpoints/<run>/<kind>/`` folders stayed after its checkpoints
+    were deleted (4 KB each, one pair per run for good: a sweep's thousands of runs)."""
+    backend = LocalBackend(tmp_path / "store")
+    service = tinker.ServiceClient(backend=backend)
+    try:
+        tc = service.create_lora_training_client(MODEL, rank=2).result()
+        paths = [
+            tc.save_state("a").result().path,
+            tc.save_state("b").result().path,
+            tc.save_weights_for_sampler("s").result().path,
+        ]
+        root = tmp_path / "store" / "checkpoints"
+        (run,) = root.iterdir()
+        rest = _rest(service)
+        for i, path in enumerate(paths):
+            rest.delete_checkpoint_from_tinker_path(path).result()
+            kinds = sorted(p.name for p in run.iterdir()) if run.exists() else []
+            assert kinds == [["sampler_weights", "weights"], ["sampler_weights"], []][i], kinds
+        assert not run.exists() and root.exists()
+        # The run saves again into a new folder.
+        assert tc.save_state("c").result().path.endswith("/weights/c")
+    finally:
+        service.close().result()
+        backend.close()

@@ -60,11 +60,20 @@ def _iso(ts: float) -> datetime:
 
 
 def _remove(path: Path) -> None:
-    """A checkpoint's file, or directory (an external-weights export); gone already is fine."""
+    """A checkpoint's file, or directory (an external-weights export); gone already is fine.
+    Its kind's and its run's folders go too once empty (they stayed, one pair per run)."""
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+    kind, run = path.parent, path.parent.parent
+    if run.parent.name != "checkpoints":  # not <root>/checkpoints/<run>/<kind>/<file>
+        return
+    for folder in (kind, run):
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            return
 
 
 class CheckpointStore:
