@@ -220,3 +220,30 @@ def _sample_body(sampler: dict[str, Any], seq_id: int) -> dict[str, Any]:
         "seq_id": seq_id,
         "type": "sample",
     }
+
+
+def test_serve_takes_the_quiet_limits_from_its_flags(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--sample-abandon-s 0`` keeps a quiet session's samples for a client that polls
+    later without heartbeats (review: there was no way to); ``--session-timeout-s`` beside
+    it. The flags reach the app; what it does with them is tested above."""
+    from tinker_sr import cli
+    from tinker_sr.server import run
+
+    seen: dict[str, Any] = {}
+
+    class Stop(Exception):
+        pass
+
+    def create_app(backend: Any, **options: Any) -> Any:
+        seen.update(options)
+        raise Stop  # before serving
+
+    monkeypatch.setattr(run, "create_app", create_app)
+    argv = ["serve", "--port", "0", "--store", str(tmp_path), "--sample-abandon-s", "0"]
+    with pytest.raises(Stop):
+        cli.main([*argv, "--session-timeout-s", "3600"])
+    assert seen["sample_abandon_s"] is None and seen["session_timeout_s"] == 3600.0
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--sample-abandon-s", "-1"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sqlite3
 import sys
@@ -55,6 +56,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             device=device_from_args(args),
             rate_card=rate_card_from_args(args),
             logprobs_mode=args.logprobs_mode,
+            session_timeout_s=args.session_timeout_s,
+            sample_abandon_s=args.sample_abandon_s,
         )
     # another live server; a bad database; a read-only directory; a key no client can send
     except (
@@ -199,9 +202,44 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "processed_logprobs, the distribution each token was drawn from (after temperature, "
         "top_k, top_p). The Tinker API's sampler always reports the latter",
     )
+    _add_liveness_arguments(s)
     s.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     s.add_argument("--long-poll-s", type=float, default=DEFAULT_LONG_POLL_S, help=argparse.SUPPRESS)
     _add_featureless_arguments(s)
+
+
+def _add_liveness_arguments(s: argparse.ArgumentParser) -> None:
+    """How long a quiet session lives, and its sample requests run."""
+    from tinker_sr.server.app import DEFAULT_SAMPLE_ABANDON_S, DEFAULT_SESSION_TIMEOUT_S
+
+    s.add_argument(
+        "--session-timeout-s",
+        type=_seconds_or_never,
+        default=DEFAULT_SESSION_TIMEOUT_S,
+        metavar="S",
+        help="finish a session with no heartbeat or request for S seconds as 'interrupted' "
+        f"(default {DEFAULT_SESSION_TIMEOUT_S:g}; 0: never)",
+    )
+    s.add_argument(
+        "--sample-abandon-s",
+        type=_seconds_or_never,
+        default=DEFAULT_SAMPLE_ABANDON_S,
+        metavar="S",
+        help="cancel the sample requests of a session with no heartbeat or request for S "
+        f"seconds: its client has gone (default {DEFAULT_SAMPLE_ABANDON_S:g}; 0: never, for "
+        "clients that send no heartbeats and collect their results later)",
+    )
+
+
+def _seconds_or_never(text: str) -> float | None:
+    """A duration in seconds for a flag; 0 means never (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: never), got {text!r}")
+    return value or None
 
 
 def _add_featureless_arguments(s: argparse.ArgumentParser) -> None:

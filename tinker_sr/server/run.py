@@ -17,7 +17,14 @@ from tinker_sr.engine.usage import RateCard
 from tinker_sr.exit_with_parent import exit_with_parent
 from tinker_sr.limits import Limits
 
-from .app import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, DEFAULT_MAX_BODY_BYTES, create_app
+from .app import (
+    DEFAULT_LOGPROBS_MODE,
+    DEFAULT_LONG_POLL_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SAMPLE_ABANDON_S,
+    DEFAULT_SESSION_TIMEOUT_S,
+    create_app,
+)
 from .features import ServerFeatures
 
 __all__ = ["serve", "api_keys_from_env", "run_uvicorn", "UnusableApiKeyError"]
@@ -145,6 +152,8 @@ def serve(
     device: str | None = None,
     rate_card: RateCard | None = None,
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
+    session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+    sample_abandon_s: float | None = DEFAULT_SAMPLE_ABANDON_S,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -160,7 +169,7 @@ def serve(
     ``cuda`` or ``auto`` (default ``$TINKER_SR_DEVICE``, else ``cpu``). ``rate_card``: prices
     of the usage it reports (`tinker_sr.engine.usage`; default ``$TINKER_SR_RATE_CARD``).
     ``logprobs_mode``: the OpenAI-compatible routes' log-probs (`create_app`; default
-    ``raw_logprobs``, as vLLM's).
+    ``raw_logprobs``, as vLLM's). ``session_timeout_s``, ``sample_abandon_s``: see `create_app`.
     """
     from tinker_sr.backend.local import LocalBackend, default_store_dir
 
@@ -187,6 +196,8 @@ def serve(
             close_backend=True,
             features=features,
             logprobs_mode=logprobs_mode,
+            session_timeout_s=session_timeout_s,
+            sample_abandon_s=sample_abandon_s,
         )
     except BaseException:
         backend.close()
