@@ -164,8 +164,10 @@ def test_unknown_sequence_id_is_rejected() -> None:
     rejects(
         [d],
         "datum 0: model_input_spans span 0 (PromptProvenanceSpan sequence_id='nope', offset=0, "
-        "length=4): sequence_id 'nope' is not known in this session; sequence ids resolve only "
-        "in the session that sampled them",
+        "length=4): sequence_id 'nope' is not known in this session; either its sample request "
+        "never finished (it failed, or was cancelled: use only the sequences of a sample that "
+        "returned), or it was sampled in another session (sequence ids resolve only in the "
+        "session that sampled them",
     )
 
 

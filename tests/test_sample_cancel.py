@@ -247,3 +247,40 @@ def test_serve_takes_the_quiet_limits_from_its_flags(
     assert seen["sample_abandon_s"] is None and seen["session_timeout_s"] == 3600.0
     with pytest.raises(SystemExit):
         cli.main(["serve", "--sample-abandon-s", "-1"])
+
+
+def test_a_server_that_did_not_run_counts_no_client_quiet_for_that_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's own loop stopped (as a SIGSTOPped or suspended server; here a blocking
+    call on it, 2 s against a pause threshold set to 1 s) while its client's heartbeat waited
+    to be read. Before: as it woke, the overdue check cancelled that live client's samples
+    (and past the session timeout ended its session), blaming the client for the server's
+    pause (hunt: a server stopped for 40 s)."""
+    from tinker_sr.server import app
+
+    monkeypatch.setattr(app, "_PAUSE_S", 1.0, raising=False)
+    with mock_tinker(sample_abandon_s=0.5) as mock:
+        http = _raw_client(mock)
+        session = http.post("/api/v1/create_session", json=_session_body()).json()
+        sid = session["session_id"]
+        sampler = http.post(
+            "/api/v1/create_sampling_session",
+            json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL,
+                  "type": "create_sampling_session"},
+        ).json()  # fmt: skip
+        with _held_worker(mock):
+            promise = http.post("/api/v1/asample", json=_sample_body(sampler, 1)).json()
+
+            async def stall() -> None:
+                time.sleep(2)  # the whole event loop stops, as the process would
+
+            mock._on_loop(stall())
+            time.sleep(0.5)
+            beat = {"session_id": sid, "type": "session_heartbeat"}
+            assert http.post("/api/v1/session_heartbeat", json=beat).status_code == 200
+            time.sleep(0.2)  # a quiet-session check runs meanwhile
+            row = mock.server().state.get_future(promise["request_id"])
+            assert row is not None and row.status == "pending", row
+        reply = http.post("/api/v1/retrieve_future", json={"request_id": promise["request_id"]})
+        assert reply.status_code == 200 and "error" not in reply.text, reply.text

@@ -332,6 +332,8 @@ class DecodeScheduler:
                 a.report()
         for a in [a for a in self._active if a.group.finished]:
             self._active.remove(a)
+            if a.future.cancelled():  # during its last step: nothing recorded or reported
+                continue
             try:
                 _settle(a.future, a.finish(a.group.outputs()))
             except Exception as e:

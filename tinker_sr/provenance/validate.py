@@ -273,8 +273,10 @@ def _live_record(
             j,
             span,
             f"sequence_id {span.sequence_id!r} is not known in this session",
-            "sequence ids resolve only in the session that sampled them; sample and "
-            "train through clients of one ServiceClient",
+            "either its sample request never finished (it failed, or was cancelled: use only "
+            "the sequences of a sample that returned), or it was sampled in another session "
+            "(sequence ids resolve only in the session that sampled them; sample and train "
+            "through clients of one ServiceClient)",
         )
     idle = now - rec.last_used_at
     if idle > ttl:

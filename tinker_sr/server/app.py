@@ -61,6 +61,7 @@ DEFAULT_LONG_POLL_S = 25.0
 SDK's read timeout for it is 45 s)."""
 
 _PRUNE_EVERY_S = 3600.0
+_PAUSE_S = 5.0  # a quiet-session check this late means the server itself did not run
 DEFAULT_MAX_PENDING_SAMPLES = 64
 """asample requests allowed to be pending or running at once; above it asample answers 429
 (the SDK waits, throttles and resubmits the same seq_id, spec §8.3)."""
@@ -152,7 +153,15 @@ class TinkerServer:
                 tick = min(tick, max(quiet / 4, 0.01))
         last_prune = time.monotonic()
         while True:
+            before = time.time()
             await asyncio.sleep(tick)
+            if (late := time.time() - before - tick) > max(tick, _PAUSE_S):
+                # This process (or the machine) was paused: its clients' heartbeats wait in
+                # its sockets, unread. Time it did not run does not count as theirs to be
+                # quiet, and this round waits for them (before: a server stopped for 40 s
+                # cancelled every live client's samples as it woke, hunt).
+                self.sessions.paused(late)
+                continue
             try:
                 self.sessions.stop_abandoned_samples()
                 await self.sessions.expire_quiet()
@@ -338,6 +347,11 @@ def _check_limits(
             raise ValueError(f"{name} must be positive (or None), got {quiet}")
     if max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
+    if sample_abandon_s is not None and sample_abandon_s < 30:
+        log.warning(
+            "sample_abandon_s=%g is under 3 of the SDK's 10 s heartbeat periods: live clients' "
+            "sample requests will be cancelled as abandoned", sample_abandon_s,
+        )  # fmt: skip
 
 
 def create_app(

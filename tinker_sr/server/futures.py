@@ -287,7 +287,7 @@ class Futures:
                 if (why := self._cancelled.pop(rid, None)) is None:
                     raise  # the server is stopping
                 _uncancel()
-                log.info("%s %s cancelled: %s", what, rid, why)
+                log.info("%s %s %s", what, rid, why)  # why: "cancelled: ..."
                 outcome = (FAILED, None, None, why, "user")
             if outcome is not None:
                 self._record(rid, outcome)

@@ -150,6 +150,7 @@ async def _events(
     scored: list[list[TokenEntry]] = [[] for _ in range(reader.answers)]
     loop = asyncio.get_running_loop()
     started = loop.time()
+    waiting: asyncio.Future[Any] | None = None
     try:
         for event in writer.begin(prompt_tokens):
             yield event
@@ -171,7 +172,7 @@ async def _events(
             took, now = loop.time() - now, loop.time()
             pace = min(STREAM_INTERVAL_S, (now - started) / 10)
             await asyncio.wait([task], timeout=max(pace, 4 * took))
-            waiting: asyncio.Future[Any] = asyncio.ensure_future(updates.get())
+            waiting = asyncio.ensure_future(updates.get())
             await asyncio.wait([waiting, task], return_when=asyncio.FIRST_COMPLETED)
             pending = [waiting.result()] if waiting.done() else []
             waiting.cancel()  # (nothing if done)
@@ -181,6 +182,8 @@ async def _events(
         return
     finally:
         task.cancel()  # the client went away: stop sampling (nothing if already done)
+        if waiting is not None:  # its wait for the next update too ("Task was destroyed but
+            waiting.cancel()  # it is pending", hunt)
     for event in writer.end(choices, sent, prompt_tokens):
         yield event
 

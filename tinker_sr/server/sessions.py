@@ -54,6 +54,15 @@ class Sessions:
     def touch(self, session_id: str) -> None:
         self.last_seen[session_id] = time.time()
 
+    def paused(self, seconds: float) -> None:
+        """This process did not run for ``seconds`` (SIGSTOP, a VM or laptop suspended): as
+        after a restart, quiet time before now does not count."""
+        log.warning(
+            "the server did not run for %.0f s (suspended?): sessions are not counted quiet "
+            "for that time", seconds,
+        )  # fmt: skip
+        self._started = time.time()
+
     def finished(self, session_id: str) -> None:
         """``session_id`` was finished by its client."""
         self.last_seen.pop(session_id, None)
