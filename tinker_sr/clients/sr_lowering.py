@@ -211,7 +211,7 @@ class SamplePlan:
     head_k: int  # top-k the client draws from (0: none needed)
 
 
-_SAME_SESSION_FIX = " sequence ids resolve only in the session that sampled them"
+_UNKNOWN = " is not known in this session"  # the validator's words; its fix follows them
 _ELSEWHERE = (
     " it is of a sampler of this session, but this process holds no draws for it: this "
     "service does not compute stable_reinforce itself, so this client computes it from the "
@@ -492,11 +492,9 @@ class SessionLowering:
                     " (this service returned neither topk_sample_logprobs nor "
                     "topk_prompt_logprobs, so the client could not draw the centering tokens)"
                 )
-            if "is not known in this session" in message and _sampled_elsewhere(
-                data, lookup, session_id
-            ):
-                cut = message.find(_SAME_SESSION_FIX)
-                message = (message[:cut] if cut >= 0 else message + ";") + _ELSEWHERE
+            if _UNKNOWN in message and _sampled_elsewhere(data, lookup, session_id):
+                cut = message.find(_UNKNOWN) + len(_UNKNOWN)  # its fix replaced by this one
+                message = message[:cut] + ";" + _ELSEWHERE
             raise _user_error(message) from None
         present = [v for v in views if v is not None]
         assert len(present) == len(views)  # stable_reinforce requires provenance on every datum
