@@ -80,6 +80,7 @@ CREATE TABLE IF NOT EXISTS sequences (
     last_used_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
+CREATE INDEX IF NOT EXISTS training_runs_session ON training_runs(session_id);
 CREATE TABLE IF NOT EXISTS usage (
     bucket_start INTEGER NOT NULL,
     session_id TEXT NOT NULL,
@@ -621,16 +622,18 @@ class Store:
     def session_attributes(
         self, session_ids: set[str]
     ) -> dict[str, tuple[dict[str, str] | None, str | None]]:
-        """session id -> (user_metadata, project_id), for the ids that exist."""
+        """session id -> (user_metadata, project_id), for the ids that exist. One query per
+        500 ids (one per id held the store for seconds at 100,000 sessions, churn hunt)."""
+        ids, rows = sorted(session_ids), []
         with self._lock:
-            rows = [
-                self._db.execute(
-                    "SELECT session_id, user_metadata, project_id FROM sessions WHERE session_id=?",
-                    (i,),
-                ).fetchone()
-                for i in sorted(session_ids)
-            ]
-        return {r[0]: (_unjson(r[1]), r[2]) for r in rows if r is not None}
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                rows += self._db.execute(
+                    "SELECT session_id, user_metadata, project_id FROM sessions WHERE session_id"
+                    f" IN ({','.join('?' * len(chunk))})",
+                    chunk,
+                ).fetchall()
+        return {r[0]: (_unjson(r[1]), r[2]) for r in rows}
 
     def live_checkpoint_sizes(self, now: float) -> list[tuple[str | None, str | None, int]]:
         """(session_id, project_id, size_bytes) of every checkpoint not yet expired."""
