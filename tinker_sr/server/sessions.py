@@ -98,8 +98,8 @@ class Sessions:
                 f"cancelled: its session {session_id} had no heartbeat or request for "
                 f"{self.sample_abandon_s:g} s (its client exited or was suspended); sample again"
             )
-            n = self.futures.cancel_session_samples(session_id, why)
-            log.info("stopped %d sample request(s) of session %s: %s", n, session_id, why)
+            if n := self.futures.cancel_session_samples(session_id, why):
+                log.info("stopped %d sample request(s) of session %s: %s", n, session_id, why)
             stopped += n
         return stopped
 
