@@ -454,3 +454,41 @@ def test_outcomes_the_database_cannot_take_are_never_left_pending(
     written = state.get_future("r1")
     assert written is not None and written.status == COMPLETE and not futures._kept
     state.close()
+
+
+def test_results_kept_in_memory_are_written_at_a_graceful_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result done while the disk was full, with no write after it once space came back,
+    stayed in memory only: a graceful stop lost it, and after the restart its client read it
+    as failed (hunt, from the code). The stop writes it."""
+    import sqlite3
+
+    from starlette.testclient import TestClient
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server import create_app
+    from tinker_sr.server.state import COMPLETE, ServerState
+
+    app = create_app(LocalBackend(tmp_path / "store"), close_backend=True)
+    with TestClient(app):
+        server = app.state.tinker_server
+        server.state.add_future(
+            "r0", owner="o", session_id=None, kind="Forward", dedupe_key="k0",
+            body_hash=None, promise={"request_id": "r0"},
+        )  # fmt: skip
+        real = server.state.complete_future
+
+        def full(*args: Any) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(server.state, "complete_future", full)
+        server.futures._record("r0", (COMPLETE, "json", b'"done"', None, None))
+        assert server.futures._kept  # in memory only
+        monkeypatch.setattr(server.state, "complete_future", real)  # space is back
+    state = ServerState(tmp_path / "store" / "server.sqlite")
+    try:
+        row = state.get_future("r0")
+        assert row is not None and row.status == COMPLETE and row.result == b'"done"', row
+    finally:
+        state.close()

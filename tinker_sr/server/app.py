@@ -189,6 +189,7 @@ class TinkerServer:
         if await self.begin_stop():
             await self.futures.finish_running()
         await self.background.cancel_all()
+        self.futures.flush_kept()
         if self.close_backend:
             await self.backend.aclose()
         self.state.close()

@@ -389,6 +389,20 @@ class Futures:
             del self._kept[rid]
             self._kept_bytes -= len(row.result or b"")
 
+    def flush_kept(self) -> None:
+        """At a graceful stop: write every outcome still kept in memory (before, one done
+        while the disk was full and never followed by another write was lost with the process:
+        after the restart its client read it as failed, work done and acknowledged)."""
+        while self._kept:
+            before = len(self._kept)
+            self._write_kept()
+            if len(self._kept) == before:
+                log.error(
+                    "%d result(s) kept in memory could not be written (%s); after the restart "
+                    "their clients will see them as failed", before, OUT_OF_SPACE,
+                )  # fmt: skip
+                return
+
     def _refuse(self, row: FutureRow) -> None:
         self._refused[row.request_id] = row
         while len(self._refused) > _REFUSED_KEPT:
