@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -161,8 +161,8 @@ def begin(
     )
 
     def finish(outs: list[engine_sampler.SampleOutput]) -> types.SampleResponse:
-        if not all(np.isfinite(o.logprobs).all() for o in outs):
-            raise EngineUserError(f"sample: {DIVERGED}")
+        for o in outs:
+            _finite("sample", o.logprobs)
         recorder.record(s.session_id, plan.tokens, ids, outs, req.record_stability_info)
         resp = types.SampleResponse(
             sequences=[_sequence(sid, o) for sid, o in zip(ids, outs, strict=True)],
@@ -259,10 +259,13 @@ def _prompt_extras(
     return topk_prompt, target_out, alt
 
 
-def _finite(name: str, values: np.ndarray) -> np.ndarray:
-    """``values``, refused if not finite: a diverged model says so here too (before, these
-    outputs held NaN without a word while sampling itself said "diverged")."""
-    if not np.isfinite(values).all():
+_Values = TypeVar("_Values", np.ndarray, list[float])
+
+
+def _finite(name: str, values: _Values) -> _Values:
+    """``values``, refused if not finite: a diverged model's outputs (sampled log-probs,
+    greedy rows included, and every kind of prompt log-probs) say so, never hold NaN."""
+    if not np.isfinite(np.asarray(values)).all():
         raise EngineUserError(f"{name}: {DIVERGED}")
     return values
 
@@ -274,8 +277,7 @@ def _prompt_logprobs(
         return None
     lps = engine_sampler.prompt_logprobs(model, tokens)
     arr = np.array([np.nan if v is None else v for v in lps], dtype=np.float32)
-    if not np.isfinite(arr[1:]).all():  # entry 0 (no context) is the only None
-        raise EngineUserError(f"prompt log-probs: {DIVERGED}")
+    _finite("prompt log-probs", arr[1:])  # entry 0 (no context) is the only None
     if req.prompt_logprobs_last_n is not None:
         arr[: len(tokens) - req.prompt_logprobs_last_n] = np.nan
     return arr
