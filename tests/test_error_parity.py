@@ -304,6 +304,30 @@ def test_listings_are_newest_first_as_the_sdk_and_its_cli_read_them(server: Serv
     service.close("success").result()
 
 
+def test_a_keys_listings_page_through_its_own_runs_only(server: ServerProcess) -> None:
+    """The server pages each key's runs and checkpoints in the store's query (it used to build
+    every owner's and filter them); the pages and counts are the caller's alone."""
+    other = tinker.ServiceClient(base_url=server.base_url, api_key="tml-someone-else")
+    other.create_lora_training_client(MODEL, rank=4).save_state("theirs").result()
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-pages")
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-pages")
+    made = []
+    for name in ("first", "second", "third"):
+        training = service.create_lora_training_client(MODEL, rank=4)
+        made.append((training.model_id, training.save_state(name).result().path))
+    runs = rest.list_training_runs(limit=1, offset=1).result()
+    assert runs.cursor.total_count == 3
+    assert [r.training_run_id for r in runs.training_runs] == [made[1][0]]
+    page = rest.list_user_checkpoints(limit=2, offset=2).result()
+    assert page.cursor is not None and page.cursor.total_count == 3
+    assert [c.tinker_path for c in page.checkpoints] == [made[0][1]]
+    theirs = tinker.RestClient(base_url=server.base_url, api_key="tml-someone-else")
+    theirs = theirs.list_user_checkpoints().result()
+    assert [c.checkpoint_id for c in theirs.checkpoints] == ["weights/theirs"]
+    service.close("success").result()
+    other.close("success").result()
+
+
 # Result fields whose values are fixed tags, compared as values; every other leaf by its type.
 TAGS = {"type", "stop_reason", "checkpoint_type", "loss_fn_output_type", "dtype", "arch"}
 

@@ -63,3 +63,41 @@ def test_session_attributes_of_many_sessions_in_few_queries(tmp_path: Path) -> N
         assert sum("FROM sessions" in q for q in queries) == 3  # 1201 ids, 500 a query
     finally:
         store.close()
+
+
+def test_a_callers_listings_read_its_own_runs_by_index(tmp_path: Path) -> None:
+    """Before: a server listed one key's runs and checkpoints by building every owner's (a
+    run's listing is a query per run) and filtering them in Python: 0.45 s and 0.35 s for 5,000
+    runs of 20,000 checkpoints, holding the engine's store, per `tinker run list`."""
+    from tinker_sr.engine.checkpoint_store import CheckpointStore
+    from tinker_sr.engine.store import CheckpointRow
+
+    store = Store(tmp_path / "engine.sqlite")
+    try:
+        for i in range(300):
+            store.add_run(f"r{i}", f"s{i % 30}", "m", {"rank": 2}, None)
+            path = f"tinker://r{i}/weights/w"
+            row = CheckpointRow(f"r{i}", "weights/w", "training", path, f"f{i}", i, 1, None, None)
+            store.put_checkpoint(row)
+        mine = {"r3", "r150", "r299"}
+        checkpoints = CheckpointStore(store, tmp_path / "ck", purge=False)
+        queries: list[str] = []
+        store._db.set_trace_callback(queries.append)
+        runs = checkpoints.training_runs(limit=2, offset=1, runs=mine)
+        listing = checkpoints.list_all(limit=2, offset=0, runs=mine)
+        store._db.set_trace_callback(None)
+        assert runs.cursor.total_count == 3 and listing.cursor.total_count == 3
+        assert [r.training_run_id for r in runs.training_runs] == ["r150", "r3"]
+        assert [c.tinker_path for c in listing.checkpoints] == [
+            "tinker://r299/weights/w",
+            "tinker://r150/weights/w",
+        ]
+        assert len(queries) <= 10, queries  # the pages' runs, not a query per run
+        for table, sql in (
+            ("training_runs", "SELECT * FROM training_runs WHERE run_id IN "),
+            ("checkpoints", "SELECT * FROM checkpoints WHERE run_id IN "),
+        ):
+            plan = _plan(store._db, sql + "(SELECT value FROM json_each(?))", ('["r3"]',))
+            assert f"SEARCH {table} USING" in plan, plan
+    finally:
+        store.close()

@@ -236,14 +236,20 @@ class Backend(Protocol):
     async def list_checkpoints(self, training_run_id: str) -> CheckpointsListResponse: ...
 
     async def list_user_checkpoints(
-        self, *, limit: int = 100, offset: int = 0
-    ) -> CheckpointsListResponse: ...
+        self, *, limit: int = 100, offset: int = 0, runs: Collection[str] | None = None
+    ) -> CheckpointsListResponse:
+        """A page of the checkpoints, newest first. ``runs``: of these training runs only (a
+        server's backend, for one caller; a remote backend's server does that itself, and it
+        refuses the argument)."""
+        ...
 
     async def get_training_run(self, training_run_id: str) -> TrainingRun: ...
 
     async def list_training_runs(
-        self, *, limit: int = 20, offset: int = 0
-    ) -> TrainingRunsResponse: ...
+        self, *, limit: int = 20, offset: int = 0, runs: Collection[str] | None = None
+    ) -> TrainingRunsResponse:
+        """A page of the training runs, newest first (``runs``: as in `list_user_checkpoints`)."""
+        ...
 
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None: ...
 

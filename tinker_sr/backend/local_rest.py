@@ -161,11 +161,11 @@ class LocalRestQueries:
         return await self._read(lambda: self.checkpoints.list_run(training_run_id))
 
     async def list_user_checkpoints(
-        self, *, limit: int = 100, offset: int = 0
+        self, *, limit: int = 100, offset: int = 0, runs: Collection[str] | None = None
     ) -> types.CheckpointsListResponse:
         def work() -> types.CheckpointsListResponse:
             validation.check_paging(limit, offset, "list_user_checkpoints")
-            return self.checkpoints.list_all(limit=limit, offset=offset)
+            return self.checkpoints.list_all(limit=limit, offset=offset, runs=runs)
 
         return await self._read(work)
 
@@ -173,11 +173,11 @@ class LocalRestQueries:
         return await self._read(lambda: self.checkpoints.training_run(training_run_id))
 
     async def list_training_runs(
-        self, *, limit: int = 20, offset: int = 0
+        self, *, limit: int = 20, offset: int = 0, runs: Collection[str] | None = None
     ) -> types.TrainingRunsResponse:
         def work() -> types.TrainingRunsResponse:
             validation.check_paging(limit, offset, "list_training_runs")
-            return self.checkpoints.training_runs(limit=limit, offset=offset)
+            return self.checkpoints.training_runs(limit=limit, offset=offset, runs=runs)
 
         return await self._read(work)
 

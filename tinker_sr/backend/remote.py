@@ -420,8 +420,9 @@ class RemoteBackend(WireTransport):
         return self._validate(types.CheckpointsListResponse, resp, body)
 
     async def list_user_checkpoints(
-        self, *, limit: int = 100, offset: int = 0
+        self, *, limit: int = 100, offset: int = 0, runs: Collection[str] | None = None
     ) -> types.CheckpointsListResponse:
+        _server_side("runs", runs)
         resp, body = await self._get("/api/v1/checkpoints", {"limit": limit, "offset": offset})
         return self._validate(types.CheckpointsListResponse, resp, body)
 
@@ -481,8 +482,9 @@ class RemoteBackend(WireTransport):
             await asyncio.sleep(TRACE_EXPORT_POLL_S)
 
     async def list_training_runs(
-        self, *, limit: int = 20, offset: int = 0
+        self, *, limit: int = 20, offset: int = 0, runs: Collection[str] | None = None
     ) -> types.TrainingRunsResponse:
+        _server_side("runs", runs)
         resp, body = await self._get(
             "/api/v1/training_runs", {"limit": limit, "offset": offset, "access_scope": "owned"}
         )
@@ -495,7 +497,7 @@ class RemoteBackend(WireTransport):
         *,
         sessions: Collection[str] | None = None,
     ) -> types.BillingUsageResponse:
-        _server_side(sessions)
+        _server_side("sessions", sessions)
         request = types.GetBillingUsageRequest.model_validate(
             {"starting_on": starting_on, "ending_before": ending_before}
         )
@@ -506,7 +508,7 @@ class RemoteBackend(WireTransport):
     async def get_current_checkpoint_storage_usage(
         self, project_id: str | None = None, *, sessions: Collection[str] | None = None
     ) -> types.CurrentCheckpointStorageUsageResponse:
-        _server_side(sessions)
+        _server_side("sessions", sessions)
         params = {} if project_id is None else {"project_id": project_id}
         resp, body = await self._get("/api/v1/billing/usage/checkpoints/current", params)
         return self._validate(types.CurrentCheckpointStorageUsageResponse, resp, body)
@@ -613,9 +615,9 @@ def _parse_path(tinker_path: str) -> types.ParsedCheckpointTinkerPath:
         ) from None
 
 
-def _server_side(sessions: Collection[str] | None) -> None:
-    if sessions is not None:
+def _server_side(name: str, value: Collection[str] | None) -> None:
+    if value is not None:
         raise ValueError(
-            "sessions= limits a server's own usage query; a server answers each caller with "
-            "its own sessions already"
+            f"{name}= limits a server's own query to one caller's {name}; a server answers "
+            f"each caller with its own {name} already"
         )

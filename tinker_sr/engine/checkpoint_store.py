@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -342,9 +342,12 @@ class CheckpointStore:
         rows, _ = self.store.list_checkpoints(run_id)
         return types.CheckpointsListResponse(checkpoints=[self.checkpoint(r) for r in rows])
 
-    def list_all(self, *, limit: int, offset: int) -> types.CheckpointsListResponse:
+    def list_all(
+        self, *, limit: int, offset: int, runs: Collection[str] | None = None
+    ) -> types.CheckpointsListResponse:
+        """A page of the live checkpoints (of ``runs`` only, when given), newest first."""
         rows, total = self.store.list_checkpoints(
-            None, limit=limit, offset=offset, newest_first=True
+            None, limit=limit, offset=offset, newest_first=True, runs=runs
         )
         return types.CheckpointsListResponse(
             checkpoints=[self.checkpoint(r) for r in rows],
@@ -378,10 +381,13 @@ class CheckpointStore:
             user_metadata=run.user_metadata,
         )
 
-    def training_runs(self, *, limit: int, offset: int) -> types.TrainingRunsResponse:
-        runs, total = self.store.list_runs(limit=limit, offset=offset)
+    def training_runs(
+        self, *, limit: int, offset: int, runs: Collection[str] | None = None
+    ) -> types.TrainingRunsResponse:
+        """A page of the training runs (of ``runs`` only, when given), newest first."""
+        rows, total = self.store.list_runs(limit=limit, offset=offset, runs=runs)
         return types.TrainingRunsResponse(
-            training_runs=[self.training_run(r.run_id) for r in runs],
+            training_runs=[self.training_run(r.run_id) for r in rows],
             cursor=types.Cursor(offset=offset, limit=limit, total_count=total),
         )
 

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,14 @@ class CheckpointRow:
     user_metadata: dict[str, str] | None
     expires_at: float | None
     public: bool = False
+
+
+def _among(runs: Collection[str] | None) -> tuple[str, list[object]]:
+    """A WHERE condition keeping the rows of these training runs (every row for None), and its
+    arguments: one JSON list, so any number of runs is one bound parameter."""
+    if runs is None:
+        return "1", []
+    return "run_id IN (SELECT value FROM json_each(?))", [json.dumps(sorted(runs))]
 
 
 def _json(v: Any) -> str | None:
@@ -372,15 +380,21 @@ class Store:
             ).fetchone()
         return None if row is None else self._run_row(row)
 
-    def list_runs(self, *, limit: int, offset: int) -> tuple[list[RunRow], int]:
-        """Training runs, newest first (the official CLI's `tinker run list` shows the first
-        20: the recent ones)."""
+    def list_runs(
+        self, *, limit: int, offset: int, runs: Collection[str] | None = None
+    ) -> tuple[list[RunRow], int]:
+        """Training runs (only ``runs`` when given), newest first (the official CLI's
+        `tinker run list` shows the first 20: the recent ones)."""
+        among, args = _among(runs)
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM training_runs ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
-                (limit, offset),
+                f"SELECT * FROM training_runs WHERE {among} "
+                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                (*args, limit, offset),
             ).fetchall()
-            (total,) = self._db.execute("SELECT COUNT(*) FROM training_runs").fetchone()
+            (total,) = self._db.execute(
+                f"SELECT COUNT(*) FROM training_runs WHERE {among}", args
+            ).fetchone()
         return [self._run_row(r) for r in rows], int(total)
 
     @staticmethod
@@ -424,15 +438,16 @@ class Store:
         limit: int = 1000,
         offset: int = 0,
         newest_first: bool = False,
+        runs: Collection[str] | None = None,
     ) -> tuple[list[CheckpointRow], int]:
-        """Live checkpoints (of ``run_id``, or all), oldest first unless ``newest_first`` (the
-        SDK's `list_user_checkpoints` order)."""
+        """Live checkpoints (of ``run_id``, or of ``runs``, or all), oldest first unless
+        ``newest_first`` (the SDK's `list_user_checkpoints` order)."""
         order = "created_at DESC, rowid DESC" if newest_first else "created_at, rowid"
-        live = "(expires_at IS NULL OR expires_at > ?)"
-        where = f"WHERE {live}"
-        args: list[object] = [time.time()]
+        among, args = _among(runs)
+        where = f"WHERE {among} AND (expires_at IS NULL OR expires_at > ?)"
+        args = [*args, time.time()]
         if run_id is not None:
-            where, args = f"WHERE run_id=? AND {live}", [run_id, *args]
+            where, args = f"{where} AND run_id=?", [*args, run_id]
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_CK_COLUMNS} FROM checkpoints {where} ORDER BY {order} LIMIT ? OFFSET ?",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -66,9 +66,6 @@ async def list_checkpoints(srv: TinkerServer, request: Request, owner: str) -> R
     return json_reply(out.model_dump(mode="json", exclude_none=True))
 
 
-_EVERY = 10**9 - 1  # the largest page a backend lists (`validation.check_paging`): all of them
-
-
 def paging(request: Request, default_limit: int, allowed: set[str]) -> tuple[int, int]:
     extra = set(request.query_params) - allowed
     if extra:
@@ -93,27 +90,12 @@ def access_scope(request: Request) -> None:
         raise HTTPError(400, f"access_scope must be 'owned' or 'accessible', got {scope!r}")
 
 
-def _page(key: str, items: list[Any], limit: int, offset: int) -> Response:
-    page = items[offset : offset + limit]
-    return json_reply(
-        {
-            key: [c.model_dump(mode="json", exclude_none=True) for c in page],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(items)},
-        }
-    )
-
-
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
     limit, offset = paging(request, 100, {"limit", "offset"})
-    # The backend lists every owner's checkpoints; keep this key's and page here.
-    everything = await srv.backend.list_user_checkpoints(limit=_EVERY, offset=0)
-    mine_runs = srv.state.model_ids_of(owner)
-    mine = [
-        c
-        for c in everything.checkpoints
-        if ParsedCheckpointTinkerPath.from_tinker_path(c.tinker_path).training_run_id in mine_runs
-    ]
-    return _page("checkpoints", mine, limit, offset)
+    page = await srv.backend.list_user_checkpoints(
+        limit=limit, offset=offset, runs=srv.state.model_ids_of(owner)
+    )
+    return json_reply(page.model_dump(mode="json", exclude_none=True))
 
 
 async def get_training_run(srv: TinkerServer, request: Request, owner: str) -> Response:
@@ -130,10 +112,10 @@ async def list_training_runs(srv: TinkerServer, request: Request, owner: str) ->
         raise HTTPError(400, "filtering training runs by project_id is not supported")
     limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
     access_scope(request)
-    everything = await srv.backend.list_training_runs(limit=_EVERY, offset=0)
-    mine_runs = srv.state.model_ids_of(owner)
-    mine = [r for r in everything.training_runs if r.training_run_id in mine_runs]
-    return _page("training_runs", mine, limit, offset)
+    page = await srv.backend.list_training_runs(
+        limit=limit, offset=offset, runs=srv.state.model_ids_of(owner)
+    )
+    return json_reply(page.model_dump(mode="json", exclude_none=True))
 
 
 async def weights_info(srv: TinkerServer, request: Request, owner: str) -> Response:
