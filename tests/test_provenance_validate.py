@@ -337,7 +337,9 @@ def test_stable_reinforce_rejects_nonzero_advantage_outside_sampled_spans() -> N
         [d],
         "datum 0: loss_fn_input_spans span 0 (PromptProvenanceSpan sequence_id='s1', offset=1, "
         "length=3): advantages[1] = 0.25 on a prompt position; stable_reinforce accepts "
-        "non-zero advantages only on sampled tokens",
+        "non-zero advantages only on sampled tokens; set the advantages outside "
+        "SampledProvenanceSpans to 0 (a KL penalty discounted onto prompt tokens, the "
+        "cookbook's kl_discount_factor > 0, puts values there)",
     )
     assert run([d], loss_fn="ppo")[0] is not None
 

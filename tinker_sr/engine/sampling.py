@@ -377,7 +377,7 @@ def _prompt_tokens(prompt: types.ModelInput, vocab: int) -> list[int]:
     for i, chunk in enumerate(prompt.chunks):
         if not isinstance(chunk, types.EncodedTextChunk):
             raise EngineUserError(
-                f"prompt chunk {i} is a {type(chunk).__name__}; the tinker_sr engine only "
+                f"prompt chunk {i} is of type {type(chunk).__name__}; the tinker_sr engine only "
                 "accepts EncodedTextChunk (text models)"
             )
     tokens = prompt.to_ints()

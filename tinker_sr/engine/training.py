@@ -194,7 +194,7 @@ def _check_datum_types(data: Sequence[types.Datum]) -> None:
         for j, chunk in enumerate(d.model_input.chunks):
             if not isinstance(chunk, types.EncodedTextChunk):
                 raise EngineUserError(
-                    f"datum {i}: model_input chunk {j} is a {type(chunk).__name__}; the "
+                    f"datum {i}: model_input chunk {j} is of type {type(chunk).__name__}; the "
                     "tinker_sr engine only accepts EncodedTextChunk"
                 )
 

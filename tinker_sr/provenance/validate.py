@@ -463,7 +463,8 @@ def _check_stable_reinforce(
                 span,
                 f"advantages[{t}] = {float(adv[t])} on a prompt position",
                 "stable_reinforce accepts non-zero advantages only on sampled tokens; set the "
-                "advantages outside SampledProvenanceSpans to 0",
+                "advantages outside SampledProvenanceSpans to 0 (a KL penalty discounted onto "
+                "prompt tokens, the cookbook's kl_discount_factor > 0, puts values there)",
             )
         if _kind(span) == "sampled" and len(nonzero):
             rec = record(span.sequence_id)
