@@ -354,7 +354,8 @@ def test_remote_get_tokenizer_raises_instead_of_guessing() -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_lora_trains_on_a_16_bit_checkpoint(tmp_path: Path, dtype: str) -> None:
     root = make_tiny_hf_model_dir(tmp_path / "m", dtype=dtype)  # type: ignore[arg-type]
-    backend = LocalBackend(tmp_path / "store")
+    # Named, so it stays in 16 bits also on a CPU without hardware for them (else float32).
+    backend = LocalBackend(tmp_path / "store", model_dtype=dtype)
     client = tinker_sr.ServiceClient(backend=backend)
     training = client.create_lora_training_client(base_model=str(root), rank=4, seed=1).result()
     ids = training.get_tokenizer().encode("User: what is 1 plus 2?\n\nAssistant: 3")

@@ -104,7 +104,9 @@ def test_an_image_of_unknown_length_is_the_callers_error(
         model_input=types.ModelInput(chunks=[image]),
         loss_fn_inputs={"target_tokens": [1], "weights": [1.0]},
     )
-    with pytest.raises(tinker.RequestFailedError, match="is of type ImageChunk; .* only accepts") as ei:
+    with pytest.raises(
+        tinker.RequestFailedError, match="is of type ImageChunk; .* only accepts"
+    ) as ei:
         tc.forward_backward([datum], "cross_entropy").result()
     assert ei.value.category == types.RequestErrorCategory.User
 

@@ -33,7 +33,7 @@ from tests._train import (  # noqa: E402
 )
 from tinker_sr import types  # noqa: E402
 from tinker_sr.backend.local import LocalBackend  # noqa: E402
-from tinker_sr.engine import compiled, registry  # noqa: E402
+from tinker_sr.engine import compiled, device  # noqa: E402
 from tinker_sr.engine.hf import load_model_dir  # noqa: E402
 from tinker_sr.engine.hf_config import config_from_hf  # noqa: E402
 from tinker_sr.engine.hybrid import gated_delta_rule, gated_delta_step  # noqa: E402
@@ -270,7 +270,7 @@ def test_rows_that_stop_early_leave_the_others_states_intact(q35_dir: Path) -> N
 
 
 def _one_step(tmp: Path, q35_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    monkeypatch.setenv(device.TRAIN_DTYPE_ENV, dtype)
     backend = LocalBackend(tmp / dtype)
     client = tinker_sr.ServiceClient(backend=backend)
     training = client.create_lora_training_client(str(q35_dir), rank=4, seed=1).result()

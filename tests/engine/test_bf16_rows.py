@@ -237,9 +237,9 @@ def _train_step(tmp: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> tuple
     import tinker_sr as tinker
     from tinker_sr import types
     from tinker_sr.backend.local import LocalBackend
-    from tinker_sr.engine import registry
+    from tinker_sr.engine import device
 
-    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    monkeypatch.setenv(device.TRAIN_DTYPE_ENV, dtype)
     backend = LocalBackend(tmp / dtype)
     service = tinker.ServiceClient(backend=backend)
     training = service.create_lora_training_client(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,3 +224,79 @@ def test_free_memory_is_described_with_where_its_limit_comes_from(
     assert cpu.describe_free_memory() == "free memory: 3.0 GiB"
     monkeypatch.setattr(cpu, "_mem_available", lambda: None)
     assert cpu.describe_free_memory() == "free memory: unknown"
+
+
+AMX_HOST = (
+    "model name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    "flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8\n"
+)
+AVX2_HOST = "model name\t: AMD EPYC 7R13 Processor\nflags\t\t: fpu sse2 avx2 fma\n"
+# aarch64: no "model name" or "flags"; Graviton3 (SVE, BF16) and Graviton2 (neither)
+GRAVITON3 = (
+    "Features\t: fp asimd sve i8mm bf16 svebf16\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+)
+GRAVITON2 = "Features\t: fp asimd asimddp ssbs\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
+
+
+@pytest.fixture
+def cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``cpuinfo(text)``: the machine's /proc/cpuinfo reads as ``text`` from now on."""
+    real = cpu._cpuinfo_field
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def fake(text: str) -> None:
+        path = tmp_path / f"cpuinfo{abs(hash(text))}"
+        path.write_text(text)
+        monkeypatch.setattr(cpu, "_cpuinfo_field", lambda name, _=None: real(name, path))
+
+    yield fake
+
+
+def test_fast_half_precision_needs_the_flags_and_onednn_allowed_to_use_them(
+    cpuinfo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: only /proc/cpuinfo decided, so a host with AMX whose oneDNN was capped to AVX2
+    (the docs' AVX2 recipe) took bf16 for fast and trained 30x slower than float32."""
+    import torch
+
+    cpuinfo(AMX_HOST)
+    assert cpu.has_fast_bf16() and cpu.has_fast_half(torch.float16)
+    assert not cpu.has_fast_half(torch.float32)
+    for cap, bf16, fp16 in (
+        ("avx2", False, False),
+        ("AVX512_CORE", False, False),
+        ("AVX512_CORE_BF16", True, False),
+        ("AVX512_CORE_AMX", True, True),
+        ("ALL", True, True),
+    ):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert (cpu.has_fast_bf16(), cpu.has_fast_half(torch.float16)) == (bf16, fp16), cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # its old name
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert not cpu.has_fast_bf16()
+    assert "oneDNN capped to AVX2, MKL capped to AVX2" in cpu.describe_machine()
+    cpuinfo(AVX2_HOST)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    assert not cpu.has_fast_bf16() and not cpu.has_fast_half(torch.float16)
+    assert cpu.isa_flags() == ["avx2", "fma"]
+
+
+def test_arm_cpus_report_their_features_and_are_told_apart(cpuinfo: Any) -> None:
+    """Before: aarch64's /proc/cpuinfo has "Features", no "flags" or "model name", so every
+    ARM CPU had no flags and the same identity: a library built with -march=native on a
+    Graviton3 would load on a Graviton2 sharing the kernel cache."""
+    from tinker_sr.engine import native
+
+    cpuinfo(GRAVITON3)
+    assert cpu.isa_flags() == ["asimd", "sve", "bf16", "i8mm"]
+    assert not cpu.has_fast_bf16()  # not claimed for ARM
+    g3 = cpu.cpu_identity()
+    cc = native._compiler()
+    g3_lib = native.library_path("rows", cc) if cc else None
+    cpuinfo(GRAVITON2)
+    assert cpu.isa_flags() == ["asimd"]
+    assert cpu.cpu_identity() != g3 and "CPU part: 0xd0c" in cpu.cpu_identity()
+    if cc:
+        assert native.library_path("rows", cc) != g3_lib

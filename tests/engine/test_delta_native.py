@@ -38,7 +38,8 @@ def _torch_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+# float32: 3e-5, as a build without FMA (x86-64-v2) or torch without AVX rounds (a hunt: 2.1e-5).
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-5), (torch.float64, 1e-12)])
 def test_the_c_solve_is_torchs_in_values_and_gradients(dtype: torch.dtype, tol: float) -> None:
     if not _c_kernels():
         pytest.skip("the C kernels are off or unavailable: torch's solve runs")

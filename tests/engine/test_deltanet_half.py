@@ -146,7 +146,8 @@ def _sampled_against_forward(model_dir: Path, store: Path) -> float:
     from tinker_sr.backend.local import LocalBackend
 
     types = tinker.types
-    service = tinker.ServiceClient(backend=LocalBackend(store))
+    # In bfloat16 also on a CPU without bf16 products (there it would load in float32).
+    service = tinker.ServiceClient(backend=LocalBackend(store, model_dtype="bfloat16"))
     trainer = service.create_lora_training_client(base_model=str(model_dir), rank=8, seed=0)
     training = trainer.result()
     sampler = training.save_weights_and_get_sampling_client().result()

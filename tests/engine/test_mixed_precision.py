@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tinker_sr.backend.local import LocalBackend
-from tinker_sr.engine import registry
+from tinker_sr.engine import cpu
+from tinker_sr.engine import device as engine_device
 
 from .small_lora import small_lora_client
 
@@ -22,7 +24,7 @@ def _step(
 ) -> tuple[float, np.ndarray]:
     """One step on ``device`` (default: ``$TINKER_SR_DEVICE``, so the suite also runs on a GPU
     with ``TINKER_SR_DEVICE=cuda``)."""
-    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, dtype)
+    monkeypatch.setenv(engine_device.TRAIN_DTYPE_ENV, dtype)
     backend = LocalBackend(tmp / dtype, device=device)
     service, training, datum = small_lora_client(backend, TOKENS)
     out = training.forward_backward([datum], "cross_entropy").result()
@@ -48,12 +50,32 @@ def test_bf16_step_matches_fp32_within_tolerance(
 
 
 def test_train_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, "bf16")
-    expected = torch.bfloat16 if registry.has_fast_bf16() else None
-    assert registry.train_autocast_dtype() == expected
-    monkeypatch.setenv(registry.TRAIN_DTYPE_ENV, "fp8")
+    monkeypatch.setenv(engine_device.TRAIN_DTYPE_ENV, "bf16")
+    expected = torch.bfloat16 if cpu.has_fast_bf16() else None
+    assert engine_device.train_autocast_dtype() == expected
+    monkeypatch.setenv(engine_device.TRAIN_DTYPE_ENV, "fp8")
     with pytest.raises(ValueError, match="TINKER_SR_TRAIN_DTYPE must be"):
-        registry.train_autocast_dtype()
+        engine_device.train_autocast_dtype()
+
+
+def test_bf16_asked_for_where_it_is_emulated_says_float32_runs_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: ``TINKER_SR_TRAIN_DTYPE=bf16`` on a CPU without AMX / AVX512-BF16 trained in
+    float32 without a word (a hunt found nothing in the log, the metrics or serve's output)."""
+    monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
+    monkeypatch.setattr(engine_device, "has_fast_bf16", lambda: False)
+    monkeypatch.setenv(engine_device.TRAIN_DTYPE_ENV, "bf16")
+    engine_device._note_bf16_declined.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="tinker_sr.engine"):
+        assert engine_device.train_autocast_dtype() is None
+        assert engine_device.train_autocast_dtype() is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert "TINKER_SR_TRAIN_DTYPE=bf16 but this CPU has no AMX or AVX512-BF16" in said[0]
+    assert "training in float32; TINKER_SR_TRAIN_DTYPE=bf16-force" in said[0]
+    monkeypatch.setenv(engine_device.TRAIN_DTYPE_ENV, "bf16-force")
+    assert engine_device.train_autocast_dtype() == torch.bfloat16
 
 
 def test_bf16_logits_widened_in_pieces_equal_the_whole_chunk_widened(

@@ -47,8 +47,11 @@ __all__ = [
     "describe_free_memory",
     "describe_machine",
     "fit_allocator_to_memory",
+    "cpu_identity",
     "has_fast_bf16",
+    "has_fast_half",
     "isa_flags",
+    "onednn_isa_cap",
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",
@@ -148,12 +151,21 @@ def prefer_passive_waits() -> bool:
     return "torch" not in sys.modules
 
 
-# The ISA extensions that decide matmul speed here, in the order they are reported.
+# The ISA extensions that decide matmul speed here, in the order they are reported (x86's
+# "flags", then aarch64's "Features" of /proc/cpuinfo).
 _REPORTED_FLAGS = (
-    "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
-    "amx_tile", "amx_bf16", "amx_int8",
+    "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+    "avx_vnni", "amx_tile", "amx_bf16", "amx_fp16", "amx_int8",
+    "asimd", "sve", "sve2", "bf16", "i8mm",
 )  # fmt: skip
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
+# oneDNN's ISA caps (``$ONEDNN_MAX_CPU_ISA``) below which its bf16 / fp16 products are
+# emulated: under a cap of AVX2 a hunt measured a bf16 step 30x slower than float32.
+_ONEDNN_BELOW_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
+_ONEDNN_BELOW_FP16 = _ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16"}
 
 
 def _cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -175,14 +187,43 @@ def cpu_model() -> str:
 
 def isa_flags() -> list[str]:
     """The reported ISA extensions (`_REPORTED_FLAGS`) this CPU has, from /proc/cpuinfo."""
-    have = set(_cpuinfo_field("flags").split())
+    have = set((_cpuinfo_field("flags") or _cpuinfo_field("Features")).split())
     return [f for f in _REPORTED_FLAGS if f in have]
 
 
+def cpu_identity() -> str:
+    """What /proc/cpuinfo says the CPU is and can run (x86: model name and flags; aarch64: its
+    implementer, part and features), for keys of code compiled for it."""
+    fields = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+    return "\n".join(f"{name}: {_cpuinfo_field(name)}" for name in fields)
+
+
+def onednn_isa_cap() -> str | None:
+    """The ISA oneDNN is capped to (``$ONEDNN_MAX_CPU_ISA``, or its old name
+    ``$DNNL_MAX_CPU_ISA``), upper-case; None when uncapped."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if value := os.environ.get(name, "").strip().upper():
+            return value
+    return None
+
+
 def has_fast_bf16() -> bool:
-    """True when bf16 matmuls run in hardware (AMX or AVX512-BF16), i.e. where a bf16
-    compute dtype is a speed-up rather than an emulation."""
-    return any(f in isa_flags() for f in _BF16_FLAGS)
+    """True when bf16 matmuls run in hardware (AMX or AVX512-BF16, and oneDNN is not capped
+    below them), i.e. where a bf16 compute dtype is a speed-up rather than an emulation."""
+    return any(f in isa_flags() for f in _BF16_FLAGS) and onednn_isa_cap() not in _ONEDNN_BELOW_BF16
+
+
+def has_fast_half(dtype: Any) -> bool:
+    """Whether this CPU's matmuls in ``dtype`` (torch.bfloat16 or torch.float16) run in
+    hardware (fp16: AMX-FP16 or AVX512-FP16); False for other dtypes."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        return has_fast_bf16()
+    if dtype == torch.float16:
+        have = any(f in isa_flags() for f in _FP16_FLAGS)
+        return have and onednn_isa_cap() not in _ONEDNN_BELOW_FP16
+    return False
 
 
 def describe_machine() -> str:
@@ -195,8 +236,14 @@ def describe_machine() -> str:
         f"{available_cpus()} | {describe_free_memory()} | load avg: {os.getloadavg()[0]:.2f} | "
         f"torch {torch.__version__} "
         f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}{_caps()}"
     )
+
+
+def _caps() -> str:
+    """The ISA caps set for oneDNN and MKL (what this run's products may use), if any."""
+    caps = [("oneDNN", onednn_isa_cap()), ("MKL", os.environ.get("MKL_ENABLE_INSTRUCTIONS"))]
+    return "".join(f", {lib} capped to {cap}" for lib, cap in caps if cap)
 
 
 def describe_free_memory() -> str:

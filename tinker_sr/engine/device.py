@@ -11,6 +11,8 @@ Run on an NVIDIA H200 (fp32 within ~2e-6 of the CPU; figures in docs/performance
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -78,3 +80,36 @@ def free_memory(device: torch.device) -> int | None:
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
     return available_memory()
+
+
+TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
+
+
+def train_autocast_dtype(device: torch.device | None = None) -> torch.dtype | None:
+    """``$TINKER_SR_TRAIN_DTYPE``: ``float32`` (default) trains in fp32; ``bf16`` trains with
+    bf16 matmuls under autocast (fp32 master weights, adapters, optimizer and loss) where the
+    device has fast bf16 (CPU: AMX / AVX512-BF16, `has_fast_bf16`; CUDA: sm80+), else stays
+    fp32 (bf16 would be emulated, i.e. slower; logged once); ``bf16-force`` uses bf16
+    regardless."""
+    raw = os.environ.get(TRAIN_DTYPE_ENV, "").strip().lower()
+    if raw in ("", "float32", "fp32"):
+        return None
+    if raw in ("bf16", "bfloat16"):
+        if fast_bf16(device or torch.device("cpu")):
+            return torch.bfloat16
+        _note_bf16_declined(str(device or "cpu"))
+        return None
+    if raw == "bf16-force":
+        return torch.bfloat16
+    raise ValueError(f"{TRAIN_DTYPE_ENV} must be float32, bf16 or bf16-force, got {raw!r}")
+
+
+@functools.cache
+def _note_bf16_declined(device: str) -> None:
+    """Say once per device that ``bf16`` training was asked for and float32 runs instead."""
+    what = "this CPU has no AMX or AVX512-BF16" if device == "cpu" else f"{device} has no bf16"
+    logging.getLogger("tinker_sr.engine").warning(
+        "%s=bf16 but %s (bf16 products would be emulated, slower than float32): training in "
+        "float32; %s=bf16-force uses bf16 regardless",
+        TRAIN_DTYPE_ENV, what, TRAIN_DTYPE_ENV,
+    )  # fmt: skip

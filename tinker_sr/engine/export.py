@@ -136,12 +136,15 @@ def export_peft(
     return root
 
 
-def merged_model(base: Transformer, ckpt: LoraCheckpoint) -> Transformer:
-    """A new model holding base + adapter in the base's dtype (merged in float32)."""
+def merged_model(
+    base: Transformer, ckpt: LoraCheckpoint, dtype: torch.dtype | None = None
+) -> Transformer:
+    """A new model holding base + adapter in ``dtype`` (default: the base's; merged in
+    float32)."""
     adapted = clone_for_sampling(base, dtype=torch.float32)
     apply_lora(adapted, dataclasses.replace(ckpt.spec, seed=0))
     load_lora_state_dict(adapted, ckpt.adapters)
-    return clone_for_sampling(adapted, dtype=base.dtype)
+    return clone_for_sampling(adapted, dtype=dtype or base.dtype)
 
 
 def export_merged(
@@ -153,7 +156,10 @@ def export_merged(
     tokenizer written."""
     root = Path(out).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    model = merged_model(base, ckpt)
+    from tinker_sr.engine.hf import checkpoint_dtype
+
+    # In the checkpoint's own dtype (a CPU without fast bf16 computes a bf16 one in float32).
+    model = merged_model(base, ckpt, None if base_dir is None else checkpoint_dtype(base_dir))
     tied = model.config.tie_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     state = state_to_hf(model.config, state)  # Qwen3.5: its text model; gpt-oss: fused experts

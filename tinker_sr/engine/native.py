@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -25,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tinker_sr.engine.cpu import _cpuinfo_field
+from tinker_sr.engine.cpu import cpu_identity
 
 __all__ = [
     "CACHE_ENV",
@@ -89,8 +90,7 @@ def library_path(name: str, cc: str, defines: tuple[str, ...] = ()) -> Path:
         version.encode(),
         " ".join(FLAGS + tuple(f"-D{d}" for d in defines)).encode(),
         platform.machine().encode(),
-        _cpuinfo_field("model name").encode(),
-        _cpuinfo_field("flags").encode(),
+        cpu_identity().encode(),
     ):
         key.update(part + b"\0")
     return cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
@@ -138,14 +138,22 @@ def isolate_inductor_cache() -> Path | None:
     logits, a corrupted heap). Call before the process's first ``torch.compile``."""
     chosen = os.environ.get(INDUCTOR_CACHE_ENV, "").strip()
     if chosen and os.path.abspath(chosen) != _inductor_default():
-        return None  # the user's (torch writes its default there at some imports)
+        # The user's (torch writes its default there at some imports), kept as it is.
+        logging.getLogger("tinker_sr.engine").warning(
+            "$%s=%s is set, so compiled loops are cached there as it is; torch's cache key "
+            "misses the vector ISA, so share that directory only between CPUs of one ISA "
+            "(a loop compiled for AVX-512 and run on an AVX2 CPU computes garbage), or unset "
+            "it: tinker_sr then keeps a directory per CPU",
+            INDUCTOR_CACHE_ENV,
+            chosen,
+        )
+        return None
     import torch
 
     key = hashlib.sha256()
     for part in (
         platform.machine(),
-        _cpuinfo_field("model name"),
-        _cpuinfo_field("flags"),
+        cpu_identity(),
         torch.backends.cpu.get_cpu_capability(),
         torch.__version__,
     ):

@@ -44,8 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine import gemm
 from tinker_sr.engine.admission import trainer_optimizer
-from tinker_sr.engine.cpu import has_fast_bf16, return_freed_memory
-from tinker_sr.engine.device import fast_bf16, free_memory
+from tinker_sr.engine.cpu import return_freed_memory
+from tinker_sr.engine.device import free_memory, train_autocast_dtype
 from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -126,7 +126,6 @@ BASE_SAMPLERS_PER_SESSION = 4096
 # ones keep their built model (adapters only; the base is shared).
 UNMERGED_KEPT = 4
 CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
-TRAIN_DTYPE_ENV = "TINKER_SR_TRAIN_DTYPE"
 
 
 def checkpointing_setting() -> bool | None:
@@ -138,23 +137,6 @@ def checkpointing_setting() -> bool | None:
     if raw in ("0", "1"):
         return raw == "1"
     raise ValueError(f"{CHECKPOINTING_ENV} must be 0, 1 or auto, got {raw!r}")
-
-
-def train_autocast_dtype(device: torch.device | None = None) -> torch.dtype | None:
-    """``$TINKER_SR_TRAIN_DTYPE``: ``float32`` (default) trains in fp32; ``bf16`` trains with
-    bf16 matmuls under autocast (fp32 master weights, adapters, optimizer and loss) where the
-    device has fast bf16 (CPU: AMX / AVX512-BF16, `has_fast_bf16`; CUDA: sm80+), else stays
-    fp32 (bf16 would be emulated, i.e. slower); ``bf16-force`` uses bf16 regardless."""
-    raw = os.environ.get(TRAIN_DTYPE_ENV, "").strip().lower()
-    if raw in ("", "float32", "fp32"):
-        return None
-    if raw in ("bf16", "bfloat16"):
-        if device is not None and device.type != "cpu":
-            return torch.bfloat16 if fast_bf16(device) else None
-        return torch.bfloat16 if has_fast_bf16() else None
-    if raw == "bf16-force":
-        return torch.bfloat16
-    raise ValueError(f"{TRAIN_DTYPE_ENV} must be float32, bf16 or bf16-force, got {raw!r}")
 
 
 def _budget_bytes(env: str, default_mb: int | None) -> int | None:
@@ -346,7 +328,7 @@ class ModelRegistry:
             elif resolved in BUILTIN_CONFIGS:
                 m = build_model(resolved, seed=0, dtype=self.model_dtype or torch.float32)
             else:
-                m = load_model_dir(resolved, dtype=self.model_dtype)
+                m = load_model_dir(resolved, dtype=self.model_dtype, cpu=self.device.type == "cpu")
             m.requires_grad_(False)
             m.eval()
             if m.device != self.device:  # loaded on the CPU, then moved once

@@ -74,7 +74,7 @@ def forward_backward(
         room = _check_step_fits(t.model, kept, room)
     with allocator_fitted_to(room), torch.set_grad_enabled(not forward_only):
         # Mixed precision (bf16 matmuls, float32 master weights, adapters and loss) when the
-        # trainer was created with it; see `registry.train_autocast_dtype`. No cache of casts
+        # trainer was created with it; see `device.train_autocast_dtype`. No cache of casts
         # (autocast keeps trainable leaves' only): it would cast a shared expert factor
         # (`lora.LoraSpec.moe_shared_outer`) once for all its experts and sum their gradients
         # in bf16 in that cast's backward; a cast per use sums them in float32.
