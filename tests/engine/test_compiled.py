@@ -645,10 +645,10 @@ def test_the_kernel_library_is_cached_per_cpu(
     built = native.library_path("causal_attention", compiler)
     assert built.exists() and built.parent == kernel_cache
     assert [p.name for p in kernel_cache.iterdir()] == [built.name]  # no temporary left over
-    real = native._cpuinfo_field
-    monkeypatch.setattr(
-        native, "_cpuinfo_field", lambda f: "other flags" if f == "flags" else real(f)
-    )
+    from tinker_sr.engine import cpu
+
+    real = cpu._cpuinfo_field
+    monkeypatch.setattr(cpu, "_cpuinfo_field", lambda f: "other flags" if f == "flags" else real(f))
     assert native.library_path("causal_attention", compiler) != built  # never reused there
 
 
