@@ -339,6 +339,21 @@ def test_the_real_command_line(demo_run: Path, tmp_path: Path) -> None:
     assert bad.stderr == f"tinker-sr plot: {tmp_path / 'missing'}: no such file or directory\n"
 
 
+def test_a_terminal_that_is_not_utf8_gets_the_text_summary_escaped(tmp_path: Path) -> None:
+    """Before: with stdout in ASCII (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``, a Windows
+    console) the text summary's sparkline failed with UnicodeEncodeError (so did the demo's
+    last line, on a sample holding U+FFFD)."""
+    f = write_jsonl(tmp_path / "run" / "metrics.jsonl", rows(12))
+    code = "import sys; sys.modules['matplotlib'] = None; from tinker_sr.cli import main; "
+    code += f"sys.exit(main(['plot', {str(f)!r}]))"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\\u2588" in done.stdout and "no PNG: matplotlib is not available" in done.stdout
+
+
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     """``tinker-sr plot --list ... | head -1``: the pipe closes before the output is written."""
     path = tmp_path / "metrics.jsonl"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import sqlite3
@@ -342,12 +343,14 @@ def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, 
 def environment_problem() -> str | None:
     """Why a setting the embedded engine reads from the environment cannot be used (named),
     or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
+    from tinker_sr.engine.cpu import default_torch_threads
     from tinker_sr.engine.hf import env_model_dtype
     from tinker_sr.model_aliases import env_aliases
 
     try:
         env_aliases()
         env_model_dtype()
+        default_torch_threads()  # $TINKER_SR_TORCH_THREADS
     except ValueError as e:
         return str(e)
     return None
@@ -506,6 +509,13 @@ def _run_namespace(rest: list[str]) -> argparse.Namespace | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = _run_namespace(argv[1:]) if argv[:1] == ["run"] else None
+    # A terminal or pipe that is not UTF-8 (LC_ALL=C, PYTHONIOENCODING=ascii, a Windows
+    # console) shows what it cannot encode escaped: `demo` printed its samples' U+FFFD and
+    # `plot` its sparkline, and failed with UnicodeEncodeError after a finished run. (Not
+    # for `run`: the program's output behaves as under `python prog.py`.)
+    for stream in (sys.stdout, sys.stderr) if parsed is None else ():
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     args = parsed or build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

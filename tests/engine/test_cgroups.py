@@ -123,7 +123,9 @@ def test_a_real_v1_group_limits_threads_and_memory(
         "print(cpu.describe_free_memory())\n"
         "b.close()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TINKER_SR_TORCH_THREADS"}
+    # Neither thread setting of the suite's (OMP_NUM_THREADS=1 would lower the default too).
+    unset = ("TINKER_SR_TORCH_THREADS", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run(
         [sys.executable, "-c", code, str(memory), str(cpu_group), str(tmp_path / "store")],
         capture_output=True, text=True, env=env, timeout=120,

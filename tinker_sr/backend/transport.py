@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import ipaddress
 import logging
 import math
 import os
@@ -99,6 +100,37 @@ def _status_error(resp: httpx.Response) -> APIStatusError:
     return make_status_error(f"Error code: {resp.status_code} - {detail}", resp, body)
 
 
+def _checked_key(key: str | None, given: bool) -> str:
+    """The API key, refused with the fix where it cannot be sent: a key read from a file with
+    its newline (or with a space or tab) failed as "Connection error." after ~55 s of retries
+    (httpx refuses the header value), and the official SDK hangs on it."""
+    where = "api_key" if given else "$TINKER_API_KEY"
+    if not key:
+        raise TinkerError(
+            "RemoteBackend needs an API key: pass api_key='tml-...' or set TINKER_API_KEY"
+        )
+    bad = next((c for c in key if not (c.isascii() and c.isprintable()) or c.isspace()), None)
+    if bad is not None:
+        raise TinkerError(
+            f"{where} holds {bad!r} at position {key.index(bad)}: an API key is printable ASCII "
+            "without spaces (read from a file? strip its newline)"
+        )
+    if not key.startswith(("tml-", "eyJ")):
+        raise TinkerError("The api_key must start with the 'tml-' prefix")
+    return key
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url``'s host is this machine's loopback (127.0.0.0/8, ::1 or localhost)."""
+    host = (httpx.URL(url).host or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class WireTransport:
     """HTTP plumbing shared by every `RemoteBackend` call. One instance may serve many
     sessions."""
@@ -117,20 +149,16 @@ class WireTransport:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         url = base_url or os.environ.get("TINKER_BASE_URL") or DEFAULT_BASE_URL
-        if not url.startswith(("http://", "https://")):  # httpx: a bare "Connection error."
-            where = "base_url" if base_url else "$TINKER_BASE_URL"
+        where = "base_url" if base_url else "$TINKER_BASE_URL"
+        # Schemes are case-insensitive (the SDK connects to HTTP://...); httpx said only
+        # "Connection error." for a URL without one.
+        if not url.lower().startswith(("http://", "https://")):
             raise TinkerError(
                 f"{where} {url!r} must start with http:// or https://, e.g. "
                 "'http://127.0.0.1:8000' for a local `tinker-sr serve`"
             )
         self.base_url = url.rstrip("/")
-        key = api_key or os.environ.get("TINKER_API_KEY")
-        if not key:
-            raise TinkerError(
-                "RemoteBackend needs an API key: pass api_key='tml-...' or set TINKER_API_KEY"
-            )
-        if not key.startswith(("tml-", "eyJ")):
-            raise TinkerError("The api_key must start with the 'tml-' prefix")
+        key = _checked_key(api_key or os.environ.get("TINKER_API_KEY"), api_key is not None)
         self._api_key = key
         self.project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.timeout = timeout
@@ -174,6 +202,10 @@ class WireTransport:
                 timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
                 transport=self._transport,
                 limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
+                # A proxy cannot reach this machine's loopback: $HTTP_PROXY without 127.0.0.1
+                # in $NO_PROXY (common on company machines) made every call to a local server
+                # time out as "Connection error.".
+                trust_env=not is_loopback(self.base_url),
             )
             self._client_loop = loop
             self._config_lock = None
@@ -232,6 +264,8 @@ class WireTransport:
             except httpx.TimeoutException as e:
                 if attempt >= retries:
                     raise APITimeoutError(request) from e
+            except httpx.LocalProtocolError as e:  # nothing a retry changes (a bad header)
+                raise APIConnectionError(request) from e
             except httpx.TransportError as e:
                 if attempt >= retries:
                     raise APIConnectionError(request) from e

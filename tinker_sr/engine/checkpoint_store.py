@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -74,6 +75,20 @@ def _remove(path: Path) -> None:
             folder.rmdir()  # only if empty
         except OSError:
             return
+
+
+def _check_file_name(name: str) -> None:
+    """A checkpoint's name becomes a file name: refused, naming the fix, where this process's
+    file system encoding cannot write it (a C/POSIX locale: ASCII), instead of failing as an
+    internal error when the file is written."""
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise EngineUserError(
+            f"checkpoint name {name!r:.60} cannot be a file name here: the engine's file "
+            f"system encoding is {sys.getfilesystemencoding()} (a C or POSIX locale); use an "
+            "ASCII name, or run the engine with a UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1)"
+        ) from None
 
 
 class CheckpointStore:
@@ -169,6 +184,7 @@ class CheckpointStore:
     ) -> str:
         """Save ``tensors`` as ``tinker://<run_id>/<segment>/<name>``; returns that path."""
         check_name(name)
+        _check_file_name(name)
         self.purge_expired(every=PURGE_EVERY_S)
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"
@@ -201,6 +217,7 @@ class CheckpointStore:
         files into a fresh private directory, which then replaces the final one in one rename
         (a reader sees all of the files or none). Names are never reused while live."""
         check_name(name)
+        _check_file_name(name)
         self.purge_expired(every=PURGE_EVERY_S)
         expires_at = expiry(ttl_seconds)
         tinker_path = f"tinker://{run_id}/{segment}/{name}"

@@ -59,6 +59,10 @@ def save_tensors(
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        # mkstemp makes it 0600 whatever the umask: an exported adapter or checkpoint that
+        # another user (a teammate, a vLLM service) should read could not be.
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()
@@ -69,6 +73,20 @@ def save_tensors(
         raise
     fsync_dir(target.parent)
     return len(blob)
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0o666 less the process's umask (read from
+    /proc/self/status where it can be, so no other thread sees the umask change)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

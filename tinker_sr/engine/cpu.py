@@ -98,14 +98,17 @@ def default_torch_threads(requested: int | None = None) -> int:
     """Intra-op threads of the engine's torch work: ``requested`` (e.g. `LocalBackend`'s
     ``torch_threads``), else ``$TINKER_SR_TORCH_THREADS`` (a positive integer), else
     `available_cpus` (affinity and cgroup quota): oversubscribed threads make a busy machine
-    far slower."""
+    far slower. A positive ``$OMP_NUM_THREADS`` lowers that default (a machine running many
+    worker processes sets it to 1), as it does torch's own; it never raises it."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"torch_threads must be >= 1, got {requested}")
         return requested
     env = os.environ.get(THREADS_ENV, "").strip()
     if not env:
-        return available_cpus()
+        omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+        cpus = available_cpus()
+        return min(int(omp), cpus) if omp.isdigit() and int(omp) > 0 else cpus
     if not env.isdigit() or int(env) < 1:
         raise ValueError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
     return int(env)

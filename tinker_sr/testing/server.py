@@ -7,7 +7,7 @@
         assert srv.trace.count("asample") == 2
 
 ``testing=True`` (the default here; the `tinker_server` fixture) runs
-``python -m tinker_sr.testing.server``: the same app as ``tinker-sr serve`` with every base
+this module's `main` in a new interpreter: the same app as ``tinker-sr serve`` with every base
 model name served by the offline chat model, wrapped in the wire-fault / trace middleware, with
 faults added at run time through ``/_tinker_sr_testing/faults`` and the trace appended to
 ``<store>/trace.jsonl``. ``testing=False`` runs plain ``python -m tinker_sr.server``.
@@ -115,7 +115,8 @@ class ServerProcess:
     def _control(self, method: str, **kw: Any) -> httpx.Response:
         if not self.testing:
             raise RuntimeError("faults need a testing server: ServerProcess(..., testing=True)")
-        resp = httpx.request(method, f"{self.base_url}{CONTROL_PREFIX}faults", timeout=10, **kw)
+        url = f"{self.base_url}{CONTROL_PREFIX}faults"
+        resp = httpx.request(method, url, timeout=10, trust_env=False, **kw)  # never a proxy
         resp.raise_for_status()
         return resp
 
@@ -133,8 +134,11 @@ class ServerProcess:
         raise RuntimeError(f"could not find a free port:\n{self.log()}")
 
     def _command(self) -> list[str]:
-        module = "tinker_sr.testing.server" if self.testing else "tinker_sr.server"
-        cmd = [sys.executable, "-m", module, "--port", str(self.port), "--store", str(self.store)]
+        # Not ``-m tinker_sr.testing.server``: runpy warns that the package imported that
+        # module already, and under PYTHONWARNINGS=error the server exited at start-up.
+        main = "import sys; from tinker_sr.testing.server import main; sys.exit(main())"
+        cmd = [sys.executable, *(("-c", main) if self.testing else ("-m", "tinker_sr.server"))]
+        cmd += ["--port", str(self.port), "--store", str(self.store)]
         cmd += ["--log-level", "warning"]
         if self.api_keys:
             cmd += ["--api-keys", ",".join(self.api_keys)]
@@ -172,7 +176,10 @@ class ServerProcess:
                     f"server exited with {self.proc.returncode} during start-up:\n{self.log()}"
                 )
             try:
-                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1.0).status_code == 200:
+                # trust_env=False: $HTTP_PROXY (without 127.0.0.1 in $NO_PROXY) kept the
+                # readiness check away from a running server for the whole start-up limit.
+                url = f"{self.base_url}/api/v1/healthz"
+                if httpx.get(url, timeout=1.0, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -240,8 +247,35 @@ def offline_clients(srv: ServerProcess) -> Iterator[None]:
         hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME),
         fresh_sdk_rest_clients(),
         clients_closed_after(srv.base_url),
+        loopback_without_proxy(),
     ):
         yield
+
+
+_PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+@contextmanager
+def loopback_without_proxy() -> Iterator[None]:
+    """While active, clients made in this process (the official SDK's included: httpx reads
+    the variables) reach 127.0.0.1 directly even where ``$HTTP_PROXY`` / ``$ALL_PROXY`` is set
+    (company machines, CI runners): loopback joins ``$NO_PROXY``. Restored on exit."""
+    if not any(os.environ.get(v) for v in _PROXY_VARS):
+        yield
+        return
+    before = {v: os.environ.get(v) for v in ("NO_PROXY", "no_proxy")}
+    kept = [h for h in (before["NO_PROXY"] or before["no_proxy"] or "").split(",") if h.strip()]
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
+        [*kept, "127.0.0.1", "localhost", "::1"]
+    )
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # ---- the testing server itself: ``python -m tinker_sr.testing.server`` ------------------------

@@ -231,7 +231,9 @@ def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: in
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
         )
-        tok.save(str(out / "tokenizer.json"))
+        # Not tok.save(path): the Rust library cannot take a path that is not UTF-8 (a
+        # non-ASCII store path under LC_ALL=C made every training client a 500).
+        (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     except ImportError:
         spec: dict[str, Any] = {
             "version": "1.0",
@@ -257,7 +259,7 @@ def write_hf_tokenizer_dir(path: str | os.PathLike[str], *, model_max_length: in
                       "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                       "vocab": vocab, "merges": []},
         }  # fmt: skip
-        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     config = {
         MARKER: SERVED_DIR_NAME,  # `is_served_byte_tokenizer` tells it from a user's directory
         "tokenizer_class": "PreTrainedTokenizerFast",
