@@ -97,7 +97,8 @@ class Worker:
     def __init__(self, mode: str, url: str | None = None) -> None:
         cmd = [sys.executable, __file__, "--worker", mode] + (["--url", url] if url else [])
         env = {**os.environ, "PYTHONPATH": str(REPO), "TINKER_TELEMETRY": "0"}
-        env.pop("TINKER_SR_TORCH_THREADS", None)  # measure the defaults
+        env.pop("TINKER_SR_TORCH_THREADS", None)  # measure the defaults (OMP_NUM_THREADS
+        env.pop("OMP_NUM_THREADS", None)  # would lower them)
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

@@ -96,5 +96,9 @@ def test_float32_that_would_not_fit_keeps_the_stored_dtype(
         assert hf.cpu_dtype(tmp_path, torch.bfloat16, 10**9) == torch.bfloat16  # 4 GB in fp32
         assert hf.cpu_dtype(tmp_path, torch.float16, 10**8) == torch.float32
         assert hf.cpu_dtype(tmp_path, torch.float32, 10**9) == torch.float32
-    assert "kept in bfloat16: float32 would not fit in the 3.00 GiB free" in caplog.text
+    assert "kept in bfloat16: twice its float32 size does not fit in the 3.00 GiB" in caplog.text
+    emulated.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with caplog.at_level(logging.WARNING, logger="tinker_sr.engine"):
+        hf.cpu_dtype(tmp_path, torch.bfloat16, 10)
+    assert "without hardware support (oneDNN is capped to AVX2)" in caplog.text
     assert "stored in float16" in caplog.text and "loading it in float32" in caplog.text

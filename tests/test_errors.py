@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -154,3 +155,39 @@ def test_status_mapping_matches_sdk_client(status: int) -> None:
     client = AsyncTinker(api_key="tml-test", base_url="http://tinker.test")
     theirs = client._make_status_error("m", body=None, response=_response(status))
     assert type(E.make_status_error("m", _response(status), None)).__name__ == type(theirs).__name__
+
+
+def test_an_engine_failure_a_server_reports_as_internal_is_logged_with_its_trace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: a request that failed inside the engine reached its client as "internal error:
+    ..." and left nothing in the server's log to find where. A user's mistake is not logged."""
+    import asyncio
+    import logging
+
+    from tinker_sr.backend.local_errors import mapped
+    from tinker_sr.server.futures import Background, Futures
+    from tinker_sr.server.state import FAILED, ServerState
+    from tinker_sr.user_errors import EngineUserError
+
+    futures = Futures(ServerState(None), Background(), long_poll_s=1.0, max_pending_samples=8)
+
+    def failing(error: Exception) -> Any:
+        async def engine() -> Any:
+            raise error
+
+        async def work(promise: Any) -> Any:
+            return await mapped(engine(), tmp_path)
+
+        return work
+
+    with caplog.at_level(logging.ERROR, logger="tinker_sr"):
+        bug = asyncio.run(futures._outcome("r1", failing(ZeroDivisionError("oops")), {}))
+        mistake = asyncio.run(futures._outcome("r2", failing(EngineUserError("bad lr")), {}))
+    assert (
+        bug is not None and bug[0] == FAILED and bug[3] == "internal error: ZeroDivisionError: oops"
+    )
+    assert mistake is not None and mistake[3] == "bad lr"
+    logged = [r for r in caplog.records if "failed inside the engine" in r.getMessage()]
+    assert len(logged) == 1 and "request r1" in logged[0].getMessage()
+    assert logged[0].exc_info is not None and logged[0].exc_info[0] is ZeroDivisionError

@@ -99,7 +99,7 @@ def test_a_c_locale_server_on_a_non_ascii_store_trains_and_names_what_it_cannot_
         assert "cannot be a file name here: the engine's file system encoding is ascii" in str(
             refused.value
         )
-        assert "LANG=C.UTF-8, or PYTHONUTF8=1" in str(refused.value)
+        assert "run the engine in UTF-8 mode (PYTHONUTF8=1)" in str(refused.value)
         service.close().result()
     finally:
         srv.stop()

@@ -32,6 +32,11 @@ def test_the_inductor_cache_is_named_by_the_vector_isa(
     # torch's default, which torch itself writes to the variable at some imports: replaced
     monkeypatch.setenv(native.INDUCTOR_CACHE_ENV, str(native._inductor_default()))
     assert native.isolate_inductor_cache() == dirs["AVX2"]
+    # what a child process inherits from its parent's call: tinker_sr's own, not the user's
+    monkeypatch.setenv(native.INDUCTOR_CACHE_ENV, str(dirs["AVX512"]))
+    with caplog.at_level(logging.WARNING, logger="tinker_sr.engine"):
+        assert native.isolate_inductor_cache() == dirs["AVX2"]
+    assert not caplog.records
     monkeypatch.setenv(native.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))  # the user's choice
     with caplog.at_level(logging.WARNING, logger="tinker_sr.engine"):
         assert native.isolate_inductor_cache() is None

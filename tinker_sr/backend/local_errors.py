@@ -5,7 +5,6 @@ whose text does not tell where the store is."""
 from __future__ import annotations
 
 import errno
-import logging
 import re
 import traceback
 import uuid
@@ -18,8 +17,6 @@ from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
-
-log = logging.getLogger("tinker_sr.engine")
 
 T = TypeVar("T")
 
@@ -127,8 +124,6 @@ async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) ->
             else store_unwritable(e, store_dir)
             or f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
         )
-        if text.startswith("internal error"):  # where it happened, for whoever runs the engine
-            log.error("a request failed inside the engine: %s", text, exc_info=e)
         raise RequestFailedError(
             f"Request failed: {text}",
             request_id=uuid.uuid4().hex,

@@ -196,16 +196,20 @@ class WireTransport:
             raise TinkerError("RemoteBackend is closed")
         if self._client is None or self._client_loop is not loop:
             # An httpx client belongs to one event loop; a new loop gets its own.
+            limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+            transport = self._transport
+            if transport is None and is_loopback(self.base_url):
+                # A proxy cannot reach this machine's loopback: $HTTP_PROXY without 127.0.0.1
+                # in $NO_PROXY (common on company machines) made every call to a local server
+                # fail as "Connection error.". httpx takes no proxy from the environment for a
+                # client given its transport; the transport still reads $SSL_CERT_FILE.
+                transport = httpx.AsyncHTTPTransport(limits=limits)
             self._client = httpx.AsyncClient(
                 base_url=self.base_url,
                 headers=self._headers,
                 timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
-                transport=self._transport,
-                limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
-                # A proxy cannot reach this machine's loopback: $HTTP_PROXY without 127.0.0.1
-                # in $NO_PROXY (common on company machines) made every call to a local server
-                # time out as "Connection error.".
-                trust_env=not is_loopback(self.base_url),
+                transport=transport,
+                limits=limits,
             )
             self._client_loop = loop
             self._config_lock = None
@@ -265,7 +269,7 @@ class WireTransport:
                 if attempt >= retries:
                     raise APITimeoutError(request) from e
             except httpx.LocalProtocolError as e:  # nothing a retry changes (a bad header)
-                raise APIConnectionError(request) from e
+                raise APIConnectionError(request, f"Connection error: {e}") from e
             except httpx.TransportError as e:
                 if attempt >= retries:
                     raise APIConnectionError(request) from e

@@ -86,8 +86,9 @@ def _check_file_name(name: str) -> None:
     except UnicodeEncodeError:
         raise EngineUserError(
             f"checkpoint name {name!r:.60} cannot be a file name here: the engine's file "
-            f"system encoding is {sys.getfilesystemencoding()} (a C or POSIX locale); use an "
-            "ASCII name, or run the engine with a UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1)"
+            f"system encoding is {sys.getfilesystemencoding()} (its locale is not UTF-8 and "
+            "Python's UTF-8 mode is off); use a name it can encode, or run the engine in UTF-8 "
+            "mode (PYTHONUTF8=1) or a UTF-8 locale"
         ) from None
 
 

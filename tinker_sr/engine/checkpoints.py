@@ -84,7 +84,7 @@ def new_file_mode() -> int:
                 return 0o666 & ~int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
-    mask = os.umask(0o022)
+    mask = os.umask(0o077)  # the strictest while it is probed: no file made meanwhile widens
     os.umask(mask)
     return 0o666 & ~mask
 

@@ -332,4 +332,8 @@ def _export(
             base_model_name_or_path=name if hub_name else resolved,
             text_prefix="model.language_model." if kind in QWEN3_VL else "model.",
         )
+    if base_dir is not None:  # as stored: the merge runs in float32 whatever the base's dtype
+        from tinker_sr.engine.hf import checkpoint_dtype
+
+        registry.model_dtype = checkpoint_dtype(base_dir)
     return export_merged(registry.base(resolved), ckpt, out, base_dir=base_dir)

@@ -27,7 +27,7 @@ import torch
 
 from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
-from tinker_sr.engine.cpu import available_memory, has_fast_half
+from tinker_sr.engine.cpu import available_memory, has_fast_half, onednn_isa_cap
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
@@ -343,8 +343,8 @@ def load_model_dir(
     """Load a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE HF directory into a Transformer.
 
     ``dtype=None`` keeps the checkpoint's dtype (with ``cpu``, for a model that computes on
-    this CPU: float32 where the CPU has no fast matmuls in it, `cpu_dtype`); tensors stored in
-    another dtype (e.g. float32 norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
+    this CPU: float32 where the CPU has no fast matmuls in it, `cpu_dtype`); tensors stored
+    in another dtype (e.g. float32 norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
     the model plus one tensor. Every tensor must land in the model (rotary ``inv_freq``
     buffers of old exports excepted): a tensor without a place, e.g. a bias config.json does not
     declare, is an error rather than a silently different model.
@@ -438,26 +438,29 @@ def context_length(model: str) -> int:
 def cpu_dtype(root: Path, stored: torch.dtype, elements: int) -> torch.dtype:
     """The dtype a checkpoint stored in ``stored`` computes in on this CPU: float32 for a bf16
     or fp16 one whose matmuls the CPU has no hardware for (`cpu.has_fast_half`: AMX or
-    AVX512-BF16 / -FP16), where they are emulated (a hunt: a bf16 training step 38x slower
-    than float32 with oneDNN capped to AVX2, 3-5x on AVX-512 without BF16), unless float32
-    would not fit in the free memory; else ``stored``. Logged either way."""
+    AVX512-BF16 / -FP16), where they are emulated (a hunt: a bf16 training step 35-38x slower
+    than float32 with oneDNN capped to AVX2, 3-5x on AVX-512 without BF16), unless twice the
+    float32 weights would not fit in the free memory (so the choice depends on it: set
+    ``$TINKER_SR_MODEL_DTYPE`` to fix it); else ``stored``. Logged either way."""
     if stored not in (torch.bfloat16, torch.float16) or has_fast_half(stored):
         return stored
     kind = str(stored).removeprefix("torch.")
+    cap = onednn_isa_cap()
+    why = f"oneDNN is capped to {cap}" if cap else "no AMX or AVX-512 for it"
     room = available_memory()
-    if room is not None and elements * 4 + LOAD_HEADROOM > room:
+    # float32 weights, and as much again to spare (activations, KV caches and merged sampler
+    # weights are twice the size too): a model that only just fits stays in its dtype.
+    if room is not None and 2 * elements * 4 + LOAD_HEADROOM > room:
         log.warning(
-            "%s: stored in %s, which this CPU computes without hardware support (no AMX or "
-            "AVX-512 for it), kept in %s: float32 would not fit in the %s free; expect slow "
-            "steps",
-            root, kind, kind, _size(room),
+            "%s: stored in %s, which this CPU computes without hardware support (%s), kept "
+            "in %s: twice its float32 size does not fit in the %s free; expect slow steps",
+            root, kind, why, kind, _size(room),
         )  # fmt: skip
         return stored
     log.warning(
-        "%s: stored in %s, which this CPU computes without hardware support (no AMX or "
-        "AVX-512 for it): loading it in float32, twice the memory and several times faster "
-        "here. %s=%s keeps %s",
-        root, kind, MODEL_DTYPE_ENV, kind, kind,
+        "%s: stored in %s, which this CPU computes without hardware support (%s): loading it "
+        "in float32, twice the memory and several times faster here. %s=%s keeps %s",
+        root, kind, why, MODEL_DTYPE_ENV, kind, kind,
     )  # fmt: skip
     return torch.float32
 

@@ -137,7 +137,8 @@ def isolate_inductor_cache() -> Path | None:
     AVX2-only CPU sharing the directory) and computed garbage (an RMSNorm off by 1e21, NaN
     logits, a corrupted heap). Call before the process's first ``torch.compile``."""
     chosen = os.environ.get(INDUCTOR_CACHE_ENV, "").strip()
-    if chosen and os.path.abspath(chosen) != _inductor_default():
+    ours = cache_dir().parent / "inductor"  # a child process inherits the one set here
+    if chosen and os.path.abspath(chosen) != _inductor_default() and Path(chosen).parent != ours:
         # The user's (torch writes its default there at some imports), kept as it is.
         logging.getLogger("tinker_sr.engine").warning(
             "$%s=%s is set, so compiled loops are cached there as it is; torch's cache key "
@@ -158,7 +159,7 @@ def isolate_inductor_cache() -> Path | None:
         torch.__version__,
     ):
         key.update(part.encode() + b"\0")
-    path = cache_dir().parent / "inductor" / key.hexdigest()[:20]
+    path = ours / key.hexdigest()[:20]
     os.environ[INDUCTOR_CACHE_ENV] = str(path)
     return path
 

@@ -322,6 +322,8 @@ class Futures:
         except WorkNotStarted:
             return None
         except RequestFailedError as e:
+            if strip_prefix(e.message).startswith("internal error"):  # an engine bug: its trace
+                log.error("request %s failed inside the engine", rid, exc_info=e.__cause__ or e)
             return FAILED, None, None, strip_prefix(e.message), str(e.category)
         except WireError as e:
             return FAILED, None, None, str(e), "user"
