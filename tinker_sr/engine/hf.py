@@ -344,8 +344,8 @@ def load_model_dir(
 
     ``dtype=None`` keeps the checkpoint's dtype (with ``cpu``, for a model that computes on
     this CPU: float32 where the CPU has no fast matmuls in it, `cpu_dtype`); tensors stored
-    in another dtype (e.g. float32 norms in a bf16 checkpoint) are cast to it. Tensors load one at a time, so peak memory is
-    the model plus one tensor. Every tensor must land in the model (rotary ``inv_freq``
+    in another dtype (e.g. float32 norms in a bf16 checkpoint) are cast to it. Tensors load
+    one at a time, so peak memory is the model plus one tensor. Every tensor must land in the model (rotary ``inv_freq``
     buffers of old exports excepted): a tensor without a place, e.g. a bias config.json does not
     declare, is an error rather than a silently different model.
     """
