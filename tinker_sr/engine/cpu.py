@@ -42,12 +42,12 @@ __all__ = [
     "available_cpus",
     "available_memory",
     "bound_kernel_caches",
+    "cpu_identity",
     "cpu_model",
     "default_torch_threads",
     "describe_free_memory",
     "describe_machine",
     "fit_allocator_to_memory",
-    "cpu_identity",
     "has_fast_bf16",
     "has_fast_half",
     "isa_flags",
@@ -161,14 +161,17 @@ _REPORTED_FLAGS = (
     "avx_vnni", "amx_tile", "amx_bf16", "amx_fp16", "amx_int8",
     "asimd", "sve", "sve2", "bf16", "i8mm",
 )  # fmt: skip
-_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
 # oneDNN's ISA caps (``$ONEDNN_MAX_CPU_ISA``) below which its bf16 / fp16 products are
 # emulated: under a cap of AVX2 a hunt measured a bf16 step 30x slower than float32.
 _ONEDNN_BELOW_BF16 = frozenset(
     {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 )
-_ONEDNN_BELOW_FP16 = _ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16"}
+# Per 16-bit dtype: the ISA flags that run its products in hardware, and the oneDNN caps
+# below them.
+_HALF_HARDWARE = {
+    "bfloat16": (("amx_bf16", "avx512_bf16"), _ONEDNN_BELOW_BF16),
+    "float16": (("amx_fp16", "avx512_fp16"), _ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16"}),
+}
 
 
 def _cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -213,20 +216,18 @@ def onednn_isa_cap() -> str | None:
 def has_fast_bf16() -> bool:
     """True when bf16 matmuls run in hardware (AMX or AVX512-BF16, and oneDNN is not capped
     below them), i.e. where a bf16 compute dtype is a speed-up rather than an emulation."""
-    return any(f in isa_flags() for f in _BF16_FLAGS) and onednn_isa_cap() not in _ONEDNN_BELOW_BF16
+    return has_fast_half("bfloat16")
 
 
 def has_fast_half(dtype: Any) -> bool:
-    """Whether this CPU's matmuls in ``dtype`` (torch.bfloat16 or torch.float16) run in
-    hardware (fp16: AMX-FP16 or AVX512-FP16); False for other dtypes."""
-    import torch
-
-    if dtype == torch.bfloat16:
-        return has_fast_bf16()
-    if dtype == torch.float16:
-        have = any(f in isa_flags() for f in _FP16_FLAGS)
-        return have and onednn_isa_cap() not in _ONEDNN_BELOW_FP16
-    return False
+    """Whether this CPU's matmuls in ``dtype`` (bfloat16 or float16, a torch dtype or its name)
+    run in hardware (fp16: AMX-FP16 or AVX512-FP16); False for other dtypes."""
+    hardware = _HALF_HARDWARE.get(str(dtype).removeprefix("torch."))
+    if hardware is None:
+        return False
+    flags, below = hardware
+    have = isa_flags()
+    return any(f in have for f in flags) and onednn_isa_cap() not in below
 
 
 def describe_machine() -> str:

@@ -136,15 +136,12 @@ def export_peft(
     return root
 
 
-def merged_model(
-    base: Transformer, ckpt: LoraCheckpoint, dtype: torch.dtype | None = None
-) -> Transformer:
-    """A new model holding base + adapter in ``dtype`` (default: the base's; merged in
-    float32)."""
+def merged_model(base: Transformer, ckpt: LoraCheckpoint) -> Transformer:
+    """A new model holding base + adapter in the base's dtype (merged in float32)."""
     adapted = clone_for_sampling(base, dtype=torch.float32)
     apply_lora(adapted, dataclasses.replace(ckpt.spec, seed=0))
     load_lora_state_dict(adapted, ckpt.adapters)
-    return clone_for_sampling(adapted, dtype=dtype or base.dtype)
+    return clone_for_sampling(adapted, dtype=base.dtype)
 
 
 def export_merged(
@@ -156,10 +153,7 @@ def export_merged(
     tokenizer written."""
     root = Path(out).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    from tinker_sr.engine.hf import checkpoint_dtype
-
-    # In the checkpoint's own dtype (a CPU without fast bf16 computes a bf16 one in float32).
-    model = merged_model(base, ckpt, None if base_dir is None else checkpoint_dtype(base_dir))
+    model = merged_model(base, ckpt)
     tied = model.config.tie_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     state = state_to_hf(model.config, state)  # Qwen3.5: its text model; gpt-oss: fused experts
@@ -332,8 +326,8 @@ def _export(
             base_model_name_or_path=name if hub_name else resolved,
             text_prefix="model.language_model." if kind in QWEN3_VL else "model.",
         )
-    if base_dir is not None:  # as stored: the merge runs in float32 whatever the base's dtype
-        from tinker_sr.engine.hf import checkpoint_dtype
+    if base_dir is not None:  # the base as stored (not float32 on a CPU without bf16), so the
+        from tinker_sr.engine.hf import checkpoint_dtype  # export is in the checkpoint's dtype
 
         registry.model_dtype = checkpoint_dtype(base_dir)
     return export_merged(registry.base(resolved), ckpt, out, base_dir=base_dir)
