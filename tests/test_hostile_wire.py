@@ -494,3 +494,25 @@ def test_results_kept_in_memory_are_written_at_a_graceful_stop(
         assert row is not None and row.status == COMPLETE and row.result == b'"done"', row
     finally:
         state.close()
+
+
+def test_finished_results_kept_for_polls_are_capped_in_bytes_not_only_in_count() -> None:
+    """Before: the 256 most recent results stayed in memory whatever their size (a sample
+    with prompt log-probs or a large forward is megabytes: 256 of 8 MiB held 2 GiB). Now they
+    are also capped at 64 MiB; older ones are read from SQLite when polled."""
+    from tinker_sr.server.futures import Background, Futures
+    from tinker_sr.server.state import COMPLETE, ServerState
+
+    state = ServerState(None)
+    futures = Futures(state, Background(), long_poll_s=1.0, max_pending_samples=8)
+    big = b"x" * (8 << 20)
+    for i in range(20):
+        state.add_future(
+            f"r{i}", owner="o", session_id=None, kind="Forward", dedupe_key=f"k{i}",
+            body_hash=None, promise={"request_id": f"r{i}"},
+        )  # fmt: skip
+        futures._record(f"r{i}", (COMPLETE, "json", big, None, None))
+        futures._settled(f"r{i}")
+    held = sum(len(row.result or b"") for row in futures._recent.values())
+    assert held <= 64 << 20 and "r19" in futures._recent and "r0" not in futures._recent
+    assert all(futures.lookup(f"r{i}", "o").result == big for i in range(20))

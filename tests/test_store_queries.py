@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from tinker_sr.engine.store import Store
 from tinker_sr.server.state import ServerState
+
+MODEL = "tinker-sr/tiny"
 
 
 def _plan(db: sqlite3.Connection, sql: str, args: tuple[object, ...]) -> str:
@@ -101,3 +104,61 @@ def test_a_callers_listings_read_its_own_runs_by_index(tmp_path: Path) -> None:
             assert f"SEARCH {table} USING" in plan, plan
     finally:
         store.close()
+
+
+def test_a_backend_that_ignores_the_runs_filter_fails_closed(tmp_path: Path) -> None:
+    """The server checks its backend's listings: a wrapping backend that drops ``runs=``
+    answers an error, never another key's runs (before, they were listed)."""
+    from collections.abc import Collection
+
+    from starlette.testclient import TestClient
+
+    from tinker_sr.backend.local import LocalBackend
+    from tinker_sr.server.app import create_app
+
+    class Careless(LocalBackend):
+        async def list_training_runs(  # type: ignore[override]
+            self, *, limit: int = 20, offset: int = 0, runs: Collection[str] | None = None
+        ) -> Any:
+            return await super().list_training_runs(limit=limit, offset=offset)
+
+        async def list_user_checkpoints(  # type: ignore[override]
+            self, *, limit: int = 100, offset: int = 0, runs: Collection[str] | None = None
+        ) -> Any:
+            return await super().list_user_checkpoints(limit=limit, offset=offset)
+
+    app = create_app(Careless(tmp_path), store_dir=tmp_path, close_backend=True, long_poll_s=0.5)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        owner = {"X-API-Key": "tml-owner"}
+        sid = client.post("/api/v1/create_session", json={"tags": []}, headers=owner).json()
+        body = {"session_id": sid["session_id"], "model_seq_id": 0, "base_model": MODEL}
+        made = client.post(
+            "/api/v1/create_model", json=body | {"lora_config": {"rank": 2}}, headers=owner
+        ).json()
+        for _ in range(100):
+            done = client.post(
+                "/api/v1/retrieve_future", json={"request_id": made["request_id"]}, headers=owner
+            ).json()
+            if done.get("type") != "try_again":
+                break
+        run_id = done["model_id"]
+        ckpt = {"model_id": run_id, "path": "mine", "seq_id": 1}
+        saved = client.post("/api/v1/save_weights", json=ckpt, headers=owner).json()
+        for _ in range(100):
+            if (
+                client.post(
+                    "/api/v1/retrieve_future",
+                    json={"request_id": saved["request_id"]},
+                    headers=owner,
+                )
+                .json()
+                .get("type")
+                != "try_again"
+            ):
+                break
+        assert run_id in client.get("/api/v1/training_runs", headers=owner).text
+        other = {"X-API-Key": "tml-other"}
+        for path in ("/api/v1/training_runs", "/api/v1/checkpoints"):
+            resp = client.get(path, headers=other)
+            assert resp.status_code == 500, (path, resp.text)
+            assert run_id not in resp.text

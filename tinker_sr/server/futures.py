@@ -42,7 +42,8 @@ log = logging.getLogger("tinker_sr.server")
 Work = Callable[[dict[str, Any]], Awaitable[tuple[str, bytes]]]
 """``work(promise)`` returns ``(encoding, payload)``: ``"json"`` or ``"proto"`` and the bytes."""
 
-_RECENT = 256
+_RECENT = 256  # recently finished futures kept at hand for polls, at most this many
+_RECENT_BYTES = 64 << 20  # and at most this much of their results (one is always kept)
 _REFUSED_KEPT = 4096  # failed futures of requests the database could not take (small rows)
 _KEPT_RESULT_BYTES = 1 << 30  # outcomes of work done that it could not take (results)
 _LOST = (
@@ -109,6 +110,7 @@ class Futures:
         self.closing = False  # shutting down: long polls do not wait (`stop_waiting`)
         # Recently finished futures, so polls rarely touch SQLite: request_id -> row.
         self._recent: OrderedDict[str, FutureRow] = OrderedDict()
+        self._recent_bytes = 0
         # What the database could not take (a full disk), kept here for the clients: failed
         # futures of requests never recorded, and outcomes (results) of work done, apart, so
         # that a burst of the first cannot push out the second; written later if space returns.
@@ -303,12 +305,24 @@ class Futures:
         self._sample_session.pop(rid, None)
         row = self._kept.get(rid) or self.state.get_future(rid)
         if row is not None and row.status != PENDING:
-            self._recent[rid] = row
-            while len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
+            self._keep_recent(rid, row)
         event = self._events.pop(rid, None)
         if event is not None:
             event.set()
+
+    def _keep_recent(self, rid: str, row: FutureRow) -> None:
+        """Keep ``row`` at hand, dropping the oldest beyond `_RECENT` rows or `_RECENT_BYTES`
+        of results (large results, such as samples with prompt log-probs, are read from
+        SQLite again when polled later)."""
+        if (old := self._recent.pop(rid, None)) is not None:
+            self._recent_bytes -= len(old.result or b"")
+        self._recent[rid] = row
+        self._recent_bytes += len(row.result or b"")
+        while len(self._recent) > 1 and (
+            len(self._recent) > _RECENT or self._recent_bytes > _RECENT_BYTES
+        ):
+            _, dropped = self._recent.popitem(last=False)
+            self._recent_bytes -= len(dropped.result or b"")
 
     async def _outcome(
         self, rid: str, work: Work, promise: dict[str, Any]

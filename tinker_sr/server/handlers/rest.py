@@ -90,10 +90,27 @@ def access_scope(request: Request) -> None:
         raise HTTPError(400, f"access_scope must be 'owned' or 'accessible', got {scope!r}")
 
 
+def _only_owned(listed: list[str], runs: set[str]) -> None:
+    """Fail closed if the backend ignored ``runs=`` (a wrapping backend may): a listing must
+    never show another owner's runs."""
+    stray = set(listed) - runs
+    if stray:  # not named: the reply must not show them either
+        raise RuntimeError(
+            f"the backend listed {len(stray)} run(s) of other owners: it ignored the runs= "
+            "filter of its listing"
+        )
+
+
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
     limit, offset = paging(request, 100, {"limit", "offset"})
-    page = await srv.backend.list_user_checkpoints(
-        limit=limit, offset=offset, runs=srv.state.model_ids_of(owner)
+    runs = srv.state.model_ids_of(owner)
+    page = await srv.backend.list_user_checkpoints(limit=limit, offset=offset, runs=runs)
+    _only_owned(
+        [
+            ParsedCheckpointTinkerPath.from_tinker_path(c.tinker_path).training_run_id
+            for c in page.checkpoints
+        ],
+        runs,
     )
     return json_reply(page.model_dump(mode="json", exclude_none=True))
 
@@ -112,9 +129,9 @@ async def list_training_runs(srv: TinkerServer, request: Request, owner: str) ->
         raise HTTPError(400, "filtering training runs by project_id is not supported")
     limit, offset = paging(request, 20, {"limit", "offset", "access_scope"})
     access_scope(request)
-    page = await srv.backend.list_training_runs(
-        limit=limit, offset=offset, runs=srv.state.model_ids_of(owner)
-    )
+    runs = srv.state.model_ids_of(owner)
+    page = await srv.backend.list_training_runs(limit=limit, offset=offset, runs=runs)
+    _only_owned([r.training_run_id for r in page.training_runs], runs)
     return json_reply(page.model_dump(mode="json", exclude_none=True))
 
 
