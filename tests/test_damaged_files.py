@@ -613,3 +613,14 @@ def test_missing_tensors_name_the_config_field_to_check(tmp_path: Path) -> None:
     with pytest.raises(EngineUserError, match="more here are not read") as err:
         load_model_dir(sharded)
     assert "tie_word_embeddings" not in str(err.value) and "num_hidden" not in str(err.value)
+
+
+def test_a_stray_file_beside_an_index_does_not_hide_the_config_hint(tmp_path: Path) -> None:
+    """Before: any *.safetensors the index does not name (a LoRA adapter, a consolidated copy
+    of other tensors) was blamed for the missing tensors, and the config hint was left out."""
+    deeper = make_tiny_hf_model_dir(tmp_path / "deeper", "llama", n_layers=2, sharded=True)
+    config = json.loads((deeper / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, deeper / "adapter.safetensors")
+    with pytest.raises(EngineUserError, match="stores layers 0-1 and config.json's num_hidden_"):
+        load_model_dir(deeper)

@@ -249,6 +249,9 @@ def _missing(
 ) -> EngineUserError:
     """The error for the model's places no stored tensor fills (``shapes``)."""
     unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
+    # Unread files explain the gap only if they hold what is missing (a stray adapter or a
+    # consolidated copy of other names does not, and the config's hints below still apply).
+    unread = unread if _hold_any(root, unread, set(shapes)) else []
     hints = []
     if unread:
         hints.append(
@@ -277,6 +280,22 @@ def _missing(
         f"{root}: checkpoint lacks {len(shapes)} tensors, e.g. {sorted(shapes)[:3]}"
         + "".join(f"; {h}" for h in hints)
     )
+
+
+def _hold_any(root: Path, names: list[str], wanted: set[str]) -> bool:
+    """Does any of the files ``names`` in ``root`` store a tensor of ``wanted`` (or one named
+    with a prefix before it)? One that cannot be read may: it counts."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in names:
+        try:
+            with safe_open(str(root / name), framework="pt") as handle:
+                stored = list(handle.keys())  # noqa: SIM118 (safe_open has no __iter__)
+        except (SafetensorError, OSError):
+            return True
+        if any(k in wanted or k.split(".", 1)[-1] in wanted for k in stored):
+            return True
+    return False
 
 
 def _mapped(config: ModelConfig, wrapped: bool) -> bool:
