@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import pickle
+import warnings
 from typing import Any
 
 import numpy as np
@@ -225,6 +226,40 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
     cks = rest.list_checkpoints(tc.model_id).result().checkpoints
     assert [c.checkpoint_id for c in cks] == ["weights/s1"]
+
+
+def test_load_state_resets_the_optimizer_as_the_sdk_documents(
+    service: tinker.ServiceClient,
+) -> None:
+    """The SDK's `load_state` loads "weights only, optimizer resets". Before, the client's
+    Adam moments and step counts went on from the steps after the checkpoint (found by a
+    hunt: the next step 0.45 relative off the one from create_training_client_from_state)."""
+    adam = types.AdamParams(learning_rate=1e-2)
+    data = [sft_datum(b"roll back")]
+
+    def step(tc: Any, text: bytes) -> None:
+        tc.forward_backward([sft_datum(text)], "cross_entropy")
+        tc.optim_step(adam).result()
+
+    tc = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+    step(tc, b"first")
+    saved = tc.save_state("mid").result().path
+    for text in (b"second", b"third"):
+        step(tc, text)
+    # Without the optimizer (the deprecated load_state) the moments start afresh, as in
+    # create_training_client_from_state; with it they are the checkpoint's.
+    for load, create in (
+        (tc.load_state, service.create_training_client_from_state),
+        (tc.load_state_with_optimizer, service.create_training_client_from_state_with_optimizer),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            load(saved).result()
+        step(tc, b"next")
+        other = create(saved).result()
+        step(other, b"next")
+        got = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert got == other.forward(data, "cross_entropy").result().metrics["loss:sum"]
 
 
 def test_same_seeds_give_identical_training(service: tinker.ServiceClient) -> None:

@@ -91,7 +91,10 @@ class Adam:
         p *= 1 - lr * wd
         m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g²
         p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-    Parameters without a gradient are skipped and their step count does not advance.
+    When no parameter has a gradient the step changes nothing. Otherwise a parameter without
+    one (an expert no token was routed to) steps with a zero gradient, as the rows of a
+    stacked expert tensor do in Tinker's layout: its moments decay, its momentum carries, it
+    decays, and every step count stays the same.
     """
 
     def __init__(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -104,6 +107,13 @@ class Adam:
             n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params
         }
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params}
+
+    def reset(self) -> None:
+        """Forget every moment and step count, as a new optimizer (weights-only loads)."""
+        for name, _ in self.params:
+            self.exp_avg[name].zero_()
+            self.exp_avg_sq[name].zero_()
+            self.steps[name] = 0
 
     def zero_grad(self) -> None:
         for _, p in self.params:
@@ -151,13 +161,13 @@ class Adam:
         if hp.grad_clip_norm > 0:  # same arithmetic as torch.nn.utils.clip_grad_norm_
             clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
         lr, b1, b2 = hp.learning_rate, hp.beta1, hp.beta2
-        live = [(n, p) for n, p in self.params if p.grad is not None]
+        live = self.params if any(p.grad is not None for _, p in self.params) else []
         if live:  # every scalar checked before any state changes: a refused step changes none
             _check_in_range(hp, {self.steps[n] + 1 for n, _ in live}, live[0][1].dtype)
             # The per-parameter arithmetic above, one call per op over all parameters (on the
             # CPU each runs the single-tensor op per parameter: the same bits, far fewer calls).
             ps: list[Tensor] = [p for _, p in live]
-            grads: list[Tensor] = [p.grad for p in ps if p.grad is not None]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in ps]
             if clip != 1.0:
                 grads = list(torch._foreach_mul(grads, clip))
             ms = [self.exp_avg[n] for n, _ in live]

@@ -387,13 +387,15 @@ def load_state(
     with_optimizer: bool,
 ) -> None:
     """Load a `save_state` checkpoint into ``t``; its LoRA config must match (seed aside)."""
-    spec = read_record(meta, tensors, path).lora
+    record = read_record(meta, tensors, path)
+    spec = record.lora
     if lora_json(spec) | {"seed": None} != lora_json(t.lora) | {"seed": None}:
         raise EngineUserError(
             f"checkpoint {path} has LoRA config {lora_json(spec)} but this model has "
             f"{lora_json(t.lora)}; create a training client from the checkpoint instead"
         )
     restore(t.model, t.optim, tensors, with_optimizer)
+    t.steps = record.steps if with_optimizer else 0  # as a client created from the state
     for p in t.model.parameters():
         p.grad = None
 
@@ -405,14 +407,17 @@ def strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.T
 def restore(
     model: Transformer, optim: Adam, tensors: Mapping[str, torch.Tensor], with_optimizer: bool
 ) -> None:
+    """Load a checkpoint's adapter into ``model``; its optimizer state into ``optim`` if
+    ``with_optimizer``, else the optimizer starts afresh (as the SDK's `load_state` says:
+    "weights only, optimizer resets")."""
+    optim_state = strip(tensors, "optim.")
+    if with_optimizer and not optim_state:  # before anything changes
+        raise EngineUserError("checkpoint has no optimizer state; load it without the optimizer")
     load_lora_state_dict(model, strip(tensors, "lora."))
     if with_optimizer:
-        optim_state = strip(tensors, "optim.")
-        if not optim_state:
-            raise EngineUserError(
-                "checkpoint has no optimizer state; load it without the optimizer"
-            )
         optim.load_state_dict(optim_state)
+    else:
+        optim.reset()
 
 
 # ---- LoRA config ------------------------------------------------------------------------
