@@ -346,11 +346,13 @@ def environment_problem() -> str | None:
     from tinker_sr.engine.cpu import default_torch_threads
     from tinker_sr.engine.hf import env_model_dtype
     from tinker_sr.model_aliases import env_aliases
+    from tinker_sr.server.connections import request_start_s
 
     try:
         env_aliases()
         env_model_dtype()
         default_torch_threads()  # $TINKER_SR_TORCH_THREADS
+        request_start_s()  # $TINKER_SR_REQUEST_START_S (a server's)
     except ValueError as e:
         return str(e)
     return None

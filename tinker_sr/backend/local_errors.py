@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import re
+import resource
 import traceback
 import uuid
 from collections.abc import Awaitable
@@ -98,6 +99,38 @@ def out_of_memory(e: BaseException) -> str | None:
     )
 
 
+_NO_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_os_resources(e: BaseException) -> str | None:
+    """The failure's text where the process ran out of open files or could not start a thread
+    (operating-system limits, not the request's fault), naming the limit and the way out;
+    else None. Looked for along the exception's causes, and in the text of libraries that
+    report errno in words (safetensors: "Too many open files (24)")."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            break
+        text = str(seen)
+        if (isinstance(seen, OSError) and seen.errno in _NO_FILES) or (
+            "Too many open files" in text
+        ):
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            return (
+                f"this process ran out of open files (its limit is {limit}): "
+                "retry once other work has closed some; raise the limit (ulimit -n) before "
+                "starting the server or script, or close idle clients"
+            )
+        if isinstance(seen, RuntimeError) and "can't start new thread" in text:
+            return (
+                "this process could not start a thread (its limit on processes and threads, "
+                "ulimit -u, or its memory is reached): retry once other work has ended, or "
+                "raise the limit"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) -> T:
     """``work``'s result, its errors as Tinker errors: a caller's mistake as `user_error` (with
     ``plain``, a direct call: as `refused`), running out of memory as a user error naming the
@@ -118,12 +151,17 @@ async def mapped(work: Awaitable[T], store_dir: Path, *, plain: bool = False) ->
             if plain:
                 raise refusal(400, no_room) from e
             raise user_error(no_room) from e
-        text = (
-            OUT_OF_SPACE
-            if is_out_of_space(e)
-            else store_unwritable(e, store_dir)
-            or f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
-        )
+        if (exhausted := out_of_os_resources(e)) is not None:
+            if plain:  # a direct call: 503, which clients retry
+                raise refusal(503, exhausted) from e
+            text = exhausted
+        else:
+            text = (
+                OUT_OF_SPACE
+                if is_out_of_space(e)
+                else store_unwritable(e, store_dir)
+                or f"internal error: {type(e).__name__}: {hide_paths(e, store_dir)}"
+            )
         raise RequestFailedError(
             f"Request failed: {text}",
             request_id=uuid.uuid4().hex,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -24,6 +25,13 @@ from .app import (
     DEFAULT_SAMPLE_ABANDON_S,
     DEFAULT_SESSION_TIMEOUT_S,
     create_app,
+)
+from .connections import (
+    open_file_limit,
+    protocol_class,
+    quiet_accept_failures,
+    raise_open_file_limit,
+    request_start_s,
 )
 from .features import ServerFeatures
 
@@ -62,7 +70,8 @@ def _announce(
         auth += f"; {features.describe()}"
     print(
         f"tinker_sr server: http://{host}:{port} (store {store_dir}, accepting {auth}; "
-        f"{available_cpus()} usable CPUs, {describe_free_memory()}); OpenAI-compatible API: "
+        f"{available_cpus()} usable CPUs, {describe_free_memory()}, open-file limit "
+        f"{open_file_limit()}); OpenAI-compatible API: "
         f"http://{host}:{port}/oai/api/v1, Anthropic-compatible: http://{host}:{port}/anthropic/api",
         file=sys.stderr,
         flush=True,
@@ -175,6 +184,8 @@ def serve(
 
     check_address(host, port)
     keys = _usable_keys(api_keys)
+    request_start_s()  # a bad $TINKER_SR_REQUEST_START_S: said before the model loads
+    raise_open_file_limit()
     store_dir = Path(store).expanduser() if store is not None else default_store_dir()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
@@ -233,13 +244,19 @@ def run_uvicorn(app: Any, tinker_server: Callable[[], Any], **options: Any) -> N
     SIGINT ``tinker_server()`` begins to stop first (`TinkerServer.begin_stop`): its long
     polls answer at once (uvicorn waits for open requests before it stops, and a long poll
     would hold it for its whole wait, up to 25 s; cut at 5 s, with a traceback per request,
-    for nothing), and no queued work starts while uvicorn waits."""
+    for nothing), and no queued work starts while uvicorn waits. Connections that send no
+    request are closed, and failing accepts logged quietly (`tinker_sr.server.connections`)."""
     import uvicorn
 
     class Server(uvicorn.Server):  # type: ignore[misc]
+        async def startup(self, sockets: Any = None) -> None:
+            quiet_accept_failures(asyncio.get_running_loop())
+            await super().startup(sockets)
+
         async def shutdown(self, sockets: Any = None) -> None:
             await tinker_server().begin_stop()
             await super().shutdown(sockets)
 
     exit_with_parent()  # a test fixture's server: not beyond its test run
-    Server(uvicorn.Config(app, **{"timeout_graceful_shutdown": 5, **options})).run()
+    defaults = {"timeout_graceful_shutdown": 5, "http": protocol_class(request_start_s())}
+    Server(uvicorn.Config(app, **{**defaults, **options})).run()

@@ -1,0 +1,151 @@
+"""A server's connections and the process's open-file limit (resource-limits hunt): idle and
+half-sent connections were held forever, so a few hundred took a server out of service for
+everyone, and running out of files while accepting logged ~2048 tracebacks a tick (50 MB of
+log in 10 s). Engine work that ran out of files or threads read as "internal error"."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._server import ServerProcess, running_server
+from tinker_sr.backend.local_errors import mapped
+from tinker_sr.errors import APIStatusError, RequestFailedError
+
+ENV = {"TINKER_SR_REQUEST_START_S": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    low = min(512, hard)
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # the server inherits it
+    try:
+        with running_server(tmp_path_factory.mktemp("conn") / "store", env=ENV) as srv:
+            resource.setrlimit(resource.RLIMIT_NOFILE, before)
+            yield srv
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _healthy(srv: ServerProcess, timeout_s: float = 10.0) -> bool:
+    url = f"{srv.base_url}/api/v1/healthz"
+    return httpx.get(url, timeout=timeout_s, trust_env=False).status_code == 200
+
+
+def test_the_soft_open_file_limit_is_raised_and_announced(server: ServerProcess) -> None:
+    assert server.proc is not None
+    limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+    row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+    soft, hard = row.split()[3:5]
+    assert soft == hard, row  # it started at 512
+    assert f"open-file limit {soft}" in server.log()
+
+
+def test_idle_and_half_sent_connections_are_closed(server: ServerProcess) -> None:
+    """Before: neither was ever closed (the hunt held 300 for 60 s, 20 half-sent for 130 s)."""
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    half = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        half.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        cut = False
+        for _ in range(10):  # a slow-loris keeps sending, a byte at a time
+            time.sleep(0.3)
+            try:
+                half.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+        assert _closed_by_peer(idle, 10) and (cut or _closed_by_peer(half, 10))
+        assert time.monotonic() - started < 12
+        assert _healthy(server)  # a client that sends its request is served as before
+    finally:
+        idle.close()
+        half.close()
+
+
+def test_a_server_out_of_open_files_recovers_and_logs_one_line(server: ServerProcess) -> None:
+    """Open files capped just above what the server holds, then twice as many idle sockets as
+    are left: before, the server held them all, answered no one and logged a traceback per
+    failed accept; now it closes them, serves again, and says so once."""
+    assert server.proc is not None
+    pid = server.proc.pid
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    logged = server.log_path.stat().st_size
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + 6, before[1]))
+    sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(24)]
+    try:
+        time.sleep(2.5)  # accepts fail meanwhile
+        assert _healthy(server, timeout_s=60)  # served, though the idle sockets stay open
+        with server.log_path.open("rb") as f:
+            f.seek(logged)
+            log = f.read().decode(errors="replace")
+        lines = [x for x in log.splitlines() if "accept" in x or "Too many open files" in x]
+        assert 1 <= len(lines) <= 3, lines[:5]
+        assert "open-file limit is" in lines[0] and "ulimit -n" in lines[0]
+        assert "Traceback" not in log
+    finally:
+        for s in sockets:
+            s.close()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, before)
+
+
+def test_a_bad_request_start_setting_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TINKER_SR_REQUEST_START_S": "soon"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tinker_sr", "serve", "--port", "1", "--store", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "$TINKER_SR_REQUEST_START_S must be a number of seconds > 0, got 'soon'" in out.stderr
+
+
+async def _fail(error: BaseException) -> None:
+    raise error
+
+
+@pytest.mark.parametrize(
+    ("error", "words"),
+    [
+        (OSError(errno.EMFILE, "Too many open files"), "ran out of open files"),
+        (RuntimeError("unable to open file <x> in read-only mode: Too many open files (24)"),
+         "ran out of open files"),
+        (RuntimeError("can't start new thread"), "could not start a thread"),
+    ],
+)  # fmt: skip
+def test_engine_work_out_of_files_or_threads_names_the_limit(
+    tmp_path: Path, error: BaseException, words: str
+) -> None:
+    """Before: "internal error: OSError: [Errno 24] Too many open files: '<store>/...'"."""
+    import asyncio
+
+    with pytest.raises(RequestFailedError) as failed:
+        asyncio.run(mapped(_fail(error), tmp_path))
+    assert words in str(failed.value) and "internal error" not in str(failed.value)
+    with pytest.raises(APIStatusError) as refused:  # a direct call: 503, which clients retry
+        asyncio.run(mapped(_fail(error), tmp_path, plain=True))
+    assert refused.value.status_code == 503 and words in str(refused.value)
