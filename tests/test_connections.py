@@ -84,6 +84,34 @@ def test_idle_and_half_sent_connections_are_closed(server: ServerProcess) -> Non
         half.close()
 
 
+def test_a_connection_answered_before_its_body_is_closed_when_it_goes_quiet(
+    server: ServerProcess,
+) -> None:
+    """An early answer (here 401: no key needed) leaves the client sending a body; whether it
+    then finishes the body or trickles it, the connection is closed (review: both were held
+    forever, with no timer running)."""
+    head = b"POST /api/v1/nope HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab"
+    finished, trickled = (socket.create_connection(("127.0.0.1", server.port)) for _ in "ab")
+    try:
+        for sock in (finished, trickled):
+            sock.sendall(head)
+            sock.settimeout(10)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 401")  # no key: refused at once
+        finished.sendall(b"cdefghij")
+        cut = False
+        for _ in range(10):
+            time.sleep(0.3)
+            try:
+                trickled.sendall(b"c")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+        assert _closed_by_peer(finished, 10) and (cut or _closed_by_peer(trickled, 10))
+    finally:
+        finished.close()
+        trickled.close()
+
+
 def test_a_server_out_of_open_files_recovers_and_logs_one_line(server: ServerProcess) -> None:
     """Open files capped just above what the server holds, then twice as many idle sockets as
     are left: before, the server held them all, answered no one and logged a traceback per
@@ -135,6 +163,7 @@ async def _fail(error: BaseException) -> None:
         (RuntimeError("unable to open file <x> in read-only mode: Too many open files (24)"),
          "ran out of open files"),
         (RuntimeError("can't start new thread"), "could not start a thread"),
+        (OSError(errno.ENFILE, "Too many open files in system"), "fs.file-max"),
     ],
 )  # fmt: skip
 def test_engine_work_out_of_files_or_threads_names_the_limit(

@@ -615,6 +615,18 @@ def test_missing_tensors_name_the_config_field_to_check(tmp_path: Path) -> None:
     assert "tie_word_embeddings" not in str(err.value) and "num_hidden" not in str(err.value)
 
 
+def test_an_unread_shard_of_a_mapped_layout_is_still_named(tmp_path: Path) -> None:
+    """Qwen3.5 stores other names than the engine's: an unread shard holding the missing
+    tensors is found through the same mapping as on load (review: it was not named)."""
+    root = make_tiny_hf_model_dir(tmp_path / "q", "qwen3_5", sharded=True)
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    last = max(index["weight_map"].values())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != last}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EngineUserError, match=rf"more here are not read \(\['{last}'\]\)"):
+        load_model_dir(root)
+
+
 def test_a_stray_file_beside_an_index_does_not_hide_the_config_hint(tmp_path: Path) -> None:
     """Before: any *.safetensors the index does not name (a LoRA adapter, a consolidated copy
     of other tensors) was blamed for the missing tensors, and the config hint was left out."""

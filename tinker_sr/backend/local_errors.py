@@ -99,9 +99,6 @@ def out_of_memory(e: BaseException) -> str | None:
     )
 
 
-_NO_FILES = (errno.EMFILE, errno.ENFILE)
-
-
 def out_of_os_resources(e: BaseException) -> str | None:
     """The failure's text where the process ran out of open files or could not start a thread
     (operating-system limits, not the request's fault), naming the limit and the way out;
@@ -112,7 +109,15 @@ def out_of_os_resources(e: BaseException) -> str | None:
         if seen is None:
             break
         text = str(seen)
-        if (isinstance(seen, OSError) and seen.errno in _NO_FILES) or (
+        if (isinstance(seen, OSError) and seen.errno == errno.ENFILE) or (
+            "Too many open files in system" in text
+        ):
+            return (
+                "this machine ran out of open files (every process's together: its file "
+                "table, fs.file-max, is full): retry once other work has closed some, or raise "
+                "fs.file-max"
+            )
+        if (isinstance(seen, OSError) and seen.errno == errno.EMFILE) or (
             "Too many open files" in text
         ):
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]

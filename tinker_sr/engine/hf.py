@@ -204,7 +204,7 @@ def _check_tensors(
     if config.tie_embeddings:
         shapes.pop("lm_head.weight", None)
     if shapes:
-        raise _missing(root, files, config, shapes, placed)
+        raise _missing(root, files, config, shapes, placed, wrapped)
     return placed
 
 
@@ -246,12 +246,13 @@ def _missing(
     config: ModelConfig,
     shapes: dict[str, tuple[int, ...]],
     placed: dict[str, int],
+    wrapped: bool,
 ) -> EngineUserError:
     """The error for the model's places no stored tensor fills (``shapes``)."""
     unread = sorted(f.name for f in set(root.glob("*.safetensors")) - set(files))
     # Unread files explain the gap only if they hold what is missing (a stray adapter or a
     # consolidated copy of other names does not, and the config's hints below still apply).
-    unread = unread if _hold_any(root, unread, set(shapes)) else []
+    unread = unread if _hold_any(root, unread, set(shapes), config, wrapped) else []
     hints = []
     if unread:
         hints.append(
@@ -282,19 +283,19 @@ def _missing(
     )
 
 
-def _hold_any(root: Path, names: list[str], wanted: set[str]) -> bool:
-    """Does any of the files ``names`` in ``root`` store a tensor of ``wanted`` (or one named
-    with a prefix before it)? One that cannot be read may: it counts."""
-    from safetensors import SafetensorError, safe_open
-
-    for name in names:
-        try:
-            with safe_open(str(root / name), framework="pt") as handle:
-                stored = list(handle.keys())  # noqa: SIM118 (safe_open has no __iter__)
-        except (SafetensorError, OSError):
-            return True
-        if any(k in wanted or k.split(".", 1)[-1] in wanted for k in stored):
-            return True
+def _hold_any(
+    root: Path, names: list[str], wanted: set[str], config: ModelConfig, wrapped: bool
+) -> bool:
+    """Does any of the files ``names`` in ``root`` store a tensor that lands in ``wanted``
+    (the engine's names, the stored ones mapped as on load)? One that cannot be read, or a
+    name that does not map, may: it counts."""
+    try:
+        for _, stored, sl in _tensors([root / name for name in names]):
+            landing = _engine_shapes(stored, tuple(sl.get_shape()), config, wrapped)
+            if any(k in wanted for k, _ in landing):
+                return True
+    except Exception:  # noqa: BLE001 - unreadable, or a tensor the mapping refuses
+        return True
     return False
 
 

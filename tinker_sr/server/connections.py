@@ -23,6 +23,7 @@ log = logging.getLogger("tinker_sr.server")
 REQUEST_START_ENV = "TINKER_SR_REQUEST_START_S"
 DEFAULT_REQUEST_START_S = 15.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"
+_MOST_FILES = 1 << 20  # never raised beyond (containers' hard limits reach ~1e9)
 _QUIET_S = 10.0  # at most one line per this many seconds about failing accepts
 
 
@@ -48,13 +49,16 @@ def raise_open_file_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit (many shells and
     services start at 1024); returns the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    ceiling = _MOST_FILES if hard == resource.RLIM_INFINITY else min(hard, _MOST_FILES)
+    for target in (ceiling, min(ceiling, 10240)):  # 10240: macOS's OPEN_MAX
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            break
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-        except (OSError, ValueError):  # a hard limit the kernel caps lower (nr_open)
-            pass
+            break
+        except (OSError, ValueError):  # a kernel that caps it lower (nr_open, OPEN_MAX)
+            continue
     return int(soft)
 
 
@@ -90,7 +94,6 @@ def protocol_class(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request's
     headers ``timeout_s`` after it opened or after its last response (uvicorn's own
     keep-alive timer starts only after a response, and any byte stops it)."""
-    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):  # type: ignore[misc]
@@ -100,14 +103,21 @@ def protocol_class(timeout_s: float) -> type:
             super().connection_made(transport)
             self._await_request()
 
+        def _answering(self) -> bool:
+            """A request's headers are in and its response is not complete (a long poll's
+            included). Not the client's h11 state: an early answer (401, 404) leaves it
+            sending a body that may never end."""
+            return self.cycle is not None and not self.cycle.response_complete
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # a request's headers are in
+            if self._answering():
                 self._stop_timer()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            # (a pipelined request already read has made a new cycle: it is being answered)
+            if not self._answering() and not self.transport.is_closing():
                 self._await_request()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -125,7 +135,7 @@ def protocol_class(timeout_s: float) -> type:
 
         def _no_request(self) -> None:
             self._request_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if not self._answering() and not self.transport.is_closing():
                 log.debug("closing a connection that sent no request in %g s", timeout_s)
                 self.transport.close()
 

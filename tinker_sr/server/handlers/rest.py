@@ -3,6 +3,7 @@ delete, TTL, publish), and the endpoints this server deliberately does not offer
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from ..http import HTTPError, body_hash, json_reply
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
+
+log = logging.getLogger("tinker_sr.server")
 
 # Endpoints the SDK knows that this server deliberately does not offer (400 with a reason,
 # rather than an anonymous 404).
@@ -93,12 +96,11 @@ def access_scope(request: Request) -> None:
 def _only_owned(listed: list[str], runs: set[str]) -> None:
     """Fail closed if the backend ignored ``runs=`` (a wrapping backend may): a listing must
     never show another owner's runs."""
-    stray = set(listed) - runs
-    if stray:  # not named: the reply must not show them either
-        raise RuntimeError(
-            f"the backend listed {len(stray)} run(s) of other owners: it ignored the runs= "
-            "filter of its listing"
+    if stray := set(listed) - runs:  # neither named nor counted in the reply
+        log.error(
+            "the backend listed %d run(s) of other owners; the listing is refused", len(stray)
         )
+        raise RuntimeError("the backend ignored the runs= filter of its listing")
 
 
 async def list_user_checkpoints(srv: TinkerServer, request: Request, owner: str) -> Response:
