@@ -47,6 +47,17 @@ def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
         return False
 
 
+def _trickled_until_cut(sock: socket.socket) -> bool:
+    """Send a byte every 0.3 s for 3 s: was the connection cut meanwhile?"""
+    for _ in range(10):
+        time.sleep(0.3)
+        try:
+            sock.sendall(b"X")
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    return False
+
+
 def _healthy(srv: ServerProcess, timeout_s: float = 10.0) -> bool:
     url = f"{srv.base_url}/api/v1/healthz"
     return httpx.get(url, timeout=timeout_s, trust_env=False).status_code == 200
@@ -68,14 +79,7 @@ def test_idle_and_half_sent_connections_are_closed(server: ServerProcess) -> Non
     try:
         half.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n")
         started = time.monotonic()
-        cut = False
-        for _ in range(10):  # a slow-loris keeps sending, a byte at a time
-            time.sleep(0.3)
-            try:
-                half.sendall(b"X")
-            except (BrokenPipeError, ConnectionResetError):
-                cut = True
-                break
+        cut = _trickled_until_cut(half)  # a slow-loris keeps sending, a byte at a time
         assert _closed_by_peer(idle, 10) and (cut or _closed_by_peer(half, 10))
         assert time.monotonic() - started < 12
         assert _healthy(server)  # a client that sends its request is served as before
@@ -98,14 +102,7 @@ def test_a_connection_answered_before_its_body_is_closed_when_it_goes_quiet(
             sock.settimeout(10)
             assert sock.recv(1024).startswith(b"HTTP/1.1 401")  # no key: refused at once
         finished.sendall(b"cdefghij")
-        cut = False
-        for _ in range(10):
-            time.sleep(0.3)
-            try:
-                trickled.sendall(b"c")
-            except (BrokenPipeError, ConnectionResetError):
-                cut = True
-                break
+        cut = _trickled_until_cut(trickled)
         assert _closed_by_peer(finished, 10) and (cut or _closed_by_peer(trickled, 10))
     finally:
         finished.close()
