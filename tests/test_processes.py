@@ -85,3 +85,50 @@ def test_a_forked_child_gets_a_clear_error_or_fresh_clients_not_a_hang(
         service.close().result()
     assert "made before the process forked" in inherited
     assert fresh == ours
+
+
+def _child_writes(path: Path, k: int, conn: Any) -> None:
+    from tinker_sr.engine.store import Store
+
+    try:
+        Store(path).add_session(f"child{k}", user_metadata=None, project_id=None, display_name=None)
+        conn.send("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send(repr(e))
+    finally:
+        conn.close()
+
+
+def test_children_forked_while_the_store_is_busy_open_it_again(tmp_path: Path) -> None:
+    """A child forked while another thread was inside SQLite inherited its mutexes and lock
+    records: its own connection to the same store hung or failed "database is locked" (12 of
+    40 forks before; a new embedded ServiceClient in a fork pool's worker does this)."""
+    import threading
+
+    from tinker_sr.engine.store import Store
+
+    path = tmp_path / "engine.sqlite"
+    store, stop = Store(path), threading.Event()
+
+    def busy() -> None:
+        for i in range(10**9):
+            if stop.is_set():
+                return
+            store.add_session(f"s{i}", user_metadata=None, project_id=None, display_name=None)
+
+    writer = threading.Thread(target=busy)
+    writer.start()
+    outcomes = []
+    try:
+        for k in range(40):
+            parent_end, child_end = mp.Pipe(duplex=False)
+            child = mp.get_context("fork").Process(target=_child_writes, args=(path, k, child_end))
+            child.start()
+            child_end.close()
+            outcomes.append(parent_end.recv() if parent_end.poll(20) else "hung")
+            child.kill()
+            child.join(10)
+    finally:
+        stop.set()
+        writer.join(30)
+    assert outcomes == ["ok"] * 40, [o for o in outcomes if o != "ok"][:3]

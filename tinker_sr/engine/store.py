@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tinker_sr.engine.fork_guard import guard
 from tinker_sr.engine.store_files import (
     StoreDamagedError,
     StoreTooNewError,
@@ -192,9 +193,14 @@ class Store:
         self.path = None if path is None else Path(path)
         if self.path is not None:
             check_not_emptied(self.path)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held for every SQLite call, a fork's too (`guard`)
+        guard(self._lock)
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
+        with self._lock:
+            self._open(read_only)
+
+    def _open(self, read_only: bool) -> None:
         if read_only and self.path is not None:
             self._db = _open_read_only(self.path)
             try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinker_sr.engine.fork_guard import guard
 from tinker_sr.engine.store_files import StoreDamagedError
 from tinker_sr.user_errors import clip_message
 
@@ -115,7 +116,8 @@ class ServerState:
         """``path=None`` keeps everything in memory (a server without a store). A store is
         this server's alone while it runs: `StoreInUseError` if another server holds it
         (`tinker_sr.server.store_lock`)."""
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for every SQLite call, a fork's too (`guard`)
+        guard(self._lock)
         self._store_lock = StoreLock(path.parent) if path is not None else None
         self._db = sqlite3.connect(
             str(path) if path is not None else ":memory:",
