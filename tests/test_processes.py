@@ -132,3 +132,47 @@ def test_children_forked_while_the_store_is_busy_open_it_again(tmp_path: Path) -
         stop.set()
         writer.join(30)
     assert outcomes == ["ok"] * 40, [o for o in outcomes if o != "ok"][:3]
+
+
+_AT_EXIT = """
+import atexit, sys
+def late():
+    try:
+        tc.save_state("late").result(timeout=60)
+        print("SAVED")
+    except RuntimeError as e:
+        print("REFUSED:", e)
+if sys.argv[1] == "before":
+    atexit.register(late)
+import tinker_sr as tinker
+if sys.argv[1] == "after":
+    atexit.register(late)
+tc = tinker.ServiceClient().create_lora_training_client("tinker-sr/tiny", rank=4).result()
+tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3))  # left in flight
+"""
+
+
+@pytest.mark.parametrize(
+    ("when", "says"),
+    [("before", "an atexit hook registered before `import tinker_sr`"),
+     ("after", "Python stopped its thread pools before running atexit hooks")],
+)  # fmt: skip
+def test_a_call_from_an_atexit_hook_says_why_it_cannot_run(
+    tmp_path: Path, when: str, says: str
+) -> None:
+    """Concurrency hunt: a hook registered before the import ran after the clients' loop was
+    wound down (its cancelled calls left gaps a model's later requests wait on: hangs against
+    a server, 3 of 4 runs) and started a new one; one registered after got "cannot schedule
+    new futures after shutdown". Both now say why, at once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TINKER_SR_STORE": str(tmp_path)}
+    env.pop("TINKER_BASE_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _AT_EXIT, when],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED:" in out.stdout and says in out.stdout, out.stdout + out.stderr[-2000:]

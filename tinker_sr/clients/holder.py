@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread
 import ipaddress
 import itertools
 import logging
@@ -33,9 +34,20 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: threading.Thread | None = None
 
 
+EXITED = (
+    "tinker_sr's clients were stopped as the interpreter exits (calls still in flight were "
+    "cancelled, so a model's later requests could wait for them forever): an atexit hook "
+    "registered before `import tinker_sr` runs after that. Make these calls before the "
+    "program ends, or register the hook after importing tinker_sr"
+)
+_stopped_at_exit = False  # the exit hook wound the loop down: no new one is started
+
+
 def sdk_loop() -> asyncio.AbstractEventLoop:
     """The background event loop all clients of this process share (started on first use)."""
     global _loop, _loop_thread
+    if _stopped_at_exit:
+        raise RuntimeError(EXITED)
     with _loop_lock:
         if _loop is None or _loop.is_closed():
             loop = asyncio.new_event_loop()
@@ -66,9 +78,11 @@ def _stop_loop_at_exit() -> None:
     The loop did free tensors then: the clients of a function's locals are dropped as it
     returns, and ending their session (`_end_dropped`) let go of a whole engine there.
     Atexit hooks run after the engine's worker thread has finished its queued work."""
+    global _stopped_at_exit
     loop, thread = _loop, _loop_thread
     if loop is None or thread is None or loop.is_closed() or not thread.is_alive():
         return
+    _stopped_at_exit = True
 
     async def wind_down() -> None:
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
@@ -109,7 +123,19 @@ async def _seen(coro: Coroutine[Any, Any, T]) -> T:
     task = asyncio.current_task()
     if task is not None:
         task.add_done_callback(_mark_seen)
-    return await coro
+    try:
+        return await coro
+    except RuntimeError as e:
+        exiting = getattr(concurrent.futures.thread, "_shutdown", False)  # set at exit only
+        if not exiting or "cannot schedule new futures after" not in str(e):
+            raise
+        raise RuntimeError(POOLS_STOPPED) from e
+
+
+POOLS_STOPPED = (
+    "the interpreter is exiting: Python stopped its thread pools before running atexit hooks, "
+    "and the embedded engine works on them. Make these calls before the program ends"
+)
 
 
 def blocking_result(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
@@ -458,8 +484,8 @@ def _forked() -> None:
     and work handed to them would wait forever. Start afresh (the first use makes a loop and
     engines), and have clients made before the fork say so when used. Nothing of theirs is
     ended from here: their sessions are the parent's."""
-    global _loop, _loop_thread, _loop_lock, _local_lock
-    _loop, _loop_thread = None, None
+    global _loop, _loop_thread, _loop_lock, _local_lock, _stopped_at_exit
+    _loop, _loop_thread, _stopped_at_exit = None, None, False
     _loop_lock, _local_lock = threading.Lock(), threading.Lock()
     _local_backends.clear()
     for session in list(ClientSession._registry.values()):
