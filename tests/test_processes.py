@@ -176,3 +176,16 @@ def test_a_call_from_an_atexit_hook_says_why_it_cannot_run(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "REFUSED:" in out.stdout and says in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_clients_that_hold_a_session_say_why_they_do_not_pickle(tmp_path: Path) -> None:
+    """Before: "cannot pickle '_thread.RLock' object" (concurrency hunt)."""
+    from tests.conftest import embedded_client
+
+    with embedded_client(tmp_path) as service:
+        training = service.create_lora_training_client(MODEL, rank=4).result()
+        rest = tinker.RestClient(service.holder)
+        for client, kind in ((service, "ServiceClient"), (training, "TrainingClient"),
+                             (rest, "RestClient")):  # fmt: skip
+            with pytest.raises(TypeError, match=f"a {kind} cannot be pickled: .* worker"):
+                pickle.dumps(client)

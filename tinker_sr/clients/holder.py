@@ -496,5 +496,15 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+def not_picklable(kind: str) -> TypeError:
+    """The error pickling a client that holds its session's connection raises (rather than
+    "cannot pickle '_thread.RLock' object")."""
+    return TypeError(
+        f"a {kind} cannot be pickled: it holds its session's connection and threads. In a "
+        "worker process make a ServiceClient of its own, or pass a SamplingClient of a server "
+        "(picklable: it carries its key); or pass the paths and ids the worker needs"
+    )
+
+
 def warn_deprecated(msg: str, *, stacklevel: int = 3) -> None:
     warnings.warn(msg, FutureWarning, stacklevel=stacklevel)

@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 from tinker_sr import types
 from tinker_sr.clients import rest_args
 from tinker_sr.clients.admin import AdminClient, AuditEventType
-from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
+from tinker_sr.clients.holder import ClientSession, make_backend, not_picklable, warn_deprecated
 from tinker_sr.errors import refusal
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
@@ -22,6 +22,9 @@ AccessScope = Literal["owned", "accessible"]
 class RestClient:
     """Every method returns an `APIFuture` (await it, or call ``.result()``); the deprecated
     ``*_async`` twins are coroutines resolving to the value."""
+
+    def __reduce__(self) -> Any:
+        raise not_picklable("RestClient")
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from tinker_sr.clients.holder import (
     blocking_result,
     default_api_key,
     make_backend,
+    not_picklable,
     server_url,
     wants_remote,
     warn_deprecated,
@@ -80,6 +81,9 @@ class ServiceClient:
     ``"always"`` forces the lowering, ``"never"`` forbids it; a `LoweringOptions` also picks
     the target form and the top-k used for client-side draws.
     """
+
+    def __reduce__(self) -> Any:
+        raise not_picklable("ServiceClient")
 
     def __init__(
         self,

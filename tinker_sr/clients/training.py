@@ -17,6 +17,7 @@ from tinker_sr.clients.holder import (
     ClientSession,
     blocking_result,
     log,
+    not_picklable,
     release_dropped_model,
     warn_deprecated,
 )
@@ -76,6 +77,9 @@ class TrainingClient:
     order they were made (each reserves a sequence number synchronously), so
     ``fb = tc.forward_backward(...); op = tc.optim_step(...)`` then awaiting both is the
     recommended pipelining pattern."""
+
+    def __reduce__(self) -> Any:
+        raise not_picklable("TrainingClient")
 
     def __init__(self, holder: ClientSession, model_id: str, info: types.GetInfoResponse) -> None:
         self.holder = holder
