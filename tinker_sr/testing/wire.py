@@ -159,7 +159,7 @@ class WireFault:
         if self.kind == "try_again" and not polls:
             raise ValueError(
                 f"WireFault.kind 'try_again' answers retrieve_future polls; endpoint "
-                f"{self.endpoint!r} is not one (use pending_future(), or 'slow' to delay it)"
+                f"{self.endpoint!r} is not one (use future_stays_pending(), or 'slow' to delay it)"
             )
         if self.kind == "expire_sequence" and not fnmatch.fnmatchcase(
             "forward_backward", self.endpoint

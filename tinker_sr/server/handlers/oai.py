@@ -212,6 +212,13 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
     bad = [k for k in req.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
     if bad:
         raise OaiError(f"chat_template_kwargs: {bad[0]!r} is set by the server", bad[0])
+    if not getattr(tok, "chat_template", "unknown"):  # the tokenizer's own hint names Python
+        raise OaiError(
+            "messages: this model's tokenizer has no chat template (it is not a chat model): "
+            "use /completions with a prompt or token ids, or serve a model directory whose "
+            "tokenizer has one",
+            "messages",
+        )
 
     def render(kwargs: dict[str, Any]) -> list[int]:
         ids = tok.apply_chat_template(
