@@ -129,6 +129,24 @@ def test_deprecated_async_variants_need_two_awaits(service: tinker.ServiceClient
     assert asyncio.run(main()) > 0
 
 
+def test_a_deprecated_coroutine_warns_at_the_callers_line(service: tinker.ServiceClient) -> None:
+    """Before, the warning was raised when the coroutine ran: in a gather (a task), it named
+    asyncio's own file (concurrency hunt). The SDK's ``@deprecated`` warns at the call."""
+    sampler = service.create_sampling_client(base_model=MODEL).result()
+    assert asyncio.iscoroutinefunction(sampler.sample_async)
+
+    async def main() -> list[warnings.WarningMessage]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prompt = types.ModelInput.from_ints([5, 6])
+            await asyncio.gather(*[sampler.sample_async(prompt, 1, params(i)) for i in range(2)])
+        return caught
+
+    caught = [w for w in asyncio.run(main()) if "sample_async" in str(w.message)]
+    assert [w.filename for w in caught] == [__file__, __file__]
+    assert all(w.category is FutureWarning for w in caught)
+
+
 def test_blocking_in_async_code_warns_naming_the_callers_line(
     service: tinker.ServiceClient, caplog: pytest.LogCaptureFixture
 ) -> None:

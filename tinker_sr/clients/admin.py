@@ -13,7 +13,7 @@ from datetime import date, datetime
 from typing import Any, Literal, NoReturn, TypeVar
 
 from tinker_sr import types
-from tinker_sr.clients.holder import ClientSession, make_backend, warn_deprecated
+from tinker_sr.clients.holder import ClientSession, deprecated_call, make_backend
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
 T = TypeVar("T")
@@ -99,12 +99,12 @@ class AdminClient:
             self.holder.backend.get_billing_usage(request.starting_on, request.ending_before)
         )
 
+    @deprecated_call(
+        "AdminClient.get_billing_usage_async() is deprecated; await get_billing_usage()"
+    )
     async def get_billing_usage_async(
         self, starting_on: datetime | str, ending_before: datetime | str
     ) -> types.BillingUsageResponse:
-        warn_deprecated(
-            "AdminClient.get_billing_usage_async() is deprecated; await get_billing_usage()"
-        )
         return await self.get_billing_usage(starting_on, ending_before)
 
     def get_current_checkpoint_storage_usage(
@@ -116,11 +116,10 @@ class AdminClient:
         request = types.GetCurrentCheckpointStorageUsageRequest(project_id=project_id)
         return self._f(self.holder.backend.get_current_checkpoint_storage_usage(request.project_id))
 
+    @deprecated_call(
+        "AdminClient.get_current_checkpoint_storage_usage_async() is deprecated; await get_current_checkpoint_storage_usage()"
+    )
     async def get_current_checkpoint_storage_usage_async(
         self, project_id: str | None = None
     ) -> types.CurrentCheckpointStorageUsageResponse:
-        warn_deprecated(
-            "AdminClient.get_current_checkpoint_storage_usage_async() is deprecated; await "
-            "get_current_checkpoint_storage_usage()"
-        )
         return await self.get_current_checkpoint_storage_usage(project_id)

@@ -11,6 +11,8 @@ import asyncio
 import atexit
 import concurrent.futures
 import concurrent.futures.thread
+import functools
+import inspect
 import ipaddress
 import itertools
 import logging
@@ -18,15 +20,16 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 from tinker_sr.backend.base import Backend
 from tinker_sr.errors import TinkerError
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = logging.getLogger("tinker_sr")
 
 _loop_lock = threading.Lock()
@@ -508,3 +511,23 @@ def not_picklable(kind: str) -> TypeError:
 
 def warn_deprecated(msg: str, *, stacklevel: int = 3) -> None:
     warnings.warn(msg, FutureWarning, stacklevel=stacklevel)
+
+
+def deprecated_call(msg: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
+    """A deprecated coroutine method that warns when called, at the caller's line, as the
+    SDK's ``@deprecated`` does (warned inside the coroutine, a task's warning named asyncio's
+    own file). Its ``__wrapped__`` is the ``async def``, and asyncio sees a coroutine
+    function."""
+
+    def wrap(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+        @functools.wraps(fn)
+        def warned(*args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
+            warnings.warn(msg, FutureWarning, stacklevel=2)
+            return fn(*args, **kwargs)
+
+        if (mark := getattr(inspect, "markcoroutinefunction", None)) is not None:
+            return mark(warned)  # type: ignore[no-any-return]  # Python 3.12+
+        warned._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+        return warned
+
+    return wrap

@@ -11,7 +11,13 @@ from typing import Any, Literal, TypeVar
 from tinker_sr import types
 from tinker_sr.clients import rest_args
 from tinker_sr.clients.admin import AdminClient, AuditEventType
-from tinker_sr.clients.holder import ClientSession, make_backend, not_picklable, warn_deprecated
+from tinker_sr.clients.holder import (
+    ClientSession,
+    deprecated_call,
+    make_backend,
+    not_picklable,
+    warn_deprecated,
+)
 from tinker_sr.errors import refusal
 from tinker_sr.futures import APIFuture, AwaitableConcurrentFuture
 
@@ -322,44 +328,43 @@ class RestClient:
         return self._f(self._b.get_checkpoint(tinker_path))
 
     # ---- deprecated coroutine twins ----------------------------------------------------------
+    @deprecated_call("get_sampler_async is deprecated; await get_sampler()")
     async def get_sampler_async(self, sampler_id: str) -> types.GetSamplerResponse:
-        warn_deprecated("get_sampler_async is deprecated; await get_sampler()")
         return await self.get_sampler(sampler_id)
 
+    @deprecated_call("list_sessions_async is deprecated; await list_sessions()")
     async def list_sessions_async(
         self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
     ) -> types.ListSessionsResponse:
-        warn_deprecated("list_sessions_async is deprecated; await list_sessions()")
         return await self.list_sessions(limit, offset, access_scope)
 
+    @deprecated_call("get_session_async is deprecated; await get_session()")
     async def get_session_async(
         self, session_id: str, access_scope: AccessScope = "owned"
     ) -> types.GetSessionResponse:
-        warn_deprecated("get_session_async is deprecated; await get_session()")
         return await self.get_session(session_id, access_scope)
 
+    @deprecated_call("assign_session_project_async is deprecated; await assign_session_project()")
     async def assign_session_project_async(self, session_id: str, project_id: str) -> None:
-        warn_deprecated(
-            "assign_session_project_async is deprecated; await assign_session_project()"
-        )
         return await self.assign_session_project(session_id, project_id)
 
+    @deprecated_call("export_session_trace_async is deprecated; await export_session_trace()")
     async def export_session_trace_async(self, session_id: str) -> str:
-        warn_deprecated("export_session_trace_async is deprecated; await export_session_trace()")
         return await self.export_session_trace(session_id)
 
+    @deprecated_call("get_training_run_async is deprecated; await get_training_run()")
     async def get_training_run_async(
         self, training_run_id: str, access_scope: AccessScope = "owned"
     ) -> types.TrainingRun:
-        warn_deprecated("get_training_run_async is deprecated; await get_training_run()")
         return await self.get_training_run(training_run_id, access_scope)
 
+    @deprecated_call("get_training_run_by_tinker_path_async is deprecated")
     async def get_training_run_by_tinker_path_async(
         self, tinker_path: str, access_scope: AccessScope = "owned"
     ) -> types.TrainingRun:
-        warn_deprecated("get_training_run_by_tinker_path_async is deprecated")
         return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
 
+    @deprecated_call("list_training_runs_async is deprecated; await list_training_runs()")
     async def list_training_runs_async(
         self,
         limit: int = 20,
@@ -367,41 +372,41 @@ class RestClient:
         access_scope: AccessScope = "owned",
         project_id: str | None = None,
     ) -> types.TrainingRunsResponse:
-        warn_deprecated("list_training_runs_async is deprecated; await list_training_runs()")
         return await self.list_training_runs(limit, offset, access_scope, project_id)
 
+    @deprecated_call("list_checkpoints_async is deprecated; await list_checkpoints()")
     async def list_checkpoints_async(self, training_run_id: str) -> types.CheckpointsListResponse:
-        warn_deprecated("list_checkpoints_async is deprecated; await list_checkpoints()")
         return await self.list_checkpoints(training_run_id)
 
+    @deprecated_call("list_user_checkpoints_async is deprecated; await list_user_checkpoints()")
     async def list_user_checkpoints_async(
         self, limit: int = 100, offset: int = 0
     ) -> types.CheckpointsListResponse:
-        warn_deprecated("list_user_checkpoints_async is deprecated; await list_user_checkpoints()")
         return await self.list_user_checkpoints(limit, offset)
 
+    @deprecated_call("delete_checkpoint_async is deprecated; await delete_checkpoint()")
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
-        warn_deprecated("delete_checkpoint_async is deprecated; await delete_checkpoint()")
         await self.delete_checkpoint(training_run_id, checkpoint_id)
 
+    @deprecated_call("delete_checkpoint_from_tinker_path_async is deprecated")
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
-        warn_deprecated("delete_checkpoint_from_tinker_path_async is deprecated")
         await self.delete_checkpoint_from_tinker_path(tinker_path)
 
+    @deprecated_call("set_checkpoint_ttl_from_tinker_path_async is deprecated")
     async def set_checkpoint_ttl_from_tinker_path_async(
         self, tinker_path: str, ttl_seconds: int | None
     ) -> None:
-        warn_deprecated("set_checkpoint_ttl_from_tinker_path_async is deprecated")
         await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
 
+    @deprecated_call("publish_checkpoint_from_tinker_path_async is deprecated")
     async def publish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
-        warn_deprecated("publish_checkpoint_from_tinker_path_async is deprecated")
         await self.publish_checkpoint_from_tinker_path(tinker_path)
 
+    @deprecated_call("unpublish_checkpoint_from_tinker_path_async is deprecated")
     async def unpublish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
-        warn_deprecated("unpublish_checkpoint_from_tinker_path_async is deprecated")
         await self.unpublish_checkpoint_from_tinker_path(tinker_path)
 
+    @deprecated_call("copy_weights_async is deprecated; await copy_weights()")
     async def copy_weights_async(
         self,
         path: str,
@@ -410,7 +415,6 @@ class RestClient:
         ttl_seconds: int | None = None,
         weights_access_token: str | None = None,
     ) -> str:
-        warn_deprecated("copy_weights_async is deprecated; await copy_weights()")
         return await self.copy_weights(
             path,
             destination_project_id,
@@ -418,12 +422,12 @@ class RestClient:
             weights_access_token=weights_access_token,
         )
 
+    @deprecated_call(
+        "get_external_weights_urls_async is deprecated; await get_external_weights_urls()"
+    )
     async def get_external_weights_urls_async(
         self, tinker_path: str
     ) -> types.ExternalWeightsUrlsResponse:
-        warn_deprecated(
-            "get_external_weights_urls_async is deprecated; await get_external_weights_urls()"
-        )
         return await self.get_external_weights_urls(tinker_path)
 
     # ---- admin endpoints (deprecated here in the SDK, moved to AdminClient) ------------------
@@ -437,10 +441,10 @@ class RestClient:
         warn_deprecated("RestClient.get_audit_log() is deprecated; use AdminClient.get_audit_log()")
         return self._admin().get_audit_log(event_type, day)
 
+    @deprecated_call("RestClient.get_audit_log_async() is deprecated; use AdminClient")
     async def get_audit_log_async(
         self, event_type: AuditEventType = "all", day: date | None = None
     ) -> types.AuditLogResponse:
-        warn_deprecated("RestClient.get_audit_log_async() is deprecated; use AdminClient")
         return await self._admin().get_audit_log_async(event_type, day)
 
     def get_billing_usage(self, starting_on: datetime | str, ending_before: datetime | str) -> Any:
@@ -448,10 +452,10 @@ class RestClient:
         warn_deprecated("RestClient.get_billing_usage() is deprecated; use AdminClient")
         return self._admin().get_billing_usage(starting_on, ending_before)
 
+    @deprecated_call("RestClient.get_billing_usage_async() is deprecated; use AdminClient")
     async def get_billing_usage_async(
         self, starting_on: datetime | str, ending_before: datetime | str
     ) -> Any:
-        warn_deprecated("RestClient.get_billing_usage_async() is deprecated; use AdminClient")
         return await self._admin().get_billing_usage_async(starting_on, ending_before)
 
     def get_current_checkpoint_storage_usage(self, project_id: str | None = None) -> Any:
@@ -459,10 +463,10 @@ class RestClient:
         warn_deprecated("RestClient.get_current_checkpoint_storage_usage() is deprecated")
         return self._admin().get_current_checkpoint_storage_usage(project_id)
 
+    @deprecated_call("RestClient.get_current_checkpoint_storage_usage_async() is deprecated")
     async def get_current_checkpoint_storage_usage_async(
         self, project_id: str | None = None
     ) -> Any:
-        warn_deprecated("RestClient.get_current_checkpoint_storage_usage_async() is deprecated")
         return await self._admin().get_current_checkpoint_storage_usage_async(project_id)
 
 

@@ -18,8 +18,8 @@ from tinker_sr.clients import sr_lowering
 from tinker_sr.clients.holder import (
     ClientSession,
     blocking_result,
+    deprecated_call,
     make_backend,
-    warn_deprecated,
 )
 from tinker_sr.futures import BackcompatConcurrentFuture
 from tinker_sr.user_errors import official_sdk_hint
@@ -251,6 +251,7 @@ class SamplingClient:
         return None
 
     # ---- deprecated coroutine twins ---------------------------------------------------------
+    @deprecated_call("sample_async is deprecated; await sample() instead")
     async def sample_async(
         self,
         prompt: types.ModelInput,
@@ -264,7 +265,6 @@ class SamplingClient:
         prompt_logprobs_last_n: int | None = None,
     ) -> types.SampleResponse:
         """Deprecated: ``await sample(...)``."""
-        warn_deprecated("sample_async is deprecated; await sample() instead")
         return await self.sample(
             prompt,
             num_samples,
@@ -277,15 +277,15 @@ class SamplingClient:
             prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
 
+    @deprecated_call("compute_logprobs_async is deprecated; await compute_logprobs() instead")
     async def compute_logprobs_async(
         self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
     ) -> list[float | None]:
         """Deprecated: ``await compute_logprobs(...)``."""
-        warn_deprecated("compute_logprobs_async is deprecated; await compute_logprobs() instead")
         return await self.compute_logprobs(prompt, prompt_logprobs_last_n=prompt_logprobs_last_n)
 
+    @deprecated_call("get_base_model_async is deprecated; use get_base_model()")
     async def get_base_model_async(self) -> str:
-        warn_deprecated("get_base_model_async is deprecated; use get_base_model()")
         return self._base_model
 
     # ---- handles and pickling ----------------------------------------------------------------

@@ -20,6 +20,7 @@ from tinker_sr.clients.holder import (
     ClientSession,
     blocking_result,
     default_api_key,
+    deprecated_call,
     make_backend,
     not_picklable,
     server_url,
@@ -432,8 +433,8 @@ class ServiceClient:
         warn_deprecated("get_server_capabilities() is deprecated; use RestClient")
         return blocking_result(self.holder.run(self.holder.backend.get_server_capabilities()))
 
+    @deprecated_call("get_server_capabilities_async() is deprecated; use RestClient")
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
-        warn_deprecated("get_server_capabilities_async() is deprecated; use RestClient")
         return await asyncio.wrap_future(
             self.holder.run(self.holder.backend.get_server_capabilities())
         )
@@ -443,6 +444,9 @@ class ServiceClient:
         return f"tinker-sr://sessions/{sid}" if sid else "tinker-sr://sessions"
 
     # ---- deprecated coroutine twins (one await, resolve to the client) -----------------------
+    @deprecated_call(
+        "create_lora_training_client_async is deprecated; await create_lora_training_client()"
+    )
     async def create_lora_training_client_async(
         self,
         base_model: str,
@@ -455,9 +459,6 @@ class ServiceClient:
         optimizer: types.OptimizerConfig | None = None,
     ) -> TrainingClient:
         """Deprecated: ``await create_lora_training_client(...)``."""
-        warn_deprecated(
-            "create_lora_training_client_async is deprecated; await create_lora_training_client()"
-        )
         return await self.create_lora_training_client(
             base_model,
             rank=rank,
@@ -469,6 +470,9 @@ class ServiceClient:
             optimizer=optimizer,
         )
 
+    @deprecated_call(
+        "create_training_client_from_state_async is deprecated; await create_training_client_from_state()"
+    )
     async def create_training_client_from_state_async(
         self,
         path: str,
@@ -478,10 +482,6 @@ class ServiceClient:
         optimizer: types.OptimizerConfig | None = None,
     ) -> TrainingClient:
         """Deprecated: ``await create_training_client_from_state(...)``."""
-        warn_deprecated(
-            "create_training_client_from_state_async is deprecated; await "
-            "create_training_client_from_state()"
-        )
         return await self.create_training_client_from_state(
             path,
             base_model=base_model,
@@ -490,6 +490,9 @@ class ServiceClient:
             optimizer=optimizer,
         )
 
+    @deprecated_call(
+        "create_training_client_from_state_with_optimizer_async is deprecated; await create_training_client_from_state_with_optimizer()"
+    )
     async def create_training_client_from_state_with_optimizer_async(
         self,
         path: str,
@@ -498,10 +501,6 @@ class ServiceClient:
         weights_access_token: str | None = None,
     ) -> TrainingClient:
         """Deprecated: ``await create_training_client_from_state_with_optimizer(...)``."""
-        warn_deprecated(
-            "create_training_client_from_state_with_optimizer_async is deprecated; await "
-            "create_training_client_from_state_with_optimizer()"
-        )
         return await self.create_training_client_from_state_with_optimizer(
             path,
             base_model=base_model,
@@ -509,6 +508,7 @@ class ServiceClient:
             weights_access_token=weights_access_token,
         )
 
+    @deprecated_call("create_sampling_client_async is deprecated; await create_sampling_client()")
     async def create_sampling_client_async(
         self,
         model_path: str | None = None,
@@ -517,9 +517,6 @@ class ServiceClient:
         record_stability_info: bool = False,
     ) -> SamplingClient:
         """Deprecated: ``await create_sampling_client(...)``."""
-        warn_deprecated(
-            "create_sampling_client_async is deprecated; await create_sampling_client()"
-        )
         return await self.create_sampling_client(
             model_path=model_path,
             base_model=base_model,

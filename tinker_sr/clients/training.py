@@ -16,6 +16,7 @@ from tinker_sr.clients import chunks, sr_lowering
 from tinker_sr.clients.holder import (
     ClientSession,
     blocking_result,
+    deprecated_call,
     log,
     not_picklable,
     release_dropped_model,
@@ -518,9 +519,9 @@ class TrainingClient:
         """Model info, cached when the client was created (no request)."""
         return self._info
 
+    @deprecated_call("get_info_async is deprecated; use get_info() (no request needed)")
     async def get_info_async(self) -> types.GetInfoResponse:
         """Deprecated: use `get_info`, which answers without a request."""
-        warn_deprecated("get_info_async is deprecated; use get_info() (no request needed)")
         return self._info
 
     def get_tokenizer(self) -> Any:
@@ -539,6 +540,7 @@ class TrainingClient:
         return None
 
     # ---- deprecated coroutine twins (await twice: they resolve to a future) ------------
+    @deprecated_call("forward_async is deprecated; use forward() and await the future")
     async def forward_async(
         self,
         data: list[types.Datum],
@@ -546,9 +548,11 @@ class TrainingClient:
         loss_fn_config: Mapping[str, float | str] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
         """Deprecated: use `forward` and await its future."""
-        warn_deprecated("forward_async is deprecated; use forward() and await the future")
         return self.forward(data, loss_fn, loss_fn_config)
 
+    @deprecated_call(
+        "forward_backward_async is deprecated; use forward_backward() and await the future"
+    )
     async def forward_backward_async(
         self,
         data: list[types.Datum],
@@ -556,11 +560,9 @@ class TrainingClient:
         loss_fn_config: Mapping[str, float | str] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
         """Deprecated: use `forward_backward` and await its future."""
-        warn_deprecated(
-            "forward_backward_async is deprecated; use forward_backward() and await the future"
-        )
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
+    @deprecated_call("forward_backward_custom_async is deprecated; use forward_backward_custom()")
     async def forward_backward_custom_async(
         self,
         data: list[types.Datum],
@@ -569,11 +571,9 @@ class TrainingClient:
         loss_type_input: Literal["logprobs"] | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
         """Deprecated: use `forward_backward_custom` and await its future."""
-        warn_deprecated(
-            "forward_backward_custom_async is deprecated; use forward_backward_custom()"
-        )
         return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
+    @deprecated_call("optim_step_async is deprecated; use optim_step() and await the future")
     async def optim_step_async(
         self,
         optim_params: types.OptimParams | None = None,
@@ -581,9 +581,9 @@ class TrainingClient:
         adam_params: types.AdamParams | None = None,
     ) -> APIFuture[types.OptimStepResponse]:
         """Deprecated: use `optim_step` and await its future."""
-        warn_deprecated("optim_step_async is deprecated; use optim_step() and await the future")
         return self.optim_step(optim_params, adam_params=adam_params)
 
+    @deprecated_call("save_state_async is deprecated; use save_state()")
     async def save_state_async(
         self,
         name: str,
@@ -592,11 +592,11 @@ class TrainingClient:
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[types.SaveWeightsResponse]:
         """Deprecated: use `save_state` and await its future."""
-        warn_deprecated("save_state_async is deprecated; use save_state()")
         return self.save_state(
             name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata
         )
 
+    @deprecated_call("save_weights_for_sampler_async is deprecated; use save_weights_for_sampler()")
     async def save_weights_for_sampler_async(
         self,
         name: str,
@@ -604,13 +604,11 @@ class TrainingClient:
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         """Deprecated: use `save_weights_for_sampler` and await its future."""
-        warn_deprecated(
-            "save_weights_for_sampler_async is deprecated; use save_weights_for_sampler()"
-        )
         return self.save_weights_for_sampler(
             name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
         )
 
+    @deprecated_call("save_weights_external_async is deprecated; use save_weights_external()")
     async def save_weights_external_async(
         self,
         name: str,
@@ -618,25 +616,25 @@ class TrainingClient:
         age_encryption_recipients: list[str] | None = None,
     ) -> APIFuture[types.SaveWeightsExternalResponse]:
         """Deprecated: use `save_weights_external` and await its future."""
-        warn_deprecated("save_weights_external_async is deprecated; use save_weights_external()")
         return self.save_weights_external(
             name, ttl_seconds=ttl_seconds, age_encryption_recipients=age_encryption_recipients
         )
 
+    @deprecated_call(LOAD_STATE_DEPRECATED)
     async def load_state_async(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: use ``ServiceClient.create_training_client_from_state``."""
-        warn_deprecated(LOAD_STATE_DEPRECATED)
         return self._deprecated_load(path, False, weights_access_token)
 
+    @deprecated_call(LOAD_STATE_DEPRECATED)
     async def load_state_with_optimizer_async(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: use ``ServiceClient.create_training_client_from_state_with_optimizer``."""
-        warn_deprecated(LOAD_STATE_DEPRECATED)
         return self._deprecated_load(path, True, weights_access_token)
 
+    @deprecated_call("create_sampling_client_async is deprecated; await create_sampling_client()")
     async def create_sampling_client_async(
         self,
         model_path: str,
@@ -644,13 +642,13 @@ class TrainingClient:
         record_stability_info: bool = False,
     ) -> SamplingClient:
         """Deprecated: ``await create_sampling_client(...)``."""
-        warn_deprecated(
-            "create_sampling_client_async is deprecated; await create_sampling_client()"
-        )
         return await self.create_sampling_client(
             model_path, retry_config=retry_config, record_stability_info=record_stability_info
         )
 
+    @deprecated_call(
+        "save_weights_and_get_sampling_client_async is deprecated; await save_weights_and_get_sampling_client()"
+    )
     async def save_weights_and_get_sampling_client_async(
         self,
         name: str | None = None,
@@ -659,10 +657,6 @@ class TrainingClient:
         kind: types.SamplingClientKind = "snapshot",
     ) -> SamplingClient:
         """Deprecated: ``await save_weights_and_get_sampling_client(...)``."""
-        warn_deprecated(
-            "save_weights_and_get_sampling_client_async is deprecated; await "
-            "save_weights_and_get_sampling_client()"
-        )
         return await self.save_weights_and_get_sampling_client(
             name,
             retry_config=retry_config,
