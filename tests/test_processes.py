@@ -3,6 +3,7 @@ worker, and a forked child (multiprocessing's default start method on Linux)."""
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import pickle
 from pathlib import Path
@@ -189,3 +190,4 @@ def test_clients_that_hold_a_session_say_why_they_do_not_pickle(tmp_path: Path) 
                              (rest, "RestClient")):  # fmt: skip
             with pytest.raises(TypeError, match=f"a {kind} cannot be pickled: .* worker"):
                 pickle.dumps(client)
+            assert copy.copy(client).__dict__ == client.__dict__  # as the SDK's clients copy

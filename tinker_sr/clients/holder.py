@@ -38,19 +38,26 @@ _loop_thread: threading.Thread | None = None
 
 
 EXITED = (
-    "tinker_sr's clients were stopped as the interpreter exits (calls still in flight were "
-    "cancelled, so a model's later requests could wait for them forever): an atexit hook "
-    "registered before `import tinker_sr` runs after that. Make these calls before the "
-    "program ends, or register the hook after importing tinker_sr"
+    "tinker_sr's clients were stopped as the interpreter exits, and training calls still in "
+    "flight were cancelled, so a model's later requests could wait for them forever: an "
+    "atexit hook registered before `import tinker_sr` runs after that. Make training calls "
+    "before the program ends (against a server, a hook registered after `import tinker_sr` "
+    "runs before that; the embedded engine's thread pools are stopped before any atexit hook)"
 )
-_stopped_at_exit = False  # the exit hook wound the loop down: no new one is started
+_stopped_at_exit = False  # the exit hook wound the loop down (`check_not_exited`)
+
+
+def check_not_exited() -> None:
+    """Refuse a model's ordered (training) call once the exit hook has cancelled the calls in
+    flight: its sequence numbers would wait on theirs. Other calls (sampling, ``close()``)
+    start a new loop as before."""
+    if _stopped_at_exit:
+        raise RuntimeError(EXITED)
 
 
 def sdk_loop() -> asyncio.AbstractEventLoop:
     """The background event loop all clients of this process share (started on first use)."""
     global _loop, _loop_thread
-    if _stopped_at_exit:
-        raise RuntimeError(EXITED)
     with _loop_lock:
         if _loop is None or _loop.is_closed():
             loop = asyncio.new_event_loop()
@@ -110,7 +117,12 @@ def on_sdk_loop_thread() -> bool:
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """Run ``coro`` on the SDK loop; its result or error goes to the returned future."""
-    return asyncio.run_coroutine_threadsafe(_seen(coro), sdk_loop())
+    try:
+        loop = sdk_loop()
+    except BaseException:
+        coro.close()  # never run: no "coroutine was never awaited" at exit
+        raise
+    return asyncio.run_coroutine_threadsafe(_seen(coro), loop)
 
 
 def _mark_seen(task: asyncio.Task[Any]) -> None:
@@ -497,6 +509,14 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def shallow_copy(client: T) -> T:
+    """``copy.copy`` of a client (its `__reduce__` refuses pickling): the same attributes, as
+    the official SDK's clients copy."""
+    new = object.__new__(type(client))
+    new.__dict__.update(client.__dict__)
+    return new
 
 
 def not_picklable(kind: str) -> TypeError:

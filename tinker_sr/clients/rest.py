@@ -16,6 +16,7 @@ from tinker_sr.clients.holder import (
     deprecated_call,
     make_backend,
     not_picklable,
+    shallow_copy,
     warn_deprecated,
 )
 from tinker_sr.errors import refusal
@@ -31,6 +32,9 @@ class RestClient:
 
     def __reduce__(self) -> Any:
         raise not_picklable("RestClient")
+
+    def __copy__(self) -> RestClient:
+        return shallow_copy(self)
 
     def __init__(
         self,

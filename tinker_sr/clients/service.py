@@ -24,6 +24,7 @@ from tinker_sr.clients.holder import (
     make_backend,
     not_picklable,
     server_url,
+    shallow_copy,
     wants_remote,
     warn_deprecated,
 )
@@ -85,6 +86,9 @@ class ServiceClient:
 
     def __reduce__(self) -> Any:
         raise not_picklable("ServiceClient")
+
+    def __copy__(self) -> ServiceClient:
+        return shallow_copy(self)
 
     def __init__(
         self,

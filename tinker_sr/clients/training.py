@@ -16,10 +16,12 @@ from tinker_sr.clients import chunks, sr_lowering
 from tinker_sr.clients.holder import (
     ClientSession,
     blocking_result,
+    check_not_exited,
     deprecated_call,
     log,
     not_picklable,
     release_dropped_model,
+    shallow_copy,
     warn_deprecated,
 )
 from tinker_sr.errors import refused_as_400
@@ -82,6 +84,9 @@ class TrainingClient:
     def __reduce__(self) -> Any:
         raise not_picklable("TrainingClient")
 
+    def __copy__(self) -> TrainingClient:
+        return shallow_copy(self)
+
     def __init__(self, holder: ClientSession, model_id: str, info: types.GetInfoResponse) -> None:
         self.holder = holder
         self.model_id = model_id
@@ -118,6 +123,7 @@ class TrainingClient:
         (as many as earlier answers say); the next call starts once it calls
         ``turn.release()`` (or right after it started: ``release_after_start``), or ends."""
         self.holder.check_open()
+        check_not_exited()
         # As the SDK: a poisoned client's call returns a future that fails (it does not raise).
         if self._poisoned is not None:
             failed: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -15,6 +15,7 @@ of its owner, and never while waiting on a lock a forking thread may hold.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -35,13 +36,14 @@ def guard(lock: Any) -> None:
 def _before_fork() -> None:
     _registry_lock.acquire()
     for lock in list(_guarded):
+        _held.append(lock)  # before: a signal raising between the two must not leave it held
         lock.acquire()
-        _held.append(lock)
 
 
 def _after_fork() -> None:
     while _held:
-        _held.pop().release()
+        with contextlib.suppress(RuntimeError):  # not acquired (a signal interrupted it)
+            _held.pop().release()
     _registry_lock.release()
 
 

@@ -119,13 +119,15 @@ class ServerState:
         self._lock = threading.Lock()  # held for every SQLite call, a fork's too (`guard`)
         guard(self._lock)
         self._store_lock = StoreLock(path.parent) if path is not None else None
-        self._db = sqlite3.connect(
-            str(path) if path is not None else ":memory:",
-            check_same_thread=False,
-            isolation_level=None,  # autocommit; each statement is its own transaction
-        )
+        with self._lock:
+            self._db = sqlite3.connect(
+                str(path) if path is not None else ":memory:",
+                check_same_thread=False,
+                isolation_level=None,  # autocommit; each statement is its own transaction
+            )
         try:
-            self._open_schema()
+            with self._lock:
+                self._open_schema()
         except sqlite3.DatabaseError as e:
             self.close()
             if isinstance(e, sqlite3.OperationalError) or path is None:
