@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import tinker_sr
-from tinker_sr.backend.transport import WireTransport, is_loopback
+from tinker_sr.backend.transport import WireTransport, is_loopback_url
 from tinker_sr.errors import TinkerError
 from tinker_sr.testing import ServerProcess, http_error, tinker_server_process
 
@@ -33,8 +33,8 @@ def test_clients_of_a_local_server_go_around_the_proxy(
     """Before: each call went to the proxy, then after ~58 s of retries "Connection error."."""
     rest = tinker_sr.RestClient(base_url=remote_server.base_url, api_key="tml-test")
     assert rest.get_server_capabilities().result().supported_models
-    assert is_loopback("http://localhost:1") and is_loopback("http://[::1]:8000")
-    assert is_loopback("http://127.0.0.2:80/") and not is_loopback("https://example.com")
+    assert is_loopback_url("http://localhost:1") and is_loopback_url("http://[::1]:8000")
+    assert is_loopback_url("http://127.0.0.2:80/") and not is_loopback_url("https://example.com")
 
 
 def test_the_testing_server_starts_and_serves_the_official_sdk_behind_a_proxy(

@@ -375,7 +375,8 @@ def test_service_client_needs_no_key_for_a_server_on_this_machine(
     monkeypatch: pytest.MonkeyPatch, remote_server: Any, tmp_path: Path
 ) -> None:
     from tests._server import free_port
-    from tinker_sr.clients.holder import LOCAL_API_KEY, is_loopback_url
+    from tinker_sr.backend.transport import is_loopback_url
+    from tinker_sr.clients.holder import LOCAL_API_KEY
 
     for env in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_SR_BACKEND"):
         monkeypatch.delenv(env, raising=False)

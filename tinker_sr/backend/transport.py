@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 import pydantic
@@ -120,10 +121,18 @@ def _checked_key(key: str | None, given: bool) -> str:
     return key
 
 
-def is_loopback(url: str) -> bool:
-    """Whether ``url``'s host is this machine's loopback (127.0.0.0/8, ::1 or localhost)."""
-    host = (httpx.URL(url).host or "").lower()
-    if host == "localhost":
+def is_loopback_url(url: str | None) -> bool:
+    """Whether ``url``'s host is this machine: ``localhost`` or a loopback address
+    (``127.0.0.0/8``, ``::1``)."""
+    if not url:
+        return False
+    try:
+        host = urlsplit(url if "://" in url else f"http://{url}").hostname
+    except ValueError:
+        return False
+    if not host:
+        return False
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -198,7 +207,7 @@ class WireTransport:
             # An httpx client belongs to one event loop; a new loop gets its own.
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
             transport = self._transport
-            if transport is None and is_loopback(self.base_url):
+            if transport is None and is_loopback_url(self.base_url):
                 # A proxy cannot reach this machine's loopback: $HTTP_PROXY without 127.0.0.1
                 # in $NO_PROXY (common on company machines) made every call to a local server
                 # fail as "Connection error.". httpx takes no proxy from the environment for a

@@ -13,7 +13,6 @@ import concurrent.futures
 import concurrent.futures.thread
 import functools
 import inspect
-import ipaddress
 import itertools
 import logging
 import os
@@ -23,7 +22,6 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
-from urllib.parse import urlsplit
 
 from tinker_sr.backend.base import Backend
 from tinker_sr.errors import TinkerError
@@ -203,25 +201,6 @@ LOCAL_API_KEY = "tml-local"
 """The API key assumed for a server on this machine when none is configured."""
 
 
-def is_loopback_url(url: str | None) -> bool:
-    """Whether ``url``'s host is this machine: ``localhost`` or a loopback address
-    (``127.0.0.0/8``, ``::1``)."""
-    if not url:
-        return False
-    try:
-        host = urlsplit(url if "://" in url else f"http://{url}").hostname
-    except ValueError:
-        return False
-    if not host:
-        return False
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def default_api_key(api_key: str | None, base_url: str | None) -> str | None:
     """``api_key``, else ``$TINKER_API_KEY``, else ``"tml-local"`` when ``base_url`` (already
     resolved) points at this machine: a local tinker_sr server accepts any ``tml-`` key
@@ -229,8 +208,11 @@ def default_api_key(api_key: str | None, base_url: str | None) -> str | None:
     (`auth.stored_api_key`: never sent to a server on this machine). ``None`` when there is
     none of these."""
     key = api_key or os.environ.get("TINKER_API_KEY") or None
-    if key is None and is_loopback_url(base_url):
-        return LOCAL_API_KEY
+    if key is None and base_url:
+        from tinker_sr.backend.transport import is_loopback_url  # a remote client's: loaded then
+
+        if is_loopback_url(base_url):
+            return LOCAL_API_KEY
     if key is None:
         from tinker_sr.auth import stored_api_key
 
