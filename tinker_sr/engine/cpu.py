@@ -52,6 +52,7 @@ __all__ = [
     "has_fast_half",
     "isa_flags",
     "onednn_isa_cap",
+    "why_slow_half",
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",
@@ -166,11 +167,15 @@ _REPORTED_FLAGS = (
 _ONEDNN_BELOW_BF16 = frozenset(
     {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 )
-# Per 16-bit dtype: the ISA flags that run its products in hardware, and the oneDNN caps
-# below them.
+# Per 16-bit dtype: the ISA flags that run its products in hardware, the oneDNN caps below
+# them, and how a message names that hardware.
 _HALF_HARDWARE = {
-    "bfloat16": (("amx_bf16", "avx512_bf16"), _ONEDNN_BELOW_BF16),
-    "float16": (("amx_fp16", "avx512_fp16"), _ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16"}),
+    "bfloat16": (("amx_bf16", "avx512_bf16"), _ONEDNN_BELOW_BF16, "AMX or AVX512-BF16"),
+    "float16": (
+        ("amx_fp16", "avx512_fp16"),
+        _ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16"},
+        "AMX-FP16 or AVX512-FP16",
+    ),
 }
 
 
@@ -225,9 +230,18 @@ def has_fast_half(dtype: Any) -> bool:
     hardware = _HALF_HARDWARE.get(str(dtype).removeprefix("torch."))
     if hardware is None:
         return False
-    flags, below = hardware
+    flags, below, _ = hardware
     have = isa_flags()
     return any(f in have for f in flags) and onednn_isa_cap() not in below
+
+
+def why_slow_half(dtype: Any) -> str:
+    """Why ``dtype``'s (bfloat16 or float16) products are emulated on this CPU, for a
+    message: oneDNN's cap below them, else the ISA flags it lacks (`has_fast_half` is False)."""
+    _, below, names = _HALF_HARDWARE[str(dtype).removeprefix("torch.")]
+    if (cap := onednn_isa_cap()) in below:
+        return f"oneDNN is capped to {cap}"
+    return f"this CPU has no {names}"
 
 
 def describe_machine() -> str:

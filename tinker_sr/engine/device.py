@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tinker_sr.engine.cpu import available_memory, has_fast_bf16, onednn_isa_cap
+from tinker_sr.engine.cpu import available_memory, has_fast_bf16, why_slow_half
 
 DEVICE_ENV = "TINKER_SR_DEVICE"
 CHOICES = ("cpu", "cuda", "auto")
@@ -107,10 +107,7 @@ def train_autocast_dtype(device: torch.device | None = None) -> torch.dtype | No
 @functools.cache
 def _note_bf16_declined(device: str) -> None:
     """Say once per device that ``bf16`` training was asked for and float32 runs instead."""
-    cap = onednn_isa_cap()
-    what = f"{device} has no bf16"
-    if device == "cpu":
-        what = f"oneDNN is capped to {cap}" if cap else "this CPU has no AMX or AVX512-BF16"
+    what = why_slow_half(torch.bfloat16) if device == "cpu" else f"{device} has no bf16"
     logging.getLogger("tinker_sr.engine").warning(
         "%s=bf16 but %s (bf16 products would be emulated, slower than float32): training in "
         "float32; %s=bf16-force uses bf16 regardless",

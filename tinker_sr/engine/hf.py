@@ -27,7 +27,7 @@ import torch
 
 from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
-from tinker_sr.engine.cpu import available_memory, has_fast_half, onednn_isa_cap
+from tinker_sr.engine.cpu import available_memory, has_fast_half, why_slow_half
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
@@ -465,8 +465,7 @@ def cpu_dtype(root: Path, stored: torch.dtype, elements: int) -> torch.dtype:
     if stored not in (torch.bfloat16, torch.float16) or has_fast_half(stored):
         return stored
     kind = str(stored).removeprefix("torch.")
-    cap = onednn_isa_cap()
-    why = f"oneDNN is capped to {cap}" if cap else "no AMX or AVX-512 for it"
+    why = why_slow_half(stored)
     room = available_memory()
     # float32 weights, and as much again to spare (activations, KV caches and merged sampler
     # weights are twice the size too): a model that only just fits stays in its dtype.
