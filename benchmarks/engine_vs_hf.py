@@ -437,15 +437,12 @@ def main() -> None:
         child(*args.child, args.batch, args.seq, args.reps, args.breakdown, args.warmup)
         return
 
-    from tinker_sr.engine.cpu import describe_machine, has_fast_bf16
+    from tinker_sr.engine.cpu import describe_machine, has_fast_bf16, why_slow_half
 
     print(describe_machine())
     works = [w for w in args.work if w != "train-bf16" or has_fast_bf16()]
     if works != args.work:
-        print(
-            "train-bf16 skipped: this CPU has no fast bf16 products (AMX or AVX512-BF16, with "
-            "oneDNN not capped below them), where bf16 would be emulated"
-        )
+        print(f"train-bf16 skipped: {why_slow_half('bfloat16')}, so bf16 would be emulated")
     n_params = 41_600_000  # recomputed below from the HF model
     with tempfile.TemporaryDirectory(prefix="tinker-sr-hfdir-") as tmp:
         model_dir = make_model_dir(Path(tmp) / args.arch, args.arch)
