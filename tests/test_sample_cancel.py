@@ -82,11 +82,15 @@ def test_an_abandoned_official_sdk_sample_is_cancelled_on_the_server() -> None:
     with mock_tinker() as mock:
         svc = tinker.ServiceClient()
         sampler = svc.create_sampling_client(base_model=MODEL).result()
+        polls = mock.faults.calls.get("retrieve_future", 0)
         with _held_worker(mock) as scheduler:
             future = sampler.sample(
                 tinker.ModelInput.from_ints(PROMPT), 4, tinker.SamplingParams(max_tokens=64)
             )
-            _wait(lambda: mock.trace.count("asample") == 1, "the asample request")
+            # The SDK sends cancel_future only for a request it is polling (a cancel while
+            # the asample answer is still on its way is dropped), so wait for the first poll
+            # to reach the server; the trace records a call only once it is answered.
+            _wait(lambda: mock.faults.calls.get("retrieve_future", 0) > polls, "the first poll")
             future.future().cancel()  # the caller gives up on it
             _wait(lambda: mock.trace.count("cancel_future") == 1, "the SDK's cancel_future")
             rid = _only_sample_future(mock)
