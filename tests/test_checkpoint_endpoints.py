@@ -266,13 +266,17 @@ def test_checkpoint_ttl_and_rest_coroutine_twins(service: Any) -> None:
 
 
 class _Clock:
-    """``time`` for the store modules, ``ahead`` seconds in the future."""
+    """``time`` for the store modules, ``ahead`` seconds in the future (both clocks: time
+    that passed)."""
 
     def __init__(self) -> None:
         self.ahead = 0.0
 
     def time(self) -> float:
         return time.time() + self.ahead
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)

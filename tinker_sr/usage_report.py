@@ -142,6 +142,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         store = Store.for_reading(db)
         try:
+            newest = store.newest_usage_bucket()
+            if newest is not None and newest >= end:
+                # Recorded while the wall clock ran ahead (since stepped back): the window
+                # ends with it, or the newest usage would be hidden until the clock caught up.
+                start, end = _window(args, newest)
             groups = summarize(store.usage_rows(start, end), args.by, rates)
             storage = usage.storage_response(store.live_checkpoint_sizes(time.time()), rates)
         finally:

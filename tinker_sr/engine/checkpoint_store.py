@@ -100,7 +100,7 @@ class CheckpointStore:
         reader of it, such as ``tinker-sr export``, does not)."""
         self.store = store
         self.root = root.absolute()  # the process may change directory later
-        self._last_purge = 0.0
+        self._last_purge: float | None = None  # time.monotonic(): a throttle, not a date
         if purge:
             store.rebase_checkpoint_files(self.relative)  # rows of before: full paths
             self.purge_expired()
@@ -138,10 +138,10 @@ class CheckpointStore:
         when the store opens and before each save at most every ``PURGE_EVERY_S``: on the
         thread that saves, so a new checkpoint reusing an expired one's name is never the
         file removed. ``every``: skip if the last purge is more recent. Returns the count."""
-        now = time.time()
-        if now - self._last_purge < every:
+        if self._last_purge is not None and time.monotonic() - self._last_purge < every:
             return 0
-        self._last_purge = now
+        self._last_purge = time.monotonic()
+        now = time.time()
         rows = self.store.take_expired_checkpoints(now)
         for row in rows:
             if self.store.checkpoint_file_in_use(row.file_path):

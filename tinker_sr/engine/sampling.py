@@ -77,7 +77,7 @@ class SequenceRecorder:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._last_purge = 0.0
+        self._last_purge: float | None = None  # time.monotonic(): a throttle, not a date
 
     def record(
         self,
@@ -88,10 +88,10 @@ class SequenceRecorder:
         with_draws: bool,
     ) -> None:
         now = time.time()
-        if now - self._last_purge > 3600:
+        if self._last_purge is None or time.monotonic() - self._last_purge > 3600:
             # Records live 24 h after their last use; drop the dead ones hourly.
             self.store.purge_expired_sequences(now - RECORD_TTL_SECONDS)
-            self._last_purge = now
+            self._last_purge = time.monotonic()
         prompt_arr = np.asarray(tokens, dtype=np.int32)
         self.store.put_sequences(
             [

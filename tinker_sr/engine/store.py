@@ -31,6 +31,7 @@ from tinker_sr.engine.store_files import (
     check_not_emptied,
     check_schema,
     make_store_dir,
+    open_read_only,
     unwritable,
 )
 from tinker_sr.engine.usage import UsageRow, hour_bucket
@@ -154,25 +155,6 @@ def _unjson(s: str | None) -> Any:
     return None if s is None else json.loads(s)
 
 
-def _open_read_only(path: Path) -> sqlite3.Connection:
-    """``path`` for reading. A WAL database needs its ``-shm`` file, which a read-only
-    directory may not let SQLite create: then the file is read as it stands (``immutable``;
-    a writer elsewhere is not seen, which a report of a read-only store can afford)."""
-    last: sqlite3.DatabaseError | None = None
-    for mode in ("mode=ro", "immutable=1"):
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, check_same_thread=False)
-        try:
-            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            return db
-        except sqlite3.DatabaseError as e:
-            db.close()
-            last = e
-            if not isinstance(e, sqlite3.OperationalError):
-                break  # not a database: no mode reads it
-    assert last is not None
-    raise StoreDamagedError(path, last) from last
-
-
 def default_store_dir() -> Path:
     """``$TINKER_SR_STORE`` (a leading ``~`` expanded, as a shell would: it is often quoted in
     .env files and unit files) or ``~/.cache/tinker_sr`` (here, not in `backend.local`, so
@@ -202,7 +184,7 @@ class Store:
 
     def _open(self, read_only: bool) -> None:
         if read_only and self.path is not None:
-            self._db = _open_read_only(self.path)
+            self._db = open_read_only(self.path)
             try:
                 check_schema(self._db, self.path, stamp=False)
             except StoreTooNewError:
@@ -309,8 +291,7 @@ class Store:
         """Session ids, newest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT session_id FROM sessions ORDER BY created_at DESC, rowid DESC"
-                " LIMIT ? OFFSET ?",
+                "SELECT session_id FROM sessions ORDER BY rowid DESC LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
         return [r[0] for r in rows]
@@ -323,7 +304,7 @@ class Store:
                 (session_id,),
             ).fetchone()
             runs = self._db.execute(
-                "SELECT run_id FROM training_runs WHERE session_id=? ORDER BY created_at, run_id",
+                "SELECT run_id FROM training_runs WHERE session_id=? ORDER BY rowid",
                 (session_id,),
             ).fetchall()
         if row is None:
@@ -394,8 +375,7 @@ class Store:
         among, args = _among(runs)
         with self._lock:
             rows = self._db.execute(
-                f"SELECT * FROM training_runs WHERE {among} "
-                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                f"SELECT * FROM training_runs WHERE {among} ORDER BY rowid DESC LIMIT ? OFFSET ?",
                 (*args, limit, offset),
             ).fetchall()
             (total,) = self._db.execute(
@@ -448,7 +428,8 @@ class Store:
     ) -> tuple[list[CheckpointRow], int]:
         """Live checkpoints (of ``run_id``, or of ``runs``, or all), oldest first unless
         ``newest_first`` (the SDK's `list_user_checkpoints` order)."""
-        order = "created_at DESC, rowid DESC" if newest_first else "created_at, rowid"
+        # Insertion order (a save again is a new row), whatever the wall clock did (hunt).
+        order = "rowid DESC" if newest_first else "rowid"
         among, args = _among(runs)
         where = f"WHERE {among} AND (expires_at IS NULL OR expires_at > ?)"
         args = [*args, time.time()]
@@ -601,10 +582,17 @@ class Store:
                     self._seq_cache[i] = _replace_last_used(rec, now)
 
     def purge_expired_sequences(self, older_than: float) -> int:
-        with self._lock:
+        now = time.time()
+        with self._lock:  # used while the wall clock ran ahead (then stepped back): from now
+            self._db.execute(
+                "UPDATE sequences SET last_used_at=? WHERE last_used_at > ?", (now, now)
+            )
             cur = self._db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,))
-            for k in [k for k, r in self._seq_cache.items() if r.last_used_at < older_than]:
-                del self._seq_cache[k]
+            for k, r in list(self._seq_cache.items()):
+                if r.last_used_at < older_than:
+                    del self._seq_cache[k]
+                elif r.last_used_at > now:
+                    self._seq_cache[k] = _replace_last_used(r, now)
         return cur.rowcount
 
     # ---- usage (engine.usage) ----------------------------------------------------------
@@ -625,20 +613,28 @@ class Store:
             )
 
     def usage_rows(self, start: int, end: int) -> list[UsageRow]:
-        """Every bucket starting in ``[start, end)`` (epoch seconds). None in a store opened
-        read-only from a version before usage was recorded (its schema is not updated)."""
+        """Every bucket starting in ``[start, end)`` (epoch seconds)."""
+        rows = self._usage_query(
+            "SELECT bucket_start, session_id, base_model, kind, quantity FROM usage"
+            " WHERE bucket_start >= ? AND bucket_start < ?",
+            (start, end),
+        )
+        return [UsageRow(*r) for r in rows]
+
+    def newest_usage_bucket(self) -> int | None:
+        """The start of the newest hour any usage was recorded in (None: none recorded)."""
+        ((newest,),) = self._usage_query("SELECT MAX(bucket_start) FROM usage", ()) or [(None,)]
+        return None if newest is None else int(newest)
+
+    def _usage_query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """Nothing from a store of before usage, opened read-only (its schema not updated)."""
         with self._lock:
             try:
-                rows = self._db.execute(
-                    "SELECT bucket_start, session_id, base_model, kind, quantity FROM usage"
-                    " WHERE bucket_start >= ? AND bucket_start < ?",
-                    (start, end),
-                ).fetchall()
+                return self._db.execute(sql, args).fetchall()
             except sqlite3.OperationalError as e:
                 if "no such table: usage" not in str(e):
                     raise
-                rows = []
-        return [UsageRow(*r) for r in rows]
+                return []
 
     def session_attributes(
         self, session_ids: set[str]

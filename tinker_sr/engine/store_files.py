@@ -135,3 +135,22 @@ def check_not_emptied(path: Path) -> None:
         return
     if emptied and any((path.parent / "checkpoints").glob("*/*/*")):
         raise StoreDamagedError(path, ValueError("the file is empty, and checkpoints/ is not"))
+
+
+def open_read_only(path: Path) -> sqlite3.Connection:
+    """``path`` for reading. A WAL database needs its ``-shm`` file, which a read-only
+    directory may not let SQLite create: then the file is read as it stands (``immutable``;
+    a writer elsewhere is not seen, which a report of a read-only store can afford)."""
+    last: sqlite3.DatabaseError | None = None
+    for mode in ("mode=ro", "immutable=1"):
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, check_same_thread=False)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.DatabaseError as e:
+            db.close()
+            last = e
+            if not isinstance(e, sqlite3.OperationalError):
+                break  # not a database: no mode reads it
+    assert last is not None
+    raise StoreDamagedError(path, last) from last

@@ -153,13 +153,14 @@ class TinkerServer:
                 tick = min(tick, max(quiet / 4, 0.01))
         last_prune = time.monotonic()
         while True:
-            before = time.time()
+            before = time.monotonic()
             await asyncio.sleep(tick)
-            if (late := time.time() - before - tick) > max(tick, _PAUSE_S):
-                # This process (or the machine) was paused: its clients' heartbeats wait in
-                # its sockets, unread. Time it did not run does not count as theirs to be
-                # quiet, and this round waits for them (before: a server stopped for 40 s
-                # cancelled every live client's samples as it woke, hunt).
+            if (late := time.monotonic() - before - tick) > max(tick, _PAUSE_S):
+                # This process was paused (SIGSTOP, a frozen container or VM): its clients'
+                # heartbeats wait in its sockets, unread. Time it did not run does not count
+                # as theirs to be quiet, and this round waits for them (before: a server
+                # stopped for 40 s cancelled every live client's samples as it woke, hunt).
+                # A suspended machine's monotonic clock stands still: nothing to discount.
                 self.sessions.paused(late)
                 continue
             try:

@@ -44,15 +44,17 @@ class Sessions:
         self.timeout_s = timeout_s
         self.futures = futures
         self.sample_abandon_s = sample_abandon_s
-        # Last request per session (time.time()); heartbeats are also kept in SQLite.
+        # Last request per session (time.monotonic(): a wall clock stepped back by NTP made
+        # every session look active for as long as the step, hunt); heartbeats are also
+        # kept in SQLite, for the listings and pruning.
         self.last_seen: dict[str, float] = {}
         # Sessions this process finished for inactivity, newest last (the last _EXPIRED_KEPT).
         self._expired: dict[str, None] = {}
-        self._started = time.time()
+        self._started = time.monotonic()
 
     # ---- activity and expiry ---------------------------------------------------------
     def touch(self, session_id: str) -> None:
-        self.last_seen[session_id] = time.time()
+        self.last_seen[session_id] = time.monotonic()
 
     def paused(self, seconds: float) -> None:
         """This process did not run for ``seconds`` (SIGSTOP, a VM or laptop suspended): as
@@ -61,7 +63,7 @@ class Sessions:
             "the server did not run for %.0f s (suspended?): sessions are not counted quiet "
             "for that time", seconds,
         )  # fmt: skip
-        self._started = time.time()
+        self._started = time.monotonic()
 
     def finished(self, session_id: str) -> None:
         """``session_id`` was finished by its client."""
@@ -74,11 +76,11 @@ class Sessions:
         timeout = self.timeout_s
         if timeout is None:
             return
-        cutoff = time.time() - timeout
+        cutoff = time.monotonic() - timeout
         if self._started >= cutoff:
             return
-        for session_id in self.state.quiet_sessions(cutoff):
-            if self.last_seen.get(session_id, 0.0) >= cutoff:
+        for session_id in self.state.unfinished_sessions():
+            if self.last_seen.get(session_id, self._started) >= cutoff:
                 continue
             await self.expire(session_id)
 
@@ -90,7 +92,7 @@ class Sessions:
         The session itself lives on until ``timeout_s``. Returns how many were cancelled."""
         if self.sample_abandon_s is None or self.futures is None:
             return 0
-        cutoff, stopped = time.time() - self.sample_abandon_s, 0
+        cutoff, stopped = time.monotonic() - self.sample_abandon_s, 0
         for session_id in self.futures.sampling_sessions():
             if max(self.last_seen.get(session_id, 0.0), self._started) >= cutoff:
                 continue

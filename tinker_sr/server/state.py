@@ -133,7 +133,11 @@ class ServerState:
             if isinstance(e, sqlite3.OperationalError) or path is None:
                 raise  # locked, full, unwritable: said as it is
             raise StoreDamagedError(path, e, _LOST_WITH_SERVER_STATE) from e
-        self._started = time.time()
+        # Samplers made by this process have created_at >= _started, older ones less, even
+        # if the wall clock was stepped back since they were written (`add_sampler`).
+        with self._lock:
+            (newest,) = self._db.execute("SELECT MAX(created_at) FROM samplers").fetchone()
+        self._started = max(time.time(), (newest or 0.0) + 1e-3)
 
     def _open_schema(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -182,6 +186,13 @@ class ServerState:
     def prune(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
         with self._lock:
+            # Rows written while the wall clock ran ahead (then stepped back) would outlive
+            # their time by the step: they count from now instead.
+            self._db.execute("UPDATE futures SET done_at=? WHERE done_at > ?", (now, now))
+            self._db.execute("UPDATE replies SET created_at=? WHERE created_at > ?", (now, now))
+            self._db.execute(
+                "UPDATE sessions SET last_heartbeat=? WHERE last_heartbeat > ?", (now, now)
+            )
             cur = self._db.execute(
                 "DELETE FROM futures WHERE status != ? AND (done_at < ? OR (done_at < ? AND "
                 "session_id IN (SELECT session_id FROM sessions WHERE finished IS NOT NULL)))",
@@ -217,7 +228,7 @@ class ServerState:
         with self._lock:
             rows = self._db.execute(
                 "SELECT session_id FROM sessions WHERE owner=? "
-                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                "ORDER BY rowid DESC LIMIT ? OFFSET ?",  # creation order, whatever the clock
                 (owner, limit, offset),
             ).fetchall()
         return [r[0] for r in rows]
@@ -235,12 +246,10 @@ class ServerState:
             "UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id)
         )
 
-    def quiet_sessions(self, before: float) -> list[str]:
-        """Unfinished sessions whose last heartbeat (or creation) is older than ``before``."""
+    def unfinished_sessions(self) -> list[str]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT session_id FROM sessions WHERE finished IS NULL AND last_heartbeat < ?",
-                (before,),
+                "SELECT session_id FROM sessions WHERE finished IS NULL"
             ).fetchall()
         return [r[0] for r in rows]
 
@@ -272,7 +281,7 @@ class ServerState:
         self._exec(
             "INSERT OR REPLACE INTO samplers (sampler_id, session_id, model_path, created_at) "
             "VALUES (?, ?, ?, ?)",
-            (sampler_id, session_id, model_path, time.time()),
+            (sampler_id, session_id, model_path, max(time.time(), self._started)),
         )
 
     def sampler_predates_start(self, sampler_id: str) -> bool:
