@@ -393,7 +393,8 @@ class ServiceClient:
         with `create_training_client_from_state`, either kind with
         `create_sampling_client`), is private, and survives deleting the source. The new
         run holds no trainable model. ``ttl_seconds``: 3600 (1 hour) to 10 years, or
-        ``None`` for no expiry; the source's expiry is not inherited.
+        ``None`` for no expiry; the source's expiry is not inherited. A malformed path fails
+        the future (`BadRequestError`), as in the official SDK.
 
         Differences from the official SDK, which copies into a new session of this client's
         project: the copy lands in this session, so no project id is needed; and
@@ -406,17 +407,19 @@ class ServiceClient:
         ```
         """
         self.holder.check_open()
-        types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        # Built at once, as the SDK builds its request: an argument of the wrong type raises
+        # here; a malformed path fails the future (`BadRequestError`), as the SDK's does.
+        request = types.CopyWeightsRequest(source_path=path, ttl_seconds=ttl_seconds)
         holder = self.holder
         model_seq_id = holder.next_model_seq_id()
 
         async def copy() -> str:
             sid = await holder.session_id()
             return await holder.backend.copy_weights(
-                path,
+                request.source_path,
                 session_id=sid,
                 model_seq_id=model_seq_id,
-                ttl_seconds=ttl_seconds,
+                ttl_seconds=request.ttl_seconds,
                 weights_access_token=weights_access_token,
             )
 
