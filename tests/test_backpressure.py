@@ -196,9 +196,24 @@ def test_remote_backend_waits_and_resubmits_the_same_seq_id_on_429(
     asyncio.run(main())
 
 
-def test_quiet_sessions_expire_as_interrupted(backend: _FakeBackend, tmp_path: Any) -> None:
+def test_quiet_sessions_expire_as_interrupted(
+    backend: _FakeBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A minute passes on the server's clock (moved, so that a busy machine cannot make the
+    active sessions look quiet, as a 0.4 s timeout in real time did): the session with
+    neither a heartbeat nor a request in it is finished; the others are not."""
+    from tinker_sr.server import sessions
+
+    class Clock:
+        ahead = 0.0
+
+        def monotonic(self) -> float:
+            return time.monotonic() + self.ahead
+
+    clock = Clock()
+    monkeypatch.setattr(sessions, "time", clock)
     backend.gate.set()
-    app = create_app(backend, store_dir=tmp_path, session_timeout_s=0.4)  # type: ignore[arg-type]
+    app = create_app(backend, store_dir=tmp_path, session_timeout_s=60)  # type: ignore[arg-type]
     with TestClient(app, headers={"X-API-Key": "tml-x"}) as client:
 
         def session() -> str:
@@ -206,15 +221,14 @@ def test_quiet_sessions_expire_as_interrupted(backend: _FakeBackend, tmp_path: A
 
         beating, busy, quiet = session(), session(), session()
         quiet_sampler = _sampler(client, quiet)
-        deadline = time.monotonic() + 1.2
-        while time.monotonic() < deadline:
-            hb = client.post(
-                "/api/v1/session_heartbeat",
-                json={"session_id": beating, "type": "session_heartbeat"},
-            )
-            assert hb.status_code == 200, hb.text
-            _sampler(client, busy)  # requests count as activity too
-            time.sleep(0.1)
+        clock.ahead = 61.0
+        hb = client.post(
+            "/api/v1/session_heartbeat", json={"session_id": beating, "type": "session_heartbeat"}
+        )
+        assert hb.status_code == 200, hb.text
+        _sampler(client, busy)  # requests count as activity too
+        assert client.portal is not None
+        client.portal.call(_server(app).sessions.expire_quiet)
 
         assert backend.closed == [(quiet, "interrupted")]
         hb = client.post("/api/v1/session_heartbeat", json={"session_id": quiet})
@@ -227,6 +241,6 @@ def test_quiet_sessions_expire_as_interrupted(backend: _FakeBackend, tmp_path: A
             ),
         ):
             assert resp.status_code == 400
-            assert "expired after 0.4 s without a heartbeat or request" in resp.json()["detail"]
+            assert "expired after 60 s without a heartbeat or request" in resp.json()["detail"]
         busy_sampler = _sampler(client, busy, 1)
         assert client.post("/api/v1/asample", json=_sample_body(busy_sampler, 0)).status_code == 200

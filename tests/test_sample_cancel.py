@@ -134,12 +134,7 @@ def test_a_quiet_sessions_samples_are_cancelled_and_the_session_lives_on() -> No
     takes ``session_timeout_s``), so a client that comes back samples again."""
     with mock_tinker(sample_abandon_s=0.5) as mock:
         http = _raw_client(mock)
-        session = http.post("/api/v1/create_session", json=_session_body()).json()
-        sampler = http.post(
-            "/api/v1/create_sampling_session",
-            json={"session_id": session["session_id"], "sampling_session_seq_id": 0,
-                  "base_model": MODEL, "type": "create_sampling_session"},
-        ).json()  # fmt: skip
+        session, sampler = _session_and_sampler(http)
         with _held_worker(mock) as scheduler:
             promise = http.post("/api/v1/asample", json=_sample_body(sampler, 1)).json()
             # ... and nothing more from this client: after 0.5 s it counts as gone.
@@ -151,6 +146,28 @@ def test_a_quiet_sessions_samples_are_cancelled_and_the_session_lives_on() -> No
         again = http.post("/api/v1/asample", json=_sample_body(sampler, 2)).json()
         reply = http.post("/api/v1/retrieve_future", json={"request_id": again["request_id"]})
         assert reply.status_code == 200 and "error" not in reply.text
+
+
+def test_a_client_waiting_on_its_sample_is_not_quiet() -> None:
+    """A long poll under way counts as its session's activity for as long as it waits: a
+    client with no heartbeats polling a slow sample had it cancelled as abandoned while it
+    waited (the poll counted only as it arrived; found as a flaky test on a busy machine)."""
+    import concurrent.futures
+
+    with mock_tinker(sample_abandon_s=0.5, long_poll_s=10.0) as mock:
+        http, poller = _raw_client(mock), _raw_client(mock)
+        session, sampler = _session_and_sampler(http)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with _held_worker(mock):
+                promise = http.post("/api/v1/asample", json=_sample_body(sampler, 1)).json()
+                body = {"request_id": promise["request_id"]}
+                reply = pool.submit(poller.post, "/api/v1/retrieve_future", json=body)
+                _wait(lambda: mock.faults.calls.get("retrieve_future", 0) == 1, "the poll")
+                time.sleep(1.5)  # three times the quiet limit, the poll waiting
+                row = mock.server().state.get_future(promise["request_id"])
+                assert row is not None and row.status == "pending", row
+            answer = reply.result(timeout=60)
+        assert answer.status_code == 200 and "error" not in answer.text, answer.text
 
 
 def test_cancel_future_refuses_training_requests_and_others_keys() -> None:
@@ -176,12 +193,23 @@ def test_cancel_future_refuses_training_requests_and_others_keys() -> None:
         assert flags.json()["sample_cancel_enabled"] is True
 
 
-def test_a_tinker_sr_remote_client_cancels_an_abandoned_sample_too() -> None:
+@pytest.mark.parametrize("when", ["polling", "answer_in_flight"])
+def test_a_tinker_sr_remote_client_cancels_an_abandoned_sample_too(when: str) -> None:
+    """Also when it is abandoned before the server's answer to ``asample`` arrived (the
+    request reached the server, or will): it is cancelled once its id arrives, where the
+    official SDK sends nothing and the work ran to its end."""
     import tinker_sr
+    from tinker_sr.testing.wire import slow_response
 
     with mock_tinker() as mock:
         svc = tinker_sr.ServiceClient()  # TINKER_BASE_URL: the remote backend
         sampler = svc.create_sampling_client(base_model=MODEL).result()
+        polls = mock.faults.calls.get("retrieve_future", 0)
+        if when == "answer_in_flight":
+            mock.add_fault(slow_response("asample", 1.0))
+            started = lambda: mock.faults.calls.get("asample", 0) == 1  # noqa: E731
+        else:
+            started = lambda: mock.faults.calls.get("retrieve_future", 0) > polls  # noqa: E731
 
         async def abandon() -> None:
             params = tinker_sr.SamplingParams(max_tokens=64)
@@ -191,9 +219,7 @@ def test_a_tinker_sr_remote_client_cancels_an_abandoned_sample_too() -> None:
                 return await sampler.sample(prompt, 4, params)
 
             task = asyncio.ensure_future(sample())
-            await asyncio.to_thread(
-                _wait, lambda: mock.trace.count("asample") == 1, "the asample request"
-            )
+            await asyncio.to_thread(_wait, started, f"the sample request ({when})")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -208,6 +234,16 @@ def test_a_tinker_sr_remote_client_cancels_an_abandoned_sample_too() -> None:
             assert "cancel_future" in _failure(mock, rid)
         _after_release(mock, scheduler)
         svc.close("success").result(timeout=30)
+
+
+def _session_and_sampler(http: httpx.Client) -> tuple[dict[str, Any], dict[str, Any]]:
+    session = http.post("/api/v1/create_session", json=_session_body()).json()
+    sampler = http.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": session["session_id"], "sampling_session_seq_id": 0,
+              "base_model": MODEL, "type": "create_sampling_session"},
+    ).json()  # fmt: skip
+    return session, sampler
 
 
 def _session_body() -> dict[str, Any]:
@@ -266,13 +302,8 @@ def test_a_server_that_did_not_run_counts_no_client_quiet_for_that_time(
     monkeypatch.setattr(app, "_PAUSE_S", 1.0, raising=False)
     with mock_tinker(sample_abandon_s=0.5) as mock:
         http = _raw_client(mock)
-        session = http.post("/api/v1/create_session", json=_session_body()).json()
+        session, sampler = _session_and_sampler(http)
         sid = session["session_id"]
-        sampler = http.post(
-            "/api/v1/create_sampling_session",
-            json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL,
-                  "type": "create_sampling_session"},
-        ).json()  # fmt: skip
         with _held_worker(mock):
             promise = http.post("/api/v1/asample", json=_sample_body(sampler, 1)).json()
 
@@ -288,3 +319,35 @@ def test_a_server_that_did_not_run_counts_no_client_quiet_for_that_time(
             assert row is not None and row.status == "pending", row
         reply = http.post("/api/v1/retrieve_future", json={"request_id": promise["request_id"]})
         assert reply.status_code == 200 and "error" not in reply.text, reply.text
+
+
+def test_an_abandoned_sample_submit_is_not_retried() -> None:
+    """A submit abandoned while its key is rate limited (429) stops retrying: the answer
+    awaited to cancel the request (above) must not keep the request coming."""
+    import tinker_sr
+    from tinker_sr.testing.wire import rate_limited
+
+    with mock_tinker() as mock:
+        svc = tinker_sr.ServiceClient()
+        sampler = svc.create_sampling_client(base_model=MODEL).result()
+        mock.add_fault(rate_limited("asample", retry_after=0.3, times=None))
+
+        async def abandon() -> int:
+            task = asyncio.ensure_future(
+                sampler.sample(
+                    tinker_sr.ModelInput.from_ints(PROMPT),
+                    1,
+                    tinker_sr.SamplingParams(max_tokens=2),
+                )
+            )
+            await asyncio.to_thread(
+                _wait, lambda: mock.faults.calls.get("asample", 0) >= 2, "a retried asample"
+            )
+            task.cancel()
+            tried = mock.faults.calls["asample"]
+            await asyncio.sleep(1.5)  # five more retries' time
+            return tried
+
+        tried = asyncio.run(abandon())
+        assert mock.faults.calls["asample"] <= tried + 1  # at most the attempt under way
+        svc.close("success").result(timeout=30)

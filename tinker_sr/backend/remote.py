@@ -395,8 +395,8 @@ class RemoteBackend(WireTransport):
             record_stability_info=record_stability_info,
         )
         # 429 means "slow down": the retry loop backs off and resubmits the same seq_id.
-        promise = await self._submit(
-            "/api/v1/asample", m.to_json(req), headers={"X-Tinker-Sampling-Backpressure": "1"}
+        promise = await self._submit_sample(
+            m.to_json(req), headers={"X-Tinker-Sampling-Backpressure": "1"}
         )
         ids = promise.get("sample_sequence_ids")
         resp, result = await self._await(promise, "Sample", want_proto=True)

@@ -193,7 +193,8 @@ class WireTransport:
         self._config_lock: asyncio.Lock | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
         self._sample_cancel = False  # the server takes cancel_future (dynamic_config)
-        self._cancels: set[asyncio.Task[None]] = set()  # cancel_future posts in flight
+        # cancel_future posts in flight, and abandoned sample submits awaiting their answer
+        self._cancels: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._sleep = asyncio.sleep  # tests replace it to observe backoff without waiting
 
@@ -236,9 +237,11 @@ class WireTransport:
         timeout: float | None = None,
         max_retries: int | None = None,
         expect_error: frozenset[int] = frozenset(),
+        abandoned: asyncio.Event | None = None,
     ) -> httpx.Response:
         """One call with retries; returns a 2xx response (or one whose status the caller
-        handles itself, ``expect_error``), else raises the matching `TinkerError`."""
+        handles itself, ``expect_error``), else raises the matching `TinkerError`. Once
+        ``abandoned`` is set, no further attempt is made (the call ends cancelled)."""
         client = self._http()
         retries = self.max_retries if max_retries is None else max_retries
         hdrs = dict(headers or {})
@@ -249,6 +252,8 @@ class WireTransport:
         hdrs["x-stainless-read-timeout"] = str(read_timeout)
         attempt = 0
         while True:
+            if attempt and abandoned is not None and abandoned.is_set():
+                raise asyncio.CancelledError
             hdrs["x-stainless-retry-count"] = str(attempt)
             try:
                 request = client.build_request(
@@ -371,6 +376,7 @@ class WireTransport:
         *,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
+        abandoned: asyncio.Event | None = None,
     ) -> dict[str, Any]:
         await self._ensure_config()
         resp = await self._request(
@@ -379,6 +385,7 @@ class WireTransport:
             json=None if content is not None else body,
             content=content,
             headers=headers,
+            abandoned=abandoned,
         )
         promise = await self._json(resp)
         if not isinstance(promise, dict) or not isinstance(promise.get("request_id"), str):
@@ -386,6 +393,28 @@ class WireTransport:
                 resp, promise, f"{path} must answer a future {{'request_id': str, ...}}"
             )
         return promise
+
+    async def _submit_sample(self, body: Any, headers: Mapping[str, str]) -> dict[str, Any]:
+        """`_submit` for ``asample``. Abandoned before the server's answer arrives, the
+        request may have reached the server anyway: it is cancelled there once its id
+        arrives (the SDK drops such a cancel, and the work ran to its end). No retry is made
+        after that."""
+        abandoned = asyncio.Event()
+        task = asyncio.ensure_future(
+            self._submit("/api/v1/asample", body, headers=headers, abandoned=abandoned)
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            abandoned.set()
+            self._cancels.add(task)
+            task.add_done_callback(self._cancel_once_answered)
+            raise
+
+    def _cancel_once_answered(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        self._cancels.discard(task)
+        if not task.cancelled() and task.exception() is None and self._sample_cancel:
+            self._send_cancel(task.result()["request_id"])
 
     async def _await(
         self, promise: dict[str, Any], request_type: str, *, want_proto: bool

@@ -11,8 +11,10 @@ Every owned request counts as activity; a session with no heartbeat or request f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 from tinker_sr import validation
 from tinker_sr.backend.base import Backend, WorkNotStarted
@@ -51,10 +53,37 @@ class Sessions:
         # Sessions this process finished for inactivity, newest last (the last _EXPIRED_KEPT).
         self._expired: dict[str, None] = {}
         self._started = time.monotonic()
+        self._serving: dict[str, int] = {}  # requests under way per session (`serving`)
 
     # ---- activity and expiry ---------------------------------------------------------
     def touch(self, session_id: str) -> None:
         self.last_seen[session_id] = time.monotonic()
+
+    @contextlib.contextmanager
+    def serving(self, session_id: str | None) -> Iterator[None]:
+        """A request of ``session_id`` under way (a long poll, an OpenAI-compatible request
+        loading its model): its session is not quiet meanwhile, however long it waits, and
+        its end counts as activity. Before, a poll waiting on a slow sample counted only when
+        it arrived, so the sample could be cancelled as abandoned while its client waited
+        for it. ``None``: nothing to track."""
+        if session_id is None:
+            yield
+            return
+        self._serving[session_id] = self._serving.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            if left := self._serving.pop(session_id) - 1:
+                self._serving[session_id] = left
+            if session_id in self.last_seen:  # not finished meanwhile
+                self.touch(session_id)
+
+    def _quiet_since(self, session_id: str, cutoff: float) -> bool:
+        """Whether ``session_id`` had no heartbeat or request since ``cutoff`` (monotonic)
+        and none is under way; time before this process started does not count."""
+        if session_id in self._serving:
+            return False
+        return max(self.last_seen.get(session_id, self._started), self._started) < cutoff
 
     def paused(self, seconds: float) -> None:
         """This process did not run for ``seconds`` (SIGSTOP, a VM or laptop suspended): as
@@ -80,9 +109,8 @@ class Sessions:
         if self._started >= cutoff:
             return
         for session_id in self.state.unfinished_sessions():
-            if self.last_seen.get(session_id, self._started) >= cutoff:
-                continue
-            await self.expire(session_id)
+            if self._quiet_since(session_id, cutoff):
+                await self.expire(session_id)
 
     def stop_abandoned_samples(self) -> int:
         """Cancel the sample requests of sessions with no heartbeat or request for
@@ -94,7 +122,7 @@ class Sessions:
             return 0
         cutoff, stopped = time.monotonic() - self.sample_abandon_s, 0
         for session_id in self.futures.sampling_sessions():
-            if max(self.last_seen.get(session_id, 0.0), self._started) >= cutoff:
+            if not self._quiet_since(session_id, cutoff):
                 continue
             why = (
                 f"cancelled: its session {session_id} had no heartbeat or request for "

@@ -14,11 +14,10 @@ request (the last `SAMPLERS_KEPT`). Formats and the fields honoured: `server.oai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -74,25 +73,6 @@ def _model_error(model: str, e: Exception) -> Exception:
     return OaiError(f"model {model!r}: {detail}", "model", status)
 
 
-@contextlib.asynccontextmanager
-async def _kept_alive(srv: TinkerServer, session_id: str) -> AsyncIterator[None]:
-    """The key's session stays alive while a request of it runs (as an SDK's heartbeats keep
-    theirs): a request longer than the session timeout is not cut off by its expiry."""
-    timeout = srv.sessions.timeout_s
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(min(timeout / 4, 10.0) if timeout else 10.0)
-            srv.sessions.touch(session_id)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        srv.sessions.touch(session_id)
-
-
 class OaiSamplers:
     """Per API key: one engine session, and a sampler for each model string it asked for."""
 
@@ -111,7 +91,7 @@ class OaiSamplers:
             if found is not None and await self._still_readable(owner, model, found):
                 kept.move_to_end(model)
                 return found
-            async with _kept_alive(self.srv, session_id):  # loading may take long
+            with self.srv.sessions.serving(session_id):  # loading may take long
                 found = await self._create(owner, session_id, model)
             kept[model] = found
             while len(kept) > SAMPLERS_KEPT:
@@ -422,7 +402,7 @@ async def sample_choices(
     prompts: ``echo`` and ``max_tokens`` 0)."""
     with srv.futures.pending_sample(owner):
         target = await srv.oai.target(owner, req.model)
-        async with _kept_alive(srv, target.session_id):
+        with srv.sessions.serving(target.session_id):  # its session is not quiet meanwhile
             return await _sampled(srv, target, req, progress)
 
 

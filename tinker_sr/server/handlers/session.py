@@ -126,9 +126,11 @@ CANCELLED_BY_CLIENT = "cancelled: its client abandoned the request (cancel_futur
 async def retrieve_future(srv: TinkerServer, request: Request, owner: str) -> Response:
     req, _ = await srv.parse(request, m.FutureRetrieveRequest, "retrieve_future")
     row = srv.futures.lookup(req.request_id, owner)
-    if row.session_id in srv.sessions.last_seen:
-        srv.sessions.touch(row.session_id)
-    return await srv.futures.answer(row)
+    live = row.session_id if row.session_id in srv.sessions.last_seen else None
+    if live is not None:
+        srv.sessions.touch(live)
+    with srv.sessions.serving(live):  # a client waiting on its request is not quiet
+        return await srv.futures.answer(row)
 
 
 async def list_sessions(srv: TinkerServer, request: Request, owner: str) -> Response:
