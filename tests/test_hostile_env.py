@@ -4,6 +4,8 @@ errors, an API key read from a file with its newline, an upper-case URL scheme."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,16 @@ def test_the_testing_server_starts_with_warnings_as_errors(tmp_path: Path) -> No
         assert srv.faults() == []
     finally:
         srv.stop()
+
+
+def test_python_m_the_testing_server_is_clean_under_warnings_as_errors() -> None:
+    """Its usage line says ``python -m tinker_sr.testing.server``, which failed under
+    ``-W error``: the package imported the module before runpy ran it (RuntimeWarning)."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "tinker_sr.testing.server", "--help"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m"), proc.stderr
 
 
 @pytest.mark.parametrize("key", ["tml-x\n", "tml-x ", "tml-x\t", " tml-x", "tml-é"])

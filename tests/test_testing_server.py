@@ -186,3 +186,38 @@ def test_a_fixtures_server_does_not_outlive_the_test_run(tmp_path: Any, testing:
     if alive():
         os.kill(pid, 9)
         pytest.fail(f"the server (pid {pid}) outlived the process that started it")
+
+
+def test_a_strict_ci_is_not_failed_by_the_official_sdks_left_connections(tmp_path: Any) -> None:
+    """With ``-W error`` (``filterwarnings = error``), a test that used the official SDK
+    against `tinker_server` failed a later test: the SDK closes its connections when it is
+    collected, and the unclosed-socket warnings were raised wherever that happened."""
+    import subprocess
+    import textwrap
+
+    (tmp_path / "test_strict.py").write_text(
+        textwrap.dedent(
+            """
+            import gc
+
+            import tinker
+
+
+            def test_uses_the_server(tinker_server):
+                service = tinker.ServiceClient(
+                    base_url=tinker_server.base_url, api_key=tinker_server.api_key
+                )
+                service.create_lora_training_client("Qwen/Qwen3-8B", rank=8, seed=0).result()
+
+
+            def test_after_it():
+                gc.collect()
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-W", "error", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-p", "no:randomly", "test_strict.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]

@@ -9,8 +9,9 @@
 - The offline chat model every base model name maps to: `tinker_sr.testing.offline_model`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from tinker_sr.testing.mock import DEFAULT_API_KEY, DEFAULT_BASE_URL, MockTinker, mock_tinker
-from tinker_sr.testing.server import ServerProcess, running_server, tinker_server_process
 from tinker_sr.testing.wire import (
     FaultPlan,
     Trace,
@@ -25,6 +26,26 @@ from tinker_sr.testing.wire import (
     session_expires,
     slow_response,
 )
+
+if TYPE_CHECKING:
+    from tinker_sr.testing.server import ServerProcess, running_server, tinker_server_process
+
+# Imported when first asked for, so that ``python -m tinker_sr.testing.server`` does not find
+# the module imported by its package already (runpy's RuntimeWarning, an error under -W error).
+_FROM_SERVER = frozenset({"ServerProcess", "running_server", "tinker_server_process"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_SERVER:
+        from tinker_sr.testing import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _FROM_SERVER)
+
 
 __all__ = [
     "DEFAULT_API_KEY",
