@@ -47,14 +47,36 @@ def tinker_mock(tmp_path: Path) -> Iterator[Any]:
         yield mock
 
 
-def _collect_left_connections() -> None:
-    """Collect what a test's clients left behind, its unclosed-socket warnings ignored: the
-    official SDK closes its connections in ``__del__``, on no schedule, and under ``-W error``
-    (``filterwarnings = error``) the warnings failed whichever later test the collector
-    happened to run in."""
+_SERVER_FIXTURES = frozenset({"tinker_server", "tinker_server_session"})
+_UNCLOSED = r"unclosed (transport|<socket|<ssl|<asyncio)"
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A test using a server fixture, under ``-W error`` (``filterwarnings = error``): the
+    official SDK closes its connections in ``__del__``, on no schedule, and the unclosed-socket
+    warnings failed this test or whichever later one the collector happened to run in. Such
+    warnings are ignored while the test runs, and what it left is collected before the next
+    one. Other resource warnings (a test's own leaks) are raised as before."""
+    if not (_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        return (yield)
+    collect = _resource_warnings_are_errors()  # inside pytest's own filters (tryfirst)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+        warnings.filterwarnings("ignore", _UNCLOSED, ResourceWarning)
+        try:
+            return (yield)
+        finally:
+            if collect:
+                gc.collect()
+
+
+def _resource_warnings_are_errors() -> bool:
+    """Whether the first warnings filter for the category ``ResourceWarning`` (any message)
+    raises it."""
+    for action, _message, category, _module, _line in warnings.filters:
+        if issubclass(ResourceWarning, category):
+            return action == "error"
+    return False
 
 
 @pytest.fixture
@@ -65,7 +87,6 @@ def tinker_server(tmp_path: Path) -> Iterator[Any]:
 
     with tinker_server_process(tmp_path / "tinker_server") as srv:
         yield srv
-    _collect_left_connections()
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +113,6 @@ def _tinker_server_session_names(request: pytest.FixtureRequest) -> Iterator[Non
 
     with offline_clients(request.getfixturevalue("tinker_server_session")):
         yield
-    _collect_left_connections()
 
 
 @pytest.fixture

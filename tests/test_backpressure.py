@@ -196,6 +196,40 @@ def test_remote_backend_waits_and_resubmits_the_same_seq_id_on_429(
     asyncio.run(main())
 
 
+class _Clock:
+    """``time`` for `tinker_sr.server.sessions`, its monotonic clock ``ahead`` seconds on."""
+
+    ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_new_session_is_not_quiet_on_a_server_up_for_long(
+    backend: _FakeBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its creation is its first activity (review: after quiet time moved to the monotonic
+    clock, a session made on a server up longer than the timeout counted quiet since the
+    server started, and was finished at the next check, before its first heartbeat)."""
+    from tinker_sr.server import sessions
+
+    clock = _Clock()
+    monkeypatch.setattr(sessions, "time", clock)
+    app = create_app(backend, store_dir=tmp_path, session_timeout_s=60)  # type: ignore[arg-type]
+    with TestClient(app, headers={"X-API-Key": "tml-x"}) as client:
+        clock.ahead = 3600.0  # the server has been up an hour
+        session = client.post("/api/v1/create_session", json={}).json()["session_id"]
+        assert client.portal is not None
+        client.portal.call(_server(app).sessions.expire_quiet)
+        assert backend.closed == []
+        clock.ahead += 61  # and now it is quiet
+        client.portal.call(_server(app).sessions.expire_quiet)
+        assert backend.closed == [(session, "interrupted")]
+
+
 def test_quiet_sessions_expire_as_interrupted(
     backend: _FakeBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,13 +238,7 @@ def test_quiet_sessions_expire_as_interrupted(
     neither a heartbeat nor a request in it is finished; the others are not."""
     from tinker_sr.server import sessions
 
-    class Clock:
-        ahead = 0.0
-
-        def monotonic(self) -> float:
-            return time.monotonic() + self.ahead
-
-    clock = Clock()
+    clock = _Clock()
     monkeypatch.setattr(sessions, "time", clock)
     backend.gate.set()
     app = create_app(backend, store_dir=tmp_path, session_timeout_s=60)  # type: ignore[arg-type]

@@ -78,6 +78,8 @@ def test_listings_keep_creation_order_across_a_backward_step(clock: _Clock, tmp_
         assert [c.checkpoint_id for c in mine] == ["weights/step-200", "weights/step-100"]
         runs = [r.training_run_id for r in rest.list_training_runs().result().training_runs]
         assert runs == [second.model_id, run]  # newest first
+        last = rest.get_training_run(run).result().last_checkpoint
+        assert last is not None and last.checkpoint_id == "weights/step-200"
 
 
 def test_a_sampler_of_this_process_is_not_called_one_from_before_its_restart(
@@ -111,12 +113,14 @@ def test_usage_recorded_before_a_backward_step_is_reported(
     from tinker_sr.engine.store import Store
 
     store = Store(tmp_path / "engine.sqlite")
+    clock.step(30 * DAY)  # the clock runs a month ahead ...
     store.add_usage("sess", MODEL, {"training": 1000})
+    clock.step(-30 * DAY)  # ... and is corrected
+    store.add_usage("sess", MODEL, {"training": 500})
     store.close()
-    clock.step(-2 * 3600)
     assert main(["usage", "--store", str(tmp_path), "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
-    assert row["training"] == 1000
+    assert row["training"] == 1500
 
 
 def _record(sequence_id: str, now: float) -> Any:

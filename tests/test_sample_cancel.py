@@ -154,7 +154,7 @@ def test_a_client_waiting_on_its_sample_is_not_quiet() -> None:
     waited (the poll counted only as it arrived; found as a flaky test on a busy machine)."""
     import concurrent.futures
 
-    with mock_tinker(sample_abandon_s=0.5, long_poll_s=10.0) as mock:
+    with mock_tinker(sample_abandon_s=1.5, long_poll_s=10.0) as mock:
         http, poller = _raw_client(mock), _raw_client(mock)
         session, sampler = _session_and_sampler(http)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -163,7 +163,7 @@ def test_a_client_waiting_on_its_sample_is_not_quiet() -> None:
                 body = {"request_id": promise["request_id"]}
                 reply = pool.submit(poller.post, "/api/v1/retrieve_future", json=body)
                 _wait(lambda: mock.faults.calls.get("retrieve_future", 0) == 1, "the poll")
-                time.sleep(1.5)  # three times the quiet limit, the poll waiting
+                time.sleep(3.5)  # over twice the quiet limit, the poll waiting
                 row = mock.server().state.get_future(promise["request_id"])
                 assert row is not None and row.status == "pending", row
             answer = reply.result(timeout=60)

@@ -145,8 +145,8 @@ def main(args: argparse.Namespace) -> int:
             newest = store.newest_usage_bucket()
             if newest is not None and newest >= end:
                 # Recorded while the wall clock ran ahead (since stepped back): the window
-                # ends with it, or the newest usage would be hidden until the clock caught up.
-                start, end = _window(args, newest)
+                # reaches it, or that usage would be hidden until the clock caught up.
+                end = newest + usage.HOUR_S
             groups = summarize(store.usage_rows(start, end), args.by, rates)
             storage = usage.storage_response(store.live_checkpoint_sizes(time.time()), rates)
         finally:

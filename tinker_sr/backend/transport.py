@@ -252,7 +252,7 @@ class WireTransport:
         hdrs["x-stainless-read-timeout"] = str(read_timeout)
         attempt = 0
         while True:
-            if attempt and abandoned is not None and abandoned.is_set():
+            if abandoned is not None and abandoned.is_set():
                 raise asyncio.CancelledError
             hdrs["x-stainless-retry-count"] = str(attempt)
             try:

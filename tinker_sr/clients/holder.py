@@ -94,6 +94,7 @@ def _stop_loop_at_exit() -> None:
     _stopped_at_exit = True
 
     async def wind_down() -> None:
+        deadline = loop.time() + 1.5 * EXIT_GRACE_S  # the caller waits 2 * EXIT_GRACE_S
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
         for task in tasks:
             task.cancel()
@@ -102,12 +103,14 @@ def _stop_loop_at_exit() -> None:
         # A server's connections of clients never closed: closed here, as collecting them
         # would (`_end_dropped`), or each socket is reported unclosed as Python finalizes
         # (a ResourceWarning: an error under -W error, noise under -X dev).
-        for session in list(ClientSession._registry.values()):
-            ending = session._ending
-            if ending.owns_backend and not ending.in_process and not ending.done:
-                ending.done = True
-                with contextlib.suppress(Exception, asyncio.TimeoutError):
-                    await asyncio.wait_for(ending.backend.aclose(), EXIT_GRACE_S)
+        endings = [s._ending for s in list(ClientSession._registry.values())]
+        endings = [e for e in endings if e.owns_backend and not e.in_process and not e.done]
+        for ending in endings:
+            ending.done = True
+        if endings:  # together, within what is left of this hook's time
+            closing = asyncio.gather(*(e.backend.aclose() for e in endings), return_exceptions=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(closing, max(0.0, deadline - loop.time()))
 
     try:
         asyncio.run_coroutine_threadsafe(wind_down(), loop).result(2 * EXIT_GRACE_S)

@@ -376,13 +376,9 @@ class CheckpointStore:
         run = self.store.get_run(run_id)
         if run is None:
             raise EngineNotFoundError(f"unknown training run {run_id!r}")
-        rows, _ = self.store.list_checkpoints(run_id)
+        rows, _ = self.store.list_checkpoints(run_id)  # oldest first, whatever the clock did
         last = {
-            kind: max(
-                (r for r in rows if r.checkpoint_type == kind),
-                key=lambda r: r.created_at,
-                default=None,
-            )
+            kind: next((r for r in reversed(rows) if r.checkpoint_type == kind), None)
             for kind in ("training", "sampler")
         }
         return types.TrainingRun(

@@ -56,6 +56,11 @@ class Sessions:
         self._serving: dict[str, int] = {}  # requests under way per session (`serving`)
 
     # ---- activity and expiry ---------------------------------------------------------
+    def add(self, session_id: str, owner: str) -> None:
+        """A session made now, owned by ``owner``: its creation is its first activity."""
+        self.state.add_session(session_id, owner)
+        self.touch(session_id)
+
     def touch(self, session_id: str) -> None:
         self.last_seen[session_id] = time.monotonic()
 
@@ -86,7 +91,7 @@ class Sessions:
         return max(self.last_seen.get(session_id, self._started), self._started) < cutoff
 
     def paused(self, seconds: float) -> None:
-        """This process did not run for ``seconds`` (SIGSTOP, a VM or laptop suspended): as
+        """This process did not run for ``seconds`` (SIGSTOP, a frozen container or VM): as
         after a restart, quiet time before now does not count."""
         log.warning(
             "the server did not run for %.0f s (suspended?): sessions are not counted quiet "

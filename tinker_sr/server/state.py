@@ -64,6 +64,7 @@ CREATE INDEX IF NOT EXISTS futures_done ON futures(done_at);
 CREATE INDEX IF NOT EXISTS futures_pending ON futures(status) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);
+CREATE INDEX IF NOT EXISTS sessions_of_owner ON sessions(owner);
 CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
 CREATE TABLE IF NOT EXISTS replies (
     owner TEXT NOT NULL,

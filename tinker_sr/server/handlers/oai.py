@@ -143,8 +143,7 @@ class OaiSamplers:
         session_id = await srv.backend.create_session(
             display_name="openai-compatible inference", tags=["oai"]
         )
-        srv.state.add_session(session_id, owner)
-        srv.sessions.touch(session_id)
+        srv.sessions.add(session_id, owner)
         self._sessions[owner] = session_id
         return session_id
 

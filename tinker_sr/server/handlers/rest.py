@@ -192,13 +192,15 @@ async def _copy(srv: TinkerServer, req: CopyWeightsRequest, owner: str) -> tuple
         return path, req.session_id
     # A session of its own, finished at once: it only holds the copy.
     session_id = await srv.backend.create_session(project_id=req.destination_project_id)
-    srv.state.add_session(session_id, owner)
+    srv.sessions.add(session_id, owner)
     try:
-        path = await srv.backend.copy_weights(
-            req.source_path, session_id=session_id, model_seq_id=0, ttl_seconds=ttl
-        )
+        with srv.sessions.serving(session_id):
+            path = await srv.backend.copy_weights(
+                req.source_path, session_id=session_id, model_seq_id=0, ttl_seconds=ttl
+            )
     finally:
         if srv.state.finish_session(session_id, "success"):
+            srv.sessions.finished(session_id)
             await srv.backend.close_session(session_id, "success")
     return path, session_id
 

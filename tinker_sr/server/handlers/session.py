@@ -44,7 +44,7 @@ async def create_session(srv: TinkerServer, request: Request, owner: str) -> Res
         display_name=req.display_name,
         tags=req.tags,
     )
-    srv.state.add_session(session_id, owner)
+    srv.sessions.add(session_id, owner)
     reply = {"session_id": session_id, "type": "create_session"}
     if warning is not None:
         reply["warning_message"] = warning  # the SDK logs it as a warning
