@@ -64,6 +64,49 @@ def test_a_store_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> 
         assert db.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall() == tables
 
 
+def _add_a_column_to_every_table(db_path: Path) -> None:
+    """What a later version does to a store it opens (new fields: ALTER TABLE ADD COLUMN)."""
+    db = sqlite3.connect(db_path)
+    tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    for table in tables:
+        db.execute(f"ALTER TABLE {table} ADD COLUMN later_field TEXT")
+    db.commit()
+    db.close()
+
+
+def test_a_store_a_later_version_added_columns_to_is_used_as_before(tmp_path: Path) -> None:
+    """Downgrade hunt: older versions inserted rows without naming columns and failed "table
+    ... has 10 columns but 9 values were supplied" on a store a newer one had opened; every
+    row is now read and written by column name."""
+    from tinker_sr.server.state import ServerState
+
+    with embedded_client(tmp_path) as service:  # a whole run: sessions, runs, sequences, usage
+        training = service.create_lora_training_client(MODEL, rank=2).result()
+        training.save_state("before").result()
+    state = ServerState(tmp_path / "server.sqlite")
+    state.close()
+    for name in ("engine.sqlite", "server.sqlite"):
+        _add_a_column_to_every_table(tmp_path / "store" / name if name == "engine.sqlite"
+                                     else tmp_path / name)  # fmt: skip
+
+    with embedded_client(tmp_path) as service:
+        training = service.create_training_client_from_state(
+            f"tinker://{training.model_id}/weights/before"
+        ).result()
+        sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        prompt = tinker.ModelInput.from_ints([1, 2, 3])
+        sampled = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=3)).result()
+        assert sampled.sequences[0].sequence_id
+        rest = tinker.RestClient(service.holder)
+        assert [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    state = ServerState(tmp_path / "server.sqlite")
+    state.add_session("s", "owner")
+    state.add_model("m", "s")
+    state.save_reply("owner", "k", "h", {"ok": True})
+    assert state.session_ids_of("owner", limit=5, offset=0) == ["s"]
+    state.close()
+
+
 def test_a_checkpoint_of_a_newer_format_is_refused_saying_so(tmp_path: Path) -> None:
     """Before: a checkpoint saying format tinker_sr/2 loaded as if it were /1."""
     with embedded_client(tmp_path) as service:

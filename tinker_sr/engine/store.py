@@ -100,6 +100,16 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("sessions", "tags", "TEXT"),
 )
 
+# INSERTs and SELECTs name their columns: a column a later version adds leaves this one working
+# (older versions' positional INSERTs failed "... has 10 columns but 9 values were supplied").
+_RUN_COLUMNS = (
+    "run_id, session_id, base_model, lora_rank, lora_config, user_metadata, created_at,"
+    " last_request_time"
+)
+_SEQ_COLUMNS = (
+    "sequence_id, session_id, prompt_tokens, sampled_tokens, sampler_logprobs, draws, draws_k,"
+    " created_at, last_used_at"
+)
 _CK_COLUMNS = (
     "run_id, checkpoint_id, checkpoint_type, tinker_path, file_path, created_at, size_bytes,"
     " user_metadata, expires_at, public"
@@ -238,13 +248,11 @@ class Store:
     def _add_missing_columns(self) -> None:
         """Bring a store written by an older version up to the current schema."""
         for table, column, definition in _ADDED_COLUMNS:
-            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column in present:
+            if column in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
                 continue
             try:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
-            except sqlite3.OperationalError as e:
-                # Another process opening the same store may have added it just now.
+            except sqlite3.OperationalError as e:  # another process may have added it just now
                 if "duplicate column" not in str(e).lower():
                     raise
 
@@ -341,7 +349,7 @@ class Store:
         now = time.time()
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO training_runs VALUES (?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO training_runs ({_RUN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
                 (
                     run_id,
                     session_id,
@@ -363,7 +371,7 @@ class Store:
     def get_run(self, run_id: str) -> RunRow | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT * FROM training_runs WHERE run_id=?", (run_id,)
+                f"SELECT {_RUN_COLUMNS} FROM training_runs WHERE run_id=?", (run_id,)
             ).fetchone()
         return None if row is None else self._run_row(row)
 
@@ -375,7 +383,8 @@ class Store:
         among, args = _among(runs)
         with self._lock:
             rows = self._db.execute(
-                f"SELECT * FROM training_runs WHERE {among} ORDER BY rowid DESC LIMIT ? OFFSET ?",
+                f"SELECT {_RUN_COLUMNS} FROM training_runs WHERE {among} "
+                "ORDER BY rowid DESC LIMIT ? OFFSET ?",
                 (*args, limit, offset),
             ).fetchall()
             (total,) = self._db.execute(
@@ -532,7 +541,9 @@ class Store:
             )
         with self._lock:
             with self._transaction():
-                self._db.executemany("INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?)", rows)
+                self._db.executemany(
+                    f"INSERT INTO sequences ({_SEQ_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", rows
+                )
             for rec in records:
                 self._cache_put(rec)
 
@@ -544,7 +555,7 @@ class Store:
                 self._seq_cache.move_to_end(sequence_id)
                 return rec
             row = self._db.execute(
-                "SELECT * FROM sequences WHERE sequence_id=?", (sequence_id,)
+                f"SELECT {_SEQ_COLUMNS} FROM sequences WHERE sequence_id=?", (sequence_id,)
             ).fetchone()
             if row is None:
                 return None
@@ -606,7 +617,8 @@ class Store:
             return
         with self._lock, self._transaction():
             self._db.executemany(
-                "INSERT INTO usage VALUES (?,?,?,?,?) ON CONFLICT"
+                "INSERT INTO usage (bucket_start, session_id, base_model, kind, quantity)"
+                " VALUES (?,?,?,?,?) ON CONFLICT"
                 " (bucket_start, session_id, base_model, kind)"
                 " DO UPDATE SET quantity = quantity + excluded.quantity",
                 rows,
@@ -624,7 +636,7 @@ class Store:
     def newest_usage_bucket(self) -> int | None:
         """The start of the newest hour any usage was recorded in (None: none recorded)."""
         ((newest,),) = self._usage_query("SELECT MAX(bucket_start) FROM usage", ()) or [(None,)]
-        return None if newest is None else int(newest)
+        return newest
 
     def _usage_query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """Nothing from a store of before usage, opened read-only (its schema not updated)."""

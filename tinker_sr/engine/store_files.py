@@ -34,7 +34,8 @@ class StoreDamagedError(RuntimeError):
 
 STORE_SCHEMA = 1
 """The store's schema version (``PRAGMA user_version``): raised only for a change an older
-tinker_sr cannot read (new columns and tables are added in place, readable by older ones)."""
+tinker_sr cannot read (new columns and tables are added in place: rows are read and written
+by column name, so this version reads a store a later one added columns to)."""
 
 
 class StoreTooNewError(StoreDamagedError):

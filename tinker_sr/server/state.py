@@ -214,7 +214,8 @@ class ServerState:
     def add_session(self, session_id: str, owner: str) -> None:
         now = time.time()
         self._exec(
-            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, NULL)",
+            "INSERT OR REPLACE INTO sessions (session_id, owner, created_at, last_heartbeat, "
+            "finished) VALUES (?, ?, ?, ?, NULL)",
             (session_id, owner, now, now),
         )
 
@@ -264,7 +265,10 @@ class ServerState:
         )
 
     def add_model(self, model_id: str, session_id: str) -> None:
-        self._exec("INSERT OR REPLACE INTO models VALUES (?, ?)", (model_id, session_id))
+        self._exec(
+            "INSERT OR REPLACE INTO models (model_id, session_id) VALUES (?, ?)",
+            (model_id, session_id),
+        )
 
     def model_session(self, model_id: str) -> SessionRow | None:
         return self._session_of("models", "model_id", model_id)
@@ -379,6 +383,7 @@ class ServerState:
 
     def save_reply(self, owner: str, key: str, body_hash: str, reply: dict[str, Any]) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO replies (owner, key, body_hash, reply, created_at) "
+            "VALUES (?, ?, ?, ?, ?)",
             (owner, key, body_hash, json.dumps(reply), time.time()),
         )
