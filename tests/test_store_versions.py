@@ -64,6 +64,25 @@ def test_a_store_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> 
         assert db.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall() == tables
 
 
+def test_a_server_state_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """server.sqlite is versioned as engine.sqlite is (it was not: a later change to it would
+    have been misread, not refused)."""
+    from tinker_sr.engine.store import StoreTooNewError
+    from tinker_sr.server.state import SERVER_SCHEMA, ServerState
+
+    database = tmp_path / "server.sqlite"
+    ServerState(database).close()
+    assert _user_version(database) == SERVER_SCHEMA  # stamped
+    with sqlite3.connect(database) as db:
+        db.execute(f"PRAGMA user_version = {SERVER_SCHEMA + 1}")
+    with pytest.raises(StoreTooNewError, match=f"reads up to {SERVER_SCHEMA}\\); upgrade"):
+        ServerState(database)
+    assert _user_version(database) == SERVER_SCHEMA + 1  # left as it is
+    with sqlite3.connect(database) as db:
+        db.execute(f"PRAGMA user_version = {SERVER_SCHEMA}")
+    ServerState(database).close()  # the refusal let go of the store
+
+
 def _add_a_column_to_every_table(db_path: Path) -> None:
     """What a later version does to a store it opens (new fields: ALTER TABLE ADD COLUMN)."""
     db = sqlite3.connect(db_path)

@@ -41,23 +41,26 @@ by column name, so this version reads a store a later one added columns to)."""
 class StoreTooNewError(StoreDamagedError):
     """The store was written by a newer tinker_sr (a higher schema version than this reads)."""
 
-    def __init__(self, path: Path, version: int) -> None:
+    def __init__(self, path: Path, version: int, readable: int | None = None) -> None:
         self.path = path
         RuntimeError.__init__(
             self,
             f"{path}: written by a newer tinker_sr (store schema {version}; this version reads "
-            f"up to {STORE_SCHEMA}); upgrade tinker_sr (pip install -U tinker-sr), or give "
+            f"up to {readable or STORE_SCHEMA}); upgrade tinker_sr (pip install -U tinker-sr), or give "
             "this one a store of its own (--store DIR or $TINKER_SR_STORE)",
         )
 
 
-def check_schema(db: sqlite3.Connection, path: Path | None, *, stamp: bool) -> None:
-    """`StoreTooNewError` if ``db`` is of a later schema; ``stamp``: record this one's."""
+def check_schema(
+    db: sqlite3.Connection, path: Path | None, *, stamp: bool, current: int = STORE_SCHEMA
+) -> None:
+    """`StoreTooNewError` if ``db`` is of a later schema than ``current`` (the engine's store's
+    by default); ``stamp``: record ``current``."""
     version = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if version > STORE_SCHEMA:
-        raise StoreTooNewError(path or Path(":memory:"), version)
-    if stamp and version < STORE_SCHEMA:
-        db.execute(f"PRAGMA user_version = {STORE_SCHEMA}")
+    if version > current:
+        raise StoreTooNewError(path or Path(":memory:"), version, current)
+    if stamp and version < current:
+        db.execute(f"PRAGMA user_version = {int(current)}")
 
 
 class StoreUnwritableError(RuntimeError):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tinker_sr.engine.fork_guard import guard
-from tinker_sr.engine.store_files import StoreDamagedError
+from tinker_sr.engine.store_files import StoreDamagedError, StoreTooNewError, check_schema
 from tinker_sr.user_errors import clip_message
 
 from .store_lock import StoreLock
@@ -78,6 +78,11 @@ CREATE TABLE IF NOT EXISTS replies (
 
 PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
 
+SERVER_SCHEMA = 1
+"""server.sqlite's schema version (``PRAGMA user_version``), as `store_files.STORE_SCHEMA` is
+the engine store's: raised only for a change an older tinker_sr cannot read, which it then
+refuses (`StoreTooNewError`) instead of misreading."""
+
 # Completed futures stay retrievable this long (a poll may be repeated after a network
 # error); futures of finished sessions go sooner.
 RESULT_TTL_S = 24 * 3600
@@ -128,7 +133,10 @@ class ServerState:
             )
         try:
             with self._lock:
-                self._open_schema()
+                self._open_schema(path)
+        except StoreTooNewError:
+            self.close()
+            raise
         except sqlite3.DatabaseError as e:
             self.close()
             if isinstance(e, sqlite3.OperationalError) or path is None:
@@ -140,7 +148,8 @@ class ServerState:
             (newest,) = self._db.execute("SELECT MAX(created_at) FROM samplers").fetchone()
         self._started = max(time.time(), (newest or 0.0) + 1e-3)
 
-    def _open_schema(self) -> None:
+    def _open_schema(self, path: Path | None) -> None:
+        check_schema(self._db, path, stamp=False, current=SERVER_SCHEMA)  # a newer one: as it is
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL: a commit survives a process crash (SIGKILL); only an OS crash may lose
         # the last transactions, which is the usual WAL trade-off.
@@ -149,6 +158,7 @@ class ServerState:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(samplers)")}
         if "created_at" not in columns:  # a store from before the column (its rows: NULL)
             self._db.execute("ALTER TABLE samplers ADD COLUMN created_at REAL")
+        check_schema(self._db, path, stamp=True, current=SERVER_SCHEMA)
 
     def close(self) -> None:
         with self._lock:
