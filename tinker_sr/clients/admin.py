@@ -117,7 +117,8 @@ class AdminClient:
         return self._f(self.holder.backend.get_current_checkpoint_storage_usage(request.project_id))
 
     @deprecated_call(
-        "AdminClient.get_current_checkpoint_storage_usage_async() is deprecated; await get_current_checkpoint_storage_usage()"
+        "AdminClient.get_current_checkpoint_storage_usage_async() is deprecated; await "
+        "get_current_checkpoint_storage_usage()"
     )
     async def get_current_checkpoint_storage_usage_async(
         self, project_id: str | None = None

@@ -537,7 +537,7 @@ def deprecated_call(msg: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[
     def wrap(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         @functools.wraps(fn)
         def warned(*args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
-            warnings.warn(msg, FutureWarning, stacklevel=2)
+            warn_deprecated(msg)  # at the caller's line
             return fn(*args, **kwargs)
 
         if (mark := getattr(inspect, "markcoroutinefunction", None)) is not None:

@@ -478,7 +478,8 @@ class ServiceClient:
         )
 
     @deprecated_call(
-        "create_training_client_from_state_async is deprecated; await create_training_client_from_state()"
+        "create_training_client_from_state_async is deprecated; await "
+        "create_training_client_from_state()"
     )
     async def create_training_client_from_state_async(
         self,
@@ -498,7 +499,8 @@ class ServiceClient:
         )
 
     @deprecated_call(
-        "create_training_client_from_state_with_optimizer_async is deprecated; await create_training_client_from_state_with_optimizer()"
+        "create_training_client_from_state_with_optimizer_async is deprecated; await "
+        "create_training_client_from_state_with_optimizer()"
     )
     async def create_training_client_from_state_with_optimizer_async(
         self,

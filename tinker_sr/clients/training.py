@@ -653,7 +653,8 @@ class TrainingClient:
         )
 
     @deprecated_call(
-        "save_weights_and_get_sampling_client_async is deprecated; await save_weights_and_get_sampling_client()"
+        "save_weights_and_get_sampling_client_async is deprecated; await "
+        "save_weights_and_get_sampling_client()"
     )
     async def save_weights_and_get_sampling_client_async(
         self,

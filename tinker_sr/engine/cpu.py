@@ -52,10 +52,10 @@ __all__ = [
     "has_fast_half",
     "isa_flags",
     "onednn_isa_cap",
-    "why_slow_half",
     "prefer_passive_waits",
     "return_freed_memory",
     "tune_allocator",
+    "why_slow_half",
     "widen_kernel_caches",
 ]
 

@@ -46,8 +46,8 @@ class StoreTooNewError(StoreDamagedError):
         RuntimeError.__init__(
             self,
             f"{path}: written by a newer tinker_sr (store schema {version}; this version reads "
-            f"up to {readable or STORE_SCHEMA}); upgrade tinker_sr (pip install -U tinker-sr), or give "
-            "this one a store of its own (--store DIR or $TINKER_SR_STORE)",
+            f"up to {readable or STORE_SCHEMA}); upgrade tinker_sr (pip install -U tinker-sr), "
+            "or give this one a store of its own (--store DIR or $TINKER_SR_STORE)",
         )
 
 

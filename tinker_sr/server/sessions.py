@@ -94,8 +94,8 @@ class Sessions:
         """This process did not run for ``seconds`` (SIGSTOP, a frozen container or VM): as
         after a restart, quiet time before now does not count."""
         log.warning(
-            "the server did not run for %.0f s (stopped or frozen?): sessions are not counted quiet "
-            "for that time", seconds,
+            "the server did not run for %.0f s (stopped or frozen?): sessions are not counted "
+            "quiet for that time", seconds,
         )  # fmt: skip
         self._started = time.monotonic()
 
