@@ -47,3 +47,23 @@ def limit_memory(group: Path, limit: int) -> None:
 
 def move(pid: int, group: Path) -> None:
     (group / "cgroup.procs").write_text(str(pid))
+
+
+def real_pids_group() -> Iterator[Path]:
+    """A fresh pids group under this process's own (v1 or v2), removed after; skipped where
+    the host has no writable pids hierarchy."""
+    dirs = cgroups.group_dirs("pids")
+    if not dirs:
+        pytest.skip("no cgroup pids hierarchy here")
+    group = dirs[0] / f"tinker-sr-test-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup here: {e}")
+    try:
+        if not (group / "pids.max").exists():
+            pytest.skip("the new group has no pids.max (controller not enabled for it)")
+        yield group
+    finally:
+        if not cgroups.remove_group(group):
+            warnings.warn(f"could not remove the test's cgroup {group}", stacklevel=1)

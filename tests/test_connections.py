@@ -9,6 +9,9 @@ import errno
 import os
 import resource
 import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 from tests._server import ServerProcess, running_server
 from tinker_sr.backend.local_errors import mapped
 from tinker_sr.errors import APIStatusError, RequestFailedError
+from tinker_sr.threads import ThreadLimitError, start_thread
 
 ENV = {"TINKER_SR_REQUEST_START_S": "1"}
 
@@ -181,3 +185,65 @@ def test_engine_work_out_of_files_or_threads_names_the_limit(
     with pytest.raises(APIStatusError) as refused:  # a direct call: 503, which clients retry
         asyncio.run(mapped(_fail(error), tmp_path, plain=True))
     assert refused.value.status_code == 503 and words in str(refused.value)
+
+
+# Runs in its own process: moves itself into the pids group given, allows no more tasks than
+# it has, makes a client, then lifts the limit and makes one again.
+_NO_THREADS = """
+import os, sys
+import tinker_sr as tinker
+group = sys.argv[1]
+with open(group + "/cgroup.procs", "w") as f:
+    f.write(str(os.getpid()))
+with open(group + "/pids.max", "w") as f:
+    f.write(str(len(os.listdir("/proc/self/task"))))
+try:
+    tinker.ServiceClient().create_lora_training_client(base_model="tinker-sr/tiny", rank=4)
+except Exception as e:
+    print("FAILED", type(e).__module__, type(e).__name__, e, flush=True)
+with open(group + "/pids.max", "w") as f:
+    f.write("max")
+client = tinker.ServiceClient().create_lora_training_client(base_model="tinker-sr/tiny", rank=4)
+print("AFTER", client.get_tokenizer().encode("ab"), flush=True)
+"""
+
+
+@pytest.fixture
+def pids_group() -> Iterator[Path]:
+    from tests._cgroups import real_pids_group
+
+    yield from real_pids_group()
+
+
+def test_a_client_that_cannot_start_a_thread_says_which_limit(
+    tmp_path: Path, pids_group: Path
+) -> None:
+    """Under a pids limit the kernel enforces: before, ``RuntimeError: can't start new
+    thread`` from deep in the constructor (and a "coroutine was never awaited" warning);
+    now ThreadLimitError naming the thread, the limit and the fix, and once the limit is
+    lifted the next client works in the same process."""
+    env = {**os.environ, "TINKER_SR_STORE": str(tmp_path / "store")}
+    out = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", _NO_THREADS, str(pids_group)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FAILED tinker_sr.threads ThreadLimitError cannot start the " in out.stdout
+    assert "pids.max" in out.stdout and "raise the limit" in out.stdout
+    assert "AFTER [" in out.stdout, out.stdout
+
+
+def test_start_thread_passes_other_failures_through() -> None:
+    class Refused(threading.Thread):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+        def start(self) -> None:
+            raise RuntimeError(self.text)
+
+    with pytest.raises(ThreadLimitError, match="cannot start the probe thread: .*ulimit -u"):
+        start_thread(Refused("can't start new thread"), "the probe thread")
+    with pytest.raises(RuntimeError, match="^threads can only be started once$") as other:
+        start_thread(Refused("threads can only be started once"), "the probe thread")
+    assert not isinstance(other.value, ThreadLimitError)

@@ -351,3 +351,39 @@ def test_an_abandoned_sample_submit_is_not_retried() -> None:
         tried = asyncio.run(abandon())
         assert mock.faults.calls["asample"] <= tried + 1  # at most the attempt under way
         svc.close("success").result(timeout=30)
+
+
+def test_closing_the_client_lets_an_abandoned_samples_cancel_reach_the_server() -> None:
+    """A sample abandoned while the answer to its ``asample`` is in flight, and the client
+    closed at once: the cancel is sent once the id arrives, before the connections close.
+    Before, closing cut it off and the server sampled for nobody."""
+    import tinker_sr
+    from tinker_sr.backend.remote import RemoteBackend
+    from tinker_sr.testing.wire import slow_response
+
+    with mock_tinker() as mock:
+        backend = RemoteBackend(base_url=mock.base_url, api_key="tml-close-test")
+        svc = tinker_sr.ServiceClient(backend=backend)
+        sampler = svc.create_sampling_client(base_model=MODEL).result()
+        mock.add_fault(slow_response("asample", 1.0))
+
+        async def abandon_and_close() -> None:
+            task = asyncio.ensure_future(
+                sampler.sample(tinker_sr.ModelInput.from_ints(PROMPT), 4,
+                               tinker_sr.SamplingParams(max_tokens=64))
+            )  # fmt: skip
+            await asyncio.to_thread(
+                _wait, lambda: mock.faults.calls.get("asample", 0) == 1, "the asample"
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await backend.aclose()
+
+        with _held_worker(mock) as scheduler:
+            svc.holder.run(abandon_and_close()).result(timeout=60)
+            assert mock.trace.count("cancel_future") == 1
+            rid = _only_sample_future(mock)
+            _wait(lambda: not mock.server().futures.pending_samples, "the cancellation")
+            assert "cancel_future" in _failure(mock, rid)
+        _after_release(mock, scheduler)

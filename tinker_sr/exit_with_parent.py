@@ -13,6 +13,8 @@ import signal
 import threading
 import time
 
+from tinker_sr.threads import start_thread
+
 PARENT_ENV = "TINKER_SR_EXIT_WITH_PARENT"
 
 
@@ -38,4 +40,7 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
         time.sleep(15)
         os._exit(1)
 
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+    start_thread(
+        threading.Thread(target=watch, name="exit-with-parent", daemon=True),
+        "the thread that watches for the parent process's exit",
+    )

@@ -52,6 +52,7 @@ PROTOBUF = "application/x-protobuf"
 _RETRYABLE = frozenset({408, 409, 429})
 _HEARTBEAT_S = 10.0
 _HEARTBEAT_WARN_AFTER_S = 120.0
+CANCEL_GRACE_S = 2.0  # how long closing waits for cancel_future posts under way
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -411,6 +412,23 @@ class WireTransport:
             task.add_done_callback(self._cancel_once_answered)
             raise
 
+    async def _finish_cancels(self) -> None:
+        """Let the cancels under way (`_send_cancel`'s posts, and abandoned sample submits
+        whose id has yet to arrive) reach the server before the connections close, for at
+        most `CANCEL_GRACE_S`; stop what is left then. Before, closing cut them off and the
+        server sampled for nobody until its check for quiet sessions."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_GRACE_S
+        for _ in range(3):  # a cancellation on its way (a cancelled client future) lands
+            await asyncio.sleep(0)
+        while pending := [t for t in self._cancels if t.get_loop() is loop and not t.done()]:
+            if (left := deadline - loop.time()) <= 0:
+                for task in pending:
+                    task.cancel()
+                return
+            # A submit that finishes adds its cancel_future post: look again.
+            await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
     def _cancel_once_answered(self, task: asyncio.Task[dict[str, Any]]) -> None:
         self._cancels.discard(task)
         if not task.cancelled() and task.exception() is None and self._sample_cancel:
@@ -563,6 +581,7 @@ class WireTransport:
         for task in self._heartbeats.values():
             task.cancel()
         self._heartbeats.clear()
+        await self._finish_cancels()
         client, self._client = self._client, None
         self._closed = True
         if client is not None:

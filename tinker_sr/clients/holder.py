@@ -26,6 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from tinker_sr.backend.base import Backend
 from tinker_sr.errors import TinkerError
+from tinker_sr.threads import ThreadLimitError, start_thread
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -68,7 +69,11 @@ def sdk_loop() -> asyncio.AbstractEventLoop:
                 loop.run_forever()
 
             t = threading.Thread(target=run, name="tinker-sr-sdk-loop", daemon=True)
-            t.start()
+            try:
+                start_thread(t, "the clients' event-loop thread")
+            except ThreadLimitError:
+                loop.close()
+                raise
             ready.wait()
             _loop, _loop_thread = loop, t
         return _loop
@@ -447,7 +452,11 @@ class ClientSession:
             assert session is not None  # a cell of this frame: the session lives as long
             return await coro
 
-        return submit(held())
+        try:
+            return submit(held())
+        except BaseException:
+            coro.close()  # never run (no event-loop thread): no "never awaited" warning
+            raise
 
     async def session_id(self) -> str:
         """Create the session on first need (one creation even under concurrent callers)."""

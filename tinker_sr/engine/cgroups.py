@@ -156,6 +156,17 @@ def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> int | None:
     return min(quotas) if quotas else None
 
 
+def pids_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> tuple[int, int] | None:
+    """``(in use, limit)`` of the pids limit (tasks: processes and threads) over this process
+    with the least room left, None without one."""
+    found: list[tuple[int, int]] = []
+    for group in group_dirs("pids", proc_cgroup, root):
+        limit, current = _read_int(group / "pids.max"), _read_int(group / "pids.current")
+        if limit is not None and current is not None:  # "max" (none) reads as None
+            found.append((current, limit))
+    return min(found, key=lambda used: used[1] - used[0]) if found else None
+
+
 def remove_group(group: Path, wait_s: float = 5.0) -> bool:
     """Remove an emptied cgroup directory (benchmarks/memory_limit.py and the tests make them),
     retrying while the kernel lets go of its last process; whether it went."""

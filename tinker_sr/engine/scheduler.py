@@ -33,6 +33,7 @@ import torch
 from tinker_sr.engine.cuda_graphs import decode
 from tinker_sr.engine.prompt_cache import PromptCache
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
+from tinker_sr.threads import start_thread
 
 MAX_ROWS_ENV, DEFAULT_MAX_ROWS = "TINKER_SR_MAX_DECODE_ROWS", 256
 # KV caches of the requests decoding together: a request without max_tokens reserves 4096
@@ -123,7 +124,7 @@ class DecodeScheduler:
         # Rows decoded by each step, newest last (for tests and benchmarks).
         self.rows_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
         self._thread = threading.Thread(target=self._loop, name="tinker-sr-sampling", daemon=True)
-        self._thread.start()
+        start_thread(self._thread, "the embedded engine's sampling thread")
         _live.add(self)
 
     def submit(

@@ -1,0 +1,59 @@
+"""Starting the package's own threads where the operating system may refuse one.
+
+A process that has reached its limit on threads (``ulimit -u``, a container's pids limit) or
+has no memory left for another thread's stack gets ``RuntimeError: can't start new thread``
+from `threading.Thread.start`. Raised from deep inside a client's constructor, that said
+neither which thread nor what to do. `start_thread` raises `ThreadLimitError` instead (still
+a RuntimeError), naming the thread, how many this process runs and the way out.
+Torch-free and importing nothing from tinker_sr, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["ThreadLimitError", "start_thread", "thread_limit_text"]
+
+
+def thread_limit_text() -> str:
+    """Why a thread could not start and the fix, for a message (this process's thread count
+    and its limit where the OS reports one)."""
+    from tinker_sr.engine.cgroups import pids_limit
+
+    limits = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(f"ulimit -u {soft}")
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+    if (pids := pids_limit()) is not None:
+        limits.append(f"its cgroup's pids.max {pids[1]}, {pids[0]} in use")
+    named = f" ({'; '.join(limits)})" if limits else ""
+    return (
+        f"this process could not start a thread (it runs {threading.active_count()} Python "
+        f"threads): its limit on processes and threads{named} or the memory for a thread's "
+        "stack is reached. Retry once other work has ended, close clients and processes you "
+        "no longer use, or raise the limit (ulimit -u; a container's --pids-limit)"
+    )
+
+
+class ThreadLimitError(RuntimeError):
+    """The operating system refused to start one of tinker_sr's threads."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"cannot start {what}: {thread_limit_text()}")
+
+
+def start_thread(thread: threading.Thread, what: str) -> None:
+    """``thread.start()``; the OS refusing it raises `ThreadLimitError` naming ``what`` (e.g.
+    "the embedded engine's sampling thread")."""
+    try:
+        thread.start()
+    except RuntimeError as e:
+        if "can't start new thread" not in str(e):
+            raise
+        raise ThreadLimitError(what) from e
