@@ -10,9 +10,11 @@ Torch-free and importing nothing from tinker_sr, so every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
-__all__ = ["ThreadLimitError", "start_thread", "thread_limit_text"]
+__all__ = ["ThreadLimitError", "start_thread", "starting", "thread_limit_text"]
 
 
 def thread_limit_text() -> str:
@@ -48,12 +50,20 @@ class ThreadLimitError(RuntimeError):
         super().__init__(f"cannot start {what}: {thread_limit_text()}")
 
 
-def start_thread(thread: threading.Thread, what: str) -> None:
-    """``thread.start()``; the OS refusing it raises `ThreadLimitError` naming ``what`` (e.g.
-    "the embedded engine's sampling thread")."""
+@contextlib.contextmanager
+def starting(what: str) -> Iterator[None]:
+    """Within: the OS refusing a new thread (``RuntimeError: can't start new thread``, from
+    `threading.Thread.start` or an executor's submit) raises `ThreadLimitError` naming
+    ``what`` (e.g. "the embedded engine's sampling thread")."""
     try:
-        thread.start()
+        yield
     except RuntimeError as e:
         if "can't start new thread" not in str(e):
             raise
         raise ThreadLimitError(what) from e
+
+
+def start_thread(thread: threading.Thread, what: str) -> None:
+    """``thread.start()``, within `starting` (``what``)."""
+    with starting(what):
+        thread.start()

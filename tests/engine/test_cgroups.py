@@ -158,3 +158,24 @@ def test_unreadable_cgroup_directories_mean_no_limit(
     monkeypatch.setattr(os, "stat", stat)
     assert cgroups.memory_room(proc, root) is None
     assert cgroups.cpu_quota(proc, root) is None
+
+
+def test_pids_limit_the_group_with_least_room(tmp_path: Path) -> None:
+    """v2: a pod's pids.max under a slice with none ("max"); the one with less room left is
+    reported as (in use, limit). v1: the pids hierarchy's own group."""
+    root = tmp_path / "fs"
+    _write(root / "cgroup.controllers", "pids\n")
+    pod = root / "kubepods" / "pod1"
+    _write(pod / "pids.max", "100\n")
+    _write(pod / "pids.current", "40\n")
+    _write(root / "kubepods" / "pids.max", "max\n")
+    _write(root / "kubepods" / "pids.current", "900\n")
+    proc = _proc(tmp_path, "0::/kubepods/pod1\n")
+    assert cgroups.pids_limit(proc, root) == (40, 100)
+    _write(root / "kubepods" / "pids.max", "950\n")  # 50 left there, 60 in the pod
+    assert cgroups.pids_limit(proc, root) == (900, 950)
+    v1 = tmp_path / "v1"
+    _write(v1 / "pids" / "ci" / "pids.max", "64\n")
+    _write(v1 / "pids" / "ci" / "pids.current", "12\n")
+    assert cgroups.pids_limit(_proc(tmp_path, "8:pids:/ci\n"), v1) == (12, 64)
+    assert cgroups.pids_limit(_proc(tmp_path, "0::/\n"), tmp_path / "none") is None

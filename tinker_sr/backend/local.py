@@ -25,7 +25,7 @@ import asyncio
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,7 +40,13 @@ from tinker_sr.backend.session_samples import SessionSamples
 from tinker_sr.engine import training, usage
 from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
 from tinker_sr.engine.checkpoints import read_record
-from tinker_sr.engine.cpu import default_torch_threads, return_freed_memory, tune_allocator
+from tinker_sr.engine.cpu import (
+    default_torch_threads,
+    engine_executor,
+    return_freed_memory,
+    threads_within_task_limit,
+    tune_allocator,
+)
 from tinker_sr.engine.device import resolve_device
 from tinker_sr.engine.external_weights import save_external
 from tinker_sr.engine.hf import env_model_dtype, parse_dtype
@@ -116,8 +122,8 @@ class LocalBackend(LocalRestQueries):
         self.sampler_staleness = sampler_staleness
         self.checkpoints = CheckpointStore(self.store, self.store_dir)
         self._recorder = SequenceRecorder(self.store)
-        self._torch_threads = default_torch_threads(torch_threads)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sr-engine")
+        self._torch_threads = threads_within_task_limit(default_torch_threads(torch_threads))
+        self._executor = engine_executor(self._torch_threads)
         self._scheduler = DecodeScheduler(self._torch_threads)
         self._session_samples = SessionSamples()
         weakref.finalize(self, self._scheduler.close, False)  # dropped unclosed: it still ends

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tinker_sr.engine import cgroups
+from tinker_sr.threads import starting
 
 __all__ = [
     "allocator_fitted_to",
@@ -47,6 +50,7 @@ __all__ = [
     "default_torch_threads",
     "describe_free_memory",
     "describe_machine",
+    "engine_executor",
     "fit_allocator_to_memory",
     "has_fast_bf16",
     "has_fast_half",
@@ -54,7 +58,9 @@ __all__ = [
     "onednn_isa_cap",
     "prefer_passive_waits",
     "return_freed_memory",
+    "threads_within_task_limit",
     "tune_allocator",
+    "warm_thread_team",
     "why_slow_half",
     "widen_kernel_caches",
 ]
@@ -113,6 +119,64 @@ def default_torch_threads(requested: int | None = None) -> int:
     if not env.isdigit() or int(env) < 1:
         raise ValueError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
     return int(env)
+
+
+# Tasks (threads) a pids limit must leave beside the engine's OpenMP teams: the clients' event
+# loop, a server's connections and default executor, the engine's own Python threads.
+TASK_RESERVE = 16
+# Threads that run the engine's torch work, each the master of its own OpenMP team: the
+# worker that trains and the sampling thread.
+TEAM_MASTERS = 2
+
+
+def threads_within_task_limit(threads: int) -> int:
+    """``threads`` (intra-op threads of each engine thread), lowered where a cgroup's pids
+    limit over this process leaves too little room for the engine's OpenMP teams
+    (`TEAM_MASTERS` threads, each starting ``threads - 1`` more) beside `TASK_RESERVE`
+    others, with a warning. libgomp cannot fail a parallel region: when the OS refuses a team
+    thread it ends the whole process ("Thread creation failed"), and the work under way with
+    it."""
+    pids = cgroups.pids_limit()
+    if pids is None or threads <= 1:
+        return threads
+    used, limit = pids
+    fits = max(1, (limit - used - TASK_RESERVE - TEAM_MASTERS) // TEAM_MASTERS + 1)
+    if fits >= threads:
+        return threads
+    logging.getLogger("tinker_sr.engine").warning(
+        "this process's cgroup allows %d tasks (processes and threads), %d in use: room for "
+        "%d torch thread(s) per engine thread, not %d; using %d (raise the limit, e.g. a "
+        "container's --pids-limit, for more)",
+        limit, used, fits, threads, fits,
+    )  # fmt: skip
+    return fits
+
+
+def warm_thread_team(threads: int) -> None:
+    """Set the calling thread's torch threads to ``threads`` and start its OpenMP team now.
+    libgomp starts a thread's team at its first parallel region and keeps it; started when
+    the engine starts (within `threads_within_task_limit`), no later region needs a new
+    thread, so a pids limit reached later (other processes of the container) fails only
+    Python threads, which fail as errors (`tinker_sr.threads`), not the process."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if threads > 1:
+        torch.ones(1 << 18).add_(1)  # elementwise work above torch's grain: a parallel region
+
+
+def engine_executor(threads: int) -> ThreadPoolExecutor:
+    """The engine's one worker thread, started now with its OpenMP team (`warm_thread_team`);
+    `ThreadLimitError` where the OS refuses the thread."""
+    executor = ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="tinker-sr-engine",
+        initializer=warm_thread_team,
+        initargs=(threads,),
+    )
+    with starting("the embedded engine's worker thread"):
+        executor.submit(int).result()
+    return executor
 
 
 # oneDNN's and ideep's kernel cache capacities (entries each): a dense model's training step

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tinker_sr.engine.cpu import warm_thread_team
 from tinker_sr.engine.cuda_graphs import decode
 from tinker_sr.engine.prompt_cache import PromptCache
 from tinker_sr.engine.sampler import DecodeGroup, SampleOutput
@@ -179,7 +180,7 @@ class DecodeScheduler:
 
     # ---- the thread ---------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_num_threads(self.threads)
+        warm_thread_team(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -258,5 +258,12 @@ def run_uvicorn(app: Any, tinker_server: Callable[[], Any], **options: Any) -> N
             await super().shutdown(sockets)
 
     exit_with_parent()  # a test fixture's server: not beyond its test run
-    defaults = {"timeout_graceful_shutdown": 5, "http": protocol_class(request_start_s())}
+    # asyncio's loop even where uvloop is installed (uvicorn's "auto" takes it): the loop
+    # this server is tested on, and the one whose failing accepts `quiet_accept_failures`
+    # reports (uvloop reset new connections without a word while out of files).
+    defaults = {
+        "timeout_graceful_shutdown": 5,
+        "http": protocol_class(request_start_s()),
+        "loop": "asyncio",
+    }
     Server(uvicorn.Config(app, **{**defaults, **options})).run()
