@@ -289,3 +289,22 @@ def test_paths_as_users_write_them(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     text = "cannot read '/data/run.1/s1.safetensors' (v1.2)"
     assert hide_paths(OSError(text), Path(".")) == text
     assert hide_paths(OSError(f"{cwd}/x missing"), Path(".")) == "<store>/x missing"
+
+
+def test_the_command_line_is_parsed_without_loading_torch() -> None:
+    """Every command's parser is built for any command (``tinker-sr --version`` too), and the
+    ``serve`` parser's defaults came from `tinker_sr.server.app`, which loaded torch and the
+    whole server: 5 s for ``--version`` on a slow host, 1.5 s now."""
+    code = (
+        "import sys\n"
+        "from tinker_sr import cli\n"
+        "parser = cli.build_parser()\n"
+        "for command in (['serve', '--port', '9'], ['usage'], ['plot', 'x.jsonl'], ['demo']):\n"
+        "    parser.parse_args(command)\n"
+        "import tinker_sr.server\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
+        "assert 'tinker_sr.server.app' not in sys.modules\n"
+        "assert tinker_sr.server.DEFAULT_LONG_POLL_S > 0\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

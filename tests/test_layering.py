@@ -111,6 +111,7 @@ ENGINE_SIDE = sorted(
         PACKAGE / "validation.py",
         PACKAGE / "user_errors.py",
         PACKAGE / "limits.py",
+        PACKAGE / "threads.py",
     ]
 )
 UPPER_LAYERS = ("tinker_sr.clients", "tinker_sr.backend", "tinker_sr.server", "tinker_sr.wire")

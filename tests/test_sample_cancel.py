@@ -353,13 +353,18 @@ def test_an_abandoned_sample_submit_is_not_retried() -> None:
         svc.close("success").result(timeout=30)
 
 
-def test_closing_the_client_lets_an_abandoned_samples_cancel_reach_the_server() -> None:
+def test_closing_the_client_lets_an_abandoned_samples_cancel_reach_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A sample abandoned while the answer to its ``asample`` is in flight, and the client
     closed at once: the cancel is sent once the id arrives, before the connections close.
     Before, closing cut it off and the server sampled for nobody."""
     import tinker_sr
+    from tinker_sr.backend import transport
     from tinker_sr.backend.remote import RemoteBackend
     from tinker_sr.testing.wire import slow_response
+
+    monkeypatch.setattr(transport, "CANCEL_GRACE_S", 30.0)  # a loaded machine's margin
 
     with mock_tinker() as mock:
         backend = RemoteBackend(base_url=mock.base_url, api_key="tml-close-test")

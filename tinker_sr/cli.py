@@ -131,7 +131,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    from tinker_sr.server.app import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, LOGPROBS_MODES
+    from tinker_sr.server.defaults import DEFAULT_LOGPROBS_MODE, DEFAULT_LONG_POLL_S, LOGPROBS_MODES
 
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
@@ -211,7 +211,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
 
 def _add_liveness_arguments(s: argparse.ArgumentParser) -> None:
     """How long a quiet session lives, and its sample requests run."""
-    from tinker_sr.server.app import DEFAULT_SAMPLE_ABANDON_S, DEFAULT_SESSION_TIMEOUT_S
+    from tinker_sr.server.defaults import DEFAULT_SAMPLE_ABANDON_S, DEFAULT_SESSION_TIMEOUT_S
 
     s.add_argument(
         "--session-timeout-s",

@@ -124,7 +124,11 @@ class LocalBackend(LocalRestQueries):
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = threads_within_task_limit(default_torch_threads(torch_threads))
         self._executor = engine_executor(self._torch_threads)
-        self._scheduler = DecodeScheduler(self._torch_threads)
+        try:
+            self._scheduler = DecodeScheduler(self._torch_threads)
+        except BaseException:  # its thread refused (ThreadLimitError): no worker left behind
+            self._executor.shutdown(wait=False)
+            raise
         self._session_samples = SessionSamples()
         weakref.finalize(self, self._scheduler.close, False)  # dropped unclosed: it still ends
         self._ordering = SeqOrdering(self.limits)

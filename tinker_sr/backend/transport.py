@@ -425,6 +425,7 @@ class WireTransport:
             if (left := deadline - loop.time()) <= 0:
                 for task in pending:
                     task.cancel()
+                await asyncio.wait(pending, timeout=0.1)  # let them unwind before the close
                 return
             # A submit that finishes adds its cancel_future post: look again.
             await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)

@@ -127,26 +127,30 @@ TASK_RESERVE = 16
 # Threads that run the engine's torch work, each the master of its own OpenMP team: the
 # worker that trains and the sampling thread.
 TEAM_MASTERS = 2
+# Besides the teams, torch.set_num_threads(n) sizes torch's process-wide pthreadpool: n - 1
+# threads more.
+THREAD_POOLS = TEAM_MASTERS + 1
 
 
 def threads_within_task_limit(threads: int) -> int:
     """``threads`` (intra-op threads of each engine thread), lowered where a cgroup's pids
-    limit over this process leaves too little room for the engine's OpenMP teams
-    (`TEAM_MASTERS` threads, each starting ``threads - 1`` more) beside `TASK_RESERVE`
-    others, with a warning. libgomp cannot fail a parallel region: when the OS refuses a team
-    thread it ends the whole process ("Thread creation failed"), and the work under way with
-    it."""
+    limit over this process leaves too little room for the engine's `TEAM_MASTERS` threads
+    and `THREAD_POOLS` pools of ``threads - 1`` (their OpenMP teams, torch's pthreadpool)
+    beside `TASK_RESERVE` others, with a warning. libgomp cannot fail a parallel region:
+    when the OS refuses a team thread it ends the whole process ("Thread creation failed"),
+    and the work under way with it. The count then depends on the tasks in use as the engine
+    starts, and results on the count (docs/stability.md)."""
     pids = cgroups.pids_limit()
     if pids is None or threads <= 1:
         return threads
     used, limit = pids
-    fits = max(1, (limit - used - TASK_RESERVE - TEAM_MASTERS) // TEAM_MASTERS + 1)
+    fits = max(1, (limit - used - TASK_RESERVE - TEAM_MASTERS) // THREAD_POOLS + 1)
     if fits >= threads:
         return threads
     logging.getLogger("tinker_sr.engine").warning(
         "this process's cgroup allows %d tasks (processes and threads), %d in use: room for "
         "%d torch thread(s) per engine thread, not %d; using %d (raise the limit, e.g. a "
-        "container's --pids-limit, for more)",
+        "container's --pids-limit, for more; results depend on the thread count)",
         limit, used, fits, threads, fits,
     )  # fmt: skip
     return fits
@@ -155,9 +159,10 @@ def threads_within_task_limit(threads: int) -> int:
 def warm_thread_team(threads: int) -> None:
     """Set the calling thread's torch threads to ``threads`` and start its OpenMP team now.
     libgomp starts a thread's team at its first parallel region and keeps it; started when
-    the engine starts (within `threads_within_task_limit`), no later region needs a new
-    thread, so a pids limit reached later (other processes of the container) fails only
-    Python threads, which fail as errors (`tinker_sr.threads`), not the process."""
+    the engine starts (within `threads_within_task_limit`), no later region of this thread
+    needs a new one, so a pids limit reached later (other processes of the container) fails
+    the engine's Python threads as errors (`tinker_sr.threads`), not the process. Other
+    threads that run torch (the user's own) still start their teams when they first do."""
     import torch
 
     torch.set_num_threads(threads)

@@ -33,6 +33,13 @@ from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
 from . import anthropic_format, downloads, http
+from .defaults import (
+    DEFAULT_LOGPROBS_MODE,
+    DEFAULT_LONG_POLL_S,
+    DEFAULT_SAMPLE_ABANDON_S,
+    DEFAULT_SESSION_TIMEOUT_S,
+    LOGPROBS_MODES,
+)
 from .features import ServerFeatures
 from .futures import Background, Futures
 from .handlers import anthropic, oai, rest, sampling, session, training
@@ -56,30 +63,15 @@ log = logging.getLogger("tinker_sr.server")
 DEFAULT_MAX_BODY_BYTES = DEFAULT_LIMITS.max_body_bytes  # tinker_sr/limits.py: one place
 """Well above the SDK's forward_backward chunk size (5 MB estimated per request)."""
 
-DEFAULT_LONG_POLL_S = 25.0
-"""How long ``retrieve_future`` holds a pending request before answering try_again (the
-SDK's read timeout for it is 45 s)."""
 
 _PRUNE_EVERY_S = 3600.0
 _PAUSE_S = 5.0  # a quiet-session check this late means the server itself did not run
 DEFAULT_MAX_PENDING_SAMPLES = 64
 """asample requests allowed to be pending or running at once; above it asample answers 429
 (the SDK waits, throttles and resubmits the same seq_id, spec §8.3)."""
-DEFAULT_SESSION_TIMEOUT_S = 600.0
-"""A session with no heartbeat or request for this long is finished as "interrupted"."""
-DEFAULT_SAMPLE_ABANDON_S = 120.0
-"""A session's sample requests are cancelled once it has had no heartbeat or request for this
-long (the SDK heartbeats every 10 s and warns after 120 s without one)."""
 DEFAULT_SEQ_GAP_GRACE_S = 5.0
 """How long a model's later request waits for a missing earlier seq_id before the server
 decides that request was refused or lost and skips its number."""
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-"""What the OpenAI-compatible routes' log-probs and top-k report (`create_app`), vLLM's
-``--logprobs-mode`` values: ``raw_logprobs`` (the default, as vLLM's) the model's own at every
-temperature; ``processed_logprobs`` those of the distribution each token was drawn from (after
-temperature, top-k, top-p; the model's own at temperature 0), which the Tinker API's sampler
-always reports (but 0.0 at temperature 0)."""
-DEFAULT_LOGPROBS_MODE = LOGPROBS_MODES[0]
 
 T = TypeVar("T")
 
