@@ -16,7 +16,18 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ThreadLimitError", "start_thread", "starting", "thread_limit_text"]
+__all__ = [
+    "ThreadLimitError",
+    "is_thread_refusal",
+    "start_thread",
+    "starting",
+    "thread_limit_text",
+]
+
+
+def is_thread_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is the OS refusing a new thread (Python's ``can't start new thread``)."""
+    return isinstance(e, RuntimeError) and "can't start new thread" in str(e)
 
 
 def thread_limit_text() -> str:
@@ -70,7 +81,7 @@ def starting(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if "can't start new thread" not in str(e):
+        if not is_thread_refusal(e):
             raise
         raise ThreadLimitError(what) from e
 

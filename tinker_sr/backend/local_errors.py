@@ -17,7 +17,7 @@ from tinker_sr import types
 from tinker_sr.backend.base import WorkNotStarted
 from tinker_sr.engine.store_files import OUT_OF_SPACE, is_out_of_space
 from tinker_sr.errors import APIStatusError, RequestFailedError, refusal
-from tinker_sr.threads import thread_limit_text
+from tinker_sr.threads import is_thread_refusal, thread_limit_text
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 T = TypeVar("T")
@@ -127,7 +127,7 @@ def out_of_os_resources(e: BaseException) -> str | None:
                 "retry once other work has closed some; raise the limit (ulimit -n) before "
                 "starting the server or script, or close idle clients"
             )
-        if isinstance(seen, RuntimeError) and "can't start new thread" in text:
+        if is_thread_refusal(seen):
             return thread_limit_text()
         seen = seen.__cause__ or seen.__context__
     return None
