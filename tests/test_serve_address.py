@@ -95,3 +95,52 @@ def test_the_store_lock_file_keeps_no_api_key(
         assert "tml-" not in text and "tml-" not in str(e.value)
     finally:
         lock.release()
+
+
+def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path) -> None:
+    """A held port, a key no client can send, a store another server holds and a bad
+    ``$TINKER_SR_REQUEST_START_S`` each stop ``tinker-sr serve`` before it imports torch and the
+    server (before: after them, 4-6 s on a slow host for a one-line refusal)."""
+    from tinker_sr.server.store_lock import StoreLock
+
+    held_store = tmp_path / "held"
+    code = (
+        "import os, sys\n"
+        "from tinker_sr import cli\n"
+        "for argv in sys.argv[1:]:\n"
+        "    os.environ['TINKER_SR_REQUEST_START_S'] = 'abc' if argv == 'env' else '15'\n"
+        "    args = ['--port', '0'] if argv == 'env' else argv.split()\n"
+        "    try:\n"
+        "        cli.main(['serve', '--store', sys.argv[1].split()[-1], *args])\n"
+        "    except SystemExit as e:\n"
+        "        print(e)\n"
+        "print('loaded', sorted(m for m in sys.modules if m in ('torch', 'tinker_sr.server.app')))\n"
+    )
+    lock = StoreLock(held_store)  # a live server's lock, as far as the child can tell
+    try:
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            tries = [
+                f"--port 0 --store {held_store}",
+                f"--port {port}",
+                "--port 0 --api-key abc",
+                "env",
+            ]
+            proc = subprocess.run(
+                [sys.executable, "-c", code, *tries],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+    finally:
+        lock.release()
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5 and all(line.startswith("tinker-sr serve: ") for line in lines[:4])
+    assert f"store {held_store} is in use by another tinker-sr server" in lines[0]
+    assert f"cannot listen on 127.0.0.1:{port}" in lines[1]
+    assert "do not start with 'tml-'" in lines[2]
+    assert "$TINKER_SR_REQUEST_START_S must be a number" in lines[3]
+    assert lines[4] == "loaded []", proc.stdout

@@ -23,13 +23,16 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
-    from tinker_sr.server import serve
-    from tinker_sr.server.features import ServerFeatures
-    from tinker_sr.server.run import UnusableAddressError, UnusableApiKeyError
+    from tinker_sr.server.preflight import UnusableAddressError, UnusableApiKeyError, preflight
     from tinker_sr.server.store_lock import StoreInUseError
 
-    if (problem := environment_problem()) is not None:
-        raise SystemExit(f"tinker-sr serve: {problem}")
+    refusals = (  # another live server; a bad database; a read-only directory; a bad address
+        StoreInUseError,
+        StoreDamagedError,
+        StoreUnwritableError,
+        UnusableApiKeyError,
+        UnusableAddressError,
+    )
     keys = [k for k in (args.api_key or []) if k]
     keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
     if not keys and (args.api_key or args.api_keys is not None):
@@ -38,6 +41,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "tinker-sr serve: --api-key/--api-keys name no key (empty: an unset variable?); "
             "pass the keys clients must send, or leave the options out to accept any 'tml-' key"
         )
+    try:  # what can refuse the start, said before torch and the server load (seconds)
+        preflight(args.host, args.port, keys or None, args.store)
+    except (*refusals, ValueError) as e:  # ValueError: a bad $TINKER_SR_REQUEST_START_S
+        raise SystemExit(f"tinker-sr serve: {e}") from None
+    if (problem := environment_problem()) is not None:
+        raise SystemExit(f"tinker-sr serve: {problem}")
+    from tinker_sr.server import serve
+    from tinker_sr.server.features import ServerFeatures
+
     try:
         serve(
             host=args.host,
@@ -60,14 +72,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             session_timeout_s=args.session_timeout_s,
             sample_abandon_s=args.sample_abandon_s,
         )
-    # another live server; a bad database; a read-only directory; a key no client can send
-    except (
-        StoreInUseError,
-        StoreDamagedError,
-        StoreUnwritableError,
-        UnusableApiKeyError,
-        UnusableAddressError,
-    ) as e:
+    except refusals as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     return 0
 

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import errno
-import ipaddress
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,27 +31,26 @@ from .connections import (
     request_start_s,
 )
 from .features import ServerFeatures
+from .preflight import (
+    UnusableAddressError,
+    UnusableApiKeyError,
+    api_keys_from_env,
+    check_address,
+    loopback_only,
+    open_server_warning,
+    preflight,
+)
 
-__all__ = ["serve", "api_keys_from_env", "run_uvicorn", "UnusableApiKeyError"]
-
-
-class UnusableApiKeyError(ValueError):
-    """A configured API key no Tinker client can send: the official SDK and tinker_sr refuse
-    keys without the ``tml-`` prefix before connecting."""
-
-
-class UnusableAddressError(ValueError):
-    """``host:port`` cannot be listened on: a port out of range, a host that is not an address
-    of this machine, or a port another program holds."""
-
-
-def loopback_only(host: str) -> bool:
-    """Does ``host`` name only this machine's loopback addresses (127.0.0.0/8, ::1)?"""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return False
-    return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+__all__ = [
+    "serve",
+    "api_keys_from_env",
+    "run_uvicorn",
+    "check_address",
+    "loopback_only",
+    "open_server_warning",
+    "UnusableAddressError",
+    "UnusableApiKeyError",
+]
 
 
 def _announce(
@@ -78,72 +74,6 @@ def _announce(
     )
     if (warning := open_server_warning(host, keys)) is not None:
         print(warning, file=sys.stderr, flush=True)
-
-
-def open_server_warning(host: str, keys: Sequence[str] | None) -> str | None:
-    """What `serve` prints where it would take any key from beyond this machine."""
-    if keys or loopback_only(host):
-        return None
-    return (
-        f"WARNING: --host {host} listens beyond this machine and no --api-keys are set, so "
-        "anyone who can reach it may use it (train and sample on this machine) with a key of "
-        "their own; give --api-keys KEY1,KEY2 (or keep the default --host 127.0.0.1)"
-    )
-
-
-def check_address(host: str, port: int) -> None:
-    """Raise `UnusableAddressError` naming the flag and the fix where the server could not
-    listen on ``host:port`` (before the store is opened and the model loaded; uvicorn would
-    say it only after, as a traceback or a log line)."""
-    if not 0 <= port <= 65535:
-        raise UnusableAddressError(f"--port {port}: a TCP port is a number from 0 to 65535")
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
-        raise UnusableAddressError(
-            f"--host {host!r} is not an address of this machine ({e}); the default is 127.0.0.1"
-        ) from None
-    bound, held, foreign = False, None, None
-    for family, kind, proto, _, address in addresses:  # the server binds each; one may fail
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's
-            try:
-                probe.bind(address)
-                bound = True
-            except OSError as e:
-                if e.errno != errno.EADDRNOTAVAIL:  # held: the server would fail on it
-                    held = e
-                    break
-                foreign = foreign or e  # not this machine's: another address may serve
-    problem = held or (None if bound else foreign)
-    if problem is not None:
-        raise UnusableAddressError(
-            f"cannot listen on {host}:{port} ({problem.strerror}): another program (another "
-            "tinker-sr serve?) holds that port, or the address is not this machine's; pick "
-            "another with --port (or --host)"
-        ) from None
-
-
-def api_keys_from_env() -> list[str] | None:
-    """``TINKER_SR_API_KEYS`` (comma-separated), or None when unset/empty."""
-    keys = [k.strip() for k in os.environ.get("TINKER_SR_API_KEYS", "").split(",") if k.strip()]
-    return keys or None
-
-
-def _usable_keys(api_keys: Sequence[str] | str | None) -> list[str] | None:
-    """The keys to accept (None: any ``tml-`` key): ``api_keys`` (a list, or comma-separated),
-    else ``$TINKER_SR_API_KEYS``; a key no client can send stops the server here."""
-    if isinstance(api_keys, str):
-        api_keys = [k.strip() for k in api_keys.split(",") if k.strip()]
-    keys = list(api_keys) if api_keys else api_keys_from_env()
-    unusable = [k for k in keys or () if not k.startswith("tml-")]
-    if unusable:  # else the server starts and no client can ever present the key
-        raise UnusableApiKeyError(
-            f"{len(unusable)} of the configured API keys (--api-key / --api-keys / "
-            "$TINKER_SR_API_KEYS) do not start with 'tml-', and no Tinker client sends such a "
-            "key (the official SDK refuses it before connecting): use keys like tml-<secret>"
-        )
-    return keys
 
 
 def serve(
@@ -180,13 +110,10 @@ def serve(
     ``logprobs_mode``: the OpenAI-compatible routes' log-probs (`create_app`; default
     ``raw_logprobs``, as vLLM's). ``session_timeout_s``, ``sample_abandon_s``: see `create_app`.
     """
-    from tinker_sr.backend.local import LocalBackend, default_store_dir
+    from tinker_sr.backend.local import LocalBackend
 
-    check_address(host, port)
-    keys = _usable_keys(api_keys)
-    request_start_s()  # a bad $TINKER_SR_REQUEST_START_S: said before the model loads
+    keys, store_dir = preflight(host, port, api_keys, store)  # before the model loads
     raise_open_file_limit()
-    store_dir = Path(store).expanduser() if store is not None else default_store_dir()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
     backend = LocalBackend(
