@@ -36,6 +36,15 @@ def test_a_keys_sessions_and_a_sessions_runs_are_read_by_index(tmp_path: Path) -
             ("k",),
         )
         assert "sessions_" in models and "models_session" in models, models
+        # The index before `sessions_of_owner` (owner, created_at) was read by no query and
+        # written with every session: a store that has it loses it.
+        db.execute("CREATE INDEX sessions_owner ON sessions(owner, created_at)")
+    finally:
+        state.close()
+    state = ServerState(tmp_path / "server.sqlite")
+    try:
+        indexes = {r[0] for r in state._db.execute("SELECT name FROM sqlite_master")}
+        assert "sessions_of_owner" in indexes and "sessions_owner" not in indexes, indexes
     finally:
         state.close()
     store = Store(tmp_path / "engine.sqlite")

@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS futures (
 CREATE INDEX IF NOT EXISTS futures_done ON futures(done_at);
 CREATE INDEX IF NOT EXISTS futures_pending ON futures(status) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
-CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);
+DROP INDEX IF EXISTS sessions_owner; -- (owner, created_at): unread since sessions_of_owner
 CREATE INDEX IF NOT EXISTS sessions_of_owner ON sessions(owner);
 CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
 CREATE TABLE IF NOT EXISTS replies (
