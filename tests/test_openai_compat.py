@@ -725,6 +725,29 @@ def test_partial_character_tokens_are_written_as_bytes(
     assert all(len(top) == 5 for top in lp.top_logprobs[1:])  # no two keys collapsed
 
 
+def test_text_offsets_count_characters_of_the_text(server: ServerProcess, model_dir: Path) -> None:
+    """``text_offset`` is each token's place in the answer's text, a token that is part of a
+    character at that character's (before: the length of its ``bytes:\\xNN`` string was
+    counted, 10 a byte, so offsets ran past the end of the text)."""
+    oai = client(server)
+    echo = oai.completions.create(
+        model=str(model_dir), prompt="a☃b 日本語 🙂c", max_tokens=0, echo=True, logprobs=0
+    )
+    sampled = oai.completions.create(
+        model=str(model_dir), prompt="日本", max_tokens=24, n=4, seed=3, logprobs=0
+    )
+    choices = [*echo.choices, *sampled.choices]
+    assert any(t.startswith("bytes:") for c in choices for t in c.logprobs.tokens)
+    for c in choices:
+        tokens, offsets = c.logprobs.tokens, c.logprobs.text_offset
+        assert offsets == sorted(offsets) and all(0 <= o <= len(c.text) for o in offsets)
+        for t, o in zip(tokens, offsets, strict=True):
+            if not t.startswith("bytes:") and "\ufffd" not in c.text[o : o + len(t)]:
+                assert c.text[o : o + len(t)] == t, (c.text, tokens, offsets)
+    text, offsets = echo.choices[0].text, echo.choices[0].logprobs.text_offset
+    assert text == "a☃b 日本語 🙂c" and text[offsets[-1]] == "c", (text, offsets)
+
+
 def test_the_field_at_fault_and_the_key_are_named(server: ServerProcess, model_dir: Path) -> None:
     url = server.base_url + "/oai/api/v1/completions"
     auth = {"Authorization": "Bearer tml-oai-user"}

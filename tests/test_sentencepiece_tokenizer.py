@@ -152,3 +152,23 @@ def test_an_eos_that_is_a_vocabulary_piece_stops_sampling(
         (root / name).write_text(json.dumps(config))
     assert AutoTokenizer.from_pretrained(root).eos_token_id == 2
     assert ModelTokenizer(root).eos_token_ids == ((2,) if declared is None else (1, 2))
+
+
+def test_log_prob_token_strings_keep_their_spaces() -> None:
+    """The OpenAI routes' token strings are the text each token adds to the answer: "▁world"
+    is " world" (decoding it alone strips the space: the tokens joined lost every space between
+    words, and "▁x" and "x" alternatives collapsed onto one key), a byte piece of a character
+    is ``bytes:\\xNN``."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tinker_sr.server.handlers.oai import _token_entries
+
+    spec = sentencepiece_tokenizer_json()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)))
+    table = token_bytes_table(spec, len(tok))
+    ids = tok.encode("hello world, what is ü", add_special_tokens=False)
+    entries = _token_entries(tok, ids, [-1.0] * len(ids), None, table)
+    words = "".join(e.text for e in entries if not e.text.startswith("bytes:"))
+    assert words.startswith(" hello world, what is"), [e.text for e in entries]
+    assert [e.text for e in entries][-2:] == ["bytes:\\xc3", "bytes:\\xbc"]  # ü: two byte pieces
+    assert b"".join(e.raw for e in entries).decode() == " " + tok.decode(ids)

@@ -213,6 +213,42 @@ def test_a_stream_sends_only_what_the_answer_keeps(
     _check_stream_prefix(bpe, tokens, stop, skip_special_tokens)
 
 
+@pytest.fixture(scope="module")
+def sentencepiece() -> Any:
+    """A Llama 2 / Mistral-style tokenizer: "▁" for spaces, "<0xNN>" byte-fallback pieces."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.test_sentencepiece_tokenizer import sentencepiece_tokenizer_json
+
+    spec = json.dumps(sentencepiece_tokenizer_json())
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(spec), bos_token="<s>", eos_token="</s>"
+    )
+    assert tok.convert_ids_to_tokens(3) == "<0x00>"
+    return tok
+
+
+@settings(FUZZ, max_examples=scaled(200))
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_a_byte_fallback_stream_sends_only_what_the_answer_keeps(
+    sentencepiece: Any, data: st.DataObject, skip_special_tokens: bool
+) -> None:
+    """As above, for a byte-fallback vocabulary, whose decoder turns a run of byte pieces that
+    is not valid UTF-8 into one U+FFFD a byte, valid characters before it included: a stream
+    sent "A" for <0x41>, then <0xE4> made the text "\ufffd\ufffd", and nothing more of the
+    answer was sent (its pieces no longer a prefix of it)."""
+    tok = sentencepiece
+    ids = st.one_of(
+        st.integers(3, 258),  # byte pieces: "<0x00>".."<0xFF>"
+        st.sampled_from([0x41 + 3, 0xC3 + 3, 0xA9 + 3, 0xE4 + 3, 0xB8 + 3]),  # "A", é, 中's
+        st.integers(0, len(tok) - 1),
+    )
+    tokens = data.draw(st.lists(ids, min_size=1, max_size=24), label="tokens")
+    stop = data.draw(st.lists(st.sampled_from(["\ufffd", "A", "é", " "]), max_size=2))
+    _check_stream_prefix(tok, tokens, stop, skip_special_tokens)
+
+
 @pytest.mark.parametrize(
     ("pieces", "stop", "skip"),
     [

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from starlette.responses import Response, StreamingResponse
 
 from tinker_sr.engine.sampler import NewTokens
+from tinker_sr.tokenization.hf import byte_piece_ids
 
 from .harmony import split_channels
 from .http import plain_error
@@ -210,11 +211,11 @@ def _piece(
 ) -> Piece | None:
     """What answer ``i`` may send now past ``sent[i]`` (which it then counts as sent): its
     settled text (and reasoning: the channels' settled texts, where harmony splits it), and
-    the entries of its tokens but the last while no stop string has come (each of those is
-    then one the whole answer keeps). Not where a stop string holds U+FFFD: an incomplete
+    the entries of the tokens that text was read from while no stop string has come (each of
+    those is then one the whole answer keeps). Not where a stop string holds U+FFFD: an incomplete
     character's text may hold it and a longer one's not, so which tokens the answer keeps is
     known at its end only."""
-    text, stopped = settled_text(reader.tok, req, tokens[i])
+    text, stopped, read = settled_text(reader.tok, req, tokens[i])
     if reader.echoes is not None:
         text = reader.echoes[i] + text
     thought = ""
@@ -225,7 +226,7 @@ def _piece(
     done = sent[i]
     more, thought = unsent(text, done.text), unsent(thought, done.reasoning)
     live_scores = not stopped and not any("\ufffd" in s for s in req.stop) and not req.echo
-    new = scored[i][len(done.tokens) : len(tokens[i]) - 1] if live_scores else []
+    new = scored[i][len(done.tokens) : read] if live_scores else []
     if not more and not new and not thought:
         return None
     piece = Piece(i, more, new, done.offset, thought)
@@ -235,12 +236,16 @@ def _piece(
     return piece
 
 
-def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool]:
-    """The part of an answer's text so far that later tokens cannot change, and whether a stop
-    string has come: without its last token (a merge or a character's bytes may still
-    complete it), then as `_settled`."""
-    decoded = str(tok.decode(tokens[:-1], skip_special_tokens=req.skip_special_tokens))
-    return _settled(decoded, req.stop)
+def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool, int]:
+    """The part of an answer's text so far that later tokens cannot change, whether a stop
+    string has come, and how many of ``tokens`` it read: not the last (a merge or a
+    character's bytes may still complete it), nor a run of byte-fallback pieces before it (a
+    later piece may turn the run into U+FFFDs); then as `_settled`."""
+    end, pieces = len(tokens) - 1, byte_piece_ids(tok)
+    while end > 0 and tokens[end - 1] in pieces:  # a run of byte pieces: see byte_piece_ids
+        end -= 1
+    decoded = str(tok.decode(tokens[:end], skip_special_tokens=req.skip_special_tokens))
+    return (*_settled(decoded, req.stop), end)
 
 
 def _settled(decoded: str, stops: list[str]) -> tuple[str, bool]:

@@ -22,11 +22,12 @@ What is honoured and what is refused (never accepted and ignored):
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -406,11 +407,33 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-def _completion_logprobs(tokens: Sequence[TokenEntry], start: int = 0) -> dict[str, Any]:
-    offsets, at = [], start
+Offset = tuple[int, bytes]
+"""Where the next token begins in an answer's text: the characters before it, and the bytes of
+a character that tokens so far have begun and not completed (a token of a byte-level vocabulary
+may hold part of one)."""
+
+
+def _utf8_reader(at: Offset) -> Any:
+    reader = codecs.getincrementaldecoder("utf-8")("replace")
+    reader.setstate((at[1], 0))
+    return reader
+
+
+def advance(at: Offset, raws: Iterable[bytes]) -> Offset:
+    """``at`` moved past tokens whose bytes are ``raws``."""
+    chars, reader = at[0], _utf8_reader(at)
+    for raw in raws:
+        chars += len(reader.decode(raw))
+    return chars, reader.getstate()[0]
+
+
+def _completion_logprobs(tokens: Sequence[TokenEntry], start: Offset = (0, b"")) -> dict[str, Any]:
+    """`/completions`' log-probs; ``text_offset`` counts characters of the answer's text (not of
+    the tokens' displayed strings: "bytes:\\xe2" is one third of a character)."""
+    offsets, chars, reader = [], start[0], _utf8_reader(start)
     for t in tokens:
-        offsets.append(at)
-        at += len(t.text)
+        offsets.append(chars)
+        chars += len(reader.decode(t.raw))
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
@@ -428,7 +451,7 @@ def _chat_logprobs(tokens: Sequence[TokenEntry]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def logprobs_body(req: OaiRequest, tokens: Sequence[TokenEntry], start: int = 0) -> Any:
+def logprobs_body(req: OaiRequest, tokens: Sequence[TokenEntry], start: Offset = (0, b"")) -> Any:
     """The ``logprobs`` of an answer (or a piece of one) whose tokens' entries are ``tokens``,
     the first at ``start`` characters into the answer's text (`/completions`' offsets); None
     where the request did not ask for log-probs."""
@@ -534,11 +557,16 @@ class Sent:
     text: str = ""
     tokens: list[TokenEntry] = field(default_factory=list)
     reasoning: str = ""
+    _at: Offset = field(default=(0, b""), repr=False)
+    _counted: int = field(default=0, repr=False)  # of `tokens`, in `_at`
 
     @property
-    def offset(self) -> int:
+    def offset(self) -> Offset:
         """Where the next entry's token begins in the answer's text (`/completions`)."""
-        return sum(len(t.text) for t in self.tokens)
+        if self._counted < len(self.tokens):
+            self._at = advance(self._at, (t.raw for t in self.tokens[self._counted :]))
+            self._counted = len(self.tokens)
+        return self._at
 
 
 @dataclass
@@ -549,7 +577,7 @@ class Piece:
     index: int
     text: str
     tokens: list[TokenEntry]
-    offset: int = 0  # the first entry's place in the answer's text
+    offset: Offset = (0, b"")  # the first entry's place in the answer's text
     reasoning: str = ""
 
 

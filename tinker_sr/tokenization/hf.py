@@ -35,6 +35,16 @@ _SP_SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
+@functools.lru_cache(maxsize=8)
+def byte_piece_ids(tok: Any) -> frozenset[int]:
+    """The ids of a byte-fallback vocabulary's "<0xNN>" pieces (Llama 2, Mistral, Gemma; none
+    in a byte-level one). Its decoder turns a run of them into the run's UTF-8 text, or where
+    the run is not valid UTF-8 into one U+FFFD a byte: so a later piece of the run can change
+    the text of the earlier ones, valid characters included (`live_stream.settled_text`)."""
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    return frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.match(piece))
+
+
 def _decoders(spec: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """A tokenizer.json decoder's parts by type (Sequence decoders flattened; the first of each
     type), with the Replace of "▁" by a space also under "SentencePieceSpace"."""

@@ -261,10 +261,12 @@ def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
 
 
 def token_text(text: str, raw: bytes) -> str:
-    """A token's text in log-probs: its decoding, or for a token that is part of a UTF-8
-    character (decoded as U+FFFD), ``bytes:\\xNN...`` as OpenAI writes it, so that such
-    alternatives do not all collapse onto one "\ufffd" key."""
-    if "\ufffd" not in text or not raw:
+    """A token's text in log-probs: the text its bytes ``raw`` add to a decoded answer ("▁x"
+    of a SentencePiece vocabulary: " x", which decoding the token alone strips), else its
+    decoding ``text`` (special tokens); for a token that is part of a UTF-8 character,
+    ``bytes:\\xNN...`` as OpenAI writes it, so that such alternatives do not all collapse onto
+    one "\ufffd" key."""
+    if not raw:
         return text
     try:
         return raw.decode("utf-8")
@@ -276,8 +278,8 @@ def _token_entries(
     tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None, table: Any
 ) -> list[TokenEntry]:
     def entry(t: int, lp: float | None) -> TokenEntry:
-        text = str(tok.decode([t], skip_special_tokens=False))
         raw = table[t] if table is not None and 0 <= t < len(table) else b""
+        text = "" if raw else str(tok.decode([t], skip_special_tokens=False))
         return TokenEntry(token_text(text, raw), lp, raw or text.encode("utf-8"))
 
     out = []
