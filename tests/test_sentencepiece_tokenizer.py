@@ -4,6 +4,7 @@ the `tokenizers` library's decoding, and a string stop ends a Mistral directory'
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,11 @@ def test_token_bytes_agree_with_the_library_decoding() -> None:
         assert joined == b" " + tok.decode(ids).encode()
 
 
-def test_string_stop_ends_a_sample_on_a_sentencepiece_model(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer
-
-    root = make_tiny_hf_model_dir(tmp_path / "mistral", family="mistral")
-    spec = sentencepiece_tokenizer_json()
+def _mistral_dir(root: Path) -> Path:
+    """A tiny Mistral-layout model directory with `sentencepiece_tokenizer_json`'s tokenizer."""
+    make_tiny_hf_model_dir(root, family="mistral")
     (root / "special_tokens_map.json").unlink()  # the fixture's Llama 3 names
-    (root / "tokenizer.json").write_text(json.dumps(spec))
+    (root / "tokenizer.json").write_text(json.dumps(sentencepiece_tokenizer_json()))
     (root / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "clean_up_tokenization_spaces": False,
@@ -88,6 +87,14 @@ def test_string_stop_ends_a_sample_on_a_sentencepiece_model(tmp_path: Path) -> N
         config = json.loads((root / name).read_text())
         config.update(bos_token_id=1, eos_token_id=2, pad_token_id=None)
         (root / name).write_text(json.dumps(config))
+    return root
+
+
+def test_string_stop_ends_a_sample_on_a_sentencepiece_model(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    root = _mistral_dir(tmp_path / "mistral")
+    spec = json.loads((root / "tokenizer.json").read_text())
     tok = Tokenizer.from_str(json.dumps(spec))
     assert tok.get_vocab_size() <= json.loads((root / "config.json").read_text())["vocab_size"]
 
@@ -172,3 +179,65 @@ def test_log_prob_token_strings_keep_their_spaces() -> None:
     assert words.startswith(" hello world, what is"), [e.text for e in entries]
     assert [e.text for e in entries][-2:] == ["bytes:\\xc3", "bytes:\\xbc"]  # ü: two byte pieces
     assert b"".join(e.raw for e in entries).decode() == " " + tok.decode(ids)
+
+
+def test_an_answer_keeps_the_space_of_its_first_piece() -> None:
+    """An answer's text is what it adds after its prompt, as vLLM writes it: " hello world"
+    for "▁hello▁world" (decoded alone, "hello world": a completion joined to its prompt lost a
+    space, a stop string " hello" that the engine matched on the tokens' bytes was not in the
+    text, and the log-prob strings did not join to the text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tinker_sr.tokenization.hf import decode_answer
+
+    spec = sentencepiece_tokenizer_json()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)))
+    table = token_bytes_table(spec, len(tok))
+    for text in ["hello world", "what é ü 😀", "</s> the a"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        for skip in (True, False):
+            answer = decode_answer(tok, ids, skip)
+            kept = (table[i] or (b"" if skip else tok.decode([i]).encode()) for i in ids)
+            assert answer.encode() == b"".join(kept), (text, skip, answer)
+    assert decode_answer(tok, tok.encode("hello", add_special_tokens=False), True) == " hello"
+    assert tok.decode(tok.encode("hello", add_special_tokens=False)) == "hello"
+    assert decode_answer(tok, [], True) == "" and decode_answer(tok, [1], False) == "<s>"
+
+
+def test_the_openai_routes_answer_a_sentencepiece_model_as_vllm_does(tmp_path: Path) -> None:
+    """`tinker-sr serve` on a Mistral-layout directory: an answer keeps the space of its first
+    piece, its log-prob strings join to its text and ``text_offset`` indexes it, and its
+    streamed pieces join to it (before: the space was lost, the strings had none, and a
+    stream could stop sending text after an invalid run of byte pieces)."""
+    import httpx
+
+    from tests._server import running_server
+
+    root = _mistral_dir(tmp_path / "mistral")
+    body = {"model": str(root), "prompt": "hello world", "max_tokens": 24, "n": 4}
+    body |= {"seed": 7, "temperature": 1.5, "logprobs": 0}
+    with running_server(tmp_path / "store", extra_args=["--model-dir", str(root)]) as srv:
+        url, auth = srv.base_url + "/oai/api/v1/completions", {"Authorization": "Bearer tml-sp"}
+        with httpx.Client(timeout=120) as http:
+            whole = http.post(url, json=body, headers=auth).json()["choices"]
+            events = http.post(url, json=body | {"stream": True}, headers=auth).text
+            for seed in range(8):  # answers whose first piece is a word's ("▁the")
+                more = http.post(url, json=body | {"seed": seed}, headers=auth).json()["choices"]
+                spaced = [c for c in more if c["logprobs"]["tokens"][0].startswith(" ")]
+                if spaced:
+                    break
+    streamed = {c["index"]: "" for c in whole}
+    for line in events.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[len("data: ") :])["choices"]:
+                streamed[c["index"]] += c["text"]
+    assert streamed == {c["index"]: c["text"] for c in whole}
+    assert spaced and all(c["text"].startswith(" ") for c in spaced), more
+    for c in spaced:  # up to its first byte piece (one byte: "bytes:\\xNN" or 1 character):
+        # after an invalid run of them offsets drift (the decoder writes one U+FFFD a byte,
+        # Python's decoding one per invalid sequence)
+        tokens, offsets = c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
+        words = list(itertools.takewhile(lambda t: len(t) > 1 and "bytes:" not in t, tokens))
+        assert c["text"].startswith("".join(words)), (c["text"], tokens)
+        for t, o in zip(words, offsets, strict=False):
+            assert c["text"][o : o + len(t)] == t, (c["text"], tokens, offsets)

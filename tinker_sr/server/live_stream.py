@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from starlette.responses import Response, StreamingResponse
 
 from tinker_sr.engine.sampler import NewTokens
-from tinker_sr.tokenization.hf import byte_piece_ids
+from tinker_sr.tokenization.hf import byte_piece_ids, decode_answer
 
 from .harmony import split_channels
 from .http import plain_error
@@ -242,9 +242,14 @@ def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, boo
     character's bytes may still complete it), nor a run of byte-fallback pieces before it (a
     later piece may turn the run into U+FFFDs); then as `_settled`."""
     end, pieces = len(tokens) - 1, byte_piece_ids(tok)
-    while end > 0 and tokens[end - 1] in pieces:  # a run of byte pieces: see byte_piece_ids
-        end -= 1
-    decoded = str(tok.decode(tokens[:end], skip_special_tokens=req.skip_special_tokens))
+    skip = req.skip_special_tokens
+
+    def in_run(t: int) -> bool:  # a byte piece, or a special token the text leaves out
+        return t in pieces or (skip and not tok.decode([t], skip_special_tokens=True))
+
+    while pieces and end > 0 and in_run(tokens[end - 1]):  # a run of byte pieces: see
+        end -= 1  # byte_piece_ids
+    decoded = decode_answer(tok, tokens[:end], req.skip_special_tokens)
     return (*_settled(decoded, req.stop), end)
 
 

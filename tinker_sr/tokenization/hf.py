@@ -45,6 +45,35 @@ def byte_piece_ids(tok: Any) -> frozenset[int]:
     return frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.match(piece))
 
 
+@functools.lru_cache(maxsize=8)
+def _answer_anchor(tok: Any) -> tuple[int, str] | None:
+    """For a byte-fallback vocabulary, a one-letter piece and its text: what `decode_answer`
+    decodes an answer after; None for other vocabularies (their decoding of an answer is the
+    text it adds)."""
+    if not byte_piece_ids(tok):
+        return None
+    vocab = tok.get_vocab()
+    for piece in "abcdefghijklmnopqrstuvwxyz":
+        i = vocab.get(piece)
+        if i is not None and str(tok.decode([i], skip_special_tokens=True)) == piece:
+            return i, piece
+    return None
+
+
+def decode_answer(tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """The text a sampled answer adds after its prompt, as vLLM writes it. The decoder of a
+    Llama 2 or Mistral vocabulary strips a text's first space, so an answer decoded alone lost
+    the space of its first piece ("▁world": "world"), which its tokens' bytes, the engine's
+    stop strings and its log-prob strings keep; decoded after a letter, it keeps it."""
+    found = _answer_anchor(tok) if ids else None
+    if found is not None:
+        i, lead = found
+        text = str(tok.decode([i, *ids], skip_special_tokens=skip_special_tokens))
+        if text.startswith(lead):
+            return text[len(lead) :]
+    return str(tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
 def _decoders(spec: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """A tokenizer.json decoder's parts by type (Sequence decoders flattened; the first of each
     type), with the Replace of "▁" by a space also under "SentencePieceSpace"."""

@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from tinker_sr import types
 from tinker_sr.engine.sampler import NewTokens
 from tinker_sr.limits import DEFAULT_LIMITS
+from tinker_sr.tokenization.hf import decode_answer
 from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
 from ..harmony import opens_message, split_channels
@@ -318,7 +319,7 @@ def _choices(
             tops = seq.topk_logprobs if req.logprobs else None
             entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table)
         if req.echo:
-            text = _decoded(tok, req, prompt) + text
+            text = _prompt_text(tok, req, prompt) + text
             if entries is not None:
                 tops_p = resp.topk_prompt_logprobs if req.logprobs else None
                 entries = (
@@ -336,6 +337,12 @@ def _choices(
 
 
 def _decoded(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
+    """An answer's text (`decode_answer`)."""
+    return decode_answer(tok, tokens, req.skip_special_tokens)
+
+
+def _prompt_text(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
+    """A prompt's text, as `echo` puts it before the answer."""
     return str(tok.decode(tokens, skip_special_tokens=req.skip_special_tokens))
 
 
@@ -426,7 +433,7 @@ async def _sampled(
     if progress is not None and not (req.echo and req.max_tokens == 0):  # not scoring only
         entries = None if req.logprobs is None else partial(_new_entries, tok, req, table)
         split = req.chat and req.skip_special_tokens and opens_message(tok, prompts[0])
-        echoes = [_decoded(tok, req, ids) for ids in prompts] if req.echo else None
+        echoes = [_prompt_text(tok, req, ids) for ids in prompts] if req.echo else None
         reader = Reader(
             tok,
             answers=len(prompts) * req.n,
