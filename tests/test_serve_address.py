@@ -114,7 +114,8 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
         "        cli.main(['serve', '--store', sys.argv[1].split()[-1], *args])\n"
         "    except SystemExit as e:\n"
         "        print(e)\n"
-        "print('loaded', sorted(m for m in sys.modules if m in ('torch', 'tinker_sr.server.app')))\n"
+        "heavy = ('torch', 'tinker_sr.server.app')\n"
+        "print('loaded', sorted(m for m in sys.modules if m in heavy))\n"
     )
     lock = StoreLock(held_store)  # a live server's lock, as far as the child can tell
     try:

@@ -1,7 +1,8 @@
 """What `serve` checks before it loads anything heavy: the address, the API keys, the
 request-start setting and that no other server holds the store. ``tinker-sr serve`` runs these
-first, so a refused start is one line in well under a second, not after torch and the server
-are imported (4-6 s on a slow host); `serve` runs them again for callers from Python."""
+first, so a refused start is one line as soon as the interpreter is up, not after torch and the
+server are imported (3.5-6 s on a busy or slow host); `serve` runs them again for callers from
+Python."""
 
 from __future__ import annotations
 
