@@ -300,3 +300,35 @@ def test_an_error_nobody_waits_for_any_more_is_not_logged(caplog: pytest.LogCapt
     del fut  # the last reference to the task: asyncio reports an unseen error as it goes
     gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+def test_blocking_in_a_running_loop_warns_except_in_a_notebook(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A creation future's ``.result()`` inside a running event loop blocks it: a warning names
+    the caller, as the official SDK's does; not in a Jupyter kernel, whose cells run with a
+    loop running and wait this way (the official SDK does not warn there either)."""
+    import builtins
+
+    from tinker_sr.clients.holder import blocking_result
+
+    def wait_in_a_loop() -> int:
+        async def main() -> int:
+            fut: cf.Future[int] = cf.Future()
+            threading.Timer(0.05, fut.set_result, (7,)).start()
+            return blocking_result(fut)
+
+        return asyncio.run(main())
+
+    with caplog.at_level("WARNING", logger="tinker_sr"):
+        assert wait_in_a_loop() == 7
+    assert "Blocking call to .result() at " in caplog.text and __file__ in caplog.text
+
+    class ZMQInteractiveShell:  # what `get_ipython()` returns in a Jupyter kernel
+        pass
+
+    monkeypatch.setattr(builtins, "get_ipython", ZMQInteractiveShell, raising=False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tinker_sr"):
+        assert wait_in_a_loop() == 7
+    assert "Blocking call" not in caplog.text

@@ -180,14 +180,25 @@ def blocking_result(fut: concurrent.futures.Future[T], timeout: float | None = N
             )
         try:
             asyncio.get_running_loop()
-            log.warning(
-                "Blocking call to .result() at %s while an asyncio event loop is running in "
-                "this thread; use `await` instead to keep the loop responsive.",
-                _caller(),
-            )
         except RuntimeError:
             pass
+        else:
+            if not _in_notebook():  # a notebook's cells run on its loop: as the official SDK
+                log.warning(
+                    "Blocking call to .result() at %s while an asyncio event loop is running "
+                    "in this thread; use `await` instead to keep the loop responsive.",
+                    _caller(),
+                )
     return fut.result(timeout)
+
+
+def _in_notebook() -> bool:
+    """Is this a Jupyter kernel (or qtconsole), whose cells run with an event loop running?
+    There ``.result()`` is how a cell waits, and the official SDK does not warn about it."""
+    import builtins
+
+    shell = getattr(builtins, "get_ipython", None)
+    return shell is not None and type(shell()).__name__ in ("ZMQInteractiveShell", "Shell")
 
 
 def _caller() -> str:
