@@ -221,6 +221,8 @@ def test_the_openai_routes_answer_a_sentencepiece_model_as_vllm_does(tmp_path: P
         with httpx.Client(timeout=120) as http:
             whole = http.post(url, json=body, headers=auth).json()["choices"]
             events = http.post(url, json=body | {"stream": True}, headers=auth).text
+            echo = {"prompt": "hello world the", "max_tokens": 0, "echo": True, "logprobs": 0}
+            echoed = http.post(url, json=body | echo, headers=auth).json()["choices"][0]
             for seed in range(8):  # answers whose first piece is a word's ("▁the")
                 more = http.post(url, json=body | {"seed": seed}, headers=auth).json()["choices"]
                 spaced = [c for c in more if c["logprobs"]["tokens"][0].startswith(" ")]
@@ -233,6 +235,11 @@ def test_the_openai_routes_answer_a_sentencepiece_model_as_vllm_does(tmp_path: P
                 streamed[c["index"]] += c["text"]
     assert streamed == {c["index"]: c["text"] for c in whole}
     assert spaced and all(c["text"].startswith(" ") for c in spaced), more
+    # An echoed prompt's text leaves out the first space the decoder strips: its tokens'
+    # offsets count from where the text begins.
+    assert echoed["text"] == "hello world the"
+    assert echoed["logprobs"]["tokens"] == [" hello", " world", " the"]
+    assert echoed["logprobs"]["text_offset"] == [0, 5, 11]
     for c in spaced:  # up to its first byte piece (one byte: "bytes:\\xNN" or 1 character):
         # after an invalid run of them offsets drift (the decoder writes one U+FFFD a byte,
         # Python's decoding one per invalid sequence)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests._server import ServerProcess, serving_model_dir
 from tests.fuzz.conftest import FUZZ, scaled
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+from tinker_sr.tokenization.hf import token_bytes_table
 
 pytest.importorskip("transformers")
 
@@ -221,12 +222,12 @@ def sentencepiece() -> Any:
 
     from tests.test_sentencepiece_tokenizer import sentencepiece_tokenizer_json
 
-    spec = json.dumps(sentencepiece_tokenizer_json())
+    spec = sentencepiece_tokenizer_json()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(spec), bos_token="<s>", eos_token="</s>"
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>"
     )
     assert tok.convert_ids_to_tokens(3) == "<0x00>"
-    return tok
+    return tok, token_bytes_table(spec, len(tok))
 
 
 @settings(FUZZ, max_examples=scaled(200))
@@ -237,16 +238,37 @@ def test_a_byte_fallback_stream_sends_only_what_the_answer_keeps(
     """As above, for a byte-fallback vocabulary, whose decoder turns a run of byte pieces that
     is not valid UTF-8 into one U+FFFD a byte, valid characters before it included: a stream
     sent "A" for <0x41>, then <0xE4> made the text "\ufffd\ufffd", and nothing more of the
-    answer was sent (its pieces no longer a prefix of it)."""
-    tok = sentencepiece
+    answer was sent (its pieces no longer a prefix of it). A model's padded rows and the
+    special tokens the text leaves out join runs too."""
+    tok, table = sentencepiece
     ids = st.one_of(
         st.integers(3, 258),  # byte pieces: "<0x00>".."<0xFF>"
         st.sampled_from([0x41 + 3, 0xC3 + 3, 0xA9 + 3, 0xE4 + 3, 0xB8 + 3]),  # "A", é, 中's
-        st.integers(0, len(tok) - 1),
+        st.integers(0, len(tok) + 3),  # and a model's padded rows, which no token is
     )
     tokens = data.draw(st.lists(ids, min_size=1, max_size=24), label="tokens")
     stop = data.draw(st.lists(st.sampled_from(["\ufffd", "A", "é", " "]), max_size=2))
-    _check_stream_prefix(tok, tokens, stop, skip_special_tokens)
+    _check_stream_prefix(tok, tokens, stop, skip_special_tokens, table=table)
+
+
+def test_a_byte_fallback_stream_holds_back_only_an_open_run(sentencepiece: Any) -> None:
+    """A run of byte pieces is held back while the last token may continue it, no longer: the
+    "▁" piece between two Korean words (each a "▁" and byte pieces) closes a run, though
+    alone it decodes to nothing (taken for a special token, it held the whole answer back)."""
+    from tinker_sr.server.live_stream import settled_text
+    from tinker_sr.server.oai_format import OaiRequest
+
+    tok, _ = sentencepiece
+    ids = tok.encode("한국어 텍스트 입니다 the", add_special_tokens=False)
+    assert tok.decode(ids[-1:]) == "the" and len(ids) > 20
+    req = OaiRequest(chat=False, model="m", stop=[], skip_special_tokens=True)
+    text, stopped, read = settled_text(tok, req, ids)
+    assert (text, stopped, read) == (" 한국어 텍스트 입니다", False, len(ids) - 1)
+    emoji = tok.encode(" 😀", add_special_tokens=False)  # "▁" and four byte pieces
+    text, _, read = settled_text(tok, req, ids[:-1] + emoji[:3])  # 😀 is still open
+    assert (text, read) == (" 한국어 텍스트 입니다 ", len(ids))
+    text, _, read = settled_text(tok, req, ids[:-1] + emoji + ids[-1:])  # closed by "the"
+    assert (text, read) == (" 한국어 텍스트 입니다 😀", len(ids) + len(emoji) - 1)
 
 
 @pytest.mark.parametrize(
@@ -278,7 +300,12 @@ def _byte_symbol(char: str) -> str:
 
 
 def _check_stream_prefix(
-    tok: Any, tokens: list[int], stop: list[str], skip: bool, prompt: list[int] | None = None
+    tok: Any,
+    tokens: list[int],
+    stop: list[str],
+    skip: bool,
+    prompt: list[int] | None = None,
+    table: list[bytes] | None = None,
 ) -> None:
     """Stream ``tokens`` one at a time through `_piece`; what it sent is a prefix of the whole
     answer `_choices` writes: text, log-prob entries and (a chat ``prompt`` gpt-oss's channels
@@ -291,7 +318,7 @@ def _check_stream_prefix(
     chat = prompt is not None
     req = OaiRequest(chat=chat, model="m", stop=stop, logprobs=0, skip_special_tokens=skip)
     lps = [-float(i) for i in range(len(tokens))]
-    scored = _token_entries(tok, tokens, lps, None, None)
+    scored = _token_entries(tok, tokens, lps, None, table)
     sent = [Sent()]
     reader = Reader(tok, 1, 1, channels=prompt if chat and skip else None)
     for n in range(1, len(tokens) + 1):
@@ -300,7 +327,7 @@ def _check_stream_prefix(
         stop_reason="length", sequence_id="s", _tokens_list=tokens, _logprobs_list=lps
     )
     response = types.SampleResponse(sequences=[seq])
-    (whole,) = _choices(tok, req, prompt or [1], response, None)
+    (whole,) = _choices(tok, req, prompt or [1], response, table)
     assert whole.text.startswith(sent[0].text), (whole.text, sent[0].text)
     assert whole.tokens is not None and sent[0].tokens == whole.tokens[: len(sent[0].tokens)]
     assert (whole.reasoning or "").startswith(sent[0].reasoning), (whole, sent[0])

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from starlette.responses import Response, StreamingResponse
 
 from tinker_sr.engine.sampler import NewTokens
-from tinker_sr.tokenization.hf import byte_piece_ids, decode_answer
+from tinker_sr.tokenization.hf import byte_fallback, decode_answer
 
 from .harmony import split_channels
 from .http import plain_error
@@ -239,16 +239,19 @@ def _piece(
 def settled_text(tok: Any, req: OaiRequest, tokens: list[int]) -> tuple[str, bool, int]:
     """The part of an answer's text so far that later tokens cannot change, whether a stop
     string has come, and how many of ``tokens`` it read: not the last (a merge or a
-    character's bytes may still complete it), nor a run of byte-fallback pieces before it (a
-    later piece may turn the run into U+FFFDs); then as `_settled`."""
-    end, pieces = len(tokens) - 1, byte_piece_ids(tok)
-    skip = req.skip_special_tokens
+    character's bytes may still complete it), nor, while the last continues a run of
+    byte-fallback pieces, that run (a later piece may turn it into U+FFFDs); then as
+    `_settled`."""
+    end, facts = len(tokens) - 1, byte_fallback(tok)
+    if facts is not None and tokens:
+        skipped = facts.specials if req.skip_special_tokens else frozenset()
 
-    def in_run(t: int) -> bool:  # a byte piece, or a special token the text leaves out
-        return t in pieces or (skip and not tok.decode([t], skip_special_tokens=True))
+        def joins(t: int) -> bool:  # to a run of byte pieces (`ByteFallback`)
+            return t in facts.pieces or t in skipped or t >= facts.size
 
-    while pieces and end > 0 and in_run(tokens[end - 1]):  # a run of byte pieces: see
-        end -= 1  # byte_piece_ids
+        if joins(tokens[-1]):  # a run still open: a later piece may turn it to U+FFFDs
+            while end > 0 and joins(tokens[end - 1]):
+                end -= 1
     decoded = decode_answer(tok, tokens[:end], req.skip_special_tokens)
     return (*_settled(decoded, req.stop), end)
 

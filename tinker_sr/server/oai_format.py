@@ -113,6 +113,12 @@ class OaiRequest:
     prefill: str = ""  # chat: the start of the answer, after the generation prompt
 
 
+Offset = tuple[int, bytes]
+"""Where the next token begins in an answer's text: the characters before it, and the bytes of
+a character that tokens so far have begun and not completed (a token of a byte-level vocabulary
+may hold part of one)."""
+
+
 @dataclass
 class TokenEntry:
     """One token's log-prob entry: its decoded text, its log-prob (None for a prompt's first
@@ -135,6 +141,7 @@ class Choice:
     completion_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended it, if one did
     reasoning: str | None = None  # gpt-oss's analysis channel (`harmony`), chat only
+    offset: Offset = (0, b"")  # where its first entry begins (< 0: before the text, `echo`)
 
 
 def _is_int(v: Any) -> bool:
@@ -407,12 +414,6 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-Offset = tuple[int, bytes]
-"""Where the next token begins in an answer's text: the characters before it, and the bytes of
-a character that tokens so far have begun and not completed (a token of a byte-level vocabulary
-may hold part of one)."""
-
-
 def _utf8_reader(at: Offset) -> Any:
     reader = codecs.getincrementaldecoder("utf-8")("replace")
     reader.setstate((at[1], 0))
@@ -432,7 +433,7 @@ def _completion_logprobs(tokens: Sequence[TokenEntry], start: Offset = (0, b""))
     the tokens' displayed strings: "bytes:\\xe2" is one third of a character)."""
     offsets, chars, reader = [], start[0], _utf8_reader(start)
     for t in tokens:
-        offsets.append(chars)
+        offsets.append(max(chars, 0))
         chars += len(reader.decode(t.raw))
     return {
         "tokens": [t.text for t in tokens],
@@ -461,7 +462,7 @@ def logprobs_body(req: OaiRequest, tokens: Sequence[TokenEntry], start: Offset =
 
 
 def _choice_body(req: OaiRequest, index: int, choice: Choice) -> dict[str, Any]:
-    lp = logprobs_body(req, choice.tokens or [])
+    lp = logprobs_body(req, choice.tokens or [], choice.offset)
     if req.chat:
         message = {"role": "assistant", "content": choice.text, "refusal": None}
         if choice.reasoning is not None:
@@ -607,7 +608,8 @@ class OaiStream(Chunks):
                 out.append(self.text(i, thought, key="reasoning_content"))
             more, rest = unsent(c.text, done.text), (c.tokens or [])[len(done.tokens) :]
             if more or (rest and self.req.logprobs is not None):
-                out.append(self.text(i, more, logprobs_body(self.req, rest, done.offset)))
+                start = done.offset if done.tokens else c.offset
+                out.append(self.text(i, more, logprobs_body(self.req, rest, start)))
             out.append(self.finish(i, c.finish_reason))
         return out + self.closing(choices, prompt_tokens)
 

@@ -12,10 +12,12 @@ template rendered with `jinja2`). Loading is lazy, so sampling never imports eit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,29 +37,56 @@ _SP_SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-@functools.lru_cache(maxsize=8)
-def byte_piece_ids(tok: Any) -> frozenset[int]:
-    """The ids of a byte-fallback vocabulary's "<0xNN>" pieces (Llama 2, Mistral, Gemma; none
-    in a byte-level one). Its decoder turns a run of them into the run's UTF-8 text, or where
-    the run is not valid UTF-8 into one U+FFFD a byte: so a later piece of the run can change
-    the text of the earlier ones, valid characters included (`live_stream.settled_text`)."""
-    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
-    return frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.match(piece))
+@dataclasses.dataclass(frozen=True)
+class ByteFallback:
+    """What streaming and log-probs need to know of a byte-fallback vocabulary (Llama 2,
+    Mistral, Gemma: "<0xNN>" pieces). Its decoder turns a run of byte pieces into the run's
+    UTF-8 text, or where the run is not valid UTF-8 into one U+FFFD a byte, so a later piece
+    of a run can change the text of the earlier ones, valid characters included
+    (`live_stream.settled_text`); special tokens left out of a text, and ids that are no
+    token's, join the runs on both sides. Llama 2's and Mistral's decoder also strips a text's first space
+    (`decode_answer`)."""
+
+    pieces: frozenset[int]  # the "<0xNN>" pieces' ids
+    specials: frozenset[int]  # special tokens' ids (`skip_special_tokens` leaves them out)
+    anchor: tuple[int, str] | None  # a one-letter piece and its text, or None
+    size: int  # ids from here on are no token's (a model's padded rows): decoding drops them
 
 
-@functools.lru_cache(maxsize=8)
-def _answer_anchor(tok: Any) -> tuple[int, str] | None:
-    """For a byte-fallback vocabulary, a one-letter piece and its text: what `decode_answer`
-    decodes an answer after; None for other vocabularies (their decoding of an answer is the
-    text it adds)."""
-    if not byte_piece_ids(tok):
+_BYTE_FALLBACK: weakref.WeakKeyDictionary[Any, ByteFallback | None] = weakref.WeakKeyDictionary()
+
+
+def byte_fallback(tok: Any) -> ByteFallback | None:
+    """``tok``'s `ByteFallback` facts, or None for a vocabulary without byte pieces (a
+    byte-level one: Qwen, Llama 3, GPT-2). Kept while ``tok`` lives."""
+    try:
+        return _BYTE_FALLBACK[tok]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: worked out each time
+        return _byte_fallback(tok)
+    found = _BYTE_FALLBACK[tok] = _byte_fallback(tok)
+    return found
+
+
+def _byte_fallback(tok: Any) -> ByteFallback | None:
+    vocab: dict[str, int] = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    pieces = frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.match(piece))
+    if not pieces:
         return None
-    vocab = tok.get_vocab()
-    for piece in "abcdefghijklmnopqrstuvwxyz":
-        i = vocab.get(piece)
-        if i is not None and str(tok.decode([i], skip_special_tokens=True)) == piece:
-            return i, piece
-    return None
+    specials = set(getattr(tok, "all_special_ids", None) or ())
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    specials.update(i for i, t in added.items() if getattr(t, "special", False))
+    anchor = next(
+        (
+            (i, letter)
+            for letter in "abcdefghijklmnopqrstuvwxyz"
+            if (i := vocab.get(letter)) is not None
+            and str(tok.decode([i], skip_special_tokens=True)) == letter
+        ),
+        None,
+    )
+    return ByteFallback(pieces, frozenset(specials), anchor, max(vocab.values()) + 1)
 
 
 def decode_answer(tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -65,9 +94,9 @@ def decode_answer(tok: Any, ids: Sequence[int], skip_special_tokens: bool) -> st
     Llama 2 or Mistral vocabulary strips a text's first space, so an answer decoded alone lost
     the space of its first piece ("▁world": "world"), which its tokens' bytes, the engine's
     stop strings and its log-prob strings keep; decoded after a letter, it keeps it."""
-    found = _answer_anchor(tok) if ids else None
-    if found is not None:
-        i, lead = found
+    facts = byte_fallback(tok) if ids else None
+    if facts is not None and facts.anchor is not None:
+        i, lead = facts.anchor
         text = str(tok.decode([i, *ids], skip_special_tokens=skip_special_tokens))
         if text.startswith(lead):
             return text[len(lead) :]

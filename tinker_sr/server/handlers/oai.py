@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from tinker_sr import types
 from tinker_sr.engine.sampler import NewTokens
 from tinker_sr.limits import DEFAULT_LIMITS
-from tinker_sr.tokenization.hf import decode_answer
+from tinker_sr.tokenization.hf import byte_fallback, decode_answer
 from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
 
 from ..harmony import opens_message, split_channels
@@ -40,6 +40,7 @@ from ..oai_format import (
     OaiRequest,
     OaiStream,
     TokenEntry,
+    advance,
     completion_body,
     cut_at_stop,
     parse_request,
@@ -262,12 +263,11 @@ def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
 
 
 def token_text(text: str, raw: bytes) -> str:
-    """A token's text in log-probs: the text its bytes ``raw`` add to a decoded answer ("▁x"
-    of a SentencePiece vocabulary: " x", which decoding the token alone strips), else its
-    decoding ``text`` (special tokens); for a token that is part of a UTF-8 character,
-    ``bytes:\\xNN...`` as OpenAI writes it, so that such alternatives do not all collapse onto
-    one "\ufffd" key."""
-    if not raw:
+    """A token's text in log-probs: ``text``, its decoding, unless that is empty or U+FFFD, a
+    token that is part of a UTF-8 character, which is written ``bytes:\\xNN...`` as OpenAI
+    does, so that such alternatives do not all collapse onto one "\ufffd" key (or its bytes'
+    text, ``raw``, where they are a whole character)."""
+    if not raw or (text and "\ufffd" not in text):
         return text
     try:
         return raw.decode("utf-8")
@@ -278,9 +278,14 @@ def token_text(text: str, raw: bytes) -> str:
 def _token_entries(
     tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None, table: Any
 ) -> list[TokenEntry]:
+    facts = byte_fallback(tok)
+    spaced = facts is not None and facts.anchor is not None  # answers keep "▁x"'s space
+
     def entry(t: int, lp: float | None) -> TokenEntry:
         raw = table[t] if table is not None and 0 <= t < len(table) else b""
-        text = "" if raw else str(tok.decode([t], skip_special_tokens=False))
+        # Decoded alone, "▁x" of a Llama 2 / Mistral vocabulary loses the space its answer
+        # keeps (`decode_answer`): its text is its bytes'.
+        text = "" if spaced and raw else str(tok.decode([t], skip_special_tokens=False))
         return TokenEntry(token_text(text, raw), lp, raw or text.encode("utf-8"))
 
     out = []
@@ -314,25 +319,29 @@ def _choices(
         whole = len(tokens)
         if stop_string is not None:  # a special token's text, which the engine ran past
             tokens = tokens[: _through_stop(tok, req, tokens, text + stop_string)]
-        entries = None
+        entries, start = None, (0, b"")
         if req.logprobs is not None:
             tops = seq.topk_logprobs if req.logprobs else None
             entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table)
         if req.echo:
-            text = _prompt_text(tok, req, prompt) + text
+            head = _prompt_text(tok, req, prompt)
+            text = head + text
             if entries is not None:
                 tops_p = resp.topk_prompt_logprobs if req.logprobs else None
-                entries = (
-                    _token_entries(tok, prompt, list(resp.prompt_logprobs or []), tops_p, table)
-                    + entries
+                scored = _token_entries(
+                    tok, prompt, list(resp.prompt_logprobs or []), tops_p, table
                 )
+                # What the prompt's tokens hold and its text does not: a BOS the text leaves
+                # out, the first space a Llama 2 decoder strips (`text_offset` counts from it).
+                start = (min(0, len(head) - advance((0, b""), (e.raw for e in scored))[0]), b"")
+                entries = scored + entries
         reasoning = None
         if req.chat and req.skip_special_tokens and (parts := split_channels(tok, prompt, tokens)):
             text = cut_at_stop(parts[1], req.stop)[0]
             reasoning = None if parts[0] is None else cut_at_stop(parts[0], req.stop)[0]
         ended = scoring_only or (seq.stop_reason == "length" and len(tokens) == whole)
         reason = "length" if ended else "stop"
-        out.append(Choice(text, reason, entries, len(tokens), stop_string, reasoning))
+        out.append(Choice(text, reason, entries, len(tokens), stop_string, reasoning, start))
     return out
 
 
