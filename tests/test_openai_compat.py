@@ -746,6 +746,15 @@ def test_text_offsets_count_characters_of_the_text(server: ServerProcess, model_
                 assert c.text[o : o + len(t)] == t, (c.text, tokens, offsets)
     text, offsets = echo.choices[0].text, echo.choices[0].logprobs.text_offset
     assert text == "a☃b 日本語 🙂c" and text[offsets[-1]] == "c", (text, offsets)
+    # A special token the text leaves out adds nothing to it (its name's length was counted).
+    tok = load_hf_tokenizer(model_dir)
+    ids = [*tok.encode("ab"), tok.convert_tokens_to_ids("<|im_start|>"), *tok.encode("cd")]
+    special = oai.completions.create(
+        model=str(model_dir), prompt=ids, max_tokens=0, echo=True, logprobs=0
+    ).choices[0]
+    assert special.text == "abcd" and "<|im_start|>" in special.logprobs.tokens
+    for t, o in zip(special.logprobs.tokens, special.logprobs.text_offset, strict=True):
+        assert special.text[o : o + len(t)] == t or t == "<|im_start|>", special.logprobs
 
 
 def test_the_field_at_fault_and_the_key_are_named(server: ServerProcess, model_dir: Path) -> None:

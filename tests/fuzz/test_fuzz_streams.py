@@ -318,7 +318,7 @@ def _check_stream_prefix(
     chat = prompt is not None
     req = OaiRequest(chat=chat, model="m", stop=stop, logprobs=0, skip_special_tokens=skip)
     lps = [-float(i) for i in range(len(tokens))]
-    scored = _token_entries(tok, tokens, lps, None, table)
+    scored = _token_entries(tok, tokens, lps, None, table, skip)
     sent = [Sent()]
     reader = Reader(tok, 1, 1, channels=prompt if chat and skip else None)
     for n in range(1, len(tokens) + 1):

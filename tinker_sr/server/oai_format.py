@@ -129,6 +129,12 @@ class TokenEntry:
     logprob: float | None
     raw: bytes
     top: list[TokenEntry] = field(default_factory=list)
+    shown: bytes | None = None  # what it adds to the text, where not `raw` (a skipped special)
+
+    @property
+    def width(self) -> bytes:
+        """The bytes it adds to the answer's text (`text_offset` counts their characters)."""
+        return self.raw if self.shown is None else self.shown
 
 
 @dataclass
@@ -434,7 +440,7 @@ def _completion_logprobs(tokens: Sequence[TokenEntry], start: Offset = (0, b""))
     offsets, chars, reader = [], start[0], _utf8_reader(start)
     for t in tokens:
         offsets.append(max(chars, 0))
-        chars += len(reader.decode(t.raw))
+        chars += len(reader.decode(t.width))
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
@@ -565,7 +571,7 @@ class Sent:
     def offset(self) -> Offset:
         """Where the next entry's token begins in the answer's text (`/completions`)."""
         if self._counted < len(self.tokens):
-            self._at = advance(self._at, (t.raw for t in self.tokens[self._counted :]))
+            self._at = advance(self._at, (t.width for t in self.tokens[self._counted :]))
             self._counted = len(self.tokens)
         return self._at
 

@@ -276,8 +276,15 @@ def token_text(text: str, raw: bytes) -> str:
 
 
 def _token_entries(
-    tok: Any, ids: list[int], lps: list[Any], tops: list[Any] | None, table: Any
+    tok: Any,
+    ids: list[int],
+    lps: list[Any],
+    tops: list[Any] | None,
+    table: Any,
+    skip_special_tokens: bool = True,
 ) -> list[TokenEntry]:
+    """Log-prob entries of ``ids``; ``table``: the tokens' bytes in a text (`token_bytes_of`:
+    b"" for a special token, which the text leaves out with ``skip_special_tokens``)."""
     facts = byte_fallback(tok)
     spaced = facts is not None and facts.anchor is not None  # answers keep "▁x"'s space
 
@@ -286,7 +293,10 @@ def _token_entries(
         # Decoded alone, "▁x" of a Llama 2 / Mistral vocabulary loses the space its answer
         # keeps (`decode_answer`): its text is its bytes'.
         text = "" if spaced and raw else str(tok.decode([t], skip_special_tokens=False))
-        return TokenEntry(token_text(text, raw), lp, raw or text.encode("utf-8"))
+        left_out = table is not None and not raw and skip_special_tokens
+        return TokenEntry(
+            token_text(text, raw), lp, raw or text.encode("utf-8"), shown=b"" if left_out else None
+        )
 
     out = []
     for i, t in enumerate(ids):
@@ -303,7 +313,8 @@ def _new_entries(tok: Any, req: OaiRequest, table: Any, row: NewTokens) -> list[
     tops = None
     if req.logprobs and row.topk_token_ids is not None and row.topk_logprobs is not None:
         tops = topk_to_lists(TopkLogprobs(row.topk_token_ids, row.topk_logprobs))
-    return _token_entries(tok, row.tokens, row.logprobs.tolist(), tops, table)
+    skip = req.skip_special_tokens
+    return _token_entries(tok, row.tokens, row.logprobs.tolist(), tops, table, skip)
 
 
 def _choices(
@@ -312,7 +323,7 @@ def _choices(
     """The sampled sequences of one prompt as answers (text cut at stop strings; echo puts
     the prompt, and with log-probs its scores, in front)."""
     out = []
-    scoring_only = req.max_tokens == 0
+    scoring_only, skip = req.max_tokens == 0, req.skip_special_tokens
     for seq in resp.sequences:
         tokens = [] if scoring_only else list(seq.tokens)
         text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
@@ -322,18 +333,17 @@ def _choices(
         entries, start = None, (0, b"")
         if req.logprobs is not None:
             tops = seq.topk_logprobs if req.logprobs else None
-            entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table)
+            entries = _token_entries(tok, tokens, list(seq.logprobs or []), tops, table, skip)
         if req.echo:
             head = _prompt_text(tok, req, prompt)
             text = head + text
             if entries is not None:
                 tops_p = resp.topk_prompt_logprobs if req.logprobs else None
-                scored = _token_entries(
-                    tok, prompt, list(resp.prompt_logprobs or []), tops_p, table
-                )
-                # What the prompt's tokens hold and its text does not: a BOS the text leaves
-                # out, the first space a Llama 2 decoder strips (`text_offset` counts from it).
-                start = (min(0, len(head) - advance((0, b""), (e.raw for e in scored))[0]), b"")
+                lps = list(resp.prompt_logprobs or [])
+                scored = _token_entries(tok, prompt, lps, tops_p, table, skip)
+                # The first space a Llama 2 decoder strips from the prompt's text: its tokens'
+                # bytes hold it (`text_offset` counts from where the text begins).
+                start = (min(0, len(head) - advance((0, b""), (e.width for e in scored))[0]), b"")
                 entries = scored + entries
         reasoning = None
         if req.chat and req.skip_special_tokens and (parts := split_channels(tok, prompt, tokens)):
