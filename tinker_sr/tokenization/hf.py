@@ -44,8 +44,8 @@ class ByteFallback:
     UTF-8 text, or where the run is not valid UTF-8 into one U+FFFD a byte, so a later piece
     of a run can change the text of the earlier ones, valid characters included
     (`live_stream.settled_text`); special tokens left out of a text, and ids that are no
-    token's, join the runs on both sides. Llama 2's and Mistral's decoder also strips a text's first space
-    (`decode_answer`)."""
+    token's, join the runs on both sides. Llama 2's and Mistral's decoder also strips a
+    text's first space (`decode_answer`)."""
 
     pieces: frozenset[int]  # the "<0xNN>" pieces' ids
     specials: frozenset[int]  # special tokens' ids (`skip_special_tokens` leaves them out)
