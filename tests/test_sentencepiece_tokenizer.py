@@ -59,6 +59,20 @@ def sentencepiece_tokenizer_json(n_merges: int = 300) -> dict[str, Any]:
     return spec
 
 
+def sentencepiece_tokenizer() -> tuple[Any, list[bytes]]:
+    """`sentencepiece_tokenizer_json` as a transformers tokenizer (BOS <s>, EOS </s>), and
+    the bytes each of its tokens adds to a text (`token_bytes_table`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    spec = sentencepiece_tokenizer_json()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)),
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    return tok, token_bytes_table(spec, len(tok))
+
+
 def test_token_bytes_agree_with_the_library_decoding() -> None:
     from tokenizers import Tokenizer
 
@@ -166,13 +180,9 @@ def test_log_prob_token_strings_keep_their_spaces() -> None:
     is " world" (decoding it alone strips the space: the tokens joined lost every space between
     words, and "▁x" and "x" alternatives collapsed onto one key), a byte piece of a character
     is ``bytes:\\xNN``."""
-    from transformers import PreTrainedTokenizerFast
-
     from tinker_sr.server.handlers.oai import _token_entries
 
-    spec = sentencepiece_tokenizer_json()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)))
-    table = token_bytes_table(spec, len(tok))
+    tok, table = sentencepiece_tokenizer()
     ids = tok.encode("hello world, what is ü", add_special_tokens=False)
     entries = _token_entries(tok, ids, [-1.0] * len(ids), None, table)
     words = "".join(e.text for e in entries if not e.text.startswith("bytes:"))
@@ -186,13 +196,9 @@ def test_an_answer_keeps_the_space_of_its_first_piece() -> None:
     for "▁hello▁world" (decoded alone, "hello world": a completion joined to its prompt lost a
     space, a stop string " hello" that the engine matched on the tokens' bytes was not in the
     text, and the log-prob strings did not join to the text)."""
-    from transformers import PreTrainedTokenizerFast
-
     from tinker_sr.tokenization.hf import decode_answer
 
-    spec = sentencepiece_tokenizer_json()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)))
-    table = token_bytes_table(spec, len(tok))
+    tok, table = sentencepiece_tokenizer()
     for text in ["hello world", "what é ü 😀", "</s> the a"]:
         ids = tok.encode(text, add_special_tokens=False)
         for skip in (True, False):

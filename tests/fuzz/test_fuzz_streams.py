@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from tests._server import ServerProcess, serving_model_dir
 from tests.fuzz.conftest import FUZZ, scaled
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
-from tinker_sr.tokenization.hf import token_bytes_table
 
 pytest.importorskip("transformers")
 
@@ -217,17 +216,11 @@ def test_a_stream_sends_only_what_the_answer_keeps(
 @pytest.fixture(scope="module")
 def sentencepiece() -> Any:
     """A Llama 2 / Mistral-style tokenizer: "▁" for spaces, "<0xNN>" byte-fallback pieces."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+    from tests.test_sentencepiece_tokenizer import sentencepiece_tokenizer
 
-    from tests.test_sentencepiece_tokenizer import sentencepiece_tokenizer_json
-
-    spec = sentencepiece_tokenizer_json()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>"
-    )
+    tok, table = sentencepiece_tokenizer()
     assert tok.convert_ids_to_tokens(3) == "<0x00>"
-    return tok, token_bytes_table(spec, len(tok))
+    return tok, table
 
 
 @settings(FUZZ, max_examples=scaled(200))
