@@ -501,6 +501,24 @@ def test_completions_refuse_what_they_do_not_do_naming_the_field(
     assert resp.status_code == 400 and err["param"] == param and message in err["message"], err
 
 
+def test_a_prompt_that_fills_the_context_is_refused_in_openai_terms(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """One new token after a prompt as long as the context: refused naming the prompt, without
+    the advice on the Tinker SDK's compute_logprobs that the Tinker routes give."""
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    resp = httpx.post(
+        server.base_url + "/oai/api/v1/completions",
+        json={"model": str(model_dir), "prompt": [5] * context, "max_tokens": 1},
+        headers={"Authorization": "Bearer tml-oai-user"},
+        timeout=60,
+    )
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == "prompt", err
+    assert "context window" in err["message"] and f"> {context}" in err["message"], err
+    assert "compute_logprobs" not in err["message"], err
+
+
 def test_keys_bodies_and_routes_are_answered_as_openai_does(
     server: ServerProcess, model_dir: Path
 ) -> None:

@@ -594,11 +594,19 @@ class LocalBackend(LocalRestQueries):
         return_freed_memory()  # else the tuned allocator keeps it (`cpu.tune_allocator`)
 
     def sample_overflow(
-        self, sampler_id: str, prompt: Any, params: Any, num_samples: Any = None
+        self,
+        sampler_id: str,
+        prompt: Any,
+        params: Any,
+        num_samples: Any = None,
+        sdk_hint: bool = True,
     ) -> str | None:
         """Why a sample does not fit its model's context (or, given ``num_samples``, this
-        engine's `Limits.max_sample_tokens`), before it is queued (a server's 400)."""
-        return request_overflow(self.models, sampler_id, prompt, params, num_samples, self.limits)
+        engine's `Limits.max_sample_tokens`), before it is queued (a server's 400);
+        ``sdk_hint``: see `sampler.context_overflow`."""
+        return request_overflow(
+            self.models, sampler_id, prompt, params, num_samples, self.limits, sdk_hint
+        )
 
     async def sample(
         self,

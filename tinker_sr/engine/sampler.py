@@ -130,16 +130,21 @@ def _check_tokens(tokens: Sequence[int], vocab_size: int, field: str) -> None:
         )
 
 
-def context_overflow(prompt_len: int, max_tokens: int, context: int) -> str | None:
+def context_overflow(
+    prompt_len: int, max_tokens: int, context: int, sdk_hint: bool = True
+) -> str | None:
     """Why a sample of ``max_tokens`` after a ``prompt_len``-token prompt does not fit the
     model's context, in the hosted service's words (tinker-cookbook's capture proxy matches
-    them to tell an agent to compact its history); None when it fits."""
+    them to tell an agent to compact its history); None when it fits. ``sdk_hint`` adds, where
+    the prompt fills the context, why the Tinker SDK's compute_logprobs cannot score it (not
+    for the OpenAI routes, whose users never call it)."""
     total = prompt_len + max_tokens
     if total <= context:
         return None
     hint = ""
-    if max_tokens == 1 and prompt_len == context:  # compute_logprobs asks for one token
-        hint = (  # or a sample whose max_tokens is the room left, as None asks
+    # compute_logprobs asks for one token, or a sample whose max_tokens is the room left,
+    if sdk_hint and max_tokens == 1 and prompt_len == context:  # as None asks
+        hint = (
             f" (a sample needs room for one new token after its prompt; compute_logprobs "
             f"samples one too, so it scores at most {context - 1} tokens, where "
             "TrainingClient.forward scores a sequence that fills the context)"

@@ -399,6 +399,7 @@ def request_overflow(
     params: object,
     num_samples: object = None,
     limits: Limits | None = None,
+    sdk_hint: bool = True,
 ) -> str | None:
     """Why a sample request does not fit its sampler's context (`sampler.context_overflow`)
     or, given ``num_samples`` and ``limits``, the engine's token limit for one request: told
@@ -415,7 +416,7 @@ def request_overflow(
     wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)
     if not isinstance(wanted, int):
         return None
-    problem = engine_sampler.context_overflow(n, wanted, context)
+    problem = engine_sampler.context_overflow(n, wanted, context, sdk_hint)
     plain = n >= 1 and all(isinstance(c, types.EncodedTextChunk) for c in prompt.chunks)
     if problem is None and limits is not None and isinstance(num_samples, int) and wanted >= 1:
         try:  # as `_plan` checks it, where it would fail the accepted request's future

@@ -390,7 +390,7 @@ def _check_fits(srv: TinkerServer, target: _Target, req: OaiRequest, prompts: li
     for ids in prompts if overflow is not None else ():
         assert overflow is not None
         prompt = types.ModelInput.from_ints(ids)
-        problem = overflow(target.sampler_id, prompt, params)
+        problem = overflow(target.sampler_id, prompt, params, sdk_hint=False)
         if problem:
             # the field at fault: the prompt where it alone fills the context
             alone = overflow(target.sampler_id, prompt, types.SamplingParams(max_tokens=1))
