@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -98,26 +99,49 @@ def test_the_store_lock_file_keeps_no_api_key(
 
 
 def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path) -> None:
-    """A held port, a key no client can send, a store another server holds and a bad
-    ``$TINKER_SR_REQUEST_START_S`` each stop ``tinker-sr serve`` before it imports torch and the
-    server (before: after them, 4-6 s on a slow host for a one-line refusal)."""
+    """A held port, a key no client can send, a store another server holds and a setting in
+    the environment it cannot use each stop ``tinker-sr serve`` before it imports torch and
+    the server (before: after them, 4-6 s on a slow host for a one-line refusal); and `serve`
+    called from Python the same way, its checks run once (before: twice from the CLI)."""
     from tinker_sr.server.store_lock import StoreLock
 
     held_store = tmp_path / "held"
-    code = (
-        "import os, sys\n"
-        "from tinker_sr import cli\n"
-        "for argv in sys.argv[1:]:\n"
-        "    os.environ['TINKER_SR_REQUEST_START_S'] = 'abc' if argv == 'env' else '15'\n"
-        "    args = ['--port', '0'] if argv == 'env' else argv.split()\n"
-        "    try:\n"
-        "        cli.main(['serve', '--store', sys.argv[1].split()[-1], *args])\n"
-        "    except SystemExit as e:\n"
-        "        print(e)\n"
-        "heavy = ('torch', 'tinker_sr.server.app')\n"
-        "print('loaded', sorted(m for m in sys.modules if m in heavy))\n"
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from tinker_sr import cli
+        from tinker_sr.server import preflight, run
+
+        calls = []
+        checked = preflight.check_address
+        preflight.check_address = lambda *a: (calls.append(a), checked(*a))[1]
+        store = sys.argv[1].split()[-1]
+
+        def say(call, *args, **kwargs):
+            try:
+                call(*args, **kwargs)
+            except (SystemExit, ValueError) as e:
+                print(type(e).__name__, e)
+
+        for argv in sys.argv[1:]:
+            name, _, value = argv.partition("=")
+            if value:  # a setting in the environment, from Python and from the CLI
+                os.environ[name] = value
+                say(run.serve, port=0, store=store)
+                say(cli.main, ["serve", "--store", store, "--port", "0"])
+                del os.environ[name]
+            else:
+                say(cli.main, ["serve", "--store", store, *argv.split()])
+        heavy = ("torch", "tinker_sr.server.app")
+        print("loaded", sorted(m for m in sys.modules if m in heavy), len(calls))
+        """
     )
     lock = StoreLock(held_store)  # a live server's lock, as far as the child can tell
+    settings = {
+        "TINKER_SR_REQUEST_START_S=abc": "$TINKER_SR_REQUEST_START_S must be a number",
+        "TINKER_SR_MODEL_DTYPE=fp8": "$TINKER_SR_MODEL_DTYPE: 'fp8' is not a supported dtype",
+        "TINKER_SR_TORCH_THREADS=many": "TINKER_SR_TORCH_THREADS",
+    }
     try:
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))
@@ -127,7 +151,7 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
                 f"--port 0 --store {held_store}",
                 f"--port {port}",
                 "--port 0 --api-key abc",
-                "env",
+                *settings,
             ]
             proc = subprocess.run(
                 [sys.executable, "-c", code, *tries],
@@ -139,9 +163,14 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
         lock.release()
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 5 and all(line.startswith("tinker-sr serve: ") for line in lines[:4])
+    assert len(lines) == 10, proc.stdout
+    assert all(line.startswith("SystemExit tinker-sr serve: ") for line in lines[:3])
     assert f"store {held_store} is in use by another tinker-sr server" in lines[0]
     assert f"cannot listen on 127.0.0.1:{port}" in lines[1]
     assert "do not start with 'tml-'" in lines[2]
-    assert "$TINKER_SR_REQUEST_START_S must be a number" in lines[3]
-    assert lines[4] == "loaded []", proc.stdout
+    for i, message in enumerate(settings.values()):
+        python, cli = lines[3 + 2 * i : 5 + 2 * i]
+        assert python.startswith("UnusableSettingError ") and message in python, proc.stdout
+        assert cli.startswith("SystemExit tinker-sr serve: ") and message in cli, proc.stdout
+    # each start checked its address once: 3 from the CLI, 2 for each setting
+    assert lines[9] == "loaded [] 9", proc.stdout

@@ -23,7 +23,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinker_sr.engine.store import StoreDamagedError, StoreUnwritableError
-    from tinker_sr.server.preflight import UnusableAddressError, UnusableApiKeyError, preflight
+    from tinker_sr.server.features import ServerFeatures
+    from tinker_sr.server.preflight import (
+        UnusableAddressError,
+        UnusableApiKeyError,
+        UnusableSettingError,
+        preflight,
+    )
+    from tinker_sr.server.run import serve
     from tinker_sr.server.store_lock import StoreInUseError
 
     refusals = (  # another live server; a bad database; a read-only directory; a bad address
@@ -32,6 +39,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         StoreUnwritableError,
         UnusableApiKeyError,
         UnusableAddressError,
+        UnusableSettingError,
     )
     keys = [k for k in (args.api_key or []) if k]
     keys += [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
@@ -42,14 +50,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "pass the keys clients must send, or leave the options out to accept any 'tml-' key"
         )
     try:  # what can refuse the start, said before torch and the server load (seconds)
-        preflight(args.host, args.port, keys or None, args.store)
-    except (*refusals, ValueError) as e:  # ValueError: a bad $TINKER_SR_REQUEST_START_S
+        checked = preflight(args.host, args.port, keys or None, args.store)
+    except refusals as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
-    if (problem := environment_problem()) is not None:
-        raise SystemExit(f"tinker-sr serve: {problem}")
-    from tinker_sr.server import serve
-    from tinker_sr.server.features import ServerFeatures
-
     try:
         serve(
             host=args.host,
@@ -71,6 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             logprobs_mode=args.logprobs_mode,
             session_timeout_s=args.session_timeout_s,
             sample_abandon_s=args.sample_abandon_s,
+            checked=checked,
         )
     except refusals as e:
         raise SystemExit(f"tinker-sr serve: {e}") from None
@@ -347,18 +351,13 @@ def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, 
 
 def environment_problem() -> str | None:
     """Why a setting the embedded engine reads from the environment cannot be used (named),
-    or None: checked before `serve` or `demo` starts, so it is one line, not a traceback."""
-    from tinker_sr.engine.cpu import default_torch_threads
-    from tinker_sr.engine.hf import env_model_dtype
-    from tinker_sr.model_aliases import env_aliases
-    from tinker_sr.server.connections import request_start_s
+    or None: checked before `demo` starts (and by `serve` itself), so it is one line, not a
+    traceback, and said before torch loads."""
+    from tinker_sr.server.preflight import UnusableSettingError, check_settings
 
     try:
-        env_aliases()
-        env_model_dtype()
-        default_torch_threads()  # $TINKER_SR_TORCH_THREADS
-        request_start_s()  # $TINKER_SR_REQUEST_START_S (a server's)
-    except ValueError as e:
+        check_settings()
+    except UnusableSettingError as e:
         return str(e)
     return None
 

@@ -28,6 +28,7 @@ import torch
 from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory, has_fast_half, why_slow_half
+from tinker_sr.engine.dtype_names import MODEL_DTYPE_ENV, dtype_name, env_model_dtype_name
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
@@ -139,22 +140,14 @@ def parse_dtype(value: str | torch.dtype | None, field: str = "dtype") -> torch.
     """'bf16' / 'bfloat16' / torch.bfloat16 → torch.bfloat16; None stays None."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-    name = aliases.get(value, value)
-    if name not in DTYPES:
-        raise EngineUserError(
-            f"{field}: {value!r} is not a supported dtype; use one of {sorted(DTYPES)}"
-        )
-    return DTYPES[name]
-
-
-MODEL_DTYPE_ENV = "TINKER_SR_MODEL_DTYPE"
+    return DTYPES[dtype_name(value, field)]
 
 
 def env_model_dtype() -> torch.dtype | None:
     """``$TINKER_SR_MODEL_DTYPE``: the dtype models load in where none is given (None: each
     checkpoint's own)."""
-    return parse_dtype(os.environ.get(MODEL_DTYPE_ENV) or None, f"${MODEL_DTYPE_ENV}")
+    name = env_model_dtype_name()
+    return None if name is None else DTYPES[name]
 
 
 def _check_tensors(

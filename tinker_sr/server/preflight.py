@@ -1,8 +1,7 @@
 """What `serve` checks before it loads anything heavy: the address, the API keys, the
-request-start setting and that no other server holds the store. ``tinker-sr serve`` runs these
-first, so a refused start is one line as soon as the interpreter is up, not after torch and the
-server are imported (3.5-6 s on a busy or slow host); `serve` runs them again for callers from
-Python."""
+settings it reads from the environment and that no other server holds the store. A refused
+start is one line as soon as the interpreter is up, not after torch and the server are imported
+(3.5-6 s on a busy or slow host)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,10 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from tinker_sr.engine.cpu import default_torch_threads
+from tinker_sr.engine.dtype_names import env_model_dtype_name
 from tinker_sr.engine.store import default_store_dir
+from tinker_sr.model_aliases import env_aliases
 
 from .connections import request_start_s
 from .store_lock import StoreLock
@@ -21,7 +23,9 @@ from .store_lock import StoreLock
 __all__ = [
     "UnusableAddressError",
     "UnusableApiKeyError",
+    "UnusableSettingError",
     "api_keys_from_env",
+    "check_settings",
     "check_address",
     "loopback_only",
     "open_server_warning",
@@ -37,6 +41,23 @@ class UnusableApiKeyError(ValueError):
 class UnusableAddressError(ValueError):
     """``host:port`` cannot be listened on: a port out of range, a host that is not an address
     of this machine, or a port another program holds."""
+
+
+class UnusableSettingError(ValueError):
+    """An environment variable the engine or the server reads holds a value it cannot use."""
+
+
+def check_settings() -> None:
+    """Raise `UnusableSettingError` (naming the variable) where ``$TINKER_SR_MODEL_ALIASES``,
+    ``$TINKER_SR_MODEL_DTYPE``, ``$TINKER_SR_TORCH_THREADS`` or
+    ``$TINKER_SR_REQUEST_START_S`` cannot be used; torch-free, so it is said at once."""
+    try:
+        env_aliases()
+        env_model_dtype_name()
+        default_torch_threads()
+        request_start_s()
+    except ValueError as e:
+        raise UnusableSettingError(str(e)) from None
 
 
 def loopback_only(host: str) -> bool:
@@ -121,12 +142,13 @@ def preflight(
     store: str | os.PathLike[str] | None,
 ) -> tuple[list[str] | None, Path]:
     """The checks a server start can fail without its model: ``host:port`` free to listen on,
-    keys a client can send, ``$TINKER_SR_REQUEST_START_S`` readable, the store writable and
+    keys a client can send, the environment's settings usable (`check_settings`), the store
+    writable and
     held by no live server (`StoreInUseError`; the server takes the lock for good later).
     Returns the keys to accept (None: any ``tml-`` key) and the store directory."""
     check_address(host, port)
     keys = usable_keys(api_keys)
-    request_start_s()
+    check_settings()
     store_dir = Path(store).expanduser() if store is not None else default_store_dir()
     StoreLock(store_dir).release()
     return keys, store_dir

@@ -13,22 +13,20 @@ from typing import Any
 from tinker_sr.engine.cpu import available_cpus, describe_free_memory
 from tinker_sr.engine.usage import RateCard
 from tinker_sr.exit_with_parent import exit_with_parent
-from tinker_sr.limits import Limits
+from tinker_sr.limits import DEFAULT_LIMITS, Limits
 
-from .app import (
-    DEFAULT_LOGPROBS_MODE,
-    DEFAULT_LONG_POLL_S,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_SAMPLE_ABANDON_S,
-    DEFAULT_SESSION_TIMEOUT_S,
-    create_app,
-)
 from .connections import (
     open_file_limit,
     protocol_class,
     quiet_accept_failures,
     raise_open_file_limit,
     request_start_s,
+)
+from .defaults import (
+    DEFAULT_LOGPROBS_MODE,
+    DEFAULT_LONG_POLL_S,
+    DEFAULT_SAMPLE_ABANDON_S,
+    DEFAULT_SESSION_TIMEOUT_S,
 )
 from .features import ServerFeatures
 from .preflight import (
@@ -81,7 +79,7 @@ def serve(
     port: int = 8000,
     store: str | os.PathLike[str] | None = None,
     api_keys: Sequence[str] | str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes,
     log_level: str = "info",
     *,
     long_poll_s: float = DEFAULT_LONG_POLL_S,
@@ -93,6 +91,7 @@ def serve(
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
     session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
     sample_abandon_s: float | None = DEFAULT_SAMPLE_ABANDON_S,
+    checked: tuple[list[str] | None, Path] | None = None,
 ) -> None:
     """Serve a `LocalBackend` on ``host:port`` until interrupted.
 
@@ -109,10 +108,15 @@ def serve(
     of the usage it reports (`tinker_sr.engine.usage`; default ``$TINKER_SR_RATE_CARD``).
     ``logprobs_mode``: the OpenAI-compatible routes' log-probs (`create_app`; default
     ``raw_logprobs``, as vLLM's). ``session_timeout_s``, ``sample_abandon_s``: see `create_app`.
+    ``checked``: what `preflight` returned for these host, port, keys and store, where the
+    caller ran it already (``tinker-sr serve`` does, before its other checks): not run again.
     """
+    # before torch and the server load: a refused start is one line at once
+    keys, store_dir = checked or preflight(host, port, api_keys, store)
     from tinker_sr.backend.local import LocalBackend
 
-    keys, store_dir = preflight(host, port, api_keys, store)  # before the model loads
+    from .app import create_app
+
     raise_open_file_limit()
     if limits is None:
         limits = Limits(max_body_bytes=max_body_bytes)
