@@ -15,6 +15,7 @@ cannot lock (some network mounts) get a warning and no lock.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,11 +73,18 @@ def redacted(args: list[str]) -> list[str]:
     return out
 
 
+# Windows locks a byte range from the file's position, and a file opened to append stands at
+# its end, which moves as the holder is written: each server must lock the same byte. One far
+# past the holder's JSON, so a refused server can still read who holds the store.
+_WINDOWS_LOCK_BYTE = 2**30
+
+
 def _try_lock(f: IO[bytes]) -> bool:
     """Lock ``f`` exclusively without waiting; False if another process holds it."""
-    if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+    if sys.platform == "win32":
         import msvcrt
 
+        f.seek(_WINDOWS_LOCK_BYTE)
         try:
             msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
         except OSError:
@@ -134,5 +142,11 @@ class StoreLock:
     def release(self) -> None:
         """Drop the lock (closing the file releases it); the file stays for the next server."""
         if self._file is not None:
+            if sys.platform == "win32":  # unlocked before it closes, as Windows asks
+                import msvcrt
+
+                with contextlib.suppress(OSError):  # never locked: a filesystem without locks
+                    self._file.seek(_WINDOWS_LOCK_BYTE)
+                    msvcrt.locking(self._file.fileno(), msvcrt.LK_UNLCK, 1)
             self._file.close()
             self._file = None
