@@ -269,7 +269,7 @@ def test_serve_takes_the_quiet_limits_from_its_flags(
     later without heartbeats (review: there was no way to); ``--session-timeout-s`` beside
     it. The flags reach the app; what it does with them is tested above."""
     from tinker_sr import cli
-    from tinker_sr.server import run
+    from tinker_sr.server import app
 
     seen: dict[str, Any] = {}
 
@@ -280,7 +280,7 @@ def test_serve_takes_the_quiet_limits_from_its_flags(
         seen.update(options)
         raise Stop  # before serving
 
-    monkeypatch.setattr(run, "create_app", create_app)
+    monkeypatch.setattr(app, "create_app", create_app)
     argv = ["serve", "--port", "0", "--store", str(tmp_path), "--sample-abandon-s", "0"]
     with pytest.raises(Stop):
         cli.main([*argv, "--session-timeout-s", "3600"])

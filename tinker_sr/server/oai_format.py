@@ -426,27 +426,31 @@ def _utf8_reader(at: Offset) -> Any:
     return reader
 
 
+def token_offsets(at: Offset, raws: Iterable[bytes]) -> tuple[list[int], Offset]:
+    """Where each of the tokens whose bytes are ``raws`` begins, in characters of the text,
+    counting from ``at``; and ``at`` moved past them all."""
+    starts, chars, reader = [], at[0], _utf8_reader(at)
+    for raw in raws:
+        starts.append(chars)
+        chars += len(reader.decode(raw))
+    return starts, (chars, reader.getstate()[0])
+
+
 def advance(at: Offset, raws: Iterable[bytes]) -> Offset:
     """``at`` moved past tokens whose bytes are ``raws``."""
-    chars, reader = at[0], _utf8_reader(at)
-    for raw in raws:
-        chars += len(reader.decode(raw))
-    return chars, reader.getstate()[0]
+    return token_offsets(at, raws)[1]
 
 
 def _completion_logprobs(tokens: Sequence[TokenEntry], start: Offset = (0, b"")) -> dict[str, Any]:
     """`/completions`' log-probs; ``text_offset`` counts characters of the answer's text (not of
     the tokens' displayed strings: "bytes:\\xe2" is one third of a character)."""
-    offsets, chars, reader = [], start[0], _utf8_reader(start)
-    for t in tokens:
-        offsets.append(max(chars, 0))
-        chars += len(reader.decode(t.width))
+    starts = token_offsets(start, (t.width for t in tokens))[0]
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         "top_logprobs": [({a.text: a.logprob for a in t.top} if t.logprob is not None else None)
                          for t in tokens],
-        "text_offset": offsets,
+        "text_offset": [max(c, 0) for c in starts],
     }  # fmt: skip
 
 
