@@ -143,8 +143,8 @@ def preflight(
 ) -> tuple[list[str] | None, Path]:
     """The checks a server start can fail without its model: ``host:port`` free to listen on,
     keys a client can send, the environment's settings usable (`check_settings`), the store
-    writable and
-    held by no live server (`StoreInUseError`; the server takes the lock for good later).
+    writable and held by no live server (`StoreInUseError`; the server takes the lock for good
+    later).
     Returns the keys to accept (None: any ``tml-`` key) and the store directory."""
     check_address(host, port)
     keys = usable_keys(api_keys)
