@@ -46,6 +46,7 @@ from tinker_sr.engine import gemm
 from tinker_sr.engine.admission import trainer_optimizer
 from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory, train_autocast_dtype
+from tinker_sr.engine.dir_stamps import LoadedDirs
 from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -218,6 +219,7 @@ class ModelRegistry:
         self.samplers_per_session = max(1, per_session)
         # (resolved, None) is the base as loaded; (resolved, dtype) a converted copy.
         self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}
+        self._dirs = LoadedDirs()  # each loaded directory's files as they were read
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
@@ -328,6 +330,7 @@ class ModelRegistry:
             elif resolved in BUILTIN_CONFIGS:
                 m = build_model(resolved, seed=0, dtype=self.model_dtype or torch.float32)
             else:
+                self._dirs.loading(resolved)
                 m = load_model_dir(resolved, dtype=self.model_dtype, cpu=self.device.type == "cpu")
             m.requires_grad_(False)
             m.eval()
@@ -344,21 +347,34 @@ class ModelRegistry:
         apply_lora(model, spec)
         return model
 
+    def _check_files(self, resolved: str) -> None:
+        """A new client of ``resolved``: its directory as its base loaded, or loaded again
+        where no open client uses it; else refused (`dir_stamps`)."""
+        if self._dirs.changed(resolved, self._resolved_in_use()):
+            self._drop_unused_bases(resolved)
+
     @_locked
     def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:
         """The shared base with new LoRA adapters, and an optimizer over the adapters.
         Activation checkpointing (`checkpointing_setting`) recomputes layer activations in
         backward: less memory for long sequences, about one more forward pass of compute."""
+        self._check_files(resolved)
         model = self._adapted(resolved, spec)
         model.checkpoint_layers = checkpointing_setting()
         model.autocast_dtype = train_autocast_dtype(self.device)
         return model, trainer_optimizer(model, f"a rank-{spec.rank} LoRA of {resolved!r}")
 
-    def _drop_unused_bases(self) -> None:
-        used = {t.resolved for t in self._trainers.values()}
-        used |= {s.resolved for s in self._samplers.values()}
+    def _drop_unused_bases(self, changed: str | None = None) -> None:
+        """Free the bases no client uses (and ``changed``'s tokenizer: its files changed)."""
+        used = self._resolved_in_use()
         for key in [k for k in self._bases if k[0] not in used]:
             del self._bases[key]
+        self._dirs.keep(used)
+        self._tokenizers.pop(changed or "", None)
+
+    def _resolved_in_use(self) -> set[str]:
+        used = {t.resolved for t in self._trainers.values()}
+        return used | {s.resolved for s in self._samplers.values()}
 
     # ---- trainers ---------------------------------------------------------------------
     @_locked
@@ -450,6 +466,7 @@ class ModelRegistry:
         sampling weights now, so a mismatched checkpoint fails here, not at the first sample."""
         if (adapters is None) != (sampler.lora is None):
             raise ValueError("register_sampler: pass adapters exactly when sampler.lora is set")
+        self._check_files(sampler.resolved)
         sampler.registry = self
         self._samplers[sampler.sampler_id] = sampler
         if adapters is not None:
