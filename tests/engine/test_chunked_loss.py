@@ -214,8 +214,8 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
 def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from tinker_sr.engine import admission
     from tinker_sr.engine import model as model_mod
-    from tinker_sr.engine import registry
 
     config = model_mod.BUILTIN_CONFIGS["tinker-sr/small"]
     need = model_mod.activation_bytes(config, 4096)
@@ -237,11 +237,11 @@ def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     assert len(used) == model.config.n_layers
 
     for raw, want in (("", None), ("auto", None), ("0", False), ("1", True)):
-        monkeypatch.setenv(registry.CHECKPOINTING_ENV, raw)
-        assert registry.checkpointing_setting() is want
-    monkeypatch.setenv(registry.CHECKPOINTING_ENV, "yes")
+        monkeypatch.setenv(admission.CHECKPOINTING_ENV, raw)
+        assert admission.checkpointing_setting() is want
+    monkeypatch.setenv(admission.CHECKPOINTING_ENV, "yes")
     with pytest.raises(ValueError, match="TINKER_SR_ACTIVATION_CHECKPOINTING must be"):
-        registry.checkpointing_setting()
+        admission.checkpointing_setting()
 
 
 def _packed_lora_head(

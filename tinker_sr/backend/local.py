@@ -38,7 +38,7 @@ from tinker_sr.backend.local_rest import LocalRestQueries
 from tinker_sr.backend.ordering import SeqOrdering
 from tinker_sr.backend.session_samples import SessionSamples
 from tinker_sr.engine import training, usage
-from tinker_sr.engine.checkpoint_store import CheckpointStore, parse_path
+from tinker_sr.engine.checkpoint_store import CheckpointStore
 from tinker_sr.engine.checkpoints import read_record
 from tinker_sr.engine.cpu import (
     default_torch_threads,
@@ -55,6 +55,7 @@ from tinker_sr.engine.sampler import LogprobsMode, NewTokens
 from tinker_sr.engine.sampling import SampleRequest, SequenceRecorder, Started, request_overflow
 from tinker_sr.engine.sampling import begin as begin_sample
 from tinker_sr.engine.scheduler import DecodeScheduler
+from tinker_sr.engine.set_aside import checkpoint_sampler
 from tinker_sr.engine.store import Store, default_store_dir, make_store_dir
 from tinker_sr.engine.store_files import record_done_work
 from tinker_sr.engine.usage import RateCard
@@ -121,6 +122,7 @@ class LocalBackend(LocalRestQueries):
             raise ValueError(f"sampler_staleness must be >= 0, got {sampler_staleness}")
         self.sampler_staleness = sampler_staleness
         self.checkpoints = CheckpointStore(self.store, self.store_dir)
+        self.models.set_aside.checkpoints = self.checkpoints  # brings let-go samplers back
         self._recorder = SequenceRecorder(self.store)
         self._torch_threads = threads_within_task_limit(default_torch_threads(torch_threads))
         self._executor = engine_executor(self._torch_threads)
@@ -553,21 +555,19 @@ class LocalBackend(LocalRestQueries):
             if model_path is None and base_model is None:
                 raise EngineUserError("Either model_path or base_model must be provided")
             sampler_id = self.models.new_sampler_id(session_id, sampling_session_seq_id)
+            spec, adapters, source = None, None, None
             if model_path is not None:
-                parsed = parse_path(model_path)
-                tensors, meta = self.checkpoints.load(model_path, expect=parsed.checkpoint_type)
-                record = read_record(meta, tensors, model_path)
-                name = record.base_for(base_model, self.models.resolve_model, model_path)
-                spec = record.lora
-                adapters: dict[str, torch.Tensor] | None = training.strip(tensors, "lora.")
+                name, spec, adapters, source = checkpoint_sampler(
+                    self.checkpoints, model_path, base_model, self.models.resolve_model
+                )
             else:
                 assert base_model is not None
-                name, spec, adapters = base_model, None, None
+                name = base_model
             resolved = self.models.resolve_model(name)
             name = self._recorded(name, resolved)
-            self.models.register_sampler(
-                Sampler(sampler_id, session_id, name, resolved, spec, model_path), adapters
-            )
+            sampler = Sampler(sampler_id, session_id, name, resolved, spec, model_path)
+            sampler.source = source
+            self.models.register_sampler(sampler, adapters)
             return sampler_id
 
         return await self._run(work, plain=True)

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinker_sr.engine import gemm
-from tinker_sr.engine.admission import trainer_optimizer
+from tinker_sr.engine.admission import checkpointing_setting, trainer_optimizer
 from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory, train_autocast_dtype
 from tinker_sr.engine.dir_stamps import LoadedDirs
@@ -60,6 +60,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
+from tinker_sr.engine.set_aside import SetAside
 from tinker_sr.engine.spill import SpillDir, sweep_once
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
@@ -126,18 +127,6 @@ BASE_SAMPLERS_PER_SESSION = 4096
 # Samplers that decode through their adapters (merged weights over budget): the most recent
 # ones keep their built model (adapters only; the base is shared).
 UNMERGED_KEPT = 4
-CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
-
-
-def checkpointing_setting() -> bool | None:
-    """``$TINKER_SR_ACTIVATION_CHECKPOINTING``: ``1`` always, ``0`` never, unset or ``auto``:
-    when a step's activations would crowd the available memory (`model.checkpoint_pays`)."""
-    raw = os.environ.get(CHECKPOINTING_ENV, "auto").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in ("0", "1"):
-        return raw == "1"
-    raise ValueError(f"{CHECKPOINTING_ENV} must be 0, 1 or auto, got {raw!r}")
 
 
 def _budget_bytes(env: str, default_mb: int | None) -> int | None:
@@ -165,6 +154,7 @@ class Sampler:
     lora: LoraSpec | None
     model_path: str | None
     registry: ModelRegistry | None = field(default=None, repr=False)
+    source: tuple[int, int] | None = None  # its checkpoint file's size and mtime (`set_aside`)
 
     @functools.cached_property
     def context(self) -> int:  # its model's context length, from config.json alone: read once
@@ -223,6 +213,7 @@ class ModelRegistry:
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
+        self.set_aside = SetAside()  # LoRA samplers let go that their checkpoints bring back
         # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
@@ -410,6 +401,7 @@ class ModelRegistry:
             self._trainers.pop(model_id)
         for sampler_id in samplers:
             self._forget_sampler(sampler_id)
+        self.set_aside.forget(session_id=session_id)
         self._drop_unused_bases()
         return_freed_memory()
         return trainers + samplers
@@ -429,6 +421,8 @@ class ModelRegistry:
     def sampler(self, sampler_id: str) -> Sampler:
         """``sampler_id``'s sampler, now the most recently used (samplers are kept in use order)."""
         s = self._samplers.get(sampler_id)
+        if s is None and self.set_aside.bring_back(self, sampler_id):
+            s = self._samplers[sampler_id]
         if s is None:
             raise EngineNotFoundError(
                 f"unknown sampling session {sampler_id!r}; create a sampling client first (a "
@@ -445,14 +439,14 @@ class ModelRegistry:
 
     @_locked
     def sampler_ids(self, session_id: str) -> list[str]:
-        """The live sampling sessions of `session_id`, in creation order."""
-        found = [s for s in self._samplers.values() if s.session_id == session_id]
-        return [s.sampler_id for s in sorted(found, key=lambda s: _seq_of(s.sampler_id))]
+        """The sampling sessions of `session_id` (live or set aside), in creation order."""
+        found = [s.sampler_id for s in self._samplers.values() if s.session_id == session_id]
+        return sorted([*found, *self.set_aside.ids(session_id)], key=_seq_of)
 
     @_locked
     def new_sampler_id(self, session_id: str, seq: int) -> str:
         sampler_id = f"{session_id}:sample:{seq}"
-        if sampler_id in self._samplers:
+        if sampler_id in self._samplers or sampler_id in self.set_aside:
             raise EngineUserError(
                 f"sampling_session_seq_id {seq} is already used in session {session_id}"
             )
@@ -490,12 +484,14 @@ class ModelRegistry:
         for lora, quota in ((True, self.samplers_per_session), (False, BASE_SAMPLERS_PER_SESSION)):
             ids = [k for k, is_lora in mine if is_lora == lora]
             for sampler_id in ids[: max(0, len(ids) - quota)]:
-                self._forget_sampler(sampler_id)
+                if (let_go := self._forget_sampler(sampler_id)) is not None:
+                    self.set_aside.keep(let_go)
 
     @_locked
     def release_sampler(self, sampler_id: str) -> Sampler | None:
         """Forget ``sampler_id`` (its adapters and merged weights); ``None`` if unknown."""
         s = self._forget_sampler(sampler_id)
+        self.set_aside.forget(sampler_id)
         self._drop_unused_bases()
         return s
 

@@ -1,0 +1,66 @@
+"""A LoRA sampling client made from a saved checkpoint that its session let go (it keeps its
+most recently used ones, `registry.SAMPLERS_PER_SESSION`) is loaded again from the checkpoint
+on its next use, as the hosted service's keeps working: a self-play league's old opponent.
+Before, it failed with "unknown sampling session" (found by a hunt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tinker_sr as tinker
+from tinker_sr import types
+from tinker_sr.backend.local import LocalBackend
+from tinker_sr.engine import registry
+
+MODEL = "tinker-sr/tiny"
+PROMPT = types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
+
+
+def _step(training: Any, i: int) -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8, 9 + i], "weights": [1.0] * 4},
+    )
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+
+def _logprobs(sampler: Any) -> list[float | None]:
+    return list(sampler.compute_logprobs(PROMPT).result())
+
+
+def test_a_let_go_sampler_of_a_checkpoint_comes_back_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(registry.SAMPLERS_PER_SESSION_ENV, "2")
+    backend = LocalBackend(tmp_path / "store")
+    try:
+        service = tinker.ServiceClient(backend=backend)
+        training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        opponents, before, paths = [], [], []
+        for i in range(2):  # two league opponents, each from a checkpoint of its own
+            _step(training, i)
+            path = training.save_weights_for_sampler(f"opponent-{i}").result().path
+            paths.append(path)
+            opponents.append(service.create_sampling_client(model_path=path).result())
+            before.append(_logprobs(opponents[-1]))
+        for i in range(2, 5):  # newer samplers push both out of the session's two
+            _step(training, i)
+            training.save_weights_and_get_sampling_client().result()
+        ids = [o.sampler_id for o in opponents]
+        assert all(backend.models.live_sampler(i) is None for i in ids)  # let go
+        session = service.create_rest_client().get_session(training.holder._session_id).result()
+        assert set(ids) <= set(session.sampler_ids)  # still the session's
+        assert _logprobs(opponents[0]) == before[0]  # read again: the same weights, bit for bit
+        assert backend.models.live_sampler(ids[0]) is not None
+        # a checkpoint deleted since: said, naming why
+        rest = service.create_rest_client()
+        rest.delete_checkpoint_from_tinker_path(paths[1]).result()
+        refused = (tinker.NotFoundError, tinker.RequestFailedError)  # as an unknown sampler's
+        with pytest.raises(refused, match="cannot be loaded again from its checkpoint"):
+            _logprobs(opponents[1])
+    finally:
+        backend.close()

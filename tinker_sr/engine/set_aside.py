@@ -1,0 +1,103 @@
+"""LoRA sampling clients made from a saved checkpoint, set aside when their session keeps too
+many (`registry.SAMPLERS_PER_SESSION`) and loaded again from it on their next use.
+
+A session keeps the adapters of its most recently used LoRA samplers only, or an RL loop that
+makes a sampler every step would fill memory. Before, a client it had let go (a self-play
+league's old opponent, made with ``create_sampling_client(model_path=...)``) failed on its
+next use, where the hosted service's client keeps working. Such a client's weights are still
+in its checkpoint, so only its name, base model and path are kept (a few hundred bytes), and
+its next use reads them again: refused, naming why, if the checkpoint was deleted, expired or
+written again since. Samplers with no checkpoint of their own (``save_weights_and_get_
+sampling_client``) are not kept: their weights are gone."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinker_sr.engine.lora import LoraSpec
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+
+if TYPE_CHECKING:  # they import the registry, which imports this module
+    from tinker_sr.engine.checkpoint_store import CheckpointStore
+    from tinker_sr.engine.registry import ModelRegistry, Sampler
+
+__all__ = ["SetAside", "checkpoint_sampler"]
+
+KEPT = 65_536  # set-aside samplers kept in all (oldest forgotten first): ~20 MB at most
+
+
+def checkpoint_sampler(
+    checkpoints: CheckpointStore,
+    model_path: str,
+    base_model: str | None,
+    resolve: Callable[[str], str],
+) -> tuple[str, LoraSpec | None, dict[str, torch.Tensor], tuple[int, int]]:
+    """What a sampler of checkpoint ``model_path`` runs: its base model's name, its LoRA spec
+    and adapters, and the checkpoint file's size and modification time (ns)."""
+    from tinker_sr.engine import training
+    from tinker_sr.engine.checkpoint_store import parse_path
+    from tinker_sr.engine.checkpoints import read_record
+
+    parsed = parse_path(model_path)
+    tensors, meta = checkpoints.load(model_path, expect=parsed.checkpoint_type)
+    record = read_record(meta, tensors, model_path)
+    name = record.base_for(base_model, resolve, model_path)
+    st = checkpoints.path_of(checkpoints.live(model_path)).stat()
+    return name, record.lora, training.strip(tensors, "lora."), (st.st_size, st.st_mtime_ns)
+
+
+class SetAside:
+    """The set-aside samplers of one `ModelRegistry`; ``checkpoints`` (the engine's) reads
+    them again (none: nothing is kept)."""
+
+    def __init__(self) -> None:
+        self.checkpoints: CheckpointStore | None = None
+        self._kept: OrderedDict[str, Sampler] = OrderedDict()
+
+    def keep(self, s: Sampler) -> None:
+        """``s`` leaves memory; kept where its checkpoint can bring it back."""
+        if s.model_path is not None and s.lora is not None and self.checkpoints is not None:
+            self._kept[s.sampler_id] = s
+            while len(self._kept) > KEPT:
+                self._kept.popitem(last=False)
+
+    def forget(self, sampler_id: str | None = None, session_id: str | None = None) -> None:
+        """Forget ``sampler_id``, or every sampler of ``session_id`` (released)."""
+        for key in [k for k, s in self._kept.items() if s.session_id == session_id]:
+            del self._kept[key]
+        self._kept.pop(sampler_id or "", None)
+
+    def __contains__(self, sampler_id: str) -> bool:
+        return sampler_id in self._kept
+
+    def ids(self, session_id: str) -> list[str]:
+        return [k for k, s in self._kept.items() if s.session_id == session_id]
+
+    def bring_back(self, registry: ModelRegistry, sampler_id: str) -> bool:
+        """Load ``sampler_id`` again from its checkpoint into ``registry``, if it was set
+        aside; False if it was not (unknown)."""
+        s = self._kept.get(sampler_id)
+        if s is None or self.checkpoints is None or s.model_path is None:
+            return False
+        try:
+            _, spec, adapters, stamp = checkpoint_sampler(
+                self.checkpoints, s.model_path, s.base_model, registry.resolve_model
+            )
+            if stamp != s.source:
+                raise EngineUserError(f"{s.model_path} was written again since")
+        except (EngineUserError, EngineNotFoundError, OSError) as e:
+            del self._kept[sampler_id]
+            raise EngineNotFoundError(
+                f"sampling client {sampler_id!r} was let go (its session keeps its most recently "
+                f"used LoRA sampling clients) and cannot be loaded again from its checkpoint: "
+                f"{e}. Make a new one from a checkpoint that exists"
+            ) from None
+        del self._kept[sampler_id]
+        again = type(s)(s.sampler_id, s.session_id, s.base_model, s.resolved, spec, s.model_path)
+        again.source = stamp
+        registry.register_sampler(again, adapters)
+        return True
