@@ -51,11 +51,16 @@ def test_a_let_go_sampler_of_a_checkpoint_comes_back_from_it(
             _step(training, i)
             training.save_weights_and_get_sampling_client().result()
         ids = [o.sampler_id for o in opponents]
-        assert all(backend.models.live_sampler(i) is None for i in ids)  # let go
+        assert all(i in backend.models.set_aside for i in ids)  # let go
         session = service.create_rest_client().get_session(training.holder._session_id).result()
         assert set(ids) <= set(session.sampler_ids)  # still the session's
         assert _logprobs(opponents[0]) == before[0]  # read again: the same weights, bit for bit
-        assert backend.models.live_sampler(ids[0]) is not None
+        assert ids[0] not in backend.models.set_aside
+        # a prompt too long for its context: refused before it is queued, as a live one's
+        too_long = types.ModelInput.from_ints([5] * 100_000)
+        with pytest.raises(tinker.BadRequestError, match="context window"):
+            opponents[1].sample(too_long, 1, types.SamplingParams(max_tokens=1)).result()
+        assert ids[1] in backend.models.set_aside
         # a checkpoint deleted since: said, naming why
         rest = service.create_rest_client()
         rest.delete_checkpoint_from_tinker_path(paths[1]).result()

@@ -434,8 +434,9 @@ class ModelRegistry:
         return s
 
     def live_sampler(self, sampler_id: str) -> Sampler | None:
-        """``sampler_id``'s sampler, or None, without waiting for engine work (one dict read)."""
-        return self._samplers.get(sampler_id)
+        """``sampler_id``'s sampler (or its record, set aside), or None, without waiting for
+        engine work (dict reads)."""
+        return self._samplers.get(sampler_id) or self.set_aside.get(sampler_id)
 
     @_locked
     def sampler_ids(self, session_id: str) -> list[str]:

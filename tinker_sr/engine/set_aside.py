@@ -74,6 +74,10 @@ class SetAside:
     def __contains__(self, sampler_id: str) -> bool:
         return sampler_id in self._kept
 
+    def get(self, sampler_id: str) -> Sampler | None:
+        """``sampler_id``'s record, where it is set aside (its context, its session)."""
+        return self._kept.get(sampler_id)
+
     def ids(self, session_id: str) -> list[str]:
         return [k for k, s in self._kept.items() if s.session_id == session_id]
 
