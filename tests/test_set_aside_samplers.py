@@ -60,12 +60,39 @@ def test_a_let_go_sampler_of_a_checkpoint_comes_back_from_it(
         too_long = types.ModelInput.from_ints([5] * 100_000)
         with pytest.raises(tinker.BadRequestError, match="context window"):
             opponents[1].sample(too_long, 1, types.SamplingParams(max_tokens=1)).result()
-        assert ids[1] in backend.models.set_aside
-        # a checkpoint deleted since: said, naming why
         rest = service.create_rest_client()
+        assert rest.get_sampler(ids[1]).result().model_path == paths[1]  # its record answers
+        assert ids[1] in backend.models.set_aside  # (not loaded again, pushing another out)
+        # a checkpoint deleted since: said, naming why, at each use
         rest.delete_checkpoint_from_tinker_path(paths[1]).result()
         refused = (tinker.NotFoundError, tinker.RequestFailedError)  # as an unknown sampler's
-        with pytest.raises(refused, match="cannot be loaded again from its checkpoint"):
-            _logprobs(opponents[1])
+        for _ in range(2):
+            with pytest.raises(refused, match="cannot be loaded again from its checkpoint"):
+                _logprobs(opponents[1])
+    finally:
+        backend.close()
+
+
+def test_a_let_go_sampler_is_not_brought_back_onto_a_changed_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its adapters were trained for the base as it was: a directory saved again since is
+    refused, not sampled as if nothing had changed (review)."""
+    from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
+
+    monkeypatch.setenv(registry.SAMPLERS_PER_SESSION_ENV, "1")
+    model = make_tiny_hf_model_dir(tmp_path / "model", seed=0)
+    backend = LocalBackend(tmp_path / "store")
+    try:
+        service = tinker.ServiceClient(backend=backend)
+        training = service.create_lora_training_client(str(model), rank=4, seed=0).result()
+        path = training.save_weights_for_sampler("opponent").result().path
+        opponent = service.create_sampling_client(model_path=path).result()
+        training.save_weights_and_get_sampling_client().result()  # the opponent let go
+        assert opponent.sampler_id in backend.models.set_aside
+        make_tiny_hf_model_dir(model, seed=1)
+        refused = (tinker.NotFoundError, tinker.RequestFailedError)
+        with pytest.raises(refused, match="base model's directory .* changed since"):
+            _logprobs(opponent)
     finally:
         backend.close()

@@ -565,8 +565,10 @@ class LocalBackend(LocalRestQueries):
                 name = base_model
             resolved = self.models.resolve_model(name)
             name = self._recorded(name, resolved)
-            sampler = Sampler(sampler_id, session_id, name, resolved, spec, model_path)
-            sampler.source = source
+            self.models.check_files(resolved)
+            sampler = Sampler(
+                sampler_id, session_id, name, resolved, spec, model_path, source=source
+            )
             self.models.register_sampler(sampler, adapters)
             return sampler_id
 
@@ -576,7 +578,9 @@ class LocalBackend(LocalRestQueries):
         return (await self.get_sampler(sampler_id)).base_model
 
     async def get_sampler(self, sampler_id: str) -> types.GetSamplerResponse:
-        s = await self._run(lambda: self.models.sampler(sampler_id), plain=True)
+        s = self.models.live_sampler(sampler_id)  # a set-aside one's record: not loaded again
+        if s is None:
+            s = await self._run(lambda: self.models.sampler(sampler_id), plain=True)
         return types.GetSamplerResponse(
             sampler_id=sampler_id, base_model=s.base_model, model_path=s.model_path
         )

@@ -60,7 +60,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
-from tinker_sr.engine.set_aside import SetAside
+from tinker_sr.engine.set_aside import SetAside, Source
 from tinker_sr.engine.spill import SpillDir, sweep_once
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
@@ -154,7 +154,7 @@ class Sampler:
     lora: LoraSpec | None
     model_path: str | None
     registry: ModelRegistry | None = field(default=None, repr=False)
-    source: tuple[int, int] | None = None  # its checkpoint file's size and mtime (`set_aside`)
+    source: Source | None = None  # as its checkpoint and base directory were (`set_aside`)
 
     @functools.cached_property
     def context(self) -> int:  # its model's context length, from config.json alone: read once
@@ -338,9 +338,11 @@ class ModelRegistry:
         apply_lora(model, spec)
         return model
 
-    def _check_files(self, resolved: str) -> None:
-        """A new client of ``resolved``: its directory as its base loaded, or loaded again
-        where no open client uses it; else refused (`dir_stamps`)."""
+    @_locked
+    def check_files(self, resolved: str) -> None:
+        """A new client asks for ``resolved``'s base: its directory as it loaded, or loaded
+        again where no open client uses it; else refused (`dir_stamps`). Not for a trainer's
+        own samplers, which run the base it holds."""
         if self._dirs.changed(resolved, self._resolved_in_use()):
             self._drop_unused_bases(resolved)
 
@@ -349,7 +351,7 @@ class ModelRegistry:
         """The shared base with new LoRA adapters, and an optimizer over the adapters.
         Activation checkpointing (`checkpointing_setting`) recomputes layer activations in
         backward: less memory for long sequences, about one more forward pass of compute."""
-        self._check_files(resolved)
+        self.check_files(resolved)
         model = self._adapted(resolved, spec)
         model.checkpoint_layers = checkpointing_setting()
         model.autocast_dtype = train_autocast_dtype(self.device)
@@ -360,8 +362,8 @@ class ModelRegistry:
         used = self._resolved_in_use()
         for key in [k for k in self._bases if k[0] not in used]:
             del self._bases[key]
-        self._dirs.keep(used)
         self._tokenizers.pop(changed or "", None)
+        self._dirs.keep(used | set(self._tokenizers))  # a tokenizer is checked as its base
 
     def _resolved_in_use(self) -> set[str]:
         used = {t.resolved for t in self._trainers.values()}
@@ -461,7 +463,6 @@ class ModelRegistry:
         sampling weights now, so a mismatched checkpoint fails here, not at the first sample."""
         if (adapters is None) != (sampler.lora is None):
             raise ValueError("register_sampler: pass adapters exactly when sampler.lora is set")
-        self._check_files(sampler.resolved)
         sampler.registry = self
         self._samplers[sampler.sampler_id] = sampler
         if adapters is not None:
@@ -485,8 +486,8 @@ class ModelRegistry:
         for lora, quota in ((True, self.samplers_per_session), (False, BASE_SAMPLERS_PER_SESSION)):
             ids = [k for k, is_lora in mine if is_lora == lora]
             for sampler_id in ids[: max(0, len(ids) - quota)]:
-                if (let_go := self._forget_sampler(sampler_id)) is not None:
-                    self.set_aside.keep(let_go)
+                self.set_aside.keep(self._samplers[sampler_id])  # before it leaves: never
+                self._forget_sampler(sampler_id)  # unknown to `live_sampler` in between
 
     @_locked
     def release_sampler(self, sampler_id: str) -> Sampler | None:

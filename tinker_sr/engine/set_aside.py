@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tinker_sr.engine.dir_stamps import Stamp, dir_stamp
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -25,7 +26,11 @@ if TYPE_CHECKING:  # they import the registry, which imports this module
     from tinker_sr.engine.checkpoint_store import CheckpointStore
     from tinker_sr.engine.registry import ModelRegistry, Sampler
 
-__all__ = ["SetAside", "checkpoint_sampler"]
+__all__ = ["SetAside", "Source", "checkpoint_sampler"]
+
+# A checkpoint sampler's sources as it was made: its checkpoint file's size and modification
+# time (ns), and its base model directory's files (`dir_stamps`; None for a built-in).
+Source = tuple[tuple[int, int], Stamp | None]
 
 KEPT = 65_536  # set-aside samplers kept in all (oldest forgotten first): ~20 MB at most
 
@@ -35,9 +40,9 @@ def checkpoint_sampler(
     model_path: str,
     base_model: str | None,
     resolve: Callable[[str], str],
-) -> tuple[str, LoraSpec | None, dict[str, torch.Tensor], tuple[int, int]]:
+) -> tuple[str, LoraSpec | None, dict[str, torch.Tensor], Source]:
     """What a sampler of checkpoint ``model_path`` runs: its base model's name, its LoRA spec
-    and adapters, and the checkpoint file's size and modification time (ns)."""
+    and adapters, and its `Source`."""
     from tinker_sr.engine import training
     from tinker_sr.engine.checkpoint_store import parse_path
     from tinker_sr.engine.checkpoints import read_record
@@ -47,7 +52,8 @@ def checkpoint_sampler(
     record = read_record(meta, tensors, model_path)
     name = record.base_for(base_model, resolve, model_path)
     st = checkpoints.path_of(checkpoints.live(model_path)).stat()
-    return name, record.lora, training.strip(tensors, "lora."), (st.st_size, st.st_mtime_ns)
+    source = ((st.st_size, st.st_mtime_ns), dir_stamp(resolve(name)))
+    return name, record.lora, training.strip(tensors, "lora."), source
 
 
 class SetAside:
@@ -60,14 +66,14 @@ class SetAside:
 
     def keep(self, s: Sampler) -> None:
         """``s`` leaves memory; kept where its checkpoint can bring it back."""
-        if s.model_path is not None and s.lora is not None and self.checkpoints is not None:
+        if s.model_path and s.lora and s.source and self.checkpoints is not None:
             self._kept[s.sampler_id] = s
             while len(self._kept) > KEPT:
                 self._kept.popitem(last=False)
 
     def forget(self, sampler_id: str | None = None, session_id: str | None = None) -> None:
         """Forget ``sampler_id``, or every sampler of ``session_id`` (released)."""
-        for key in [k for k, s in self._kept.items() if s.session_id == session_id]:
+        for key in self.ids(session_id) if session_id is not None else ():
             del self._kept[key]
         self._kept.pop(sampler_id or "", None)
 
@@ -83,25 +89,28 @@ class SetAside:
 
     def bring_back(self, registry: ModelRegistry, sampler_id: str) -> bool:
         """Load ``sampler_id`` again from its checkpoint into ``registry``, if it was set
-        aside; False if it was not (unknown)."""
+        aside; False if it was not (unknown). One that cannot come back stays set aside, and
+        each use says why."""
         s = self._kept.get(sampler_id)
-        if s is None or self.checkpoints is None or s.model_path is None:
-            return False
+        if s is None or self.checkpoints is None or s.model_path is None or s.source is None:
+            return False  # (`keep` keeps only samplers with a checkpoint and a source)
         try:
-            _, spec, adapters, stamp = checkpoint_sampler(
+            _, spec, adapters, source = checkpoint_sampler(
                 self.checkpoints, s.model_path, s.base_model, registry.resolve_model
             )
-            if stamp != s.source:
+            if source[0] != s.source[0]:
                 raise EngineUserError(f"{s.model_path} was written again since")
+            if source[1] != s.source[1]:
+                raise EngineUserError(f"its base model's directory {s.resolved} changed since")
         except (EngineUserError, EngineNotFoundError, OSError) as e:
-            del self._kept[sampler_id]
             raise EngineNotFoundError(
                 f"sampling client {sampler_id!r} was let go (its session keeps its most recently "
                 f"used LoRA sampling clients) and cannot be loaded again from its checkpoint: "
                 f"{e}. Make a new one from a checkpoint that exists"
             ) from None
+        again = type(s)(
+            s.sampler_id, s.session_id, s.base_model, s.resolved, spec, s.model_path, source=source
+        )
+        registry.register_sampler(again, adapters)  # live before it leaves the set-aside ones
         del self._kept[sampler_id]
-        again = type(s)(s.sampler_id, s.session_id, s.base_model, s.resolved, spec, s.model_path)
-        again.source = stamp
-        registry.register_sampler(again, adapters)
         return True
