@@ -13,7 +13,7 @@ import pytest
 import tinker_sr as tinker
 from tinker_sr import types
 from tinker_sr.backend.local import LocalBackend
-from tinker_sr.engine import registry
+from tinker_sr.engine import env_settings
 
 MODEL = "tinker-sr/tiny"
 PROMPT = types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
@@ -35,7 +35,7 @@ def _logprobs(sampler: Any) -> list[float | None]:
 def test_a_let_go_sampler_of_a_checkpoint_comes_back_from_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(registry.SAMPLERS_PER_SESSION_ENV, "2")
+    monkeypatch.setenv(env_settings.SAMPLERS_PER_SESSION_ENV, "2")
     backend = LocalBackend(tmp_path / "store")
     try:
         service = tinker.ServiceClient(backend=backend)
@@ -80,7 +80,7 @@ def test_a_let_go_sampler_is_not_brought_back_onto_a_changed_base(
     refused, not sampled as if nothing had changed (review)."""
     from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir
 
-    monkeypatch.setenv(registry.SAMPLERS_PER_SESSION_ENV, "1")
+    monkeypatch.setenv(env_settings.SAMPLERS_PER_SESSION_ENV, "1")
     model = make_tiny_hf_model_dir(tmp_path / "model", seed=0)
     backend = LocalBackend(tmp_path / "store")
     try:

@@ -214,7 +214,7 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
 def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tinker_sr.engine import admission
+    from tinker_sr.engine import env_settings
     from tinker_sr.engine import model as model_mod
 
     config = model_mod.BUILTIN_CONFIGS["tinker-sr/small"]
@@ -237,11 +237,11 @@ def test_automatic_checkpointing_turns_on_when_activations_crowd_memory(
     assert len(used) == model.config.n_layers
 
     for raw, want in (("", None), ("auto", None), ("0", False), ("1", True)):
-        monkeypatch.setenv(admission.CHECKPOINTING_ENV, raw)
-        assert admission.checkpointing_setting() is want
-    monkeypatch.setenv(admission.CHECKPOINTING_ENV, "yes")
+        monkeypatch.setenv(env_settings.CHECKPOINTING_ENV, raw)
+        assert env_settings.checkpointing_setting() is want
+    monkeypatch.setenv(env_settings.CHECKPOINTING_ENV, "yes")
     with pytest.raises(ValueError, match="TINKER_SR_ACTIVATION_CHECKPOINTING must be"):
-        admission.checkpointing_setting()
+        env_settings.checkpointing_setting()
 
 
 def _packed_lora_head(

@@ -19,20 +19,6 @@ from tinker_sr.engine.lora import trainable_parameters
 from tinker_sr.engine.optim import Adam
 from tinker_sr.user_errors import EngineUserError
 
-CHECKPOINTING_ENV = "TINKER_SR_ACTIVATION_CHECKPOINTING"
-
-
-def checkpointing_setting() -> bool | None:
-    """``$TINKER_SR_ACTIVATION_CHECKPOINTING``: ``1`` always, ``0`` never, unset or ``auto``:
-    when a step's activations would crowd the available memory (`model.checkpoint_pays`)."""
-    raw = os.environ.get(CHECKPOINTING_ENV, "auto").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in ("0", "1"):
-        return raw == "1"
-    raise ValueError(f"{CHECKPOINTING_ENV} must be 0, 1 or auto, got {raw!r}")
-
-
 # Free memory a new trainer must leave beyond its own state: as much again (its steps'
 # activations and their gradients need room too), and at least this.
 TRAINER_HEADROOM = 64 << 20

@@ -28,7 +28,7 @@ import torch
 from tinker_sr.engine import gpt_oss, hybrid
 from tinker_sr.engine.checkpoints import count_nonfinite
 from tinker_sr.engine.cpu import available_memory, has_fast_half, why_slow_half
-from tinker_sr.engine.dtype_names import MODEL_DTYPE_ENV, dtype_name, env_model_dtype_name
+from tinker_sr.engine.env_settings import MODEL_DTYPE_ENV, dtype_name, env_model_dtype_name
 from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model

@@ -42,11 +42,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinker_sr.engine import gemm
-from tinker_sr.engine.admission import checkpointing_setting, trainer_optimizer
+from tinker_sr.engine import env_settings, gemm
+from tinker_sr.engine.admission import trainer_optimizer
 from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory, train_autocast_dtype
 from tinker_sr.engine.dir_stamps import LoadedDirs
+from tinker_sr.engine.env_settings import SAMPLERS_PER_SESSION_ENV, checkpointing_setting
 from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -117,10 +118,6 @@ class Trainer:
 MERGED_BUDGET_ENV, MERGED_DEFAULT_COPIES = "TINKER_SR_MERGED_CACHE_MB", 2
 MERGED_HEADROOM = 1 << 30
 ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB = "TINKER_SR_SAMPLER_ADAPTERS_MB", 32
-# A session keeps the adapters of its most recently used samplers only: an RL loop that makes
-# a sampler every step (and never says when it drops one) would otherwise fill memory, then
-# the spill directory, without bound (base-model samplers: `BASE_SAMPLERS_PER_SESSION`).
-SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION = "TINKER_SR_SAMPLERS_PER_SESSION", 64
 # Base-model sampling clients hold no weights of their own (~1 KB each), but a loop making one
 # a step kept them all: a session keeps its most recently used this many.
 BASE_SAMPLERS_PER_SESSION = 4096
@@ -205,7 +202,7 @@ class ModelRegistry:
             self.adapter_budget = _budget_bytes(ADAPTER_BUDGET_ENV, ADAPTER_BUDGET_MB) or 0
         per_session = samplers_per_session
         if per_session is None:
-            per_session = int(os.environ.get(SAMPLERS_PER_SESSION_ENV, SAMPLERS_PER_SESSION))
+            per_session = env_settings.samplers_per_session()
         self.samplers_per_session = max(1, per_session)
         # (resolved, None) is the base as loaded; (resolved, dtype) a converted copy.
         self._bases: dict[tuple[str, torch.dtype | None], Transformer] = {}

@@ -1,5 +1,5 @@
 """LoRA sampling clients made from a saved checkpoint, set aside when their session keeps too
-many (`registry.SAMPLERS_PER_SESSION`) and loaded again from it on their next use.
+many (`env_settings.SAMPLERS_PER_SESSION`) and loaded again from it on their next use.
 
 A session keeps the adapters of its most recently used LoRA samplers only, or an RL loop that
 makes a sampler every step would fill memory. Before, a client it had let go (a self-play

@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tinker_sr.engine.cpu import default_torch_threads
-from tinker_sr.engine.dtype_names import env_model_dtype_name
+from tinker_sr.engine.env_settings import (
+    checkpointing_setting,
+    env_model_dtype_name,
+    samplers_per_session,
+)
 from tinker_sr.engine.store import default_store_dir
 from tinker_sr.model_aliases import env_aliases
 
@@ -49,13 +53,16 @@ class UnusableSettingError(ValueError):
 
 def check_settings() -> None:
     """Raise `UnusableSettingError` (naming the variable) where ``$TINKER_SR_MODEL_ALIASES``,
-    ``$TINKER_SR_MODEL_DTYPE``, ``$TINKER_SR_TORCH_THREADS`` or
-    ``$TINKER_SR_REQUEST_START_S`` cannot be used; torch-free, so it is said at once."""
+    ``$TINKER_SR_MODEL_DTYPE``, ``$TINKER_SR_TORCH_THREADS``, ``$TINKER_SR_REQUEST_START_S``,
+    ``$TINKER_SR_ACTIVATION_CHECKPOINTING`` or ``$TINKER_SR_SAMPLERS_PER_SESSION`` cannot be
+    used; torch-free, so it is said at once."""
     try:
         env_aliases()
         env_model_dtype_name()
         default_torch_threads()
         request_start_s()
+        checkpointing_setting()
+        samplers_per_session()
     except ValueError as e:
         raise UnusableSettingError(str(e)) from None
 
