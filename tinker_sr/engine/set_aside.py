@@ -7,7 +7,7 @@ league's old opponent, made with ``create_sampling_client(model_path=...)``) fai
 next use, where the hosted service's client keeps working. Such a client's weights are still
 in its checkpoint, so only its name, base model and path are kept (a few hundred bytes), and
 its next use reads them again: refused, naming why, if the checkpoint was deleted, expired or
-written again since. Samplers with no checkpoint of their own (``save_weights_and_get_
+written again since, or its base model's directory saved again (`dir_stamps`). Samplers with no checkpoint of their own (``save_weights_and_get_
 sampling_client``) are not kept: their weights are gone."""
 
 from __future__ import annotations
