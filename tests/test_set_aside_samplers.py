@@ -19,17 +19,19 @@ MODEL = "tinker-sr/tiny"
 PROMPT = types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
 
 
-def _step(training: Any, i: int) -> None:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+def _step(training: Any, i: int, t: Any = types) -> None:
+    """One step on the training client; ``t``: the types of its SDK (tinker_sr's, or the
+    official one's)."""
+    datum = t.Datum(
+        model_input=t.ModelInput.from_ints([5, 6, 7, 8]),
         loss_fn_inputs={"target_tokens": [6, 7, 8, 9 + i], "weights": [1.0] * 4},
     )
     training.forward_backward([datum], "cross_entropy").result()
-    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    training.optim_step(t.AdamParams(learning_rate=1e-2)).result()
 
 
-def _logprobs(sampler: Any) -> list[float | None]:
-    return list(sampler.compute_logprobs(PROMPT).result())
+def _logprobs(sampler: Any, t: Any = types) -> list[float | None]:
+    return list(sampler.compute_logprobs(t.ModelInput.from_ints(PROMPT.to_ints())).result())
 
 
 def test_a_let_go_sampler_of_a_checkpoint_comes_back_from_it(
@@ -96,3 +98,26 @@ def test_a_let_go_sampler_is_not_brought_back_onto_a_changed_base(
             _logprobs(opponent)
     finally:
         backend.close()
+
+
+def test_the_official_sdk_uses_a_let_go_sampler_through_serve(tmp_path: Path) -> None:
+    """The same through ``tinker-sr serve``, driven by the official SDK (tinker 0.38)."""
+    official = pytest.importorskip("tinker")
+    from tests._server import running_server
+
+    env = {env_settings.SAMPLERS_PER_SESSION_ENV: "1"}
+    with running_server(tmp_path / "store", env=env) as srv:
+        service = official.ServiceClient(base_url=srv.base_url, api_key="tml-set-aside")
+        try:
+            training = service.create_lora_training_client(MODEL, rank=4, seed=0)
+            _step(training, 0, official.types)
+            path = training.save_weights_for_sampler("opponent").result().path
+            opponent = service.create_sampling_client(model_path=path)
+            before = _logprobs(opponent, official.types)
+            _step(training, 1, official.types)
+            newer = training.save_weights_and_get_sampling_client()
+            _logprobs(newer, official.types)  # made on the server: the opponent let go
+            assert _logprobs(opponent, official.types) == before  # read again from its checkpoint
+            assert opponent.get_base_model() == MODEL
+        finally:
+            service.holder.close()
