@@ -555,9 +555,9 @@ class LocalBackend(LocalRestQueries):
             if model_path is None and base_model is None:
                 raise EngineUserError("Either model_path or base_model must be provided")
             sampler_id = self.models.new_sampler_id(session_id, sampling_session_seq_id)
-            spec, adapters, source = None, None, None
+            spec, adapters, stamp = None, None, None
             if model_path is not None:
-                name, spec, adapters, source = checkpoint_sampler(
+                name, spec, adapters, stamp = checkpoint_sampler(
                     self.checkpoints, model_path, base_model, self.models.resolve_model
                 )
             else:
@@ -565,7 +565,8 @@ class LocalBackend(LocalRestQueries):
                 name = base_model
             resolved = self.models.resolve_model(name)
             name = self._recorded(name, resolved)
-            self.models.check_files(resolved)
+            base = self.models.check_files(resolved)  # its files now; a checkpoint's
+            source = None if stamp is None else (stamp, base)  # sampler keeps both (`set_aside`)
             sampler = Sampler(
                 sampler_id, session_id, name, resolved, spec, model_path, source=source
             )

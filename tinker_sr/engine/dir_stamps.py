@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tinker_sr.engine.hf import INDEX_FILE, weight_files
+from tinker_sr.engine.model import BUILTIN_CONFIGS
 from tinker_sr.user_errors import EngineUserError
 
 __all__ = ["LoadedDirs", "Stamp", "dir_stamp"]
@@ -21,7 +22,7 @@ def dir_stamp(resolved: str) -> Stamp | None:
     """Each file the engine reads from directory ``resolved`` with its size and modification
     time in ns (-1 for one that is missing); None for a built-in model."""
     root = Path(resolved)
-    if not root.is_dir():
+    if resolved in BUILTIN_CONFIGS or not root.is_dir():  # (not a folder its name may name)
         return None
     try:
         weights = [p.name for p in weight_files(root)]
@@ -60,11 +61,12 @@ class LoadedDirs:
         """``resolved``'s base is about to be read: its files now."""
         self._stamps[resolved] = dir_stamp(resolved)
 
-    def changed(self, resolved: str, in_use: set[str]) -> bool:
-        """Whether ``resolved`` changed since it loaded, where no open client uses it (its
-        base must be loaded again); raises `changed_error` where one does."""
+    def changed(self, resolved: str, now: Stamp | None, in_use: set[str]) -> bool:
+        """Whether ``resolved``, whose files are ``now`` (`dir_stamp`), changed since it
+        loaded, where no open client uses it (its base must be loaded again); raises
+        `changed_error` where one does."""
         was = self._stamps.get(resolved)
-        if was is None or (now := dir_stamp(resolved)) == was:
+        if was is None or now == was:
             return False
         if resolved in in_use:
             raise changed_error(resolved, was, now)

@@ -46,7 +46,7 @@ from tinker_sr.engine import env_settings, gemm
 from tinker_sr.engine.admission import trainer_optimizer
 from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory, train_autocast_dtype
-from tinker_sr.engine.dir_stamps import LoadedDirs
+from tinker_sr.engine.dir_stamps import LoadedDirs, Stamp, dir_stamp
 from tinker_sr.engine.env_settings import SAMPLERS_PER_SESSION_ENV, checkpointing_setting
 from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
@@ -336,12 +336,14 @@ class ModelRegistry:
         return model
 
     @_locked
-    def check_files(self, resolved: str) -> None:
+    def check_files(self, resolved: str) -> Stamp | None:
         """A new client asks for ``resolved``'s base: its directory as it loaded, or loaded
         again where no open client uses it; else refused (`dir_stamps`). Not for a trainer's
-        own samplers, which run the base it holds."""
-        if self._dirs.changed(resolved, self._resolved_in_use()):
+        own samplers, which run the base it holds. Returns the directory's files now."""
+        now = dir_stamp(resolved)
+        if self._dirs.changed(resolved, now, self._resolved_in_use()):
             self._drop_unused_bases(resolved)
+        return now
 
     @_locked
     def new_trainable(self, resolved: str, spec: LoraSpec) -> tuple[Transformer, Adam]:

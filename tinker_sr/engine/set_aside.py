@@ -7,8 +7,9 @@ league's old opponent, made with ``create_sampling_client(model_path=...)``) fai
 next use, where the hosted service's client keeps working. Such a client's weights are still
 in its checkpoint, so only its name, base model and path are kept (a few hundred bytes), and
 its next use reads them again: refused, naming why, if the checkpoint was deleted, expired or
-written again since, or its base model's directory saved again (`dir_stamps`). Samplers with no checkpoint of their own (``save_weights_and_get_
-sampling_client``) are not kept: their weights are gone."""
+written again since, or its base model's directory saved again (`dir_stamps`). Samplers with
+no checkpoint of their own (``save_weights_and_get_sampling_client``) are not kept: their
+weights are gone."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ if TYPE_CHECKING:  # they import the registry, which imports this module
 
 __all__ = ["SetAside", "Source", "checkpoint_sampler"]
 
-# A checkpoint sampler's sources as it was made: its checkpoint file's size and modification
-# time (ns), and its base model directory's files (`dir_stamps`; None for a built-in).
-Source = tuple[tuple[int, int], Stamp | None]
+FileStamp = tuple[int, int]  # a checkpoint file's size and modification time (ns)
+# A checkpoint sampler's sources as it was made: its checkpoint file's `FileStamp`, and its
+# base model directory's files (`dir_stamps`; None for a built-in).
+Source = tuple[FileStamp, Stamp | None]
 
 KEPT = 65_536  # set-aside samplers kept in all (oldest forgotten first): ~20 MB at most
 
@@ -40,9 +42,9 @@ def checkpoint_sampler(
     model_path: str,
     base_model: str | None,
     resolve: Callable[[str], str],
-) -> tuple[str, LoraSpec | None, dict[str, torch.Tensor], Source]:
+) -> tuple[str, LoraSpec | None, dict[str, torch.Tensor], FileStamp]:
     """What a sampler of checkpoint ``model_path`` runs: its base model's name, its LoRA spec
-    and adapters, and its `Source`."""
+    and adapters; and the checkpoint file's `FileStamp` (its base's stamp: `Source`)."""
     from tinker_sr.engine import training
     from tinker_sr.engine.checkpoint_store import parse_path
     from tinker_sr.engine.checkpoints import read_record
@@ -52,8 +54,7 @@ def checkpoint_sampler(
     record = read_record(meta, tensors, model_path)
     name = record.base_for(base_model, resolve, model_path)
     st = checkpoints.path_of(checkpoints.live(model_path)).stat()
-    source = ((st.st_size, st.st_mtime_ns), dir_stamp(resolve(name)))
-    return name, record.lora, training.strip(tensors, "lora."), source
+    return name, record.lora, training.strip(tensors, "lora."), (st.st_size, st.st_mtime_ns)
 
 
 class SetAside:
@@ -95,9 +96,10 @@ class SetAside:
         if s is None or self.checkpoints is None or s.model_path is None or s.source is None:
             return False  # (`keep` keeps only samplers with a checkpoint and a source)
         try:
-            _, spec, adapters, source = checkpoint_sampler(
+            _, spec, adapters, stamp = checkpoint_sampler(
                 self.checkpoints, s.model_path, s.base_model, registry.resolve_model
             )
+            source = (stamp, dir_stamp(s.resolved))
             if source[0] != s.source[0]:
                 raise EngineUserError(f"{s.model_path} was written again since")
             if source[1] != s.source[1]:
