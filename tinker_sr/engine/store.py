@@ -4,7 +4,8 @@ usage (`engine.usage`: tokens and checkpoints per session, base model and UTC ho
 One SQLite file (WAL) under the store directory. The embedded backend and the server share
 this code, so a server restart finds every acknowledged checkpoint and recorded sequence.
 Recorded sequences are stored compactly: int32 token ids and draws, float32 logprobs, as
-raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token).
+raw little-endian blobs (about 4 + 4 + 4*K bytes per sampled token), and each prompt block
+once however many sequences share it (`engine.store_sequences`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from tinker_sr.engine import store_sequences
 from tinker_sr.engine.fork_guard import guard
 from tinker_sr.engine.store_files import (
     StoreDamagedError,
@@ -70,18 +70,6 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     public INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, checkpoint_id)
 );
-CREATE TABLE IF NOT EXISTS sequences (
-    sequence_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    prompt_tokens BLOB NOT NULL,
-    sampled_tokens BLOB NOT NULL,
-    sampler_logprobs BLOB NOT NULL,
-    draws BLOB,
-    draws_k INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    last_used_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
 CREATE INDEX IF NOT EXISTS training_runs_session ON training_runs(session_id);
 CREATE TABLE IF NOT EXISTS usage (
     bucket_start INTEGER NOT NULL,
@@ -98,6 +86,7 @@ CREATE TABLE IF NOT EXISTS usage (
 _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
     ("sessions", "tags", "TEXT"),
+    store_sequences.ADDED_COLUMN,
 )
 
 # INSERTs and SELECTs name their columns: a column a later version adds leaves this one working
@@ -105,10 +94,6 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
 _RUN_COLUMNS = (
     "run_id, session_id, base_model, lora_rank, lora_config, user_metadata, created_at,"
     " last_request_time"
-)
-_SEQ_COLUMNS = (
-    "sequence_id, session_id, prompt_tokens, sampled_tokens, sampler_logprobs, draws, draws_k,"
-    " created_at, last_used_at"
 )
 _CK_COLUMNS = (
     "run_id, checkpoint_id, checkpoint_type, tinker_path, file_path, created_at, size_bytes,"
@@ -218,7 +203,7 @@ class Store:
             if self.path is not None:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(_SCHEMA + store_sequences.SCHEMA)
             self._add_missing_columns()
             check_schema(self._db, self.path, stamp=True)
         except (sqlite3.DatabaseError, StoreTooNewError) as e:
@@ -523,27 +508,9 @@ class Store:
 
     # ---- recorded sequences -----------------------------------------------------------
     def put_sequences(self, records: list[SequenceRecord]) -> None:
-        rows = []
-        for rec in records:
-            draws = rec.draws
-            rows.append(
-                (
-                    rec.sequence_id,
-                    rec.session_id,
-                    np.ascontiguousarray(rec.prompt_tokens, dtype="<i4").tobytes(),
-                    np.ascontiguousarray(rec.sampled_tokens, dtype="<i4").tobytes(),
-                    np.ascontiguousarray(rec.sampler_logprobs, dtype="<f4").tobytes(),
-                    None if draws is None else np.ascontiguousarray(draws, dtype="<i4").tobytes(),
-                    0 if draws is None else int(draws.shape[1]),
-                    rec.created_at,
-                    rec.last_used_at,
-                )
-            )
         with self._lock:
             with self._transaction():
-                self._db.executemany(
-                    f"INSERT INTO sequences ({_SEQ_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", rows
-                )
+                store_sequences.insert(self._db, records)
             for rec in records:
                 self._cache_put(rec)
 
@@ -554,26 +521,9 @@ class Store:
             if rec is not None:
                 self._seq_cache.move_to_end(sequence_id)
                 return rec
-            row = self._db.execute(
-                f"SELECT {_SEQ_COLUMNS} FROM sequences WHERE sequence_id=?", (sequence_id,)
-            ).fetchone()
-            if row is None:
-                return None
-            (sid, sess, prompt, sampled, lps, draws, k, created, last_used) = row
-            s = np.frombuffer(sampled, dtype="<i4").astype(np.int32)
-            rec = SequenceRecord(
-                sequence_id=sid,
-                session_id=sess,
-                prompt_tokens=np.frombuffer(prompt, dtype="<i4").astype(np.int32),
-                sampled_tokens=s,
-                sampler_logprobs=np.frombuffer(lps, dtype="<f4").astype(np.float32),
-                draws=None
-                if draws is None
-                else np.frombuffer(draws, dtype="<i4").astype(np.int32).reshape(len(s), k),
-                created_at=created,
-                last_used_at=last_used,
-            )
-            self._cache_put(rec)
+            rec = store_sequences.fetch(self._db, sequence_id)
+            if rec is not None:
+                self._cache_put(rec)
             return rec
 
     def touch_sequences(self, sequence_ids: set[str] | frozenset[str], now: float) -> None:
@@ -582,11 +532,8 @@ class Store:
             return
         ids = sorted(sequence_ids)
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                "UPDATE sequences SET last_used_at=? WHERE sequence_id=?", [(now, i) for i in ids]
-            )
-            self._db.execute("COMMIT")
+            with self._transaction():
+                store_sequences.touch(self._db, ids, now)
             for i in ids:
                 rec = self._seq_cache.get(i)
                 if rec is not None:
@@ -595,16 +542,14 @@ class Store:
     def purge_expired_sequences(self, older_than: float) -> int:
         now = time.time()
         with self._lock:  # used while the wall clock ran ahead (then stepped back): from now
-            self._db.execute(
-                "UPDATE sequences SET last_used_at=? WHERE last_used_at > ?", (now, now)
-            )
-            cur = self._db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,))
+            with self._transaction():
+                gone = store_sequences.purge(self._db, older_than, now)
             for k, r in list(self._seq_cache.items()):
                 if r.last_used_at < older_than:
                     del self._seq_cache[k]
                 elif r.last_used_at > now:
                     self._seq_cache[k] = _replace_last_used(r, now)
-        return cur.rowcount
+        return gone
 
     # ---- usage (engine.usage) ----------------------------------------------------------
     def add_usage(

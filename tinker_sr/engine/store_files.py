@@ -32,10 +32,12 @@ class StoreDamagedError(RuntimeError):
         )
 
 
-STORE_SCHEMA = 1
+STORE_SCHEMA = 2
 """The store's schema version (``PRAGMA user_version``): raised only for a change an older
 tinker_sr cannot read (new columns and tables are added in place: rows are read and written
-by column name, so this version reads a store a later one added columns to)."""
+by column name, so this version reads a store a later one added columns to). 2: a recorded
+sequence names its prompt's blocks (`engine.store_sequences`), which a version reading schema
+1 would take for an empty prompt."""
 
 
 class StoreTooNewError(StoreDamagedError):
