@@ -512,26 +512,45 @@ def test_fused_experts_of_the_wrong_rank_are_refused_by_name(
         load_model_dir(root)
 
 
-def test_tensor_names_save_pretrained_would_not_write_are_refused_naming_the_fix(
+def _same_logits_in_transformers(a: Path, b: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 9, 300, 17, 42, 260]])
+    with torch.no_grad():
+        one, two = (AutoModelForCausalLM.from_pretrained(d).eval()(ids).logits for d in (a, b))
+    assert torch.equal(one, two)
+
+
+def test_tensor_names_save_pretrained_would_not_write_load_as_transformers_loads_them(
     tmp_path: Path,
 ) -> None:
-    """Two layouts transformers loads by its own renaming, which this loader refuses: a bare
-    model's state dict (no ``model.`` prefix) and a tied model whose embedding is stored only
-    as ``lm_head.weight``. Each error now says what is off and how to re-save it (before: "no
-    place for ... check config.json" and "lacks ... model.embed_tokens.weight", no fix)."""
-    bare = make_tiny_hf_model_dir(tmp_path / "bare")
+    """Two layouts transformers loads by its own renaming: a bare model's state dict (no
+    ``model.`` prefix) and a tied model whose embedding is stored only as ``lm_head.weight``.
+    Both were refused ("lack the 'model.' prefix", "store them as model.embed_tokens");
+    now each loads the very weights of the directory save_pretrained wrote, as
+    transformers does (its logits on both identical)."""
+    plain = make_tiny_hf_model_dir(tmp_path / "plain", "mistral")
+    bare = tmp_path / "bare"
+    shutil.copytree(plain, bare)
     stored = load_file(bare / "model.safetensors")
+    assert "lm_head.weight" in stored  # untied: the output layer keeps its name
     save_file({k.removeprefix("model."): v for k, v in stored.items()}, bare / "model.safetensors")
-    with pytest.raises(EngineUserError, match="lack the 'model.' prefix .* save_pretrained"):
-        load_model_dir(bare)
-    tied = make_tiny_hf_model_dir(tmp_path / "tied")
-    config = json.loads((tied / "config.json").read_text())
-    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _same_logits_in_transformers(plain, bare)
+    want = load_model_dir(plain).state_dict()
+    got = load_model_dir(bare).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    tied = make_tiny_hf_model_dir(tmp_path / "tied")  # Qwen3's: tied
+    assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"]
     stored = load_file(tied / "model.safetensors")
+    head_only = tmp_path / "head_only"
+    shutil.copytree(tied, head_only)
     stored["lm_head.weight"] = stored.pop("model.embed_tokens.weight")
-    save_file(stored, tied / "model.safetensors")
-    with pytest.raises(EngineUserError, match="as lm_head.weight only: store them as model.embed"):
-        load_model_dir(tied)
+    save_file(stored, head_only / "model.safetensors")
+    _same_logits_in_transformers(tied, head_only)
+    want = load_model_dir(tied).state_dict()
+    got = load_model_dir(head_only).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_an_emptied_store_database_beside_checkpoints_is_refused(tmp_path: Path) -> None:

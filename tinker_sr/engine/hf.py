@@ -105,22 +105,46 @@ def _shard_name(name: object) -> bool:
     return isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
-def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, Any]]:
-    """(file, name, lazy slice) for every stored tensor, one file open at a time."""
+def _open(f: Path) -> Any:
     from safetensors import SafetensorError, safe_open
 
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise EngineUserError(
+            f"{f}: not a readable safetensors file ({e}); the file is truncated or "
+            "corrupt: copy or download it again, or re-save the model with transformers' "
+            "save_pretrained()"
+        ) from e
+
+
+def _renames(files: list[Path], tied: bool) -> dict[str, str]:
+    """Stored names the engine reads under another, as transformers loads them: a bare
+    model's state dict (``layers.0...``, no tensor under ``model.``) gets the base model's
+    prefix, ``model.``, on every name but the output layer's; a tied model (``tied``) that
+    stores its embedding only as ``lm_head.weight`` (no embedding tensor) reads it as
+    the embedding."""
+    keys: list[str] = []
     for f in files:
-        try:
-            opened = safe_open(str(f), framework="pt")
-        except (SafetensorError, OSError) as e:
-            raise EngineUserError(
-                f"{f}: not a readable safetensors file ({e}); the file is truncated or "
-                "corrupt: copy or download it again, or re-save the model with transformers' "
-                "save_pretrained()"
-            ) from e
-        with opened as handle:
+        with _open(f) as handle:
+            keys += list(handle.keys())
+    out = {}
+    if keys and not any(k.startswith("model.") for k in keys):
+        out = {k: f"model.{k}" for k in keys if not k.startswith("lm_head.")}
+    names = [out.get(k, k) for k in keys]
+    if tied and "lm_head.weight" in names and not any("embed" in n for n in names):
+        out["lm_head.weight"] = EMBED
+    return out
+
+
+def _tensors(files: list[Path], tied: bool = False) -> Iterator[tuple[Path, str, Any]]:
+    """(file, name, lazy slice) for every stored tensor, one file open at a time, under the
+    name transformers loads it by (`_renames`; ``tied``: config.json ties the embeddings)."""
+    renames = _renames(files, tied)
+    for f in files:
+        with _open(f) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield f, key, handle.get_slice(key)
+                yield f, renames.get(key, key), handle.get_slice(key)
 
 
 def checkpoint_dtype(root: Path, hf: dict[str, Any] | None = None) -> torch.dtype:
@@ -162,7 +186,7 @@ def _check_tensors(
     unused_in: set[str] = set()  # the files that hold them
     placed: dict[str, int] = {}
     mapped = _mapped(config, wrapped)  # stored names are not the engine's
-    for f, stored, sl in _tensors(files):
+    for f, stored, sl in _tensors(files, config.tie_embeddings):
         if mapped and stored.startswith(hybrid.UNUSED_PREFIXES):
             continue  # a vision tower; Qwen3.5's multi-token-prediction head
         fused = _fused_ndim(stored) if mapped else None
@@ -215,12 +239,6 @@ def _unplaced(
         "check config.json (architectures, attention_bias, mlp_bias, num_hidden_layers) "
         "against the checkpoint"
     )
-    if bare := [k for k in unused if f"model.{k}" in shapes]:  # a bare model's state dict
-        fix = (
-            f"its tensor names lack the 'model.' prefix transformers' save_pretrained writes "
-            f"({bare[0]!r} for 'model.{bare[0]}'): save it with save_pretrained from "
-            "AutoModelForCausalLM, or rename the tensors"
-        )
     if len(files) > 1 and not (root / INDEX_FILE).is_file():  # every file was read
         fix = (
             f"with neither {SINGLE_FILE} nor {INDEX_FILE} here every *.safetensors file is "
@@ -283,7 +301,7 @@ def _hold_any(
     (the engine's names, the stored ones mapped as on load)? One that cannot be read, or a
     name that does not map, may: it counts."""
     try:
-        for _, stored, sl in _tensors([root / name for name in names]):
+        for _, stored, sl in _tensors([root / name for name in names], config.tie_embeddings):
             landing = _engine_shapes(stored, tuple(sl.get_shape()), config, wrapped)
             if any(k in wanted for k, _ in landing):
                 return True
@@ -385,7 +403,7 @@ def load_model_dir(
     wanted = set(placed)
     with _progress(root, total) as bar, torch.no_grad():
         mapped = _mapped(config, wrapped)  # stored names are not the engine's
-        for f, stored, sl in _tensors(files):
+        for f, stored, sl in _tensors(files, config.tie_embeddings):
             key = _engine_key(stored, config) if mapped else stored
             if key in wanted or (mapped and _fused_ndim(key) is not None):
                 for name, tensor in _engine_parts(stored, sl[:], config, wrapped):
@@ -509,7 +527,7 @@ def _tie_or_untie(root: Path, files: list[Path], config: ModelConfig) -> ModelCo
     equal, else untied with both loaded (what transformers 5 does, with a warning)."""
     stored = {
         hybrid.engine_key(k): sl[:]
-        for _, k, sl in _tensors(files)
+        for _, k, sl in _tensors(files, config.tie_embeddings)
         if hybrid.engine_key(k) in ("lm_head.weight", EMBED)
     }
     if torch.equal(stored["lm_head.weight"], stored[EMBED]):
