@@ -99,8 +99,9 @@ def test_the_store_lock_file_keeps_no_api_key(
 
 
 def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path) -> None:
-    """A held port, a key no client can send, a store another server holds and a setting in
-    the environment it cannot use each stop ``tinker-sr serve`` before it imports torch and
+    """A held port, a key no client can send, a store another server holds, a setting in
+    the environment it cannot use and a --model-dir that is not one (before: after torch)
+    each stop ``tinker-sr serve`` before it imports torch and
     the server (before: after them, 4-6 s on a slow host for a one-line refusal); and `serve`
     called from Python the same way, its checks run once (before: twice from the CLI)."""
     from tinker_sr.server.store_lock import StoreLock
@@ -137,6 +138,9 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
         """
     )
     lock = StoreLock(held_store)  # a live server's lock, as far as the child can tell
+    no_vocabulary = tmp_path / "no-vocabulary"
+    no_vocabulary.mkdir()
+    (no_vocabulary / "config.json").write_text("{}")
     settings = {
         "TINKER_SR_REQUEST_START_S=abc": "$TINKER_SR_REQUEST_START_S must be a number",
         "TINKER_SR_MODEL_DTYPE=fp8": "$TINKER_SR_MODEL_DTYPE: 'fp8' is not a supported dtype",
@@ -154,6 +158,8 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
                 f"--port {port}",
                 "--port 0 --api-key abc",
                 *settings,
+                f"--port 0 --model-dir {tmp_path / 'nowhere'}",
+                f"--port 0 --model-dir {no_vocabulary}",
             ]
             proc = subprocess.run(
                 [sys.executable, "-c", code, *tries],
@@ -165,7 +171,7 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
         lock.release()
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 4 + 2 * len(settings), proc.stdout
+    assert len(lines) == 6 + 2 * len(settings), proc.stdout
     assert all(line.startswith("SystemExit tinker-sr serve: ") for line in lines[:3])
     assert f"store {held_store} is in use by another tinker-sr server" in lines[0]
     assert f"cannot listen on 127.0.0.1:{port}" in lines[1]
@@ -174,5 +180,10 @@ def test_a_refused_start_is_said_before_torch_or_the_server_loads(tmp_path: Path
         python, cli = lines[3 + 2 * i : 5 + 2 * i]
         assert python.startswith("UnusableSettingError ") and message in python, proc.stdout
         assert cli.startswith("SystemExit tinker-sr serve: ") and message in cli, proc.stdout
-    # each start checked its address once: 3 from the CLI, 2 for each setting
+    assert lines[-3].startswith("SystemExit tinker-sr serve: --model-dir ") and (
+        "no config.json in" in lines[-3]
+    )
+    assert "holds no tokenizer vocabulary" in lines[-2]
+    # each start checked its address once: 3 from the CLI, 2 for each setting; a missing
+    # --model-dir is refused before the address is checked
     assert lines[-1] == f"loaded [] {3 + 2 * len(settings)}", proc.stdout

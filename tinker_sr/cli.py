@@ -49,6 +49,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "tinker-sr serve: --api-key/--api-keys name no key (empty: an unset variable?); "
             "pass the keys clients must send, or leave the options out to accept any 'tml-' key"
         )
+    model_aliases_from_args(args, deep=False)  # a missing --model-dir: said before torch too
     try:  # what can refuse the start, said before torch and the server load (seconds)
         checked = preflight(args.host, args.port, keys or None, args.store)
     except refusals as e:
@@ -309,18 +310,23 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         raise SystemExit(f"tinker-sr serve: {e}") from None
 
 
-def _check_model_config(option: str, flag: str, path: str, *, no_tokenizer_ok: bool) -> None:
-    """Refuse at start a directory the engine would refuse at first use for its config.json,
-    its weight files or their tensors' names, shapes and dtypes (headers only: no weight is
-    read, so a damaged weight value is still found when the model loads)."""
-    from tinker_sr.engine.hf import check_model_dir
+def _check_model_config(
+    option: str, flag: str, path: str, *, no_tokenizer_ok: bool, deep: bool
+) -> None:
+    """Refuse at start a directory the engine would refuse at first use: without a tokenizer
+    vocabulary; with ``deep`` (which loads torch), for its config.json, its weight files or
+    their tensors' names, shapes and dtypes (headers only: no weight is read, so a damaged
+    weight value is still found when the model loads)."""
     from tinker_sr.tokenization.hf import VOCABULARY_FILES, has_vocabulary
-    from tinker_sr.user_errors import EngineUserError
 
-    try:
-        check_model_dir(path, flag)
-    except EngineUserError as e:
-        raise SystemExit(f"tinker-sr serve: {option} {e}") from None
+    if deep:
+        from tinker_sr.engine.hf import check_model_dir
+        from tinker_sr.user_errors import EngineUserError
+
+        try:
+            check_model_dir(path, flag)
+        except EngineUserError as e:
+            raise SystemExit(f"tinker-sr serve: {option} {e}") from None
     if not no_tokenizer_ok and not has_vocabulary(path):
         # The SDK's get_tokenizer() would build an empty tokenizer (every text -> []) from it.
         raise SystemExit(
@@ -377,15 +383,18 @@ def _alias_flags(values: list[str]) -> dict[str, str]:
     return out
 
 
-def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
-    from tinker_sr.engine.model import BUILTIN_CONFIGS
+def model_aliases_from_args(args: argparse.Namespace, *, deep: bool = True) -> dict[str, str]:
+    """The names ``--model-dir``, ``--model-alias`` and ``$TINKER_SR_MODEL_ALIASES`` serve,
+    each target checked (`SystemExit` naming the flag). ``deep=False`` checks what needs no
+    torch (paths, names, tokenizer files), so ``serve`` says those before loading it."""
     from tinker_sr.model_aliases import ENV, env_aliases
+    from tinker_sr.tokenization.byte import BYTE_TOKENIZER_MODELS as BUILT_IN
 
     aliases: dict[str, str] = {}
     no_tokenizer_ok = bool(getattr(args, "allow_no_tokenizer", False))
     for d in args.model_dir:
         path, from_cache = _model_dir("--model-dir", d)
-        _check_model_config("--model-dir", d, path, no_tokenizer_ok=no_tokenizer_ok)
+        _check_model_config("--model-dir", d, path, no_tokenizer_ok=no_tokenizer_ok, deep=deep)
         # A directory is served under its path and folder name too; a cached Hub name under
         # that name only (its folder is a commit hash).
         names = (d,) if from_cache else (d, path, os.path.basename(path.rstrip(os.sep)))
@@ -406,10 +415,10 @@ def model_aliases_from_args(args: argparse.Namespace) -> dict[str, str]:
         raise SystemExit(f"tinker-sr serve: {e}") from None
     for option, entries in ((env, from_env), ("--model-alias", named)):
         for name, target in entries.items():
-            if target not in BUILTIN_CONFIGS:  # a directory or a cached Hub name: check it now
+            if target not in BUILT_IN:  # a directory or a cached Hub name: check it now
                 path, _ = _model_dir(option, target, label=f"{name}={target}")
                 _check_model_config(
-                    option, f"{name}={target}", path, no_tokenizer_ok=no_tokenizer_ok
+                    option, f"{name}={target}", path, no_tokenizer_ok=no_tokenizer_ok, deep=deep
                 )
     aliases.update(named)
     return aliases
