@@ -121,3 +121,44 @@ def test_the_official_sdk_uses_a_let_go_sampler_through_serve(tmp_path: Path) ->
             assert opponent.get_base_model() == MODEL
         finally:
             service.holder.close()
+
+
+def test_a_let_go_sampler_is_read_back_while_other_samplers_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its checkpoint is read off the sampling thread and outside the registry's lock: a live
+    sampler's request is answered while the read is held up (before: the read ran under the
+    lock on the sampling thread, and every other decode waited for it)."""
+    import threading
+
+    monkeypatch.setenv(env_settings.SAMPLERS_PER_SESSION_ENV, "2")
+    backend = LocalBackend(tmp_path / "store")
+    release = threading.Event()
+    try:
+        service = tinker.ServiceClient(backend=backend)
+        training = service.create_lora_training_client(MODEL, rank=4, seed=0).result()
+        _step(training, 0)
+        path = training.save_weights_for_sampler("opponent").result().path
+        opponent = service.create_sampling_client(model_path=path).result()
+        before = _logprobs(opponent)
+        for i in (1, 2):  # two newer samplers push it out of the session's two
+            _step(training, i)
+            live = training.save_weights_and_get_sampling_client().result()
+        assert opponent.sampler_id in backend.models.set_aside
+        entered, real_load = threading.Event(), backend.checkpoints.load
+
+        def held_load(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            release.wait(120)
+            return real_load(*args, **kwargs)
+
+        monkeypatch.setattr(backend.checkpoints, "load", held_load)
+        pending = opponent.compute_logprobs(PROMPT)
+        assert entered.wait(60)
+        answered = live.sample(PROMPT, 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
+        assert not release.is_set() and len(answered.sequences[0].tokens) == 4
+        release.set()
+        assert list(pending.result(timeout=60)) == before  # then it is back, bit for bit
+    finally:
+        release.set()
+        backend.close()

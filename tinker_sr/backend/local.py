@@ -607,8 +607,7 @@ class LocalBackend(LocalRestQueries):
         sdk_hint: bool = True,
     ) -> str | None:
         """Why a sample does not fit its model's context (or, given ``num_samples``, this
-        engine's `Limits.max_sample_tokens`), before it is queued (a server's 400);
-        ``sdk_hint``: see `sampler.context_overflow`."""
+        engine's `Limits.max_sample_tokens`), before it is queued (a 400; `context_overflow`)."""
         return request_overflow(
             self.models, sampler_id, prompt, params, num_samples, self.limits, sdk_hint
         )
@@ -663,6 +662,8 @@ class LocalBackend(LocalRestQueries):
             raise refusal(400, overflow)  # as a server (and the hosted service) refuses it
         rows = num_samples if isinstance(num_samples, int) else 1
         listen = None if progress is None else lambda g: progress(g.new_tokens())
+        if sampler_id in self.models.set_aside:  # its checkpoint read off the sampling thread
+            await mapped(asyncio.to_thread(self.models.bring_back, sampler_id), self.store_dir)
         live = self.models.live_sampler(sampler_id)
         tenant = live.session_id if live is not None else sampler_id
         future = self._scheduler.submit(begin, rows, listen, tenant)
@@ -678,8 +679,7 @@ class LocalBackend(LocalRestQueries):
         ttl_seconds: int | None = None,
         age_encryption_recipients: Sequence[str] | None = None,
     ) -> types.SaveWeightsExternalResponse:
-        """The current adapters as ``tinker://<run>/external_weights/<name>``: files in the
-        layout Tinker exports for other tools (`engine.external_weights`)."""
+        """The adapters as ``tinker://<run>/external_weights/<name>`` (`external_weights`)."""
 
         def work(t: Trainer) -> types.SaveWeightsExternalResponse:
             path = save_external(self.checkpoints, t, name, ttl_seconds, age_encryption_recipients)

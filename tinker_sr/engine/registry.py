@@ -47,7 +47,7 @@ from tinker_sr.engine.admission import trainer_optimizer
 from tinker_sr.engine.cpu import return_freed_memory
 from tinker_sr.engine.device import free_memory, train_autocast_dtype
 from tinker_sr.engine.dir_stamps import LoadedDirs, Stamp, dir_stamp
-from tinker_sr.engine.env_settings import SAMPLERS_PER_SESSION_ENV, checkpointing_setting
+from tinker_sr.engine.env_settings import checkpointing_setting
 from tinker_sr.engine.hf import context_length, load_model_dir
 from tinker_sr.engine.lora import (
     LoraLinear,
@@ -61,7 +61,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import BUILTIN_CONFIGS, Transformer, build_model
 from tinker_sr.engine.optim import Adam
-from tinker_sr.engine.set_aside import SetAside, Source
+from tinker_sr.engine.set_aside import SetAside, Source, unknown_sampler
 from tinker_sr.engine.spill import SpillDir, sweep_once
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
@@ -418,21 +418,25 @@ class ModelRegistry:
             self._spill_dir = None
 
     # ---- samplers ---------------------------------------------------------------------
-    @_locked
     def sampler(self, sampler_id: str) -> Sampler:
-        """``sampler_id``'s sampler, now the most recently used (samplers are kept in use order)."""
-        s = self._samplers.get(sampler_id)
-        if s is None and self.set_aside.bring_back(self, sampler_id):
-            s = self._samplers[sampler_id]
-        if s is None:
-            raise EngineNotFoundError(
-                f"unknown sampling session {sampler_id!r}; create a sampling client first (a "
-                f"session keeps the weights of its {self.samplers_per_session} most recently "
-                f"used LoRA sampling clients, ${SAMPLERS_PER_SESSION_ENV} raises the number, "
-                f"and of its {BASE_SAMPLERS_PER_SESSION} most recently used base-model ones)"
-            )
-        self._samplers.move_to_end(sampler_id)  # one step: `live_sampler` never misses it
-        return s
+        """``sampler_id``'s sampler, now the most recently used (samplers are kept in use
+        order); one set aside is read back from its checkpoint first (`bring_back`)."""
+        for _ in range(3):  # (brought back, it may be let go again before this use)
+            with self._lock:
+                if (s := self._samplers.get(sampler_id)) is not None:
+                    self._samplers.move_to_end(sampler_id)  # one step: `live_sampler` sees it
+                    return s
+                if sampler_id not in self.set_aside:
+                    break
+            self.bring_back(sampler_id)
+        raise unknown_sampler(sampler_id, self.samplers_per_session, BASE_SAMPLERS_PER_SESSION)
+
+    def bring_back(self, sampler_id: str) -> None:
+        """A set-aside sampler live again, its checkpoint read outside the lock (`set_aside`)."""
+        found = self.set_aside.read_back(self, sampler_id)
+        if found is not None:
+            with self._lock:
+                self.set_aside.install(self, *found)
 
     def live_sampler(self, sampler_id: str) -> Sampler | None:
         """``sampler_id``'s sampler (or its record, set aside), or None, without waiting for

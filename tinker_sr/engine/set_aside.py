@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinker_sr.engine.dir_stamps import Stamp, dir_stamp
+from tinker_sr.engine.env_settings import SAMPLERS_PER_SESSION_ENV
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # they import the registry, which imports this module
     from tinker_sr.engine.checkpoint_store import CheckpointStore
     from tinker_sr.engine.registry import ModelRegistry, Sampler
 
-__all__ = ["SetAside", "Source", "checkpoint_sampler"]
+__all__ = ["SetAside", "Source", "checkpoint_sampler", "unknown_sampler"]
 
 FileStamp = tuple[int, int]  # a checkpoint file's size and modification time (ns)
 # A checkpoint sampler's sources as it was made: its checkpoint file's `FileStamp`, and its
@@ -55,6 +56,16 @@ def checkpoint_sampler(
     name = record.base_for(base_model, resolve, model_path)
     st = checkpoints.path_of(checkpoints.live(model_path)).stat()
     return name, record.lora, training.strip(tensors, "lora."), (st.st_size, st.st_mtime_ns)
+
+
+def unknown_sampler(sampler_id: str, lora_kept: int, base_kept: int) -> EngineNotFoundError:
+    """The error for a sampler id that is neither live nor set aside."""
+    return EngineNotFoundError(
+        f"unknown sampling session {sampler_id!r}; create a sampling client first (a session "
+        f"keeps the weights of its {lora_kept} most recently used LoRA sampling clients, "
+        f"${SAMPLERS_PER_SESSION_ENV} raises the number, and of its {base_kept} most recently "
+        "used base-model ones)"
+    )
 
 
 class SetAside:
@@ -88,13 +99,16 @@ class SetAside:
     def ids(self, session_id: str) -> list[str]:
         return [k for k, s in self._kept.items() if s.session_id == session_id]
 
-    def bring_back(self, registry: ModelRegistry, sampler_id: str) -> bool:
-        """Load ``sampler_id`` again from its checkpoint into ``registry``, if it was set
-        aside; False if it was not (unknown). One that cannot come back stays set aside, and
-        each use says why."""
+    def read_back(
+        self, registry: ModelRegistry, sampler_id: str
+    ) -> tuple[Sampler, dict[str, torch.Tensor]] | None:
+        """``sampler_id`` as its checkpoint has it now, with its adapters, if it is set aside
+        (None: it is not). Run outside the registry's lock: the read takes as long as the
+        file, and decoding and training go on meanwhile. One that cannot come back stays set
+        aside, and each use says why (`EngineNotFoundError`)."""
         s = self._kept.get(sampler_id)
         if s is None or self.checkpoints is None or s.model_path is None or s.source is None:
-            return False  # (`keep` keeps only samplers with a checkpoint and a source)
+            return None  # (`keep` keeps only samplers with a checkpoint and a source)
         try:
             _, spec, adapters, stamp = checkpoint_sampler(
                 self.checkpoints, s.model_path, s.base_model, registry.resolve_model
@@ -113,6 +127,13 @@ class SetAside:
         again = type(s)(
             s.sampler_id, s.session_id, s.base_model, s.resolved, spec, s.model_path, source=source
         )
-        registry.register_sampler(again, adapters)  # live before it leaves the set-aside ones
-        del self._kept[sampler_id]
-        return True
+        return again, adapters
+
+    def install(
+        self, registry: ModelRegistry, again: Sampler, adapters: dict[str, torch.Tensor]
+    ) -> None:
+        """Make a sampler `read_back` gave live, under the registry's lock; nothing if it left
+        the set-aside ones meanwhile (released, or brought back by another use)."""
+        if again.sampler_id in self._kept:
+            registry.register_sampler(again, adapters)  # live before it leaves the set-aside
+            del self._kept[again.sampler_id]
