@@ -128,6 +128,8 @@ def test_a_streamed_message_comes_as_it_is_sampled(server: ServerProcess, model_
         ({"temperature": 1.5}, "temperature must be between 0 and 1"),
         ({"top_k": 0}, "top_k must be a positive integer"),
         ({"stop_sequences": "x"}, "stop_sequences must be a list"),
+        ({"stop_sequences": ["x"] * 17}, "stop_sequences: at most 16 stop strings, got 17"),
+        ({"stop_sequences": ["x" * 600_000]}, "stop_sequences[0] is 600,000 characters"),
         ({"max_tokens": 0}, "max_tokens: a positive integer is required"),
         ({"max_tokens": 100_000}, "context"),
         ({"metadata": "me"}, "metadata has the wrong type"),

@@ -32,7 +32,7 @@ from tests._server import (  # noqa: E402
 )
 from tests._train import cross_entropy_steps  # noqa: E402
 from tinker_sr.testing.hf_model_dir import make_tiny_hf_model_dir  # noqa: E402
-from tinker_sr.tokenization.hf import load_hf_tokenizer  # noqa: E402
+from tinker_sr.tokenization.hf import ModelTokenizer, load_hf_tokenizer  # noqa: E402
 
 HI = [{"role": "user", "content": "Hi there"}]
 
@@ -86,7 +86,8 @@ def test_completions_are_the_engines_samples(server: ServerProcess, model_dir: P
     want = sample_with_sdk(server, model_dir, prompt, 3, max_tokens=12, seed=7)
     assert len({c.text for c in got.choices}) == 3  # samples within one request differ
     for choice, seq in zip(got.choices, want.sequences, strict=True):
-        assert choice.text == tok.decode(seq.tokens, skip_special_tokens=True)
+        # an incomplete last character (cut by max_tokens) is not said, as in vLLM
+        assert choice.text == tok.decode(seq.tokens, skip_special_tokens=True).rstrip("\ufffd")
         assert choice.logprobs.tokens == [token_text(tok.decode([t]), table[t]) for t in seq.tokens]
         assert choice.logprobs.token_logprobs == pytest.approx(seq.logprobs, abs=0, rel=1e-6)
         assert choice.finish_reason == ("length" if seq.stop_reason == "length" else "stop")
@@ -104,7 +105,7 @@ def test_chat_renders_the_models_own_template(server: ServerProcess, model_dir: 
     assert got.usage.prompt_tokens == len(ids)
     msg = got.choices[0].message
     assert msg.role == "assistant"
-    assert msg.content == tok.decode(seq.tokens, skip_special_tokens=True)
+    assert msg.content == tok.decode(seq.tokens, skip_special_tokens=True).rstrip("\ufffd")
     content = got.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx(seq.logprobs, rel=1e-6)
     assert all(len(c.top_logprobs) == 3 for c in content)
@@ -447,6 +448,7 @@ def test_models_lists_the_servers_base_models(server: ServerProcess, model_dir: 
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
         ({"stop": [""]}, "stop", "non-empty string"),
+        ({"stop": ["x", "y" * 1025]}, "stop", "stop[1] is 1,025 characters long"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "differ"),
         ({"max_tokens": 100_000}, "max_tokens", "context"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
@@ -815,7 +817,8 @@ def test_greedy_log_probs_are_the_models_own(server: ServerProcess, model_dir: P
         want = sampler.compute_logprobs(tinker.ModelInput.from_ints(ids + tokens)).result()
     finally:
         service.holder.close()
-    assert got.text == load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    said = load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    assert got.text == said.rstrip("\ufffd")  # an incomplete last character is not said
     lps = got.logprobs.token_logprobs
     assert len(lps) == len(tokens) and lps == pytest.approx(want[len(ids) :], abs=1e-4)
     assert all(len(t) == 5 and max(t.values()) == lp for t, lp in zip(got.logprobs.top_logprobs, lps, strict=True))  # fmt: skip
@@ -895,6 +898,30 @@ def test_a_special_tokens_stop_string_ends_the_answer_at_that_token(model_dir: P
             assert choice.finish_reason == ("stop" if stop else reason)
 
 
+def test_an_answer_ended_by_eos_leaves_the_eos_text_out_as_vllm(
+    server: ServerProcess, model_dir: Path
+) -> None:
+    """With ``skip_special_tokens: false`` an answer that ends on the model's EOS kept its text
+    ("... 123 539<|endoftext|>") where vLLM leaves the token that ended the request out (and
+    the same request with that text as a stop string did too); its log-prob and usage still
+    count it (found by a hunt)."""
+    tok = load_hf_tokenizer(model_dir)
+    prompt = tok.encode("Hello world", add_special_tokens=True)
+    kw: dict[str, Any] = dict(max_tokens=64, seed=5, temperature=1.0)
+    want = sample_with_sdk(server, model_dir, prompt, 16, **kw).sequences
+    got = client(server).completions.create(
+        model=str(model_dir), prompt=prompt, n=16, logprobs=0, **kw,
+        extra_body={"skip_special_tokens": False},
+    ).choices  # fmt: skip
+    eos = set(ModelTokenizer(model_dir).eos_token_ids)
+    ended = [i for i, seq in enumerate(want) if seq.stop_reason == "stop"]
+    assert ended and all(want[i].tokens[-1] in eos for i in ended)  # EOS-ended answers
+    for choice, seq in zip(got, want, strict=True):
+        said = seq.tokens[:-1] if seq.stop_reason == "stop" else seq.tokens
+        assert choice.text == tok.decode(said, skip_special_tokens=False).rstrip("\ufffd")
+        assert len(choice.logprobs.tokens) == len(seq.tokens)  # the EOS still counted
+
+
 def _scored(server: ServerProcess, model_dir: Path, ids: list[int]) -> list[float]:
     """The model's own log-prob of each of ``ids`` after those before it (the SDK's
     ``compute_logprobs``: a forward over the whole sequence, no sampling involved)."""
@@ -920,7 +947,8 @@ def test_log_probs_above_temperature_0_are_the_models_own(
     got = oai.completions.create(**kw).choices[0]
     q = sample_with_sdk(server, model_dir, ids, 1, **params).sequences[0]
     tokens = list(q.tokens)
-    assert got.text == load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    said = load_hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True)
+    assert got.text == said.rstrip("\ufffd")  # an incomplete last character is not said
     lps = got.logprobs.token_logprobs
     assert lps == pytest.approx(_scored(server, model_dir, ids + tokens)[len(ids) :], abs=1e-4)
     assert max(abs(a - b) for a, b in zip(lps, q.logprobs, strict=True)) > 1e-2  # not q's

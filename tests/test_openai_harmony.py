@@ -161,6 +161,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, opening_dir: Path) -> Itera
         yield srv
 
 
+def _said(text: str | None) -> str | None:
+    return None if text is None else text.rstrip("\ufffd")
+
+
 @pytest.mark.parametrize("channel", ["analysis", "final"])
 def test_the_server_answers_gpt_oss_chats_split_as_its_samples_are(
     server: ServerProcess, opening_dir: Path, channel: str
@@ -174,7 +178,9 @@ def test_the_server_answers_gpt_oss_chats_split_as_its_samples_are(
     prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, return_dict=False, **kwargs)
     kw: dict[str, Any] = dict(max_tokens=24, seed=7, temperature=1.0)
     oracle = official_sdk_sample(server, str(opening_dir), prompt, 8, KEY, **kw).sequences
-    want = [split_channels(tok, prompt, list(s.tokens)) for s in oracle]
+    split = [split_channels(tok, prompt, list(s.tokens)) for s in oracle]
+    # cut by max_tokens: an incomplete last character is not said, as in vLLM
+    want = [None if w is None else tuple(_said(t) for t in w) for w in split]
     thinking = channel == "analysis"
     assert all(w is not None and (w[0] is not None) == thinking for w in want)
     assert all(w is not None and w[1 - thinking] for w in want)  # each wrote some text

@@ -394,3 +394,17 @@ def _check_oss_stream(
     tokens = [t for p in parts for t in oss.encode(p, add_special_tokens=False)][:cut] + more
     if tokens:
         _check_stream_prefix(oss, tokens, stop, skip, prompt)
+
+
+@settings(FUZZ, max_examples=scaled(400))
+@given(
+    text=st.text(alphabet="ab€\ufffd", max_size=40),
+    stop=st.text(alphabet="ab€", min_size=1, max_size=12),
+)
+def test_a_stream_holds_back_the_longest_end_that_may_begin_a_stop(text: str, stop: str) -> None:
+    """`_held_back` (which tries only where the stop string's first character is) against the
+    definition it replaced, every prefix of the stop string tried."""
+    from tinker_sr.server.live_stream import _held_back
+
+    want = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    assert _held_back(text, stop) == want

@@ -29,6 +29,7 @@ from .oai_format import (
     OaiRequest,
     Piece,
     Sent,
+    check_stops,
     check_unicode,
     number_field,
     unsent,
@@ -156,7 +157,7 @@ def _stops(body: dict[str, Any]) -> list[str]:
         return []
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise OaiError("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    return list(v)
+    return check_stops(v, "stop_sequences")
 
 
 def parse_messages_request(body: Any, *, count_only: bool = False) -> OaiRequest:

@@ -270,8 +270,24 @@ def _stop(body: dict[str, Any]) -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise OaiError("stop must be a non-empty string or a list of them", "stop")
-    if len(items) > 16:
-        raise OaiError(f"stop: at most 16 stop strings, got {len(items)}", "stop")
+    return check_stops(items, "stop")
+
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024
+
+
+def check_stops(items: list[str], field: str) -> list[str]:
+    """At most 16 stop strings (OpenAI's limit) of at most 1,024 characters each: each is
+    looked for in the answer at every streamed step."""
+    if len(items) > MAX_STOPS:
+        raise OaiError(f"{field}: at most {MAX_STOPS} stop strings, got {len(items)}", field)
+    for i, item in enumerate(items):
+        if len(item) > MAX_STOP_CHARS:
+            raise OaiError(
+                f"{field}[{i}] is {len(item):,} characters long; a stop string may have at most "
+                f"{MAX_STOP_CHARS:,}: end the answer on a shorter string it would begin with",
+                field,
+            )
     return list(items)
 
 

@@ -262,6 +262,15 @@ def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
         return None
 
 
+def eos_ids_of(backend: Any, base_model: str) -> frozenset[int]:
+    """The ids that end ``base_model``'s answers (none known: an empty set)."""
+    models = getattr(backend, "models", None)
+    try:
+        return frozenset(models.tokenizer(base_model).eos_token_ids) if models else frozenset()
+    except Exception:  # as `token_bytes_of`: no engine tokenizer
+        return frozenset()
+
+
 def token_text(text: str, raw: bytes) -> str:
     """A token's text in log-probs: ``text``, its decoding, unless that is empty or U+FFFD, a
     token that is part of a UTF-8 character, which is written ``bytes:\\xNN...`` as OpenAI
@@ -318,7 +327,12 @@ def _new_entries(tok: Any, req: OaiRequest, table: Any, row: NewTokens) -> list[
 
 
 def _choices(
-    tok: Any, req: OaiRequest, prompt: list[int], resp: types.SampleResponse, table: Any
+    tok: Any,
+    req: OaiRequest,
+    prompt: list[int],
+    resp: types.SampleResponse,
+    table: Any,
+    eos: frozenset[int] = frozenset(),
 ) -> list[Choice]:
     """The sampled sequences of one prompt as answers (text cut at stop strings; echo puts
     the prompt, and with log-probs its scores, in front)."""
@@ -326,7 +340,9 @@ def _choices(
     scoring_only, skip = req.max_tokens == 0, req.skip_special_tokens
     for seq in resp.sequences:
         tokens = [] if scoring_only else list(seq.tokens)
-        text, stop_string = cut_at_stop(_decoded(tok, req, tokens), req.stop)
+        text, stop_string = cut_at_stop(_decoded(tok, req, _said(tokens, seq, eos)), req.stop)
+        if stop_string is None:  # an incomplete last character is not said, as in vLLM
+            text = text.rstrip("\ufffd")
         whole = len(tokens)
         if stop_string is not None:  # a special token's text, which the engine ran past
             tokens = tokens[: _through_stop(tok, req, tokens, text + stop_string)]
@@ -347,12 +363,20 @@ def _choices(
                 entries = scored + entries
         reasoning = None
         if req.chat and req.skip_special_tokens and (parts := split_channels(tok, prompt, tokens)):
-            text = cut_at_stop(parts[1], req.stop)[0]
+            text = cut_at_stop(parts[1], req.stop)[0].rstrip("\ufffd")
             reasoning = None if parts[0] is None else cut_at_stop(parts[0], req.stop)[0]
+            reasoning = None if reasoning is None else reasoning.rstrip("\ufffd")
         ended = scoring_only or (seq.stop_reason == "length" and len(tokens) == whole)
         reason = "length" if ended else "stop"
         out.append(Choice(text, reason, entries, len(tokens), stop_string, reasoning, start))
     return out
+
+
+def _said(tokens: list[int], seq: types.SampledSequence, eos: frozenset[int]) -> list[int]:
+    """The tokens an answer's text is read from: not the EOS token that ended it (vLLM leaves
+    it out, with ``skip_special_tokens: false`` too; its log-prob and usage still count)."""
+    ended = seq.stop_reason == "stop" and tokens and tokens[-1] in eos
+    return tokens[:-1] if ended else tokens
 
 
 def _decoded(tok: Any, req: OaiRequest, tokens: list[int]) -> str:
@@ -492,10 +516,11 @@ async def _sampled(
         if status != 400 or not detail.startswith("prompt token id"):
             raise
         raise OaiError(detail, "messages" if req.chat else "prompt") from None
+    eos = eos_ids_of(srv.backend, target.base_model)
     choices = [
         c
         for ids, r in zip(prompts, results, strict=True)
-        for c in _choices(tok, req, ids, r, table)
+        for c in _choices(tok, req, ids, r, table, eos)
     ]
     return choices, prompt_tokens
 
