@@ -128,7 +128,8 @@ def test_a_let_go_sampler_is_read_back_while_other_samplers_decode(
 ) -> None:
     """Its checkpoint is read off the sampling thread and outside the registry's lock: a live
     sampler's request is answered while the read is held up (before: the read ran under the
-    lock on the sampling thread, and every other decode waited for it)."""
+    lock on the sampling thread, and every other decode waited for it); requests that want it
+    at the same time share one read (a review: one read each, filling the thread pool)."""
     import threading
 
     monkeypatch.setenv(env_settings.SAMPLERS_PER_SESSION_ENV, "2")
@@ -145,20 +146,23 @@ def test_a_let_go_sampler_is_read_back_while_other_samplers_decode(
             _step(training, i)
             live = training.save_weights_and_get_sampling_client().result()
         assert opponent.sampler_id in backend.models.set_aside
-        entered, real_load = threading.Event(), backend.checkpoints.load
+        entered, real_load, reads = threading.Event(), backend.checkpoints.load, []
 
         def held_load(*args: Any, **kwargs: Any) -> Any:
+            reads.append(args)
             entered.set()
             release.wait(120)
             return real_load(*args, **kwargs)
 
         monkeypatch.setattr(backend.checkpoints, "load", held_load)
-        pending = opponent.compute_logprobs(PROMPT)
+        pending = [opponent.compute_logprobs(PROMPT) for _ in range(4)]
         assert entered.wait(60)
         answered = live.sample(PROMPT, 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
         assert not release.is_set() and len(answered.sequences[0].tokens) == 4
         release.set()
-        assert list(pending.result(timeout=60)) == before  # then it is back, bit for bit
+        for each in pending:  # then it is back, bit for bit
+            assert list(each.result(timeout=60)) == before
+        assert len(reads) == 1  # one read for the four requests that wanted it at once
     finally:
         release.set()
         backend.close()

@@ -86,7 +86,11 @@ def test_a_server_state_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Pa
 def _add_a_column_to_every_table(db_path: Path) -> None:
     """What a later version does to a store it opens (new fields: ALTER TABLE ADD COLUMN)."""
     db = sqlite3.connect(db_path)
-    tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    tables = [
+        r[0]
+        for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        if not r[0].startswith("sqlite_")  # SQLite's own (sqlite_sequence: AUTOINCREMENT's)
+    ]
     for table in tables:
         db.execute(f"ALTER TABLE {table} ADD COLUMN later_field TEXT")
     db.commit()

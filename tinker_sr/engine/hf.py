@@ -132,9 +132,15 @@ def _renames(files: list[Path], tied: bool) -> dict[str, str]:
     if keys and not any(k.startswith("model.") for k in keys):
         out = {k: f"model.{k}" for k in keys if not k.startswith("lm_head.")}
     names = [out.get(k, k) for k in keys]
-    if tied and "lm_head.weight" in names and not any("embed" in n for n in names):
+    if tied and "lm_head.weight" in names and not any(_is_embedding(n) for n in names):
         out["lm_head.weight"] = EMBED
     return out
+
+
+def _is_embedding(name: str) -> bool:
+    """The token embedding's name in any layout (``model.language_model.embed_tokens.weight``
+    too), not a vision tower's ``patch_embed`` or ``pos_embed``."""
+    return name.endswith("embed_tokens.weight")
 
 
 def _tensors(files: list[Path], tied: bool = False) -> Iterator[tuple[Path, str, Any]]:

@@ -210,7 +210,9 @@ class ModelRegistry:
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
-        self.set_aside = SetAside()  # LoRA samplers let go that their checkpoints bring back
+        self.set_aside = SetAside(
+            self._lock
+        )  # LoRA samplers let go that their checkpoints bring back
         # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}
@@ -433,10 +435,7 @@ class ModelRegistry:
 
     def bring_back(self, sampler_id: str) -> None:
         """A set-aside sampler live again, its checkpoint read outside the lock (`set_aside`)."""
-        found = self.set_aside.read_back(self, sampler_id)
-        if found is not None:
-            with self._lock:
-                self.set_aside.install(self, *found)
+        self.set_aside.bring_back(self, sampler_id)
 
     def live_sampler(self, sampler_id: str) -> Sampler | None:
         """``sampler_id``'s sampler (or its record, set aside), or None, without waiting for

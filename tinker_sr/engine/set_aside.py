@@ -13,6 +13,7 @@ weights are gone."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -72,9 +73,32 @@ class SetAside:
     """The set-aside samplers of one `ModelRegistry`; ``checkpoints`` (the engine's) reads
     them again (none: nothing is kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry_lock: threading.RLock) -> None:
         self.checkpoints: CheckpointStore | None = None
         self._kept: OrderedDict[str, Sampler] = OrderedDict()
+        self._lock = registry_lock  # held to change `_kept` and to make a sampler live
+        self._reading: dict[str, threading.Event] = {}  # a bring-back under way, by id
+
+    def bring_back(self, registry: ModelRegistry, sampler_id: str) -> None:
+        """Load ``sampler_id`` again if it is set aside: its checkpoint read outside the
+        registry's lock (other samplers decode meanwhile), once however many requests want
+        it at the same time (the others wait for that read), then made live under it."""
+        with self._lock:
+            reading = self._reading.get(sampler_id)
+            if reading is None:
+                self._reading[sampler_id] = mine = threading.Event()
+        if reading is not None:
+            reading.wait()
+            return
+        try:
+            found = self.read_back(registry, sampler_id)
+            if found is not None:
+                with self._lock:
+                    self.install(registry, *found)
+        finally:
+            with self._lock:
+                del self._reading[sampler_id]
+            mine.set()
 
     def keep(self, s: Sampler) -> None:
         """``s`` leaves memory; kept where its checkpoint can bring it back."""

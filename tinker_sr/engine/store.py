@@ -174,6 +174,8 @@ class Store:
         guard(self._lock)
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
+        # Prompts read from the file, by their blocks: the samples of a request share one.
+        self._prompts: OrderedDict[bytes, Any] = OrderedDict()
         with self._lock:
             self._open(read_only)
 
@@ -521,7 +523,9 @@ class Store:
             if rec is not None:
                 self._seq_cache.move_to_end(sequence_id)
                 return rec
-            rec = store_sequences.fetch(self._db, sequence_id)
+            rec = store_sequences.fetch(self._db, sequence_id, self._prompts)
+            while len(self._prompts) > 64:
+                self._prompts.popitem(last=False)
             if rec is not None:
                 self._cache_put(rec)
             return rec
@@ -544,6 +548,7 @@ class Store:
         with self._lock:  # used while the wall clock ran ahead (then stepped back): from now
             with self._transaction():
                 gone = store_sequences.purge(self._db, older_than, now)
+            self._prompts.clear()
             for k, r in list(self._seq_cache.items()):
                 if r.last_used_at < older_than:
                     del self._seq_cache[k]

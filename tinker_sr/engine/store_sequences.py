@@ -1,30 +1,34 @@
 """The store's recorded sequences (`engine.store.Store` holds the lock and the cache).
 
 A sequence row keeps what was sampled (tokens, log-probs, draws) and names its prompt by the
-hashes of the prompt's 64-token blocks; each block's tokens are stored once, in
-``prompt_blocks``. The ``n`` samples of one request share every block, and a multi-turn
-episode's next prompt (the conversation so far) shares every full block of the one before,
-so the prompts of a 20-turn episode cost about one copy of the final conversation rather than
-the sum over turns times ``n`` (174 KB against 5.8 KB of sampled data in the session-63
-agentic hunt; each sequence stored its whole prompt before schema 2).
+row ids of the prompt's 64-token blocks; each block's tokens are stored once, in
+``prompt_blocks``, found by a hash that covers the block and every block before it. The
+``n`` samples of one request share every block, and a multi-turn episode's next prompt (the
+conversation so far) shares every full block of the one before, so the prompts of a 20-turn
+episode cost about one copy of the final conversation rather than the sum over turns times
+``n`` (each sequence stored its whole prompt before schema 2).
 
-Expiry follows the sequences: a block's ``last_used_at`` is never older than that of any
-live sequence naming it (raised on insert and on touch, and clamped with the sequences after
-a backward clock step), so deleting the blocks older than the sequences' cut-off deletes only
-blocks no remaining sequence names. Rows written before schema 2 keep their prompt inline
-(``prompt_blocks`` NULL) and are read as before.
+Each block counts the sequences that name it (``refs``): recording adds to the counts of the
+blocks a prompt already has (one UPDATE of a few neighbouring rows: a prompt's new blocks
+are written together) and writes its new ones; using a sequence (``touch``) does not touch
+its blocks; expiring sequences takes theirs off their blocks' counts and deletes the blocks
+left at zero. Rows written before schema 2 keep their prompt inline (``prompt_blocks``
+NULL) and are read as before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from tinker_sr.provenance.validate import SequenceRecord
+
+log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64
 _HASH_BYTES = 16
@@ -45,20 +49,21 @@ CREATE TABLE IF NOT EXISTS sequences (
 );
 CREATE INDEX IF NOT EXISTS sequences_last_used ON sequences(last_used_at);
 CREATE TABLE IF NOT EXISTS prompt_blocks (
-    block_hash BLOB PRIMARY KEY,
+    block_id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: a block id is its tokens
+    block_hash BLOB NOT NULL UNIQUE,
     tokens BLOB NOT NULL,
-    last_used_at REAL NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS prompt_blocks_last_used ON prompt_blocks(last_used_at);
+    refs INTEGER NOT NULL
+);
 """
 
-# Added to stores of schema 1 by `Store._add_missing_columns`: the prompt's block hashes.
+# Added to stores of schema 1 by `Store._add_missing_columns`: the prompt's block ids.
 ADDED_COLUMN = ("sequences", "prompt_blocks", "BLOB")
 
 _COLUMNS = (
     "sequence_id, session_id, prompt_tokens, prompt_blocks, sampled_tokens, sampler_logprobs,"
     " draws, draws_k, created_at, last_used_at"
 )
+_IDS = np.dtype("<i8")  # a sequence's block ids, as its prompt_blocks blob
 
 
 def prompt_blocks(tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
@@ -80,29 +85,40 @@ def _i4(a: np.ndarray) -> bytes:
 
 def insert(db: sqlite3.Connection, records: Sequence[SequenceRecord]) -> None:
     """Write ``records`` and their prompts' blocks (the caller holds a transaction). The
-    records of one request share one prompt array: its blocks are hashed once."""
-    hashes_of: dict[int, bytes] = {}
-    blocks: dict[bytes, tuple[bytes, float]] = {}
+    records of one request share one prompt array: its blocks are hashed once, and counted
+    once per record."""
+    prompts: dict[int, list[tuple[bytes, bytes]]] = {}  # id(prompt array) -> its blocks
+    uses: dict[bytes, int] = {}  # block hash -> how many of the records name it
+    chunks: dict[bytes, bytes] = {}
+    for rec in records:
+        pieces = prompts.get(id(rec.prompt_tokens))
+        if pieces is None:
+            pieces = prompts[id(rec.prompt_tokens)] = prompt_blocks(rec.prompt_tokens)
+            chunks.update(pieces)
+        for h, _ in pieces:
+            uses[h] = uses.get(h, 0) + 1
+    sql = "SELECT block_hash, block_id FROM prompt_blocks WHERE block_hash IN ({})"
+    ids: dict[bytes, int] = dict(_in_chunks(db, sql, list(uses)))
+    db.executemany(
+        "UPDATE prompt_blocks SET refs = refs + ? WHERE block_id=?",
+        [(uses[h], i) for h, i in ids.items()],
+    )
+    new = [h for h in uses if h not in ids]  # in prompt order: neighbours on disk
+    db.executemany(
+        "INSERT INTO prompt_blocks (block_hash, tokens, refs) VALUES (?,?,?)",
+        [(h, chunks[h], uses[h]) for h in new],
+    )
+    ids.update(_in_chunks(db, sql, new))
     rows = []
     for rec in records:
-        hashes = hashes_of.get(id(rec.prompt_tokens))
-        if hashes is None:
-            pieces = prompt_blocks(rec.prompt_tokens)
-            hashes = hashes_of[id(rec.prompt_tokens)] = b"".join(h for h, _ in pieces)
-            for h, chunk in pieces:
-                seen = blocks.get(h)
-                blocks[h] = (chunk, max(rec.last_used_at, seen[1] if seen else rec.last_used_at))
-        else:
-            for i in range(0, len(hashes), _HASH_BYTES):
-                h = hashes[i : i + _HASH_BYTES]
-                blocks[h] = (blocks[h][0], max(blocks[h][1], rec.last_used_at))
+        named = np.array([ids[h] for h, _ in prompts[id(rec.prompt_tokens)]], dtype=_IDS)
         draws = rec.draws
         rows.append(
             (
                 rec.sequence_id,
                 rec.session_id,
                 b"",
-                hashes,
+                named.tobytes(),
                 _i4(rec.sampled_tokens),
                 np.ascontiguousarray(rec.sampler_logprobs, dtype="<f4").tobytes(),
                 None if draws is None else _i4(draws),
@@ -111,31 +127,29 @@ def insert(db: sqlite3.Connection, records: Sequence[SequenceRecord]) -> None:
                 rec.last_used_at,
             )
         )
-    db.executemany(
-        "INSERT INTO prompt_blocks (block_hash, tokens, last_used_at) VALUES (?,?,?)"
-        " ON CONFLICT (block_hash) DO UPDATE"
-        " SET last_used_at = max(last_used_at, excluded.last_used_at)",
-        [(h, chunk, used) for h, (chunk, used) in blocks.items()],
-    )
     db.executemany(f"INSERT INTO sequences ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
 
 
-def fetch(db: sqlite3.Connection, sequence_id: str) -> SequenceRecord | None:
+def fetch(
+    db: sqlite3.Connection, sequence_id: str, prompts: dict[bytes, np.ndarray] | None = None
+) -> SequenceRecord | None:
     """The stored record of ``sequence_id``; None if there is none (or, never expected, a
-    block of its prompt is missing)."""
+    block of its prompt is missing: logged). ``prompts``: prompts already read, by their
+    blocks (the samples of one request name the same ones), added to."""
     row = db.execute(f"SELECT {_COLUMNS} FROM sequences WHERE sequence_id=?", (sequence_id,))
     found = row.fetchone()
     if found is None:
         return None
-    (sid, sess, inline, hashes, sampled, lps, draws, k, created, last_used) = found
-    prompt = inline if hashes is None else _joined_blocks(db, hashes)
+    (sid, sess, inline, named, sampled, lps, draws, k, created, last_used) = found
+    prompt = _prompt(db, inline, named, prompts)
     if prompt is None:
+        log.warning("recorded sequence %s: a block of its prompt is missing", sid)
         return None
     s = np.frombuffer(sampled, dtype="<i4").astype(np.int32)
     return SequenceRecord(
         sequence_id=sid,
         session_id=sess,
-        prompt_tokens=np.frombuffer(prompt, dtype="<i4").astype(np.int32),
+        prompt_tokens=prompt,
         sampled_tokens=s,
         sampler_logprobs=np.frombuffer(lps, dtype="<f4").astype(np.float32),
         draws=None
@@ -155,46 +169,57 @@ def _in_chunks(db: sqlite3.Connection, sql: str, keys: Sequence[object]) -> list
     return rows
 
 
-def _split(hashes: bytes) -> list[bytes]:
-    return [hashes[i : i + _HASH_BYTES] for i in range(0, len(hashes), _HASH_BYTES)]
+def _prompt(
+    db: sqlite3.Connection,
+    inline: bytes,
+    named: bytes | None,
+    prompts: dict[bytes, np.ndarray] | None,
+) -> np.ndarray | None:
+    """A sequence's prompt: inline (schema 1), else from its blocks (None: one is missing)."""
+    if named is None:
+        return np.frombuffer(inline, dtype="<i4").astype(np.int32)
+    prompt = None if prompts is None else prompts.get(named)
+    if prompt is None:
+        prompt = _read_prompt(db, named)
+        if prompt is not None and prompts is not None:
+            prompts[named] = prompt
+    return prompt
 
 
-def _joined_blocks(db: sqlite3.Connection, hashes: bytes) -> bytes | None:
-    keys = _split(hashes)
-    sql = "SELECT block_hash, tokens FROM prompt_blocks WHERE block_hash IN ({})"
-    tokens = dict(_in_chunks(db, sql, list(dict.fromkeys(keys))))
-    if any(k not in tokens for k in keys):
+def _read_prompt(db: sqlite3.Connection, named: bytes) -> np.ndarray | None:
+    ids = np.frombuffer(named, dtype=_IDS).tolist()
+    sql = "SELECT block_id, tokens FROM prompt_blocks WHERE block_id IN ({})"
+    tokens = dict(_in_chunks(db, sql, ids))
+    if any(i not in tokens for i in ids):
         return None
-    return b"".join(tokens[k] for k in keys)
+    return np.frombuffer(b"".join(tokens[i] for i in ids), dtype="<i4").astype(np.int32)
 
 
 def touch(db: sqlite3.Connection, ids: Sequence[str], now: float) -> None:
-    """Set the sequences' ``last_used_at`` to ``now``, and raise their prompts' blocks to it
-    (the caller holds a transaction)."""
+    """Set the sequences' ``last_used_at`` to ``now`` (their blocks are not touched)."""
     db.executemany(
         "UPDATE sequences SET last_used_at=? WHERE sequence_id=?", [(now, i) for i in ids]
     )
-    sql = (
-        "SELECT prompt_blocks FROM sequences"
-        " WHERE prompt_blocks IS NOT NULL AND sequence_id IN ({})"
-    )
-    named = _unique_hashes(r[0] for r in _in_chunks(db, sql, ids))
-    db.executemany(
-        "UPDATE prompt_blocks SET last_used_at = max(last_used_at, ?) WHERE block_hash=?",
-        [(now, h) for h in named],
-    )
-
-
-def _unique_hashes(joined: Iterable[bytes]) -> list[bytes]:
-    return list(dict.fromkeys(h for hashes in joined for h in _split(hashes)))
 
 
 def purge(db: sqlite3.Connection, older_than: float, now: float) -> int:
-    """Delete the sequences last used before ``older_than``, and the blocks no remaining
-    sequence names; rows used "after" ``now`` (the clock stepped back) count from ``now``.
-    Returns how many sequences went (the caller holds a transaction)."""
-    for table in ("sequences", "prompt_blocks"):
-        db.execute(f"UPDATE {table} SET last_used_at=? WHERE last_used_at > ?", (now, now))
-    gone = db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,)).rowcount
-    db.execute("DELETE FROM prompt_blocks WHERE last_used_at < ?", (older_than,))
-    return int(gone)
+    """Delete the sequences last used before ``older_than``, taking them off their blocks'
+    counts and deleting the blocks no sequence names any more; rows used "after" ``now``
+    (the clock stepped back) count from ``now``. Returns how many sequences went (the
+    caller holds a transaction)."""
+    db.execute("UPDATE sequences SET last_used_at=? WHERE last_used_at > ?", (now, now))
+    gone: dict[int, int] = {}
+    expired = db.execute(
+        "SELECT prompt_blocks FROM sequences WHERE last_used_at < ? AND prompt_blocks IS NOT NULL",
+        (older_than,),
+    )
+    for (named,) in expired:
+        for i in np.frombuffer(named, dtype=_IDS).tolist():
+            gone[i] = gone.get(i, 0) + 1
+    db.executemany(
+        "UPDATE prompt_blocks SET refs = refs - ? WHERE block_id=?",
+        [(n, i) for i, n in gone.items()],
+    )
+    db.executemany("DELETE FROM prompt_blocks WHERE block_id=? AND refs <= 0", [(i,) for i in gone])
+    cur = db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,))
+    return int(cur.rowcount)

@@ -516,7 +516,7 @@ async def _sampled(
         if status != 400 or not detail.startswith("prompt token id"):
             raise
         raise OaiError(detail, "messages" if req.chat else "prompt") from None
-    eos = eos_ids_of(srv.backend, target.base_model)
+    eos = await asyncio.to_thread(eos_ids_of, srv.backend, target.base_model)  # (registry lock)
     choices = [
         c
         for ids, r in zip(prompts, results, strict=True)
