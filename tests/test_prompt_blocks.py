@@ -1,4 +1,5 @@
-"""Recorded prompts are stored once per 64-token block, however many sequences share them.
+"""Recorded prompts are stored once per 64-token block, however many sequences share them
+(`engine.store_sequences`: a chain of blocks, each sequence naming its last).
 
 Before schema 2 every sampled sequence stored its whole prompt: ``n`` copies per request, and
 in a multi-turn episode (each prompt the conversation so far) a sum that grows with the square
@@ -31,8 +32,8 @@ def _prompt_bytes(path: Path) -> int:
         inline = db.execute("SELECT COALESCE(SUM(length(prompt_tokens)), 0) FROM sequences")
         total = int(inline.fetchone()[0])
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "prompt_blocks" in tables:
-            total += int(db.execute("SELECT SUM(length(tokens)) FROM prompt_blocks").fetchone()[0])
+        if "prompt_chain" in tables:
+            total += int(db.execute("SELECT SUM(length(tokens)) FROM prompt_chain").fetchone()[0])
     return total
 
 
@@ -108,12 +109,12 @@ def test_a_block_lives_while_any_sequence_naming_it_lives(tmp_path: Path) -> Non
     assert got is not None
     np.testing.assert_array_equal(got.prompt_tokens, longer)
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT COUNT(*) FROM prompt_blocks").fetchone()[0] == 5  # B's only
+        assert db.execute("SELECT COUNT(*) FROM prompt_chain").fetchone()[0] == 5  # B's only
 
     store.purge_expired_sequences(now + 2 * DAY)
     assert store.get("b") is None
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT COUNT(*) FROM prompt_blocks").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM prompt_chain").fetchone()[0] == 0
     store.close()
 
 
@@ -131,7 +132,7 @@ def test_a_block_written_while_the_clock_ran_ahead_expires_with_its_sequence(
     np.testing.assert_array_equal(got.prompt_tokens, prompt)
     store.purge_expired_sequences(time.time() + 60)
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT COUNT(*) FROM prompt_blocks").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM prompt_chain").fetchone()[0] == 0
     store.close()
 
 
@@ -160,7 +161,7 @@ def test_a_schema_1_store_keeps_its_inline_prompts_readable(tmp_path: Path) -> N
         np.testing.assert_array_equal(got.prompt_tokens, old)
     store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 def test_a_multi_turn_episode_trains_the_same_from_blocks_read_from_the_file(
@@ -196,3 +197,64 @@ def test_a_multi_turn_episode_trains_the_same_from_blocks_read_from_the_file(
     )
     # Four samples per turn, each prompt the conversation so far: 12 copies before.
     assert _prompt_bytes(tmp_path / "store" / "engine.sqlite") < len(conversation) * 4 + 3 * 256
+
+
+def _draft_store(path: Path, layout: str, prompts: dict[str, np.ndarray]) -> None:
+    """A store as one of the two drafts of schema 2 wrote it (on main for an hour): blocks
+    keyed by hash with a use time, each sequence listing their hashes; or keyed by id with
+    counts, each sequence listing their ids."""
+    from tinker_sr.engine.store_sequences import prompt_blocks
+
+    with sqlite3.connect(path) as db:
+        db.executescript(
+            "CREATE TABLE sequences (sequence_id TEXT PRIMARY KEY, session_id TEXT NOT NULL,"
+            " prompt_tokens BLOB NOT NULL, sampled_tokens BLOB NOT NULL,"
+            " sampler_logprobs BLOB NOT NULL, draws BLOB, draws_k INTEGER NOT NULL,"
+            " created_at REAL NOT NULL, last_used_at REAL NOT NULL, prompt_blocks BLOB);"
+            + ("CREATE TABLE prompt_blocks (block_hash BLOB PRIMARY KEY, tokens BLOB NOT NULL,"
+               " last_used_at REAL NOT NULL) WITHOUT ROWID;" if layout == "hashes" else
+               "CREATE TABLE prompt_blocks (block_id INTEGER PRIMARY KEY AUTOINCREMENT,"
+               " block_hash BLOB NOT NULL UNIQUE, tokens BLOB NOT NULL, refs INTEGER NOT NULL);")
+            + "PRAGMA user_version = 2;"
+        )  # fmt: skip
+        for sid, prompt in prompts.items():
+            named = b""
+            for h, chunk in prompt_blocks(prompt):
+                if layout == "hashes":
+                    db.execute(
+                        "INSERT OR IGNORE INTO prompt_blocks VALUES (?,?,?)", (h, chunk, 1.0)
+                    )
+                    named += h
+                else:
+                    db.execute("INSERT OR IGNORE INTO prompt_blocks (block_hash, tokens, refs)"
+                               " VALUES (?,?,1)", (h, chunk))  # fmt: skip
+                    (i,) = db.execute("SELECT block_id FROM prompt_blocks WHERE block_hash=?", (h,))
+                    named += int(i[0]).to_bytes(8, "little")
+            db.execute(
+                "INSERT INTO sequences VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (sid, "sess", b"", np.int32([5]).tobytes(), np.float32([-0.5]).tobytes(), None,
+                 0, time.time(), time.time(), named),
+            )  # fmt: skip
+
+
+def test_a_store_of_a_draft_layout_keeps_its_prompts(tmp_path: Path) -> None:
+    """Both drafts' prompts read back exactly (kept inline), beside new rows; their table
+    goes and the schema is 3 (before: "no such column: refs" / "block_id", internal errors
+    on every stable_reinforce step, a hunt)."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 30000, 150).astype(np.int32)
+    prompts = {"short": base[:10], "shared": base[:130], "longer": base}
+    for layout in ("hashes", "ids"):
+        path = tmp_path / f"{layout}.sqlite"
+        _draft_store(path, layout, prompts)
+        store = Store(path, cache_size=1)
+        store.put_sequences([_record("new", base, [6], time.time())])
+        for sid, prompt in {**prompts, "new": base}.items():
+            got = store.get(sid)
+            assert got is not None, (layout, sid)
+            np.testing.assert_array_equal(got.prompt_tokens, prompt)
+        store.close()
+        with sqlite3.connect(path) as db:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+            assert "prompt_blocks" not in tables and "prompt_chain" in tables
+            assert db.execute("PRAGMA user_version").fetchone()[0] == 3

@@ -170,6 +170,55 @@ def test_a_client_waiting_on_its_sample_is_not_quiet() -> None:
         assert answer.status_code == 200 and "error" not in answer.text, answer.text
 
 
+def _future_row(store: Any, request_id: str) -> tuple[str, str | None]:
+    """(status, error) of a server's future, read from its state file."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{store / 'server.sqlite'}?mode=ro", uri=True) as db:
+        row = db.execute(
+            "SELECT status, error FROM futures WHERE request_id=?", (request_id,)
+        ).fetchone()
+    return (str(row[0]), row[1]) if row is not None else ("unknown", None)
+
+
+def test_a_client_that_hangs_up_its_poll_is_quiet_at_once(tmp_path: Any) -> None:
+    """A client killed while its long poll waits (`kill -9`, a crash): its sample is cancelled
+    ``sample_abandon_s`` after it went, not once the poll would have ended (a hunt: 26.7 s for
+    a 3 s limit, its samples decoding meanwhile and every other key waiting). A real server
+    (a socket that closes); its long poll is 10 minutes and the sample takes ~30 s here, so
+    the old behaviour lets it complete."""
+    import json
+    import socket
+
+    from tinker_sr.testing.server import running_server
+
+    store = tmp_path / "store"
+    flags = ["--sample-abandon-s", "1", "--long-poll-s", "600"]
+    with running_server(store, extra_args=flags) as srv:
+        http = httpx.Client(base_url=srv.base_url, headers={"X-API-Key": "tml-gone"}, timeout=60)
+        session = http.post("/api/v1/create_session", json=_session_body()).json()
+        sampler = http.post(
+            "/api/v1/create_sampling_session",
+            json={"session_id": session["session_id"], "sampling_session_seq_id": 0,
+                  "base_model": "tinker-sr/small", "type": "create_sampling_session"},
+        ).json()  # fmt: skip
+        body = _sample_body(sampler, 1)
+        body.update(num_samples=64, sampling_params={"max_tokens": 500, "stop": []})
+        request_id = http.post("/api/v1/asample", json=body).json()["request_id"]
+        poll = json.dumps({"request_id": request_id}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:  # its last poll
+            sock.sendall(
+                b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"X-API-Key: tml-gone\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(poll)}\r\n\r\n".encode()
+                + poll
+            )
+            time.sleep(1.0)  # the poll waits; then the client is gone
+        _wait(lambda: _future_row(store, request_id)[0] != "pending", "the request's end", 120)
+        status, error = _future_row(store, request_id)
+        assert status == "failed" and "no heartbeat or request for 1 s" in str(error), status
+
+
 def test_cancel_future_refuses_training_requests_and_others_keys() -> None:
     with mock_tinker() as mock:
         http = _raw_client(mock)

@@ -203,3 +203,20 @@ def test_the_official_sdk_deletes_an_old_percent_named_checkpoint_not_its_decodi
         assert names == ["weights/pctA"], names
         assert rest.get_weights_info_by_tinker_path(kept).result() is not None
         svc.close("success").result(timeout=30)
+
+
+def test_a_reader_leaves_an_older_stores_schema_version_as_it_is(tmp_path: Path) -> None:
+    """`tinker-sr usage` or `export` beside an older server still running on its store: the
+    reader adds what it reads but leaves the version, so that server starts again on it
+    (before: stamped, and its next start was refused as "written by a newer tinker_sr", a
+    hunt). A writer (an engine, a server) still stamps it."""
+    path = tmp_path / "engine.sqlite"
+    Store(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 1")
+    Store.for_reading(path).close()
+    assert _user_version(path) == 1
+    Store(path).close()
+    from tinker_sr.engine.store_files import STORE_SCHEMA
+
+    assert _user_version(path) == STORE_SCHEMA

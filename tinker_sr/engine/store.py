@@ -162,11 +162,19 @@ class Store:
     """Thread-safe SQLite store. ``path=None`` keeps everything in memory."""
 
     def __init__(
-        self, path: str | Path | None, *, cache_size: int = 4096, read_only: bool = False
+        self,
+        path: str | Path | None,
+        *,
+        cache_size: int = 4096,
+        read_only: bool = False,
+        stamp: bool = True,
     ) -> None:
         """``read_only``: for a reader (``tinker-sr usage``, ``export``): the store as it is,
         also on a read-only file system or another user's store; nothing is created, the
-        schema is not brought up to date, and every write fails."""
+        schema is not brought up to date, and every write fails. ``stamp=False``: missing
+        tables and columns are added, but an older store's schema version is left as it is
+        (a reader beside an older server, which would refuse its own store on restart)."""
+        self._stamp = stamp
         self.path = None if path is None else Path(path)
         if self.path is not None:
             check_not_emptied(self.path)
@@ -174,8 +182,8 @@ class Store:
         guard(self._lock)
         self._seq_cache: OrderedDict[str, SequenceRecord] = OrderedDict()
         self._cache_size = cache_size
-        # Prompts read from the file, by their blocks: the samples of a request share one.
-        self._prompts: OrderedDict[bytes, Any] = OrderedDict()
+        # Prompts read from the file, by their last block: a request's samples share one.
+        self._prompts: OrderedDict[int, Any] = OrderedDict()
         with self._lock:
             self._open(read_only)
 
@@ -207,7 +215,10 @@ class Store:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA + store_sequences.SCHEMA)
             self._add_missing_columns()
-            check_schema(self._db, self.path, stamp=True)
+            if store_sequences.has_drafts(self._db):
+                with self._transaction("BEGIN IMMEDIATE"):
+                    store_sequences.migrate_drafts(self._db)
+            check_schema(self._db, self.path, stamp=self._stamp)
         except (sqlite3.DatabaseError, StoreTooNewError) as e:
             self._db.close()
             if isinstance(e, StoreTooNewError):
@@ -221,10 +232,12 @@ class Store:
     @classmethod
     def for_reading(cls, path: Path) -> Store:
         """The store at ``path`` for a reader (``tinker-sr usage``, ``export``): opened as a
-        writer would, so an older store gets today's schema, or read-only where it cannot be
-        written (a read-only file system, another user's store)."""
+        writer would, so an older store gets today's tables and columns (its schema version
+        left as it is: an older server may be running on it, and would refuse it on its next
+        start), or read-only where it cannot be written (a read-only file system, another
+        user's store)."""
         try:
-            return cls(path)
+            return cls(path, stamp=False)
         except StoreUnwritableError:
             return cls(path, read_only=True)
 

@@ -32,12 +32,13 @@ class StoreDamagedError(RuntimeError):
         )
 
 
-STORE_SCHEMA = 2
+STORE_SCHEMA = 3
 """The store's schema version (``PRAGMA user_version``): raised only for a change an older
 tinker_sr cannot read (new columns and tables are added in place: rows are read and written
 by column name, so this version reads a store a later one added columns to). 2: a recorded
 sequence names its prompt's blocks (`engine.store_sequences`), which a version reading schema
-1 would take for an empty prompt."""
+1 would take for an empty prompt; 3: the blocks as a chain (a draft layout of 2, released on
+main for an hour, is read and kept inline)."""
 
 
 class StoreTooNewError(StoreDamagedError):

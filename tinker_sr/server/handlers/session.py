@@ -11,7 +11,7 @@ from starlette.responses import Response
 from tinker_sr.engine.store_files import is_out_of_space
 from tinker_sr.wire import messages as m
 
-from ..http import HTTPError, body_hash, error, json_reply
+from ..http import HTTPError, body_hash, error, json_reply, unless_gone
 from .rest import access_scope, paging
 
 log = logging.getLogger("tinker_sr.server")
@@ -129,8 +129,8 @@ async def retrieve_future(srv: TinkerServer, request: Request, owner: str) -> Re
     live = row.session_id if row.session_id in srv.sessions.last_seen else None
     if live is not None:
         srv.sessions.touch(live)
-    with srv.sessions.serving(live):  # a client waiting on its request is not quiet
-        return await srv.futures.answer(row)
+    with srv.sessions.serving(live):  # a client waiting on its request is not quiet ...
+        return await unless_gone(request, srv.futures.answer(row))  # ... while it is there
 
 
 async def list_sessions(srv: TinkerServer, request: Request, owner: str) -> Response:
