@@ -247,6 +247,10 @@ def test_a_store_of_a_draft_layout_keeps_its_prompts(tmp_path: Path) -> None:
     for layout in ("hashes", "ids"):
         path = tmp_path / f"{layout}.sqlite"
         _draft_store(path, layout, prompts)
+        Store.for_reading(path).close()  # a reader (`usage`) beside a draft server: no change
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT COUNT(*) FROM prompt_blocks").fetchone()[0] > 0
+            assert db.execute("PRAGMA user_version").fetchone()[0] == 2
         store = Store(path, cache_size=1)
         store.put_sequences([_record("new", base, [6], time.time())])
         for sid, prompt in {**prompts, "new": base}.items():
@@ -258,3 +262,46 @@ def test_a_store_of_a_draft_layout_keeps_its_prompts(tmp_path: Path) -> None:
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
             assert "prompt_blocks" not in tables and "prompt_chain" in tables
             assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+
+
+_RECORDER = """
+import sys, time, numpy as np
+from tinker_sr.engine.store import Store
+from tinker_sr.provenance.validate import SequenceRecord
+path, who = sys.argv[1], sys.argv[2]
+store, rng = Store(path, cache_size=1), np.random.default_rng(ord(who))
+shared, failed = np.arange(64 * 40, dtype=np.int32), []
+for i in range(150):
+    t = time.time() - (2 * 86400 if who == "B" and i % 2 == 0 else 0)
+    tail = rng.integers(0, 30000, int(rng.integers(1, 300))).astype(np.int32)
+    prompt = np.concatenate([shared, tail])
+    one, lp = np.int32([5]), np.float32([-0.5])
+    records = [SequenceRecord(f"{who}{i}-{j}", "s", prompt, one, lp, None, t, t) for j in range(4)]
+    try:
+        store.put_sequences(records)
+        if who == "B" and i % 3 == 0:
+            store.purge_expired_sequences(time.time() - 86400)
+    except Exception as e:
+        failed.append(str(e))
+print(who, len(failed), sorted(set(failed))[:2])
+"""
+
+
+def test_two_processes_record_on_one_store(tmp_path: Path) -> None:
+    """Two engines on one store (every embedded engine's default is ~/.cache/tinker_sr),
+    prompts sharing blocks, one purging: every recording succeeds (a review: recording read
+    its blocks before writing in a deferred transaction, and another process's commit in
+    between failed it at once with "database is locked", 112 of 400 requests)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "engine.sqlite"
+    Store(path).close()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RECORDER, str(path), who],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for who in "AB"
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sorted(out.split(" ", 2)[:2] for out, _ in outs) == [["A", "0"], ["B", "0"]], outs

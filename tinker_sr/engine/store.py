@@ -215,7 +215,7 @@ class Store:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA + store_sequences.SCHEMA)
             self._add_missing_columns()
-            if store_sequences.has_drafts(self._db):
+            if self._stamp and store_sequences.has_drafts(self._db):  # (a reader: left)
                 with self._transaction("BEGIN IMMEDIATE"):
                     store_sequences.migrate_drafts(self._db)
             check_schema(self._db, self.path, stamp=self._stamp)
@@ -523,8 +523,8 @@ class Store:
 
     # ---- recorded sequences -----------------------------------------------------------
     def put_sequences(self, records: list[SequenceRecord]) -> None:
-        with self._lock:
-            with self._transaction():
+        with self._lock:  # IMMEDIATE: it reads its blocks before writing (another process
+            with self._transaction("BEGIN IMMEDIATE"):  # committing between: "locked" at once)
                 store_sequences.insert(self._db, records)
             for rec in records:
                 self._cache_put(rec)

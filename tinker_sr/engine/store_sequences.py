@@ -203,6 +203,7 @@ def _prompt(
         if not chain or chain[0][0] is not None:  # the walk stopped short of the first block
             return None
         prompt = np.frombuffer(b"".join(t for _, t in chain), dtype="<i4").astype(np.int32)
+        prompt.setflags(write=False)  # one array for every record ending on this block
         if prompts is not None:
             prompts[end] = prompt
     return prompt
