@@ -210,9 +210,8 @@ class ModelRegistry:
         self._tokenizers: dict[str, ModelTokenizer | ByteModelTokenizer] = {}
         self._trainers: dict[str, Trainer] = {}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
-        self.set_aside = SetAside(
-            self._lock
-        )  # LoRA samplers let go that their checkpoints bring back
+        # LoRA samplers let go, which their checkpoints bring back
+        self.set_aside = SetAside(self._lock)
         # Sampler adapters: in memory (LRU order, oldest first) or spilled to a file.
         self._adapters: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._spilled: dict[str, Path] = {}

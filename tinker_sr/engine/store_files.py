@@ -37,8 +37,8 @@ STORE_SCHEMA = 3
 tinker_sr cannot read (new columns and tables are added in place: rows are read and written
 by column name, so this version reads a store a later one added columns to). 2: a recorded
 sequence names its prompt's blocks (`engine.store_sequences`), which a version reading schema
-1 would take for an empty prompt; 3: the blocks as a chain (a draft layout of 2, released on
-main for an hour, is read and kept inline)."""
+1 would take for an empty prompt; 3: the blocks as a chain (the prompts of 2's two draft
+layouts, on main for an hour, are kept inline when a writer opens the store)."""
 
 
 class StoreTooNewError(StoreDamagedError):
