@@ -242,3 +242,21 @@ def test_the_anthropic_stream_sends_no_empty_delta_for_reasoning() -> None:
     stream = MessageStream(req)
     assert stream.pieces([Piece(0, "", [], 0, "let me think")]) == ""
     assert '"text": "42"' in stream.pieces([Piece(0, "42", [], 0, "")])
+
+
+def test_a_stop_string_across_channels_ends_the_answer_where_it_begins(tok: Any) -> None:
+    """A stop string spanning the analysis and final messages ("2.assistantfinalthe": the
+    text of the reasoning's end, the header's words, the answer's start) ends the answer
+    where it begins: the reasoning before it, no content. Before, each channel was cut on its
+    own and neither held the whole stop string: reasoning "add 40 and 2" kept its head and
+    the content "the answer is 42" its tail (a hunt)."""
+    stop = "2assistantfinalthe"
+    whole = _answer(tok, THINK + FINAL, stop=[stop])
+    assert (whole.reasoning, whole.text, whole.finish_reason) == ("add 40 and ", "", "stop")
+    assert whole.stop_string == stop
+    inside = _answer(tok, THINK + FINAL, stop=["answer is"])  # within one channel: as before
+    assert (inside.reasoning, inside.text) == ("add 40 and 2", "the ")
+    # characters of several tokens before it (a prefix of the text ends in U+FFFD there)
+    wide = "<|channel|>analysis<|message|>easy é€ 4.<|end|>" + FINAL.replace("42", "4. done")
+    after = _answer(tok, wide, stop=["4. do"])
+    assert (after.reasoning, after.text) == ("easy é€ 4.", "the answer is ")

@@ -341,6 +341,7 @@ def _choices(
     for seq in resp.sequences:
         tokens = [] if scoring_only else list(seq.tokens)
         text, stop_string = cut_at_stop(_decoded(tok, req, _said(tokens, seq, eos)), req.stop)
+        before_stop = text
         if stop_string is None:  # an incomplete last character is not said, as in vLLM
             text = text.rstrip("\ufffd")
         whole = len(tokens)
@@ -363,6 +364,8 @@ def _choices(
                 entries = scored + entries
         reasoning = None
         if req.chat and req.skip_special_tokens and (parts := split_channels(tok, prompt, tokens)):
+            if stop_string is not None:  # it may span channels: the answer ends where it begins
+                parts = _channels_before(tok, prompt, tokens, before_stop) or parts
             text = cut_at_stop(parts[1], req.stop)[0].rstrip("\ufffd")
             reasoning = None if parts[0] is None else cut_at_stop(parts[0], req.stop)[0]
             reasoning = None if reasoning is None else reasoning.rstrip("\ufffd")
@@ -370,6 +373,33 @@ def _choices(
         reason = "length" if ended else "stop"
         out.append(Choice(text, reason, entries, len(tokens), stop_string, reasoning, start))
     return out
+
+
+def _channels_before(
+    tok: Any, prompt: list[int], tokens: list[int], raw: str
+) -> tuple[str | None, str] | None:
+    """The channels (`split_channels`) of a harmony answer up to ``raw``, its text (special
+    tokens skipped) before a stop string: of the tokens whose text lies wholly in ``raw``, and
+    of the next one the part of its text that does (none if that part is a header's)."""
+
+    def text_of(n: int) -> str:  # (an incomplete last character left out)
+        return str(tok.decode(tokens[:n], skip_special_tokens=True)).rstrip("\ufffd")
+
+    lo, hi = 0, len(tokens)  # the most tokens whose text begins ``raw``
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if raw.startswith(text_of(mid)) else (lo, mid - 1)
+    rest = raw[len(text_of(lo)) :]
+    if rest and (lo == len(tokens) or not text_of(lo + 1).startswith(raw)):
+        return None  # (a decoding whose prefixes do not line up: each channel cut alone)
+    parts = split_channels(tok, prompt, tokens[:lo])
+    more = split_channels(tok, prompt, tokens[: lo + 1]) if rest else None
+    if parts is None or more is None:
+        return parts
+    reasoning, content = parts
+    if more[0] is not None and len(more[0]) > len(reasoning or ""):
+        return (reasoning or "") + rest, content
+    return reasoning, content + rest if len(more[1]) > len(content) else content
 
 
 def _said(tokens: list[int], seq: types.SampledSequence, eos: frozenset[int]) -> list[int]:
