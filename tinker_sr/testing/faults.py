@@ -4,8 +4,8 @@
     backend.add_fault(Fault("forward_backward", delay_s=5))  # or later, while the test runs
     client = tinker.ServiceClient(backend=backend)
 
-Faults match by backend method name and fire on the ``after``-th matching call onwards, at most
-``times`` times (``None``: forever). ``delay_s`` stalls the call first (to test timeouts).
+Faults match by backend method name, let the first ``after`` matching calls made since they
+were planned through, and fire on the next ``times`` (``None``: forever). ``delay_s`` stalls the call first (to test timeouts).
 Everything else is delegated unchanged, so RL code under test sees real results.
 """
 
@@ -45,6 +45,7 @@ class Fault:
     times: int | None = 1
     delay_s: float = 0.0
     fired: int = 0
+    seen: int = 0  # matching calls since it was planned (`after` counts these, as WireFault's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -83,11 +84,21 @@ class FaultTable(Generic[F]):
     `FaultyBackend` (faults per Backend method) and `testing.wire.FaultPlan` (per endpoint)."""
 
     def __init__(self, faults: Sequence[F] = ()) -> None:
-        self.faults = list(faults)
+        self.faults: list[F] = []
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
+        for fault in faults:
+            self.add(fault)
+
+    fault_types: tuple[type, ...] = ()  # what `add` takes (set by each table)
 
     def add(self, fault: F) -> F:
+        if self.fault_types and not isinstance(fault, self.fault_types):
+            names = " or ".join(t.__name__ for t in self.fault_types)
+            raise TypeError(
+                f"add_fault takes a {names} (e.g. rate_limited('asample'), http_error(...), "
+                f"or Fault('sample', error=...)), got {fault!r}"
+            )
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -104,6 +115,8 @@ class FaultTable(Generic[F]):
 class FaultyBackend(FaultTable[Fault]):
     """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
 
+    fault_types = (Fault,)
+
     def __init__(self, inner: Any, faults: Sequence[Fault] = ()) -> None:
         super().__init__()
         self.inner = inner
@@ -112,6 +125,8 @@ class FaultyBackend(FaultTable[Fault]):
 
     def add(self, fault: Fault) -> Fault:
         """Plan ``fault``; its ``method`` must be one the backend has (else it never fires)."""
+        if not isinstance(fault, Fault):
+            return super().add(fault)  # (refused there, naming what it takes)
         if not asyncio.iscoroutinefunction(getattr(self.inner, fault.method, None)):
             methods = sorted(
                 n
@@ -125,14 +140,18 @@ class FaultyBackend(FaultTable[Fault]):
         return super().add(fault)
 
     def _due(self, method: str) -> Fault | None:
+        """The first fault due on this call of ``method`` (each matching fault counts it)."""
         with self._lock:
-            n = self.calls.get(method, 0)
-            self.calls[method] = n + 1
+            self.calls[method] = self.calls.get(method, 0) + 1
+            due = None
             for f in self.faults:
-                if f.method == method and n >= f.after and (f.times is None or f.fired < f.times):
+                if f.method != method:
+                    continue
+                f.seen += 1
+                if due is None and f.seen > f.after and (f.times is None or f.fired < f.times):
                     f.fired += 1
-                    return f
-        return None
+                    due = f
+        return due
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.inner, name)

@@ -95,6 +95,10 @@ class MockTinker:
         """Plan ``fault`` from now on (see `tinker_sr.testing.wire` for the kinds)."""
         return self.faults.add(fault)
 
+    def clear_faults(self) -> None:
+        """Drop every planned fault (as `ServerProcess.clear_faults`)."""
+        self.faults.clear()
+
     def server(self) -> Any:
         """The app's `TinkerServer` (its state and backend)."""
         return self.app.state.tinker_server
@@ -296,7 +300,7 @@ def mock_tinker(
                 _env(env),
                 hub_names_resolve_to(mock.model_dir, model_aliases),
                 fresh_sdk_rest_clients(),
-                clients_closed_after(mock.base_url),  # while the mock still answers
+                clients_closed_after(*urls),  # while the mock still answers
             ):
                 yield mock
         finally:

@@ -186,7 +186,30 @@ def hub_names_resolve_to(
         return load(name, *args, **kwargs)
 
     AutoTokenizer.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment,method-assign]
+    clear_tokenizer_caches()  # what another test (or its mock) loaded under these names
     try:
         yield
     finally:
         AutoTokenizer.from_pretrained = original  # type: ignore[method-assign]
+        clear_tokenizer_caches()  # this mock's tokenizers, for the next test
+
+
+# Tokenizers cached by model name, which outlive a mock: the official SDK's (get_tokenizer),
+# tinker-cookbook's (get_tokenizer) and tinker_sr's clients'.
+_TOKENIZER_CACHES = (
+    ("tinker.lib.public_interfaces.sampling_client", "_load_tokenizer_from_model_info"),
+    ("tinker_cookbook.tokenizer_utils", "_get_hf_tokenizer"),
+    ("tinker_sr.clients.tokenizers", "load_tokenizer"),
+)
+
+
+def clear_tokenizer_caches() -> None:
+    """Empty the tokenizer caches of the modules already imported (a test before loaded the
+    offline model's under "Qwen/Qwen3-8B", or a mock's aliased directory's: found by a hunt,
+    the next test then encoded with it)."""
+    import sys
+
+    for module, name in _TOKENIZER_CACHES:
+        clear = getattr(getattr(sys.modules.get(module), name, None), "cache_clear", None)
+        if callable(clear):
+            clear()

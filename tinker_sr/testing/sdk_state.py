@@ -56,8 +56,9 @@ def fresh_sdk_rest_clients() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def clients_closed_after(base_url: str) -> Iterator[None]:
-    """On leaving the block, close the clients made in it that talk to ``base_url``: the
+def clients_closed_after(*base_urls: str) -> Iterator[None]:
+    """On leaving the block, close the clients made in it that talk to ``base_urls`` (a mock's
+    own, and the hosted service's it answers for too): the
     official SDK's (a ServiceClient's connection holder and its heartbeat) and tinker_sr's.
     A client a test leaves open otherwise heartbeats every 10 s into whatever answers that URL
     next: the next test's mock (its trace and its faults' counters: a fault planned for that
@@ -67,20 +68,20 @@ def clients_closed_after(base_url: str) -> Iterator[None]:
     made: weakref.WeakSet[Any] = weakref.WeakSet()
     restore = _record_sdk_holders(made)
     before = set(ClientSession._registry.keys())
-    url = base_url.rstrip("/")
+    urls = {u.rstrip("/") for u in base_urls}
     try:
         yield
     finally:
         restore()
         for holder in list(made):
-            if str(getattr(holder, "_base_url", "")).rstrip("/") == url:
+            if str(getattr(holder, "_base_url", "")).rstrip("/") in urls:
                 # Waited for: closing flushes the SDK's telemetry, which must reach this mock
                 # or server, not the next one (or, a mock gone, the network).
                 with contextlib.suppress(Exception):
                     holder.run_coroutine_threadsafe(holder.aclose()).result(timeout=10)
         for key, session in list(ClientSession._registry.items()):
             target = str(getattr(session.backend, "base_url", None) or "").rstrip("/")
-            if key in before or session.closed or target != url:
+            if key in before or session.closed or target not in urls:
                 continue
             session.closed = True
             with contextlib.suppress(Exception):

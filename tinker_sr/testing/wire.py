@@ -234,6 +234,8 @@ def sequence_expired(endpoint: str = "forward_backward", **match: Any) -> WireFa
 class FaultPlan(FaultTable[WireFault]):
     """The faults of one mock or server, with per-endpoint call counters (thread-safe)."""
 
+    fault_types = (WireFault,)
+
     def next_call(
         self, endpoint: str, request_type: str | None = None
     ) -> tuple[int, WireFault | None]:
