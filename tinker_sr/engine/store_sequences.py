@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sqlite3
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,7 +81,7 @@ def prompt_blocks(tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
     """(hash, little-endian int32 bytes) of each 64-token block of ``tokens``, the last one
     possibly shorter. Each hash covers the one before it, so equal hashes mean equal
     prefixes; a block's hash is the same in every prompt that starts the same way."""
-    data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    data = _i4(tokens)
     step, out, prev = BLOCK_TOKENS * 4, [], _CHAIN_START
     for i in range(0, len(data), step):
         chunk = data[i : i + step]
@@ -93,18 +94,23 @@ def _i4(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<i4").tobytes()
 
 
+def _ints(raw: bytes) -> np.ndarray:
+    """Stored little-endian int32 bytes as an int32 array of its own."""
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+
 def insert(db: sqlite3.Connection, records: Sequence[SequenceRecord]) -> None:
     """Write ``records`` and their prompts' new blocks (the caller holds a transaction). The
     records of one request share one prompt array: its blocks are hashed once."""
     ends: dict[int, int | None] = {}  # id(prompt array) -> its last block's id
-    counts: dict[int, int] = {}  # block id -> what to add to its refs
+    counts: Counter[int] = Counter()  # block id -> what to add to its refs
     for rec in records:
         key = id(rec.prompt_tokens)
         if key not in ends:
             ends[key] = _chain(db, prompt_blocks(rec.prompt_tokens), counts)
         end = ends[key]
         if end is not None:
-            counts[end] = counts.get(end, 0) + 1
+            counts[end] += 1
     db.executemany(
         "UPDATE prompt_chain SET refs = refs + ? WHERE block_id=?",
         [(n, i) for i, n in counts.items()],
@@ -130,7 +136,7 @@ def insert(db: sqlite3.Connection, records: Sequence[SequenceRecord]) -> None:
 
 
 def _chain(
-    db: sqlite3.Connection, pieces: list[tuple[bytes, bytes]], counts: dict[int, int]
+    db: sqlite3.Connection, pieces: list[tuple[bytes, bytes]], counts: Counter[int]
 ) -> int | None:
     """The id of the last of a prompt's blocks (None: an empty prompt), writing those not
     stored yet; each new block's parent gets one more use in ``counts``. Stored blocks are a
@@ -147,7 +153,7 @@ def _chain(
             )
             found = int(cur.lastrowid or 0)
             if parent is not None:
-                counts[parent] = counts.get(parent, 0) + 1
+                counts[parent] += 1
         parent = found
     return parent
 
@@ -167,16 +173,14 @@ def fetch(
     if prompt is None:
         log.warning("recorded sequence %s: a block of its prompt is missing", sid)
         return None
-    s = np.frombuffer(sampled, dtype="<i4").astype(np.int32)
+    s = _ints(sampled)
     return SequenceRecord(
         sequence_id=sid,
         session_id=sess,
         prompt_tokens=prompt,
         sampled_tokens=s,
         sampler_logprobs=np.frombuffer(lps, dtype="<f4").astype(np.float32),
-        draws=None
-        if draws is None
-        else np.frombuffer(draws, dtype="<i4").astype(np.int32).reshape(len(s), k),
+        draws=None if draws is None else _ints(draws).reshape(len(s), k),
         created_at=created,
         last_used_at=last_used,
     )
@@ -196,13 +200,13 @@ def _prompt(
 ) -> np.ndarray | None:
     """A sequence's prompt: inline, else its chain of blocks (None: one is missing)."""
     if end is None:
-        return np.frombuffer(inline, dtype="<i4").astype(np.int32)
+        return _ints(inline)
     prompt = None if prompts is None else prompts.get(end)
     if prompt is None:
         chain = db.execute(_CHAIN, (end,)).fetchall()
         if not chain or chain[0][0] is not None:  # the walk stopped short of the first block
             return None
-        prompt = np.frombuffer(b"".join(t for _, t in chain), dtype="<i4").astype(np.int32)
+        prompt = _ints(b"".join(t for _, t in chain))
         prompt.setflags(write=False)  # one array for every record ending on this block
         if prompts is not None:
             prompts[end] = prompt
@@ -221,13 +225,11 @@ def purge(db: sqlite3.Connection, older_than: float, now: float) -> int:
     more; rows used "after" ``now`` (the clock stepped back) count from ``now``. Returns how
     many sequences went (the caller holds a transaction)."""
     db.execute("UPDATE sequences SET last_used_at=? WHERE last_used_at > ?", (now, now))
-    counts: dict[int, int] = {}
     expired = db.execute(
         "SELECT prompt_end FROM sequences WHERE last_used_at < ? AND prompt_end IS NOT NULL",
         (older_than,),
     )
-    for (end,) in expired:
-        counts[end] = counts.get(end, 0) + 1
+    counts = Counter(end for (end,) in expired)
     gone = db.execute("DELETE FROM sequences WHERE last_used_at < ?", (older_than,)).rowcount
     while counts:  # each round: one block further up the chains that lost their last use
         db.executemany(
@@ -237,10 +239,7 @@ def purge(db: sqlite3.Connection, older_than: float, now: float) -> int:
         sql = "SELECT block_id, parent FROM prompt_chain WHERE refs <= 0 AND block_id IN ({})"
         dead = _in_chunks(db, sql, list(counts))
         db.executemany("DELETE FROM prompt_chain WHERE block_id=?", [(i,) for i, _ in dead])
-        counts = {}
-        for _, parent in dead:
-            if parent is not None:
-                counts[parent] = counts.get(parent, 0) + 1
+        counts = Counter(parent for _, parent in dead if parent is not None)
     return int(gone)
 
 

@@ -5,8 +5,8 @@
     client = tinker.ServiceClient(backend=backend)
 
 Faults match by backend method name, let the first ``after`` matching calls made since they
-were planned through, and fire on the next ``times`` (``None``: forever). ``delay_s`` stalls the call first (to test timeouts).
-Everything else is delegated unchanged, so RL code under test sees real results.
+were planned through, and fire on the next ``times`` (``None``: forever). ``delay_s`` stalls
+the call first (to test timeouts). Everything else is delegated unchanged, so RL code under test sees real results.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import inspect
 import math
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -111,6 +111,17 @@ class FaultTable(Generic[F]):
         with self._lock:
             self.faults.clear()
 
+    def _first_due(self, matching: Iterable[Any]) -> Any:
+        """Count a call against each of the ``matching`` faults (the caller holds the lock);
+        the first of them due fires and is returned (None: none is)."""
+        due = None
+        for f in matching:
+            f.seen += 1
+            if due is None and f.seen > f.after and (f.times is None or f.fired < f.times):
+                f.fired += 1
+                due = f
+        return due
+
 
 class FaultyBackend(FaultTable[Fault]):
     """A `Backend` that delegates to ``inner`` except where a `Fault` fires."""
@@ -143,14 +154,7 @@ class FaultyBackend(FaultTable[Fault]):
         """The first fault due on this call of ``method`` (each matching fault counts it)."""
         with self._lock:
             self.calls[method] = self.calls.get(method, 0) + 1
-            due = None
-            for f in self.faults:
-                if f.method != method:
-                    continue
-                f.seen += 1
-                if due is None and f.seen > f.after and (f.times is None or f.fired < f.times):
-                    f.fired += 1
-                    due = f
+            due: Fault | None = self._first_due(f for f in self.faults if f.method == method)
         return due
 
     def __getattr__(self, name: str) -> Any:

@@ -244,16 +244,12 @@ class FaultPlan(FaultTable[WireFault]):
         with self._lock:
             n = self.calls.get(endpoint, 0) + 1
             self.calls[endpoint] = n
-            due: WireFault | None = None
-            for f in self.faults:
-                if not fnmatch.fnmatchcase(endpoint, f.endpoint):
-                    continue
-                if f.request_type is not None and f.request_type != request_type:
-                    continue
-                f.seen += 1
-                if due is None and f.seen > f.after and (f.times is None or f.fired < f.times):
-                    f.fired += 1
-                    due = f
+            due: WireFault | None = self._first_due(
+                f
+                for f in self.faults
+                if fnmatch.fnmatchcase(endpoint, f.endpoint)
+                and f.request_type in (None, request_type)
+            )
         return n, due
 
 
