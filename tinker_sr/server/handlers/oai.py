@@ -252,23 +252,25 @@ def _params(req: OaiRequest) -> types.SamplingParams:
     )
 
 
-def token_bytes_of(backend: Any, base_model: str) -> Sequence[bytes] | None:
-    """The bytes each token id of ``base_model`` stands for (a token can be part of a UTF-8
-    character, which its decoded text cannot show), where the engine has them."""
+def tokenizer_facts(
+    backend: Any, base_model: str, with_bytes: bool
+) -> tuple[Sequence[bytes] | None, frozenset[int]]:
+    """From the engine's tokenizer of ``base_model`` (which takes the model registry's lock:
+    call it off the event loop): with ``with_bytes``, the bytes each token id stands for (a
+    token can be part of a UTF-8 character, which its decoded text cannot show), and the ids
+    that end its answers; (None, no ids) where the engine has no tokenizer of it."""
     models = getattr(backend, "models", None)
     try:
-        return models.tokenizer(base_model).token_bytes if models is not None else None
+        engine = models.tokenizer(base_model) if models is not None else None
+    except Exception:  # no engine tokenizer: the decoded texts' bytes instead, no EOS ids
+        return None, frozenset()
+    if engine is None:
+        return None, frozenset()
+    try:
+        table = engine.token_bytes if with_bytes else None
     except Exception:  # e.g. no tokenizer.json: the decoded texts' bytes instead
-        return None
-
-
-def eos_ids_of(backend: Any, base_model: str) -> frozenset[int]:
-    """The ids that end ``base_model``'s answers (none known: an empty set)."""
-    models = getattr(backend, "models", None)
-    try:
-        return frozenset(models.tokenizer(base_model).eos_token_ids) if models else frozenset()
-    except Exception:  # as `token_bytes_of`: no engine tokenizer
-        return frozenset()
+        table = None
+    return table, frozenset(engine.eos_token_ids)
 
 
 def token_text(text: str, raw: bytes) -> str:
@@ -292,7 +294,7 @@ def _token_entries(
     table: Any,
     skip_special_tokens: bool = True,
 ) -> list[TokenEntry]:
-    """Log-prob entries of ``ids``; ``table``: the tokens' bytes in a text (`token_bytes_of`:
+    """Log-prob entries of ``ids``; ``table``: the tokens' bytes in a text (`tokenizer_facts`:
     b"" for a special token, which the text leaves out with ``skip_special_tokens``)."""
     facts = byte_fallback(tok)
     spaced = facts is not None and facts.anchor is not None  # answers keep "▁x"'s space
@@ -495,9 +497,9 @@ async def _sampled(
     _check_fits(srv, target, req, prompts, params)
     top = req.logprobs or 0
     with_prompt = req.echo and req.logprobs is not None
-    table = None
-    if req.logprobs is not None:
-        table = await asyncio.to_thread(token_bytes_of, srv.backend, target.base_model)
+    table, eos = await asyncio.to_thread(
+        tokenizer_facts, srv.backend, target.base_model, req.logprobs is not None
+    )
     prompt_tokens = sum(map(len, prompts))
     extra: dict[str, Any] = {}
     if req.logprobs is not None and sample_takes(srv.backend, "logprobs_mode"):
@@ -546,7 +548,6 @@ async def _sampled(
         if status != 400 or not detail.startswith("prompt token id"):
             raise
         raise OaiError(detail, "messages" if req.chat else "prompt") from None
-    eos = await asyncio.to_thread(eos_ids_of, srv.backend, target.base_model)  # (registry lock)
     choices = [
         c
         for ids, r in zip(prompts, results, strict=True)
