@@ -93,3 +93,40 @@ def test_something_that_is_not_a_fault_is_refused_when_planned(tmp_path: Path) -
         mock_tinker(faults=["asample"]).__enter__()  # type: ignore[list-item]
     with pytest.raises(TypeError, match="add_fault takes a Fault"):
         FaultyBackend(object(), ["sample"])  # type: ignore[list-item]
+
+
+def test_a_permanent_fault_on_every_route_ends_with_the_mock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, the fault stayed planned while the mock closed the clients the test left open:
+    each one's closing telemetry (on, as in a user's CI) was refused and retried for 10 s."""
+    from tinker_sr.testing.wire import http_error
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "1")
+    with mock_tinker() as mock:
+        service = tinker.ServiceClient()
+        service.create_lora_training_client("Qwen/Qwen3-8B", rank=2, seed=0).result()
+        fault = mock.add_fault(http_error("*", 500, times=None))
+        before = len(mock.trace)
+    closing = mock.trace.calls()[before:]
+    assert fault.fired == 0
+    assert [e["endpoint"] for e in closing][-1:] == ["telemetry"]  # the session's end
+    assert all(e["status"] == 200 and e["fault"] is None for e in closing)
+
+
+def test_a_permanent_fault_ends_with_a_per_test_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for `tinker_server_process` (the ``tinker_server`` fixture)."""
+    from tinker_sr.testing.server import tinker_server_process
+    from tinker_sr.testing.wire import http_error
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "1")
+    with tinker_server_process(tmp_path / "srv") as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key)
+        service.create_lora_training_client("Qwen/Qwen3-8B", rank=2, seed=0).result()
+        srv.add_fault(http_error("*", 500, times=None))
+        before = len(srv.trace)
+    closing = srv.trace.calls()[before:]
+    assert [e["endpoint"] for e in closing][-1:] == ["telemetry"]
+    assert all(e["status"] == 200 and e["fault"] is None for e in closing)

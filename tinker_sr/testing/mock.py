@@ -300,7 +300,8 @@ def mock_tinker(
                 _env(env),
                 hub_names_resolve_to(mock.model_dir, model_aliases),
                 fresh_sdk_rest_clients(),
-                clients_closed_after(*urls),  # while the mock still answers
+                # While the mock still answers, and without the test's faults.
+                clients_closed_after(*urls, before_closing=mock.clear_faults),
             ):
                 yield mock
         finally:

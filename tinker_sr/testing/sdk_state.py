@@ -56,10 +56,14 @@ def fresh_sdk_rest_clients() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def clients_closed_after(*base_urls: str) -> Iterator[None]:
+def clients_closed_after(
+    *base_urls: str, before_closing: Callable[[], object] | None = None
+) -> Iterator[None]:
     """On leaving the block, close the clients made in it that talk to ``base_urls`` (a mock's
     own, and the hosted service's it answers for too): the
     official SDK's (a ServiceClient's connection holder and its heartbeat) and tinker_sr's.
+    ``before_closing`` runs first (a mock drops its faults: a permanent one on ``*`` made
+    each client's closing retry its telemetry for 10 s).
     A client a test leaves open otherwise heartbeats every 10 s into whatever answers that URL
     next: the next test's mock (its trace and its faults' counters: a fault planned for that
     test fires on the other test's heartbeat) or another test's server on a reused port."""
@@ -73,6 +77,9 @@ def clients_closed_after(*base_urls: str) -> Iterator[None]:
         yield
     finally:
         restore()
+        if before_closing is not None:
+            with contextlib.suppress(Exception):  # a server the test stopped: nothing to drop
+                before_closing()
         for holder in list(made):
             if str(getattr(holder, "_base_url", "")).rstrip("/") in urls:
                 # Waited for: closing flushes the SDK's telemetry, which must reach this mock

@@ -230,23 +230,29 @@ def tinker_server_process(store: Path, **kwargs: Any) -> Iterator[ServerProcess]
     """`running_server` in testing mode: offline model names, wire faults, trace. While it
     runs, ``AutoTokenizer.from_pretrained(<hub name>)`` in this process loads the offline
     model's tokenizer (the official SDK's ``SamplingClient.get_tokenizer()`` does that)."""
-    with running_server(store, testing=True, **kwargs) as srv, offline_clients(srv):
+    with (
+        running_server(store, testing=True, **kwargs) as srv,
+        offline_clients(srv, drop_faults=True),
+    ):
         yield srv
 
 
 @contextmanager
-def offline_clients(srv: ServerProcess) -> Iterator[None]:
+def offline_clients(srv: ServerProcess, *, drop_faults: bool = False) -> Iterator[None]:
     """While active, this process's clients see ``srv`` as `tinker_server_process` promises:
     hub tokenizer names load the offline model's tokenizer, and the official SDK's cached
     REST connections (from other servers) are set aside; the clients made meanwhile that a
-    test left open are closed as the server stops (`sdk_state.clients_closed_after`)."""
+    test left open are closed as the server stops (`sdk_state.clients_closed_after`), after
+    its faults are dropped when ``drop_faults`` (a server shared by tests keeps them)."""
     from tinker_sr.testing.offline_model import MODEL_DIR_NAME, hub_names_resolve_to
     from tinker_sr.testing.sdk_state import clients_closed_after, fresh_sdk_rest_clients
 
     with (
         hub_names_resolve_to(srv.store / "models" / MODEL_DIR_NAME),
         fresh_sdk_rest_clients(),
-        clients_closed_after(srv.base_url),
+        clients_closed_after(
+            srv.base_url, before_closing=srv.clear_faults if drop_faults else None
+        ),
         loopback_without_proxy(),
     ):
         yield
