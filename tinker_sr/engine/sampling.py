@@ -405,12 +405,8 @@ def request_overflow(
     or, given ``num_samples`` and ``limits``, the engine's token limit for one request: told
     before it is queued, so a server can refuse it (400) as the hosted service does; None when
     it fits or cannot be told here (an unknown sampler: the engine's own checks say)."""
-    sampler = models.live_sampler(sampler_id)
-    if sampler is None or not isinstance(prompt, types.ModelInput):
-        return None
-    try:
-        context = sampler.context
-    except Exception:  # its config.json changed or went away since loading: the engine says
+    context = sampler_context(models, sampler_id)
+    if context is None or not isinstance(prompt, types.ModelInput):
         return None
     n = sum(len(getattr(c, "tokens", ())) for c in prompt.chunks)
     wanted = resolve_max_tokens(getattr(params, "max_tokens", None), n, context)
@@ -425,6 +421,18 @@ def request_overflow(
         except EngineUserError as e:
             return str(e)
     return problem
+
+
+def sampler_context(models: ModelRegistry, sampler_id: str) -> int | None:
+    """The context length of a live sampler's model; None for one not live (set aside,
+    unknown) or whose config.json changed or went away since loading: the engine says."""
+    sampler = models.live_sampler(sampler_id)
+    if sampler is None:
+        return None
+    try:
+        return int(sampler.context)
+    except Exception:
+        return None
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, context: int) -> int:

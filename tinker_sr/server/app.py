@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tinker_sr.backend.base import Backend
+from tinker_sr.backend.base import Backend, WorkNotStarted
 from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.wire import messages as m
 
@@ -124,6 +124,8 @@ class TinkerServer:
         self.tokenizers = TokenizerIds(backend, store_dir)
         self.signer = downloads.UrlSigner(downloads.load_key(store_dir))
         self.oai = oai.OaiSamplers(self)
+        self.stopping = False  # a graceful stop began (`begin_stop`)
+        self._answering: set[asyncio.Task[object]] = set()  # OpenAI / Anthropic answers
 
     @property
     def _pending_samples(self) -> set[str]:
@@ -169,9 +171,15 @@ class TinkerServer:
 
     async def begin_stop(self) -> bool:
         """The first step of a graceful stop (SIGTERM, Ctrl-C; called again, harmless): long
-        polls answer now, and a backend of the server's own starts no more queued work (so
-        none starts while uvicorn waits for open connections). Whether the backend can."""
+        polls answer now, OpenAI and Anthropic answers being sampled end as refused (503; an
+        error event where a stream has begun: before, uvicorn cut them with a traceback each
+        once its 5 s of grace ran out), and a backend of the server's own starts no more
+        queued work (so none starts while uvicorn waits for open connections). Whether the
+        backend can."""
         self.futures.stop_waiting()
+        self.stopping = True
+        for task in list(self._answering):
+            task.cancel()
         stop_starting = getattr(self.backend, "stop_starting", None)
         if not self.close_backend or stop_starting is None:
             return False
@@ -186,6 +194,25 @@ class TinkerServer:
         if self.close_backend:
             await self.backend.aclose()
         self.state.close()
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """Around an OpenAI or Anthropic answer's sampling: a graceful stop cancels it, and it
+        ends as `WorkNotStarted` (a 503 saying the server is stopping)."""
+        if self.stopping:
+            raise WorkNotStarted("the server is stopping")
+        task = asyncio.current_task()
+        assert task is not None
+        self._answering.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            task.uncancel()
+            raise WorkNotStarted("the server is stopping") from None
+        finally:
+            self._answering.discard(task)
 
     # ---- request helpers -----------------------------------------------------------------
     def owner(self, request: Request) -> str:

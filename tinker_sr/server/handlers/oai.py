@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tinker_sr import types
 from tinker_sr.engine.sampler import NewTokens
+from tinker_sr.engine.sampling import sampler_context
 from tinker_sr.limits import DEFAULT_LIMITS
 from tinker_sr.tokenization.hf import byte_fallback, decode_answer
 from tinker_sr.types.topk_logprobs import TopkLogprobs, topk_to_lists
@@ -46,6 +47,7 @@ from ..oai_format import (
     parse_request,
     stream_events,
 )
+from ..prompt_size import refuse_past_context, string_chars
 
 if TYPE_CHECKING:
     from ..app import TinkerServer
@@ -183,9 +185,13 @@ class OaiSamplers:
 # ---- requests --------------------------------------------------------------------------------
 
 
-def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
-    """The request's prompts as token ids."""
+def _encode(tok: Any, req: OaiRequest, context: int | None = None) -> list[list[int]]:
+    """The request's prompts as token ids; one that cannot fit ``context`` tokens refused
+    before it is tokenized, from its length (`prompt_size`)."""
     if not req.chat:
+        for p in req.prompts:
+            if isinstance(p, str):
+                refuse_past_context(tok, context, "prompt", len(p), partial(list, (p,)))
         return [
             p if isinstance(p, list) else list(tok.encode(p, add_special_tokens=True))
             for p in req.prompts
@@ -201,14 +207,20 @@ def _encode(tok: Any, req: OaiRequest) -> list[list[int]]:
             "messages",
         )
 
-    def render(kwargs: dict[str, Any]) -> list[int]:
-        ids = tok.apply_chat_template(
-            req.messages, tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs
-        )
-        return [int(t) for t in ids]
+    def render(kwargs: dict[str, Any], tokenize: bool = True) -> Any:
+        out = tok.apply_chat_template(
+            req.messages, tokenize=tokenize, add_generation_prompt=True, return_dict=False,
+            **kwargs,
+        )  # fmt: skip
+        return [int(t) for t in out] if tokenize else out
 
     try:
+        chars = string_chars(req.messages) + len(req.prefill or "")
+        text = partial(render, req.chat_template_kwargs, False)
+        refuse_past_context(tok, context, "messages", chars, lambda: [text(), req.prefill or ""])
         ids = render(req.chat_template_kwargs)
+    except OaiError:
+        raise
     except Exception as e:  # the template's own failure (jinja2, transformers): the request's
         param = "messages"
         if req.chat_template_kwargs:
@@ -232,7 +244,9 @@ async def _prompt_ids(srv: TinkerServer, target: _Target, req: OaiRequest) -> tu
     from tinker_sr.clients.tokenizers import tokenizer_for
 
     tok = await asyncio.to_thread(tokenizer_for, srv.backend, target.base_model, None)
-    return tok, await asyncio.to_thread(_encode, tok, req)
+    models = getattr(srv.backend, "models", None)
+    context = sampler_context(models, target.sampler_id) if models is not None else None
+    return tok, await asyncio.to_thread(_encode, tok, req, context)
 
 
 async def prompt_token_count(srv: TinkerServer, owner: str, req: OaiRequest) -> int:
@@ -483,7 +497,7 @@ async def sample_choices(
     a 429 with ``Retry-After``, which OpenAI and Anthropic clients wait out and retry. ``progress``
     hears each row's tokens as they are sampled (but where the request only scores its
     prompts: ``echo`` and ``max_tokens`` 0)."""
-    with srv.futures.pending_sample(owner):
+    with srv.futures.pending_sample(owner), srv.answering():
         target = await srv.oai.target(owner, req.model)
         with srv.sessions.serving(target.session_id):  # its session is not quiet meanwhile
             return await _sampled(srv, target, req, progress)
