@@ -251,3 +251,35 @@ def test_export_never_writes_over_a_directory_or_leaves_half_an_export(
     (tmp_path / "killed" / ".export-abc").mkdir(parents=True)  # what a killed export leaves
     assert cli(["export", path, str(tmp_path / "killed"), "--store", store]) == 2
     assert "an export that was interrupted" in capsys.readouterr().err
+
+
+def test_peft_export_of_a_variant_names_its_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint trained on a Tinker variant id ("<base>:peft:<context>") exported an
+    adapter_config.json naming the variant id, which no loader resolves: AutoPeftModel failed
+    on it. It names the base: a local directory resolved, a Hub name as a Hub name."""
+    peft = pytest.importorskip("peft")
+    base = make_tiny_hf_model_dir(tmp_path / "base")
+    backend, path, ours = _train_and_save(tmp_path, f"{base}:peft:512")
+    store = str(backend.store_dir)
+    backend.close()
+    adapter = tmp_path / "adapter"
+    assert cli(["export", path, str(adapter), "--store", store]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(adapter)
+    torch.testing.assert_close(_hf_logits(loaded), ours, rtol=0, atol=1e-4)
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo, sha = tmp_path / "hub" / "models--tiny-org--tiny", "c" * 40
+    make_tiny_hf_model_dir(repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    hub_ckpt = tmp_path / "hub_run"
+    backend, path, _ = _train_and_save(hub_ckpt, "tiny-org/tiny:peft:512")
+    backend.close()
+    out = tmp_path / "hub_adapter"
+    assert cli(["export", path, str(out), "--store", str(hub_ckpt / "store")]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny-org/tiny"

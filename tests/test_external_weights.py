@@ -560,3 +560,14 @@ def test_url_signatures_expire_and_survive_a_restart(tmp_path: Path) -> None:
         again.check("run:train:0", "na me", "v2", *args[3:], query["sig"], now=0.0)
     with pytest.raises(HTTPError, match="does not match"):  # another server's key
         UrlSigner(load_key(None)).check(*args, query["sig"], now=0.0)
+
+
+def test_export_of_a_variant_names_its_base(service: Any, qwen_dir: Path) -> None:
+    """Trained on a Tinker variant id ("<dir>:peft:<context>"), the export's
+    adapter_config.json named the variant id, which no loader resolves; it names the base."""
+    tc = service.create_lora_training_client(f"{qwen_dir}:peft:512", rank=2).result()
+    path = tc.save_weights_external("v").result().path
+    urls = tinker_sr.RestClient(service.holder).get_external_weights_urls(path).result().urls
+    with urllib.request.urlopen(urls["adapter_config.json"]) as f:
+        config = json.loads(f.read())
+    assert config["base_model_name_or_path"] == str(qwen_dir.resolve())

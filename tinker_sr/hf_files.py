@@ -45,6 +45,18 @@ def tinker_variant(name: str) -> tuple[str, int | None]:
     return (found["base"], int(found["context"])) if found else (name, None)
 
 
+def adapter_base_model(name: str, resolved: str) -> str:
+    """What an adapter trained on base model `name` (resolved to `resolved`: a built-in name or
+    a local directory) names as its base, in ``adapter_config.json``'s
+    ``base_model_name_or_path``: a Hub name found in the Hugging Face cache (and a built-in) as
+    it is, a path or an alias as the directory it resolved to. A Tinker variant id
+    ("Qwen/Qwen3-8B:peft:32768", "<dir>:peft:512") names its base: no loader knows the
+    suffix."""
+    base = tinker_variant(name)[0]
+    hub = cached_hub_model(base)
+    return base if resolved == base or (hub is not None and resolved == str(hub)) else resolved
+
+
 def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_FILES) -> bool:
     return any((Path(path) / m).is_file() for m in markers)
 

@@ -43,7 +43,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import ModelConfig, Transformer
 from tinker_sr.engine.skeleton import on_meta
-from tinker_sr.hf_files import read_json
+from tinker_sr.hf_files import adapter_base_model, read_json
 from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
@@ -317,13 +317,11 @@ def _export(
     base_dir = Path(resolved) if os.path.isdir(resolved) else None
     if not merge:
         _check_fits(resolved, base_dir, ckpt)
-        # A Hub name found in the HF cache stays a Hub name; paths and aliases resolve.
-        hub_name = name == (registry.aliases.get(name) or name) and not os.path.exists(name)
         kind = vl_wrapper(read_json(base_dir / "config.json")) if base_dir else None
         return export_peft(
             ckpt,
             out,
-            base_model_name_or_path=name if hub_name else resolved,
+            base_model_name_or_path=adapter_base_model(name, resolved),
             text_prefix="model.language_model." if kind in QWEN3_VL else "model.",
         )
     if base_dir is not None:  # the base as stored (not float32 on a CPU without bf16), so the

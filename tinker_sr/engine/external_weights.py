@@ -37,6 +37,7 @@ from tinker_sr import validation
 from tinker_sr.engine.checkpoint_store import CheckpointStore
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.engine.registry import Trainer, snapshot
+from tinker_sr.hf_files import adapter_base_model
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -154,11 +155,12 @@ def save_external(
     """Export trainer `t`'s current adapters as ``tinker://<run>/external_weights/<name>``."""
     recipients = validation.age_recipients(age_encryption_recipients)
     adapters = snapshot(t.model)
+    base_model = adapter_base_model(t.base_model, t.resolved)
     path = checkpoints.write_dir(
         t.model_id,
         "external_weights",
         name,
-        lambda out: write_external(out, adapters, t.lora, t.base_model, recipients),
+        lambda out: write_external(out, adapters, t.lora, base_model, recipients),
         ttl_seconds=ttl_seconds,
         user_metadata=None,
     )
