@@ -283,3 +283,39 @@ def test_peft_export_of_a_variant_names_its_base(
     assert cli(["export", path, str(out), "--store", str(hub_ckpt / "store")]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "tiny-org/tiny"
+
+
+def test_export_of_an_aliased_base_says_to_pass_base_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint records its base by the name it was trained on: an alias (or a `serve
+    --model-dir` name). Exported where that alias is not set, the error said to alias the name
+    to tinker-sr/tiny, which the adapter does not fit; it says to pass --base-model DIR."""
+    from tinker_sr.engine.export import export_checkpoint
+    from tinker_sr.engine.registry import ModelRegistry
+    from tinker_sr.user_errors import ModelUnavailableError
+
+    base = make_tiny_hf_model_dir(tmp_path / "base")
+    monkeypatch.setenv("TINKER_SR_MODEL_ALIASES", f"tiny-org/aliased={base}")
+    backend, path, ours = _train_and_save(tmp_path, "tiny-org/aliased")
+    store = backend.store_dir
+    backend.close()
+    monkeypatch.delenv("TINKER_SR_MODEL_ALIASES")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # no such Hub name cached
+    out = tmp_path / "out"
+    assert cli(["export", path, str(out), "--merge", "--store", str(store)]) == 2
+    err = capsys.readouterr().err
+    assert "'tiny-org/aliased' is not available" in err and "Looked for" in err, err
+    assert "--base-model DIR" in err and "alias it" not in err, err
+    with pytest.raises(ModelUnavailableError, match="--base-model DIR"):  # the type kept
+        export_checkpoint(path, out, merge=False, store_dir=store)
+    with pytest.raises(ModelUnavailableError, match="Pass --base-model") as e:
+        export_checkpoint(path, out, merge=True, store_dir=store, base_model=str(tmp_path / "x"))
+    assert "alias it" not in str(e.value)
+    with pytest.raises(ModelUnavailableError, match="alias it: TINKER_SR_MODEL_ALIASES"):
+        ModelRegistry({}).resolve_model("tiny-org/aliased")  # a request's fix is unchanged
+    argv = ["export", path, str(out), "--merge", "--store", str(store), "--base-model", str(base)]
+    assert cli(argv) == 0  # the fix it names works
+    torch.testing.assert_close(
+        _hf_logits(AutoModelForCausalLM.from_pretrained(out)), ours, rtol=0, atol=1e-4
+    )

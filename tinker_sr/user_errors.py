@@ -25,6 +25,16 @@ class EngineNotFoundError(EngineUserError):
     """A named object (model, checkpoint, sampler, sequence) does not exist."""
 
 
+class ModelUnavailableError(EngineUserError):
+    """A base model name that resolves to no model here: ``stem`` says so (what is available,
+    where it looked), ``fix`` how to make it available. A caller whose users have a better fix
+    re-raises it with that one (`tinker-sr export`: ``--base-model DIR``)."""
+
+    def __init__(self, stem: str, fix: str = "") -> None:
+        super().__init__(f"{stem} {fix}" if fix else stem)  # args: the message (it pickles)
+        self.stem, self.fix = stem, fix
+
+
 def official_sdk_hint(obj: object) -> str:
     """Where ``obj`` is one of the official SDK's types (``tinker.Datum``, built by code that
     imports ``tinker``, such as tinker-cookbook's), why a tinker_sr client refuses it and the

@@ -45,7 +45,7 @@ from tinker_sr.engine.model import ModelConfig, Transformer
 from tinker_sr.engine.skeleton import on_meta
 from tinker_sr.hf_files import adapter_base_model, read_json
 from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
-from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, ModelUnavailableError
 
 PEFT_PREFIX = "base_model.model."
 # Files of a base model directory that a merged export carries over unchanged.
@@ -299,6 +299,22 @@ def check_output_dir(root: Path, ignore: str | None = None) -> None:
     )
 
 
+def _base_model_fix(name: str, given: str | None) -> str:
+    """How to export against a base model `name` that is not available here (`given`: named by
+    --base-model, else recorded in the checkpoint)."""
+    if given is not None:
+        return (
+            "Pass --base-model the base model the checkpoint was trained on: its Hugging Face "
+            "directory (config.json and *.safetensors), or its Hub name in the local cache."
+        )
+    return (
+        f"The checkpoint records the name it was trained on, {name!r}: where that was an alias "
+        "(TINKER_SR_MODEL_ALIASES, `tinker-sr serve --model-dir` / `--model-alias`), export "
+        "against the model it named: `tinker-sr export CHECKPOINT OUT --base-model DIR`, DIR "
+        "its Hugging Face directory (config.json and *.safetensors)."
+    )
+
+
 def _export(
     path: str,
     out: Path,
@@ -313,7 +329,10 @@ def _export(
     ckpt = read_checkpoint(path, store_dir)
     registry = ModelRegistry(aliases or {})
     name = base_model or ckpt.base_model
-    resolved = registry.resolve_model(name)
+    try:
+        resolved = registry.resolve_model(name)
+    except ModelUnavailableError as e:  # the registry's fix (an alias) is a request's, not ours
+        raise ModelUnavailableError(e.stem, _base_model_fix(name, base_model)) from None
     base_dir = Path(resolved) if os.path.isdir(resolved) else None
     if not merge:
         _check_fits(resolved, base_dir, ckpt)

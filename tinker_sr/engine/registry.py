@@ -65,7 +65,7 @@ from tinker_sr.engine.set_aside import SetAside, Source, unknown_sampler
 from tinker_sr.engine.spill import SpillDir, sweep_once
 from tinker_sr.hf_files import cached_hub_model, not_found_hint, resolve_model_dir, tinker_variant
 from tinker_sr.tokenization.hf import ByteModelTokenizer, ModelTokenizer
-from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
+from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, ModelUnavailableError
 
 log = logging.getLogger("tinker_sr.engine")
 P = ParamSpec("P")
@@ -283,14 +283,14 @@ class ModelRegistry:
             return str(found)
         raise self._unavailable(
             f"{name!r} is not available",
-            f"Looked for {target!r}: {not_found_hint(target)}. To use another name, alias it: "
-            f"TINKER_SR_MODEL_ALIASES='{name}=tinker-sr/tiny' or to a local Hugging Face "
-            "directory with config.json and *.safetensors.",
+            f"To use another name, alias it: TINKER_SR_MODEL_ALIASES='{name}=tinker-sr/tiny' "
+            "or to a local Hugging Face directory with config.json and *.safetensors.",
+            f" Looked for {target!r}: {not_found_hint(target)}.",
         )
 
-    def _unavailable(self, what: str, fix: str) -> EngineUserError:
+    def _unavailable(self, what: str, fix: str, looked: str = "") -> ModelUnavailableError:
         available = ", ".join(self.available_models())
-        return EngineUserError(f"base_model {what}. Available: {available}. {fix}")
+        return ModelUnavailableError(f"base_model {what}. Available: {available}.{looked}", fix)
 
     @_locked
     def tokenizer(self, name: str) -> ModelTokenizer | ByteModelTokenizer:
