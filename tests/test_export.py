@@ -73,9 +73,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     o): LoRA on biased projections, both exports; Qwen3-MoE: adapters on every expert, merged
     (a PEFT directory cannot carry them to transformers 5: refused); Qwen3.5 as the Hub ships
     it (a vision-language checkpoint): the merged text model, and the q/k/v adapters of its
-    linear attention fused into one on in_proj_qkv for PEFT; Qwen3.5-MoE merged; Qwen3-VL
-    (dense and MoE, vision-language checkpoints): the merged text model, and for PEFT the
-    adapters under the vision-language model's ``model.language_model.``; gpt-oss merged (its
+    linear attention fused into one on in_proj_qkv for PEFT, named under the vision-language
+    model's ``model.language_model.`` (loaded as it and as the text-only class);
+    Qwen3.5-MoE merged; Qwen3-VL (dense and MoE, vision-language checkpoints): the merged text
+    model, and for PEFT the adapters under ``model.language_model.``; gpt-oss merged (its
     experts fused back, gate and up interleaved, the router and the sinks as transformers
     names them)."""
     root = tmp_path_factory.mktemp("m") / f"tiny-{request.param}"
@@ -90,8 +91,10 @@ def test_merged_and_peft_exports_reproduce_the_logits(
     backend, path, ours = _train_and_save(tmp_path, str(model_dir))
     store = str(backend.store_dir)
     backend.close()
-    # transformers builds Qwen3-VL only as the vision-language model (no causal-LM class).
-    auto = AutoModelForImageTextToText if "qwen3_vl" in model_dir.name else AutoModelForCausalLM
+    # A vision-language checkpoint (Qwen3.5 as the Hub ships it, Qwen3-VL) loads as what its
+    # architectures name, as vLLM serves it (transformers has no causal-LM class for Qwen3-VL).
+    vl = model_dir.name.startswith(("tiny-qwen3_vl", "tiny-qwen3_5"))
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
     base = auto.from_pretrained(model_dir)
     assert (_hf_logits(base) - ours).abs().max() > 1e-3  # the adapter changed something
 
@@ -120,6 +123,12 @@ def test_merged_and_peft_exports_reproduce_the_logits(
     assert config["r"] == 4 and "lm_head" in config["target_modules"]
     peft_model = peft.PeftModel.from_pretrained(base, adapter_dir)
     torch.testing.assert_close(_hf_logits(peft_model), ours, rtol=0, atol=1e-4)
+    if "qwen3_5" in model_dir.name:  # its text-only class, with the key_mapping docs/models.md
+        # gives: a Qwen3.5 adapter attaches under both (it attached under this one alone)
+        text = AutoModelForCausalLM.from_pretrained(model_dir)
+        text_only = {r"^model\.language_model\.": "model."}
+        peft_text = peft.PeftModel.from_pretrained(text, adapter_dir, key_mapping=text_only)
+        torch.testing.assert_close(_hf_logits(peft_text), ours, rtol=0, atol=1e-4)
 
 
 def test_builtin_model_merged_export_loads_in_transformers(tmp_path: Path) -> None:

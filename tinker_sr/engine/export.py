@@ -32,7 +32,7 @@ from torch import Tensor
 from tinker_sr.engine import gpt_oss
 from tinker_sr.engine.checkpoints import read_record, save_tensors
 from tinker_sr.engine.hf_config import config_to_hf
-from tinker_sr.engine.hf_vl import QWEN3_VL, vl_wrapper
+from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.hybrid import fuse_qkv_adapters, to_hf
 from tinker_sr.engine.lora import (
     LoraSpec,
@@ -85,8 +85,9 @@ def export_peft(
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into `out`. The adapters
     of the decoder are named under ``text_prefix``: ``model.`` as in a causal LM, and
-    ``model.language_model.`` for a Qwen3-VL base, whose text model sits there in the
-    vision-language model transformers builds for it (AutoModelForImageTextToText)."""
+    ``model.language_model.`` for a vision-language base (Qwen3.5 as the Hub ships it,
+    Qwen3-VL), whose text model sits there in the model its ``architectures`` names (what
+    AutoModelForImageTextToText and vLLM build for it)."""
     experts = sorted({k.split(".mlp.experts.")[0] for k in ckpt.adapters if ".mlp.experts." in k})
     if experts:
         # transformers 5 holds a MoE layer's experts as fused 3-D parameters, where PEFT finds
@@ -341,7 +342,7 @@ def _export(
             ckpt,
             out,
             base_model_name_or_path=adapter_base_model(name, resolved),
-            text_prefix="model.language_model." if kind in QWEN3_VL else "model.",
+            text_prefix="model." if kind is None else "model.language_model.",
         )
     if base_dir is not None:  # the base as stored (not float32 on a CPU without bf16), so the
         from tinker_sr.engine.hf import checkpoint_dtype  # export is in the checkpoint's dtype
