@@ -37,7 +37,7 @@ from tinker_sr import validation
 from tinker_sr.engine.checkpoint_store import CheckpointStore
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.engine.registry import Trainer, snapshot
-from tinker_sr.hf_files import adapter_base_model
+from tinker_sr.hf_files import tinker_variant
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -155,7 +155,10 @@ def save_external(
     """Export trainer `t`'s current adapters as ``tinker://<run>/external_weights/<name>``."""
     recipients = validation.age_recipients(age_encryption_recipients)
     adapters = snapshot(t.model)
-    base_model = adapter_base_model(t.base_model, t.resolved)
+    # The name the caller trained on, less a Tinker variant's suffix: a remote user knows it,
+    # not the server's directory behind an alias (`tinker-sr export`, run where that
+    # directory is, names the directory: `adapter_base_model`).
+    base_model = tinker_variant(t.base_model)[0]
     path = checkpoints.write_dir(
         t.model_id,
         "external_weights",
