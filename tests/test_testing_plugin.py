@@ -224,3 +224,32 @@ def test_the_former_plugin_name_has_every_fixture() -> None:
     assert "_tinker_server_session_names" in defined
     for name in plugin.__all__:
         assert getattr(former, name) is getattr(plugin, name)
+
+
+def test_the_former_plugin_name_brings_the_hooks_without_the_entry_point(tmp_path: Path) -> None:
+    """With plugins not auto-loaded, ``-p tinker_sr.testing.plugin`` gave the fixtures (a star
+    import) but not the plugin's hook that keeps the server fixtures' unclosed-socket warnings
+    from failing tests under ``-W error``; it registers the plugin now, once either way."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_former.py").write_text(
+        "import tinker_sr_pytest_plugin as plugin\n\n"
+        "def test_hooks(pytestconfig, tinker_sr_store):\n"
+        "    manager = pytestconfig.pluginmanager\n"
+        "    assert manager.is_registered(plugin)\n"
+        "    impls = manager.hook.pytest_runtest_protocol.get_hookimpls()\n"
+        "    assert sum(i.plugin is plugin for i in impls) == 1\n"
+    )
+    for autoload in ("1", None):
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"}
+        if autoload:
+            env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = autoload
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "-p", "tinker_sr.testing.plugin", str(tmp_path)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "1 passed" in proc.stdout
