@@ -48,6 +48,7 @@ from .ordering import SeqWatcher
 from .sessions import Sessions
 from .state import ServerState
 from .tokenizers import TokenizerIds
+from .unseeded import UnseededSeeds
 
 __all__ = [
     "create_app",
@@ -125,6 +126,7 @@ class TinkerServer:
         self.signer = downloads.UrlSigner(downloads.load_key(store_dir))
         self.oai = oai.OaiSamplers(self)
         self.stopping = False  # a graceful stop began (`begin_stop`)
+        self.unseeded: UnseededSeeds | None = None  # `create_app(seed_unseeded=)`
         self._answering: set[asyncio.Task[object]] = set()  # OpenAI / Anthropic answers
 
     @property
@@ -390,6 +392,7 @@ def create_app(
     features: ServerFeatures | None = None,
     file_download_urls: bool = False,
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
+    seed_unseeded: int | None = None,
 ) -> Starlette:
     """The ASGI app serving ``backend`` over the Tinker wire protocol.
 
@@ -407,6 +410,8 @@ def create_app(
     ``file_download_urls``: answer ``get_external_weights_urls`` with ``file://`` URLs into the
     store instead of signed HTTP ones (for a server in the client's own process, `mock_tinker`,
     whose host no plain HTTP GET can reach). ``logprobs_mode``: one of `LOGPROBS_MODES`.
+    ``seed_unseeded``: seed LoRA clients and samples the client left unseeded from this (a
+    server for tests: `unseeded`); None draws them at random, as the hosted service does.
     """
     _check_limits(max_pending_samples, max_body_bytes, session_timeout_s, sample_abandon_s)
     if store_dir is None:
@@ -426,6 +431,8 @@ def create_app(
         file_download_urls=file_download_urls,
         logprobs_mode=logprobs_mode,
     )
+    if seed_unseeded is not None:
+        server.unseeded = UnseededSeeds(seed_unseeded)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

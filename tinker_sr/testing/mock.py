@@ -78,7 +78,8 @@ class MockTinker:
         aliases = {"*": str(self.model_dir), **dict(model_aliases or {})}
         self.backend = LocalBackend(store, model_aliases=aliases)
         # Download URLs of exports are file:// URLs into the store: no HTTP GET reaches a mock.
-        options = {"file_download_urls": True, **app_options}
+        # Unseeded LoRA clients and samples seeded from 0: code that seeds nothing repeats.
+        options = {"file_download_urls": True, "seed_unseeded": 0, **app_options}
         self.app = create_app(self.backend, store_dir=store, close_backend=True, **options)
         self._asgi = WireMiddleware(
             self.app, self.faults, self.trace, in_process=True, server=self.server
@@ -264,7 +265,10 @@ def mock_tinker(
     ``model_aliases``: extra ``name -> built-in or directory`` entries; every other base model
     name is the offline chat model. ``set_env``: set ``TINKER_BASE_URL``/``TINKER_API_KEY``
     (and unset ``TINKER_SR_BACKEND``) inside the block. Other keywords go to `create_app`
-    (e.g. ``session_timeout_s``, ``max_pending_samples``, ``api_keys``).
+    (e.g. ``session_timeout_s``, ``max_pending_samples``, ``api_keys``; ``seed_unseeded``:
+    what seeds the LoRA clients and samples a client left unseeded, 0 by default, so code
+    that seeds nothing repeats bit for bit; None draws them at random as the hosted service
+    does).
     ``intercept_production``: also serve requests to the hosted Tinker service's URL (the SDKs'
     default), so code that names it explicitly cannot reach the network from a test.
     """

@@ -382,6 +382,10 @@ class _ControlApp:
         return 200, [f.to_json() for f in self.plan.faults]
 
 
+def _seed_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tinker_sr.cli import add_serve_arguments
     from tinker_sr.server.features import ServerFeatures
@@ -389,6 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m tinker_sr.testing.server", description=__doc__)
     add_serve_arguments(parser)
+    parser.add_argument(
+        "--seed-unseeded", type=_seed_or_none, default=0, metavar="N|none",
+        help="seed LoRA clients and samples left unseeded from N, so unseeded code repeats "
+        "(default 0); none: draw them at random, as the hosted service does",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     store = Path(args.store or "tinker-sr-test-store")
     keys = [k.strip() for k in (args.api_keys or "").split(",") if k.strip()]
@@ -400,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     app = build_testing_app(
         store, api_keys=keys or None, max_body_bytes=args.max_body_bytes,
-        long_poll_s=args.long_poll_s, features=features,
+        long_poll_s=args.long_poll_s, features=features, seed_unseeded=args.seed_unseeded,
     )  # fmt: skip
     run_uvicorn(app, app.tinker_server, host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)  # fmt: skip

@@ -41,6 +41,8 @@ async def create_sampling_session(srv: TinkerServer, request: Request, owner: st
         base_model=req.base_model,
         model_path=req.model_path,
     )
+    if srv.unseeded is not None:
+        srv.unseeded.sampler(sampler_id, req.session_id, req.sampling_session_seq_id)
     reply = {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
     try:
         srv.state.add_sampler(sampler_id, req.session_id, req.model_path)
@@ -112,6 +114,9 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
         else None
     )
     n = req.num_samples
+    params = req.sampling_params.to_public()
+    if params.seed is None and srv.unseeded is not None:
+        params = params.model_copy(update={"seed": srv.unseeded.sample(sampler_id, seq_id)})
 
     def promise_extra(rid: str) -> dict[str, Any]:
         # Unique within the session: the sampler id is, and so is (seq_id, request).
@@ -123,7 +128,7 @@ async def asample(srv: TinkerServer, request: Request, owner: str) -> Response:
             seq_id,
             prompt=req.prompt,
             num_samples=n,
-            sampling_params=req.sampling_params.to_public(),
+            sampling_params=params,
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
             topk_sample_logprobs=req.topk_sample_logprobs if srv.features.sample_topk else 0,

@@ -45,6 +45,8 @@ async def create_session(srv: TinkerServer, request: Request, owner: str) -> Res
         tags=req.tags,
     )
     srv.sessions.add(session_id, owner)
+    if srv.unseeded is not None:
+        srv.unseeded.session(session_id)
     reply = {"session_id": session_id, "type": "create_session"}
     if warning is not None:
         reply["warning_message"] = warning  # the SDK logs it as a warning

@@ -34,6 +34,9 @@ async def create_model(srv: TinkerServer, request: Request, owner: str) -> Respo
     # is the backend's to check, failing the future as the SDK expects).
     lora = validation.require_lora_config(req.lora_config)
     validation.check_model_seq_id(req.model_seq_id, "create_model")
+    if lora.seed is None and srv.unseeded is not None:
+        seed = srv.unseeded.lora(req.session_id, req.model_seq_id)
+        lora = lora.model_copy(update={"seed": seed})
 
     async def work(promise: dict[str, Any]) -> tuple[str, bytes]:
         model_id = await srv.backend.create_model(
