@@ -128,6 +128,7 @@ class TinkerServer:
         self.stopping = False  # a graceful stop began (`begin_stop`)
         self.unseeded: UnseededSeeds | None = None  # `create_app(seed_unseeded=)`
         self._answering: set[asyncio.Task[object]] = set()  # OpenAI / Anthropic answers
+        self._stopped: set[asyncio.Task[object]] = set()  # those a graceful stop cancelled
 
     @property
     def _pending_samples(self) -> set[str]:
@@ -181,6 +182,7 @@ class TinkerServer:
         self.futures.stop_waiting()
         self.stopping = True
         for task in list(self._answering):
+            self._stopped.add(task)
             task.cancel()
         stop_starting = getattr(self.backend, "stop_starting", None)
         if not self.close_backend or stop_starting is None:
@@ -200,7 +202,8 @@ class TinkerServer:
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
         """Around an OpenAI or Anthropic answer's sampling: a graceful stop cancels it, and it
-        ends as `WorkNotStarted` (a 503 saying the server is stopping)."""
+        ends as `WorkNotStarted` (a 503 saying the server is stopping). Cancelled otherwise
+        (its client left, even during a stop), it ends cancelled: nothing reads its result."""
         if self.stopping:
             raise WorkNotStarted("the server is stopping")
         task = asyncio.current_task()
@@ -209,12 +212,13 @@ class TinkerServer:
         try:
             yield
         except asyncio.CancelledError:
-            if not self.stopping:
+            if task not in self._stopped:  # its client left: cancelled as before
                 raise
             task.uncancel()
             raise WorkNotStarted("the server is stopping") from None
         finally:
             self._answering.discard(task)
+            self._stopped.discard(task)
 
     # ---- request helpers -----------------------------------------------------------------
     def owner(self, request: Request) -> str:
