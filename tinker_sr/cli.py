@@ -314,20 +314,24 @@ def _check_model_config(
     option: str, flag: str, path: str, *, no_tokenizer_ok: bool, deep: bool
 ) -> None:
     """Refuse at start a directory the engine would refuse at first use: without a tokenizer
-    vocabulary; with ``deep`` (which loads torch), for its config.json, its weight files or
-    their tensors' names, shapes and dtypes (headers only: no weight is read, so a damaged
-    weight value is still found when the model loads)."""
-    from tinker_sr.tokenization.hf import VOCABULARY_FILES, has_vocabulary
+    vocabulary, or whose EOS ids and special tokens do not read (what each request builds
+    first: config.json's vocab_size and eos_token_id, generation_config.json,
+    tokenizer_config.json, tokenizer.json's added tokens); with ``deep`` (which loads torch),
+    for its config.json, its weight files or their tensors' names, shapes and dtypes (headers
+    only: no weight is read, so a damaged weight value is still found when the model loads)."""
+    from tinker_sr.tokenization.hf import VOCABULARY_FILES, ModelTokenizer, has_vocabulary
+    from tinker_sr.user_errors import EngineUserError
 
-    if deep:
-        from tinker_sr.engine.hf import check_model_dir
-        from tinker_sr.user_errors import EngineUserError
+    try:
+        if deep:
+            from tinker_sr.engine.hf import check_model_dir
 
-        try:
             check_model_dir(path, flag)
-        except EngineUserError as e:
-            raise SystemExit(f"tinker-sr serve: {option} {e}") from None
-    if not no_tokenizer_ok and not has_vocabulary(path):
+        ModelTokenizer(Path(path))
+        vocabulary = has_vocabulary(path)
+    except EngineUserError as e:
+        raise SystemExit(f"tinker-sr serve: {option} {e}") from None
+    if not no_tokenizer_ok and not vocabulary:
         # The SDK's get_tokenizer() would build an empty tokenizer (every text -> []) from it.
         raise SystemExit(
             f"tinker-sr serve: {option} {flag}: {path} holds no tokenizer vocabulary (none of "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +152,60 @@ def version_below(package: str, than: tuple[int, int]) -> bool | None:
     return parts < than if len(parts) == 2 else None
 
 
-def read_json(path: Path) -> dict[str, Any]:
+# The most a model directory's JSON file may hold: real ones are far smaller (config.json a few
+# KB, the largest tokenizer.json about 30 MB), and one is read whole into memory.
+MAX_JSON_BYTES = 256 * 2**20
+
+
+def _check_file(path: Path, mode: int, size: int, max_bytes: int | None = None) -> None:
+    """Refuse a file that is not a regular one (a FIFO, a device, a socket: reading it could
+    block the process, or never end), or one of more than ``max_bytes``."""
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a named pipe, a device or a socket, which reading could block forever"
+        )
+        raise EngineUserError(f"{path}: not a regular file but {kind}; put the model's file there")
+    if max_bytes is not None and size > max_bytes:
+        raise EngineUserError(
+            f"{path}: {size} bytes, over the {max_bytes >> 20} MiB a model directory's JSON "
+            "file may hold (real ones are far smaller): the file is damaged or not the "
+            "model's; put the model's own file there"
+        )
+
+
+def present(path: Path, max_bytes: int | None = None) -> bool:
+    """Is there a file at ``path`` to read (links followed)? False where there is none (or a
+    directory); `EngineUserError` naming it where there is something reading would block on
+    (a FIFO, a device, a socket) or, with ``max_bytes``, a file larger than that. Checked
+    before a library (safetensors, transformers) opens a model directory's files."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        st = path.stat()
+    except OSError:  # nothing there, a dangling link
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        return False
+    _check_file(path, st.st_mode, st.st_size, max_bytes)
+    return True
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A model directory's JSON object; `EngineUserError` naming the file where it cannot be
+    read, is not a regular file, holds over `MAX_JSON_BYTES`, is not UTF-8 JSON or not an
+    object."""
+    try:
+        # O_NONBLOCK: opening a FIFO returns at once (and is refused below), where a plain
+        # open waits for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            _check_file(path, st.st_mode, st.st_size, MAX_JSON_BYTES)
+            raw = f.read(MAX_JSON_BYTES + 1)  # capped, should it have grown since
+        _check_file(path, st.st_mode, len(raw), MAX_JSON_BYTES)
+        data = json.loads(raw.decode("utf-8"))
+    except EngineUserError:
+        raise
     except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
         hint = "; it must be UTF-8 JSON" if isinstance(e, UnicodeDecodeError) else ""
         raise EngineUserError(f"{path}: cannot read JSON ({e}){hint}") from e
@@ -178,7 +230,7 @@ def eos_token_ids(root: Path) -> tuple[int, ...]:
     for fname in ("config.json", "generation_config.json"):
         f = root / fname
         found = (
-            (model_config(root) if fname == "config.json" else read_json(f)) if f.is_file() else {}
+            (model_config(root) if fname == "config.json" else read_json(f)) if present(f) else {}
         )
         value = found.get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:

@@ -25,7 +25,7 @@ def dir_stamp(resolved: str) -> Stamp | None:
     if resolved in BUILTIN_CONFIGS or not root.is_dir():  # (not a folder its name may name)
         return None
     try:
-        weights = [p.name for p in weight_files(root)]
+        weights = [str(p.relative_to(root)) for p in weight_files(root)]
     except Exception:  # an index broken since: compared as what the folder holds
         weights = sorted(p.name for p in root.glob("*.safetensors"))
     out = []

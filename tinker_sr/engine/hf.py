@@ -33,7 +33,7 @@ from tinker_sr.engine.hf_config import config_from_hf
 from tinker_sr.engine.hf_vl import vl_wrapper
 from tinker_sr.engine.model import BUILTIN_CONFIGS, ModelConfig, Transformer, _empty_model
 from tinker_sr.engine.skeleton import on_meta
-from tinker_sr.hf_files import is_model_dir, read_json
+from tinker_sr.hf_files import present, read_json
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -64,10 +64,10 @@ def weight_files(root: Path) -> list[Path]:
     ``model.safetensors`` where it exists (beside it, an index and its shards, or other
     ``*.safetensors`` files such as a PEFT adapter or a ``consolidated.safetensors``, are not
     read), else the shards the index names, else every ``*.safetensors`` file."""
-    if (single := root / SINGLE_FILE).is_file():
+    if present(single := root / SINGLE_FILE):
         return [single]
     index = root / INDEX_FILE
-    if index.is_file():
+    if present(index):
         weight_map = read_json(index).get("weight_map") or {}
         names = list(weight_map.values()) if isinstance(weight_map, dict) else [weight_map]
         if not isinstance(weight_map, dict) or not all(map(_shard_name, names)):
@@ -82,7 +82,7 @@ def weight_files(root: Path) -> list[Path]:
                 "save_pretrained()"
             )
         files = [root / f for f in sorted(set(names))]
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [_shard(root, f) for f in files if not present(f)]
         if missing:
             raise EngineNotFoundError(
                 f"{index} names shard files that are missing: {missing[:3]}; copy or download "
@@ -90,7 +90,7 @@ def weight_files(root: Path) -> list[Path]:
                 "into the Hugging Face cache's blobs dangling)"
             )
         return files
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(f for f in root.glob("*.safetensors") if present(f))
     if not files:
         raise EngineNotFoundError(
             f"{root}: no *.safetensors weight files (PyTorch .bin checkpoints are not supported; "
@@ -105,9 +105,15 @@ def _shard_name(name: object) -> bool:
     return isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
+def _shard(root: Path, f: Path) -> str:
+    """A weight file's name as the index writes it (``sub/x.safetensors`` too)."""
+    return str(f.relative_to(root)) if f.is_relative_to(root) else f.name
+
+
 def _open(f: Path) -> Any:
     from safetensors import SafetensorError, safe_open
 
+    present(f)  # a FIFO or a device is refused: safe_open would block on it, holding the GIL
     try:
         return safe_open(str(f), framework="pt")
     except (SafetensorError, OSError) as e:
@@ -191,6 +197,7 @@ def _check_tensors(
     unused: list[str] = []
     unused_in: set[str] = set()  # the files that hold them
     placed: dict[str, int] = {}
+    placed_from: dict[str, Path] = {}  # the file each placed tensor came from
     mapped = _mapped(config, wrapped)  # stored names are not the engine's
     for f, stored, sl in _tensors(files, config.tie_embeddings):
         if mapped and stored.startswith(hybrid.UNUSED_PREFIXES):
@@ -203,12 +210,20 @@ def _check_tensors(
                 "with transformers' save_pretrained()"
             )
         for key, shape in _engine_shapes(stored, tuple(sl.get_shape()), config, wrapped):
+            if key in placed_from:  # not an unplaced tensor: a second copy of a placed one
+                raise EngineUserError(
+                    f"{root}: tensor {stored} is stored twice, in "
+                    f"{_shard(root, placed_from[key])} and {_shard(root, f)} (a botched merge "
+                    "or re-shard); keep one copy: re-save the model with transformers' "
+                    "save_pretrained()"
+                )
             if key not in shapes:
                 if not key.endswith(IGNORED_SUFFIXES):
                     unused.append(key)
-                    unused_in.add(f.name)
+                    unused_in.add(_shard(root, f))
                 continue
             placed[key] = math.prod(shape)
+            placed_from[key] = f
             if (stored_dtype := sl.get_dtype()) not in FLOAT_STORAGE:
                 raise EngineUserError(
                     f"{f}: tensor {stored} is stored as {stored_dtype}, not as floating-point "
@@ -453,7 +468,7 @@ def check_model_dir(
     (each with its number of elements) and whether it is a vision-language checkpoint (its
     text model under ``model.language_model.``); `EngineUserError` names what is wrong."""
     root = Path(path)
-    if not is_model_dir(root):
+    if not present(root / "config.json"):
         raise EngineNotFoundError(
             f"{root}: no config.json; expected a Hugging Face model directory "
             "(config.json + *.safetensors)"

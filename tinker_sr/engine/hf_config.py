@@ -137,6 +137,38 @@ def _refuse_unsupported(hf: dict[str, Any], name: str, arch_name: str) -> None:
         )
 
 
+# The layer kinds a Llama / Mistral / Qwen2 / Qwen3 config's layer_types may list ("attention":
+# transformers' older name of "full_attention"); Qwen3.5 and gpt-oss check their own.
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+
+
+def _refuse_malformed(hf: dict[str, Any], name: str, arch_name: str, n_layers: int) -> None:
+    """Fields transformers' config refuses (so the model's tokenizer would not load either,
+    AutoTokenizer reads config.json), named here rather than blamed on the tokenizer: a
+    ``layer_types`` entry of another kind or another count than ``num_hidden_layers``; a
+    ``dtype`` (or ``torch_dtype``) that is no torch dtype's name."""
+    types = hf.get("layer_types")
+    if types is not None and arch_name not in (*QWEN3_5_FAMILY, gpt_oss.ARCH):
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or not all(isinstance(t, str) and t in _ATTENTION_KINDS for t in types)
+        ):
+            raise EngineUserError(
+                f"{name}: config.json layer_types={types!r:.300} must list 'full_attention' or "
+                f"'sliding_attention' for each of the {n_layers} layers (num_hidden_layers); "
+                "fix config.json"
+            )
+    key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    declared = hf.get(key)
+    if isinstance(declared, str) and declared != "auto":
+        if not isinstance(getattr(torch, declared, None), torch.dtype):
+            raise EngineUserError(
+                f"{name}: config.json {key}={declared!r:.100} is not a torch dtype (e.g. "
+                "'bfloat16', 'float16', 'float32'); fix config.json"
+            )
+
+
 def _number(
     hf: dict[str, Any], key: str, name: str, default: float | None = None, what: str = "number"
 ) -> float:
@@ -329,6 +361,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
             f"{name}: config.json num_hidden_layers={n_layers} is above the {MAX_LAYERS} "
             "decoder layers this engine builds (real models have up to ~130); fix config.json"
         )
+    _refuse_malformed(hf, name, arch_name, n_layers)
     head_dim = _count(hf, "head_dim", name, arch.head_dim or dim // n_heads)
     if head_dim % 2:
         raise EngineUserError(f"{name}: config.json head_dim {head_dim} must be even (RoPE)")

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from tinker_sr.hf_files import (
+    MAX_JSON_BYTES,
     eos_token_ids,
     installed_version,
     model_config,
+    present,
     read_json,
     version_below,
 )
@@ -254,7 +256,7 @@ def _named_specials(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     win. The values as written (a string or an added token's dict)."""
     found = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token")}
     special_map = root / "special_tokens_map.json"
-    if "added_tokens_decoder" not in config and special_map.is_file():
+    if "added_tokens_decoder" not in config and present(special_map):
         named = read_json(special_map)
         found |= {k: named[k] for k in found if k in named}  # the map wins
     return found
@@ -266,13 +268,18 @@ class ModelTokenizer:
     def __init__(self, root: Path) -> None:
         self.root = root
         # The model's embedding rows; may exceed the tokenizer's length (padded vocabularies).
-        self.vocab_size = int(model_config(root)["vocab_size"])
+        vocab = model_config(root).get("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise EngineUserError(
+                f"{root}/config.json: vocab_size={vocab!r} must be a positive integer; fix it"
+            )
+        self.vocab_size = vocab
         self.tokenizer_id: str | None = str(root)
         cfg_file = root / "tokenizer_config.json"
-        config = read_json(cfg_file) if cfg_file.is_file() else {}
+        config = read_json(cfg_file) if present(cfg_file) else {}
         eos = _special_token_content(_named_specials(root, config)["eos_token"])
         spec_file = root / "tokenizer.json"
-        spec = read_json(spec_file) if spec_file.is_file() else None  # read once: may be 10 MB
+        spec = read_json(spec_file) if present(spec_file) else None  # read once: may be 10 MB
         try:
             ids = _special_token_ids(spec, config)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -315,7 +322,7 @@ class ModelTokenizer:
     @functools.cached_property
     def token_bytes(self) -> list[bytes]:
         """Needed only for string stops, so a directory without tokenizer.json still samples."""
-        if not (self.root / "tokenizer.json").is_file():
+        if not present(self.root / "tokenizer.json"):
             raise EngineUserError(
                 f"{self.root}: stop strings need the model's tokenizer.json (a fast tokenizer; "
                 "transformers writes it with tokenizer.save_pretrained); use token-id stops"
@@ -359,6 +366,8 @@ def load_hf_tokenizer(root: Path) -> Any:
     `EngineUserError` naming the directory and its tokenizer files when they do not load
     (transformers' own errors say neither)."""
     try:
+        for name in sorted(TOKENIZER_FILE_NAMES | {"config.json"}):  # what transformers reads
+            present(root / name, MAX_JSON_BYTES if name.endswith(".json") else None)
         tok = _load_tokenizer(root)
         # transformers 5 builds some tokenizers (Qwen2's, GPT-2's) from no files at all: an
         # empty vocabulary that encodes every text to [] where it should fail.
@@ -368,18 +377,23 @@ def load_hf_tokenizer(root: Path) -> Any:
     except EngineUserError:
         raise
     except Exception as e:
-        present = sorted(p.name for p in root.iterdir() if p.name in TOKENIZER_FILE_NAMES)
+        found = sorted(p.name for p in root.iterdir() if p.name in TOKENIZER_FILE_NAMES)
         if "trust_remote_code" in str(e):
             raise EngineUserError(
                 f"{root}: its tokenizer does not load: tokenizer_config.json's auto_map names "
                 "a tokenizer class in Python code, which tinker_sr does not run, and there is "
-                f"no tokenizer.json to read instead (tokenizer files there: {present or 'none'}"
+                f"no tokenizer.json to read instead (tokenizer files there: {found or 'none'}"
                 "); add the tokenizer's tokenizer.json (its class's save_pretrained writes it "
                 "where that code can run, or copy it from the model's release)"
             ) from e
+        if (config_problem := _config_problem(root)) is not None:
+            advice = (
+                f"transformers does not load its config.json either ({config_problem}), and "
+                "AutoTokenizer reads it: fix config.json (the tokenizer files may be sound)"
+            )
         # `tokenizers` raises a bare Exception ("data did not match any variant of untagged
         # enum ModelWrapper at line 550 column 3") for a file it cannot read.
-        if "tokenizer.json" in present and type(e) is Exception:
+        elif "tokenizer.json" in found and type(e) is Exception:
             advice = (
                 f"If tokenizer.json is sound, it may be newer than the installed tokenizers "
                 f"{installed_version('tokenizers') or '(not installed)'} / transformers "
@@ -396,8 +410,24 @@ def load_hf_tokenizer(root: Path) -> Any:
         raise EngineUserError(
             f"{root}: its tokenizer does not load ({type(e).__name__}: "
             f"{clip_message(' '.join(str(e).split()), 600)}). Tokenizer files "
-            f"there: {present or 'none'}. {advice}"
+            f"there: {found or 'none'}. {advice}"
         ) from e
+
+
+def _config_problem(root: Path) -> str | None:
+    """Why transformers' AutoConfig does not load the directory's config.json (AutoTokenizer
+    loads it to find the tokenizer's class), or None: it loads, or there is none to load."""
+    if not present(root / "config.json"):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises for the file
+        return f"{type(e).__name__}: {clip_message(' '.join(str(e).split()), 300)}"
+    return None
 
 
 # transformers' ValueErrors for a tokenizer class it will not build: one in the directory's own
@@ -417,11 +447,11 @@ def _load_tokenizer(root: Path) -> Any:
     except ValueError as e:
         if not any(m in str(e) for m in _CLASS_UNAVAILABLE):
             raise
-        if not (root / "tokenizer.json").is_file():
+        if not present(root / "tokenizer.json"):
             raise
         return FastTokenizer(root)  # its tokenizer.json describes it: no class needed
     jinja = root / "chat_template.jinja"  # transformers reads it (and lets it win) from 4.47
-    if jinja.is_file() and version_below("transformers", (4, 47)):
+    if present(jinja) and version_below("transformers", (4, 47)):
         tok.chat_template = jinja.read_text(encoding="utf-8")
     return tok
 
@@ -432,7 +462,7 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 
 def has_vocabulary(root: str | Path) -> bool:
-    return any((Path(root) / name).is_file() for name in VOCABULARY_FILES)
+    return any(present(Path(root) / name) for name in VOCABULARY_FILES)
 
 
 # The files a Hugging Face tokenizer may be read from (named in load errors).
@@ -476,11 +506,11 @@ class FastTokenizer:
         self.name_or_path = str(root)
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
         cfg_file = root / "tokenizer_config.json"
-        cfg = read_json(cfg_file) if cfg_file.is_file() else {}
+        cfg = read_json(cfg_file) if present(cfg_file) else {}
         jinja = root / "chat_template.jinja"  # as transformers: the file wins over the config
         self.chat_template: str | None = (
             jinja.read_text(encoding="utf-8")
-            if jinja.is_file()
+            if present(jinja)
             else _default_template(cfg.get("chat_template"))
         )
         self._named_templates = _named_templates(cfg.get("chat_template"))
