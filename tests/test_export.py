@@ -294,6 +294,32 @@ def test_peft_export_of_a_variant_names_its_base(
     assert config["base_model_name_or_path"] == "tiny-org/tiny"
 
 
+def test_peft_export_of_a_hub_revision_names_it_as_peft_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base named with its revision ("org/model@<sha>", as the cache lookup takes it) was
+    written whole as base_model_name_or_path, which huggingface_hub refuses as a repo id: the
+    name and PEFT's ``revision`` now, which PEFT reads back."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo, sha = tmp_path / "hub" / "models--tiny-org--tiny", "d" * 40
+    make_tiny_hf_model_dir(repo / "snapshots" / sha)
+    backend, path, _ = _train_and_save(tmp_path, f"tiny-org/tiny@{sha}")
+    store = str(backend.store_dir)
+    backend.close()
+    out = tmp_path / "adapter"
+    assert cli(["export", path, str(out), "--store", store]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("tiny-org/tiny", sha)
+    from huggingface_hub.utils import validate_repo_id
+
+    validate_repo_id(config["base_model_name_or_path"])  # raised for "org/model@<sha>"
+    assert peft.PeftConfig.from_pretrained(out).revision == sha
+    base = peft.PeftConfig.from_pretrained(out).base_model_name_or_path
+    assert base == "tiny-org/tiny"
+
+
 def test_export_of_an_aliased_base_says_to_pass_base_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -58,6 +58,17 @@ def adapter_base_model(name: str, resolved: str) -> str:
     return base if resolved == base or (hub is not None and resolved == str(hub)) else resolved
 
 
+def peft_base_fields(base_model: str) -> dict[str, str]:
+    """``adapter_config.json``'s fields naming base model ``base_model``: a Hub name with a
+    revision (``org/model@<rev>``, which no loader takes as a name) as the name and PEFT's
+    ``revision``; anything else as ``base_model_name_or_path`` alone."""
+    repo_id, at, revision = base_model.partition("@")
+    parts = repo_id.split("/")
+    if at and revision and len(parts) == 2 and all(_NAME_PART.fullmatch(p) for p in parts):
+        return {"base_model_name_or_path": repo_id, "revision": revision}
+    return {"base_model_name_or_path": base_model}
+
+
 def is_model_dir(path: str | os.PathLike[str], markers: tuple[str, ...] = MODEL_FILES) -> bool:
     return any((Path(path) / m).is_file() for m in markers)
 

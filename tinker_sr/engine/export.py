@@ -43,7 +43,7 @@ from tinker_sr.engine.lora import (
 )
 from tinker_sr.engine.model import ModelConfig, Transformer
 from tinker_sr.engine.skeleton import on_meta
-from tinker_sr.hf_files import adapter_base_model, read_json
+from tinker_sr.hf_files import adapter_base_model, peft_base_fields, read_json
 from tinker_sr.tokenization.hf import TOKENIZER_FILE_NAMES
 from tinker_sr.user_errors import EngineNotFoundError, EngineUserError, ModelUnavailableError
 
@@ -117,7 +117,7 @@ def export_peft(
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
+        **peft_base_fields(base_model_name_or_path),
         "r": ckpt.spec.rank,
         "lora_alpha": ckpt.spec.alpha,
         "lora_dropout": 0.0,

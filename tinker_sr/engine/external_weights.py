@@ -37,7 +37,7 @@ from tinker_sr import validation
 from tinker_sr.engine.checkpoint_store import CheckpointStore
 from tinker_sr.engine.lora import LoraSpec
 from tinker_sr.engine.registry import Trainer, snapshot
-from tinker_sr.hf_files import tinker_variant
+from tinker_sr.hf_files import peft_base_fields, tinker_variant
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -103,7 +103,7 @@ def adapter_config(spec: LoraSpec, adapters: Mapping[str, torch.Tensor], base_mo
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        **peft_base_fields(base_model),
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,
