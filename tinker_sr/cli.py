@@ -327,7 +327,6 @@ def _check_model_config(
             from tinker_sr.engine.hf import check_model_dir
 
             check_model_dir(path, flag)
-        ModelTokenizer(Path(path))
         vocabulary = has_vocabulary(path)
     except EngineUserError as e:
         raise SystemExit(f"tinker-sr serve: {option} {e}") from None
@@ -339,6 +338,10 @@ def _check_model_config(
             "copy the model's tokenizer files there (transformers' tokenizer.save_pretrained() "
             "writes them), or pass --allow-no-tokenizer to serve it for token ids only"
         )
+    try:
+        ModelTokenizer(Path(path))
+    except EngineUserError as e:
+        raise SystemExit(f"tinker-sr serve: {option} {e}") from None
 
 
 def _model_dir(option: str, value: str, label: str | None = None) -> tuple[str, bool]:

@@ -381,6 +381,20 @@ def _check_limits(
         )  # fmt: skip
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """A 404 or 405 in the format of the route family asked for."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    reply = (
+        error_reply
+        if path.startswith("/oai/")
+        else anthropic_format.error_reply
+        if path.startswith("/anthropic/")
+        else http.error
+    )
+    return reply(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+
+
 def create_app(
     backend: Backend,
     *,
@@ -446,22 +460,10 @@ def create_app(
         finally:
             await server.shutdown()
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        path = request.url.path
-        reply = (
-            error_reply
-            if path.startswith("/oai/")
-            else anthropic_format.error_reply
-            if path.startswith("/anthropic/")
-            else http.error
-        )
-        return reply(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
-
     app = Starlette(
         routes=server.routes(),
         lifespan=lifespan,
-        exception_handlers={404: http_error, 405: http_error},
+        exception_handlers={404: _http_error, 405: _http_error},
     )
     app.state.tinker_server = server
     return app
