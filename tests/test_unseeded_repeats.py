@@ -32,8 +32,13 @@ def _unseeded_run(**mock_options: Any) -> tuple[Any, ...]:
         sampler = tc.save_weights_and_get_sampling_client().result()
         params = tinker.types.SamplingParams(max_tokens=12, temperature=1.0)
         prompt = tinker.types.ModelInput.from_ints(PROMPT)
-        first, second = (sampler.sample(prompt, 2, params) for _ in range(2))
-        rows = tuple(tuple(s.tokens) for f in (first, second) for s in f.result().sequences)
+        # A second sampler of the same weights (the RL loop's next step): its draws its own.
+        other = tc.save_weights_and_get_sampling_client().result()
+        first, second, third = (
+            *(sampler.sample(prompt, 2, params) for _ in range(2)),
+            other.sample(prompt, 2, params),
+        )
+        rows = tuple(tuple(s.tokens) for f in (first, second, third) for s in f.result().sequences)
     return loss, rows
 
 

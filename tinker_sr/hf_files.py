@@ -209,9 +209,13 @@ def read_json(path: Path) -> dict[str, Any]:
         # O_NONBLOCK: opening a FIFO returns at once (and is refused below), where a plain
         # open waits for a writer.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:  # checked before fdopen, which refuses a directory with the descriptor open
+            st = os.fstat(fd)
             _check_file(path, st.st_mode, st.st_size, MAX_JSON_BYTES)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_JSON_BYTES + 1)  # capped, should it have grown since
         _check_file(path, st.st_mode, len(raw), MAX_JSON_BYTES)
         data = json.loads(raw.decode("utf-8"))

@@ -245,6 +245,9 @@ async def save_weights_for_sampler(srv: TinkerServer, request: Request, owner: s
             if not sampler_id:
                 raise RuntimeError("backend returned no sampling_session_id for an unnamed save")
             srv.state.add_sampler(sampler_id, session.session_id, None)
+            if srv.unseeded is not None and req.sampling_session_seq_id is not None:
+                # Numbered by the same client counter as create_sampling_session's.
+                srv.unseeded.sampler(sampler_id, session.session_id, req.sampling_session_seq_id)
             result["sampling_session_id"] = sampler_id
         else:
             result["path"] = out.path
